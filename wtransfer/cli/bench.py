@@ -1,0 +1,36 @@
+"""``wtransfer bench [SUITE] ...``: the benchmarks; without a suite, weight transfer (the main job)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from wtransfer.bench import DEFAULT_SUITE, SUITES
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help=f"run a benchmark (suites: {', '.join(SUITES)}; default {DEFAULT_SUITE})",
+        description="Measure wtransfer against the alternatives, side by side in one run.",
+    )
+    # Suites have their own options: everything after `bench` is parsed by the chosen suite.
+    parser.set_defaults(func=run, accepts_extra=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_suite(list(args.extra))
+
+
+def run_suite(argv: list[str]) -> int:
+    suite = DEFAULT_SUITE
+    if argv and not argv[0].startswith("-"):
+        suite, argv = argv[0], argv[1:]
+    if suite not in SUITES:
+        print(f"error: unknown bench suite {suite!r}; choose from {', '.join(SUITES)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUITES[suite])
+    parser = argparse.ArgumentParser(prog=f"wtransfer bench {suite}", description=module.__doc__)
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(argv)) or 0)

@@ -1,0 +1,139 @@
+"""The worker-side weight-transfer engine contract (vLLM's ``WeightTransferEngine``, kept).
+
+An engine lives inside one inference worker process. The trainer drives a round
+through the user's control plane; the worker's control-plane handler calls, in order::
+
+    engine.init_transfer_engine(engine.parse_init_info(init_dict))   # once
+    engine.start_weight_update()                                       # every round
+    engine.receive_weights(engine.parse_update_info(update_dict), load_weights)
+    engine.finish_weight_update()
+    ...
+    engine.shutdown()                                                  # idempotent
+
+``weight_version`` only advances when a whole round completed, so a worker whose
+round failed half-way is never mistaken for an updated one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from wtransfer.config import ParallelConfig, WeightTransferConfig
+
+if TYPE_CHECKING:
+    import torch
+
+TInitInfo = TypeVar("TInitInfo", bound="WeightTransferInitInfo")
+TUpdateInfo = TypeVar("TUpdateInfo", bound="WeightTransferUpdateInfo")
+
+LoadWeights = Callable[[list[tuple[str, "torch.Tensor"]]], None]
+"""Called incrementally with batches of ``(name, tensor)``; tensors are only valid during the call."""
+
+
+@dataclass
+class WeightTransferInitInfo(ABC):  # noqa: B024 - a marker base, as in the seed
+    """Base class for an engine's one-time initialisation info (a JSON-safe dict on the wire)."""
+
+
+@dataclass
+class WeightTransferUpdateInfo(ABC):  # noqa: B024
+    """Base class for an engine's per-round update info (a JSON-safe dict on the wire)."""
+
+    _: KW_ONLY
+    is_checkpoint_format: bool = True
+    """True if the weights are in checkpoint format and still need the model's own
+    processing (renaming, repacking); False if they are already in kernel format."""
+
+
+@dataclass
+class WeightTransferInitRequest:
+    """API-level init request: the engine-agnostic dict an HTTP/RPC layer forwards."""
+
+    init_info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class WeightTransferUpdateRequest:
+    """API-level update request: the engine-agnostic dict an HTTP/RPC layer forwards."""
+
+    update_info: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_info(owner: str, info_cls: type, data: Any, what: str) -> Any:
+    """Build ``info_cls`` from a dict, naming the engine and every bad field on failure."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} for {owner} must be a dict, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(info_cls) if f.init and f.name != "_"}
+    unknown = sorted(set(data) - set(fields))
+    missing = sorted(
+        name
+        for name, f in fields.items()
+        if name not in data
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    )
+    problems = [f"unknown field {name!r}" for name in unknown]
+    problems += [f"missing required field {name!r}" for name in missing]
+    if problems:
+        accepted = ", ".join(sorted(fields)) or "(none)"
+        raise ValueError(
+            f"Invalid {what} for {owner}: {'; '.join(problems)}. Accepted fields: {accepted}"
+        )
+    try:
+        return info_cls(**data)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"Invalid {what} for {owner}: {exc}") from exc
+
+
+class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
+    """Worker side of a weight-transfer backend.
+
+    Subclasses set ``init_info_cls`` and ``update_info_cls`` (dataclasses) and implement
+    ``init_transfer_engine``, ``receive_weights`` and ``shutdown``.
+    """
+
+    init_info_cls: type[TInitInfo]
+    update_info_cls: type[TUpdateInfo]
+
+    def __init__(
+        self, config: WeightTransferConfig, parallel_config: ParallelConfig | None = None
+    ) -> None:
+        self.config = config
+        self.parallel_config = parallel_config if parallel_config is not None else ParallelConfig()
+        self._weight_version = 0
+
+    @property
+    def weight_version(self) -> int:
+        """Number of update rounds this worker completed; unchanged by a failed round."""
+        return self._weight_version
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> TInitInfo:
+        """Typed init info from the control plane's dict; ``ValueError`` names each bad field."""
+        return parse_info(type(self).__name__, self.init_info_cls, init_dict, "init_info")
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> TUpdateInfo:
+        """Typed update info from the control plane's dict; ``ValueError`` names each bad field."""
+        return parse_info(type(self).__name__, self.update_info_cls, update_dict, "update_info")
+
+    @abstractmethod
+    def init_transfer_engine(self, init_info: TInitInfo) -> None:
+        """Join the trainer's transport (rendezvous); called once before the first round."""
+
+    def start_weight_update(self) -> None:
+        """A round begins. Engines may prepare buffers here; the default does nothing."""
+
+    @abstractmethod
+    def receive_weights(self, update_info: TUpdateInfo, load_weights: LoadWeights) -> None:
+        """Receive one round's weights, calling ``load_weights`` incrementally."""
+
+    def finish_weight_update(self) -> None:
+        """A round ended successfully: advance ``weight_version``."""
+        self._weight_version += 1
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release every resource. Must be idempotent."""

@@ -1,0 +1,60 @@
+"""The three plugin kinds as data: one generic registry serves them all."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of component: where its entry points live and what it must subclass."""
+
+    name: str  # plural, as in the CLI and list output: "engines"
+    singular: str  # "engine"
+    group: str  # entry-point group
+    base: str  # "module:Class" of the base class every component must subclass
+    created_hook: str  # hook called with each new instance
+
+    def base_class(self) -> type:
+        from wtransfer.registry.loading import import_target
+
+        return import_target(self.base)
+
+
+ENGINES = Kind(
+    "engines",
+    "engine",
+    "wtransfer.engines",
+    "wtransfer.engines.base:WeightTransferEngine",
+    "wtransfer_engine_created",
+)
+CONNECTORS = Kind(
+    "connectors",
+    "connector",
+    "wtransfer.connectors",
+    "wtransfer.connectors.base:KVConnectorBase",
+    "wtransfer_connector_created",
+)
+SPECS = Kind(
+    "specs",
+    "spec",
+    "wtransfer.specs",
+    "wtransfer.specs.base:OffloadingSpec",
+    "wtransfer_spec_created",
+)
+KINDS: dict[str, Kind] = {kind.name: kind for kind in (ENGINES, CONNECTORS, SPECS)}
+
+HOOK_PLUGIN_GROUP = "wtransfer.plugins"
+"""Entry-point group whose values are modules of ``@wtransfer.hookimpl`` functions."""
+
+
+def resolve_kind(kind: str | Kind) -> Kind:
+    """``"engines"``, ``"engine"`` (any case) or a :class:`Kind` -> the :class:`Kind`."""
+    if isinstance(kind, Kind):
+        return kind
+    key = kind.strip().lower()
+    for candidate in KINDS.values():
+        if key in (candidate.name, candidate.singular):
+            return candidate
+    choices = ", ".join(f"{k.name!r}" for k in KINDS.values())
+    raise ValueError(f"Unknown component kind {kind!r}; expected one of {choices} (singular accepted)")

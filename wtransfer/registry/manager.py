@@ -1,0 +1,117 @@
+"""The process's pluggy plugin manager, created on first use (never at import).
+
+It holds the built-in ``wtransfer_components`` implementation (which turns the
+entry-point scan into component references) and every hook module named in the
+``wtransfer.plugins`` group. A hook module that fails to import is logged and
+remembered for ``wtransfer check``; it never stops the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+from wtransfer.registry import discovery
+from wtransfer.registry.component import ComponentRef
+from wtransfer.registry.hooks import PROJECT, WTransferHookSpecs, hookimpl
+from wtransfer.registry.kinds import HOOK_PLUGIN_GROUP, resolve_kind
+
+logger = logging.getLogger("wtransfer")
+TRACE_ENV = "WTRANSFER_TRACE"
+BUILTIN_PLUGIN_NAME = "wtransfer.entry-points"
+
+
+class EntryPointComponents:
+    """Built-in hook implementation: components declared in entry-point groups."""
+
+    @hookimpl
+    def wtransfer_components(self, kind: str) -> list[ComponentRef]:
+        group = resolve_kind(kind).group
+        return [
+            ComponentRef(kind, r.name, r.value, r.distribution, r.version)
+            for r in discovery.cached_scan()
+            if r.group == group
+        ]
+
+
+@dataclass(frozen=True)
+class HookPluginStatus:
+    """One module from the ``wtransfer.plugins`` group and what became of it."""
+
+    record: discovery.EntryPointRecord
+    status: str  # "loaded" | "broken" | "disabled"
+    error: str | None = None
+
+
+_manager: pluggy.PluginManager | None = None
+_hook_plugins: list[HookPluginStatus] = []
+_lock = threading.RLock()
+
+
+def plugin_manager() -> pluggy.PluginManager:
+    """The process-wide manager; built (and hook plugins imported) on first call."""
+    global _manager
+    with _lock:
+        if _manager is None:
+            _manager = _build_manager()
+        return _manager
+
+
+def hook_plugins() -> list[HookPluginStatus]:
+    plugin_manager()
+    return list(_hook_plugins)
+
+
+def reset() -> None:
+    """Forget the manager; the next use rebuilds it from a fresh scan (see ``refresh``)."""
+    global _manager
+    with _lock:
+        _manager = None
+        _hook_plugins.clear()
+
+
+def _build_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(WTransferHookSpecs)
+    pm.register(EntryPointComponents(), name=BUILTIN_PLUGIN_NAME)
+    disabled = discovery.disabled_from_env()
+    for record in discovery.cached_scan():
+        if record.group != HOOK_PLUGIN_GROUP:
+            continue
+        if disabled.blocks_distribution(record.distribution):
+            _hook_plugins.append(HookPluginStatus(record, "disabled"))
+            continue
+        try:
+            module = importlib.import_module(record.value.partition(":")[0])
+            pm.register(module, name=f"{record.distribution}:{record.name}")
+        except Exception as exc:
+            logger.warning(
+                "Skipping hook plugin %s from distribution '%s' %s: %s: %s",
+                record.describe(), record.distribution, record.version, type(exc).__name__, exc,
+            )
+            _hook_plugins.append(HookPluginStatus(record, "broken", f"{type(exc).__name__}: {exc}"))
+        else:
+            _hook_plugins.append(HookPluginStatus(record, "loaded"))
+    if os.environ.get(TRACE_ENV, "").strip() not in ("", "0"):
+        pm.trace.root.setwriter(lambda message: logger.info("%s", message.rstrip()))
+        pm.enable_tracing()
+    return pm
+
+
+def notify(hook_name: str, **kwargs: Any) -> None:
+    """Call an observer hook (created / update finished / failed).
+
+    Observers are for metrics and logging; one that raises is logged, never allowed
+    to break the transfer that triggered it.
+    """
+    caller = getattr(plugin_manager().hook, hook_name)
+    try:
+        caller(**kwargs)
+    except Exception:
+        logger.exception("A wtransfer plugin's %s hook raised; ignoring it", hook_name)

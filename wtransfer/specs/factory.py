@@ -1,0 +1,46 @@
+"""``OffloadingSpecFactory``: vLLM's API, backed by the generic registry."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from wtransfer.config import KVTransferConfig
+from wtransfer.registry.kinds import SPECS
+from wtransfer.registry.manager import notify
+from wtransfer.registry.registry import registry_for
+
+if TYPE_CHECKING:
+    from wtransfer.kvcache import KVCacheSpec
+    from wtransfer.specs.base import OffloadingSpec
+
+logger = logging.getLogger("wtransfer")
+
+DEFAULT_SPEC = "cpu"
+SEED_ALIASES = {"CPUOffloadingSpec": DEFAULT_SPEC}
+"""vLLM configs name the CPU spec by class name; keep them working."""
+
+
+class OffloadingSpecFactory:
+    """Creates KV offloading specs; the name comes from ``kv_connector_extra_config``."""
+
+    @classmethod
+    def register_spec(cls, name: str, module_path: str, class_name: str) -> None:
+        """Register a spec for this process (lazy import). ``ValueError`` if taken."""
+        registry_for(SPECS).register(name, module_path, class_name)
+
+    @classmethod
+    def create_spec(
+        cls, config: KVTransferConfig, kv_cache_spec: KVCacheSpec | None = None
+    ) -> OffloadingSpec:
+        """Instantiate ``extra_config["spec_name"]`` (default ``cpu``; fallback ``spec_module_path``)."""
+        extra = config.kv_connector_extra_config
+        spec_name = extra.get("spec_name", DEFAULT_SPEC)
+        module_path = extra.get("spec_module_path")
+        if not module_path:
+            spec_name = SEED_ALIASES.get(spec_name, spec_name)
+        spec_cls = registry_for(SPECS).get_class(spec_name, module_path)
+        logger.info("Creating offloading spec %s (%s)", spec_name, spec_cls.__name__)
+        spec = spec_cls(config, kv_cache_spec)
+        notify(SPECS.created_hook, spec=spec)
+        return spec
