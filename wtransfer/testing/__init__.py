@@ -1,0 +1,1 @@
+"""Helpers for testing wtransfer and wtransfer plugins (imported only by tests)."""

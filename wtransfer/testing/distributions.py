@@ -1,0 +1,55 @@
+"""Write real installed-distribution folders (``.dist-info``) for discovery tests.
+
+``importlib.metadata`` finds them like any pip-installed package once their parent
+directory is on ``sys.path`` (or ``PYTHONPATH`` for a subprocess), so tests exercise
+the real discovery path with no mocking of importlib.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from collections.abc import Mapping
+from pathlib import Path
+
+EntryPoints = Mapping[str, Mapping[str, str]]  # group -> {name: "module:Class"}
+
+
+def write_distribution(
+    site_dir: str | Path,
+    name: str,
+    version: str = "1.0",
+    entry_points: EntryPoints | None = None,
+    modules: Mapping[str, str] | None = None,
+) -> Path:
+    """Create ``<site_dir>/<name>-<version>.dist-info`` plus source modules; return the dist-info path.
+
+    ``modules`` maps a dotted module name to its source; packages get ``__init__.py``
+    files as needed. The written code is dedented, so tests can use triple quotes.
+    """
+    site = Path(site_dir)
+    site.mkdir(parents=True, exist_ok=True)
+    stem = re.sub(r"[-_.]+", "_", name)
+    info = site / f"{stem}-{version}.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    lines: list[str] = []
+    for group, items in (entry_points or {}).items():
+        lines.append(f"[{group}]")
+        lines.extend(f"{ep_name} = {value}" for ep_name, value in items.items())
+        lines.append("")
+    (info / "entry_points.txt").write_text("\n".join(lines))
+    written = ["METADATA", "entry_points.txt"]
+    for dotted, source in (modules or {}).items():
+        parts = dotted.split(".")
+        for depth in range(1, len(parts)):
+            package = site.joinpath(*parts[:depth])
+            package.mkdir(exist_ok=True)
+            init = package / "__init__.py"
+            if not init.exists():
+                init.write_text("")
+        path = site.joinpath(*parts[:-1], f"{parts[-1]}.py")
+        path.write_text(textwrap.dedent(source))
+        written.append(str(path.relative_to(site)))
+    (info / "RECORD").write_text("".join(f"{w},,\n" for w in written))
+    return info
