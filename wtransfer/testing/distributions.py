@@ -39,7 +39,7 @@ def write_distribution(
         lines.extend(f"{ep_name} = {value}" for ep_name, value in items.items())
         lines.append("")
     (info / "entry_points.txt").write_text("\n".join(lines))
-    written = ["METADATA", "entry_points.txt"]
+    written = [f"{info.name}/METADATA", f"{info.name}/entry_points.txt", f"{info.name}/RECORD"]
     for dotted, source in (modules or {}).items():
         parts = dotted.split(".")
         for depth in range(1, len(parts)):
