@@ -1,0 +1,1 @@
+"""An example wtransfer plugin distribution."""
