@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import re
 
 _SEPARATORS = re.compile(r"[-_.]+")
@@ -27,6 +26,8 @@ def qualify(distribution: str | None, name: str) -> str:
 
 def suggest(name: str, candidates: list[str], limit: int = 3) -> list[str]:
     """Close matches for a mistyped name ("did you mean ...")."""
+    import difflib  # only on the error path
+
     lowered = {c.lower(): c for c in candidates}
     matches = difflib.get_close_matches(name.lower(), list(lowered), n=limit, cutoff=0.6)
     return [lowered[m] for m in matches]

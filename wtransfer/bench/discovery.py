@@ -1,0 +1,142 @@
+"""Discovery cost: ``import wtransfer`` against a bare interpreter, and wtransfer's whole discovery
+(metadata scan + pluggy hook manager + many lookups) against one raw ``entry_points()`` scan.
+
+Every figure comes from fresh interpreters, over a site directory with many extra
+distributions (most with ordinary ``console_scripts``, a few with wtransfer entry points),
+so the comparison is the one a real environment sees. Medians of interleaved runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from wtransfer.testing.distributions import write_distribution
+
+RAW_SCAN = """
+import time, importlib.metadata as md
+t = time.perf_counter(); md.entry_points(); print(time.perf_counter() - t)
+"""
+
+RAW_SCAN_WITH_IMPORT = """
+import time
+t = time.perf_counter()
+import importlib.metadata as md
+md.entry_points(); print(time.perf_counter() - t)
+"""
+
+# Library imports (importlib.metadata, pluggy) happen before the clock starts, as for RAW_SCAN;
+# IMPORTS_INCLUDED below reports the cost with them.
+WTRANSFER_DISCOVERY = """
+import time, importlib.metadata, pluggy, wtransfer
+from wtransfer.registry import manager, registry
+names = {names!r}
+t = time.perf_counter()
+for i in range({lookups}):
+    registry.registry_for("engines").resolve(names[i % len(names)])
+print(time.perf_counter() - t)
+"""
+
+IMPORTS_INCLUDED = """
+import time
+t = time.perf_counter()
+import wtransfer
+from wtransfer.registry import registry
+names = {names!r}
+for i in range({lookups}):
+    registry.registry_for("engines").resolve(names[i % len(names)])
+print(time.perf_counter() - t)
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dists", type=int, default=500, help="extra distributions on sys.path (default 500)")
+    parser.add_argument("--lookups", type=int, default=1000, help="name lookups per process (default 1000)")
+    parser.add_argument("--repeat", type=int, default=15, help="fresh interpreters per measurement (default 15)")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+
+def make_site(root: Path, count: int) -> list[str]:
+    """``count`` distributions: one in fifty also declares a wtransfer engine. Returns engine names."""
+    names = []
+    for i in range(count):
+        entry_points: dict[str, dict[str, str]] = {"console_scripts": {f"tool{i}": f"pkg{i}.cli:main"}}
+        if i % 50 == 0:
+            name = f"bench{i}"
+            entry_points["wtransfer.engines"] = {name: f"pkg{i}.engine:Engine"}
+            names.append(name)
+        write_distribution(root, f"bench-dist-{i}", "1.0", entry_points)
+    return names
+
+
+def _time_child(code: str, site: Path | None) -> float:
+    env_path = [str(site)] if site else []
+    import os
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(env_path + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _time_process(argv: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(argv, check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
+def measure(dists: int, lookups: int, repeat: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="wtransfer-bench-discovery-") as tmp:
+        site = Path(tmp)
+        names = make_site(site, dists) + ["shm", "gloo"]
+        samples: dict[str, list[float]] = {k: [] for k in ("bare", "import", "raw_scan", "discovery", "raw_with_import", "with_imports")}
+        for _ in range(repeat):  # interleaved, so drift on a noisy machine hits all equally
+            samples["bare"].append(_time_process([sys.executable, "-c", "pass"]))
+            samples["import"].append(_time_process([sys.executable, "-c", "import wtransfer"]))
+            samples["raw_scan"].append(_time_child(RAW_SCAN, site))
+            samples["discovery"].append(_time_child(WTRANSFER_DISCOVERY.format(names=names, lookups=lookups), site))
+            samples["raw_with_import"].append(_time_child(RAW_SCAN_WITH_IMPORT, site))
+            samples["with_imports"].append(_time_child(IMPORTS_INCLUDED.format(names=names, lookups=lookups), site))
+    return {k: statistics.median(v) * 1000 for k, v in samples.items()}
+
+
+def run(args: argparse.Namespace) -> int:
+    ms = measure(args.dists, args.lookups, args.repeat)
+    result = {
+        "dists": args.dists,
+        "lookups": args.lookups,
+        "bare_interpreter_ms": ms["bare"],
+        "import_wtransfer_ms": ms["import"],
+        "import_overhead_ms": ms["import"] - ms["bare"],
+        "raw_entry_points_scan_ms": ms["raw_scan"],
+        "wtransfer_discovery_ms": ms["discovery"],
+        "discovery_ratio": ms["discovery"] / ms["raw_scan"],
+        "discovery_with_imports_ms": ms["with_imports"],
+        "raw_scan_with_import_ms": ms["raw_with_import"],
+        "with_imports_ratio": ms["with_imports"] / ms["raw_with_import"],
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    from wtransfer.cli._output import print_table
+
+    rows = [
+        ("bare interpreter (python -c pass)", f"{ms['bare']:.1f} ms", "", ""),
+        ("python -c 'import wtransfer'", f"{ms['import']:.1f} ms",
+         f"+{result['import_overhead_ms']:.1f} ms", "≤ +10 ms"),
+        (f"raw importlib.metadata.entry_points() ({args.dists} extra dists)", f"{ms['raw_scan']:.1f} ms", "1.00×", ""),
+        (f"wtransfer discovery + {args.lookups} lookups", f"{ms['discovery']:.1f} ms",
+         f"{result['discovery_ratio']:.2f}×", "≤ 1.10×"),
+        ("cold: import importlib.metadata + raw scan", f"{ms['raw_with_import']:.1f} ms", "1.00×", ""),
+        ("cold: import wtransfer (+ pluggy, importlib.metadata) + discovery + lookups",
+         f"{ms['with_imports']:.1f} ms", f"{result['with_imports_ratio']:.2f}×", "(informative)"),
+    ]
+    print_table(f"discovery cost (medians of {args.repeat} fresh interpreters)",
+                ("measurement", "time", "vs reference", "target"), rows)
+    return 0
