@@ -1,0 +1,278 @@
+"""Eviction policies for offloading tiers: one small interface, ``lru`` and ``arc`` built in.
+
+A policy only orders keys; the manager owns slots, pins and in-flight state and tells
+the policy what happened. ``evict`` is asked for victims with a predicate that says which
+keys may go (not pinned, not in flight), so a policy never needs to know about pins.
+
+Third parties add a policy with :func:`register_policy`, or name it as
+``eviction_policy="package.module:Class"`` without registering.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import ClassVar
+
+logger = logging.getLogger("wtransfer")
+
+Key = Hashable
+CanEvict = Callable[[Key], bool]
+
+
+class EvictionPolicy(ABC):
+    """Decides which resident keys leave a tier of ``capacity`` slots first.
+
+    Calls, all from the manager: ``insert`` when a key is admitted (a miss), ``touch`` on a
+    hit, ``remove`` when a key leaves for another reason (a failed store), and ``evict``
+    to choose and drop victims. ``evict`` is all-or-nothing.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"{type(self).__name__} capacity must be > 0, got {capacity}")
+        self.capacity = capacity
+
+    @abstractmethod
+    def insert(self, key: Key) -> None:
+        """A key was admitted to the tier."""
+
+    @abstractmethod
+    def touch(self, key: Key) -> None:
+        """A resident key was used again."""
+
+    @abstractmethod
+    def remove(self, key: Key) -> None:
+        """A resident key left without being chosen by ``evict`` (no history is kept)."""
+
+    @abstractmethod
+    def evict(self, count: int, can_evict: CanEvict) -> list[Key] | None:
+        """Choose and drop ``count`` keys for which ``can_evict`` holds; ``None`` (no change) if too few."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of resident keys."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is resident."""
+
+
+def _take_lru(order: OrderedDict[Key, None], count: int, can_evict: CanEvict) -> list[Key]:
+    """Up to ``count`` evictable keys from the least recently used end, without removing them."""
+    chosen: list[Key] = []
+    if count <= 0:
+        return chosen
+    for key in order:
+        if can_evict(key):
+            chosen.append(key)
+            if len(chosen) == count:
+                break
+    return chosen
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used goes first."""
+
+    name = "lru"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._order: OrderedDict[Key, None] = OrderedDict()
+
+    def insert(self, key: Key) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def touch(self, key: Key) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        self._order.pop(key, None)
+
+    def evict(self, count: int, can_evict: CanEvict) -> list[Key] | None:
+        victims = _take_lru(self._order, count, can_evict)
+        if len(victims) < count:
+            return None
+        for key in victims:
+            del self._order[key]
+        return victims
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def order(self) -> list[Key]:
+        """Resident keys, least recently used first (for tests and debugging)."""
+        return list(self._order)
+
+
+class ARCPolicy(EvictionPolicy):
+    """Adaptive replacement (Megiddo & Modha, FAST 2003), adapted to batched, pin-aware eviction.
+
+    ``T1`` holds keys seen once recently, ``T2`` keys seen at least twice; the ghost lists
+    ``B1`` / ``B2`` remember keys recently evicted from each. A new key that hits ``B1``
+    means ``T1`` was too small, so the target size ``p`` of ``T1`` grows; a hit in ``B2``
+    shrinks it. Eviction takes from ``T1`` while it is above ``p``, else from ``T2``. One-off
+    keys (a scan) therefore churn through ``T1`` and leave the frequently used ``T2`` alone.
+    """
+
+    name = "arc"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.t1: OrderedDict[Key, None] = OrderedDict()
+        self.t2: OrderedDict[Key, None] = OrderedDict()
+        self.b1: OrderedDict[Key, None] = OrderedDict()
+        self.b2: OrderedDict[Key, None] = OrderedDict()
+        self.p = 0.0
+        self._last_admit_was_b2_hit = False
+
+    def insert(self, key: Key) -> None:
+        if key in self.t1 or key in self.t2:
+            self.touch(key)
+            return
+        self._last_admit_was_b2_hit = False
+        if key in self.b1:
+            delta = max(len(self.b2) / len(self.b1), 1.0)
+            self.p = min(float(self.capacity), self.p + delta)
+            del self.b1[key]
+            self.t2[key] = None
+        elif key in self.b2:
+            delta = max(len(self.b1) / len(self.b2), 1.0)
+            self.p = max(0.0, self.p - delta)
+            del self.b2[key]
+            self.t2[key] = None
+            self._last_admit_was_b2_hit = True
+        else:
+            self.t1[key] = None
+        self._trim_ghosts()
+
+    def touch(self, key: Key) -> None:
+        if key in self.t1:
+            del self.t1[key]
+            self.t2[key] = None
+        elif key in self.t2:
+            self.t2.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        self.t1.pop(key, None)
+        self.t2.pop(key, None)
+
+    def evict(self, count: int, can_evict: CanEvict) -> list[Key] | None:
+        if count <= 0:
+            return []
+        if self._count_evictable(count, can_evict) < count:
+            return None
+        victims: list[Key] = []
+        for _ in range(count):
+            prefer_t1 = bool(self.t1) and (
+                len(self.t1) > self.p or (self._last_admit_was_b2_hit and len(self.t1) >= self.p)
+            )
+            lists = ((self.t1, self.b1), (self.t2, self.b2))
+            for resident, ghosts in lists if prefer_t1 else reversed(lists):
+                found = _take_lru(resident, 1, can_evict)
+                if found:
+                    key = found[0]
+                    del resident[key]
+                    ghosts[key] = None
+                    victims.append(key)
+                    break
+        self._trim_ghosts()
+        return victims
+
+    def _count_evictable(self, needed: int, can_evict: CanEvict) -> int:
+        found = 0
+        for resident in (self.t1, self.t2):
+            for key in resident:
+                if can_evict(key):
+                    found += 1
+                    if found >= needed:
+                        return found
+        return found
+
+    def _trim_ghosts(self) -> None:
+        """Keep ARC's bounds: ``|T1|+|B1| <= c`` and all four lists ``<= 2c``."""
+        c = self.capacity
+        while self.b1 and len(self.t1) + len(self.b1) > c:
+            self.b1.popitem(last=False)
+        while (self.b2 or self.b1) and (
+            len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * c
+        ):
+            (self.b2 if self.b2 else self.b1).popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self.t1) + len(self.t2)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.t1 or key in self.t2
+
+
+_POLICIES: dict[str, type[EvictionPolicy]] = {LRUPolicy.name: LRUPolicy, ARCPolicy.name: ARCPolicy}
+
+
+def available_policies() -> list[str]:
+    return sorted(_POLICIES)
+
+
+def register_policy(name: str, policy_cls: type[EvictionPolicy]) -> None:
+    """Make ``eviction_policy=name`` select ``policy_cls`` in this process. ``ValueError`` if taken."""
+    if not (isinstance(policy_cls, type) and issubclass(policy_cls, EvictionPolicy)):
+        raise TypeError(f"Eviction policy {name!r} must be an EvictionPolicy subclass, got {policy_cls!r}")
+    key = name.strip().lower()
+    if key in _POLICIES:
+        raise ValueError(
+            f"Eviction policy {name!r} is already registered ({_POLICIES[key].__module__}."
+            f"{_POLICIES[key].__qualname__}); pick another name"
+        )
+    _POLICIES[key] = policy_cls
+
+
+def unregister_policy(name: str) -> None:
+    """Drop a policy added by :func:`register_policy` (the built-ins stay)."""
+    key = name.strip().lower()
+    if key not in (LRUPolicy.name, ARCPolicy.name):
+        _POLICIES.pop(key, None)
+
+
+def policy_class(name: str | type[EvictionPolicy]) -> type[EvictionPolicy]:
+    """A registered name (``"lru"``, ``"arc"``), ``"module:Class"``, or a class -> the class."""
+    if isinstance(name, type):
+        if not issubclass(name, EvictionPolicy):
+            raise TypeError(f"{name!r} is not an EvictionPolicy subclass")
+        return name
+    key = str(name).strip().lower()
+    if key in _POLICIES:
+        return _POLICIES[key]
+    if ":" in str(name):
+        from wtransfer.registry.loading import import_target
+
+        try:
+            obj = import_target(str(name).strip())
+        except Exception as exc:
+            raise ValueError(f"Could not import eviction policy {name!r}: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(obj, type):
+            raise TypeError(f"Eviction policy {name!r} is {obj!r}, not an EvictionPolicy subclass")
+        return policy_class(obj)
+    from wtransfer.registry.names import suggest
+
+    close = suggest(key, available_policies())
+    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    raise ValueError(
+        f"Unknown eviction policy {name!r}.{hint} Available: {', '.join(available_policies())}; "
+        f"a third-party policy can be named as 'package.module:Class' or added with register_policy()."
+    )
+
+
+def create_policy(name: str | type[EvictionPolicy], capacity: int) -> EvictionPolicy:
+    """Instantiate the policy ``name`` for a tier of ``capacity`` slots."""
+    policy = policy_class(name)(capacity)
+    logger.debug("Eviction policy %s for %d blocks", type(policy).__name__, capacity)
+    return policy
