@@ -131,6 +131,15 @@ class ComponentRegistry:
         with self._lock:
             self._runtime.pop(name, None)
 
+    def snapshot(self) -> dict[str, ComponentRef]:
+        """The runtime registrations, to put back later with :meth:`restore`."""
+        with self._lock:
+            return dict(self._runtime)
+
+    def restore(self, snapshot: dict[str, ComponentRef]) -> None:
+        with self._lock:
+            self._runtime = dict(snapshot)
+
     # -- lookup --------------------------------------------------------------------
     def resolve(self, name: str) -> ComponentRef:
         """The one component a bare or qualified name means, or a helpful error."""

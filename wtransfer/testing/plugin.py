@@ -1,0 +1,94 @@
+"""wtransfer's pytest plugin, registered through the ``pytest11`` entry point.
+
+Installing wtransfer gives every test suite these fixtures:
+
+* ``isolated_registry`` — runtime registrations made during the test are undone after it,
+  and installed distributions are rescanned before and after.
+* ``fake_distribution`` — ``fake_distribution(name, entry_points, modules=..., version=...)``
+  writes a real ``.dist-info`` (plus modules) into a private site directory that is on
+  ``sys.path`` and on ``PYTHONPATH`` (so subprocesses see it too), then rescans.
+* ``paged_engine`` — a factory for the tiny paged KV engine (see
+  :mod:`wtransfer.testing.paged_engine`).
+
+and the conformance classes in :mod:`wtransfer.testing.conformance` to subclass.
+Keep this module light: pytest imports it at start-up in every project that has
+wtransfer installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from wtransfer.testing.distributions import EntryPoints, write_distribution
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    config.addinivalue_line("markers", "slow: long-running (still part of the default run)")
+
+
+@pytest.fixture
+def isolated_registry() -> Iterator[None]:
+    """Undo runtime registrations made by the test; rescan installed components around it."""
+    from wtransfer.registry.kinds import KINDS
+    from wtransfer.registry.registry import refresh, registry_for
+
+    snapshots = {name: registry_for(name).snapshot() for name in KINDS}
+    refresh()
+    try:
+        yield
+    finally:
+        for name, snapshot in snapshots.items():
+            registry_for(name).restore(snapshot)
+        refresh()
+
+
+FakeDistribution = Callable[..., Path]
+
+
+@pytest.fixture
+def fake_distribution(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, isolated_registry: None
+) -> Iterator[FakeDistribution]:
+    """Factory writing real installed distributions visible to this process and its children."""
+    from wtransfer.registry.registry import refresh
+
+    site = tmp_path_factory.mktemp("fake-site")
+    sys.path.insert(0, str(site))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+
+    def make(
+        name: str,
+        entry_points: EntryPoints,
+        modules: Mapping[str, str] | None = None,
+        version: str = "1.0",
+    ) -> Path:
+        info = write_distribution(site, name, version, entry_points, modules)
+        importlib.invalidate_caches()
+        refresh()
+        return info
+
+    try:
+        yield make
+    finally:
+        sys.path.remove(str(site))
+        for module_name, module in list(sys.modules.items()):
+            if (getattr(module, "__file__", None) or "").startswith(str(site)):
+                del sys.modules[module_name]
+        importlib.invalidate_caches()
+        refresh()
+
+
+@pytest.fixture
+def paged_engine() -> Callable[..., Any]:
+    """Factory for the tiny paged KV engine: ``paged_engine(connector_config=..., **options)``."""
+    from wtransfer.testing import paged_engine as module
+
+    return module.make_engine  # type: ignore[attr-defined]
