@@ -31,6 +31,10 @@ _EXPORTS: dict[str, str] = {
     "KVCacheSpec": "wtransfer.kvcache",
     "KVConnectorBase": "wtransfer.connectors.base",
     "KVConnectorRole": "wtransfer.connectors.base",
+    "KVConnectorMetadata": "wtransfer.connectors.base",
+    "KVRequest": "wtransfer.connectors.request",
+    "ScheduledRequest": "wtransfer.connectors.request",
+    "SchedulerStep": "wtransfer.connectors.request",
     "OffloadingSpec": "wtransfer.specs.base",
     # registry, functional API and hooks
     "get_class": "wtransfer.registry.registry",
@@ -71,7 +75,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # let type checkers and IDEs see the lazy names
     from wtransfer.config import KVTransferConfig, ParallelConfig, WeightTransferConfig
-    from wtransfer.connectors.base import KVConnectorBase, KVConnectorRole
+    from wtransfer.connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+    from wtransfer.connectors.request import KVRequest, ScheduledRequest, SchedulerStep
     from wtransfer.connectors.factory import KVConnectorFactory
     from wtransfer.engines.base import (
         WeightTransferEngine,

@@ -1,14 +1,65 @@
-"""KV connector contract (minimal here; completed by the KV-connector work)."""
+"""The KV connector contract: vLLM V1's method names and meanings, with no engine types.
+
+A connector moves KV-cache blocks between an engine's paged cache and something
+outside it (a shared store, another instance, a slower tier). As in vLLM V1 it is
+created twice, once per role, usually in two processes:
+
+* the **scheduler** instance decides *what* to load and save: it answers lookups,
+  learns which cache blocks the engine allocated, and describes each step's work
+  in a :class:`KVConnectorMetadata`;
+* the **worker** instance does the moving: it holds the engine's KV tensors and
+  executes the metadata it is bound to around the model's forward pass.
+
+Metadata crosses from the scheduler to the worker as a JSON-safe dict, never a
+pickle: ``metadata.to_dict()`` on one side, ``connector.metadata_cls.from_dict``
+on the other.
+
+Call order for one engine step (``wtransfer.testing.paged_engine`` implements it)::
+
+    # scheduler process, for each request it considers admitting
+    n_ext, load_async = sched.get_num_new_matched_tokens(request, num_local_computed)
+    ... engine allocates blocks ...
+    sched.update_state_after_alloc(request, block_ids, n_ext)
+    meta = sched.build_connector_meta(step)           # once per step, resets per-step state
+    # worker process
+    worker.bind_connector_metadata(Meta.from_dict(meta_dict))
+    worker.start_load_kv()
+    for layer in layers:
+        worker.wait_for_layer_load(layer)
+        ... compute the layer, writing its KV into kv_caches[layer] ...
+        worker.save_kv_layer(layer, kv_caches[layer])
+    worker.wait_for_save()
+    sending, receiving = worker.get_finished(step.finished_req_ids)
+    failed = worker.get_block_ids_with_load_errors()
+    worker.clear_connector_metadata()
+    # scheduler, when a request ends
+    delay_free, params = sched.request_finished(request, block_ids)
+
+Blocks of a request whose ``request_finished`` returned ``delay_free=True`` stay
+allocated until the worker reports the request in ``sending``; a request whose
+lookup returned ``load_async=True`` is not computed until it appears in
+``receiving``.
+
+This module imports no torch: the registry imports it to check plugin classes.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from abc import ABC
-from typing import TYPE_CHECKING
+import json
+import logging
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
+    import torch
+
     from wtransfer.config import KVTransferConfig
+    from wtransfer.connectors.request import KVRequest, SchedulerStep
     from wtransfer.kvcache import KVCacheSpec
+
+logger = logging.getLogger("wtransfer")
 
 
 class KVConnectorRole(enum.Enum):
@@ -18,8 +69,50 @@ class KVConnectorRole(enum.Enum):
     WORKER = 1
 
 
-class KVConnectorBase(ABC):  # noqa: B024
-    """Base class of KV connectors."""
+@dataclasses.dataclass
+class KVConnectorMetadata:
+    """What the scheduler instance tells the worker instance to do in one step.
+
+    Subclass it as a dataclass of JSON-safe fields (str, int, float, bool, None,
+    lists and str-keyed dicts of those). The defaults of :meth:`to_dict` and
+    :meth:`from_dict` handle flat dataclasses; override both for nested ones.
+    The engine always sends metadata through JSON, even inside one process, so a
+    field that would not survive the trip fails loudly in tests instead of in
+    production.
+    """
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVConnectorMetadata:
+        return cls(**data)
+
+    def to_json(self) -> str:
+        """The wire form; ``TypeError`` naming the metadata class if a field is not JSON-safe."""
+        try:
+            return json.dumps(self.to_dict(), allow_nan=False, separators=(",", ":"))
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"{type(self).__qualname__}.to_dict() is not JSON-safe ({exc}); connector metadata "
+                "crosses process boundaries as JSON: use str/int/float/bool/None, lists and dicts"
+            ) from exc
+
+    @classmethod
+    def from_json(cls, text: str) -> KVConnectorMetadata:
+        return cls.from_dict(json.loads(text))
+
+
+class KVConnectorBase(ABC):
+    """Base class of KV connectors (vLLM V1's ``KVConnectorBase_V1`` contract, engine-neutral).
+
+    ``config.kv_connector_extra_config`` carries the connector's own options.
+    ``kv_cache_spec`` describes the engine's cache; block hashes in requests are
+    rooted in it (see :mod:`wtransfer.connectors.hashing`).
+    """
+
+    metadata_cls: ClassVar[type[KVConnectorMetadata]] = KVConnectorMetadata
+    """The metadata class the worker rebuilds from the scheduler's dict."""
 
     def __init__(
         self,
@@ -30,3 +123,150 @@ class KVConnectorBase(ABC):  # noqa: B024
         self.config = config
         self.role = role
         self.kv_cache_spec = kv_cache_spec
+        self._connector_metadata: KVConnectorMetadata | None = None
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def extra_config(self) -> dict[str, Any]:
+        return self.config.kv_connector_extra_config
+
+    def require_spec(self) -> KVCacheSpec:
+        """The engine's :class:`KVCacheSpec`, or a clear error for connectors that need one."""
+        if self.kv_cache_spec is None:
+            raise ValueError(
+                f"{type(self).__name__} needs the engine's KVCacheSpec: pass kv_cache_spec to "
+                "KVConnectorFactory.create_connector(config, role, kv_cache_spec)"
+            )
+        return self.kv_cache_spec
+
+    # ------------------------------------------------------------ worker side
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Engine, worker, before the forward pass: the metadata the next calls execute."""
+        self._connector_metadata = connector_metadata
+
+    def clear_connector_metadata(self) -> None:
+        """Engine, worker, after the step: forget the metadata so it cannot be executed twice."""
+        self._connector_metadata = None
+
+    def _get_connector_metadata(self) -> KVConnectorMetadata:
+        """The bound metadata; a clear error if the engine forgot to bind it."""
+        if self._connector_metadata is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: no connector metadata bound; the engine must call "
+                "bind_connector_metadata() before start_load_kv()/save_kv_layer()"
+            )
+        return self._connector_metadata
+
+    def has_connector_metadata(self) -> bool:
+        return self._connector_metadata is not None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Engine, worker, once after allocating its cache: layer name -> paged KV tensor.
+
+        Each tensor is ``[2, num_blocks, block_size, num_kv_heads, head_size]``
+        (index 0 keys, 1 values). The connector keeps references and reads or writes
+        blocks in place; it must not resize or replace them.
+        """
+
+    @abstractmethod
+    def start_load_kv(self, **kwargs: Any) -> None:
+        """Engine, worker, before the forward pass: begin loading this step's external blocks.
+
+        May return before the data has arrived; ``wait_for_layer_load`` is the barrier.
+        Loads that fail are reported through :meth:`get_block_ids_with_load_errors`,
+        never raised here (one bad entry must not fail the whole batch).
+        """
+
+    @abstractmethod
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Engine, worker, before computing ``layer_name``: block until that layer's loads are in."""
+
+    @abstractmethod
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None, **kwargs: Any
+    ) -> None:
+        """Engine, worker, after computing ``layer_name``: start saving that layer's due blocks.
+
+        ``kv_layer`` is the layer's whole paged cache; the metadata says which blocks.
+        May return before the data is saved; must not modify ``kv_layer``.
+        """
+
+    @abstractmethod
+    def wait_for_save(self) -> None:
+        """Engine, worker, after the forward pass: the step's saves may no longer read blocks the
+        engine could overwrite. Asynchronous connectors that keep reading return at once and
+        report completion through :meth:`get_finished` (the engine keeps those blocks)."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Engine, worker, after each step: ``(done_sending, done_receiving)`` request ids.
+
+        ``finished_req_ids`` are the requests the scheduler finished since the last
+        step. A request is reported in ``done_sending`` once it is finished *and* its
+        asynchronous saves completed (the engine then frees its blocks), and in
+        ``done_receiving`` once its asynchronous loads completed. Each id is reported
+        once. ``None`` means nothing to report.
+        """
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Engine, worker, after the step: cache blocks whose load failed since the last call.
+
+        The engine recomputes those blocks (and everything after them in the same
+        request) instead of using what is in them. Reported once.
+        """
+        return set()
+
+    def get_kv_connector_stats(self) -> dict[str, Any] | None:
+        """Anyone: JSON-safe counters (hits, misses, bytes, corrupt entries) for logs and metrics."""
+        return None
+
+    def shutdown(self) -> None:
+        """Engine, either role, at teardown: finish or abandon in-flight work, join threads.
+
+        Idempotent; after it no thread of the connector is left running.
+        """
+
+    # ---------------------------------------------------------- scheduler side
+    @abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: KVRequest, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Engine, scheduler, when considering a waiting request: how many tokens past
+        ``num_computed_tokens`` (the local prefix hits) the connector can provide.
+
+        Returns ``(count, load_async)``. ``count`` is ``None`` when the answer is not
+        known yet (the engine asks again in a later step). ``load_async`` True means
+        the loads complete outside the forward pass and the request waits for
+        ``done_receiving``. Must not load anything, nor assume the request will be
+        scheduled: the engine may still reject it for lack of blocks.
+        """
+
+    @abstractmethod
+    def update_state_after_alloc(
+        self, request: KVRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        """Engine, scheduler, after allocating blocks for a request it admits.
+
+        ``block_ids`` are all of the request's blocks, in token order; the external
+        tokens start at ``request.num_computed_tokens`` (the local hits). Remember
+        what to load; it goes into the next :meth:`build_connector_meta`.
+        """
+
+    @abstractmethod
+    def build_connector_meta(self, step: SchedulerStep) -> KVConnectorMetadata:
+        """Engine, scheduler, once per step after scheduling: this step's loads and saves.
+
+        Resets the per-step state collected by ``update_state_after_alloc`` so that
+        nothing is loaded twice. Must not touch KV data (it has none).
+        """
+
+    def request_finished(
+        self, request: KVRequest, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Engine, scheduler, when a request finishes or is aborted, before its blocks are freed.
+
+        Returns ``(delay_free, kv_transfer_params)``: ``delay_free`` True keeps the
+        blocks until the worker reports the request in ``done_sending``;
+        ``kv_transfer_params`` (JSON-safe) go back to the client with the response.
+        """
+        return False, None

@@ -1,0 +1,126 @@
+"""Engine-neutral descriptions of a request and of one scheduler step, as seen by a KV connector.
+
+vLLM hands its connectors engine objects (``Request``, ``SchedulerOutput``,
+``KVCacheBlocks``); a connector written against them only runs inside vLLM. These
+plain dataclasses carry just what a connector needs, so any engine with a paged
+KV cache can build them and any connector plugin can read them. All of them
+round-trip through ``to_dict`` / ``from_dict`` as JSON-safe dicts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class KVRequest:
+    """One request, as the scheduler side of a connector sees it.
+
+    ``token_ids`` holds every token known so far (prompt, then generated ones).
+    ``block_hashes`` holds one hex chained hash per *full* block of ``token_ids``
+    (see :mod:`wtransfer.connectors.hashing`); the engine keeps it up to date.
+    ``num_computed_tokens`` counts tokens whose KV is already in the engine's own
+    cache (its local prefix cache hits plus whatever it computed).
+    ``kv_transfer_params`` is the per-request connector dict from the API
+    (for instance where a remote prefill left its blocks); connectors may read it.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    block_hashes: list[str] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "token_ids": list(self.token_ids),
+            "block_hashes": list(self.block_hashes),
+            "num_computed_tokens": self.num_computed_tokens,
+            "kv_transfer_params": self.kv_transfer_params,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVRequest:
+        return cls(
+            request_id=str(data["request_id"]),
+            token_ids=[int(t) for t in data["token_ids"]],
+            block_hashes=[str(h) for h in data.get("block_hashes", [])],
+            num_computed_tokens=int(data.get("num_computed_tokens", 0)),
+            kv_transfer_params=data.get("kv_transfer_params"),
+        )
+
+
+@dataclass
+class ScheduledRequest:
+    """A request the scheduler runs in this step.
+
+    ``request.num_computed_tokens`` counts the tokens whose KV is in the cache when
+    the forward pass starts (local hits, earlier steps, and the external tokens this
+    step's metadata loads); the step computes ``num_scheduled_tokens`` more, so after it the first
+    ``request.num_computed_tokens + num_scheduled_tokens`` tokens have KV in the
+    cache. ``block_ids`` are all of the request's blocks in the engine's cache, in
+    token order (block ``i`` holds tokens ``[i * block_size, (i + 1) * block_size)``).
+    """
+
+    request: KVRequest
+    block_ids: list[int]
+    num_scheduled_tokens: int
+
+    @property
+    def num_computed_after_step(self) -> int:
+        return self.request.num_computed_tokens + self.num_scheduled_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "request": self.request.to_dict(),
+            "block_ids": list(self.block_ids),
+            "num_scheduled_tokens": self.num_scheduled_tokens,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ScheduledRequest:
+        return cls(
+            request=KVRequest.from_dict(data["request"]),
+            block_ids=[int(b) for b in data["block_ids"]],
+            num_scheduled_tokens=int(data["num_scheduled_tokens"]),
+        )
+
+
+@dataclass
+class SchedulerStep:
+    """What the scheduler decided for one engine step: the argument of ``build_connector_meta``.
+
+    ``finished_req_ids`` are requests the scheduler finished (or aborted) since the
+    previous step; the engine also passes them to the worker side's ``get_finished``.
+    """
+
+    step: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "scheduled": [s.to_dict() for s in self.scheduled],
+            "finished_req_ids": list(self.finished_req_ids),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SchedulerStep:
+        return cls(
+            step=int(data["step"]),
+            scheduled=[ScheduledRequest.from_dict(s) for s in data.get("scheduled", [])],
+            finished_req_ids=[str(r) for r in data.get("finished_req_ids", [])],
+        )
+
+
+def full_block_range(num_tokens_before: int, num_tokens_after: int, block_size: int) -> Sequence[int]:
+    """Indices of the blocks that become full when a request grows between these token counts."""
+    return range(num_tokens_before // block_size, num_tokens_after // block_size)
