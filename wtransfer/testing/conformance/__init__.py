@@ -1,0 +1,9 @@
+"""Conformance suites for plugin authors: subclass one, set the component's name, run pytest.
+
+Each failure names the contract point, what was expected and what the plugin did.
+"""
+
+from wtransfer.testing.conformance._contract import ContractViolation, require
+from wtransfer.testing.conformance.specs import SpecConformance
+
+__all__ = ["ContractViolation", "SpecConformance", "require"]
