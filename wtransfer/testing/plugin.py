@@ -87,8 +87,20 @@ def fake_distribution(
 
 
 @pytest.fixture
-def paged_engine() -> Callable[..., Any]:
-    """Factory for the tiny paged KV engine: ``paged_engine(connector_config=..., **options)``."""
-    from wtransfer.testing import paged_engine as module
+def paged_engine() -> Iterator[Callable[..., Any]]:
+    """Factory for the tiny paged KV engine (same arguments as ``PagedKVEngine``); engines
+    made through it are shut down after the test."""
+    from wtransfer.testing.paged_engine import PagedKVEngine
 
-    return module.make_engine  # type: ignore[attr-defined]
+    engines: list[PagedKVEngine] = []
+
+    def make(*args: Any, **kwargs: Any) -> PagedKVEngine:
+        engine = PagedKVEngine(*args, **kwargs)
+        engines.append(engine)
+        return engine
+
+    try:
+        yield make
+    finally:
+        for engine in engines:
+            engine.shutdown()
