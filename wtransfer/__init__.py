@@ -36,6 +36,16 @@ _EXPORTS: dict[str, str] = {
     "ScheduledRequest": "wtransfer.connectors.request",
     "SchedulerStep": "wtransfer.connectors.request",
     "OffloadingSpec": "wtransfer.specs.base",
+    "OffloadingManager": "wtransfer.specs.base",
+    "OffloadingHandler": "wtransfer.specs.base",
+    "LoadStoreSpec": "wtransfer.specs.base",
+    "TransferResult": "wtransfer.specs.base",
+    "PrepareStoreOutput": "wtransfer.specs.base",
+    "OffloadingEvent": "wtransfer.specs.base",
+    "EvictionPolicy": "wtransfer.specs.policies",
+    "LRUPolicy": "wtransfer.specs.policies",
+    "ARCPolicy": "wtransfer.specs.policies",
+    "register_policy": "wtransfer.specs.policies",
     # registry, functional API and hooks
     "get_class": "wtransfer.registry.registry",
     "list_components": "wtransfer.registry.registry",
@@ -102,5 +112,14 @@ if TYPE_CHECKING:  # let type checkers and IDEs see the lazy names
     from wtransfer.registry.component import ComponentRef
     from wtransfer.registry.hooks import hookimpl, hookspec
     from wtransfer.registry.registry import ComponentInfo, get_class, list_components, refresh
-    from wtransfer.specs.base import OffloadingSpec
+    from wtransfer.specs.base import (
+        LoadStoreSpec,
+        OffloadingEvent,
+        OffloadingHandler,
+        OffloadingManager,
+        OffloadingSpec,
+        PrepareStoreOutput,
+        TransferResult,
+    )
     from wtransfer.specs.factory import OffloadingSpecFactory
+    from wtransfer.specs.policies import ARCPolicy, EvictionPolicy, LRUPolicy, register_policy
