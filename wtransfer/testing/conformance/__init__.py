@@ -4,6 +4,7 @@ Each failure names the contract point, what was expected and what the plugin did
 """
 
 from wtransfer.testing.conformance._contract import ContractViolation, require
+from wtransfer.testing.conformance.connectors import ConnectorConformance
 from wtransfer.testing.conformance.specs import SpecConformance
 
-__all__ = ["ContractViolation", "SpecConformance", "require"]
+__all__ = ["ConnectorConformance", "ContractViolation", "SpecConformance", "require"]
