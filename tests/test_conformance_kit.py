@@ -1,0 +1,112 @@
+"""The conformance kit itself: fixtures arrive through pytest11, and suites fail a broken plugin."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import wtransfer
+from wtransfer.registry.registry import registry_for
+
+LEAKY_SPEC = '''
+from wtransfer.specs.base import OffloadingManager
+from wtransfer.specs.cpu import CPUOffloadingSpec
+
+
+class LeakyManager(OffloadingManager):
+    """Delegates to a correct manager but reports failed stores as stored: one contract violation."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def complete_store(self, block_hashes, success=True):
+        self._inner.complete_store(block_hashes, success=True)
+
+    def lookup(self, block_hashes):
+        return self._inner.lookup(block_hashes)
+
+    def prepare_load(self, block_hashes):
+        return self._inner.prepare_load(block_hashes)
+
+    def touch(self, block_hashes):
+        self._inner.touch(block_hashes)
+
+    def complete_load(self, block_hashes):
+        self._inner.complete_load(block_hashes)
+
+    def prepare_store(self, block_hashes):
+        return self._inner.prepare_store(block_hashes)
+
+    def take_events(self):
+        return self._inner.take_events()
+
+
+class LeakySpec(CPUOffloadingSpec):
+    def get_manager(self):
+        if not hasattr(self, "_leaky"):
+            self._leaky = LeakyManager(super().get_manager())
+        return self._leaky
+'''
+
+
+def run_pytest(test_dir: Path, source: str) -> subprocess.CompletedProcess[str]:
+    (test_dir / "test_plugin_suite.py").write_text(textwrap.dedent(source))
+    # No conftest: the fixtures and suites must come from wtransfer's pytest11 plugin.
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_dir)],
+                          capture_output=True, text=True, timeout=300, cwd=test_dir)
+
+
+def test_a_broken_spec_fails_with_an_explanation(fake_distribution, tmp_path: Path):
+    fake_distribution("acme-leaky", {"wtransfer.specs": {"leaky": "acme_leaky:LeakySpec"}},
+                      {"acme_leaky": LEAKY_SPEC})
+    out = run_pytest(tmp_path, """
+        import pytest
+        from wtransfer.testing.conformance import SpecConformance
+
+        class TestLeaky(SpecConformance):
+            spec = "leaky"
+
+            @pytest.fixture
+            def spec_options(self):
+                return {"num_cpu_blocks": 4}
+    """)
+    assert out.returncode == 1, out.stdout
+    assert "contract point: a failed store is not reported as stored" in out.stdout
+    assert "expected: lookup == 0" in out.stdout
+    assert "1 failed" in out.stdout  # every other point of the contract still holds
+
+
+def test_fixtures_isolate_registrations_and_distributions(tmp_path: Path):
+    out = run_pytest(tmp_path, """
+        import subprocess, sys
+        import wtransfer
+        from wtransfer import WeightTransferEngineFactory
+        from wtransfer.registry.registry import registry_for
+
+        ENGINE = "from wtransfer.engines.shm import SharedMemoryWeightTransferEngine as Probe"
+
+        def test_register_inside(isolated_registry):
+            WeightTransferEngineFactory.register_engine("leak-probe", "json", "JSONDecoder")
+            assert "leak-probe" in registry_for("engines").names()
+
+        def test_not_leaked():
+            assert "leak-probe" not in registry_for("engines").names()
+
+        def test_fake_distribution_seen_here_and_in_children(fake_distribution):
+            fake_distribution("acme-probe", {"wtransfer.engines": {"probe": "acme_probe:Probe"}},
+                              {"acme_probe": "from wtransfer.engines.base import WeightTransferEngine as Probe"})
+            assert "probe" in registry_for("engines").names()
+            child = subprocess.run([sys.executable, "-c",
+                "from wtransfer.registry.registry import registry_for; print('probe' in registry_for('engines').names())"],
+                capture_output=True, text=True, check=True)
+            assert child.stdout.strip() == "True"
+
+        def test_fake_distribution_removed_afterwards():
+            assert "probe" not in registry_for("engines").names()
+    """)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "4 passed" in out.stdout
+    assert "leak-probe" not in registry_for("engines").names()
+    assert "probe" not in {i.name for i in wtransfer.list_components("engines")}
