@@ -81,6 +81,7 @@ import torch
 
 from wtransfer.config import KVTransferConfig
 from wtransfer.connectors.base import KVConnectorBase, KVConnectorRole
+from wtransfer.connectors.blockfile import torch_dtype
 from wtransfer.connectors.hashing import block_hashes, kv_namespace
 from wtransfer.connectors.request import KVRequest, ScheduledRequest, SchedulerStep
 from wtransfer.errors import TransferError, TransferTimeoutError
@@ -96,14 +97,6 @@ __all__ = [
     "reference_kv",
     "torch_dtype",
 ]
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``, with a clear error for names torch does not know."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"KVCacheSpec.dtype {name!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
-    return dtype
 
 
 class TinyModel:

@@ -1,0 +1,243 @@
+"""One KV block as one safetensors file: written atomically, checked before a byte reaches the cache.
+
+The file is a standard safetensors file (any safetensors reader opens it) holding
+one tensor ``"kv"`` of shape ``[num_layers, 2, block_size, num_kv_heads,
+head_size]`` plus string metadata: the layout, the model fingerprint, the block
+hash and a CRC-32 of the tensor bytes. We write and read the format ourselves
+instead of calling ``safetensors.torch.save_file``/``load_file`` so that the bytes
+go straight from a reused buffer to the file and back, with no per-block
+allocation, and so that the CRC and size checks happen on the same pass.
+
+Checks on read, in order, each one making the entry a *miss*, never a load:
+size against the header (truncation), header JSON and metadata against the
+expected layout and hash (wrong model, wrong layout, garbage), then the CRC over
+the data (bit rot, torn pages). Writes go to a unique temporary name in the same
+directory and are renamed into place, so readers see the whole file or nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+FORMAT = "wtransfer-kv-block-v1"
+TENSOR_NAME = "kv"
+MAX_HEADER_BYTES = 1 << 20
+_HEADER_LEN = struct.Struct("<Q")
+_TMP_COUNTER = iter(range(1 << 62))
+_TMP_LOCK = threading.Lock()
+
+# torch dtype name -> (safetensors dtype code, bytes per element)
+SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
+    "float64": ("F64", 8),
+    "float32": ("F32", 4),
+    "float16": ("F16", 2),
+    "bfloat16": ("BF16", 2),
+    "float8_e4m3fn": ("F8_E4M3", 1),
+    "float8_e5m2": ("F8_E5M2", 1),
+    "int64": ("I64", 8),
+    "int32": ("I32", 4),
+    "int16": ("I16", 2),
+    "int8": ("I8", 1),
+    "uint8": ("U8", 1),
+}
+
+
+class BlockFileError(Exception):
+    """A block file is missing, truncated, corrupt or from another layout; the message says which."""
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """What every block file of one store must agree on (from the engine's KVCacheSpec)."""
+
+    namespace: str
+    model_fingerprint: str
+    layer_names: tuple[str, ...]
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+
+    @property
+    def shape(self) -> list[int]:
+        return [len(self.layer_names), 2, self.block_size, self.num_kv_heads, self.head_size]
+
+    @property
+    def data_bytes(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count * self.element_size
+
+    @property
+    def element_size(self) -> int:
+        return self._dtype_code()[1]
+
+    def _dtype_code(self) -> tuple[str, int]:
+        try:
+            return SAFETENSORS_DTYPES[self.dtype]
+        except KeyError:
+            raise ValueError(
+                f"KV dtype {self.dtype!r} has no safetensors code; supported: {', '.join(SAFETENSORS_DTYPES)}"
+            ) from None
+
+    def metadata(self, block_hash: str, crc32: int) -> dict[str, str]:
+        return {
+            "format": FORMAT,
+            "namespace": self.namespace,
+            "model_fingerprint": self.model_fingerprint,
+            "block_hash": block_hash,
+            "layer_names": json.dumps(list(self.layer_names)),
+            "block_size": str(self.block_size),
+            "num_kv_heads": str(self.num_kv_heads),
+            "head_size": str(self.head_size),
+            "dtype": self.dtype,
+            "crc32": str(crc32),
+        }
+
+    def header_bytes(self, block_hash: str, crc32: int) -> bytes:
+        header = {
+            "__metadata__": self.metadata(block_hash, crc32),
+            TENSOR_NAME: {"dtype": self._dtype_code()[0], "shape": self.shape, "data_offsets": [0, self.data_bytes]},
+        }
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        return raw + b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``, with a clear error for names torch does not know."""
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"KV dtype {name!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
+    return dtype
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (any dtype, bfloat16 included)."""
+    import torch
+
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def write_block_file(path: str, layout: BlockLayout, block_hash: str, data: torch.Tensor, *, fsync: bool = False) -> int:
+    """Write ``data`` (contiguous, ``layout.shape``) to ``path`` atomically; return bytes written."""
+    payload = tensor_bytes(data)
+    if payload.nbytes != layout.data_bytes:
+        raise ValueError(f"block data has {payload.nbytes} bytes, the layout needs {layout.data_bytes}")
+    header = layout.header_bytes(block_hash, zlib.crc32(payload))
+    with _TMP_LOCK:
+        serial = next(_TMP_COUNTER)
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.{serial}.tmp"
+    try:
+        with open(tmp, "wb", buffering=0) as handle:
+            handle.write(_HEADER_LEN.pack(len(header)))
+            handle.write(header)
+            handle.write(payload)
+            if fsync:
+                os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return _HEADER_LEN.size + len(header) + payload.nbytes
+
+
+def _parse_header(raw: bytes, path: str) -> dict[str, object]:
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BlockFileError(f"{path}: header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise BlockFileError(f"{path}: header is not a JSON object")
+    return header
+
+
+def _expect(actual: object, expected: object, what: str, path: str) -> None:
+    if actual != expected:
+        raise BlockFileError(f"{path}: {what} is {actual!r}, expected {expected!r}")
+
+
+def check_header(path: str, layout: BlockLayout, block_hash: str) -> tuple[int, int]:
+    """Validate size and header without reading the data; ``(data_offset, crc32)`` or BlockFileError."""
+    try:
+        with open(path, "rb", buffering=0) as handle:
+            return _check_open_header(handle, path, layout, block_hash)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise BlockFileError(f"{path}: cannot read ({exc})") from None
+
+
+def _check_open_header(handle: object, path: str, layout: BlockLayout, block_hash: str) -> tuple[int, int]:
+    size = os.fstat(handle.fileno()).st_size  # type: ignore[attr-defined]
+    prefix = handle.read(_HEADER_LEN.size)  # type: ignore[attr-defined]
+    if len(prefix) < _HEADER_LEN.size:
+        raise BlockFileError(f"{path}: truncated ({size} bytes, no header)")
+    (header_len,) = _HEADER_LEN.unpack(prefix)
+    if header_len > MAX_HEADER_BYTES or _HEADER_LEN.size + header_len > size:
+        raise BlockFileError(f"{path}: truncated or corrupt (header length {header_len}, file {size} bytes)")
+    header = _parse_header(handle.read(header_len), path)  # type: ignore[attr-defined]
+    meta = header.get("__metadata__")
+    if not isinstance(meta, Mapping):
+        raise BlockFileError(f"{path}: no wtransfer metadata in the header")
+    expected = layout.metadata(block_hash, 0)
+    for key, value in expected.items():
+        if key != "crc32":
+            _expect(meta.get(key), value, f"header {key}", path)
+    entry = header.get(TENSOR_NAME)
+    if not isinstance(entry, Mapping):
+        raise BlockFileError(f"{path}: no {TENSOR_NAME!r} tensor in the file")
+    _expect(entry.get("dtype"), layout._dtype_code()[0], "tensor dtype", path)
+    _expect(list(entry.get("shape", [])), layout.shape, "tensor shape", path)
+    _expect(list(entry.get("data_offsets", [])), [0, layout.data_bytes], "tensor data offsets", path)
+    data_offset = _HEADER_LEN.size + header_len
+    if size != data_offset + layout.data_bytes:
+        raise BlockFileError(
+            f"{path}: truncated or padded ({size} bytes, expected {data_offset + layout.data_bytes})"
+        )
+    try:
+        crc = int(str(meta.get("crc32")))
+    except ValueError:
+        raise BlockFileError(f"{path}: crc32 in the header is not a number") from None
+    return data_offset, crc
+
+
+def read_block_file(path: str, layout: BlockLayout, block_hash: str, into: memoryview) -> None:
+    """Fill ``into`` (``layout.data_bytes`` long) with the block's data after every check passed.
+
+    ``into`` is the caller's reused buffer; on BlockFileError its content is undefined
+    and must not be used.
+    """
+    if into.nbytes != layout.data_bytes:
+        raise ValueError(f"read buffer has {into.nbytes} bytes, the layout needs {layout.data_bytes}")
+    try:
+        with open(path, "rb", buffering=0) as handle:
+            _, crc = _check_open_header(handle, path, layout, block_hash)
+            got = 0
+            while got < into.nbytes:
+                count = handle.readinto(into[got:])
+                if not count:
+                    raise BlockFileError(f"{path}: truncated while reading ({got} of {into.nbytes} data bytes)")
+                got += count
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise BlockFileError(f"{path}: disappeared before it could be loaded") from None
+        raise BlockFileError(f"{path}: cannot read ({exc})") from None
+    actual = zlib.crc32(into)
+    if actual != crc:
+        raise BlockFileError(f"{path}: data checksum mismatch (crc32 {actual:#010x}, header says {crc:#010x})")

@@ -1,0 +1,449 @@
+"""``storage``: KV blocks saved to and loaded from a directory (local or shared filesystem).
+
+Options (``kv_connector_extra_config``):
+
+``path`` (required)
+    Root directory. Blocks live at ``<path>/<namespace[:16]>/<hash[:2]>/<hash>.safetensors``,
+    one safetensors file per block (see :mod:`wtransfer.connectors.blockfile`).
+``io_threads`` (default 2)
+    Worker threads that read and write block files; loads of a step run in
+    parallel, saves run in the background while the engine keeps computing.
+``fsync`` (default False)
+    fsync each file before renaming it into place. Renaming already guarantees
+    readers never see a partial file; fsync adds durability across power loss.
+``io_timeout_s`` (default 60)
+    How long the worker waits for a step's loads before raising
+    :class:`~wtransfer.errors.TransferTimeoutError` instead of hanging.
+
+Matching is per block: if the first ``k`` blocks of a request (after its local
+hits) are stored and valid, the request gets ``k * block_size`` tokens; the
+first missing or bad block ends the match. Files that are truncated, corrupt or
+from another layout are misses: reported in the log and in
+:meth:`StorageConnector.get_kv_connector_stats`, moved aside (``.corrupt``) so a
+later save replaces them, and never copied into the cache. A block whose data
+fails its checksum at load time is reported through
+``get_block_ids_with_load_errors`` and the engine recomputes it.
+
+``kv_role``: ``kv_producer`` only saves, ``kv_consumer`` only loads, ``kv_both`` does both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from wtransfer.connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from wtransfer.connectors.blockfile import (
+    BlockFileError,
+    BlockLayout,
+    check_header,
+    read_block_file,
+    tensor_bytes,
+    torch_dtype,
+    write_block_file,
+)
+from wtransfer.connectors.hashing import kv_namespace
+from wtransfer.connectors.request import full_block_range
+from wtransfer.errors import TransferTimeoutError
+
+if TYPE_CHECKING:
+    import torch
+
+    from wtransfer.config import KVTransferConfig
+    from wtransfer.connectors.request import KVRequest, SchedulerStep
+    from wtransfer.kvcache import KVCacheSpec
+
+logger = logging.getLogger("wtransfer")
+
+_OPTIONS = {"path", "io_threads", "fsync", "io_timeout_s"}
+
+
+@dataclass(frozen=True)
+class BlockTransfer:
+    """One block to move: which request, which block of it, where in the cache, which hash."""
+
+    request_id: str
+    block_index: int
+    block_id: int
+    block_hash: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "block_index": self.block_index,
+            "block_id": self.block_id,
+            "block_hash": self.block_hash,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BlockTransfer:
+        return cls(str(data["request_id"]), int(data["block_index"]), int(data["block_id"]), str(data["block_hash"]))
+
+
+@dataclass
+class StorageConnectorMetadata(KVConnectorMetadata):
+    """One step's work for the storage worker: blocks to load before the forward pass, blocks to save after."""
+
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"loads": [t.to_dict() for t in self.loads], "saves": [t.to_dict() for t in self.saves]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StorageConnectorMetadata:
+        return cls(
+            loads=[BlockTransfer.from_dict(t) for t in data.get("loads", [])],
+            saves=[BlockTransfer.from_dict(t) for t in data.get("saves", [])],
+        )
+
+
+class _Counters:
+    """Thread-safe integer counters (I/O threads and the engine thread both count)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, int] = defaultdict(int)
+
+    def add(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self._values[name] += amount
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+
+class BlockStore:
+    """The directory layout of one store for one model/layout namespace, shared by both roles."""
+
+    def __init__(self, root: str, layout: BlockLayout, counters: _Counters) -> None:
+        self.root = os.path.abspath(os.path.expanduser(root))
+        self.layout = layout
+        self.counters = counters
+        self.namespace_dir = os.path.join(self.root, layout.namespace[:16])
+        self._made_dirs: set[str] = set()
+
+    def path_for(self, block_hash: str) -> str:
+        return os.path.join(self.namespace_dir, block_hash[:2], f"{block_hash}.safetensors")
+
+    def ensure_parent(self, path: str) -> None:
+        parent = os.path.dirname(path)
+        if parent not in self._made_dirs:
+            os.makedirs(parent, exist_ok=True)
+            self._made_dirs.add(parent)
+
+    def contains(self, block_hash: str) -> bool:
+        """True if a valid-looking file (size and header checked, data not read) holds the block."""
+        path = self.path_for(block_hash)
+        try:
+            check_header(path, self.layout, block_hash)
+        except FileNotFoundError:
+            return False
+        except BlockFileError as exc:
+            self.report_corrupt(path, exc)
+            return False
+        return True
+
+    def report_corrupt(self, path: str, error: Exception) -> None:
+        """Count and log a bad entry, and move it aside so it is never read again and a save can replace it."""
+        self.counters.add("corrupt_blocks")
+        logger.warning("storage connector: treating %s as a miss: %s", path, error)
+        try:
+            os.replace(path, f"{path}.corrupt")
+        except OSError:
+            pass  # already moved or removed by another process
+
+
+def _layout_for(spec: KVCacheSpec) -> BlockLayout:
+    return BlockLayout(
+        namespace=kv_namespace(spec),
+        model_fingerprint=spec.model_fingerprint,
+        layer_names=tuple(spec.layer_names),
+        block_size=spec.block_size,
+        num_kv_heads=spec.num_kv_heads,
+        head_size=spec.head_size,
+        dtype=spec.dtype,
+    )
+
+
+class StorageConnector(KVConnectorBase):
+    """Per-block prefix store in a directory; asynchronous saves, parallel checked loads."""
+
+    metadata_cls = StorageConnectorMetadata
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_spec: KVCacheSpec | None = None) -> None:
+        super().__init__(config, role, kv_cache_spec)
+        options = dict(self.extra_config)
+        unknown = set(options) - _OPTIONS
+        if unknown:
+            raise ValueError(
+                f"storage connector: unknown option(s) {sorted(unknown)} in kv_connector_extra_config; "
+                f"valid options: {sorted(_OPTIONS)}"
+            )
+        if not options.get("path"):
+            raise ValueError(
+                "storage connector needs kv_connector_extra_config['path']: the directory that holds the blocks"
+            )
+        self.io_threads = int(options.get("io_threads", 2))
+        if self.io_threads < 1:
+            raise ValueError(f"storage connector: io_threads must be >= 1, got {self.io_threads}")
+        self.fsync = bool(options.get("fsync", False))
+        self.io_timeout_s = float(options.get("io_timeout_s", 60.0))
+        spec = self.require_spec()
+        self.block_size = spec.block_size
+        self.counters = _Counters()
+        self.store = BlockStore(str(options["path"]), _layout_for(spec), self.counters)
+        # scheduler state
+        self._matches: dict[str, tuple[int, int]] = {}  # request -> (first block index, matched blocks)
+        self._pending_loads: list[BlockTransfer] = []
+        self._requests_with_saves: set[str] = set()
+        # worker state
+        self._kv_caches: dict[str, torch.Tensor] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._buffers = threading.local()
+        self._load_futures: list[tuple[BlockTransfer, Future[bool]]] = []
+        self._failed_from: dict[str, int] = {}  # request -> first block index that failed to load this step
+        self._load_errors: set[int] = set()
+        self._inflight_lock = threading.Lock()
+        self._inflight: dict[str, int] = defaultdict(int)
+        self._inflight_futures: set[Future[None]] = set()
+        self._saw_saves: set[str] = set()
+        self._finished_waiting: set[str] = set()
+        self._closed = False
+
+    # ================================================================ scheduler side
+    def get_num_new_matched_tokens(self, request: KVRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self.config.is_kv_consumer or num_computed_tokens % self.block_size:
+            return 0, False
+        start = num_computed_tokens // self.block_size
+        limit = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
+        matched = 0
+        for index in range(start, limit):
+            if not self.store.contains(request.block_hashes[index]):
+                break
+            matched += 1
+        self.counters.add("lookup_hit_blocks", matched)
+        self.counters.add("lookup_miss_blocks", max(0, limit - start - matched))
+        self._matches[request.request_id] = (start, matched)
+        return matched * self.block_size, False
+
+    def update_state_after_alloc(self, request: KVRequest, block_ids: list[int], num_external_tokens: int) -> None:
+        start, matched = self._matches.pop(request.request_id, (0, 0))
+        count = num_external_tokens // self.block_size
+        if count > matched or start != request.num_computed_tokens // self.block_size:
+            raise ValueError(
+                f"storage connector: engine asked to load {count} blocks from block {request.num_computed_tokens // self.block_size} "
+                f"for request {request.request_id!r}, but the lookup matched {matched} from block {start}"
+            )
+        for index in range(start, start + count):
+            self._pending_loads.append(
+                BlockTransfer(request.request_id, index, block_ids[index], request.block_hashes[index])
+            )
+
+    def build_connector_meta(self, step: SchedulerStep) -> StorageConnectorMetadata:
+        saves: list[BlockTransfer] = []
+        if self.config.is_kv_producer:
+            for entry in step.scheduled:
+                request = entry.request
+                for index in full_block_range(request.num_computed_tokens, entry.num_computed_after_step, self.block_size):
+                    saves.append(BlockTransfer(request.request_id, index, entry.block_ids[index], request.block_hashes[index]))
+                    self._requests_with_saves.add(request.request_id)
+        meta = StorageConnectorMetadata(loads=self._pending_loads, saves=saves)
+        self._pending_loads = []
+        return meta
+
+    def request_finished(self, request: KVRequest, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._matches.pop(request.request_id, None)
+        delay = request.request_id in self._requests_with_saves
+        self._requests_with_saves.discard(request.request_id)
+        return delay, None
+
+    # ================================================================ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layout = self.store.layout
+        if set(kv_caches) != set(layout.layer_names):
+            raise ValueError(
+                f"storage connector: kv_caches layers {sorted(kv_caches)} differ from the spec's {list(layout.layer_names)}"
+            )
+        for name, cache in kv_caches.items():
+            if cache.dim() != 5 or cache.shape[0] != 2 or list(cache.shape[2:]) != layout.shape[2:]:
+                raise ValueError(
+                    f"storage connector: cache {name!r} has shape {list(cache.shape)}; expected "
+                    f"[2, num_blocks, {layout.block_size}, {layout.num_kv_heads}, {layout.head_size}]"
+                )
+            if str(cache.dtype).removeprefix("torch.") != layout.dtype:
+                raise ValueError(f"storage connector: cache {name!r} is {cache.dtype}, the spec says {layout.dtype}")
+        self._kv_caches = kv_caches
+
+    def start_load_kv(self, **kwargs: Any) -> None:
+        meta = self._meta()
+        if meta.loads and not self.config.is_kv_consumer:
+            raise ValueError("storage connector: got loads but kv_role is kv_producer")
+        for transfer in meta.loads:
+            self._load_futures.append((transfer, self._pool().submit(self._load_block, transfer)))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Each file holds every layer of its block, so the first layer waits for all of this step's loads."""
+        self._await_loads()
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None, **kwargs: Any) -> None:
+        """Nothing per layer: a block file holds all layers, so saves start in :meth:`wait_for_save`."""
+
+    def wait_for_save(self) -> None:
+        """Queue this step's saves and return: they run in the background, and the engine keeps
+        the blocks (``request_finished`` delayed their free) until :meth:`get_finished` reports them."""
+        meta = self._meta()
+        self._await_loads()
+        queued: set[str] = set()
+        for transfer in meta.saves:
+            self._saw_saves.add(transfer.request_id)
+            failed_from = self._failed_from.get(transfer.request_id)
+            if failed_from is not None and transfer.block_index >= failed_from:
+                continue  # computed from a block that failed to load: the engine recomputes it
+            if transfer.block_hash in queued:
+                continue
+            queued.add(transfer.block_hash)
+            with self._inflight_lock:
+                self._inflight[transfer.request_id] += 1
+            future = self._pool().submit(self._save_block, transfer)
+            with self._inflight_lock:
+                self._inflight_futures.add(future)
+            future.add_done_callback(lambda f, rid=transfer.request_id: self._save_done(rid, f))
+        self._failed_from.clear()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._finished_waiting |= {r for r in finished_req_ids if r in self._saw_saves}
+        with self._inflight_lock:
+            done = {r for r in self._finished_waiting if self._inflight.get(r, 0) == 0}
+        self._finished_waiting -= done
+        self._saw_saves -= done
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_kv_connector_stats(self) -> dict[str, Any]:
+        return self.counters.snapshot()
+
+    def wait_for_pending_saves(self, timeout_s: float | None = None) -> None:
+        """Block until every queued save finished (tests, benchmarks, shutdown)."""
+        with self._inflight_lock:
+            pending = set(self._inflight_futures)
+        _, not_done = wait_futures(pending, timeout=timeout_s if timeout_s is not None else self.io_timeout_s)
+        if not_done:
+            raise TransferTimeoutError(f"storage connector: {len(not_done)} block saves still running after {timeout_s}s")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._executor is not None:
+            try:
+                self.wait_for_pending_saves()
+            except TransferTimeoutError as exc:
+                logger.error("%s; abandoning them", exc)
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+    # ---------------------------------------------------------------- internals
+    def _meta(self) -> StorageConnectorMetadata:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, StorageConnectorMetadata):
+            raise TypeError(f"storage connector: bound metadata is {type(meta).__name__}, expected StorageConnectorMetadata")
+        return meta
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._closed:
+            raise RuntimeError("storage connector is shut down")
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.io_threads, thread_name_prefix="wtransfer-storage")
+        return self._executor
+
+    def _caches(self) -> dict[str, torch.Tensor]:
+        if self._kv_caches is None:
+            raise RuntimeError("storage connector: register_kv_caches() was not called on the worker instance")
+        return self._kv_caches
+
+    def _block_buffer(self) -> torch.Tensor:
+        """This thread's reused block-sized staging tensor: no allocation per block."""
+        buffer = getattr(self._buffers, "tensor", None)
+        if buffer is None:
+            import torch
+
+            buffer = torch.empty(self.store.layout.shape, dtype=torch_dtype(self.store.layout.dtype))
+            self._buffers.tensor = buffer
+        return buffer
+
+    def _await_loads(self) -> None:
+        if not self._load_futures:
+            return
+        pending, self._load_futures = self._load_futures, []
+        _, not_done = wait_futures([f for _, f in pending], timeout=self.io_timeout_s)
+        if not_done:
+            raise TransferTimeoutError(
+                f"storage connector: {len(not_done)} block loads did not finish within {self.io_timeout_s}s "
+                f"(io_timeout_s) from {self.store.root}"
+            )
+        for transfer, future in pending:
+            if not future.result():
+                self._load_errors.add(transfer.block_id)
+                previous = self._failed_from.get(transfer.request_id, transfer.block_index)
+                self._failed_from[transfer.request_id] = min(previous, transfer.block_index)
+
+    def _load_block(self, transfer: BlockTransfer) -> bool:
+        """Read, check, then copy into the cache; False (and nothing copied) on any problem."""
+        path = self.store.path_for(transfer.block_hash)
+        buffer = self._block_buffer()
+        try:
+            read_block_file(path, self.store.layout, transfer.block_hash, tensor_bytes(buffer))
+        except BlockFileError as exc:
+            self.counters.add("load_errors")
+            if os.path.exists(path):
+                self.store.report_corrupt(path, exc)
+            else:
+                logger.warning("storage connector: %s", exc)
+            return False
+        for index, name in enumerate(self.store.layout.layer_names):
+            self._caches()[name][:, transfer.block_id].copy_(buffer[index])
+        self.counters.add("loaded_blocks")
+        self.counters.add("loaded_bytes", self.store.layout.data_bytes)
+        return True
+
+    def _save_block(self, transfer: BlockTransfer) -> None:
+        path = self.store.path_for(transfer.block_hash)
+        if os.path.exists(path):
+            self.counters.add("save_skipped_existing")
+            return
+        import torch
+
+        buffer = self._block_buffer()
+        caches = self._caches()
+        torch.stack([caches[name][:, transfer.block_id] for name in self.store.layout.layer_names], out=buffer)
+        try:
+            self.store.ensure_parent(path)
+            write_block_file(path, self.store.layout, transfer.block_hash, buffer, fsync=self.fsync)
+        except OSError as exc:
+            self.counters.add("save_errors")
+            logger.error("storage connector: could not save block %s to %s: %s", transfer.block_hash[:16], path, exc)
+            return
+        self.counters.add("saved_blocks")
+        self.counters.add("saved_bytes", self.store.layout.data_bytes)
+
+    def _save_done(self, request_id: str, future: Future[None]) -> None:
+        error = future.exception() if not future.cancelled() else None
+        if error is not None:
+            self.counters.add("save_errors")
+            logger.error("storage connector: a save for request %s failed: %r", request_id, error)
+        with self._inflight_lock:
+            self._inflight[request_id] -= 1
+            if self._inflight[request_id] <= 0:
+                del self._inflight[request_id]
+            self._inflight_futures.discard(future)
