@@ -1,0 +1,224 @@
+"""``multi``: several connectors behind one, e.g. a fast local store in front of a shared one.
+
+``kv_connector_extra_config["connectors"]`` is a list of child configs, each a
+dict of :class:`~wtransfer.config.KVTransferConfig` fields (``kv_connector`` and
+usually ``kv_connector_extra_config``; ``kv_role`` and ``engine_id`` default to
+the parent's). Children are created through ``KVConnectorFactory``, so any
+installed connector plugin can be a child.
+
+* Loads come from the first child, in list order, that reports a hit; the others
+  are told the request has no external tokens.
+* Saves go to every child (each one decides what it saves).
+* A finished request is reported done sending only when every child that delayed
+  its free has finished saving; done receiving as soon as the loading child is.
+* ``kv_transfer_params`` returned by the children are merged; two children
+  returning the same key with different values is an error, never a silent pick.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from wtransfer.config import KVTransferConfig
+from wtransfer.connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+
+if TYPE_CHECKING:
+    import torch
+
+    from wtransfer.connectors.request import KVRequest, SchedulerStep
+    from wtransfer.kvcache import KVCacheSpec
+
+logger = logging.getLogger("wtransfer")
+
+
+@dataclass
+class MultiConnectorMetadata(KVConnectorMetadata):
+    """Each child's metadata dict, in child order, plus how many children must report each
+    finished request before it counts as done sending."""
+
+    children: list[dict[str, Any]] = field(default_factory=list)
+    expected_senders: dict[str, int] = field(default_factory=dict)
+
+
+def _child_configs(parent: KVTransferConfig) -> list[KVTransferConfig]:
+    raw = parent.kv_connector_extra_config.get("connectors")
+    if not isinstance(raw, list) or not raw:
+        raise ValueError(
+            "multi connector needs kv_connector_extra_config['connectors']: a non-empty list of child "
+            "connector configs, e.g. [{'kv_connector': 'storage', 'kv_connector_extra_config': {'path': ...}}]"
+        )
+    unknown_top = set(parent.kv_connector_extra_config) - {"connectors"}
+    if unknown_top:
+        raise ValueError(f"multi connector: unknown option(s) {sorted(unknown_top)}; only 'connectors' is accepted")
+    configs: list[KVTransferConfig] = []
+    for position, child in enumerate(raw):
+        if isinstance(child, KVTransferConfig):
+            configs.append(child)
+            continue
+        if not isinstance(child, dict) or "kv_connector" not in child:
+            raise ValueError(
+                f"multi connector: child #{position} must be a dict with at least 'kv_connector', got {child!r}"
+            )
+        data = {"kv_role": parent.kv_role, "engine_id": parent.engine_id, **child}
+        try:
+            configs.append(KVTransferConfig.from_dict(data))
+        except TypeError as exc:
+            raise ValueError(f"multi connector: child #{position} has fields KVTransferConfig does not know: {exc}") from None
+    return configs
+
+
+class MultiConnector(KVConnectorBase):
+    """Composes child connectors: first hit loads, all save, done when all are done."""
+
+    metadata_cls = MultiConnectorMetadata
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_spec: KVCacheSpec | None = None) -> None:
+        super().__init__(config, role, kv_cache_spec)
+        from wtransfer.connectors.factory import KVConnectorFactory
+
+        self.children: list[KVConnectorBase] = []
+        try:
+            for child_config in _child_configs(config):
+                self.children.append(KVConnectorFactory.create_connector(child_config, role, kv_cache_spec))
+        except BaseException:
+            for child in self.children:
+                child.shutdown()
+            raise
+        # scheduler state
+        self._loading_child: dict[str, int] = {}
+        self._expected_senders: dict[str, int] = {}
+        # worker state
+        self._sent_reports: Counter[str] = Counter()
+        self._expected_on_worker: dict[str, int] = {}
+        self._closed = False
+
+    def _child_names(self) -> str:
+        return ", ".join(f"#{i} {c.config.kv_connector}" for i, c in enumerate(self.children))
+
+    # ================================================================ scheduler side
+    def get_num_new_matched_tokens(self, request: KVRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._loading_child.pop(request.request_id, None)
+        for index, child in enumerate(self.children):
+            count, load_async = child.get_num_new_matched_tokens(request, num_computed_tokens)
+            if count is None:
+                return None, False  # this child cannot answer yet: ask again rather than skip it
+            if count > 0:
+                self._loading_child[request.request_id] = index
+                return count, load_async
+        return 0, False
+
+    def update_state_after_alloc(self, request: KVRequest, block_ids: list[int], num_external_tokens: int) -> None:
+        loader = self._loading_child.pop(request.request_id, None)
+        for index, child in enumerate(self.children):
+            child.update_state_after_alloc(request, block_ids, num_external_tokens if index == loader else 0)
+
+    def build_connector_meta(self, step: SchedulerStep) -> MultiConnectorMetadata:
+        children = [child.build_connector_meta(step).to_dict() for child in self.children]
+        expected = {rid: n for rid, n in self._expected_senders.items() if rid in set(step.finished_req_ids)}
+        for rid in expected:
+            del self._expected_senders[rid]
+        return MultiConnectorMetadata(children=children, expected_senders=expected)
+
+    def request_finished(self, request: KVRequest, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._loading_child.pop(request.request_id, None)
+        delaying = 0
+        merged: dict[str, Any] = {}
+        owners: dict[str, int] = {}
+        conflict: str | None = None
+        for index, child in enumerate(self.children):
+            delay, params = child.request_finished(request, block_ids)
+            delaying += bool(delay)
+            for key, value in (params or {}).items():
+                if key in merged and merged[key] != value:
+                    conflict = conflict or (
+                        f"multi connector: children #{owners[key]} ({self.children[owners[key]].config.kv_connector}) "
+                        f"and #{index} ({child.config.kv_connector}) both set kv_transfer_params[{key!r}] "
+                        f"for request {request.request_id!r} with different values; give the children distinct keys"
+                    )
+                merged.setdefault(key, value)
+                owners.setdefault(key, index)
+        if delaying:
+            self._expected_senders[request.request_id] = delaying
+        if conflict is not None:
+            raise ValueError(conflict)
+        return delaying > 0, (merged or None)
+
+    # ================================================================ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        for child in self.children:
+            child.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        if not isinstance(connector_metadata, MultiConnectorMetadata):
+            raise TypeError(f"multi connector: expected MultiConnectorMetadata, got {type(connector_metadata).__name__}")
+        if len(connector_metadata.children) != len(self.children):
+            raise ValueError(
+                f"multi connector: metadata has {len(connector_metadata.children)} children, this worker has "
+                f"{len(self.children)} ({self._child_names()}); scheduler and worker configs differ"
+            )
+        super().bind_connector_metadata(connector_metadata)
+        self._expected_on_worker.update(connector_metadata.expected_senders)
+        for child, data in zip(self.children, connector_metadata.children):
+            child.bind_connector_metadata(type(child).metadata_cls.from_dict(data))
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        for child in self.children:
+            child.clear_connector_metadata()
+
+    def start_load_kv(self, **kwargs: Any) -> None:
+        for child in self.children:
+            child.start_load_kv(**kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        for child in self.children:
+            child.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None, **kwargs: Any) -> None:
+        for child in self.children:
+            child.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        for child in self.children:
+            child.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        receiving: set[str] = set()
+        for child in self.children:
+            sent, received = child.get_finished(finished_req_ids)
+            self._sent_reports.update(sent or ())
+            receiving |= received or set()
+        done = {rid for rid, n in self._expected_on_worker.items() if self._sent_reports[rid] >= n}
+        for rid in done:
+            del self._expected_on_worker[rid]
+            del self._sent_reports[rid]
+        return (done or None), (receiving or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors: set[int] = set()
+        for child in self.children:
+            errors |= child.get_block_ids_with_load_errors()
+        return errors
+
+    def get_kv_connector_stats(self) -> dict[str, Any]:
+        return {
+            f"{index}:{child.config.kv_connector}": child.get_kv_connector_stats()
+            for index, child in enumerate(self.children)
+        }
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        errors: list[BaseException] = []
+        for child in self.children:
+            try:
+                child.shutdown()
+            except Exception as exc:  # shut every child down, then report
+                logger.error("multi connector: child %s failed to shut down: %r", child.config.kv_connector, exc)
+                errors.append(exc)
+        if errors:
+            raise errors[0]
