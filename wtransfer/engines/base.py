@@ -20,7 +20,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from wtransfer.config import ParallelConfig, WeightTransferConfig
 
@@ -98,6 +98,10 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
 
     init_info_cls: type[TInitInfo]
     update_info_cls: type[TUpdateInfo]
+    trainer_cls: ClassVar[type | None] = None
+    """The trainer side (a ``TrainerWeightTransferEngine`` subclass) that ``create_trainer``
+    uses for this backend; ``None`` for worker-only engines. One entry point per backend
+    names the worker class, so the trainer side is found through it."""
 
     def __init__(
         self, config: WeightTransferConfig, parallel_config: ParallelConfig | None = None

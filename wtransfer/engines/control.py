@@ -1,0 +1,177 @@
+"""Small JSON control messages over a stream socket (length-prefixed frames, never pickle).
+
+Used by the ``shm`` engine for bucket hand-off; a frame may carry file descriptors
+(``SCM_RIGHTS``) so a shared-memory segment can be handed over without ever having a
+name on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import sys
+import tempfile
+import time
+from typing import Any
+
+from wtransfer.errors import TransferError, TransferTimeoutError
+
+_HEADER = struct.Struct("!I")
+_MAX_FRAME = 64 << 20
+
+
+class PeerClosedError(TransferError):
+    """The other side closed the connection (it exited or was killed)."""
+
+
+class ControlChannel:
+    """One peer connection: ``send(dict)``, ``recv(timeout)``, and fd passing for set-up."""
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self._buffer = bytearray()
+        self._fds: list[int] = []
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, message: dict[str, Any], *, fds: list[int] | None = None, timeout: float = 30.0) -> None:
+        payload = json.dumps(message, separators=(",", ":")).encode()
+        frame = _HEADER.pack(len(payload)) + payload
+        try:
+            self.sock.settimeout(timeout)
+            if fds:
+                sent = socket.send_fds(self.sock, [frame], fds)
+                if sent < len(frame):
+                    self.sock.sendall(frame[sent:])
+            else:
+                self.sock.sendall(frame)
+        except socket.timeout as exc:
+            raise TransferTimeoutError(f"sending to {self.peer} timed out after {timeout:g} s") from exc
+        except OSError as exc:
+            raise PeerClosedError(f"{self.peer} is gone ({type(exc).__name__}: {exc})") from exc
+
+    def _pop_frame(self) -> dict[str, Any] | None:
+        if len(self._buffer) < _HEADER.size:
+            return None
+        (size,) = _HEADER.unpack_from(self._buffer)
+        if size > _MAX_FRAME:
+            raise TransferError(f"{self.peer} sent a {size}-byte control frame; protocol violation")
+        end = _HEADER.size + size
+        if len(self._buffer) < end:
+            return None
+        payload = bytes(self._buffer[_HEADER.size : end])
+        del self._buffer[:end]
+        try:
+            message = json.loads(payload)
+        except ValueError as exc:
+            raise TransferError(f"{self.peer} sent a malformed control message") from exc
+        if not isinstance(message, dict):
+            raise TransferError(f"{self.peer} sent a control message that is not an object")
+        return message
+
+    def _fill(self, timeout: float | None) -> None:
+        try:
+            self.sock.settimeout(timeout)
+            data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 16, 4)
+        except socket.timeout as exc:
+            raise TransferTimeoutError(
+                f"no message from {self.peer} within {timeout:g} s; it may be stuck or dead"
+            ) from exc
+        except OSError as exc:
+            raise PeerClosedError(f"lost the connection to {self.peer} ({type(exc).__name__}: {exc})") from exc
+        self._fds.extend(fds)
+        if not data:
+            raise PeerClosedError(f"{self.peer} closed the connection (it exited or was killed)")
+        self._buffer += data
+
+    def recv(self, timeout: float) -> dict[str, Any]:
+        """The next message, waiting at most ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            message = self._pop_frame()
+            if message is not None:
+                return message
+            self._fill(max(deadline - time.monotonic(), 0.001))
+
+    def read_ready(self) -> list[dict[str, Any]]:
+        """Every complete message after the socket was reported readable (does not block)."""
+        self._fill(0.5)
+        messages = []
+        while (message := self._pop_frame()) is not None:
+            messages.append(message)
+        return messages
+
+    def pending(self) -> list[dict[str, Any]]:
+        """Complete messages already buffered (read together with earlier ones)."""
+        messages = []
+        while (message := self._pop_frame()) is not None:
+            messages.append(message)
+        return messages
+
+    def take_fds(self) -> list[int]:
+        fds, self._fds = self._fds, []
+        return fds
+
+    def close(self) -> None:
+        for fd in self.take_fds():
+            os.close(fd)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class Listener:
+    """A private Unix-socket listener: Linux abstract namespace (nothing on disk), else a 0700 dir."""
+
+    def __init__(self, tag: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._dir: str | None = None
+        if sys.platform.startswith("linux"):
+            self.sock.bind("\0" + tag)
+            self.address = "@" + tag
+        else:
+            self._dir = tempfile.mkdtemp(prefix="wtransfer-")
+            path = os.path.join(self._dir, "control")
+            self.sock.bind(path)
+            self.address = path
+        self.sock.listen(64)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def accept(self) -> socket.socket:
+        conn, _ = self.sock.accept()
+        return conn
+
+    def close(self) -> None:
+        """Stop listening; on non-Linux also remove the socket file and its directory."""
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        if self._dir is not None:
+            for name in os.listdir(self._dir):
+                os.unlink(os.path.join(self._dir, name))
+            os.rmdir(self._dir)
+            self._dir = None
+
+
+def connect(address: str, timeout: float, peer: str) -> ControlChannel:
+    """Connect to a :class:`Listener` address (``@name`` = abstract namespace)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    target = "\0" + address[1:] if address.startswith("@") else address
+    sock.settimeout(timeout)
+    try:
+        sock.connect(target)
+    except OSError as exc:
+        sock.close()
+        raise TransferError(
+            f"cannot reach {peer} at {address!r} ({exc}); is the trainer running on this host "
+            f"and still waiting for workers?"
+        ) from exc
+    return ControlChannel(sock, peer)

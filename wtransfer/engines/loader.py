@@ -1,0 +1,85 @@
+"""``module_loader``: a ready ``load_weights`` for plain torch modules.
+
+It copies in place under ``no_grad`` so tied weights stay tied and anything holding a
+parameter's storage (an optimizer, a CUDA graph, a compiled kernel) sees the update.
+Engines call ``validate_manifest`` before writing anything, so a manifest that does not
+fit the model is rejected with every mismatch listed and the model untouched.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from wtransfer.engines.manifest import Manifest, dtype_name
+from wtransfer.errors import ManifestMismatchError
+
+if TYPE_CHECKING:
+    import torch
+
+
+class ModuleLoader:
+    """Callable ``load_weights`` writing into a module's parameters and buffers in place."""
+
+    def __init__(self, module: torch.nn.Module, *, strict: bool = True) -> None:
+        self.module = module
+        self.strict = strict
+        # Every alias of a tied parameter resolves to the same tensor.
+        self._targets: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+        self._targets.update(module.named_buffers(remove_duplicate=False))
+        self._parameters: dict[str, torch.Tensor] = dict(module.named_parameters())
+
+    def validate_manifest(self, manifest: Manifest) -> None:
+        """Raise :class:`ManifestMismatchError` listing every mismatch; write nothing."""
+        problems: list[str] = []
+        covered: set[int] = set()
+        for entry in manifest.entries:
+            target = self._targets.get(entry.name)
+            if target is None:
+                problems.append(f"unknown tensor {entry.name!r} (the model has no such parameter or buffer)")
+                continue
+            covered.add(id(target))
+            if tuple(target.shape) != entry.shape:
+                problems.append(f"{entry.name!r}: shape {list(entry.shape)} != model {list(target.shape)}")
+            if dtype_name(target.dtype) != entry.dtype:
+                problems.append(f"{entry.name!r}: dtype {entry.dtype} != model {dtype_name(target.dtype)}")
+        if self.strict:
+            missing = [name for name, p in self._parameters.items() if id(p) not in covered]
+            if missing:
+                problems.append(f"missing parameters (strict=True): {', '.join(missing)}")
+        if problems:
+            raise ManifestMismatchError(
+                f"update manifest (version {manifest.version}) does not match "
+                f"{type(self.module).__name__}; nothing was written. "
+                f"{len(problems)} problem(s): " + "; ".join(problems)
+            )
+
+    def destination(self, name: str) -> torch.Tensor | None:
+        """The tensor ``name`` is written into, so engines can fill split tensors in place."""
+        return self._targets.get(name)
+
+    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        import torch
+
+        with torch.no_grad():
+            for name, tensor in weights:
+                target = self._targets.get(name)
+                if target is None:
+                    raise ManifestMismatchError(f"unknown tensor {name!r} for {type(self.module).__name__}")
+                if target.shape != tensor.shape or target.dtype != tensor.dtype:
+                    raise ManifestMismatchError(
+                        f"{name!r}: got {tensor.dtype} {list(tensor.shape)}, "
+                        f"model has {target.dtype} {list(target.shape)}"
+                    )
+                target.copy_(tensor)
+
+
+def module_loader(module: torch.nn.Module, *, strict: bool = True) -> ModuleLoader:
+    """A ``load_weights`` callable for ``module`` (see :class:`ModuleLoader`)."""
+    return ModuleLoader(module, strict=strict)
+
+
+def validate_with_loader(load_weights: Any, manifest: Manifest) -> None:
+    """Let a manifest-aware loader reject the round before any byte is received."""
+    check = getattr(load_weights, "validate_manifest", None)
+    if callable(check):
+        check(manifest)

@@ -1,0 +1,182 @@
+"""The update manifest: which tensors a round carries, as a JSON-safe dict.
+
+Trainer and workers derive the byte layout of a round (see ``packing``) from the
+manifest and the trainer's bucket size alone, so both sides always agree on the
+wire geometry; nothing but this dict and raw bytes crosses the process boundary.
+
+Wire form::
+
+    {"format": 1, "version": 7,
+     "tensors": [["model.embed.weight", "bfloat16", [151936, 896]], ...],
+     "checksums": [3735928559, ...] | None}     # optional per-tensor CRC32 of the bytes
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+MANIFEST_FORMAT = 1
+
+# Wire names are torch's own dtype names without the "torch." prefix. Looked up lazily so that
+# a torch without, say, the fnuz float8 types still loads; such a name is then just "unsupported".
+_DTYPE_NAMES = (
+    "float64", "float32", "float16", "bfloat16",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "bool", "complex32", "complex64", "complex128",
+)  # fmt: skip
+
+
+@lru_cache(maxsize=1)
+def _dtype_tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    import torch
+
+    by_name = {name: getattr(torch, name) for name in _DTYPE_NAMES if hasattr(torch, name)}
+    return by_name, {dtype: name for name, dtype in by_name.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    name = _dtype_tables()[1].get(dtype)
+    if name is None:
+        raise ValueError(f"dtype {dtype} cannot be transferred; supported: {', '.join(_dtype_tables()[0])}")
+    return name
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The torch dtype for a wire name; ``ValueError`` naming the supported ones otherwise."""
+    dtype = _dtype_tables()[0].get(name)
+    if dtype is None:
+        raise ValueError(f"unknown dtype name {name!r}; supported: {', '.join(_dtype_tables()[0])}")
+    return dtype
+
+
+@lru_cache(maxsize=None)
+def dtype_itemsize(name: str) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype_from_name(name)).element_size()
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a round: what the receiver will rebuild from raw bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_itemsize(self.dtype)
+
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The tensors of one update round, in sending order."""
+
+    entries: tuple[TensorEntry, ...]
+    version: int
+    checksums: tuple[int, ...] | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(entry.nbytes for entry in self.entries)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": MANIFEST_FORMAT,
+            "version": self.version,
+            "tensors": [[e.name, e.dtype, list(e.shape)] for e in self.entries],
+            "checksums": list(self.checksums) if self.checksums is not None else None,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Manifest:
+        """Validate a wire manifest; ``ValueError`` says exactly which part is malformed."""
+        if not isinstance(data, dict):
+            raise ValueError(f"manifest must be a dict, got {type(data).__name__}")
+        if data.get("format") != MANIFEST_FORMAT:
+            raise ValueError(
+                f"manifest format {data.get('format')!r} is not supported (this wtransfer speaks "
+                f"format {MANIFEST_FORMAT}); use the same wtransfer version on trainer and workers"
+            )
+        version = data.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ValueError(f"manifest 'version' must be a non-negative int, got {version!r}")
+        tensors = data.get("tensors")
+        if not isinstance(tensors, list):
+            raise ValueError("manifest 'tensors' must be a list of [name, dtype, shape]")
+        entries = tuple(_parse_entry(i, item) for i, item in enumerate(tensors))
+        names = [e.name for e in entries]
+        if len(set(names)) != len(names):
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"manifest names tensors more than once: {', '.join(dupes)}")
+        checksums = data.get("checksums")
+        if checksums is not None:
+            if not isinstance(checksums, list) or len(checksums) != len(entries) or not all(
+                isinstance(c, int) and not isinstance(c, bool) for c in checksums
+            ):
+                raise ValueError("manifest 'checksums' must be null or one int per tensor")
+            checksums = tuple(checksums)
+        return cls(entries, version, checksums)
+
+
+def _parse_entry(index: int, item: Any) -> TensorEntry:
+    if not (isinstance(item, list) and len(item) == 3):
+        raise ValueError(f"manifest tensor #{index} must be [name, dtype, shape], got {item!r}")
+    name, dtype, shape = item
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"manifest tensor #{index} has an invalid name {name!r}")
+    if not isinstance(dtype, str) or dtype not in _dtype_tables()[0]:
+        raise ValueError(f"manifest tensor {name!r} has unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise ValueError(f"manifest tensor {name!r} has an invalid shape {shape!r}")
+    return TensorEntry(name, dtype, tuple(shape))
+
+
+def entry_for(name: str, tensor: torch.Tensor) -> TensorEntry:
+    return TensorEntry(name, dtype_name(tensor.dtype), tuple(tensor.shape))
+
+
+def build_manifest(
+    entries: Iterable[TensorEntry], version: int, checksums: Sequence[int] | None = None
+) -> Manifest:
+    return Manifest(tuple(entries), version, tuple(checksums) if checksums is not None else None)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of a tensor's bytes (copying only if it is not contiguous)."""
+    import torch
+
+    flat = tensor.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    return flat.view(torch.uint8)
+
+
+def tensor_checksum(tensor: torch.Tensor) -> int:
+    """CRC32 of a tensor's raw bytes: detects any corruption, bit for bit."""
+    data = tensor_bytes(tensor.cpu() if tensor.device.type != "cpu" else tensor)
+    if data.numel() == 0:
+        return 0
+    return zlib.crc32(data.numpy())

@@ -1,0 +1,250 @@
+"""Bucket packing: how a round's tensors are laid out as raw bytes in fixed-size buckets.
+
+Both sides compute the same plan from the manifest and the trainer's ``bucket_bytes``,
+so only "bucket k is in buffer s" has to travel at run time. Tensors are packed whole
+and 64-byte aligned (so the receiver can view them in place, zero-copy); a tensor larger
+than a bucket is split across consecutive buckets and reassembled on the other side,
+straight into its destination when the loader offers one (``module_loader`` does).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from wtransfer.engines.manifest import Manifest, TensorEntry, entry_for, tensor_bytes, tensor_checksum
+from wtransfer.errors import TransferError
+
+if TYPE_CHECKING:
+    import torch
+
+    from wtransfer.engines.base import LoadWeights
+
+logger = logging.getLogger("wtransfer")
+
+ALIGN = 64
+"""Byte alignment of every whole tensor inside a bucket: enough for any dtype's in-place view."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of one tensor's bytes placed in a bucket."""
+
+    index: int  # position of the tensor in the manifest
+    start: int  # first byte within the tensor
+    offset: int  # first byte within the bucket
+    length: int
+    whole: bool  # the piece is the entire tensor
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    nbytes: int  # bytes used, <= bucket_bytes
+    pieces: tuple[Piece, ...]
+
+
+def _align(value: int) -> int:
+    return (value + ALIGN - 1) // ALIGN * ALIGN
+
+
+def check_bucket_bytes(bucket_bytes: int) -> int:
+    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool):
+        raise ValueError(f"bucket_bytes must be an int, got {bucket_bytes!r}")
+    if bucket_bytes < 4096 or bucket_bytes % ALIGN:
+        raise ValueError(f"bucket_bytes must be a multiple of {ALIGN} and at least 4096, got {bucket_bytes}")
+    return bucket_bytes
+
+
+def plan_buckets(entries: tuple[TensorEntry, ...], bucket_bytes: int) -> list[Bucket]:
+    """Greedy layout: whole tensors while they fit, oversize ones split over fresh buckets."""
+    check_bucket_bytes(bucket_bytes)
+    buckets: list[Bucket] = []
+    pieces: list[Piece] = []
+    used = 0
+
+    def flush() -> None:
+        nonlocal pieces, used
+        if pieces:
+            buckets.append(Bucket(len(buckets), used, tuple(pieces)))
+        pieces, used = [], 0
+
+    for index, entry in enumerate(entries):
+        nbytes = entry.nbytes
+        if nbytes <= bucket_bytes:
+            start = _align(used) if nbytes else used
+            if start + nbytes > bucket_bytes:
+                flush()
+                start = 0
+            pieces.append(Piece(index, 0, start, nbytes, True))
+            used = start + nbytes
+            continue
+        flush()
+        done = 0
+        while nbytes - done > bucket_bytes:
+            pieces.append(Piece(index, done, 0, bucket_bytes, False))
+            used = bucket_bytes
+            flush()
+            done += bucket_bytes
+        pieces.append(Piece(index, done, 0, nbytes - done, False))
+        used = nbytes - done
+    flush()
+    return buckets
+
+
+def _typed_view(data: torch.Tensor, piece: Piece, entry: TensorEntry) -> torch.Tensor:
+    """The bucket bytes of a whole piece, viewed as the tensor (no copy)."""
+    raw = data[piece.offset : piece.offset + piece.length]
+    return raw.view(entry.torch_dtype()).view(entry.shape)
+
+
+class Packer:
+    """Trainer side: copies the source's tensors into bucket buffers, in plan order.
+
+    The source is consumed lazily (one tensor at a time), so a sharded tensor is only
+    materialised while its bytes are being packed.
+    """
+
+    def __init__(self, manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self._entries = manifest.entries
+        self._tensors = tensors
+        self._index = -1
+        self._tensor: torch.Tensor | None = None
+        self._flat: torch.Tensor | None = None
+
+    def _advance_to(self, index: int) -> torch.Tensor:
+        while self._index < index:
+            try:
+                name, tensor = next(self._tensors)
+            except StopIteration:
+                raise TransferError(
+                    f"the weight source ended after {self._index + 1} tensors but its metadata "
+                    f"listed {len(self._entries)}; a source must yield what metadata() describes"
+                ) from None
+            self._index += 1
+            expected = self._entries[self._index]
+            got = entry_for(name, tensor)
+            if got != expected:
+                raise TransferError(
+                    f"the weight source yielded {got} where its metadata promised {expected}; "
+                    f"do not change the model between metadata() and iteration"
+                )
+            self._tensor, self._flat = tensor, None
+        assert self._tensor is not None
+        return self._tensor
+
+    def pack(self, bucket: Bucket, data: torch.Tensor) -> None:
+        """Fill ``data`` (a uint8 buffer of at least ``bucket.nbytes``) with the bucket's bytes."""
+        for piece in bucket.pieces:
+            tensor = self._advance_to(piece.index)
+            if piece.length == 0:
+                continue
+            if piece.whole:
+                # copy_ reads any strides/storage offset directly: no temporary for views.
+                _typed_view(data, piece, self._entries[piece.index]).copy_(tensor)
+                continue
+            if self._flat is None:
+                self._flat = tensor_bytes(tensor)
+            data[piece.offset : piece.offset + piece.length].copy_(
+                self._flat[piece.start : piece.start + piece.length]
+            )
+
+    def drain(self) -> None:
+        """After the last bucket: the source must not hold more tensors than announced."""
+        self._advance_to(len(self._entries) - 1)
+        if next(self._tensors, None) is not None:
+            raise TransferError(
+                f"the weight source yielded more than the {len(self._entries)} tensors its metadata listed"
+            )
+
+
+class Unpacker:
+    """Worker side: turns received buckets back into tensors and hands them to ``load_weights``.
+
+    Whole tensors are passed as views of the bucket (valid during the call only). Split
+    tensors go straight into ``load_weights.destination(name)`` when the loader offers a
+    contiguous destination; otherwise they are assembled in a temporary tensor first.
+    """
+
+    def __init__(self, manifest: Manifest, load_weights: LoadWeights) -> None:
+        self._manifest = manifest
+        self._load = load_weights
+        self._destination: Callable[[str], torch.Tensor | None] | None = getattr(
+            load_weights, "destination", None
+        )
+        self._partial: dict[int, torch.Tensor] = {}  # index -> uint8 bytes being assembled
+        self._direct: dict[int, torch.Tensor] = {}  # index -> destination written in place
+        self.delivered = 0
+
+    def unpack(self, bucket: Bucket, data: torch.Tensor) -> None:
+        batch: list[tuple[str, torch.Tensor]] = []
+        for piece in bucket.pieces:
+            entry = self._manifest.entries[piece.index]
+            if piece.whole:
+                if piece.length == 0:
+                    import torch
+
+                    tensor = torch.empty(entry.shape, dtype=entry.torch_dtype(), device=data.device)
+                else:
+                    tensor = _typed_view(data, piece, entry)
+                self._verify(piece.index, tensor)
+                batch.append((entry.name, tensor))
+                continue
+            finished = self._unpack_split(piece, entry, data)
+            if finished is not None:
+                batch.append((entry.name, finished))
+        if batch:
+            self._load(batch)
+        self.delivered += len(batch)
+
+    def _unpack_split(self, piece: Piece, entry: TensorEntry, data: torch.Tensor) -> torch.Tensor | None:
+        """Copy one chunk; return the assembled tensor when it still needs ``load_weights``."""
+        chunk = data[piece.offset : piece.offset + piece.length]
+        if piece.start == 0:
+            target = self._destination(entry.name) if self._destination is not None else None
+            if target is not None and target.is_contiguous() and entry_for(entry.name, target) == entry:
+                self._direct[piece.index] = target
+            else:
+                import torch
+
+                self._partial[piece.index] = torch.empty(entry.nbytes, dtype=torch.uint8, device=data.device)
+        last = piece.start + piece.length == entry.nbytes
+        if piece.index in self._direct:
+            target = self._direct[piece.index]
+            tensor_bytes(target)[piece.start : piece.start + piece.length].copy_(chunk)
+            if last:
+                del self._direct[piece.index]
+                self._verify(piece.index, target)
+                self.delivered += 1
+            return None
+        buffer = self._partial.get(piece.index)
+        if buffer is None:
+            raise TransferError(f"received a middle chunk of {entry.name!r} without its start")
+        buffer[piece.start : piece.start + piece.length].copy_(chunk)
+        if not last:
+            return None
+        del self._partial[piece.index]
+        tensor = buffer.view(entry.torch_dtype()).view(entry.shape)
+        self._verify(piece.index, tensor)
+        return tensor
+
+    def _verify(self, index: int, tensor: torch.Tensor) -> None:
+        checksums = self._manifest.checksums
+        if checksums is None:
+            return
+        got = tensor_checksum(tensor)
+        if got != checksums[index]:
+            raise TransferError(
+                f"checksum mismatch for {self._manifest.entries[index].name!r}: "
+                f"expected {checksums[index]:#010x}, received {got:#010x}; the data was corrupted in transit"
+            )
+
+    def finish(self) -> None:
+        """After the last bucket: every tensor of the manifest must have been delivered."""
+        expected = len(self._manifest.entries)
+        if self.delivered != expected or self._partial or self._direct:
+            raise TransferError(
+                f"round incomplete: {self.delivered} of {expected} tensors delivered"
+            )

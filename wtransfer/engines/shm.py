@@ -1,0 +1,431 @@
+"""``shm``: same-host weight sync through a ring of shared-memory buffers.
+
+The trainer creates one anonymous segment (``memfd``; elsewhere a POSIX segment that is
+unlinked the moment it is created) holding ``num_buffers`` buckets, owner-only, pre-touched
+once. Workers receive its file descriptor over a private Unix socket (``SCM_RIGHTS``) and
+map it. The segment never has a name in ``/dev/shm``, so nothing can leak, whoever is
+killed: the memory goes away with the last mapping.
+
+Per round: each worker validates the manifest and answers ``accept``/``reject``; the
+trainer packs bucket k into slot ``k % num_buffers`` and announces it; workers load it
+straight from the shared view and answer ``release``. Packing the next bucket overlaps
+the workers' loading of the current one. Every wait is bounded by ``timeout_s``; a peer
+that dies is noticed at once (its socket closes).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import selectors
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from wtransfer.engines.base import LoadWeights, WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+from wtransfer.engines.control import ControlChannel, Listener, PeerClosedError, connect
+from wtransfer.engines.loader import validate_with_loader
+from wtransfer.engines.worker import (
+    ManifestUpdateInfo,
+    check_buffer_budget,
+    check_int,
+    check_protocol,
+    check_timeout,
+    global_rank,
+)
+from wtransfer.engines.manifest import Manifest
+from wtransfer.engines.packing import Bucket, Packer, Unpacker, check_bucket_bytes, plan_buckets
+from wtransfer.engines.trainer import (
+    MIB,
+    PROTOCOL_VERSION,
+    BackgroundCall,
+    ManifestRejected,
+    TrainerWeightTransferEngine,
+)
+from wtransfer.errors import ManifestMismatchError, TransferError, TransferTimeoutError
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("wtransfer")
+
+
+@dataclass
+class SharedMemoryInitInfo(WeightTransferInitInfo):
+    """What a worker needs to join: the trainer's socket, its secret and the wire parameters."""
+
+    address: str
+    token: str
+    world_size: int
+    bucket_bytes: int
+    num_buffers: int
+    rank_offset: int = 1
+    timeout_s: float = 300.0
+    protocol_version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        owner = "SharedMemoryInitInfo"
+        check_protocol(owner, self.protocol_version)
+        if not isinstance(self.address, str) or not self.address:
+            raise ValueError(f"{owner}: 'address' must be a non-empty string, got {self.address!r}")
+        if not isinstance(self.token, str) or not self.token:
+            raise ValueError(f"{owner}: 'token' must be a non-empty string")
+        check_int(owner, "world_size", self.world_size, 2)
+        check_int(owner, "num_buffers", self.num_buffers, 1)
+        check_int(owner, "rank_offset", self.rank_offset, 0)
+        check_timeout(owner, self.timeout_s)
+        try:
+            check_bucket_bytes(self.bucket_bytes)
+        except ValueError as exc:
+            raise ValueError(f"{owner}: {exc}") from None
+
+
+def _create_segment(size: int) -> int:
+    """An owner-only shared-memory file descriptor that has no name anywhere."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("wtransfer-shm", os.MFD_CLOEXEC)
+    else:  # pragma: no cover - non-Linux
+        import _posixshmem
+
+        name = f"/wtransfer-{secrets.token_hex(8)}"
+        fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        _posixshmem.shm_unlink(name)  # unlinked at once: the fd keeps it alive, nothing can leak
+    try:
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class _Ring:
+    """A mapped segment viewed as ``num_buffers`` uint8 tensors of ``bucket_bytes`` each."""
+
+    def __init__(self, fd: int, bucket_bytes: int, num_buffers: int, populate: bool) -> None:
+        import torch
+
+        size = bucket_bytes * num_buffers
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        self._map: mmap.mmap | None = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        whole = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.slots: list[torch.Tensor] = [whole[i * bucket_bytes : (i + 1) * bucket_bytes] for i in range(num_buffers)]
+
+    def touch(self) -> None:
+        """Fault every page in now, so no round ever pays first-touch page faults."""
+        for slot in self.slots:
+            slot.fill_(0)
+
+    def close(self) -> None:
+        self.slots = []
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a caller still holds a view; the GC unmaps it later
+                logger.debug("shm ring still referenced at shutdown; unmapped when released")
+            self._map = None
+
+
+class _TrainerAborted(TransferError):
+    """The trainer called the round off (another worker failed or rejected it)."""
+
+
+class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo, ManifestUpdateInfo]):
+    """Worker side of ``shm``: maps the trainer's ring and loads buckets straight from it.
+
+    ``WeightTransferConfig.options``: ``max_buffer_bytes`` refuses rings larger than that at init.
+    """
+
+    init_info_cls = SharedMemoryInitInfo
+    update_info_cls = ManifestUpdateInfo
+    trainer_cls: type[TrainerWeightTransferEngine]  # set below
+
+    def __init__(self, config: Any, parallel_config: Any = None) -> None:
+        super().__init__(config, parallel_config)
+        self._channel: ControlChannel | None = None
+        self._ring: _Ring | None = None
+        self._info: SharedMemoryInitInfo | None = None
+        self.rank: int | None = None
+
+    def init_transfer_engine(self, init_info: SharedMemoryInitInfo) -> None:
+        if self._channel is not None:
+            raise TransferError("init_transfer_engine() was already called on this shm engine")
+        check_buffer_budget(self, init_info.bucket_bytes, init_info.num_buffers)
+        self.rank = global_rank(self, init_info.rank_offset, init_info.world_size)
+        channel = connect(init_info.address, init_info.timeout_s, "the shm trainer")
+        try:
+            channel.send(
+                {"op": "hello", "rank": self.rank, "token": init_info.token, "protocol_version": PROTOCOL_VERSION},
+                timeout=init_info.timeout_s,
+            )
+            reply = channel.recv(init_info.timeout_s)
+            fds = channel.take_fds()
+            if not reply.get("ok"):
+                for fd in fds:
+                    os.close(fd)
+                raise TransferError(f"the shm trainer refused worker rank {self.rank}: {reply.get('error')}")
+            if len(fds) != 1:
+                raise TransferError(f"expected one shared-memory descriptor from the trainer, got {len(fds)}")
+            try:
+                self._ring = _Ring(fds[0], init_info.bucket_bytes, init_info.num_buffers, populate=True)
+            finally:
+                os.close(fds[0])
+            channel.send({"op": "ready"}, timeout=init_info.timeout_s)
+        except BaseException:
+            channel.close()
+            if self._ring is not None:
+                self._ring.close()
+                self._ring = None
+            raise
+        self._channel, self._info = channel, init_info
+        logger.debug("shm worker rank %d joined (%d x %d bytes)", self.rank, init_info.num_buffers, init_info.bucket_bytes)
+
+    def receive_weights(self, update_info: ManifestUpdateInfo, load_weights: LoadWeights) -> None:
+        if self._channel is None or self._ring is None or self._info is None:
+            raise TransferError("receive_weights() before init_transfer_engine() (or after shutdown())")
+        channel, info, manifest = self._channel, self._info, update_info.parsed
+        try:
+            validate_with_loader(load_weights, manifest)
+        except ManifestMismatchError as exc:
+            channel.send({"op": "reject", "version": manifest.version, "error": str(exc)}, timeout=info.timeout_s)
+            raise
+        channel.send({"op": "accept", "version": manifest.version}, timeout=info.timeout_s)
+        buckets = plan_buckets(manifest.entries, info.bucket_bytes)
+        unpacker = Unpacker(manifest, load_weights)
+        try:
+            for bucket in buckets:
+                message = channel.recv(info.timeout_s)
+                if message.get("op") == "abort":
+                    raise _TrainerAborted(f"the trainer aborted round {manifest.version}: {message.get('reason')}")
+                if message.get("op") != "bucket" or message.get("index") != bucket.index:
+                    raise TransferError(f"protocol violation: expected bucket {bucket.index}, got {message!r}")
+                slot = self._ring.slots[message["slot"]]
+                unpacker.unpack(bucket, slot[: bucket.nbytes])
+                channel.send({"op": "release", "index": bucket.index}, timeout=info.timeout_s)
+            unpacker.finish()
+        except (PeerClosedError, _TrainerAborted) as exc:
+            raise TransferError(
+                f"round {manifest.version} failed on worker rank {self.rank}: {exc}; weight_version stays "
+                f"{self.weight_version}"
+            ) from exc
+        except BaseException as exc:
+            try:  # tell the trainer at once instead of letting it wait for the timeout
+                channel.send({"op": "fail", "error": f"{type(exc).__name__}: {exc}"}, timeout=1.0)
+            except TransferError:
+                pass
+            raise
+
+    def shutdown(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
+
+
+class SharedMemoryTrainer(TrainerWeightTransferEngine):
+    """Trainer side of ``shm``: owns the ring and the control socket."""
+
+    backend = "shm"
+    default_bucket_bytes = 64 * MIB
+    default_num_buffers = 2
+
+    def _prepare(self) -> dict[str, Any]:
+        self._listener: Listener | None = Listener(f"wtransfer-shm-{os.getpid()}-{secrets.token_hex(8)}")
+        self._channels: dict[int, ControlChannel] = {}
+        self._token = secrets.token_hex(16)
+        self._fd: int | None = _create_segment(self.bucket_bytes * self.num_buffers)
+        self._ring: _Ring | None = _Ring(self._fd, self.bucket_bytes, self.num_buffers, populate=False)
+        self._ring.touch()
+        self._selector = selectors.DefaultSelector()
+        return {
+            "address": self._listener.address,
+            "token": self._token,
+            "world_size": self.world_size,
+            "bucket_bytes": self.bucket_bytes,
+            "num_buffers": self.num_buffers,
+            "rank_offset": 1,
+            "timeout_s": self.timeout_s,
+            "protocol_version": PROTOCOL_VERSION,
+        }
+
+    # -- rendezvous ------------------------------------------------------------------------
+    def _rendezvous(self, call: BackgroundCall) -> None:
+        assert self._listener is not None and self._fd is not None
+        pending: dict[int, ControlChannel] = {}  # fileno -> channel not yet identified
+        ready: set[int] = set()
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while len(ready) < self.num_workers:
+                call.raise_if_failed()
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(1, self.world_size)) - ready)
+                    raise TransferTimeoutError(
+                        f"shm rendezvous: worker rank(s) {missing} did not join within {self.timeout_s:g} s"
+                    )
+                for key, _ in self._selector.select(0.05):
+                    if key.fileobj is self._listener:
+                        channel = ControlChannel(self._listener.accept(), "an shm worker")
+                        pending[channel.fileno()] = channel
+                        self._selector.register(channel, selectors.EVENT_READ, None)
+                        continue
+                    channel = key.fileobj  # type: ignore[assignment]
+                    try:
+                        messages = channel.read_ready()
+                    except PeerClosedError:
+                        self._selector.unregister(channel)
+                        pending.pop(channel.fileno(), None)
+                        if channel in self._channels.values():
+                            raise
+                        channel.close()
+                        continue
+                    for message in messages:
+                        self._handshake(channel, message, pending, ready)
+        finally:
+            for key in list(self._selector.get_map().values()):
+                self._selector.unregister(key.fileobj)
+            for channel in pending.values():
+                channel.close()
+        for rank, channel in self._channels.items():  # from now on, events carry the rank
+            self._selector.register(channel, selectors.EVENT_READ, rank)
+        # Everyone has mapped the segment: drop the listener and our descriptor.
+        self._listener.close()
+        self._listener = None
+        os.close(self._fd)
+        self._fd = None
+
+    def _handshake(
+        self, channel: ControlChannel, message: dict[str, Any], pending: dict[int, ControlChannel], ready: set[int]
+    ) -> None:
+        op = message.get("op")
+        if op == "hello":
+            rank = message.get("rank")
+            problem = None
+            if message.get("token") != self._token:
+                problem = "wrong token (init_info from another trainer?)"
+            elif message.get("protocol_version") != PROTOCOL_VERSION:
+                problem = f"protocol {message.get('protocol_version')!r} != {PROTOCOL_VERSION}"
+            elif not isinstance(rank, int) or not 0 < rank < self.world_size:
+                problem = f"rank {rank!r} outside 1..{self.world_size - 1}"
+            elif rank in self._channels:
+                problem = f"rank {rank} joined twice; check every worker's ParallelConfig"
+            if problem is not None:
+                channel.send({"ok": False, "error": problem}, timeout=self.timeout_s)
+                return
+            assert self._fd is not None
+            channel.peer = f"shm worker rank {rank}"
+            channel.send({"ok": True}, fds=[self._fd], timeout=self.timeout_s)
+            pending.pop(channel.fileno())
+            self._channels[rank] = channel
+        elif op == "ready":
+            ready.add(next(r for r, c in self._channels.items() if c is channel))
+        else:
+            raise TransferError(f"unexpected message during shm rendezvous: {message!r}")
+
+    # -- one round ----------------------------------------------------------------------------
+    def _pump(self, done: Callable[[], bool], call: BackgroundCall, what: str, handle: Callable[[int, dict[str, Any]], None]) -> None:
+        """Dispatch workers' messages until ``done()``; bounded by ``timeout_s``, aborted by client failure."""
+        deadline = time.monotonic() + self.timeout_s
+        for rank, channel in self._channels.items():  # messages that arrived together with earlier ones
+            for message in channel.pending():
+                handle(rank, message)
+        while not done():
+            call.raise_if_failed()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransferTimeoutError(f"shm trainer: {what} took longer than {self.timeout_s:g} s")
+            for key, _ in self._selector.select(min(remaining, 0.05)):
+                rank = key.data
+                try:
+                    messages = key.fileobj.read_ready()  # type: ignore[union-attr]
+                except PeerClosedError as exc:
+                    raise TransferError(f"shm worker rank {rank} died or disconnected while {what}: {exc}") from exc
+                for message in messages:
+                    handle(rank, message)
+
+    def _send_round(self, manifest: Manifest, buckets: list[Bucket], call: BackgroundCall) -> None:
+        try:
+            self._send_buckets(manifest, buckets, call)
+        except ManifestRejected:
+            raise  # the workers that accepted were already told
+        except BaseException as exc:
+            self._abort(f"{type(exc).__name__}: {exc}")
+            raise
+
+    def _send_buckets(self, manifest: Manifest, buckets: list[Bucket], call: BackgroundCall) -> None:
+        assert self._ring is not None
+        answers: dict[int, str | None] = {}  # rank -> None (accepted) or the rejection
+        holders: list[set[int]] = [set() for _ in self._ring.slots]  # ranks still reading each slot
+        slot_of: dict[int, int] = {}
+
+        def handle(rank: int, message: dict[str, Any]) -> None:
+            op = message.get("op")
+            if op == "accept":
+                answers[rank] = None
+            elif op == "reject":
+                answers[rank] = str(message.get("error"))
+            elif op == "release":
+                holders[slot_of[message["index"]]].discard(rank)
+            elif op == "fail":
+                raise TransferError(f"shm worker rank {rank} failed round {manifest.version}: {message.get('error')}")
+            else:
+                raise TransferError(f"unexpected message from shm worker rank {rank}: {message!r}")
+
+        self._pump(lambda: len(answers) == self.num_workers, call, "waiting for workers to accept the manifest", handle)
+        rejected = {rank: reason for rank, reason in answers.items() if reason is not None}
+        if rejected:
+            reasons = "; ".join(f"rank {rank}: {reason}" for rank, reason in sorted(rejected.items()))
+            self._abort("a worker rejected the manifest", only=[r for r in answers if r not in rejected])
+            raise ManifestRejected(f"round {manifest.version} rejected: {reasons}")
+        packer = Packer(manifest, iter(self.source))
+        workers = set(self._channels)
+        for bucket in buckets:
+            slot = bucket.index % len(self._ring.slots)
+            if holders[slot]:
+                self._pump(lambda: not holders[slot], call, f"waiting for workers to release buffer {slot}", handle)
+            packer.pack(bucket, self._ring.slots[slot])
+            slot_of[bucket.index] = slot
+            holders[slot] = set(workers)
+            message = {"op": "bucket", "index": bucket.index, "slot": slot}
+            for rank, channel in self._channels.items():
+                try:
+                    channel.send(message, timeout=self.timeout_s)
+                except PeerClosedError as exc:
+                    raise TransferError(f"shm worker rank {rank} died during round {manifest.version}: {exc}") from exc
+        packer.drain()
+        self._pump(lambda: not any(holders), call, "waiting for workers to load the last buckets", handle)
+
+    def _abort(self, reason: str, only: list[int] | None = None) -> None:
+        """Best effort: tell live workers to drop the round (they raise, keeping their version)."""
+        for rank, channel in self._channels.items():
+            if only is not None and rank not in only:
+                continue
+            try:
+                channel.send({"op": "abort", "reason": reason}, timeout=1.0)
+            except TransferError:
+                pass
+
+    def _release(self) -> None:
+        for channel in getattr(self, "_channels", {}).values():
+            channel.close()
+        self._channels = {}
+        if getattr(self, "_listener", None) is not None:
+            self._listener.close()
+            self._listener = None
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+            self._fd = None
+        if getattr(self, "_ring", None) is not None:
+            self._ring.close()
+            self._ring = None
+        if getattr(self, "_selector", None) is not None:
+            self._selector.close()
+            self._selector = None
+
+
+SharedMemoryWeightTransferEngine.trainer_cls = SharedMemoryTrainer

@@ -1,0 +1,358 @@
+"""The trainer side of a weight-transfer backend, and ``create_trainer``.
+
+A backend declares ONE entry point, naming its worker engine class; that class's
+``trainer_cls`` attribute names the trainer side. So a separately installed backend
+(``wtransfer-nccl``) is found by ``create_trainer("nccl", ...)`` without any registration.
+
+The trainer owns the wire parameters (bucket size, number of buffers, protocol version):
+it derives the workers' init dict from its own ``init_info`` and sends it through the
+user's :class:`~wtransfer.engines.client.WeightSyncClient`. Client calls may block until
+all workers are done, so each runs in a background thread while the engine does its own
+side; a client call that raises aborts the engine's side promptly.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from wtransfer.engines.client import WeightSyncClient
+from wtransfer.engines.manifest import Manifest, TensorEntry, build_manifest, tensor_checksum
+from wtransfer.engines.packing import Bucket, check_bucket_bytes, plan_buckets
+from wtransfer.engines.source import ModuleSource, TensorSource, WeightSource
+from wtransfer.errors import TransferError, TransferTimeoutError, WTransferError
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+logger = logging.getLogger("wtransfer")
+
+PROTOCOL_VERSION = 1
+"""Bumped whenever the trainer/worker wire protocol changes; workers refuse other versions."""
+
+MIB = 1 << 20
+
+
+class NoTrainerSideError(WTransferError, ValueError):
+    """The named engine only has a worker side (its class sets no ``trainer_cls``)."""
+
+
+class BackgroundCall:
+    """Run one (possibly blocking) client call in a daemon thread and watch it."""
+
+    def __init__(self, what: str, function: Callable[..., Any], *args: Any) -> None:
+        self.what = what
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(function, args), name=f"wtransfer-{what}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, function: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            self._result = function(*args)
+        except BaseException as exc:  # re-raised in the trainer's thread
+            self._error = exc
+        finally:
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error if self._done.is_set() else None
+
+    def raise_if_failed(self) -> None:
+        """Called from the engine's wait loops, so a failed client call stops the round promptly."""
+        if self._done.is_set() and self._error is not None:
+            raise self._error
+
+    def result(self, timeout: float) -> Any:
+        if not self._done.wait(timeout):
+            raise TransferTimeoutError(
+                f"client.{self.what}() did not return within {timeout:g} s; the workers may be "
+                f"stuck or dead (raise timeout_s in init_info if they are just slow)"
+            )
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"init_info {name!r} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def as_source(source: Any) -> WeightSource:
+    """Accept a WeightSource, a torch module or a name -> tensor mapping."""
+    if isinstance(source, WeightSource):
+        return source
+    if isinstance(source, Mapping):
+        return TensorSource(source)
+    import torch
+
+    if isinstance(source, torch.nn.Module):
+        return ModuleSource(source)
+    raise TypeError(
+        f"source must be a WeightSource (e.g. ModuleSource(model)), a torch.nn.Module or a "
+        f"name -> tensor mapping, got {type(source).__name__}"
+    )
+
+
+class TrainerWeightTransferEngine(ABC):
+    """Trainer side of a backend: rendezvous at creation, one whole round per ``send_weights()``.
+
+    Subclasses implement ``_prepare`` (allocate, return the workers' init dict),
+    ``_rendezvous`` (wait for the workers to join), ``_send_round`` and ``_release``.
+    """
+
+    backend: ClassVar[str] = "?"
+    default_bucket_bytes: ClassVar[int] = 32 * MIB
+    default_num_buffers: ClassVar[int] = 2
+    backend_init_defaults: ClassVar[dict[str, Any]] = {}
+    """Backend-specific ``init_info`` keys and their defaults (e.g. gloo's ``master_port``)."""
+
+    def __init__(
+        self,
+        *,
+        client: WeightSyncClient,
+        source: WeightSource | Any,
+        init_info: Mapping[str, Any] | None = None,
+        checksums: bool = False,
+        is_checkpoint_format: bool = True,
+    ) -> None:
+        missing = [
+            m for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
+            if not callable(getattr(client, m, None))
+        ]
+        if missing:
+            raise TypeError(
+                f"client {type(client).__name__} does not implement WeightSyncClient: missing {', '.join(missing)}"
+            )
+        self.client = client
+        self.source = as_source(source)
+        self.init_info = self._parse_init_info(dict(init_info or {}))
+        self.world_size: int = self.init_info["world_size"]
+        self.timeout_s: float = self.init_info["timeout_s"]
+        self.bucket_bytes: int = self.init_info["bucket_bytes"]
+        self.num_buffers: int = self.init_info["num_buffers"]
+        self.checksums = bool(checksums)
+        self.is_checkpoint_format = bool(is_checkpoint_format)
+        self.weight_version = 0
+        self._broken: str | None = None
+        self._closed = False
+        self._connected = False
+
+    # -- configuration -----------------------------------------------------------------
+    def _parse_init_info(self, info: dict[str, Any]) -> dict[str, Any]:
+        defaults: dict[str, Any] = {
+            "timeout_s": 300.0,
+            "bucket_bytes": self.default_bucket_bytes,
+            "num_buffers": self.default_num_buffers,
+            **self.backend_init_defaults,
+        }
+        accepted = {"world_size", *defaults}
+        unknown = sorted(set(info) - accepted)
+        if unknown:
+            raise ValueError(
+                f"Invalid init_info for the {self.backend} trainer: unknown key(s) {', '.join(unknown)}. "
+                f"Accepted: {', '.join(sorted(accepted))}"
+            )
+        if "world_size" not in info:
+            raise ValueError(
+                f"init_info for the {self.backend} trainer needs 'world_size' "
+                f"(the trainer plus every worker process, e.g. 1 + number of workers)"
+            )
+        merged = {**defaults, **info}
+        _positive_int("world_size", merged["world_size"], minimum=2)
+        timeout = merged["timeout_s"]
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            raise ValueError(f"init_info 'timeout_s' must be a positive number, got {timeout!r}")
+        merged["timeout_s"] = float(timeout)
+        check_bucket_bytes(merged["bucket_bytes"])
+        _positive_int("num_buffers", merged["num_buffers"])
+        return merged
+
+    @property
+    def num_workers(self) -> int:
+        return self.world_size - 1
+
+    # -- life cycle ---------------------------------------------------------------------
+    def connect(self) -> None:
+        """Rendezvous with the workers through ``client.init_weight_transfer_engine``."""
+        if self._connected:
+            return
+        try:
+            worker_info = self._prepare()
+            call = BackgroundCall("init_weight_transfer_engine", self.client.init_weight_transfer_engine, worker_info)
+            try:
+                self._rendezvous(call)
+            except BaseException as exc:
+                self._raise_preferring_client(exc, call)
+            call.result(self.timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._connected = True
+
+    def send_weights(self) -> dict[str, Any]:
+        """Run one whole update round; returns its stats (bytes, tensors, seconds, GB/s, buckets)."""
+        from wtransfer.registry.manager import notify
+
+        if self._closed:
+            raise TransferError(f"this {self.backend} trainer was shut down; create a new one")
+        if self._broken is not None:
+            raise TransferError(
+                f"this {self.backend} trainer is unusable after an earlier failure ({self._broken}); "
+                f"shut it down and create a new one (and restart the workers' engines)"
+            )
+        try:
+            stats = self._run_round()
+        except BaseException as exc:
+            notify("wtransfer_update_failed", error=exc)
+            raise
+        notify("wtransfer_update_finished", stats=stats)
+        return stats
+
+    def _run_round(self) -> dict[str, Any]:
+        entries = self.source.metadata()
+        manifest = self._manifest(entries)
+        buckets = plan_buckets(manifest.entries, self.bucket_bytes)
+        update_info = self._update_info(manifest)
+        started = time.perf_counter()
+        BackgroundCall("start_weight_update", self.client.start_weight_update).result(self.timeout_s)
+        call = BackgroundCall("update_weights", self.client.update_weights, update_info)
+        try:
+            self._send_round(manifest, buckets, call)
+        except BaseException as exc:
+            self._raise_preferring_client(exc, call)
+        call.result(self.timeout_s)
+        BackgroundCall("finish_weight_update", self.client.finish_weight_update).result(self.timeout_s)
+        seconds = time.perf_counter() - started
+        self.weight_version = manifest.version
+        total = manifest.total_bytes
+        return {
+            "backend": self.backend,
+            "version": manifest.version,
+            "workers": self.num_workers,
+            "tensors": len(manifest.entries),
+            "bytes": total,
+            "buckets": len(buckets),
+            "bucket_bytes": self.bucket_bytes,
+            "num_buffers": self.num_buffers,
+            "seconds": seconds,
+            "gb_per_s": total / seconds / 1e9 if seconds > 0 else 0.0,
+        }
+
+    def _manifest(self, entries: list[TensorEntry]) -> Manifest:
+        checksums = None
+        if self.checksums:
+            checksums = [tensor_checksum(tensor) for _, tensor in self.source]
+        return build_manifest(entries, self.weight_version + 1, checksums)
+
+    def _update_info(self, manifest: Manifest) -> dict[str, Any]:
+        """The JSON-safe dict every worker's ``parse_update_info`` receives."""
+        return {"manifest": manifest.to_dict(), "is_checkpoint_format": self.is_checkpoint_format}
+
+    def _raise_preferring_client(self, exc: BaseException, call: BackgroundCall) -> None:
+        """Re-raise a failure, preferring the client's own error: it carries the workers' reason."""
+        if isinstance(exc, ManifestRejected):
+            # A clean abort: every side stopped before any data moved; the engine stays usable.
+            call._done.wait(self.timeout_s)
+            if call.error is not None:
+                raise call.error from None
+            raise TransferError(str(exc)) from exc
+        if not isinstance(exc, KeyboardInterrupt):
+            self._broken = f"{type(exc).__name__}: {exc}"
+        call._done.wait(min(self.timeout_s, 5.0))
+        if call.error is not None and call.error is not exc:
+            raise call.error from exc
+        raise exc
+
+    def shutdown(self) -> None:
+        """Release every resource (idempotent). The workers' engines are shut down by their owner."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._release()
+        except Exception:
+            logger.exception("Error while releasing the %s trainer's resources", self.backend)
+
+    def __enter__(self) -> TrainerWeightTransferEngine:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.shutdown()
+
+    # -- backend hooks -----------------------------------------------------------------------
+    @abstractmethod
+    def _prepare(self) -> dict[str, Any]:
+        """Allocate the transport; return the JSON-safe init dict for every worker."""
+
+    @abstractmethod
+    def _rendezvous(self, call: BackgroundCall) -> None:
+        """Wait (bounded by ``timeout_s``) until every worker joined; watch ``call`` for failure."""
+
+    @abstractmethod
+    def _send_round(self, manifest: Manifest, buckets: list[Bucket], call: BackgroundCall) -> None:
+        """Move one round's buckets; raise :class:`ManifestRejected` on a clean abort."""
+
+    @abstractmethod
+    def _release(self) -> None:
+        """Free buffers, sockets and groups."""
+
+
+class ManifestRejected(TransferError):
+    """A worker refused the round's manifest; every side stopped before data moved."""
+
+
+def create_trainer(
+    backend: str,
+    *,
+    client: WeightSyncClient,
+    source: WeightSource | Any,
+    init_info: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> TrainerWeightTransferEngine:
+    """Create the trainer side of ``backend`` and rendezvous with the workers.
+
+    ``backend`` is a bare or qualified engine name; its worker class's ``trainer_cls``
+    is used. ``options`` are trainer options: ``checksums`` (per-tensor CRC32 in the
+    manifest, verified by workers) and ``is_checkpoint_format``.
+    """
+    from wtransfer.registry.kinds import ENGINES
+    from wtransfer.registry.manager import notify
+    from wtransfer.registry.registry import registry_for
+
+    engine_cls = registry_for(ENGINES).get_class(backend)
+    trainer_cls = getattr(engine_cls, "trainer_cls", None)
+    if trainer_cls is None:
+        raise NoTrainerSideError(
+            f"Engine {backend!r} ({engine_cls.__module__}.{engine_cls.__qualname__}) has no trainer "
+            f"side: its class sets no 'trainer_cls'. Use a backend that has one (shm, gloo, nccl) "
+            f"or drive this engine's workers with the trainer code its plugin documents."
+        )
+    accepted = {"checksums", "is_checkpoint_format"}
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise TypeError(
+            f"create_trainer() got unknown option(s) {', '.join(unknown)}; accepted: {', '.join(sorted(accepted))}. "
+            f"Transport settings (world_size, bucket_bytes, ...) go in init_info."
+        )
+    trainer = trainer_cls(client=client, source=source, init_info=init_info, **options)
+    trainer.connect()
+    logger.info("Created %s trainer for %d worker(s)", backend, trainer.num_workers)
+    notify(ENGINES.created_hook, engine=trainer)
+    return trainer

@@ -1,0 +1,68 @@
+"""Worker-side helpers shared by the built-in engines (and reusable by plugins).
+
+The update info every built-in engine receives (the manifest), the seed's rank rule,
+and the checks that let a worker refuse wire parameters at init rather than mid-round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from wtransfer.engines.base import WeightTransferEngine, WeightTransferUpdateInfo
+from wtransfer.engines.manifest import Manifest
+from wtransfer.engines.trainer import PROTOCOL_VERSION
+
+
+def check_int(owner: str, name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{owner}: {name!r} must be an int >= {minimum}, got {value!r}")
+
+
+def check_timeout(owner: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{owner}: 'timeout_s' must be a positive number, got {value!r}")
+
+
+def check_protocol(owner: str, version: Any) -> None:
+    if version != PROTOCOL_VERSION:
+        raise ValueError(
+            f"{owner}: the trainer speaks protocol {version!r} but this worker speaks "
+            f"{PROTOCOL_VERSION}; install the same wtransfer version on both sides"
+        )
+
+
+@dataclass
+class ManifestUpdateInfo(WeightTransferUpdateInfo):
+    """Per-round info shared by the built-in engines: the manifest as its JSON dict."""
+
+    manifest: dict[str, Any]
+    parsed: Manifest = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.parsed = Manifest.from_dict(self.manifest)
+
+
+def global_rank(engine: WeightTransferEngine, rank_offset: int, world_size: int) -> int:
+    """The seed's rank rule: ``dp_index * tp_world_size + rank + rank_offset``, range-checked."""
+    parallel = engine.parallel_config
+    rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + rank_offset
+    if not 0 < rank < world_size:
+        raise ValueError(
+            f"{type(engine).__name__}: this worker's rank {rank} (data_parallel_index "
+            f"{parallel.data_parallel_index} x world_size {parallel.world_size} + rank {parallel.rank} "
+            f"+ rank_offset {rank_offset}) is outside 1..{world_size - 1}; check the trainer's "
+            f"'world_size' (trainer + every worker process) and each worker's ParallelConfig"
+        )
+    return rank
+
+
+def check_buffer_budget(engine: WeightTransferEngine, bucket_bytes: int, num_buffers: int) -> None:
+    """Refuse at init (never mid-transfer) wire parameters this worker was told not to accept."""
+    limit = engine.config.options.get("max_buffer_bytes")
+    if limit is not None and bucket_bytes * num_buffers > int(limit):
+        raise ValueError(
+            f"{type(engine).__name__}: the trainer asks for {num_buffers} x {bucket_bytes} bytes of "
+            f"buffers, over this worker's max_buffer_bytes={int(limit)}; lower the trainer's "
+            f"bucket_bytes/num_buffers or raise the worker's limit"
+        )

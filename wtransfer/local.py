@@ -1,0 +1,403 @@
+"""A local worker pool: N spawned inference-worker processes behind a ``WeightSyncClient``.
+
+For the CLI (``wtransfer bench``), examples and tests. Each worker process builds its own
+model with a user-given factory (``"package.module:function"`` or a module-level
+function), creates a worker engine with ``ParallelConfig(rank, num_workers, 0)`` and
+serves the four ``WeightSyncClient`` calls over a pipe. Only JSON travels on the pipe
+(``send_bytes``/``recv_bytes``): no user object is ever pickled.
+
+    with LocalWorkerPool(2, "mypkg.models:make_model", backend="shm") as pool:
+        trainer = wtransfer.create_trainer("shm", client=pool, source=ModuleSource(model),
+                                           init_info={"world_size": pool.world_size})
+        trainer.send_weights()
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING, Any
+
+from wtransfer.errors import ManifestMismatchError, TransferError, TransferTimeoutError
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+logger = logging.getLogger("wtransfer")
+
+# Errors a worker reports are rebuilt in the parent by name (never unpickled).
+_ERROR_TYPES: dict[str, type[BaseException]] = {
+    "ManifestMismatchError": ManifestMismatchError,
+    "TransferTimeoutError": TransferTimeoutError,
+    "TransferError": TransferError,
+    "ValueError": ValueError,
+    "TypeError": TypeError,
+}
+
+
+class PeakRss:
+    """Peak resident memory of this process since ``reset()``.
+
+    Uses the kernel's high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``)
+    where allowed, which sees every spike; otherwise samples every millisecond.
+    """
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._process = psutil.Process()
+        self._kernel = self._reset_kernel_peak()
+        self._sampled = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.baseline = self.current()
+
+    @staticmethod
+    def _reset_kernel_peak() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as handle:
+                handle.write("5")
+            return True
+        except OSError:
+            return False
+
+    def current(self) -> int:
+        return int(self._process.memory_info().rss)
+
+    def reset(self) -> None:
+        """Start a new measurement from the current RSS."""
+        self.baseline = self.current()
+        self._sampled = self.baseline
+        if self._kernel:
+            self._kernel = self._reset_kernel_peak()
+        if not self._kernel and self._thread is None:
+            self._thread = threading.Thread(target=self._sample, name="wtransfer-rss", daemon=True)
+            self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self._sampled = max(self._sampled, self.current())
+
+    def peak(self) -> int:
+        if self._kernel:
+            with open("/proc/self/status") as handle:
+                for line in handle:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        return max(self._sampled, self.current())
+
+    def extra(self) -> int:
+        """Peak minus the RSS at ``reset()``: what the measured work added."""
+        return max(self.peak() - self.baseline, 0)
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def open_fd_count() -> int:
+    """Open file descriptors of this process (for leak checks)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:  # pragma: no cover - non-Linux
+        import psutil
+
+        return int(psutil.Process().num_fds())
+
+
+def factory_reference(factory: Callable[..., Any] | str) -> str:
+    """``"module:qualname"`` for a module-level function (what a spawned child can import)."""
+    if isinstance(factory, str):
+        if ":" not in factory:
+            raise ValueError(f"model factory {factory!r} must look like 'package.module:function'")
+        return factory
+    module, qualname = getattr(factory, "__module__", None), getattr(factory, "__qualname__", "")
+    if not module or "<" in qualname:
+        raise ValueError(
+            f"model factory {factory!r} must be a module-level function (not a lambda or a closure) "
+            f"so the worker processes can import it; or pass 'package.module:function'"
+        )
+    return f"{module}:{qualname}"
+
+
+def _resolve(reference: str) -> Callable[..., Any]:
+    module_name, _, qualname = reference.partition(":")
+    target: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def _send(conn: Connection, message: dict[str, Any]) -> None:
+    conn.send_bytes(json.dumps(message).encode())
+
+
+def _error_reply(exc: BaseException) -> dict[str, Any]:
+    return {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+
+
+def _worker_main(
+    conn: Connection,
+    factory: str,
+    factory_kwargs: str,
+    backend: str,
+    engine_options: str,
+    rank: int,
+    num_workers: int,
+    strict: bool,
+    torch_threads: int,
+) -> None:
+    """Entry point of one worker process: build the model and the engine, then serve requests."""
+    import torch
+
+    from wtransfer.config import ParallelConfig, WeightTransferConfig
+    from wtransfer.engines.factory import WeightTransferEngineFactory
+    from wtransfer.engines.loader import module_loader
+    from wtransfer.engines.manifest import tensor_checksum
+
+    if torch_threads > 0:
+        torch.set_num_threads(torch_threads)
+    try:
+        model = _resolve(factory)(**json.loads(factory_kwargs))
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model factory {factory} returned {type(model).__name__}, not a torch.nn.Module")
+        load_weights = module_loader(model, strict=strict)
+        rss = PeakRss()
+        engine = WeightTransferEngineFactory.create_engine(
+            WeightTransferConfig(backend=backend, options=json.loads(engine_options)),
+            ParallelConfig(rank=rank, world_size=num_workers, data_parallel_index=0),
+        )
+    except BaseException as exc:
+        _send(conn, _error_reply(exc))
+        return
+    _send(conn, {"ok": True, "pid": os.getpid()})
+
+    def handle(op: str, info: Any) -> dict[str, Any]:
+        if op == "init":
+            engine.init_transfer_engine(engine.parse_init_info(info))
+        elif op == "start":
+            engine.start_weight_update()
+        elif op == "update":
+            engine.receive_weights(engine.parse_update_info(info), load_weights)
+        elif op == "finish":
+            engine.finish_weight_update()
+        elif op == "digests":
+            seen: set[int] = set()
+            digests = {}
+            for name, tensor in model.state_dict(keep_vars=True).items():
+                if id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    digests[name] = tensor_checksum(tensor.detach())
+            return {"digests": digests}
+        elif op == "stats":
+            return {
+                "pid": os.getpid(),
+                "rss": rss.current(),
+                "peak_extra_rss": rss.extra(),
+                "fds": open_fd_count(),
+                "weight_version": engine.weight_version,
+            }
+        elif op == "reset_peak":
+            rss.reset()
+        else:
+            raise ValueError(f"unknown local-pool request {op!r}")
+        return {"weight_version": engine.weight_version}
+
+    try:
+        while True:
+            try:
+                request = json.loads(conn.recv_bytes())
+            except EOFError:  # the parent is gone
+                break
+            op = request.get("op")
+            if op == "shutdown":
+                break
+            try:
+                reply = {"ok": True, **handle(op, request.get("info"))}
+            except BaseException as exc:
+                logger.debug("local worker %d: %s failed: %s", rank, op, exc)
+                reply = _error_reply(exc)
+            _send(conn, reply)
+    finally:
+        engine.shutdown()
+        try:
+            _send(conn, {"ok": True, "bye": True})
+        except OSError:
+            pass
+
+
+class LocalWorkerPool:
+    """``num_workers`` spawned worker processes, driven as one :class:`WeightSyncClient`.
+
+    ``world_size`` (trainer + workers) is what the trainer's ``init_info`` needs.
+    ``engine_options`` become ``WeightTransferConfig.options`` in every worker;
+    ``torch_threads`` > 0 pins each worker's intra-op threads (useful on small machines).
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        model_factory: Callable[..., Any] | str,
+        *,
+        backend: str = "shm",
+        factory_kwargs: dict[str, Any] | None = None,
+        engine_options: dict[str, Any] | None = None,
+        strict: bool = True,
+        timeout_s: float = 300.0,
+        start_timeout_s: float = 120.0,
+        torch_threads: int = 0,
+    ) -> None:
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+        self.num_workers = num_workers
+        self.backend = backend
+        self.timeout_s = float(timeout_s)
+        self._lock = threading.Lock()
+        self._closed = False
+        context = multiprocessing.get_context("spawn")
+        reference = factory_reference(model_factory)
+        self._conns: list[Connection] = []
+        self._processes: list[multiprocessing.process.BaseProcess] = []
+        try:
+            for rank in range(num_workers):
+                parent, child = context.Pipe()
+                process = context.Process(
+                    target=_worker_main,
+                    args=(child, reference, json.dumps(factory_kwargs or {}), backend,
+                          json.dumps(engine_options or {}), rank, num_workers, strict, torch_threads),
+                    name=f"wtransfer-worker-{rank}",
+                    daemon=True,
+                )
+                process.start()
+                child.close()
+                self._conns.append(parent)
+                self._processes.append(process)
+            self.pids = [reply["pid"] for reply in self._collect("start", start_timeout_s)]
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def world_size(self) -> int:
+        """Trainer + workers: the ``world_size`` a trainer's ``init_info`` needs."""
+        return self.num_workers + 1
+
+    @property
+    def processes(self) -> list[multiprocessing.process.BaseProcess]:
+        return list(self._processes)
+
+    # -- the WeightSyncClient protocol ---------------------------------------------------------
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> list[dict[str, Any]]:
+        return self.request("init", init_info)
+
+    def start_weight_update(self) -> list[dict[str, Any]]:
+        return self.request("start")
+
+    def update_weights(self, update_info: dict[str, Any]) -> list[dict[str, Any]]:
+        return self.request("update", update_info)
+
+    def finish_weight_update(self) -> list[dict[str, Any]]:
+        return self.request("finish")
+
+    # -- extras for benchmarks and tests --------------------------------------------------------
+    def digests(self) -> list[dict[str, int]]:
+        """Per worker: CRC32 of every tensor of its model (bit-exact verification)."""
+        return [reply["digests"] for reply in self.request("digests")]
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Per worker: pid, rss, peak_extra_rss (since reset_peak), open fds, weight_version."""
+        return self.request("stats")
+
+    def reset_peak(self) -> None:
+        self.request("reset_peak")
+
+    def request(self, op: str, info: Any = None) -> list[dict[str, Any]]:
+        """Send one request to every worker and wait (bounded) for all replies."""
+        if self._closed:
+            raise TransferError("the local worker pool was shut down")
+        with self._lock:
+            for rank, conn in enumerate(self._conns):
+                try:
+                    _send(conn, {"op": op, "info": info})
+                except OSError as exc:
+                    raise TransferError(f"local worker {rank} is gone ({self._exit_status(rank)})") from exc
+            return self._collect(op, self.timeout_s)
+
+    def _exit_status(self, rank: int) -> str:
+        process = self._processes[rank]
+        process.join(0.5)
+        return f"pid {process.pid}, exit code {process.exitcode}"
+
+    def _collect(self, op: str, timeout: float) -> list[dict[str, Any]]:
+        replies: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        waiting = {conn: rank for rank, conn in enumerate(self._conns)}
+        sentinels = {self._processes[rank].sentinel: rank for rank in waiting.values()}
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransferTimeoutError(
+                    f"local worker(s) {sorted(waiting.values())} did not answer {op!r} within {timeout:g} s"
+                )
+            ready = wait([*waiting, *sentinels], remaining)
+            for item in ready:
+                if item in waiting:
+                    rank = waiting.pop(item)  # type: ignore[call-overload]
+                    try:
+                        replies[rank] = json.loads(item.recv_bytes())  # type: ignore[union-attr]
+                    except (EOFError, OSError) as exc:
+                        raise TransferError(
+                            f"local worker {rank} died during {op!r} ({self._exit_status(rank)})"
+                        ) from exc
+                elif item in sentinels:
+                    rank = sentinels.pop(item)  # type: ignore[call-overload]
+                    if any(r == rank for r in waiting.values()):
+                        conn = self._conns[rank]
+                        if conn.poll(0):  # it answered before exiting
+                            continue
+                        raise TransferError(f"local worker {rank} died during {op!r} ({self._exit_status(rank)})")
+        failures = [(rank, reply) for rank, reply in sorted(replies.items()) if not reply.get("ok")]
+        if failures:
+            rank, first = failures[0]
+            error_type = _ERROR_TYPES.get(first.get("type", ""), TransferError)
+            details = "; ".join(f"worker {r}: {f.get('type')}: {f.get('message')}" for r, f in failures)
+            raise error_type(f"{op!r} failed on {len(failures)} worker(s): {details}")
+        return [replies[rank] for rank in range(len(self._conns))]
+
+    # -- life cycle ----------------------------------------------------------------------------------
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop every worker (their engines shut down first); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self._conns:
+            try:
+                _send(conn, {"op": "shutdown"})
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout
+        for process in self._processes:
+            process.join(max(deadline - time.monotonic(), 0.1))
+            if process.is_alive():
+                logger.warning("local worker pid %s did not stop; killing it", process.pid)
+                process.kill()
+                process.join(5)
+        for conn in self._conns:
+            conn.close()
+
+    def __enter__(self) -> LocalWorkerPool:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.shutdown()
+
+
+__all__ = ["LocalWorkerPool", "PeakRss", "factory_reference", "open_fd_count"]
