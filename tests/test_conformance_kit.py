@@ -110,3 +110,15 @@ def test_fixtures_isolate_registrations_and_distributions(tmp_path: Path):
     assert "4 passed" in out.stdout
     assert "leak-probe" not in registry_for("engines").names()
     assert "probe" not in {i.name for i in wtransfer.list_components("engines")}
+
+
+def test_example_plugin_passes_its_own_conformance_suite(installed_example: Path, example_plugin_source: Path):
+    """The plugin-author workflow end to end: build, pip install, run the plugin's own tests."""
+    import os
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(installed_example),
+                                                                     os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+                         cwd=example_plugin_source, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert " passed" in out.stdout and "failed" not in out.stdout

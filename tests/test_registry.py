@@ -400,26 +400,6 @@ def test_trace_logs_hook_calls(tmp_path: Path):
 
 # -- a real pip-installed plugin, discovered in fresh interpreters ----------------------------------
 
-EXAMPLE_PLUGIN = Path(__file__).parent / "example_plugin"
-
-
-@pytest.fixture(scope="module")
-def installed_example(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``pip install`` the example plugin (built from tests/example_plugin) into a private target."""
-    import shutil
-    import subprocess
-
-    target = tmp_path_factory.mktemp("pip-target")
-    source = tmp_path_factory.mktemp("src") / "example_plugin"
-    shutil.copytree(EXAMPLE_PLUGIN, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--target", str(target), str(source)],
-        check=True, capture_output=True, text=True, timeout=300,
-    )
-    return target
-
-
 def test_pip_installed_plugin_is_discovered_everywhere(installed_example: Path, tmp_path: Path):
     log = tmp_path / "hooks.log"
     out = run_python(

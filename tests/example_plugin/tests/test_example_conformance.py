@@ -1,0 +1,15 @@
+"""The example plugin certifies itself with wtransfer's conformance kit, as any plugin author would."""
+
+from __future__ import annotations
+
+import pytest
+
+from wtransfer.testing.conformance import SpecConformance
+
+
+class TestFIFOSpec(SpecConformance):
+    spec = "example-fifo"
+
+    @pytest.fixture
+    def spec_options(self):
+        return {"num_cpu_blocks": 5}

@@ -1,0 +1,57 @@
+"""A CPU offloading tier that evicts in arrival order: a real, small third-party spec.
+
+It reuses wtransfer's CPU tier and contributes only an eviction policy, the way a
+plugin author adds behaviour without rewriting the data path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+from wtransfer.config import KVTransferConfig
+from wtransfer.kvcache import KVCacheSpec
+from wtransfer.specs.cpu import CPUOffloadingSpec
+from wtransfer.specs.policies import EvictionPolicy
+
+
+class FIFOPolicy(EvictionPolicy):
+    """First in, first out: hits do not matter."""
+
+    name = "fifo"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._arrivals: OrderedDict[Hashable, None] = OrderedDict()
+
+    def insert(self, key: Hashable) -> None:
+        self._arrivals[key] = None
+
+    def touch(self, key: Hashable) -> None:
+        pass
+
+    def remove(self, key: Hashable) -> None:
+        self._arrivals.pop(key, None)
+
+    def evict(self, count: int, can_evict: Callable[[Hashable], bool]) -> list[Hashable] | None:
+        victims = [key for key in self._arrivals if can_evict(key)][:count]
+        if len(victims) < count:
+            return None
+        for key in victims:
+            del self._arrivals[key]
+        return victims
+
+    def __len__(self) -> int:
+        return len(self._arrivals)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._arrivals
+
+
+class FIFOOffloadingSpec(CPUOffloadingSpec):
+    """wtransfer's CPU tier with FIFO eviction (``eviction_policy`` may still override it)."""
+
+    def __init__(self, config: KVTransferConfig, kv_cache_spec: KVCacheSpec | None = None) -> None:
+        extra = {"eviction_policy": f"{FIFOPolicy.__module__}:FIFOPolicy", **config.kv_connector_extra_config}
+        super().__init__(dataclasses.replace(config, kv_connector_extra_config=extra), kv_cache_spec)
