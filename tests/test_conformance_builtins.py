@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from wtransfer.testing.conformance import SpecConformance
+from wtransfer.testing.conformance import ConnectorConformance, SpecConformance
 
 
 class TestCPUSpecLRU(SpecConformance):
@@ -23,3 +24,24 @@ class TestCPUSpecARC(SpecConformance):
     @pytest.fixture
     def spec_options(self) -> dict[str, Any]:
         return {"num_cpu_blocks": 6, "eviction_policy": "arc", "block_size": 8}
+
+
+class TestStorageConnector(ConnectorConformance):
+    connector = "storage"
+    persistent = True
+
+    @pytest.fixture
+    def connector_options(self, tmp_path: Path) -> dict[str, Any]:
+        return {"path": str(tmp_path / "kv")}
+
+
+class TestMultiConnector(ConnectorConformance):
+    connector = "multi"
+    persistent = True
+
+    @pytest.fixture
+    def connector_options(self, tmp_path: Path) -> dict[str, Any]:
+        return {"connectors": [
+            {"kv_connector": "storage", "kv_connector_extra_config": {"path": str(tmp_path / "fast")}},
+            {"kv_connector": "storage", "kv_connector_extra_config": {"path": str(tmp_path / "shared")}},
+        ]}
