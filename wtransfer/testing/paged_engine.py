@@ -49,7 +49,9 @@ was called once at construction):
 6. ``worker.bind_connector_metadata(type(worker).metadata_cls.from_json(payload))``
 7. ``worker.start_load_kv()``
 8. for each layer: ``worker.wait_for_layer_load(name)``, compute the layer for all
-   scheduled tokens, ``worker.save_kv_layer(name, kv_caches[name])``
+   scheduled tokens, ``worker.save_kv_layer(name, kv_caches[name])`` (skipped in a
+   step with nothing scheduled, which still runs 6, 7, 9, 12 and 13 so that
+   asynchronous transfers make progress)
 9. ``worker.wait_for_save()``
 10. ``failed = worker.get_block_ids_with_load_errors()``: requests with a failed
     block roll back to that block and recompute it next step (no token sampled).
@@ -397,7 +399,7 @@ class PagedKVEngine:
             self.last_metadata_json = payload
             worker.bind_connector_metadata(type(worker).metadata_cls.from_json(payload))
             worker.start_load_kv()
-        final_x = self._forward(scheduled)
+        final_x = self._forward(scheduled) if scheduled else {}
         failed: set[int] = set()
         if worker is not None:
             worker.wait_for_save()
