@@ -17,8 +17,8 @@ plugin subclasses :class:`OffloadingSpec`, and that must stay cheap.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -42,6 +42,9 @@ class LoadStoreSpec:
 
     On the device medium the ids are engine blocks; when the offloaded block size is
     ``k`` engine blocks, each run of ``k`` consecutive ids forms one offloaded block.
+    A load may give fewer engine blocks than its offloaded blocks cover (by less than
+    ``k``): the engine already holds the leading part of the first offloaded block, so
+    handlers skip that many leading engine blocks of the source.
     """
 
     medium: str
@@ -220,6 +223,9 @@ class OffloadingSpec(ABC):
             raise ValueError(f"{type(self).__name__} was created without a KVCacheSpec; pass one to create_spec")
         return self.offloaded_block_size // self.engine_block_size
 
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Release what ``get_handlers`` created (threads, buffers); idempotent. Default: nothing."""
+
     @abstractmethod
     def get_manager(self) -> OffloadingManager:
         """The scheduler-side manager (one per spec instance; repeated calls return the same one)."""
@@ -230,7 +236,3 @@ class OffloadingSpec(ABC):
     ) -> Iterator[tuple[str, str, OffloadingHandler]]:
         """Worker side: yield ``(source medium, destination medium, handler)`` for each direction."""
 
-
-def expand_block_ids(block_ids: Sequence[int], factor: int) -> list[int]:
-    """Offloaded block ids -> the ``factor`` consecutive sub-block rows each one occupies."""
-    return [block_id * factor + offset for block_id in block_ids for offset in range(factor)]

@@ -132,6 +132,10 @@ class BlockCopyHandler(OffloadingHandler):
             )
         src_rows = self.src.rows(source.block_ids)
         dst_rows = self.dst.rows(destination.block_ids)
+        surplus = len(src_rows) - len(dst_rows)
+        if 0 < surplus < self.src.rows_per_block:
+            # the destination starts inside the first source block (see LoadStoreSpec)
+            src_rows = src_rows[surplus:]
         if len(src_rows) != len(dst_rows):
             raise ValueError(
                 f"Job {job_id}: {len(source)} {source.medium} blocks ({len(src_rows)} engine-block rows) "

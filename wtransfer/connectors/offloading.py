@@ -1,0 +1,392 @@
+"""The ``offloading`` connector: KV blocks the engine computes go to an offloading spec's tier,
+and prefixes the engine's own cache has lost come back from it.
+
+Options (``kv_connector_extra_config``) are the spec's: ``spec_name`` (default ``cpu``),
+``spec_module_path``, and whatever the spec reads (``cpu_bytes_to_use``, ``block_size``,
+``eviction_policy``...).
+
+How the two halves agree without a channel from worker to scheduler
+-----------------------------------------------------------------
+The scheduler instance owns the spec's manager; the worker instance owns its handlers.
+Per step ``N`` the scheduler puts in the metadata the loads it pinned during admission and
+the stores of blocks that become full during step ``N``. The worker
+
+* submits the loads in ``start_load_kv`` and waits for them before the first layer is
+  computed (``wait_for_layer_load``): a load never outlives its step;
+* submits the stores once the forward pass has written every layer (``wait_for_save``)
+  and does *not* wait: they overlap with the following steps.
+
+So at ``build_connector_meta(N + 1)`` the scheduler unpins step ``N``'s loads and marks
+step ``N``'s stores complete. Those blocks can only be loaded by requests admitted in a
+later step, and every metadata says through which step stores must have landed
+(``stores_ready_through``): the worker waits for them before starting that step's loads.
+A store that fails on the worker marks its tier blocks bad there; a later load that would
+read one is reported through ``get_block_ids_with_load_errors`` and the engine recomputes.
+A finished request whose stores may still be reading its blocks is held
+(``request_finished`` -> ``delay_free``) until the worker reports it in ``done_sending``.
+
+Each request counts as one use of its blocks for the eviction policy: blocks already in
+the tier are touched once, when the request is first looked up; new blocks are admitted
+when they are stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from typing import TYPE_CHECKING, Any
+
+from wtransfer.connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from wtransfer.specs.base import DEVICE_MEDIUM, LoadStoreSpec
+from wtransfer.specs.factory import OffloadingSpecFactory
+
+if TYPE_CHECKING:
+    import torch
+
+    from wtransfer.config import KVTransferConfig
+    from wtransfer.connectors.request import KVRequest, SchedulerStep
+    from wtransfer.kvcache import KVCacheSpec
+    from wtransfer.specs.base import OffloadingHandler, OffloadingManager, OffloadingSpec
+
+logger = logging.getLogger("wtransfer")
+
+
+@dataclasses.dataclass
+class OffloadingConnectorMetadata(KVConnectorMetadata):
+    """One step's work for the worker; every entry is ``{"request_id", "src", "dst"}`` with
+    ``LoadStoreSpec.to_dict()`` forms (stores may list several request ids)."""
+
+    step: int = 0
+    loads: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    stores: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    stores_ready_through: int = -1
+
+
+@dataclasses.dataclass
+class _StoreJob:
+    step: int
+    request_ids: tuple[str, ...]
+    tier_block_ids: tuple[int, ...]
+
+
+class OffloadingConnector(KVConnectorBase):
+    """A KV connector driven by an :class:`~wtransfer.specs.base.OffloadingSpec`."""
+
+    metadata_cls = OffloadingConnectorMetadata
+
+    def __init__(
+        self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_spec: KVCacheSpec | None = None
+    ) -> None:
+        super().__init__(config, role, kv_cache_spec)
+        self.spec: OffloadingSpec = OffloadingSpecFactory.create_spec(config, self.require_spec())
+        self.engine_block_size = self.require_spec().block_size
+        self.factor = self.spec.block_size_factor
+        self.offloaded_block_size = self.engine_block_size * self.factor
+        self._closed = False
+        if role is KVConnectorRole.SCHEDULER:
+            self._init_scheduler()
+        else:
+            self._init_worker()
+
+    # ================================================================== scheduler side
+    def _init_scheduler(self) -> None:
+        self.manager: OffloadingManager = self.spec.get_manager()
+        self._looked_up: set[str] = set()  # requests whose blocks were touched (once per request)
+        self._next_store_block: dict[str, int] = {}  # offloaded blocks already considered for storing
+        self._with_stores: set[str] = set()  # requests that had stores: their frees are delayed
+        self._loads_this_step: list[dict[str, Any]] = []
+        self._pinned_this_step: list[list[str]] = []
+        self._pinned_last_step: list[list[str]] = []
+        self._stores_last_step: list[list[str]] = []
+        self._last_store_step = -1
+        self._completed_through = -1
+        self._events: list[dict[str, Any]] = []
+        self._stats = {
+            "lookup_blocks": 0, "hit_blocks": 0, "loaded_blocks": 0,
+            "stored_blocks": 0, "evicted_blocks": 0, "store_refusals": 0,
+        }
+
+    def _offloaded_hashes(self, request: KVRequest) -> list[str]:
+        """One hash per full offloaded block: the chained hash of its last engine block."""
+        return request.block_hashes[self.factor - 1 :: self.factor]
+
+    def get_num_new_matched_tokens(self, request: KVRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
+        hashes = self._offloaded_hashes(request)
+        if request.request_id not in self._looked_up:
+            self._looked_up.add(request.request_id)
+            self.manager.touch(hashes)  # one use per request, however often admission retries
+            self._stats["lookup_blocks"] += len(hashes)
+            self._stats["hit_blocks"] += sum(1 for h in hashes if self.manager.lookup([h]))
+        if not self.config.is_kv_consumer:
+            return 0, False
+        # the engine computes at least one prompt token itself
+        loadable = (request.num_tokens - 1) // self.offloaded_block_size
+        start = num_computed_tokens // self.offloaded_block_size
+        if start >= loadable:
+            return 0, False
+        hits = self.manager.lookup(hashes[start:loadable])
+        if hits == 0:
+            return 0, False
+        return (start + hits) * self.offloaded_block_size - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: KVRequest, block_ids: list[int], num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        computed = request.num_computed_tokens
+        start = computed // self.offloaded_block_size
+        end = (computed + num_external_tokens) // self.offloaded_block_size
+        hashes = self._offloaded_hashes(request)[start:end]
+        source = self.manager.prepare_load(hashes)
+        destination = LoadStoreSpec(
+            DEVICE_MEDIUM, tuple(block_ids[computed // self.engine_block_size : end * self.factor])
+        )
+        self._pinned_this_step.append(hashes)
+        self._stats["loaded_blocks"] += len(hashes)
+        self._loads_this_step.append(
+            {"request_id": request.request_id, "src": source.to_dict(), "dst": destination.to_dict()}
+        )
+
+    def build_connector_meta(self, step: SchedulerStep) -> OffloadingConnectorMetadata:
+        # Last step's loads ran inside its forward pass and its stores landed before any
+        # load that can read them (stores_ready_through): settle both now.
+        for hashes in self._pinned_last_step:
+            self.manager.complete_load(hashes)
+        ready_through = self._completed_through
+        for hashes in self._stores_last_step:
+            self.manager.complete_store(hashes)
+        self._completed_through = self._last_store_step
+        self._pinned_last_step, self._pinned_this_step = self._pinned_this_step, []
+        loads, self._loads_this_step = self._loads_this_step, []
+        stores = self._plan_stores(step) if self.config.is_kv_producer else []
+        self._stores_last_step = [entry.pop("hashes") for entry in stores]
+        self._last_store_step = step.step
+        self._collect_events()
+        return OffloadingConnectorMetadata(step.step, loads, stores, ready_through)
+
+    def _plan_stores(self, step: SchedulerStep) -> list[dict[str, Any]]:
+        entries = []
+        for scheduled in step.scheduled:
+            request = scheduled.request
+            full = scheduled.num_computed_after_step // self.offloaded_block_size
+            full = min(full, len(request.block_hashes) // self.factor)
+            first = self._next_store_block.get(request.request_id, 0)
+            if full <= first:
+                continue
+            self._next_store_block[request.request_id] = full
+            hashes = self._offloaded_hashes(request)
+            index_of = {hashes[j]: j for j in range(first, full)}
+            plan = self.manager.prepare_store(list(index_of))
+            if plan is None:
+                self._stats["store_refusals"] += 1
+                logger.debug("offloading: tier full of pinned/in-flight blocks; %s not stored", request.request_id)
+                continue
+            if not plan.block_hashes_to_store:
+                continue
+            engine_ids = [
+                block_id
+                for block_hash in plan.block_hashes_to_store
+                for block_id in scheduled.block_ids[index_of[block_hash] * self.factor : (index_of[block_hash] + 1) * self.factor]
+            ]
+            self._with_stores.add(request.request_id)
+            self._stats["stored_blocks"] += len(plan.block_hashes_to_store)
+            self._stats["evicted_blocks"] += len(plan.block_hashes_evicted)
+            entries.append({
+                "request_id": request.request_id,
+                "src": LoadStoreSpec(DEVICE_MEDIUM, tuple(engine_ids)).to_dict(),
+                "dst": plan.store_spec.to_dict(),
+                "hashes": list(plan.block_hashes_to_store),
+            })
+        return entries
+
+    def request_finished(self, request: KVRequest, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        request_id = request.request_id
+        self._looked_up.discard(request_id)
+        self._next_store_block.pop(request_id, None)
+        delay = request_id in self._with_stores
+        self._with_stores.discard(request_id)
+        return delay, None
+
+    def _collect_events(self) -> None:
+        self._events.extend(event.to_dict() for event in self.manager.take_events())
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """Scheduler side: JSON-safe stored/removed events since the last call, for KV indexers."""
+        if self.role is not KVConnectorRole.SCHEDULER:
+            return []
+        self._collect_events()
+        events, self._events = self._events, []
+        return events
+
+    # ================================================================== worker side
+    def _init_worker(self) -> None:
+        self._store_handler: OffloadingHandler | None = None
+        self._load_handler: OffloadingHandler | None = None
+        self._job_ids = itertools.count(1)
+        self._store_jobs: dict[int, _StoreJob] = {}
+        self._store_jobs_of: dict[str, set[int]] = {}
+        self._finished_waiting: set[str] = set()
+        self._loads_in_flight: dict[int, tuple[str, tuple[int, ...]]] = {}
+        self._failed_requests: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._bad_tier_blocks: set[int] = set()
+        self._worker_stats = {
+            "load_jobs": 0, "store_jobs": 0, "bytes_loaded": 0, "bytes_stored": 0,
+            "failed_loads": 0, "failed_stores": 0,
+        }
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        handlers = {(src, dst): handler for src, dst, handler in self.spec.get_handlers(kv_caches)}
+        stores = [(dst, h) for (src, dst), h in handlers.items() if src == DEVICE_MEDIUM]
+        if len(stores) != 1:
+            raise ValueError(
+                f"{type(self.spec).__name__}.get_handlers must yield exactly one handler from "
+                f"{DEVICE_MEDIUM!r} to its tier and one back; got {sorted(handlers)}"
+            )
+        tier, self._store_handler = stores[0]
+        load = handlers.get((tier, DEVICE_MEDIUM))
+        if load is None:
+            raise ValueError(f"{type(self.spec).__name__}.get_handlers yields no {tier!r} -> {DEVICE_MEDIUM!r} handler")
+        self._load_handler = load
+
+    def _handlers(self) -> tuple[OffloadingHandler, OffloadingHandler]:
+        if self._store_handler is None or self._load_handler is None:
+            raise RuntimeError("OffloadingConnector (worker): register_kv_caches() was never called")
+        return self._store_handler, self._load_handler
+
+    def _meta(self) -> OffloadingConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, OffloadingConnectorMetadata)
+        return meta
+
+    def start_load_kv(self, **kwargs: Any) -> None:
+        meta = self._meta()
+        store, load = self._handlers()
+        self._failed_requests.clear()
+        if not meta.loads:
+            return
+        due = [job_id for job_id, job in self._store_jobs.items() if job.step <= meta.stores_ready_through]
+        if due:
+            store.wait(due)  # the blocks these loads read must have landed
+        self._collect()
+        for entry in meta.loads:
+            source, destination = LoadStoreSpec.from_dict(entry["src"]), LoadStoreSpec.from_dict(entry["dst"])
+            job_id = next(self._job_ids)
+            if self._bad_tier_blocks.intersection(source.block_ids) or not load.transfer_async(
+                job_id, (source, destination)
+            ):
+                self._fail_load(entry["request_id"], destination.block_ids)
+                continue
+            self._loads_in_flight[job_id] = (entry["request_id"], destination.block_ids)
+            self._worker_stats["load_jobs"] += 1
+
+    def _fail_load(self, request_id: str, engine_block_ids: tuple[int, ...]) -> None:
+        self._worker_stats["failed_loads"] += 1
+        self._failed_requests.add(request_id)
+        self._load_errors.update(engine_block_ids)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # one job carries every layer, so the first layer's wait is the step's only wait
+        if self._loads_in_flight:
+            _, load = self._handlers()
+            load.wait(list(self._loads_in_flight))
+            self._collect()
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None, **kwargs: Any) -> None:
+        """Nothing per layer: a store copies every layer of a block, so it starts in ``wait_for_save``."""
+
+    def wait_for_save(self) -> None:
+        meta = self._meta()
+        if not meta.stores:
+            return
+        store, _ = self._handlers()
+        self.wait_for_layer_load("")  # loads of this step have settled: failures are known
+        src_ids: list[int] = []
+        dst_ids: list[int] = []
+        request_ids: list[str] = []
+        for entry in meta.stores:
+            tier_ids = entry["dst"]["block_ids"]
+            if entry["request_id"] in self._failed_requests:
+                # computed on top of a failed load: never store it; the scheduler thinks it will land
+                self._bad_tier_blocks.update(tier_ids)
+                continue
+            src_ids += entry["src"]["block_ids"]
+            dst_ids += tier_ids
+            request_ids.append(entry["request_id"])
+        if not dst_ids:
+            return
+        tier_medium = meta.stores[0]["dst"]["medium"]
+        job_id = next(self._job_ids)
+        spec = (LoadStoreSpec(DEVICE_MEDIUM, tuple(src_ids)), LoadStoreSpec(tier_medium, tuple(dst_ids)))
+        if not store.transfer_async(job_id, spec):
+            self._bad_tier_blocks.update(dst_ids)
+            self._worker_stats["failed_stores"] += 1
+            return
+        self._worker_stats["store_jobs"] += 1
+        self._store_jobs[job_id] = _StoreJob(meta.step, tuple(request_ids), tuple(dst_ids))
+        for request_id in request_ids:
+            self._store_jobs_of.setdefault(request_id, set()).add(job_id)
+
+    def _collect(self) -> None:
+        """Settle every job that ended: free finished requests, remember failures."""
+        store, load = self._handlers()
+        for result in store.get_finished():
+            job = self._store_jobs.pop(result.job_id, None)
+            if job is None:
+                continue
+            for request_id in job.request_ids:
+                self._store_jobs_of.get(request_id, set()).discard(result.job_id)
+            if result.success:
+                self._bad_tier_blocks.difference_update(job.tier_block_ids)
+                self._worker_stats["bytes_stored"] += result.num_bytes
+            else:
+                logger.warning("offloading: store job %d failed (%s); its blocks will not be loaded", result.job_id, result.error)
+                self._bad_tier_blocks.update(job.tier_block_ids)
+                self._worker_stats["failed_stores"] += 1
+        for result in load.get_finished():
+            entry = self._loads_in_flight.pop(result.job_id, None)
+            if entry is None:
+                continue
+            if result.success:
+                self._worker_stats["bytes_loaded"] += result.num_bytes
+            else:
+                logger.warning("offloading: load job %d failed (%s); the engine recomputes", result.job_id, result.error)
+                self._fail_load(*entry)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self.role is not KVConnectorRole.WORKER:
+            return set()
+        self.wait_for_layer_load("")
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.role is not KVConnectorRole.WORKER or self._store_handler is None:
+            return None, None
+        self._collect()
+        self._finished_waiting.update(r for r in finished_req_ids if r in self._store_jobs_of)
+        sending = {r for r in self._finished_waiting if not self._store_jobs_of.get(r)}
+        for request_id in sending:
+            self._finished_waiting.discard(request_id)
+            self._store_jobs_of.pop(request_id, None)
+        return (sending or None), None
+
+    # ================================================================== both
+    def get_kv_connector_stats(self) -> dict[str, Any] | None:
+        if self.role is KVConnectorRole.SCHEDULER:
+            return dict(self._stats)
+        return dict(self._worker_stats)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.role is KVConnectorRole.WORKER and self._store_handler is not None:
+            try:
+                self._store_handler.wait(list(self._store_jobs))
+            except Exception as exc:  # shutting down: report, then release threads anyway
+                logger.warning("offloading: stores still in flight at shutdown: %s", exc)
+        for handler in (getattr(self, "_store_handler", None), getattr(self, "_load_handler", None)):
+            if handler is not None:
+                handler.shutdown()
+        self.spec.shutdown()
