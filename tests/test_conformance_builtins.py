@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from wtransfer.testing.conformance import ConnectorConformance, SpecConformance
+from wtransfer.testing.conformance import ConnectorConformance, EngineConformance, SpecConformance
 
 
 class TestCPUSpecLRU(SpecConformance):
@@ -45,3 +45,7 @@ class TestMultiConnector(ConnectorConformance):
             {"kv_connector": "storage", "kv_connector_extra_config": {"path": str(tmp_path / "fast")}},
             {"kv_connector": "storage", "kv_connector_extra_config": {"path": str(tmp_path / "shared")}},
         ]}
+
+
+class TestSharedMemoryEngine(EngineConformance):
+    engine = "shm"

@@ -1,0 +1,178 @@
+"""``EngineConformance``: certify a weight-transfer engine with real trainer and worker processes.
+
+Subclass it, name the engine, and give its options if it needs any::
+
+    class TestMyEngine(EngineConformance):
+        engine = "my-engine"
+
+        @pytest.fixture
+        def trainer_init_info(self):
+            return {"master_address": "127.0.0.1"}   # merged into the trainer's init_info
+
+Every round runs through ``create_trainer`` and ``WeightTransferEngineFactory.create_engine``
+with a trainer in this process and workers in spawned processes (``LocalWorkerPool``),
+on :func:`wtransfer.testing.models.matrix_model` (bf16, fp8, bool, 0-dim, empty,
+non-contiguous, offset views, a tensor larger than a bucket) and checked bit for bit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from wtransfer.testing.conformance._contract import require
+
+MODEL_FACTORY = "wtransfer.testing.models:matrix_model"
+BUCKET_BYTES = 1 << 20
+
+
+class EngineConformance:
+    """A battery of contract tests for a weight-transfer engine (set ``engine``)."""
+
+    engine: str = ""
+    num_workers: int = 2
+    timeout_s: float = 20.0
+    """Transfer timeout given to both sides; peer-death tests expect an error within it."""
+
+    @pytest.fixture
+    def engine_options(self) -> dict[str, Any]:
+        """``WeightTransferConfig.options`` for the worker engines."""
+        return {}
+
+    @pytest.fixture
+    def trainer_init_info(self) -> dict[str, Any]:
+        """Extra trainer ``init_info`` keys (``world_size``, ``bucket_bytes``, ``timeout_s`` are set)."""
+        return {}
+
+    # -- helpers ---------------------------------------------------------------------------------
+    @contextmanager
+    def _pool(self, engine_options: dict[str, Any], variant: str = "default") -> Iterator[Any]:
+        from wtransfer.local import LocalWorkerPool
+
+        require(self.engine, "EngineConformance subclasses name their engine", "engine = 'name'", "empty")
+        with LocalWorkerPool(self.num_workers, MODEL_FACTORY, backend=self.engine,
+                             factory_kwargs={"seed": 0, "variant": variant}, engine_options=engine_options,
+                             timeout_s=self.timeout_s, torch_threads=1) as pool:
+            yield pool
+
+    def _trainer(self, pool: Any, model: Any, trainer_init_info: dict[str, Any]) -> Any:
+        from wtransfer.engines.trainer import create_trainer
+        from wtransfer.engines.source import ModuleSource
+
+        init_info = {"world_size": pool.world_size, "bucket_bytes": BUCKET_BYTES, "timeout_s": self.timeout_s,
+                     **trainer_init_info}
+        return create_trainer(self.engine, client=pool, source=ModuleSource(model), init_info=init_info)
+
+    @staticmethod
+    def _digests(model: Any) -> dict[str, int]:
+        from wtransfer.engines.manifest import tensor_checksum
+
+        return {name: tensor_checksum(p.detach()) for name, p in model.named_parameters()}
+
+    # -- the contract ------------------------------------------------------------------------------
+    def test_info_parsing_errors_name_the_field(self, engine_options: dict[str, Any]) -> None:
+        from wtransfer import ParallelConfig, WeightTransferConfig, WeightTransferEngineFactory
+
+        engine = WeightTransferEngineFactory.create_engine(
+            WeightTransferConfig(backend=self.engine, options=engine_options), ParallelConfig())
+        for parse in (engine.parse_init_info, engine.parse_update_info):
+            with pytest.raises(ValueError) as info:
+                parse({"no_such_field": 1})
+            require("no_such_field" in str(info.value) and type(engine).__name__ in str(info.value),
+                    f"{parse.__name__} rejects unknown fields with a ValueError naming engine and field",
+                    "a message naming the engine class and 'no_such_field'", str(info.value))
+            with pytest.raises(ValueError):
+                parse(["not", "a", "dict"])
+        engine.shutdown()
+        engine.shutdown()  # idempotent, even before init
+
+    def test_rounds_are_bit_exact_on_the_dtype_shape_matrix(
+        self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any]
+    ) -> None:
+        import torch
+
+        from wtransfer.testing.models import matrix_model
+
+        model = matrix_model(seed=1)
+        with self._pool(engine_options) as pool:
+            trainer = self._trainer(pool, model, trainer_init_info)
+            try:
+                for round_index in range(2):
+                    if round_index:  # new weights, as after a training step
+                        with torch.no_grad():
+                            for name, p in matrix_model(seed=7).named_parameters():
+                                getattr(model, name).copy_(p)
+                    stats = trainer.send_weights()
+                    expected = self._digests(model)
+                    for rank, digests in enumerate(pool.digests()):
+                        wrong = sorted(n for n in expected if digests.get(n) != expected[n])
+                        require(not wrong, "every worker holds the trainer's weights bit for bit after a round",
+                                "identical checksums", f"round {round_index}, worker {rank}: differs in {wrong}")
+                    total = sum(p.numel() * p.element_size() for p in model.parameters())
+                    require(stats.get("bytes") == total, "send_weights() returns the round's stats",
+                            f"stats['bytes'] == {total}", stats)
+                versions = [s["weight_version"] for s in pool.stats()]
+                require(versions == [2] * self.num_workers, "weight_version counts completed rounds",
+                        f"{[2] * self.num_workers}", versions)
+            finally:
+                trainer.shutdown()
+                trainer.shutdown()  # idempotent
+
+    def test_manifest_mismatch_is_rejected_with_nothing_written(
+        self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any]
+    ) -> None:
+        from wtransfer.testing.models import matrix_model
+
+        with self._pool(engine_options, variant="mismatch") as pool:
+            before = pool.digests()
+            trainer = self._trainer(pool, matrix_model(seed=1), trainer_init_info)
+            try:
+                with pytest.raises(Exception) as info:
+                    trainer.send_weights()
+                require("bf16" in str(info.value), "a mismatching manifest is refused, naming each mismatch",
+                        "an error naming parameter 'bf16'", f"{type(info.value).__name__}: {info.value}")
+                require(pool.digests() == before, "nothing is written when the manifest does not match",
+                        "unchanged worker weights", "some weights changed")
+                versions = [s["weight_version"] for s in pool.stats()]
+                require(versions == [0] * self.num_workers, "a failed round does not advance weight_version",
+                        f"{[0] * self.num_workers}", versions)
+            finally:
+                trainer.shutdown()
+
+    def test_dead_worker_raises_within_the_timeout(
+        self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any]
+    ) -> None:
+        from wtransfer.errors import WTransferError
+        from wtransfer.testing.models import matrix_model
+
+        with self._pool(engine_options) as pool:
+            trainer = self._trainer(pool, matrix_model(seed=1), trainer_init_info)
+            try:
+                pool.processes[-1].kill()
+                pool.processes[-1].join(10)
+                start = time.monotonic()
+                with pytest.raises(WTransferError) as info:
+                    trainer.send_weights()
+                elapsed = time.monotonic() - start
+                require(elapsed < self.timeout_s + 15, "a dead peer raises within the timeout, never hangs",
+                        f"an error within {self.timeout_s:g} s (+ slack)", f"{elapsed:.1f} s: {info.value}")
+            finally:
+                trainer.shutdown()
+
+    def test_discovered_through_its_entry_point_in_a_fresh_interpreter(self) -> None:
+        from wtransfer.testing.processes import run_python
+
+        out = run_python(f"""
+            import wtransfer
+            cls = wtransfer.get_class("engines", {self.engine!r})
+            listed = [i.name for i in wtransfer.list_components("engines")]
+            print(cls.__name__, getattr(cls, "trainer_cls", None) is not None, {self.engine.rpartition(':')[2]!r} in listed)
+        """)
+        name, has_trainer, listed = out.stdout.split()
+        require(listed == "True", "the engine is listed from its distribution's metadata",
+                f"{self.engine!r} in list_components()", out.stdout)
+        require(has_trainer == "True", "an engine names its trainer side", "a trainer_cls attribute", name)
