@@ -237,6 +237,8 @@ class StorageConnector(KVConnectorBase):
     def update_state_after_alloc(self, request: KVRequest, block_ids: list[int], num_external_tokens: int) -> None:
         start, matched = self._matches.pop(request.request_id, (0, 0))
         count = num_external_tokens // self.block_size
+        if count == 0:
+            return
         if count > matched or start != request.num_computed_tokens // self.block_size:
             raise ValueError(
                 f"storage connector: engine asked to load {count} blocks from block {request.num_computed_tokens // self.block_size} "

@@ -1,0 +1,226 @@
+"""The ``storage`` connector end to end on the tiny engine: reuse, partial hits, bad files, processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from wtransfer import KVConnectorFactory, KVConnectorRole, KVTransferConfig
+from wtransfer.connectors.hashing import request_block_hashes
+from wtransfer.kvcache import KVCacheSpec
+from wtransfer.testing.conformance import ConnectorConformance
+from wtransfer.testing.paged_engine import PagedKVEngine, reference_kv
+from wtransfer.testing.processes import run_python
+
+SPEC = KVCacheSpec(("layer.0", "layer.1", "layer.2"), block_size=4, num_kv_heads=2, head_size=8,
+                   dtype="bfloat16", model_fingerprint="storage-test")
+PROMPT = [(3 * i + 7) % 500 for i in range(18)]  # 4 full blocks + 2 tokens
+SUFFIX = [11, 12, 13, 14, 15]
+
+
+class TestStorageConformance(ConnectorConformance):
+    """The built-in passes the suite third-party connector authors run."""
+
+    connector = "storage"
+    persistent = True
+
+    @pytest.fixture
+    def connector_options(self, tmp_path: Path) -> dict[str, Any]:
+        return {"path": str(tmp_path / "kv")}
+
+
+def _config(path: Path, role: str = "kv_both", **options: Any) -> KVTransferConfig:
+    return KVTransferConfig("storage", kv_role=role, kv_connector_extra_config={"path": str(path), **options})
+
+
+def _engine(config: KVTransferConfig, spec: KVCacheSpec = SPEC, num_blocks: int = 16) -> PagedKVEngine:
+    return PagedKVEngine(spec, num_blocks, kv_transfer_config=config, capture_kv=True)
+
+
+def _block_files(root: Path, suffix: str = ".safetensors") -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith(suffix))
+
+
+def _assert_bit_exact(spec: KVCacheSpec, out: Any) -> None:
+    reference = reference_kv(spec, out.prompt_token_ids)
+    for layer, kv in out.kv.items():
+        assert torch.equal(kv, reference[layer][:, : kv.shape[1]]), layer
+
+
+def _save_prompt(path: Path, prompt: list[int] = PROMPT, spec: KVCacheSpec = SPEC) -> None:
+    with _engine(_config(path), spec) as engine:
+        assert engine.generate({"producer": prompt})["producer"].num_external_tokens == 0
+
+
+def test_restart_then_reuse_the_stored_full_block_prefix_bit_exactly(tmp_path: Path) -> None:
+    _save_prompt(tmp_path)
+    files = _block_files(tmp_path)
+    assert len(files) == len(PROMPT) // 4
+    assert not _block_files(tmp_path, ".tmp")  # atomic writes leave no temporaries
+    with _engine(_config(tmp_path)) as engine:  # a fresh engine: empty cache
+        out = engine.generate({"consumer": PROMPT + SUFFIX})["consumer"]
+        stats = engine.worker_connector.get_kv_connector_stats()
+    assert out.num_local_hit_tokens == 0
+    assert out.num_external_tokens == 16  # every stored full block, not the partial one
+    assert stats["loaded_blocks"] == 4
+    _assert_bit_exact(SPEC, out)
+    plain = PagedKVEngine(SPEC, 16).generate({"x": PROMPT + SUFFIX})["x"]
+    assert plain.output_token_ids == out.output_token_ids
+
+
+def test_files_are_plain_safetensors_with_a_checked_header(tmp_path: Path) -> None:
+    _save_prompt(tmp_path)
+    first_hash = request_block_hashes(SPEC, PROMPT)[0]
+    (path,) = [p for p in _block_files(tmp_path) if p.stem == first_hash]
+    with safe_open(str(path), framework="pt") as handle:
+        meta = handle.metadata()
+        kv = handle.get_tensor("kv")
+    assert meta["block_hash"] == first_hash and meta["model_fingerprint"] == "storage-test"
+    assert json.loads(meta["layer_names"]) == list(SPEC.layer_names) and meta["dtype"] == "bfloat16"
+    assert kv.dtype == torch.bfloat16 and list(kv.shape) == [3, 2, 4, 2, 8]
+    reference = reference_kv(SPEC, PROMPT)
+    assert torch.equal(kv[1], reference["layer.1"][:, :4])
+
+
+def test_partial_hits_stop_at_the_first_missing_block(tmp_path: Path) -> None:
+    _save_prompt(tmp_path)
+    third = request_block_hashes(SPEC, PROMPT)[2]
+    next(p for p in _block_files(tmp_path) if p.stem == third).unlink()
+    with _engine(_config(tmp_path)) as engine:
+        out = engine.generate({"c": PROMPT + SUFFIX})["c"]
+    assert out.num_external_tokens == 8
+    _assert_bit_exact(SPEC, out)
+    assert third in {p.stem for p in _block_files(tmp_path)}  # recomputed, then saved again
+
+
+def test_local_hits_and_external_hits_add_up(tmp_path: Path) -> None:
+    _save_prompt(tmp_path)
+    with _engine(_config(tmp_path)) as engine:
+        engine.generate({"short": PROMPT[:9]})  # blocks 0-1 in the local prefix cache (loaded)
+        out = engine.generate({"long": PROMPT + SUFFIX})["long"]
+    assert (out.num_local_hit_tokens, out.num_external_tokens) == (8, 8)
+    _assert_bit_exact(SPEC, out)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage-header", "other-block"])
+def test_bad_files_found_at_lookup_are_misses_and_reported(tmp_path: Path, damage: str, caplog: Any) -> None:
+    _save_prompt(tmp_path)
+    hashes = request_block_hashes(SPEC, PROMPT)
+    target = next(p for p in _block_files(tmp_path) if p.stem == hashes[1])
+    if damage == "truncate":
+        target.write_bytes(target.read_bytes()[:-7])
+    elif damage == "garbage-header":
+        target.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all" + b"\0" * 400)
+    else:  # a valid file of another block under this block's name
+        other = next(p for p in _block_files(tmp_path) if p.stem == hashes[3])
+        target.write_bytes(other.read_bytes())
+    with _engine(_config(tmp_path)) as engine:
+        out = engine.generate({"c": PROMPT + SUFFIX})["c"]
+        stats = engine.scheduler_connector.get_kv_connector_stats()
+    assert out.num_external_tokens == 4  # block 0 only
+    assert stats["corrupt_blocks"] == 1
+    assert "treating" in caplog.text and target.name in caplog.text
+    assert Path(f"{target}.corrupt").exists()  # moved aside, and the block re-saved in its place
+    _assert_bit_exact(SPEC, out)
+
+
+def test_corrupt_data_is_never_loaded_and_the_block_is_recomputed(tmp_path: Path) -> None:
+    _save_prompt(tmp_path)
+    target = next(p for p in _block_files(tmp_path) if p.stem == request_block_hashes(SPEC, PROMPT)[1])
+    raw = bytearray(target.read_bytes())
+    raw[-5] ^= 0x40  # one flipped bit in the data: size and header still look fine
+    target.write_bytes(bytes(raw))
+    with _engine(_config(tmp_path)) as engine:
+        out = engine.generate({"c": PROMPT + SUFFIX})["c"]
+        stats = engine.worker_connector.get_kv_connector_stats()
+    assert stats["load_errors"] == 1 and stats["corrupt_blocks"] == 1
+    assert out.num_load_errors == 1
+    assert out.num_external_tokens == 4  # block 0 loaded, the rest recomputed
+    _assert_bit_exact(SPEC, out)
+    with _engine(_config(tmp_path)) as engine:  # the re-saved block is good again
+        assert engine.generate({"d": PROMPT + SUFFIX})["d"].num_external_tokens == 20
+
+
+def test_another_model_fingerprint_never_matches(tmp_path: Path) -> None:
+    _save_prompt(tmp_path)
+    other = dataclasses.replace(SPEC, model_fingerprint="storage-test-v2")
+    with _engine(_config(tmp_path), other) as engine:
+        out = engine.generate({"c": PROMPT + SUFFIX})["c"]
+    assert out.num_external_tokens == 0
+    _assert_bit_exact(other, out)
+
+
+def test_roles_producer_only_saves_consumer_only_loads(tmp_path: Path) -> None:
+    with _engine(_config(tmp_path, "kv_consumer")) as engine:
+        engine.generate({"a": PROMPT})
+    assert not _block_files(tmp_path)
+    with _engine(_config(tmp_path, "kv_producer")) as engine:
+        engine.generate({"a": PROMPT})
+        assert engine.generate({"b": PROMPT + SUFFIX}, max_new_tokens=1)["b"].num_external_tokens == 0
+    assert len(_block_files(tmp_path)) == 5
+    with _engine(_config(tmp_path, "kv_consumer")) as engine:
+        assert engine.generate({"c": PROMPT + SUFFIX})["c"].num_external_tokens == 20
+
+
+def test_a_working_set_larger_than_the_cache_comes_back_through_the_store(tmp_path: Path) -> None:
+    prompts = {f"p{i}": [(i * 37 + 5 * t) % 500 for t in range(17)] for i in range(4)}  # 4 full blocks each
+    with _engine(_config(tmp_path), num_blocks=10) as engine:
+        engine.generate(prompts)
+        assert engine.allocator.num_evictions > 0
+        again = engine.generate({f"{k}-again": v + [1] for k, v in prompts.items()})
+    assert all(o.num_local_hit_tokens + o.num_external_tokens == 16 for o in again.values())
+    assert sum(o.num_external_tokens for o in again.values()) > 0
+    for out in again.values():
+        _assert_bit_exact(SPEC, out)
+
+
+def test_bad_options_say_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config\['path'\]"):
+        KVConnectorFactory.create_connector(KVTransferConfig("storage"), KVConnectorRole.WORKER, SPEC)
+    with pytest.raises(ValueError, match="unknown option"):
+        KVConnectorFactory.create_connector(_config(tmp_path, pth="x"), KVConnectorRole.WORKER, SPEC)
+    with pytest.raises(ValueError, match="KVCacheSpec"):
+        KVConnectorFactory.create_connector(_config(tmp_path), KVConnectorRole.WORKER, None)
+    worker = KVConnectorFactory.create_connector(_config(tmp_path), KVConnectorRole.WORKER, SPEC)
+    with pytest.raises(ValueError, match="float32"):
+        worker.register_kv_caches({n: torch.zeros(2, 4, 4, 2, 8) for n in SPEC.layer_names})
+    worker.shutdown()
+
+
+def test_a_producer_process_and_a_consumer_process_share_a_directory(tmp_path: Path) -> None:
+    common = f"""
+        import json, torch
+        from wtransfer import KVTransferConfig
+        from wtransfer.kvcache import KVCacheSpec
+        from wtransfer.testing.paged_engine import PagedKVEngine, reference_kv
+        spec = KVCacheSpec.from_dict({json.dumps(SPEC.to_dict())})
+        prompt = {PROMPT!r}
+    """
+    producer = common + f"""
+        config = KVTransferConfig("storage", kv_role="kv_producer",
+                                  kv_connector_extra_config={{"path": {str(tmp_path)!r}}})
+        with PagedKVEngine(spec, 16, kv_transfer_config=config) as engine:
+            out = engine.generate({{"p": prompt}})["p"]
+        print(json.dumps({{"external": out.num_external_tokens}}))
+    """
+    consumer = common + f"""
+        config = KVTransferConfig("storage", kv_role="kv_consumer",
+                                  kv_connector_extra_config={{"path": {str(tmp_path)!r}}})
+        with PagedKVEngine(spec, 16, kv_transfer_config=config, capture_kv=True) as engine:
+            out = engine.generate({{"c": prompt + {SUFFIX!r}}})["c"]
+        ref = reference_kv(spec, out.prompt_token_ids)
+        exact = all(torch.equal(out.kv[n], ref[n]) for n in ref)
+        print(json.dumps({{"external": out.num_external_tokens, "exact": exact}}))
+    """
+    produced = json.loads(run_python(producer, timeout=120).stdout)
+    consumed = json.loads(run_python(consumer, timeout=120).stdout)
+    assert produced == {"external": 0}
+    assert consumed == {"external": 16, "exact": True}
+    assert os.listdir(tmp_path)  # the directory really was the channel
