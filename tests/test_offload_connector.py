@@ -1,0 +1,332 @@
+"""The ``offloading`` connector end to end on the tiny paged engine, with the cpu spec and others."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from wtransfer import KVCacheSpec, KVTransferConfig
+from wtransfer.connectors.hashing import request_block_hashes
+from wtransfer.registry.kinds import SPECS
+from wtransfer.registry.registry import registry_for
+from wtransfer.specs.cpu import BlockCopyHandler, CPUOffloadingSpec
+from wtransfer.testing.conformance import ConnectorConformance
+from wtransfer.testing.paged_engine import PagedKVEngine, reference_kv
+from wtransfer.testing.processes import run_python
+
+SPEC = KVCacheSpec(("layer.0", "layer.1"), block_size=4, num_kv_heads=2, head_size=8,
+                   dtype="float32", model_fingerprint="offload-e2e")
+Engine = Callable[..., PagedKVEngine]
+
+
+def offloading(**extra: Any) -> KVTransferConfig:
+    return KVTransferConfig("offloading", kv_connector_extra_config=dict(extra))
+
+
+def prompt(seed: int, length: int = 17) -> list[int]:
+    return [(seed * 131 + 17 * i + i * i) % 500 for i in range(length)]
+
+
+def assert_bit_exact(output: Any) -> None:
+    expected = reference_kv(SPEC, output.prompt_token_ids)
+    for layer, kv in output.kv.items():
+        assert torch.equal(kv, expected[layer][:, : kv.shape[1]]), f"{output.request_id}: {layer} differs"
+
+
+class TestOffloadingConformance(ConnectorConformance):
+    connector = "offloading"
+
+    @pytest.fixture
+    def connector_options(self, tmp_path: Any) -> dict[str, Any]:
+        return {"num_cpu_blocks": 32}
+
+
+class TestOffloadingConformanceARC(ConnectorConformance):
+    connector = "offloading"
+
+    @pytest.fixture
+    def connector_options(self, tmp_path: Any) -> dict[str, Any]:
+        return {"num_cpu_blocks": 32, "eviction_policy": "arc"}
+
+
+def test_evicted_prefixes_come_back_from_the_tier_bit_exactly(paged_engine: Engine) -> None:
+    # engine: 8 blocks of 4 tokens; working set: 5 prompts x 4 full blocks = 20 blocks;
+    # tier: 12 offloaded blocks of 8 tokens (= 24 engine blocks): everything fits there.
+    engine = paged_engine(SPEC, 8, kv_transfer_config=offloading(num_cpu_blocks=12, block_size=8),
+                          capture_kv=True)
+    prompts = {f"p{i}": prompt(i) for i in range(5)}
+    first = {}
+    for name, tokens in prompts.items():
+        first[name] = engine.generate({f"{name}-1": tokens})[f"{name}-1"]
+        assert first[name].num_external_tokens == 0
+    assert engine.allocator.num_evictions > 0, "the working set must not fit the engine's cache"
+    metadata = json.loads(engine.last_metadata_json or "{}")
+    assert {"step", "loads", "stores", "stores_ready_through"} <= set(metadata)
+    external = 0
+    for name, tokens in prompts.items():
+        again = engine.generate({f"{name}-2": tokens})[f"{name}-2"]
+        assert again.num_local_hit_tokens + again.num_external_tokens == 16, name
+        assert again.output_token_ids == first[name].output_token_ids
+        assert again.num_load_errors == 0
+        assert_bit_exact(again)
+        external += again.num_external_tokens
+    assert external >= 4 * 16  # at most one prompt can still sit in the engine's own cache
+    stats = engine.scheduler_connector.get_kv_connector_stats()
+    assert stats["stored_blocks"] == 10 and stats["evicted_blocks"] == 0 and stats["loaded_blocks"] >= 8
+    worker_stats = engine.worker_connector.get_kv_connector_stats()
+    assert worker_stats["failed_loads"] == worker_stats["failed_stores"] == 0
+    events = engine.scheduler_connector.take_events()
+    stored = {h for e in events if not e["removed"] for h in e["block_hashes"]}
+    assert len(stored) == 10 and all(isinstance(h, str) for h in stored)
+
+
+def test_a_local_hit_inside_an_offloaded_block_loads_only_the_rest(paged_engine: Engine) -> None:
+    engine = paged_engine(SPEC, 8, kv_transfer_config=offloading(num_cpu_blocks=16, block_size=8),
+                          capture_kv=True)
+    target = prompt(100)
+    hashes = request_block_hashes(SPEC, target)
+    engine.generate({"t-1": target})
+    filler = 0
+    while engine.allocator.is_cached(hashes[1]):  # push out the target's blocks, tail first
+        filler += 1
+        engine.generate({f"filler-{filler}": prompt(1000 + filler, length=4)})
+        assert filler < 50
+    assert engine.allocator.is_cached(hashes[0]), "the head block should outlive the rest"
+    out = engine.generate({"t-2": target})["t-2"]
+    # one engine block local, the rest of offloaded block 0 (skipping its first half) and block 1
+    assert (out.num_local_hit_tokens, out.num_external_tokens) == (4, 12)
+    assert_bit_exact(out)
+
+
+def run_scan_workload(paged_engine: Engine, policy: str, rounds: int = 5) -> tuple[float, float, list[Any]]:
+    """4 hot prompts used twice per round, then a scan of 6 one-off prompts (12 blocks, the whole tier).
+
+    Returns (share of hot first-uses served from the tier after round 1, overall tier hit rate,
+    the hot outputs that loaded from the tier).
+    """
+    engine = paged_engine(SPEC, 6, kv_transfer_config=offloading(num_cpu_blocks=12, eviction_policy=policy),
+                          capture_kv=True)
+    hot = {f"hot{i}": prompt(i, length=9) for i in range(4)}
+    served = loadable = 0
+    loaded = []
+    scan = 0
+    for round_index in range(rounds):
+        for use in (1, 2):
+            for name, tokens in hot.items():
+                rid = f"{name}-r{round_index}-u{use}"
+                out = engine.generate({rid: tokens})[rid]
+                if use == 1 and round_index > 0:
+                    served += out.num_external_tokens
+                    loadable += 8 - out.num_local_hit_tokens
+                    if out.num_external_tokens:
+                        loaded.append(out)
+        for _ in range(6):
+            scan += 1
+            engine.generate({f"scan{scan}": prompt(10_000 + scan, length=9)})
+    stats = engine.scheduler_connector.get_kv_connector_stats()
+    return served / loadable, stats["hit_blocks"] / stats["lookup_blocks"], loaded
+
+
+def test_arc_resists_a_scan_that_flushes_lru(paged_engine: Engine) -> None:
+    lru_hot, lru_overall, _ = run_scan_workload(paged_engine, "lru")
+    arc_hot, arc_overall, arc_loaded = run_scan_workload(paged_engine, "arc")
+    # LRU: the scan (as large as the tier) evicts the hot set every round
+    assert lru_hot <= 0.1, lru_hot
+    # ARC: the hot set was used twice, lives in T2, and the scan only churns T1
+    assert arc_hot >= 0.9, arc_hot
+    assert arc_overall > lru_overall
+    for out in arc_loaded[:4]:
+        assert_bit_exact(out)
+
+
+# -- failures and delayed frees ------------------------------------------------------------------
+class FailingStoreHandler(BlockCopyHandler):
+    """Stores fail (as a full disk or a dead remote tier would); loads work."""
+
+    def _copy(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        if self.src.medium == "device":
+            raise OSError("tier write failed")
+        super()._copy(src_rows, dst_rows)
+
+
+class FailingStoreSpec(CPUOffloadingSpec):
+    handler_cls = FailingStoreHandler
+
+
+def test_a_failed_store_is_never_loaded(paged_engine: Engine, isolated_registry: None) -> None:
+    registry_for(SPECS).register("failing-store", FailingStoreSpec)
+    engine = paged_engine(SPEC, 16, kv_transfer_config=offloading(spec_name="failing-store", num_cpu_blocks=8),
+                          enable_prefix_caching=False, capture_kv=True)
+    first = engine.generate({"a": prompt(5)})["a"]
+    again = engine.generate({"b": prompt(5)})["b"]
+    # the scheduler could not know the store failed, offered the blocks, and the worker refused them
+    assert again.num_load_errors >= 1 and again.num_external_tokens == 0
+    assert again.output_token_ids == first.output_token_ids
+    assert_bit_exact(again)
+    assert engine.worker_connector.get_kv_connector_stats()["failed_stores"] >= 1
+
+
+class GatedStoreHandler(BlockCopyHandler):
+    gate = threading.Event()
+
+    def _copy(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        if self.src.medium == "device" and not GatedStoreHandler.gate.wait(timeout=10):
+            raise RuntimeError("gate never opened")
+        super()._copy(src_rows, dst_rows)
+
+
+class GatedStoreSpec(CPUOffloadingSpec):
+    handler_cls = GatedStoreHandler
+
+
+def test_blocks_are_held_while_their_stores_are_in_flight(paged_engine: Engine, isolated_registry: None) -> None:
+    registry_for(SPECS).register("gated-store", GatedStoreSpec)
+    GatedStoreHandler.gate.clear()
+    engine = paged_engine(SPEC, 8, kv_transfer_config=offloading(spec_name="gated-store", num_cpu_blocks=8))
+    try:
+        engine.add_request("a", prompt(6), max_new_tokens=1)
+        for _ in range(5):
+            engine.step()
+        assert engine.has_unfinished(), "finished, but its blocks must wait for the store"
+        assert engine.allocator.num_free < 8
+    finally:
+        GatedStoreHandler.gate.set()
+    engine.run(timeout_s=10)  # "a" already produced its output; this waits for the delayed free
+    assert not engine.has_unfinished() and engine.allocator.num_free == 8
+    out = engine.generate({"b": prompt(6)})["b"]
+    assert out.num_local_hit_tokens + out.num_external_tokens == 16
+
+
+# -- third-party specs -----------------------------------------------------------------------------
+DICT_TIER = '''
+"""A third-party tier: blocks kept as separate tensors in a dict, moved by its own thread."""
+import queue
+import threading
+
+import torch
+
+from wtransfer.specs.base import OffloadingHandler, OffloadingSpec, TransferResult
+from wtransfer.specs.manager import BlockTableManager
+
+MEDIUM = "acme-dict"
+
+
+class DictHandler(OffloadingHandler):
+    def __init__(self, store, kv_caches, to_tier):
+        self.store, self.kv_caches, self.to_tier = store, kv_caches, to_tier
+        self.jobs, self.done, self.cond = queue.SimpleQueue(), [], threading.Condition()
+        self.pending = set()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def transfer_async(self, job_id, spec):
+        with self.cond:
+            self.pending.add(job_id)
+        self.jobs.put((job_id, spec))
+        return True
+
+    def _run(self):
+        while (item := self.jobs.get()) is not None:
+            job_id, (src, dst) = item
+            engine_ids = dst.block_ids if not self.to_tier else src.block_ids
+            slots = src.block_ids if not self.to_tier else dst.block_ids
+            engine_ids = list(engine_ids)[-len(slots):]  # factor 1: one engine block per slot
+            for slot, block in zip(slots, engine_ids):
+                if self.to_tier:
+                    self.store[slot] = [c[:, block].clone() for c in self.kv_caches.values()]
+                else:
+                    for cache, saved in zip(self.kv_caches.values(), self.store[slot]):
+                        cache[:, block] = saved
+            with self.cond:
+                self.pending.discard(job_id)
+                self.done.append(TransferResult(job_id, True))
+                self.cond.notify_all()
+
+    def get_finished(self):
+        with self.cond:
+            done, self.done = self.done, []
+        return done
+
+    def wait(self, job_ids, timeout=None):
+        wanted = set(job_ids)
+        with self.cond:
+            if not self.cond.wait_for(lambda: not wanted & self.pending, timeout=timeout or 30):
+                raise TimeoutError(sorted(wanted & self.pending))
+
+    def shutdown(self):
+        self.jobs.put(None)
+        self.thread.join(timeout=10)
+
+
+class DictTierSpec(OffloadingSpec):
+    def __init__(self, config, kv_cache_spec=None):
+        super().__init__(config, kv_cache_spec)
+        self.num_blocks = int(self.extra_config.get("num_blocks", 8))
+        self.manager = None
+        self.handlers = []
+
+    def get_manager(self):
+        if self.manager is None:
+            self.manager = BlockTableManager(self.num_blocks, self.offloaded_block_size, "lru", medium=MEDIUM)
+        return self.manager
+
+    def get_handlers(self, kv_caches):
+        if not self.handlers:
+            store = {}
+            self.handlers = [("device", MEDIUM, DictHandler(store, kv_caches, True)),
+                             (MEDIUM, "device", DictHandler(store, kv_caches, False))]
+        yield from self.handlers
+
+    def shutdown(self):
+        for _, _, handler in self.handlers:
+            handler.shutdown()
+        self.handlers = []
+'''
+
+ROUND_TRIP = '''
+import json
+import torch
+import wtransfer
+from wtransfer import KVCacheSpec, KVTransferConfig
+from wtransfer.testing.paged_engine import PagedKVEngine, reference_kv
+
+spec = KVCacheSpec(("layer.0", "layer.1"), 4, 2, 8, "float32", "offload-e2e")
+config = KVTransferConfig("offloading", kv_connector_extra_config={EXTRA})
+tokens = [(3 * i + 1) % 500 for i in range(14)]
+with PagedKVEngine(spec, 16, kv_transfer_config=config, enable_prefix_caching=False, capture_kv=True) as engine:
+    engine.generate({"a": tokens})
+    out = engine.generate({"b": tokens})["b"]
+    expected = reference_kv(spec, tokens)
+    exact = all(torch.equal(kv, expected[name][:, : kv.shape[1]]) for name, kv in out.kv.items())
+    listed = [(c.name, c.distribution) for c in wtransfer.list_components("specs")]
+    print(json.dumps({"spec": type(engine.scheduler_connector.spec).__name__, "external": out.num_external_tokens,
+                      "exact": exact, "listed": listed}))
+'''
+
+
+def test_third_party_spec_from_an_entry_point_in_a_fresh_process(fake_distribution: Callable[..., Any]) -> None:
+    fake_distribution("acme-kv-tier", {"wtransfer.specs": {"acme-dict": "acme_kv_tier.spec:DictTierSpec"}},
+                      modules={"acme_kv_tier.spec": DICT_TIER}, version="2.1")
+    proc = run_python(ROUND_TRIP.replace("{EXTRA}", '{"spec_name": "acme-dict", "num_blocks": 8}'), timeout=120)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["spec"] == "DictTierSpec"
+    assert ["acme-dict", "acme-kv-tier"] in result["listed"] and ["cpu", "wtransfer"] in result["listed"]
+    assert result["external"] == 12 and result["exact"] is True
+
+
+def test_third_party_spec_through_spec_module_path(
+    fake_distribution: Callable[..., Any], paged_engine: Engine
+) -> None:
+    fake_distribution("acme-loose-modules", {}, modules={"acme_loose.tiers": DICT_TIER})
+    config = offloading(spec_name="DictTierSpec", spec_module_path="acme_loose.tiers", num_blocks=8)
+    engine = paged_engine(SPEC, 16, kv_transfer_config=config, enable_prefix_caching=False, capture_kv=True)
+    engine.generate({"a": prompt(9)})
+    out = engine.generate({"b": prompt(9)})["b"]
+    assert type(engine.scheduler_connector.spec).__name__ == "DictTierSpec"
+    assert out.num_external_tokens == 16
+    assert_bit_exact(out)
