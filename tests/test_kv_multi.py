@@ -1,0 +1,142 @@
+"""The ``multi`` connector over two ``storage`` directories (and a parameter-returning child)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from wtransfer import KVConnectorBase, KVConnectorFactory, KVConnectorMetadata, KVConnectorRole, KVTransferConfig
+from wtransfer.connectors.storage import StorageConnector
+from wtransfer.kvcache import KVCacheSpec
+from wtransfer.testing.conformance import ConnectorConformance
+from wtransfer.testing.paged_engine import PagedKVEngine, reference_kv
+
+SPEC = KVCacheSpec(("layer.0", "layer.1"), block_size=4, num_kv_heads=2, head_size=8,
+                   dtype="float16", model_fingerprint="multi-test")
+PROMPT = [(11 * i + 3) % 500 for i in range(18)]  # 4 full blocks + 2 tokens
+
+
+def _child(path: Path, **extra: Any) -> dict[str, Any]:
+    return {"kv_connector": "storage", "kv_connector_extra_config": {"path": str(path), **extra}}
+
+
+def _multi(*children: dict[str, Any]) -> KVTransferConfig:
+    return KVTransferConfig("multi", kv_connector_extra_config={"connectors": list(children)})
+
+
+def _files(root: Path) -> set[str]:
+    return {p.name for p in root.rglob("*.safetensors")}
+
+
+class TestMultiConformance(ConnectorConformance):
+    connector = "multi"
+    persistent = True
+
+    @pytest.fixture
+    def connector_options(self, tmp_path: Path) -> dict[str, Any]:
+        return {"connectors": [_child(tmp_path / "a"), _child(tmp_path / "b")]}
+
+
+def test_saves_to_every_child_and_loads_from_the_first_hit(tmp_path: Path) -> None:
+    fast, shared = tmp_path / "fast", tmp_path / "shared"
+    config = _multi(_child(fast), _child(shared))
+    with PagedKVEngine(SPEC, 16, kv_transfer_config=config) as engine:
+        engine.generate({"a": PROMPT}, max_new_tokens=3)
+    assert len(_files(fast)) == 5 and _files(fast) == _files(shared)
+
+    shutil.rmtree(fast)  # the first child lost everything: the second one serves
+    with PagedKVEngine(SPEC, 16, kv_transfer_config=config, capture_kv=True) as engine:
+        out = engine.generate({"b": PROMPT + [1, 2, 3]})["b"]
+        stats = engine.worker_connector.get_kv_connector_stats()
+    assert out.num_external_tokens == 16  # prompt blocks 0-3 (block 4 held generated tokens)
+    assert stats["1:storage"]["loaded_blocks"] == 4 and "loaded_blocks" not in stats["0:storage"]
+    reference = reference_kv(SPEC, out.prompt_token_ids)
+    assert all(torch.equal(out.kv[n], reference[n]) for n in reference)
+
+
+class SlowStorage(StorageConnector):
+    """A storage child whose saves wait for the test to open a gate."""
+
+    GATE = threading.Event()
+
+    def _save_block(self, transfer: Any) -> None:
+        assert self.GATE.wait(timeout=20), "test never opened the gate"
+        super()._save_block(transfer)
+
+
+def test_a_request_is_done_only_when_every_child_finished_saving(tmp_path: Path, isolated_registry: None) -> None:
+    KVConnectorFactory.register_connector("slow-storage", __name__, "SlowStorage")
+    SlowStorage.GATE.clear()
+    slow = {"kv_connector": "slow-storage", "kv_connector_extra_config": {"path": str(tmp_path / "slow")}}
+    with PagedKVEngine(SPEC, 16, kv_transfer_config=_multi(_child(tmp_path / "fast"), slow)) as engine:
+        engine.add_request("a", PROMPT)
+        for _ in range(5):
+            engine.step()
+        assert engine.has_unfinished()  # blocks held: the slow child has not saved yet
+        assert _files(tmp_path / "fast") and not _files(tmp_path / "slow")
+        SlowStorage.GATE.set()
+        engine.run(timeout_s=20)
+    assert _files(tmp_path / "slow") == _files(tmp_path / "fast")
+
+
+def test_conflicting_kv_transfer_params_are_refused(isolated_registry: None) -> None:
+    KVConnectorFactory.register_connector("params-a", __name__, "ParamsA")
+    KVConnectorFactory.register_connector("params-b", __name__, "ParamsB")
+    from wtransfer.connectors.request import KVRequest
+
+    request = KVRequest("r", list(range(8)))
+    agree = KVConnectorFactory.create_connector(
+        _multi({"kv_connector": "params-a"}, {"kv_connector": "params-a"}), KVConnectorRole.SCHEDULER, SPEC
+    )
+    assert agree.request_finished(request, [0, 1]) == (False, {"remote_host": "a"})
+    clash = KVConnectorFactory.create_connector(
+        _multi({"kv_connector": "params-a"}, {"kv_connector": "params-b"}), KVConnectorRole.SCHEDULER, SPEC
+    )
+    with pytest.raises(ValueError, match="remote_host.*distinct keys"):
+        clash.request_finished(request, [0, 1])
+
+
+def test_bad_configs_say_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config\['connectors'\]"):
+        KVConnectorFactory.create_connector(KVTransferConfig("multi"), KVConnectorRole.WORKER, SPEC)
+    with pytest.raises(ValueError, match="child #1"):
+        KVConnectorFactory.create_connector(_multi(_child(tmp_path), {"path": "x"}), KVConnectorRole.WORKER, SPEC)
+
+
+class ParamsA(KVConnectorBase):
+    """A minimal real connector that matches nothing and hands back transfer params."""
+
+    value = "a"
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        pass
+
+    def build_connector_meta(self, step: Any) -> KVConnectorMetadata:
+        return KVConnectorMetadata()
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return False, {"remote_host": self.value}
+
+    def start_load_kv(self, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any = None, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
+
+
+class ParamsB(ParamsA):
+    value = "b"
