@@ -215,3 +215,26 @@ def test_bench_offload_runs_and_checks_its_copies(capsys: pytest.CaptureFixture[
     for line in ("store ", "load ", "lru ", "arc "):
         assert any(row.startswith(line) for row in out.splitlines()), out
     assert bench_offload.TARGET_RATIO == 0.8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_round_trip_with_the_engine_cache_on_a_gpu() -> None:
+    spec = OffloadingSpecFactory.create_spec(config(num_cpu_blocks=4, block_size=8), kv_spec("bfloat16"))
+    try:
+        caches = {name: t.cuda() for name, t in make_caches(spec.kv_cache_spec).items()}
+        original = {name: cache.clone() for name, cache in caches.items()}
+        (_, _, store), (_, _, load) = spec.get_handlers(caches)
+        assert spec.tier is not None and spec.tier.is_pinned()
+        assert store.transfer_async(1, (LoadStoreSpec("device", (3, 8, 1, 0)), LoadStoreSpec("cpu", (2, 0))))
+        store.wait([1])
+        assert [r.success for r in store.get_finished()] == [True]
+        for cache in caches.values():
+            cache.zero_()
+        assert load.transfer_async(2, (LoadStoreSpec("cpu", (0, 2)), LoadStoreSpec("device", (4, 5, 6, 7))))
+        load.wait([2])
+        assert [r.success for r in load.get_finished()] == [True]
+        for name in LAYERS:
+            assert torch.equal(caches[name][:, [4, 5, 6, 7]].cpu(), original[name][:, [1, 0, 3, 8]].cpu())
+    finally:
+        spec.shutdown()

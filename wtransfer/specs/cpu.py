@@ -83,6 +83,7 @@ class _Job:
     job_id: int
     src_rows: torch.Tensor
     dst_rows: torch.Tensor
+    ready: torch.cuda.Event | None = None  # the caller's stream reached this point: the data is written
 
 
 class BlockCopyHandler(OffloadingHandler):
@@ -149,7 +150,11 @@ class BlockCopyHandler(OffloadingHandler):
             if job_id in self._pending:
                 raise ValueError(f"Job id {job_id} is already in flight; use a fresh id per job")
             self._pending.add(job_id)
-        self._jobs.put(_Job(job_id, _index(src_rows, self.src.device), _index(dst_rows, self.dst.device)))
+        ready = None
+        if self._stream is not None:
+            ready = torch.cuda.Event()
+            ready.record()  # on the caller's current stream, which wrote the blocks
+        self._jobs.put(_Job(job_id, _index(src_rows, self.src.device), _index(dst_rows, self.dst.device), ready))
         return True
 
     def get_finished(self) -> list[TransferResult]:
@@ -186,6 +191,8 @@ class BlockCopyHandler(OffloadingHandler):
                 return
             started = time.perf_counter()
             try:
+                if job.ready is not None and self._stream is not None:
+                    self._stream.wait_event(job.ready)
                 self._copy(job.src_rows, job.dst_rows)
                 result = TransferResult(
                     job.job_id, True, len(job.src_rows) * self._row_bytes, time.perf_counter() - started
