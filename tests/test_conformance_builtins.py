@@ -49,3 +49,12 @@ class TestMultiConnector(ConnectorConformance):
 
 class TestSharedMemoryEngine(EngineConformance):
     engine = "shm"
+
+
+class TestOffloadingConnector(ConnectorConformance):
+    connector = "offloading"
+    persistent = False  # the CPU tier lives inside the connector instance
+
+    @pytest.fixture
+    def connector_options(self, tmp_path: Path) -> dict[str, Any]:
+        return {"spec_name": "cpu", "num_cpu_blocks": 64}
