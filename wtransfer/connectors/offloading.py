@@ -183,11 +183,10 @@ class OffloadingConnector(KVConnectorBase):
                 continue
             if not plan.block_hashes_to_store:
                 continue
-            engine_ids = [
-                block_id
-                for block_hash in plan.block_hashes_to_store
-                for block_id in scheduled.block_ids[index_of[block_hash] * self.factor : (index_of[block_hash] + 1) * self.factor]
-            ]
+            engine_ids = []
+            for block_hash in plan.block_hashes_to_store:
+                first_engine_block = index_of[block_hash] * self.factor
+                engine_ids += scheduled.block_ids[first_engine_block : first_engine_block + self.factor]
             self._with_stores.add(request.request_id)
             self._stats["stored_blocks"] += len(plan.block_hashes_to_store)
             self._stats["evicted_blocks"] += len(plan.block_hashes_evicted)
@@ -340,7 +339,9 @@ class OffloadingConnector(KVConnectorBase):
                 self._bad_tier_blocks.difference_update(job.tier_block_ids)
                 self._worker_stats["bytes_stored"] += result.num_bytes
             else:
-                logger.warning("offloading: store job %d failed (%s); its blocks will not be loaded", result.job_id, result.error)
+                logger.warning(
+                    "offloading: store job %d failed (%s); its blocks will not be loaded", result.job_id, result.error
+                )
                 self._bad_tier_blocks.update(job.tier_block_ids)
                 self._worker_stats["failed_stores"] += 1
         for result in load.get_finished():
@@ -350,7 +351,9 @@ class OffloadingConnector(KVConnectorBase):
             if result.success:
                 self._worker_stats["bytes_loaded"] += result.num_bytes
             else:
-                logger.warning("offloading: load job %d failed (%s); the engine recomputes", result.job_id, result.error)
+                logger.warning(
+                    "offloading: load job %d failed (%s); the engine recomputes", result.job_id, result.error
+                )
                 self._fail_load(*entry)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -210,9 +210,10 @@ class OffloadingSpec(ABC):
         if size <= 0:
             raise ValueError(f"kv_connector_extra_config['block_size'] must be > 0, got {requested!r}")
         if self.engine_block_size is not None and size % self.engine_block_size:
+            nearest = self.engine_block_size * max(1, size // self.engine_block_size)
             raise ValueError(
                 f"kv_connector_extra_config['block_size'] ({size}) must be a multiple of the engine's "
-                f"block size ({self.engine_block_size}); try {self.engine_block_size * max(1, size // self.engine_block_size)}"
+                f"block size ({self.engine_block_size}); try {nearest}"
             )
         return size
 

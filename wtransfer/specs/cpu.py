@@ -199,7 +199,8 @@ class BlockCopyHandler(OffloadingHandler):
                 )
             except Exception as exc:  # reported as a failed job, never lost
                 logger.exception("KV offload job %d (%s -> %s) failed", job.job_id, self.src.medium, self.dst.medium)
-                result = TransferResult(job.job_id, False, 0, time.perf_counter() - started, f"{type(exc).__name__}: {exc}")
+                error = f"{type(exc).__name__}: {exc}"
+                result = TransferResult(job.job_id, False, 0, time.perf_counter() - started, error)
             with self._cond:
                 self._pending.discard(job.job_id)
                 self._finished.append(result)
