@@ -408,8 +408,8 @@ def test_pip_installed_plugin_is_discovered_everywhere(installed_example: Path, 
         from wtransfer import WeightTransferConfig, WeightTransferEngineFactory
         listed = [i.to_dict() for i in wtransfer.list_components("engine") if i.name == "example"]
         engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="wtransfer-example:example"))
-        engine.init_transfer_engine(engine.parse_init_info({"greeting": "hi"}))
-        print(json.dumps({"listed": listed, "greeting": engine.greeting}))
+        print(json.dumps({"listed": listed, "trainer": engine.trainer_cls.__name__}))
+        engine.shutdown()
         """,
         path=[installed_example], env={"WTRANSFER_EXAMPLE_LOG": str(log)},
     )
@@ -417,15 +417,15 @@ def test_pip_installed_plugin_is_discovered_everywhere(installed_example: Path, 
     assert data["listed"] == [{"kind": "engines", "name": "example", "distribution": "wtransfer-example",
                                "version": "0.2.0", "target": "wtransfer_example.engine:ExampleEngine",
                                "status": "available"}]
-    assert data["greeting"] == "hi"
+    assert data["trainer"] == "SmallModelTrainer"
     assert log.read_text() == "created ExampleEngine\n"
 
 
 def test_cli_show_and_check(installed_example: Path):
     shown = run_python("from wtransfer.cli import main; raise SystemExit(main(['show', 'engine', 'example']))",
                        path=[installed_example])
-    for fragment in ("ExampleEngine", "wtransfer-example 0.2.0", "greeting: str = 'hello'", "names:",
-                     "is_checkpoint_format", "Example engine shipped"):
+    for fragment in ("ExampleEngine", "wtransfer-example 0.2.0", "bucket_bytes: int = (required)",
+                     "timeout_s: float = 300.0", "is_checkpoint_format", "Example engine shipped"):
         assert fragment in shown.stdout, fragment
     checked = run_python("from wtransfer.cli import main; raise SystemExit(main(['check', '--json']))",
                          path=[installed_example], check=False)

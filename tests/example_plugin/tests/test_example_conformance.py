@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from wtransfer.testing.conformance import SpecConformance
+from wtransfer.testing.conformance import EngineConformance, SpecConformance
 
 
 class TestFIFOSpec(SpecConformance):
@@ -13,3 +13,7 @@ class TestFIFOSpec(SpecConformance):
     @pytest.fixture
     def spec_options(self):
         return {"num_cpu_blocks": 5}
+
+
+class TestExampleEngine(EngineConformance):
+    engine = "wtransfer-example:example"

@@ -1,33 +1,25 @@
-"""A worker engine that receives nothing: enough to show discovery, creation and hooks."""
+"""A shared-memory engine tuned for small models: a real engine built on wtransfer's ``shm``.
+
+Smaller default buckets and three buffers suit models of a few hundred MB, where a
+64 MiB bucket would leave the ring mostly idle. The transport, the manifest checks and
+the timeouts are wtransfer's; the plugin only changes defaults, so it stays small.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from wtransfer.engines.shm import SharedMemoryTrainer, SharedMemoryWeightTransferEngine
 
-from wtransfer.engines.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
-
-
-@dataclass
-class ExampleInitInfo(WeightTransferInitInfo):
-    greeting: str = "hello"
+MIB = 1 << 20
 
 
-@dataclass
-class ExampleUpdateInfo(WeightTransferUpdateInfo):
-    names: list[str] | None = None
+class SmallModelTrainer(SharedMemoryTrainer):
+    """Trainer side: 4 MiB buckets, three buffers."""
+
+    default_bucket_bytes = 4 * MIB
+    default_num_buffers = 3
 
 
-class ExampleEngine(WeightTransferEngine[ExampleInitInfo, ExampleUpdateInfo]):
-    """Example engine shipped by the wtransfer-example distribution."""
+class ExampleEngine(SharedMemoryWeightTransferEngine):
+    """Example engine shipped by the wtransfer-example distribution (shm, tuned for small models)."""
 
-    init_info_cls = ExampleInitInfo
-    update_info_cls = ExampleUpdateInfo
-
-    def init_transfer_engine(self, init_info: ExampleInitInfo) -> None:
-        self.greeting = init_info.greeting
-
-    def receive_weights(self, update_info, load_weights) -> None:
-        load_weights([])
-
-    def shutdown(self) -> None:
-        pass
+    trainer_cls = SmallModelTrainer
