@@ -103,6 +103,17 @@ def test_a_local_hit_inside_an_offloaded_block_loads_only_the_rest(paged_engine:
     assert_bit_exact(out)
 
 
+def test_blocks_filled_while_decoding_are_offloaded_too(paged_engine: Engine) -> None:
+    engine = paged_engine(SPEC, 16, kv_transfer_config=offloading(num_cpu_blocks=16),
+                          enable_prefix_caching=False, capture_kv=True)
+    first = engine.generate({"d": prompt(7, length=6)}, max_new_tokens=12)["d"]
+    # KV exists for 6 prompt + 11 generated tokens: 4 full blocks, two of them filled while decoding
+    history = first.prompt_token_ids + first.output_token_ids
+    again = engine.generate({"e": history + [3]})["e"]
+    assert again.num_external_tokens == 16
+    assert_bit_exact(again)
+
+
 def run_scan_workload(paged_engine: Engine, policy: str, rounds: int = 5) -> tuple[float, float, list[Any]]:
     """4 hot prompts used twice per round, then a scan of 6 one-off prompts (12 blocks, the whole tier).
 
