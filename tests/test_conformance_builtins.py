@@ -1,13 +1,18 @@
-"""Dogfooding: every built-in component passes the same conformance suites third parties use."""
+"""Dogfooding: every built-in component passes the same conformance suites third parties use.
+
+The connectors run ``ConnectorConformance`` beside their own tests: ``storage`` in
+test_kv_storage.py, ``multi`` in test_kv_multi.py, ``offloading`` (LRU and ARC) in
+test_offload_connector.py. The example plugin certifies its engine and spec after a real
+pip install (test_conformance_kit.py).
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from wtransfer.testing.conformance import ConnectorConformance, EngineConformance, SpecConformance
+from wtransfer.testing.conformance import EngineConformance, SpecConformance
 
 
 class TestCPUSpecLRU(SpecConformance):
@@ -26,35 +31,6 @@ class TestCPUSpecARC(SpecConformance):
         return {"num_cpu_blocks": 6, "eviction_policy": "arc", "block_size": 8}
 
 
-class TestStorageConnector(ConnectorConformance):
-    connector = "storage"
-    persistent = True
-
-    @pytest.fixture
-    def connector_options(self, tmp_path: Path) -> dict[str, Any]:
-        return {"path": str(tmp_path / "kv")}
-
-
-class TestMultiConnector(ConnectorConformance):
-    connector = "multi"
-    persistent = True
-
-    @pytest.fixture
-    def connector_options(self, tmp_path: Path) -> dict[str, Any]:
-        return {"connectors": [
-            {"kv_connector": "storage", "kv_connector_extra_config": {"path": str(tmp_path / "fast")}},
-            {"kv_connector": "storage", "kv_connector_extra_config": {"path": str(tmp_path / "shared")}},
-        ]}
-
-
 class TestSharedMemoryEngine(EngineConformance):
     engine = "shm"
 
-
-class TestOffloadingConnector(ConnectorConformance):
-    connector = "offloading"
-    persistent = False  # the CPU tier lives inside the connector instance
-
-    @pytest.fixture
-    def connector_options(self, tmp_path: Path) -> dict[str, Any]:
-        return {"spec_name": "cpu", "num_cpu_blocks": 64}
