@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from wtransfer.engines.manifest import Manifest, dtype_name
+from wtransfer.engines.packing import copy_tensor
 from wtransfer.errors import ManifestMismatchError
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ class ModuleLoader:
                         f"{name!r}: got {tensor.dtype} {list(tensor.shape)}, "
                         f"model has {target.dtype} {list(target.shape)}"
                     )
-                target.copy_(tensor)
+                copy_tensor(target, tensor)
 
 
 def module_loader(module: torch.nn.Module, *, strict: bool = True) -> ModuleLoader:

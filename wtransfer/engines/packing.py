@@ -44,6 +44,7 @@ class Bucket:
     index: int
     nbytes: int  # bytes used, <= bucket_bytes
     pieces: tuple[Piece, ...]
+    direct: bool = False  # one piece of a large tensor, which transports may move in place
 
 
 def _align(value: int) -> int:
@@ -58,21 +59,36 @@ def check_bucket_bytes(bucket_bytes: int) -> int:
     return bucket_bytes
 
 
-def plan_buckets(entries: tuple[TensorEntry, ...], bucket_bytes: int) -> list[Bucket]:
-    """Greedy layout: whole tensors while they fit, oversize ones split over fresh buckets."""
+def plan_buckets(
+    entries: tuple[TensorEntry, ...], bucket_bytes: int, direct_min_bytes: int | None = None
+) -> list[Bucket]:
+    """Greedy layout: whole tensors while they fit, oversize ones split over fresh buckets.
+
+    With ``direct_min_bytes``, every tensor at least that large gets buckets of its own
+    (``direct``), so a transport that can read and write tensors in place (a broadcast)
+    skips packing them; smaller tensors are still packed together.
+    """
     check_bucket_bytes(bucket_bytes)
     buckets: list[Bucket] = []
     pieces: list[Piece] = []
     used = 0
 
-    def flush() -> None:
+    def flush(direct: bool = False) -> None:
         nonlocal pieces, used
         if pieces:
-            buckets.append(Bucket(len(buckets), used, tuple(pieces)))
+            buckets.append(Bucket(len(buckets), used, tuple(pieces), direct))
         pieces, used = [], 0
 
     for index, entry in enumerate(entries):
         nbytes = entry.nbytes
+        if direct_min_bytes is not None and nbytes >= max(direct_min_bytes, 1):
+            flush()
+            for start in range(0, nbytes, bucket_bytes):
+                length = min(bucket_bytes, nbytes - start)
+                pieces.append(Piece(index, start, 0, length, length == nbytes))
+                used = length
+                flush(direct=True)
+            continue
         if nbytes <= bucket_bytes:
             start = _align(used) if nbytes else used
             if start + nbytes > bucket_bytes:
@@ -92,6 +108,34 @@ def plan_buckets(entries: tuple[TensorEntry, ...], bucket_bytes: int) -> list[Bu
         used = nbytes - done
     flush()
     return buckets
+
+
+def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, as one plain single-threaded memcpy when both are contiguous CPU tensors.
+
+    Copies are memory-bound: torch's intra-op threads add nothing but synchronisation (on
+    small machines they make a copy several times slower), and they compete with the other
+    side of the pipeline. Anything else (strides, devices, dtype casts) goes to ``copy_``.
+    """
+    if (
+        dst.device.type == "cpu"
+        and src.device.type == "cpu"
+        and dst.dtype == src.dtype
+        and dst.shape == src.shape
+        and dst.is_contiguous()
+        and src.is_contiguous()
+        and dst.numel() > 0
+    ):
+        import numpy
+        import torch
+
+        target = dst.detach().reshape(-1).view(torch.uint8)
+        numpy.copyto(target.numpy(), src.detach().reshape(-1).view(torch.uint8).numpy())
+        bump = getattr(torch.autograd.graph, "increment_version", None)
+        if bump is not None and dst.requires_grad:
+            bump(dst)  # as copy_ would: autograd must see the in-place write
+        return
+    dst.copy_(src)
 
 
 def _typed_view(data: torch.Tensor, piece: Piece, entry: TensorEntry) -> torch.Tensor:
@@ -143,13 +187,24 @@ class Packer:
                 continue
             if piece.whole:
                 # copy_ reads any strides/storage offset directly: no temporary for views.
-                _typed_view(data, piece, self._entries[piece.index]).copy_(tensor)
+                copy_tensor(_typed_view(data, piece, self._entries[piece.index]), tensor)
                 continue
             if self._flat is None:
                 self._flat = tensor_bytes(tensor)
-            data[piece.offset : piece.offset + piece.length].copy_(
-                self._flat[piece.start : piece.start + piece.length]
+            copy_tensor(
+                data[piece.offset : piece.offset + piece.length],
+                self._flat[piece.start : piece.start + piece.length],
             )
+
+    def direct_bytes(self, bucket: Bucket, device: torch.device) -> torch.Tensor | None:
+        """A direct bucket's bytes read in place from the source tensor (None: pack it instead)."""
+        if not bucket.direct:
+            return None
+        piece = bucket.pieces[0]
+        tensor = self._advance_to(piece.index)
+        if not tensor.is_contiguous() or tensor.device != device:
+            return None
+        return tensor_bytes(tensor)[piece.start : piece.start + piece.length]
 
     def drain(self) -> None:
         """After the last bucket: the source must not hold more tensors than announced."""
@@ -177,6 +232,27 @@ class Unpacker:
         self._partial: dict[int, torch.Tensor] = {}  # index -> uint8 bytes being assembled
         self._direct: dict[int, torch.Tensor] = {}  # index -> destination written in place
         self.delivered = 0
+
+    def direct_target(self, bucket: Bucket) -> torch.Tensor | None:
+        """Where a direct bucket can be received in place: its slice of the loader's destination."""
+        if not bucket.direct or self._destination is None:
+            return None
+        piece = bucket.pieces[0]
+        entry = self._manifest.entries[piece.index]
+        target = self._destination(entry.name)
+        if target is None or not target.is_contiguous() or entry_for(entry.name, target) != entry:
+            return None
+        return tensor_bytes(target)[piece.start : piece.start + piece.length]
+
+    def received_in_place(self, bucket: Bucket) -> None:
+        """A direct bucket landed in its destination: account for it (and verify when complete)."""
+        piece = bucket.pieces[0]
+        if piece.start + piece.length == self._manifest.entries[piece.index].nbytes:
+            entry = self._manifest.entries[piece.index]
+            target = self._destination(entry.name) if self._destination is not None else None
+            if target is not None:
+                self._verify(piece.index, target)
+            self.delivered += 1
 
     def unpack(self, bucket: Bucket, data: torch.Tensor) -> None:
         batch: list[tuple[str, torch.Tensor]] = []
@@ -213,7 +289,7 @@ class Unpacker:
         last = piece.start + piece.length == entry.nbytes
         if piece.index in self._direct:
             target = self._direct[piece.index]
-            tensor_bytes(target)[piece.start : piece.start + piece.length].copy_(chunk)
+            copy_tensor(tensor_bytes(target)[piece.start : piece.start + piece.length], chunk)
             if last:
                 del self._direct[piece.index]
                 self._verify(piece.index, target)
@@ -222,7 +298,7 @@ class Unpacker:
         buffer = self._partial.get(piece.index)
         if buffer is None:
             raise TransferError(f"received a middle chunk of {entry.name!r} without its start")
-        buffer[piece.start : piece.start + piece.length].copy_(chunk)
+        copy_tensor(buffer[piece.start : piece.start + piece.length], chunk)
         if not last:
             return None
         del self._partial[piece.index]

@@ -231,8 +231,8 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
     """Trainer side of ``shm``: owns the ring and the control socket."""
 
     backend = "shm"
-    default_bucket_bytes = 64 * MIB
-    default_num_buffers = 2
+    default_bucket_bytes = 32 * MIB
+    default_num_buffers = 4
 
     def _prepare(self) -> dict[str, Any]:
         self._listener: Listener | None = Listener(f"wtransfer-shm-{os.getpid()}-{secrets.token_hex(8)}")

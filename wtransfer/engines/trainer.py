@@ -226,7 +226,7 @@ class TrainerWeightTransferEngine(ABC):
     def _run_round(self) -> dict[str, Any]:
         entries = self.source.metadata()
         manifest = self._manifest(entries)
-        buckets = plan_buckets(manifest.entries, self.bucket_bytes)
+        buckets = self._plan(manifest)
         update_info = self._update_info(manifest)
         started = time.perf_counter()
         BackgroundCall("start_weight_update", self.client.start_weight_update).result(self.timeout_s)
@@ -252,6 +252,10 @@ class TrainerWeightTransferEngine(ABC):
             "seconds": seconds,
             "gb_per_s": total / seconds / 1e9 if seconds > 0 else 0.0,
         }
+
+    def _plan(self, manifest: Manifest) -> list[Bucket]:
+        """The round's bucket layout; workers compute the same from the manifest and init info."""
+        return plan_buckets(manifest.entries, self.bucket_bytes)
 
     def _manifest(self, entries: list[TensorEntry]) -> Manifest:
         checksums = None

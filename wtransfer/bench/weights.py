@@ -1,0 +1,462 @@
+"""Weight sync, trainer -> N local workers, verified bit-exactly every round; with --compare,
+the peers a user would otherwise pick, measured in the same run on the same tensors."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import multiprocessing
+import os
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("wtransfer")
+
+MIB = 1 << 20
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64",
+          "fp8": "float8_e4m3fn", "int8": "int8"}  # fmt: skip
+RSS_SLACK = 64 * MIB
+
+
+# -- the model ------------------------------------------------------------------------------------
+def decoder_shapes(
+    hidden: int, intermediate: int, layers: int, vocab: int, kv_dim: int
+) -> list[tuple[str, list[int]]]:
+    """Tensor shapes of a Qwen2-style decoder (tied embeddings: the LM head is not sent)."""
+    shapes: list[tuple[str, list[int]]] = [("model.embed_tokens.weight", [vocab, hidden])]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes += [
+            (p + "self_attn.q_proj.weight", [hidden, hidden]), (p + "self_attn.q_proj.bias", [hidden]),
+            (p + "self_attn.k_proj.weight", [kv_dim, hidden]), (p + "self_attn.k_proj.bias", [kv_dim]),
+            (p + "self_attn.v_proj.weight", [kv_dim, hidden]), (p + "self_attn.v_proj.bias", [kv_dim]),
+            (p + "self_attn.o_proj.weight", [hidden, hidden]),
+            (p + "mlp.gate_proj.weight", [intermediate, hidden]), (p + "mlp.up_proj.weight", [intermediate, hidden]),
+            (p + "mlp.down_proj.weight", [hidden, intermediate]),
+            (p + "input_layernorm.weight", [hidden]), (p + "post_attention_layernorm.weight", [hidden]),
+        ]  # fmt: skip
+    shapes.append(("model.norm.weight", [hidden]))
+    return shapes
+
+
+def _numel(shape: list[int]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def shapes_for_params(params: int) -> list[tuple[str, list[int]]]:
+    """A decoder of about ``params`` parameters: Qwen2-0.5B's geometry, scaled by depth."""
+    hidden, intermediate, kv_dim = (896, 4864, 128) if params >= 60_000_000 else (256, 1024, 64)
+    per_layer = sum(_numel(s) for _, s in decoder_shapes(hidden, intermediate, 1, 0, kv_dim)) - hidden
+    vocab = max(256, min(151_936, int(params * 0.275) // hidden))
+    layers = max(1, round((params - vocab * hidden) / per_layer))
+    return decoder_shapes(hidden, intermediate, layers, vocab, kv_dim)
+
+
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)([kKmMbB]?)$")
+
+
+def parse_model(spec: str) -> list[tuple[str, list[int]]]:
+    """``0.5B`` / ``100M`` (parameters) or explicit shapes ``4096x4096,896,16x16*100``."""
+    match = _SIZE.match(spec.strip())
+    if match:
+        scale = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9}[match.group(2).lower()]
+        return shapes_for_params(int(float(match.group(1)) * scale))
+    shapes: list[tuple[str, list[int]]] = []
+    for item in spec.split(","):
+        item = item.strip()
+        shape_text, _, repeat = item.partition("*")
+        try:
+            shape = [int(d) for d in shape_text.split("x")] if shape_text not in ("", "()") else []
+            count = int(repeat) if repeat else 1
+        except ValueError:
+            raise ValueError(f"--model: cannot parse {item!r}; use e.g. 0.5B, 100M or 4096x4096,896*24") from None
+        shapes += [(f"t{len(shapes) + i}.weight", shape) for i in range(count)]
+    return shapes
+
+
+def build_model(shapes: list[list[Any]], dtype: str, random: bool = False, seed: int = 0) -> torch.nn.Module:
+    """A module holding the given parameters under their dotted names (nested submodules)."""
+    import torch
+
+    from wtransfer.engines.manifest import dtype_from_name
+
+    torch_dtype = dtype_from_name(dtype)
+    root = torch.nn.Module()
+    pool = _random_pool(torch_dtype, seed) if random else None
+    for index, (name, shape) in enumerate(shapes):
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        tensor = torch.zeros(shape, dtype=torch_dtype)
+        if pool is not None:
+            _fill_from_pool(tensor, pool, index * 7919)
+        module.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=False))
+    return root
+
+
+def worker_model(shapes: list[list[Any]], dtype: str) -> torch.nn.Module:
+    """The worker's copy (zeros, resident): what the engine overwrites every round."""
+    return build_model(shapes, dtype)
+
+
+def _random_pool(dtype: torch.dtype, seed: int) -> torch.Tensor:
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point and dtype.itemsize >= 2:
+        return torch.randn(1 << 22, generator=generator).to(dtype)
+    return torch.randint(0, 256, (1 << 22,), dtype=torch.uint8, generator=generator).view(dtype)
+
+
+def _fill_from_pool(tensor: torch.Tensor, pool: torch.Tensor, offset: int) -> None:
+    """Cheap distinct random content: the pool, rotated by ``offset``, tiled over the tensor."""
+    flat = tensor.view(-1)
+    done, size = 0, pool.numel()
+    start = offset % size
+    while done < flat.numel():
+        take = min(size - start, flat.numel() - done)
+        flat[done : done + take].copy_(pool[start : start + take])
+        done, start = done + take, 0
+
+
+def mutate(model: torch.nn.Module, round_index: int) -> None:
+    """Change every tensor a little (1 byte in 4093), so each round carries new weights."""
+    for parameter in model.parameters():
+        raw = parameter.data.view(-1).view(__import__("torch").uint8)
+        raw[(round_index * 131) % 4093 :: 4093].add_(1)
+
+
+def digests(model: torch.nn.Module) -> dict[str, int]:
+    from wtransfer.engines.manifest import tensor_checksum
+
+    return {name: tensor_checksum(p.data) for name, p in model.named_parameters()}
+
+
+# -- measurements --------------------------------------------------------------------------------
+@dataclass
+class EngineResult:
+    engine: str
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    trainer_extra_rss: int = 0
+    worker_extra_rss: list[int] = field(default_factory=list)
+    rss_budget: int = 0
+
+    @property
+    def gb_per_s(self) -> float:
+        return statistics.median(r["gb_per_s"] for r in self.rounds)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine,
+            "median_gb_per_s": self.gb_per_s,
+            "rounds": self.rounds,
+            "trainer_peak_extra_rss": self.trainer_extra_rss,
+            "worker_peak_extra_rss": self.worker_extra_rss,
+            "rss_budget": self.rss_budget,
+        }
+
+
+def run_engine(
+    engine: str, model: torch.nn.Module, shapes: list[list[Any]], args: argparse.Namespace, advance: Callable[[str], None]
+) -> EngineResult:
+    from wtransfer.engines.source import ModuleSource
+    from wtransfer.engines.trainer import create_trainer
+    from wtransfer.local import LocalWorkerPool, PeakRss
+
+    result = EngineResult(engine)
+    kwargs = {"shapes": shapes, "dtype": DTYPES[args.dtype]}
+    with LocalWorkerPool(
+        args.workers, worker_model, backend=engine, factory_kwargs=kwargs, timeout_s=args.timeout,
+        torch_threads=args.worker_threads,
+    ) as pool:
+        advance(f"{engine}: {args.workers} worker(s) started")
+        init_info: dict[str, Any] = {"world_size": pool.world_size, "timeout_s": args.timeout}
+        if args.bucket_mb:
+            init_info["bucket_bytes"] = int(args.bucket_mb * MIB) // 64 * 64
+        if args.num_buffers:
+            init_info["num_buffers"] = args.num_buffers
+        rss = PeakRss()
+        trainer = create_trainer(engine, client=pool, source=ModuleSource(model), init_info=init_info)
+        try:
+            result.rss_budget = trainer.num_buffers * trainer.bucket_bytes + RSS_SLACK
+            for index in range(args.rounds):
+                mutate(model, index + 1)
+                stats = trainer.send_weights()
+                expected = digests(model)
+                for rank, got in enumerate(pool.digests()):
+                    if got != expected:
+                        bad = [n for n in expected if got.get(n) != expected[n]]
+                        raise SystemExit(f"round {index + 1}: worker {rank} differs in {len(bad)} tensor(s), e.g. {bad[:3]}")
+                stats["verified_workers"] = args.workers
+                result.rounds.append(stats)
+                advance(f"{engine} round {index + 1}: {stats['gb_per_s']:.2f} GB/s, verified")
+            result.trainer_extra_rss = rss.extra()
+            result.worker_extra_rss = [s["peak_extra_rss"] for s in pool.stats()]
+        finally:
+            trainer.shutdown()
+            rss.close()
+    return result
+
+
+def _timed(repeats: int, setup: Callable[[], Any], body: Callable[[Any], None]) -> float:
+    """Median seconds of ``body`` over ``repeats`` runs."""
+    times = []
+    for _ in range(repeats):
+        state = setup()
+        start = time.perf_counter()
+        body(state)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def peer_memcpy(tensors: list[torch.Tensor], repeats: int) -> float:
+    """Copy every tensor into a resident (pre-touched) destination of the same shape."""
+    from wtransfer.engines.packing import copy_tensor
+
+    destinations = [t.clone() for t in tensors]
+
+    def body(_: Any) -> None:
+        for dst, src in zip(destinations, tensors):
+            copy_tensor(dst, src)  # the engines' own copy primitive: a plain memcpy
+
+    return _timed(repeats, lambda: None, body)
+
+
+def peer_safetensors(tensors: list[torch.Tensor], repeats: int) -> float:
+    """``safetensors`` save to /dev/shm then load back: the usual file hand-off."""
+    from safetensors.torch import load_file, save_file
+
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(folder, f"wtransfer-bench-{os.getpid()}.safetensors")
+    named = {f"t{i}": t for i, t in enumerate(tensors)}
+
+    def body(_: Any) -> None:
+        save_file(named, path)
+        loaded = load_file(path)
+        del loaded
+
+    try:
+        return _timed(repeats, lambda: None, body)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def peer_share_memory(tensors: list[torch.Tensor], repeats: int) -> float:
+    """``torch.multiprocessing`` style: a fresh ``share_memory_()`` copy per update, then loaded."""
+    from wtransfer.engines.packing import copy_tensor
+
+    destinations = [t.clone() for t in tensors]
+
+    def body(_: Any) -> None:
+        for dst, src in zip(destinations, tensors):
+            shared = src.clone().share_memory_()
+            copy_tensor(dst, shared)
+            del shared
+
+    return _timed(repeats, lambda: None, body)
+
+
+def _gloo_peer_receiver(port: int, spec: str, repeats: int) -> None:
+    """Helper process for the gloo peers: receives what ``peer_gloo`` broadcasts."""
+    import torch
+    from torch.distributed import PrefixStore, TCPStore
+
+    from wtransfer.engines.manifest import dtype_from_name
+    from wtransfer.engines.torch_distributed import TorchDistributedBackend
+
+    torch.set_num_threads(1)
+    shapes, dtype = json.loads(spec)
+    timeout = datetime.timedelta(seconds=120)
+    store = TCPStore("127.0.0.1", port, None, False, timeout)
+    backend = TorchDistributedBackend()
+    group = backend.make_process_group(PrefixStore("bench/", store), 1, 2, 120.0)
+    tensors = [torch.zeros(s, dtype=dtype_from_name(dtype)) for s in shapes]
+    flat = torch.zeros(sum(t.numel() * t.element_size() for t in tensors), dtype=torch.uint8)
+    for _ in range(repeats):
+        for tensor in tensors:
+            backend.broadcast(group, tensor).wait()
+    for _ in range(repeats):
+        backend.broadcast(group, flat).wait()
+    backend.close_group(group, abort=False)
+
+
+def peer_gloo(tensors: list[torch.Tensor], shapes: list[list[Any]], dtype: str, repeats: int) -> tuple[float, float]:
+    """Seconds for (per-tensor gloo broadcast, one flat one-tensor broadcast of the same bytes)."""
+    import torch
+    from torch.distributed import PrefixStore, TCPStore
+
+    from wtransfer.engines.torch_distributed import TorchDistributedBackend
+
+    timeout = datetime.timedelta(seconds=120)
+    store = TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False)
+    spec = json.dumps([[s for _, s in shapes], dtype])
+    helper = multiprocessing.get_context("spawn").Process(
+        target=_gloo_peer_receiver, args=(int(store.port), spec, repeats), daemon=True
+    )
+    helper.start()
+    try:
+        backend = TorchDistributedBackend()
+        group = backend.make_process_group(PrefixStore("bench/", store), 0, 2, 120.0)
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+
+        def per_tensor(_: Any) -> None:
+            for tensor in tensors:
+                backend.broadcast(group, tensor).wait()
+
+        per = _timed(repeats, lambda: None, per_tensor)
+        one = _timed(repeats, lambda: None, lambda _: backend.broadcast(group, flat).wait())
+        backend.close_group(group, abort=False)
+        return per, one
+    finally:
+        helper.join(30)
+        if helper.is_alive():
+            helper.kill()
+            helper.join(5)
+
+
+# -- the command ------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", default="shm", help="engine(s) to measure, comma-separated (default: shm)")
+    parser.add_argument("--model", default="0.5B", help="parameter count (0.5B, 100M) or shapes (4096x4096,896*24)")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="tensor dtype (default: bf16)")
+    parser.add_argument("--workers", type=int, default=1, help="number of local worker processes (default: 1)")
+    parser.add_argument("--rounds", type=int, default=5, help="update rounds per engine (default: 5)")
+    parser.add_argument("--bucket-mb", type=float, default=None, help="bucket size in MiB (default: the engine's)")
+    parser.add_argument("--num-buffers", type=int, default=None, help="buffers in rotation (default: the engine's)")
+    parser.add_argument("--compare", action="store_true", help="also measure memcpy, per-tensor gloo, safetensors, share_memory_")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    parser.add_argument("--timeout", type=float, default=120.0, help="timeout_s of every wait (default: 120)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in the trainer process, for the engine and every peer alike (default: 1; 0 = torch's)")
+    parser.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker (default: 1; 0 = torch's)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    console = Console(stderr=args.json)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    engines = [e.strip() for e in args.engine.split(",") if e.strip()]
+    if args.workers < 1 or args.rounds < 1:
+        console.print("[red]--workers and --rounds must be >= 1[/red]")
+        return 2
+    shapes = [[name, shape] for name, shape in parse_model(args.model)]
+    dtype = DTYPES[args.dtype]
+    model = build_model(shapes, dtype, random=True)
+    tensors = [p.data for p in model.parameters()]
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    console.print(
+        f"model: {len(tensors)} tensors, {sum(t.numel() for t in tensors) / 1e6:.0f}M parameters, "
+        f"{total / 1e9:.2f} GB {dtype}; {args.workers} worker(s), {args.rounds} round(s)"
+    )
+    steps = len(engines) * (args.rounds + 1) + (4 if args.compare else 0)
+    results: list[EngineResult] = []
+    peers: dict[str, float] = {}
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), console=console, transient=False,
+    ) as progress:
+        task = progress.add_task("starting", total=steps)
+
+        def advance(message: str) -> None:
+            progress.update(task, advance=1, description=message)
+            if not args.json:
+                progress.console.print(f"  {message}")
+
+        for engine in engines:
+            results.append(run_engine(engine, model, shapes, args, advance))
+        if args.compare:
+            repeats = max(2, min(args.rounds, 3))
+            peers["memcpy"] = total / peer_memcpy(tensors, repeats) / 1e9
+            advance(f"memcpy into resident memory: {peers['memcpy']:.2f} GB/s")
+            per, one = peer_gloo(tensors, [(n, s) for n, s in shapes], dtype, repeats)
+            peers["gloo per-tensor broadcast"] = total / per / 1e9
+            peers["gloo one-tensor broadcast"] = total / one / 1e9
+            advance(f"gloo broadcast: per-tensor {peers['gloo per-tensor broadcast']:.2f} GB/s, "
+                    f"one tensor {peers['gloo one-tensor broadcast']:.2f} GB/s")
+            peers["safetensors save+load (/dev/shm)"] = total / peer_safetensors(tensors, repeats) / 1e9
+            advance(f"safetensors: {peers['safetensors save+load (/dev/shm)']:.2f} GB/s")
+            peers["share_memory_() per update"] = total / peer_share_memory(tensors, repeats) / 1e9
+            advance(f"share_memory_(): {peers['share_memory_() per update']:.2f} GB/s")
+
+    targets = _targets(results, peers)
+    document = {
+        "model": {"spec": args.model, "tensors": len(tensors), "bytes": total, "dtype": dtype},
+        "workers": args.workers,
+        "engines": [r.to_dict() for r in results],
+        "peers_gb_per_s": peers,
+        "targets": targets,
+    }
+    if args.json:
+        print(json.dumps(document, indent=2))
+    else:
+        _print_tables(console, results, peers, targets, Table)
+    return 0 if all(t["ok"] for t in targets) else 1
+
+
+_RATIO_TARGETS = {
+    "shm": [("memcpy", 0.6), ("safetensors save+load (/dev/shm)", 4.0)],
+    "gloo": [("gloo one-tensor broadcast", 0.85), ("gloo per-tensor broadcast", 3.0)],
+}
+
+
+def _targets(results: list[EngineResult], peers: dict[str, float]) -> list[dict[str, Any]]:
+    checks: list[dict[str, Any]] = []
+    for result in results:
+        for peer, minimum in _RATIO_TARGETS.get(result.engine, []):
+            if peer in peers:
+                ratio = result.gb_per_s / peers[peer]
+                checks.append({"what": f"{result.engine} / {peer}", "value": ratio, "target": f">= {minimum}",
+                               "ok": ratio >= minimum})
+        worst = max([result.trainer_extra_rss, *result.worker_extra_rss])
+        checks.append({"what": f"{result.engine} peak extra RSS (MiB, worst side)", "value": worst / MIB,
+                       "target": f"<= {result.rss_budget / MIB:.0f}", "ok": worst <= result.rss_budget})
+    return checks
+
+
+def _print_tables(console: Any, results: list[EngineResult], peers: dict[str, float], targets: list[dict[str, Any]], table_cls: Any) -> None:
+    summary = table_cls(title="weight sync")
+    for column in ("engine", "median GB/s", "rounds (GB/s)", "trainer extra RSS", "worker extra RSS", "budget"):
+        summary.add_column(column)
+    for r in results:
+        summary.add_row(
+            r.engine, f"{r.gb_per_s:.2f}", " ".join(f"{x['gb_per_s']:.2f}" for x in r.rounds),
+            f"{r.trainer_extra_rss / MIB:.0f} MiB", ", ".join(f"{x / MIB:.0f}" for x in r.worker_extra_rss) + " MiB",
+            f"{r.rss_budget / MIB:.0f} MiB",
+        )
+    console.print(summary)
+    if peers:
+        comparison = table_cls(title="peers (same tensors, same run)")
+        comparison.add_column("peer")
+        comparison.add_column("GB/s")
+        for r in results:
+            comparison.add_column(f"{r.engine} ÷ peer")
+        for peer, rate in peers.items():
+            comparison.add_row(peer, f"{rate:.2f}", *(f"{r.gb_per_s / rate:.2f}×" for r in results))
+        console.print(comparison)
+    checks = table_cls(title="targets")
+    for column in ("check", "measured", "target", ""):
+        checks.add_column(column)
+    for t in targets:
+        checks.add_row(t["what"], f"{t['value']:.2f}", t["target"], "[green]ok[/green]" if t["ok"] else "[red]MISSED[/red]")
+    console.print(checks)
