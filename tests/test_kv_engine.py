@@ -15,8 +15,9 @@ from wtransfer.errors import TransferError, TransferTimeoutError
 from wtransfer.kvcache import KVCacheSpec
 from wtransfer.testing.paged_engine import PagedKVEngine, reference_kv
 
-SPEC = KVCacheSpec(("layer.0", "layer.1"), block_size=4, num_kv_heads=2, head_size=8,
-                   dtype="bfloat16", model_fingerprint="engine-test")
+SPEC = KVCacheSpec(
+    ("layer.0", "layer.1"), block_size=4, num_kv_heads=2, head_size=8, dtype="bfloat16", model_fingerprint="engine-test"
+)
 PROMPT = [(5 * i + 1) % 500 for i in range(14)]
 
 

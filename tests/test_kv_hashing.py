@@ -13,8 +13,9 @@ from wtransfer.connectors.hashing import block_hashes, hash_block, kv_namespace,
 from wtransfer.kvcache import KVCacheSpec
 from wtransfer.testing.processes import run_python
 
-SPEC = KVCacheSpec(("layer.0", "layer.1"), block_size=4, num_kv_heads=2, head_size=8,
-                   dtype="bfloat16", model_fingerprint="model-a")
+SPEC = KVCacheSpec(
+    ("layer.0", "layer.1"), block_size=4, num_kv_heads=2, head_size=8, dtype="bfloat16", model_fingerprint="model-a"
+)
 TOKENS = list(range(100, 118))  # 4 full blocks + 2 tokens
 
 
@@ -39,7 +40,7 @@ def test_a_block_hash_depends_on_every_earlier_token() -> None:
     changed = list(TOKENS)
     changed[1] += 1
     a, b = request_block_hashes(SPEC, TOKENS), request_block_hashes(SPEC, changed)
-    assert all(x != y for x, y in zip(a, b))
+    assert all(x != y for x, y in zip(a, b, strict=True))
 
 
 def test_incremental_extension_matches_a_full_recompute() -> None:

@@ -16,8 +16,9 @@ from wtransfer.kvcache import KVCacheSpec
 from wtransfer.testing.conformance import ConnectorConformance
 from wtransfer.testing.paged_engine import PagedKVEngine, reference_kv
 
-SPEC = KVCacheSpec(("layer.0", "layer.1"), block_size=4, num_kv_heads=2, head_size=8,
-                   dtype="float16", model_fingerprint="multi-test")
+SPEC = KVCacheSpec(
+    ("layer.0", "layer.1"), block_size=4, num_kv_heads=2, head_size=8, dtype="float16", model_fingerprint="multi-test"
+)
 PROMPT = [(11 * i + 3) % 500 for i in range(18)]  # 4 full blocks + 2 tokens
 
 

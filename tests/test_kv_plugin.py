@@ -78,7 +78,7 @@ CONNECTOR_SOURCE = '''
                 STORE[block_hash] = {n: c[:, block_id].clone() for n, c in self.caches.items()}
 '''
 
-ENGINE_RUN = '''
+ENGINE_RUN = """
     import json, torch, wtransfer
     from wtransfer import KVTransferConfig
     from wtransfer.kvcache import KVCacheSpec
@@ -100,7 +100,7 @@ ENGINE_RUN = '''
         "external": out.num_external_tokens,
         "exact": all(torch.equal(out.kv[n], ref[n]) for n in ref),
     }))
-'''
+"""
 
 
 def test_entry_point_connector_runs_through_the_tiny_engine_in_a_subprocess(tmp_path: Path) -> None:

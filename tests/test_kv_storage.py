@@ -19,8 +19,14 @@ from wtransfer.testing.conformance import ConnectorConformance
 from wtransfer.testing.paged_engine import PagedKVEngine, reference_kv
 from wtransfer.testing.processes import run_python
 
-SPEC = KVCacheSpec(("layer.0", "layer.1", "layer.2"), block_size=4, num_kv_heads=2, head_size=8,
-                   dtype="bfloat16", model_fingerprint="storage-test")
+SPEC = KVCacheSpec(
+    ("layer.0", "layer.1", "layer.2"),
+    block_size=4,
+    num_kv_heads=2,
+    head_size=8,
+    dtype="bfloat16",
+    model_fingerprint="storage-test",
+)
 PROMPT = [(3 * i + 7) % 500 for i in range(18)]  # 4 full blocks + 2 tokens
 SUFFIX = [11, 12, 13, 14, 15]
 
@@ -203,14 +209,19 @@ def test_a_producer_process_and_a_consumer_process_share_a_directory(tmp_path: P
         spec = KVCacheSpec.from_dict({json.dumps(SPEC.to_dict())})
         prompt = {PROMPT!r}
     """
-    producer = common + f"""
+    producer = (
+        common
+        + f"""
         config = KVTransferConfig("storage", kv_role="kv_producer",
                                   kv_connector_extra_config={{"path": {str(tmp_path)!r}}})
         with PagedKVEngine(spec, 16, kv_transfer_config=config) as engine:
             out = engine.generate({{"p": prompt}})["p"]
         print(json.dumps({{"external": out.num_external_tokens}}))
     """
-    consumer = common + f"""
+    )
+    consumer = (
+        common
+        + f"""
         config = KVTransferConfig("storage", kv_role="kv_consumer",
                                   kv_connector_extra_config={{"path": {str(tmp_path)!r}}})
         with PagedKVEngine(spec, 16, kv_transfer_config=config, capture_kv=True) as engine:
@@ -219,6 +230,7 @@ def test_a_producer_process_and_a_consumer_process_share_a_directory(tmp_path: P
         exact = all(torch.equal(out.kv[n], ref[n]) for n in ref)
         print(json.dumps({{"external": out.num_external_tokens, "exact": exact}}))
     """
+    )
     produced = json.loads(run_python(producer, timeout=120).stdout)
     consumed = json.loads(run_python(consumer, timeout=120).stdout)
     assert produced == {"external": 0}

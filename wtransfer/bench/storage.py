@@ -64,25 +64,25 @@ def bench_io(args: argparse.Namespace, root: str) -> bool:
     hashes = request_block_hashes(spec, tokens)
 
     raw_dir, store_dir = os.path.join(root, "raw"), os.path.join(root, "store")
-    config = KVTransferConfig(
-        "storage", kv_connector_extra_config={"path": store_dir, "io_threads": args.io_threads}
-    )
+    config = KVTransferConfig("storage", kv_connector_extra_config={"path": store_dir, "io_threads": args.io_threads})
     scheduler = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, spec)
     worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, spec)
     worker.register_kv_caches(caches)
     rounds = iter(range(1, 1 << 30))
 
     def to_worker(step: SchedulerStep) -> None:
-        worker.bind_connector_metadata(type(worker).metadata_cls.from_json(scheduler.build_connector_meta(step).to_json()))
+        worker.bind_connector_metadata(
+            type(worker).metadata_cls.from_json(scheduler.build_connector_meta(step).to_json())
+        )
 
     def raw_save() -> None:
         os.makedirs(raw_dir, exist_ok=True)
-        for block, block_hash in zip(src_ids, hashes):
+        for block, block_hash in zip(src_ids, hashes, strict=True):
             data = torch.stack([caches[name][:, block] for name in layers])
             save_file({"kv": data}, os.path.join(raw_dir, f"{block_hash}.safetensors"))
 
     def raw_load() -> None:
-        for block, block_hash in zip(dst_ids, hashes):
+        for block, block_hash in zip(dst_ids, hashes, strict=True):
             data = load_file(os.path.join(raw_dir, f"{block_hash}.safetensors"))["kv"]
             for index, name in enumerate(layers):
                 caches[name][:, block].copy_(data[index])

@@ -160,7 +160,7 @@ class KVConnectorBase(ABC):
     def has_connector_metadata(self) -> bool:
         return self._connector_metadata is not None
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:  # noqa: B027 - optional
         """Engine, worker, once after allocating its cache: layer name -> paged KV tensor.
 
         Each tensor is ``[2, num_blocks, block_size, num_kv_heads, head_size]``
@@ -182,9 +182,7 @@ class KVConnectorBase(ABC):
         """Engine, worker, before computing ``layer_name``: block until that layer's loads are in."""
 
     @abstractmethod
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None, **kwargs: Any
-    ) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None, **kwargs: Any) -> None:
         """Engine, worker, after computing ``layer_name``: start saving that layer's due blocks.
 
         ``kv_layer`` is the layer's whole paged cache; the metadata says which blocks.
@@ -220,7 +218,7 @@ class KVConnectorBase(ABC):
         """Anyone: JSON-safe counters (hits, misses, bytes, corrupt entries) for logs and metrics."""
         return None
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Engine, either role, at teardown: finish or abandon in-flight work, join threads.
 
         Idempotent; after it no thread of the connector is left running.
@@ -228,9 +226,7 @@ class KVConnectorBase(ABC):
 
     # ---------------------------------------------------------- scheduler side
     @abstractmethod
-    def get_num_new_matched_tokens(
-        self, request: KVRequest, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: KVRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Engine, scheduler, when considering a waiting request: how many tokens past
         ``num_computed_tokens`` (the local prefix hits) the connector can provide.
 
@@ -242,9 +238,7 @@ class KVConnectorBase(ABC):
         """
 
     @abstractmethod
-    def update_state_after_alloc(
-        self, request: KVRequest, block_ids: list[int], num_external_tokens: int
-    ) -> None:
+    def update_state_after_alloc(self, request: KVRequest, block_ids: list[int], num_external_tokens: int) -> None:
         """Engine, scheduler, after allocating blocks for a request it admits.
 
         ``block_ids`` are all of the request's blocks, in token order; the external
@@ -260,9 +254,7 @@ class KVConnectorBase(ABC):
         nothing is loaded twice. Must not touch KV data (it has none).
         """
 
-    def request_finished(
-        self, request: KVRequest, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: KVRequest, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Engine, scheduler, when a request finishes or is aborted, before its blocks are freed.
 
         Returns ``(delay_free, kv_transfer_params)``: ``delay_free`` True keeps the

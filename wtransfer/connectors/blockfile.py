@@ -169,7 +169,9 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-def write_block_file(path: str, layout: BlockLayout, block_hash: str, payload: memoryview, *, fsync: bool = False) -> int:
+def write_block_file(
+    path: str, layout: BlockLayout, block_hash: str, payload: memoryview, *, fsync: bool = False
+) -> int:
     """Write ``payload`` (the ``layout.shape`` tensor's bytes) to ``path`` atomically; return bytes written."""
     payload = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
     if payload.nbytes != layout.data_bytes:
@@ -245,9 +247,7 @@ def _check_open_header(handle: object, path: str, layout: BlockLayout, block_has
     _expect(list(entry.get("data_offsets", [])), [0, layout.data_bytes], "tensor data offsets", path)
     data_offset = _HEADER_LEN.size + header_len
     if size != data_offset + layout.data_bytes:
-        raise BlockFileError(
-            f"{path}: truncated or padded ({size} bytes, expected {data_offset + layout.data_bytes})"
-        )
+        raise BlockFileError(f"{path}: truncated or padded ({size} bytes, expected {data_offset + layout.data_bytes})")
     checksum = meta.get("checksum")
     if not isinstance(checksum, str) or not checksum.startswith("wsum64:"):
         raise BlockFileError(f"{path}: header checksum {checksum!r} is not a wsum64 checksum")

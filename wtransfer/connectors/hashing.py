@@ -38,8 +38,7 @@ def _canonical_json(value: Any) -> bytes:
         return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
     except (TypeError, ValueError) as exc:
         raise TypeError(
-            f"block hash extra keys must be JSON-safe (str, int, float, bool, None, lists, dicts); "
-            f"got {value!r}"
+            f"block hash extra keys must be JSON-safe (str, int, float, bool, None, lists, dicts); got {value!r}"
         ) from exc
 
 
@@ -99,8 +98,6 @@ def block_hashes(
     return hashes
 
 
-def request_block_hashes(
-    spec: KVCacheSpec, token_ids: Sequence[int], *, extra_keys: Any = None
-) -> list[str]:
+def request_block_hashes(spec: KVCacheSpec, token_ids: Sequence[int], *, extra_keys: Any = None) -> list[str]:
     """Convenience: the full-block hashes of ``token_ids`` for an engine described by ``spec``."""
     return block_hashes(kv_namespace(spec), token_ids, spec.block_size, extra_keys=extra_keys)

@@ -66,7 +66,9 @@ def _child_configs(parent: KVTransferConfig) -> list[KVTransferConfig]:
         try:
             configs.append(KVTransferConfig.from_dict(data))
         except TypeError as exc:
-            raise ValueError(f"multi connector: child #{position} has fields KVTransferConfig does not know: {exc}") from None
+            raise ValueError(
+                f"multi connector: child #{position} has fields KVTransferConfig does not know: {exc}"
+            ) from None
     return configs
 
 
@@ -75,7 +77,9 @@ class MultiConnector(KVConnectorBase):
 
     metadata_cls = MultiConnectorMetadata
 
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_spec: KVCacheSpec | None = None) -> None:
+    def __init__(
+        self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_spec: KVCacheSpec | None = None
+    ) -> None:
         super().__init__(config, role, kv_cache_spec)
         from wtransfer.connectors.factory import KVConnectorFactory
 
@@ -153,7 +157,9 @@ class MultiConnector(KVConnectorBase):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         if not isinstance(connector_metadata, MultiConnectorMetadata):
-            raise TypeError(f"multi connector: expected MultiConnectorMetadata, got {type(connector_metadata).__name__}")
+            raise TypeError(
+                f"multi connector: expected MultiConnectorMetadata, got {type(connector_metadata).__name__}"
+            )
         if len(connector_metadata.children) != len(self.children):
             raise ValueError(
                 f"multi connector: metadata has {len(connector_metadata.children)} children, this worker has "
@@ -161,7 +167,7 @@ class MultiConnector(KVConnectorBase):
             )
         super().bind_connector_metadata(connector_metadata)
         self._expected_on_worker.update(connector_metadata.expected_senders)
-        for child, data in zip(self.children, connector_metadata.children):
+        for child, data in zip(self.children, connector_metadata.children, strict=True):
             child.bind_connector_metadata(type(child).metadata_cls.from_dict(data))
 
     def clear_connector_metadata(self) -> None:

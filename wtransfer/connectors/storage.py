@@ -190,7 +190,9 @@ class StorageConnector(KVConnectorBase):
 
     metadata_cls = StorageConnectorMetadata
 
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_spec: KVCacheSpec | None = None) -> None:
+    def __init__(
+        self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_spec: KVCacheSpec | None = None
+    ) -> None:
         super().__init__(config, role, kv_cache_spec)
         options = dict(self.extra_config)
         unknown = set(options) - _OPTIONS
@@ -252,10 +254,11 @@ class StorageConnector(KVConnectorBase):
         count = num_external_tokens // self.block_size
         if count == 0:
             return
-        if count > matched or start != request.num_computed_tokens // self.block_size:
+        first = request.num_computed_tokens // self.block_size
+        if count > matched or start != first:
             raise ValueError(
-                f"storage connector: engine asked to load {count} blocks from block {request.num_computed_tokens // self.block_size} "
-                f"for request {request.request_id!r}, but the lookup matched {matched} from block {start}"
+                f"storage connector: engine asked to load {count} blocks from block {first} for request "
+                f"{request.request_id!r}, but the lookup matched {matched} from block {start}"
             )
         for index in range(start, start + count):
             self._pending_loads.append(
@@ -267,8 +270,12 @@ class StorageConnector(KVConnectorBase):
         if self.config.is_kv_producer:
             for entry in step.scheduled:
                 request = entry.request
-                for index in full_block_range(request.num_computed_tokens, entry.num_computed_after_step, self.block_size):
-                    saves.append(BlockTransfer(request.request_id, index, entry.block_ids[index], request.block_hashes[index]))
+                for index in full_block_range(
+                    request.num_computed_tokens, entry.num_computed_after_step, self.block_size
+                ):
+                    saves.append(
+                        BlockTransfer(request.request_id, index, entry.block_ids[index], request.block_hashes[index])
+                    )
                     self._requests_with_saves.add(request.request_id)
         meta = StorageConnectorMetadata(loads=self._pending_loads, saves=saves)
         self._pending_loads = []
@@ -285,7 +292,8 @@ class StorageConnector(KVConnectorBase):
         layout = self.store.layout
         if set(kv_caches) != set(layout.layer_names):
             raise ValueError(
-                f"storage connector: kv_caches layers {sorted(kv_caches)} differ from the spec's {list(layout.layer_names)}"
+                f"storage connector: kv_caches layers {sorted(kv_caches)} differ from the spec's "
+                f"{list(layout.layer_names)}"
             )
         for name, cache in kv_caches.items():
             if cache.dim() != 5 or cache.shape[0] != 2 or list(cache.shape[2:]) != layout.shape[2:]:
@@ -360,7 +368,9 @@ class StorageConnector(KVConnectorBase):
             pending = set(self._inflight_futures)
         _, not_done = wait_futures(pending, timeout=timeout_s if timeout_s is not None else self.io_timeout_s)
         if not_done:
-            raise TransferTimeoutError(f"storage connector: {len(not_done)} block saves still running after {timeout_s}s")
+            raise TransferTimeoutError(
+                f"storage connector: {len(not_done)} block saves still running after {timeout_s}s"
+            )
 
     def shutdown(self) -> None:
         if self._closed:
@@ -378,7 +388,9 @@ class StorageConnector(KVConnectorBase):
     def _meta(self) -> StorageConnectorMetadata:
         meta = self._get_connector_metadata()
         if not isinstance(meta, StorageConnectorMetadata):
-            raise TypeError(f"storage connector: bound metadata is {type(meta).__name__}, expected StorageConnectorMetadata")
+            raise TypeError(
+                f"storage connector: bound metadata is {type(meta).__name__}, expected StorageConnectorMetadata"
+            )
         return meta
 
     def _pool(self) -> ThreadPoolExecutor:

@@ -281,9 +281,7 @@ class PagedKVEngine:
         self.capture_kv = capture_kv
         dtype = torch_dtype(spec.dtype)
         shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
-        self.kv_caches: dict[str, torch.Tensor] = {
-            name: torch.zeros(shape, dtype=dtype) for name in spec.layer_names
-        }
+        self.kv_caches: dict[str, torch.Tensor] = {name: torch.zeros(shape, dtype=dtype) for name in spec.layer_names}
         if kv_transfer_config is not None and connectors is not None:
             raise ValueError("pass either kv_transfer_config or connectors, not both")
         if kv_transfer_config is not None:
@@ -506,9 +504,7 @@ class PagedKVEngine:
             if kv.num_computed_tokens == kv.num_tokens:
                 request.output.append(self.model.sample(final_x[kv.request_id]))
                 kv.token_ids.append(request.output[-1])
-                kv.block_hashes = block_hashes(
-                    self.namespace, kv.token_ids, bs, parent_hashes=kv.block_hashes
-                )
+                kv.block_hashes = block_hashes(self.namespace, kv.token_ids, bs, parent_hashes=kv.block_hashes)
             if self.enable_prefix_caching:
                 for index in range(kv.num_computed_tokens // bs):
                     self.allocator.register(request.block_ids[index], kv.block_hashes[index])
@@ -528,7 +524,9 @@ class PagedKVEngine:
         first_bad_token = bad[0] * self.spec.block_size
         logger.warning(
             "request %s: %d block(s) failed to load; recomputing from token %d",
-            request.kv.request_id, len(bad), first_bad_token,
+            request.kv.request_id,
+            len(bad),
+            first_bad_token,
         )
         request.num_external_tokens = max(0, first_bad_token - request.num_local_hit_tokens)
         request.kv.num_computed_tokens = min(request.kv.num_computed_tokens, first_bad_token)
@@ -591,7 +589,9 @@ class PagedKVEngine:
         return sorted((r for r in self._requests.values() if r.status is status), key=lambda r: r.arrival)
 
     def _stuck_message(self, timeout_s: float | None) -> str:
-        pending = {r.kv.request_id: r.status.value for r in self._requests.values() if r.status is not RequestStatus.DONE}
+        pending = {
+            r.kv.request_id: r.status.value for r in self._requests.values() if r.status is not RequestStatus.DONE
+        }
         waited = f"after {timeout_s:.0f}s " if timeout_s is not None else ""
         return (
             f"engine stuck {waited}with requests {pending}: a connector never reported them in "
