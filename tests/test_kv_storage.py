@@ -236,3 +236,22 @@ def test_a_producer_process_and_a_consumer_process_share_a_directory(tmp_path: P
     assert produced == {"external": 0}
     assert consumed == {"external": 16, "exact": True}
     assert os.listdir(tmp_path)  # the directory really was the channel
+
+
+def test_failed_saves_are_reported_and_never_stop_the_engine(tmp_path: Path, caplog: Any) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the store's directory should go")
+    with _engine(_config(blocker)) as engine:
+        out = engine.generate({"a": PROMPT}, max_new_tokens=2)["a"]
+        stats = engine.worker_connector.get_kv_connector_stats()
+    assert len(out.output_token_ids) == 2
+    assert stats["save_errors"] == 4 and "saved_blocks" not in stats
+    assert "could not save block" in caplog.text
+
+
+def test_fsync_and_single_io_thread_options(tmp_path: Path) -> None:
+    _save_prompt(tmp_path)
+    with _engine(_config(tmp_path, io_threads=1, fsync=True)) as engine:
+        out = engine.generate({"c": PROMPT + SUFFIX})["c"]
+    assert out.num_external_tokens == 16
+    _assert_bit_exact(SPEC, out)
