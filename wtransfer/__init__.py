@@ -27,6 +27,15 @@ _EXPORTS: dict[str, str] = {
     "WeightTransferUpdateInfo": "wtransfer.engines.base",
     "WeightTransferInitRequest": "wtransfer.engines.base",
     "WeightTransferUpdateRequest": "wtransfer.engines.base",
+    "module_loader": "wtransfer.engines.loader",
+    # weight transfer, trainer side
+    "create_trainer": "wtransfer.engines.trainer",
+    "TrainerWeightTransferEngine": "wtransfer.engines.trainer",
+    "NoTrainerSideError": "wtransfer.engines.trainer",
+    "WeightSyncClient": "wtransfer.engines.client",
+    "WeightSource": "wtransfer.engines.source",
+    "ModuleSource": "wtransfer.engines.source",
+    "TensorSource": "wtransfer.engines.source",
     # KV connectors and offloading
     "KVCacheSpec": "wtransfer.kvcache",
     "KVConnectorBase": "wtransfer.connectors.base",
@@ -95,7 +104,11 @@ if TYPE_CHECKING:  # let type checkers and IDEs see the lazy names
         WeightTransferUpdateInfo,
         WeightTransferUpdateRequest,
     )
+    from wtransfer.engines.client import WeightSyncClient
     from wtransfer.engines.factory import WeightTransferEngineFactory
+    from wtransfer.engines.loader import module_loader
+    from wtransfer.engines.source import ModuleSource, TensorSource, WeightSource
+    from wtransfer.engines.trainer import NoTrainerSideError, TrainerWeightTransferEngine, create_trainer
     from wtransfer.errors import (
         AmbiguousComponentError,
         ComponentLoadError,

@@ -88,15 +88,18 @@ def parse_model(spec: str) -> list[tuple[str, list[int]]]:
 
 
 def build_model(shapes: list[list[Any]], dtype: str, random: bool = False, seed: int = 0) -> torch.nn.Module:
-    """A module holding the given parameters under their dotted names (nested submodules)."""
+    """A module holding the given parameters under their dotted names (nested submodules).
+
+    Each item is ``[name, shape]`` or ``[name, shape, dtype_name]`` (overriding ``dtype``).
+    """
     import torch
 
     from wtransfer.engines.manifest import dtype_from_name
 
-    torch_dtype = dtype_from_name(dtype)
     root = torch.nn.Module()
-    pool = _random_pool(torch_dtype, seed) if random else None
-    for index, (name, shape) in enumerate(shapes):
+    pools: dict[Any, torch.Tensor] = {}
+    for index, (name, shape, *override) in enumerate(shapes):
+        torch_dtype = dtype_from_name(override[0] if override else dtype)
         *path, leaf = name.split(".")
         module = root
         for part in path:
@@ -104,8 +107,10 @@ def build_model(shapes: list[list[Any]], dtype: str, random: bool = False, seed:
                 module.add_module(part, torch.nn.Module())
             module = getattr(module, part)
         tensor = torch.zeros(shape, dtype=torch_dtype)
-        if pool is not None:
-            _fill_from_pool(tensor, pool, index * 7919)
+        if random and tensor.numel():
+            if torch_dtype not in pools:
+                pools[torch_dtype] = _random_pool(torch_dtype, seed)
+            _fill_from_pool(tensor, pools[torch_dtype], index * 7919)
         module.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=False))
     return root
 
@@ -121,7 +126,11 @@ def _random_pool(dtype: torch.dtype, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     if dtype.is_floating_point and dtype.itemsize >= 2:
         return torch.randn(1 << 22, generator=generator).to(dtype)
-    return torch.randint(0, 256, (1 << 22,), dtype=torch.uint8, generator=generator).view(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (1 << 22,), generator=generator).bool()
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, ((1 << 22) * size,), dtype=torch.uint8, generator=generator)
+    return raw.view(dtype)
 
 
 def _fill_from_pool(tensor: torch.Tensor, pool: torch.Tensor, offset: int) -> None:
@@ -137,9 +146,16 @@ def _fill_from_pool(tensor: torch.Tensor, pool: torch.Tensor, offset: int) -> No
 
 def mutate(model: torch.nn.Module, round_index: int) -> None:
     """Change every tensor a little (1 byte in 4093), so each round carries new weights."""
+    import torch
+
     for parameter in model.parameters():
-        raw = parameter.data.view(-1).view(__import__("torch").uint8)
-        raw[(round_index * 131) % 4093 :: 4093].add_(1)
+        if parameter.numel() == 0:
+            continue
+        if parameter.dtype == torch.bool:
+            parameter.data.view(-1)[round_index % parameter.numel()].logical_not_()
+            continue
+        raw = parameter.data.view(-1).view(torch.uint8)
+        raw[(round_index * 131) % min(4093, raw.numel()) :: 4093].add_(1)
 
 
 def digests(model: torch.nn.Module) -> dict[str, int]:

@@ -90,7 +90,7 @@ def plan_buckets(
                 flush(direct=True)
             continue
         if nbytes <= bucket_bytes:
-            start = _align(used) if nbytes else used
+            start = _align(used)
             if start + nbytes > bucket_bytes:
                 flush()
                 start = 0

@@ -1,0 +1,274 @@
+"""In-process checks of the weight-transfer building blocks: manifest, packing, loader, parsing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import wtransfer
+from wtransfer.engines.gloo import GlooWeightTransferEngine
+from wtransfer.engines.loader import module_loader
+from wtransfer.engines.manifest import Manifest, build_manifest, dtype_from_name, tensor_bytes, tensor_checksum
+from wtransfer.engines.packing import Packer, Unpacker, plan_buckets
+from wtransfer.engines.shm import SharedMemoryWeightTransferEngine
+from wtransfer.engines.source import ModuleSource, TensorSource
+from wtransfer.errors import ManifestMismatchError, TransferError
+
+DTYPES = [
+    "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float64",
+    "int8", "int16", "int32", "int64", "uint8", "bool", "complex64", "complex128",
+]  # fmt: skip
+
+
+def _random(shape: tuple[int, ...], dtype: str, seed: int) -> torch.Tensor:
+    torch_dtype = dtype_from_name(dtype)
+    generator = torch.Generator().manual_seed(seed)
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    if torch_dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    size = torch.empty((), dtype=torch_dtype).element_size()
+    raw = torch.randint(0, 256, (numel * size,), dtype=torch.uint8, generator=generator)
+    return raw.view(torch_dtype).reshape(shape)
+
+
+def awkward_tensors() -> dict[str, torch.Tensor]:
+    """Every dtype, plus views that are non-contiguous, offset, 0-dim, empty and oversize."""
+    tensors: dict[str, torch.Tensor] = {}
+    for i, dtype in enumerate(DTYPES):
+        tensors[f"plain.t_{dtype}"] = _random((7, 5), dtype, i)
+    base = _random((16, 12), "float32", 99)
+    tensors["view.transposed"] = base.t()  # non-contiguous
+    tensors["view.columns"] = base[:, 3:7]  # non-contiguous with a storage offset
+    tensors["view.offset"] = base.view(-1)[5:41]  # contiguous, storage offset 5
+    tensors["scalar"] = torch.tensor(3.25, dtype=torch.bfloat16)  # 0-dim
+    tensors["empty"] = torch.empty(0, 4, dtype=torch.float16)
+    tensors["big"] = _random((300, 70), "float32", 7)  # 84000 bytes: split over several buckets
+    tensors["big_strided"] = _random((200, 90), "float16", 8)[:, ::2]  # oversize and non-contiguous
+    return tensors
+
+
+def _target_module(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    from wtransfer.bench.weights import build_model
+    from wtransfer.engines.manifest import dtype_name
+
+    return build_model([[n, list(t.shape), dtype_name(t.dtype)] for n, t in tensors.items()], "float32")
+
+
+def _transfer(tensors: dict[str, torch.Tensor], load_weights, bucket_bytes: int = 8192) -> int:
+    source = TensorSource(tensors)
+    manifest = build_manifest(source.metadata(), 1)
+    buckets = plan_buckets(manifest.entries, bucket_bytes)
+    packer, unpacker = Packer(manifest, iter(source)), Unpacker(manifest, load_weights)
+    buffer = torch.zeros(bucket_bytes, dtype=torch.uint8)
+    for bucket in buckets:
+        buffer.fill_(0xAB)  # garbage between buckets: nothing may depend on leftovers
+        packer.pack(bucket, buffer)
+        unpacker.unpack(bucket, buffer)
+    packer.drain()
+    unpacker.finish()
+    return len(buckets)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(tensor_bytes(a), tensor_bytes(b))
+
+
+def test_plan_covers_every_byte_once_and_splits_oversize_tensors() -> None:
+    tensors = awkward_tensors()
+    manifest = build_manifest(TensorSource(tensors).metadata(), 1)
+    buckets = plan_buckets(manifest.entries, 8192)
+    covered: dict[int, int] = {}
+    for bucket in buckets:
+        assert bucket.nbytes <= 8192
+        for piece in bucket.pieces:
+            assert piece.offset + piece.length <= bucket.nbytes
+            if piece.whole:
+                assert piece.offset % 64 == 0
+            covered[piece.index] = covered.get(piece.index, 0) + piece.length
+    assert covered == {i: e.nbytes for i, e in enumerate(manifest.entries)}
+    big = next(i for i, e in enumerate(manifest.entries) if e.name == "big")
+    assert sum(1 for b in buckets for p in b.pieces if p.index == big) == 11  # 84000 / 8192
+
+
+def test_plan_direct_buckets_hold_one_large_tensor_each() -> None:
+    manifest = build_manifest(TensorSource(awkward_tensors()).metadata(), 1)
+    buckets = plan_buckets(manifest.entries, 8192, direct_min_bytes=4096)
+    for bucket in buckets:
+        if bucket.direct:
+            assert len(bucket.pieces) == 1
+        else:
+            assert all(manifest.entries[p.index].nbytes < 4096 for p in bucket.pieces)
+
+
+@pytest.mark.parametrize("loader_kind", ["module_loader", "plain_function"])
+def test_every_dtype_and_layout_round_trips_bit_exactly(loader_kind: str) -> None:
+    tensors = awkward_tensors()
+    model = _target_module(tensors)
+    received: dict[str, torch.Tensor] = {}
+    if loader_kind == "module_loader":
+        load = module_loader(model)
+    else:
+
+        def load(batch: list[tuple[str, torch.Tensor]]) -> None:
+            for name, tensor in batch:
+                received[name] = tensor.clone()  # views are only valid during the call
+
+    assert _transfer(tensors, load) > 3
+    state = dict(model.named_parameters()) if loader_kind == "module_loader" else received
+    for name, tensor in tensors.items():
+        assert _same_bits(state[name].detach(), tensor), name
+
+
+def test_module_loader_rejects_mismatches_listing_all_and_writes_nothing() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    bad = Manifest.from_dict(
+        {"format": 1, "version": 3, "checksums": None,
+         "tensors": [["0.weight", "float32", [3, 4]], ["0.bias", "float32", [4]],
+                     ["1.weight", "float16", [3]], ["nope", "float32", [1]]]}
+    )  # fmt: skip
+    with pytest.raises(ManifestMismatchError) as info:
+        module_loader(model).validate_manifest(bad)
+    message = str(info.value)
+    for fragment in ("'0.bias': shape [4] != model [3]", "'1.weight': dtype float16", "unknown tensor 'nope'",
+                     "missing parameters (strict=True): 1.bias", "nothing was written"):  # fmt: skip
+        assert fragment in message
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    module_loader(model, strict=False).validate_manifest(
+        build_manifest(ModuleSource(model).metadata()[:2], 1)
+    )  # a subset is fine when not strict
+
+
+def test_tied_weights_stay_tied_and_are_sent_once() -> None:
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(10, 4)
+    model.head = torch.nn.Linear(4, 10, bias=False)
+    model.head.weight = model.embed.weight
+    holder = model.embed.weight.data  # something holding the storage (an optimizer, a graph)
+    names = [e.name for e in ModuleSource(model).metadata()]
+    assert names == ["embed.weight"]
+    new = {"embed.weight": torch.randn(10, 4)}
+    _transfer(new, module_loader(model))
+    assert model.head.weight is model.embed.weight
+    assert torch.equal(holder, new["embed.weight"])
+
+
+def test_dtensor_style_parameters_are_materialised_at_send_time() -> None:
+    class Sharded(torch.Tensor):
+        calls = 0
+
+        def full_tensor(self) -> torch.Tensor:
+            Sharded.calls += 1
+            return torch.full(tuple(self.shape), 2.0)
+
+    model = torch.nn.Linear(2, 2, bias=False)
+    model.weight = torch.nn.Parameter(torch.zeros(2, 2).as_subclass(Sharded))
+    source = ModuleSource(model)
+    assert Sharded.calls == 0 and source.metadata()[0].shape == (2, 2)
+    ((_, tensor),) = list(source)
+    assert Sharded.calls == 1 and torch.equal(tensor, torch.full((2, 2), 2.0))
+
+
+def test_checksums_detect_corruption() -> None:
+    tensors = {"a": torch.arange(4096, dtype=torch.float32)}
+    source = TensorSource(tensors)
+    manifest = build_manifest(source.metadata(), 1, [tensor_checksum(tensors["a"])])
+    (bucket,) = plan_buckets(manifest.entries, 1 << 16)
+    buffer = torch.zeros(1 << 16, dtype=torch.uint8)
+    Packer(manifest, iter(source)).pack(bucket, buffer)
+    buffer[100] ^= 1
+    with pytest.raises(TransferError, match="checksum mismatch for 'a'"):
+        Unpacker(manifest, lambda batch: None).unpack(bucket, buffer)
+
+
+def test_a_source_that_changes_under_the_trainer_is_an_error() -> None:
+    tensors = {"a": torch.zeros(3)}
+    manifest = build_manifest(TensorSource(tensors).metadata(), 1)
+    tensors["a"] = torch.zeros(4)
+    (bucket,) = plan_buckets(manifest.entries, 4096)
+    with pytest.raises(TransferError, match="metadata promised"):
+        Packer(manifest, iter(TensorSource(tensors))).pack(bucket, torch.zeros(4096, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        ({"format": 2, "version": 1, "tensors": []}, "format 2 is not supported"),
+        ({"format": 1, "version": -1, "tensors": []}, "'version' must be"),
+        ({"format": 1, "version": 1, "tensors": [["a", "float99", [1]]]}, "unsupported dtype 'float99'"),
+        ({"format": 1, "version": 1, "tensors": [["a", "float32", [1]], ["a", "float32", [1]]]}, "more than once: a"),
+        ({"format": 1, "version": 1, "tensors": [["a", "float32", [-1]]]}, "invalid shape"),
+    ],
+)
+def test_bad_manifests_are_rejected_with_the_reason(data: dict, fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        Manifest.from_dict(data)
+
+
+@pytest.mark.parametrize("engine_cls", [SharedMemoryWeightTransferEngine, GlooWeightTransferEngine])
+def test_parse_info_errors_name_the_engine_and_the_field(engine_cls: type) -> None:
+    engine = engine_cls(wtransfer.WeightTransferConfig(backend="x"), wtransfer.ParallelConfig())
+    with pytest.raises(ValueError, match=rf"{engine_cls.__name__}.*unknown field 'bogus'"):
+        engine.parse_init_info({"bogus": 1})
+    with pytest.raises(ValueError, match="missing required field 'world_size'"):
+        engine.parse_init_info({})
+    with pytest.raises(ValueError, match="protocol"):
+        good = {"world_size": 2, "bucket_bytes": 4096, "num_buffers": 2, "protocol_version": 99}
+        good |= {"address": "@x", "token": "t"} if engine_cls is SharedMemoryWeightTransferEngine else {
+            "master_address": "127.0.0.1", "master_port": 1234, "group_name": "g"}
+        engine.parse_init_info(good)
+    with pytest.raises(ValueError, match=rf"update_info for {engine_cls.__name__}.*missing required field 'manifest'"):
+        engine.parse_update_info({})
+    with pytest.raises(ValueError, match="format"):
+        engine.parse_update_info({"manifest": {"format": 0}})
+    info = engine.parse_update_info({"manifest": {"format": 1, "version": 2, "tensors": []}, "is_checkpoint_format": False})
+    assert info.parsed.version == 2 and info.is_checkpoint_format is False
+    engine.shutdown()
+    engine.shutdown()  # idempotent
+
+
+def test_create_trainer_validates_before_touching_any_worker() -> None:
+    class Client:
+        calls: list[str] = []
+
+        def init_weight_transfer_engine(self, info: dict) -> None:
+            self.calls.append("init")
+
+        start_weight_update = finish_weight_update = lambda self: None  # noqa: E731
+        update_weights = lambda self, info: None  # noqa: E731
+
+    source = {"a": torch.zeros(2)}
+    with pytest.raises(ValueError, match="needs 'world_size'"):
+        wtransfer.create_trainer("shm", client=Client(), source=source)
+    with pytest.raises(ValueError, match="unknown key.*colour"):
+        wtransfer.create_trainer("shm", client=Client(), source=source, init_info={"world_size": 2, "colour": 1})
+    with pytest.raises(TypeError, match="unknown option.*turbo"):
+        wtransfer.create_trainer("shm", client=Client(), source=source, init_info={"world_size": 2}, turbo=True)
+    with pytest.raises(TypeError, match="missing .*update_weights"):
+        wtransfer.create_trainer("shm", client=object(), source=source, init_info={"world_size": 2})
+    with pytest.raises(ValueError, match="Unknown engine 'shmm'.*Did you mean 'shm'"):
+        wtransfer.create_trainer("shmm", client=Client(), source=source, init_info={"world_size": 2})
+    assert Client.calls == []
+
+
+def test_an_engine_without_a_trainer_side_says_so() -> None:
+    from wtransfer.registry.registry import registry_for
+
+    class WorkerOnly(SharedMemoryWeightTransferEngine):
+        trainer_cls = None
+
+    registry = registry_for("engines")
+    registry.register("worker-only-test", WorkerOnly)
+    try:
+        with pytest.raises(wtransfer.NoTrainerSideError, match="has no trainer side"):
+            wtransfer.create_trainer("worker-only-test", client=object(), source={}, init_info={"world_size": 2})
+    finally:
+        registry.unregister("worker-only-test")
+
+
+def test_public_names_are_exported() -> None:
+    for name in ("create_trainer", "TrainerWeightTransferEngine", "WeightSource", "ModuleSource",
+                 "WeightSyncClient", "module_loader"):  # fmt: skip
+        assert getattr(wtransfer, name) is not None
