@@ -1,0 +1,330 @@
+"""Real processes, real shared memory, real gloo groups: rounds, rejections, dead peers, leaks."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import wtransfer
+from wtransfer.bench.weights import build_model, digests, mutate
+from wtransfer.engines.manifest import TensorEntry
+from wtransfer.engines.source import TensorSource, WeightSource
+from wtransfer.errors import ManifestMismatchError, TransferError
+from wtransfer.local import LocalWorkerPool, PeakRss, open_fd_count
+
+FACTORY = "wtransfer.bench.weights:worker_model"
+TIMEOUT = 30.0
+
+MIXED = [
+    ["embed.weight", [300, 70], "float32"],  # 84000 bytes: split over buckets of 8 KiB
+    ["layer.q.weight", [16, 16], "bfloat16"],
+    ["layer.q.bias", [16], "float16"],
+    ["layer.fp8a", [8, 8], "float8_e4m3fn"],
+    ["layer.fp8b", [5, 3], "float8_e5m2"],
+    ["layer.mask", [33], "bool"],
+    ["layer.rot", [6], "complex64"],
+    ["layer.rot2", [2, 2], "complex128"],
+    ["layer.count", [4], "int64"],
+    ["layer.i8", [9], "int8"],
+    ["layer.scale", [], "float32"],
+    ["layer.empty", [0, 4], "float16"],
+    ["norm.weight", [70], "bfloat16"],
+]
+
+
+def shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def pool_for(backend: str, shapes: list, workers: int = 2, **kwargs: Any) -> LocalWorkerPool:
+    return LocalWorkerPool(
+        workers, FACTORY, backend=backend, factory_kwargs={"shapes": shapes, "dtype": "float32"},
+        timeout_s=TIMEOUT, torch_threads=1, **kwargs,
+    )
+
+
+def assert_workers_hold(pool: LocalWorkerPool, model: torch.nn.Module) -> None:
+    expected = digests(model)
+    for rank, got in enumerate(pool.digests()):
+        assert got == expected, f"worker {rank} differs"
+
+
+CONFIGS = [
+    ("shm", {}),
+    ("gloo", {}),
+    ("gloo", {"direct_min_bytes": 1024}),  # large tensors broadcast in place, straight into parameters
+]
+
+
+@pytest.mark.parametrize(("backend", "extra"), CONFIGS, ids=["shm", "gloo", "gloo-in-place"])
+def test_two_workers_receive_every_round_bit_exactly(backend: str, extra: dict) -> None:
+    before = shm_names()
+    model = build_model(MIXED, "float32", random=True)
+    with pool_for(backend, MIXED) as pool:
+        init_info = {"world_size": pool.world_size, "bucket_bytes": 8192, "num_buffers": 2, "timeout_s": TIMEOUT}
+        trainer = wtransfer.create_trainer(backend, client=pool, source=model, init_info={**init_info, **extra},
+                                           checksums=True)  # fmt: skip
+        try:
+            for round_index in range(1, 4):
+                mutate(model, round_index)
+                stats = trainer.send_weights()
+                assert stats["version"] == round_index and stats["tensors"] == len(MIXED)
+                assert stats["buckets"] > 10 and stats["bytes"] == sum(p.nbytes for p in model.parameters())
+                assert_workers_hold(pool, model)
+                assert [s["weight_version"] for s in pool.stats()] == [round_index] * 2
+        finally:
+            trainer.shutdown()
+            trainer.shutdown()  # idempotent
+    assert shm_names() <= before
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.created: list[Any] = []
+        self.finished: list[dict] = []
+        self.failed: list[BaseException] = []
+
+    @wtransfer.hookimpl
+    def wtransfer_engine_created(self, engine: Any) -> None:
+        self.created.append(engine)
+
+    @wtransfer.hookimpl
+    def wtransfer_update_finished(self, stats: dict) -> None:
+        self.finished.append(stats)
+
+    @wtransfer.hookimpl
+    def wtransfer_update_failed(self, error: BaseException) -> None:
+        self.failed.append(error)
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_a_mismatched_manifest_is_rejected_before_anything_is_written(backend: str) -> None:
+    from wtransfer.registry.manager import plugin_manager
+
+    shapes = [["a.weight", [64, 8]], ["a.bias", [8]], ["b.weight", [4, 4]]]
+    tensors = {"a.weight": torch.randn(64, 8), "a.bias": torch.randn(9), "b.weight": torch.randn(4, 4),
+               "extra": torch.randn(3)}  # fmt: skip
+    recorder = Recorder()
+    plugin_manager().register(recorder)
+    try:
+        with pool_for(backend, shapes) as pool:
+            zero = pool.digests()
+            trainer = wtransfer.create_trainer(
+                backend, client=pool, source=TensorSource(tensors),
+                init_info={"world_size": pool.world_size, "bucket_bytes": 4096, "timeout_s": TIMEOUT},
+            )
+            assert recorder.created == [trainer]
+            started = time.monotonic()
+            with pytest.raises(ManifestMismatchError) as info:
+                trainer.send_weights()
+            assert time.monotonic() - started < 10
+            message = str(info.value)
+            assert "'a.bias': shape [9] != model [8]" in message and "unknown tensor 'extra'" in message
+            assert "worker 0" in message and "worker 1" in message
+            assert pool.digests() == zero  # nothing written
+            assert [s["weight_version"] for s in pool.stats()] == [0, 0]
+            assert recorder.failed and isinstance(recorder.failed[-1], ManifestMismatchError)
+            # A clean rejection leaves the engines usable: fix the source and go on.
+            tensors["a.bias"] = torch.randn(8)
+            del tensors["extra"]
+            stats = trainer.send_weights()
+            assert stats["version"] == 1 and recorder.finished == [stats]
+            assert [s["weight_version"] for s in pool.stats()] == [1, 1]
+            trainer.shutdown()
+    finally:
+        plugin_manager().unregister(recorder)
+
+
+class KillingSource(WeightSource):
+    """Kills a process (SIGKILL) while the trainer is mid-round, after ``at`` tensors of round ``round``."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], pid: int, at: int, round: int = 1) -> None:
+        self.inner = TensorSource(tensors)
+        self.pid, self.at, self.round, self.rounds = pid, at, round, 0
+
+    def metadata(self) -> list[TensorEntry]:
+        return self.inner.metadata()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.rounds += 1
+        for index, item in enumerate(self.inner):
+            if index == self.at and self.rounds == self.round:
+                os.kill(self.pid, signal.SIGKILL)
+            yield item
+
+
+def _big_tensors(count: int = 40) -> dict[str, torch.Tensor]:
+    return {f"w{i}.weight": torch.full((256, 256), float(i)) for i in range(count)}  # 256 KiB each
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_a_worker_killed_mid_round_fails_the_trainer_within_the_timeout(backend: str) -> None:
+    before = shm_names()
+    tensors = _big_tensors()
+    shapes = [[name, list(t.shape)] for name, t in tensors.items()]
+    with pool_for(backend, shapes) as pool:
+        victim = pool.processes[1].pid
+        source = KillingSource(tensors, victim, at=20, round=2)
+        trainer = wtransfer.create_trainer(
+            backend, client=pool, source=source,
+            init_info={"world_size": pool.world_size, "bucket_bytes": 256 * 1024, "timeout_s": TIMEOUT},
+        )
+        trainer.send_weights()
+        started = time.monotonic()
+        with pytest.raises(TransferError) as info:
+            trainer.send_weights()
+        assert time.monotonic() - started < TIMEOUT - 5, "noticed by the timeout, not by the death"
+        assert "died" in str(info.value) or "disconnected" in str(info.value) or "gone" in str(info.value)
+        assert trainer.weight_version == 1
+        with pytest.raises(TransferError, match="unusable after an earlier failure"):
+            trainer.send_weights()
+        trainer.shutdown()
+    assert shm_names() <= before
+
+
+# -- a trainer killed mid-round, with the user's own WeightSyncClient over a pipe -------------------------
+class PipeClient:
+    """A user's own control plane: JSON requests to the worker process, which answers after each step."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def _call(self, op: str, info: Any = None) -> Any:
+        self.conn.send_bytes(json.dumps({"op": op, "info": info}).encode())
+        reply = json.loads(self.conn.recv_bytes())
+        if not reply["ok"]:
+            raise TransferError(f"worker: {reply['error']}")
+        return reply
+
+    def init_weight_transfer_engine(self, init_info: dict) -> Any:
+        return self._call("init", init_info)
+
+    def start_weight_update(self) -> Any:
+        return self._call("start")
+
+    def update_weights(self, update_info: dict) -> Any:
+        return self._call("update", update_info)
+
+    def finish_weight_update(self) -> Any:
+        return self._call("finish")
+
+
+def _trainer_main(conn: Any, backend: str, kill: bool) -> None:
+    """A trainer process: two good rounds, then (if ``kill``) SIGKILLs itself mid-way through the third."""
+    tensors = _big_tensors()
+    source = KillingSource(tensors, os.getpid(), at=20 if kill else 10**9, round=3)
+    trainer = wtransfer.create_trainer(
+        backend, client=PipeClient(conn), source=source,
+        init_info={"world_size": 2, "bucket_bytes": 256 * 1024, "timeout_s": TIMEOUT},
+    )
+    assert isinstance(PipeClient(conn), wtransfer.WeightSyncClient)
+    for round_index in range(3):
+        for tensor in tensors.values():
+            tensor.add_(1)
+        trainer.send_weights()
+    trainer.shutdown()
+    conn.send_bytes(json.dumps({"op": "done"}).encode())
+
+
+def _serve_worker(conn: Any, backend: str) -> tuple[Any, torch.nn.Module, list[BaseException]]:
+    """The worker side of PipeClient, in this test process: a real engine and model."""
+    tensors = _big_tensors()
+    model = build_model([[name, list(t.shape)] for name, t in tensors.items()], "float32")
+    engine = wtransfer.WeightTransferEngineFactory.create_engine(
+        wtransfer.WeightTransferConfig(backend=backend), wtransfer.ParallelConfig()
+    )
+    load = wtransfer.module_loader(model)
+    errors: list[BaseException] = []
+    while conn.poll(TIMEOUT * 2):
+        try:
+            request = json.loads(conn.recv_bytes())
+        except EOFError:
+            break
+        op, info = request["op"], request.get("info")
+        if op == "done":
+            break
+        try:
+            if op == "init":
+                engine.init_transfer_engine(engine.parse_init_info(info))
+            elif op == "start":
+                engine.start_weight_update()
+            elif op == "update":
+                engine.receive_weights(engine.parse_update_info(info), load)
+            elif op == "finish":
+                engine.finish_weight_update()
+            reply = {"ok": True}
+        except Exception as exc:
+            errors.append(exc)
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        try:
+            conn.send_bytes(json.dumps(reply).encode())
+        except OSError:
+            break
+    return engine, model, errors
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+@pytest.mark.parametrize("kill", [False, True], ids=["own-client", "trainer-killed"])
+def test_own_client_and_a_trainer_killed_mid_round(backend: str, kill: bool) -> None:
+    before = shm_names()
+    parent, child = multiprocessing.get_context("spawn").Pipe()
+    trainer = multiprocessing.get_context("spawn").Process(target=_trainer_main, args=(child, backend, kill), daemon=True)
+    trainer.start()
+    child.close()
+    started = time.monotonic()
+    try:
+        engine, model, errors = _serve_worker(parent, backend)
+    finally:
+        trainer.join(TIMEOUT)
+        if trainer.is_alive():
+            trainer.kill()
+    try:
+        assert time.monotonic() - started < TIMEOUT * 2
+        if kill:
+            assert trainer.exitcode == -signal.SIGKILL
+            assert len(errors) == 1 and isinstance(errors[0], TransferError), errors
+            assert engine.weight_version == 2  # the interrupted round did not count
+        else:
+            assert trainer.exitcode == 0 and errors == []
+            assert engine.weight_version == 3
+            expected = {f"w{i}.weight": torch.full((256, 256), float(i + 3)) for i in range(40)}
+            assert all(torch.equal(p, expected[n]) for n, p in model.named_parameters())
+    finally:
+        engine.shutdown()
+        engine.shutdown()
+    assert shm_names() <= before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_a_hundred_rounds_keep_fds_and_memory_flat(backend: str) -> None:
+    shapes = [[f"t{i}.weight", [64, 256]] for i in range(6)]
+    model = build_model(shapes, "float32", random=True)
+    with pool_for(backend, shapes, workers=1) as pool:
+        trainer = wtransfer.create_trainer(
+            backend, client=pool, source=model,
+            init_info={"world_size": 2, "bucket_bytes": 64 * 1024, "timeout_s": TIMEOUT},
+        )
+        rss = PeakRss()
+        samples: dict[int, tuple[int, int, list[dict]]] = {}
+        for round_index in range(1, 101):
+            mutate(model, round_index)
+            trainer.send_weights()
+            if round_index in (10, 100):
+                samples[round_index] = (open_fd_count(), rss.current(), pool.stats())
+        assert_workers_hold(pool, model)
+        trainer.shutdown()
+    (fds10, rss10, workers10), (fds100, rss100, workers100) = samples[10], samples[100]
+    assert fds100 == fds10
+    assert rss100 - rss10 < 16 << 20
+    assert workers100[0]["fds"] == workers10[0]["fds"]
+    assert workers100[0]["rss"] - workers10[0]["rss"] < 16 << 20
+    assert workers100[0]["weight_version"] == 100
