@@ -41,7 +41,7 @@ def test_the_model_reads_its_cache_so_a_wrong_block_changes_later_kv() -> None:
     engine.step()  # prefill: blocks 0-1 full
     blocks = engine.block_ids("a")
     for cache in engine.kv_caches.values():
-        cache[:, blocks[1]] += 1  # corrupt the last full block
+        cache[:, blocks[0]] += 1  # corrupt the first block: attention carries it to every later token
     out = engine.run()["a"]
     reference = reference_kv(SPEC, PROMPT[:8] + out.output_token_ids[:1])
     assert out.kv is not None

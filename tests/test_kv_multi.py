@@ -141,3 +141,32 @@ class ParamsA(KVConnectorBase):
 
 class ParamsB(ParamsA):
     value = "b"
+
+
+def test_no_child_saves_kv_computed_on_top_of_another_childs_failed_load(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    from wtransfer.connectors.hashing import request_block_hashes
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    with PagedKVEngine(SPEC, 16, kv_transfer_config=_multi(_child(second))) as engine:
+        engine.generate({"a": PROMPT})  # blocks 0-3 in the second store only
+    hashes = request_block_hashes(SPEC, PROMPT + [1, 2, 3])
+    damaged = next(p for p in second.rglob("*.safetensors") if p.stem == hashes[1])
+    raw = bytearray(damaged.read_bytes())
+    raw[-2] ^= 0x10  # the data checksum fails only when the block is loaded
+    damaged.write_bytes(bytes(raw))
+
+    with PagedKVEngine(SPEC, 16, kv_transfer_config=_multi(_child(first), _child(second)), capture_kv=True) as engine:
+        out = engine.generate({"b": PROMPT + [1, 2, 3]})["b"]
+    assert out.num_load_errors == 1
+    reference = reference_kv(SPEC, out.prompt_token_ids)
+    assert all(torch.equal(out.kv[n], reference[n]) for n in reference)
+    saved = {p.stem: p for p in first.rglob("*.safetensors")}
+    assert set(saved) == set(hashes[1:5])  # recomputed blocks only, each one correct
+    for index, block_hash in enumerate(hashes[:5]):
+        if block_hash in saved:
+            with safe_open(str(saved[block_hash]), framework="pt") as handle:
+                kv = handle.get_tensor("kv")
+            for layer, name in enumerate(SPEC.layer_names):
+                assert torch.equal(kv[layer], reference[name][:, index * 4 : (index + 1) * 4]), (index, name)

@@ -210,9 +210,19 @@ class KVConnectorBase(ABC):
         """Engine, worker, after the step: cache blocks whose load failed since the last call.
 
         The engine recomputes those blocks (and everything after them in the same
-        request) instead of using what is in them. Reported once.
+        request) instead of using what is in them. Reported once. A connector must
+        not save what a request computed in a step on top of its own failed loads.
         """
         return set()
+
+    def skip_saves(self, request_ids: set[str]) -> None:  # noqa: B027 - optional hook
+        """Composite connectors (or engines), worker, before ``save_kv_layer``/``wait_for_save``:
+        these requests computed this step on top of blocks that failed to load *elsewhere*;
+        save none of their blocks from this step (they are recomputed and offered again).
+
+        A wtransfer addition to vLLM's contract: without it, one child of a composite
+        would store KV derived from another child's failed load under valid hashes.
+        """
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """Anyone: JSON-safe counters (hits, misses, bytes, corrupt entries) for logs and metrics."""

@@ -41,6 +41,9 @@ class MultiConnectorMetadata(KVConnectorMetadata):
 
     children: list[dict[str, Any]] = field(default_factory=list)
     expected_senders: dict[str, int] = field(default_factory=dict)
+    loads: dict[str, list[int]] = field(default_factory=dict)
+    """request id -> cache blocks a child loads for it this step (to tell the other children
+    which requests computed on top of a failed load)."""
 
 
 def _child_configs(parent: KVTransferConfig) -> list[KVTransferConfig]:
@@ -94,9 +97,11 @@ class MultiConnector(KVConnectorBase):
         # scheduler state
         self._loading_child: dict[str, int] = {}
         self._expected_senders: dict[str, int] = {}
+        self._loads: dict[str, list[int]] = {}
         # worker state
         self._sent_reports: Counter[str] = Counter()
         self._expected_on_worker: dict[str, int] = {}
+        self._load_errors: set[int] = set()
         self._closed = False
 
     def _child_names(self) -> str:
@@ -118,13 +123,19 @@ class MultiConnector(KVConnectorBase):
         loader = self._loading_child.pop(request.request_id, None)
         for index, child in enumerate(self.children):
             child.update_state_after_alloc(request, block_ids, num_external_tokens if index == loader else 0)
+        if loader is not None and num_external_tokens > 0:
+            block_size = self.require_spec().block_size
+            first = request.num_computed_tokens // block_size
+            last = -(-(request.num_computed_tokens + num_external_tokens) // block_size)
+            self._loads[request.request_id] = list(block_ids[first:last])
 
     def build_connector_meta(self, step: SchedulerStep) -> MultiConnectorMetadata:
         children = [child.build_connector_meta(step).to_dict() for child in self.children]
         expected = {rid: n for rid, n in self._expected_senders.items() if rid in set(step.finished_req_ids)}
         for rid in expected:
             del self._expected_senders[rid]
-        return MultiConnectorMetadata(children=children, expected_senders=expected)
+        loads, self._loads = self._loads, {}
+        return MultiConnectorMetadata(children=children, expected_senders=expected, loads=loads)
 
     def request_finished(self, request: KVRequest, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._loading_child.pop(request.request_id, None)
@@ -182,14 +193,38 @@ class MultiConnector(KVConnectorBase):
     def wait_for_layer_load(self, layer_name: str) -> None:
         for child in self.children:
             child.wait_for_layer_load(layer_name)
+        self._stop_saves_after_failed_loads()
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None, **kwargs: Any) -> None:
+        self._stop_saves_after_failed_loads()
         for child in self.children:
             child.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
 
     def wait_for_save(self) -> None:
+        self._stop_saves_after_failed_loads()
         for child in self.children:
             child.wait_for_save()
+
+    def _stop_saves_after_failed_loads(self) -> None:
+        """As soon as loads are in (and again before saving): collect the children's load failures
+        and tell every child not to save what the affected requests compute on top of them."""
+        if not self.has_connector_metadata():
+            return
+        failed: set[int] = set()
+        for child in self.children:
+            failed |= child.get_block_ids_with_load_errors()
+        if not failed:
+            return
+        self._load_errors |= failed
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, MultiConnectorMetadata)
+        requests = {rid for rid, blocks in meta.loads.items() if failed.intersection(blocks)}
+        for child in self.children:
+            child.skip_saves(requests)
+
+    def skip_saves(self, request_ids: set[str]) -> None:
+        for child in self.children:
+            child.skip_saves(request_ids)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         receiving: set[str] = set()
@@ -204,7 +239,7 @@ class MultiConnector(KVConnectorBase):
         return (done or None), (receiving or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors: set[int] = set()
+        errors, self._load_errors = self._load_errors, set()
         for child in self.children:
             errors |= child.get_block_ids_with_load_errors()
         return errors

@@ -325,6 +325,10 @@ class StorageConnector(KVConnectorBase):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None, **kwargs: Any) -> None:
         """Nothing per layer: a block file holds all layers, so saves start in :meth:`wait_for_save`."""
 
+    def skip_saves(self, request_ids: set[str]) -> None:
+        for request_id in request_ids:
+            self._failed_from[request_id] = 0
+
     def wait_for_save(self) -> None:
         """Queue this step's saves and return: they run in the background, and the engine keeps
         the blocks (``request_finished`` delayed their free) until :meth:`get_finished` reports them."""

@@ -17,10 +17,11 @@ What is real here
   blocks first, then evicts the least recently freed cached block (tail blocks of
   a request before its head). A working set larger than the cache therefore
   pushes earlier prefixes out, and a connector can bring them back.
-* **A model that reads its cache.** Per layer and token:
-  ``k_t = tanh(x_t Wk + k_{t-1} Uk)``, ``v_t = tanh(x_t Wv + k_t)``, next layer's
-  ``x = x + v``; ``k_{t-1}`` is read back from the paged cache. KV is thus a
-  deterministic function of the token prefix (weights seeded from the model
+* **A model that reads its cache.** Per layer and token, attention over every
+  earlier token's K and V as read back from the paged cache:
+  ``a_t = softmax(K_{<t} (x_t Wq)) V_{<t}``, ``k_t = tanh(x_t Wk + a_t U)``,
+  ``v_t = tanh(x_t Wv + k_t)``, next layer's ``x = x + v``. KV is thus a
+  deterministic function of the whole token prefix (weights seeded from the model
   fingerprint), every token is computed with the same one-row operations however
   the work is chunked, and a wrongly loaded block changes every later KV and the
   generated tokens. :func:`reference_kv` recomputes from scratch for bit-exact checks.
@@ -102,7 +103,11 @@ __all__ = [
 
 
 class TinyModel:
-    """Deterministic weights seeded from the model fingerprint; one-row ops for bit-exact replays."""
+    """Deterministic weights seeded from the model fingerprint; one-row ops for bit-exact replays.
+
+    Each layer attends over every earlier token's K and V (read back from the paged
+    cache), so a token's KV depends on the whole prefix, as in a transformer.
+    """
 
     def __init__(self, spec: KVCacheSpec, vocab_size: int = 512) -> None:
         self.spec = spec
@@ -110,10 +115,11 @@ class TinyModel:
         self.hidden = spec.num_kv_heads * spec.head_size
         seed = int.from_bytes(hashlib.sha256(spec.model_fingerprint.encode()).digest()[:8], "little")
         gen = torch.Generator().manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
-        scale = 1.0 / math.sqrt(self.hidden)
+        self.scale = 1.0 / math.sqrt(self.hidden)
         self.embed = torch.randn(vocab_size, self.hidden, generator=gen)
+        # per layer: Wq, Wk, Wv, U (the attention read-out into the key)
         self.layers = [
-            tuple(torch.randn(self.hidden, self.hidden, generator=gen) * scale for _ in range(3))
+            tuple(torch.randn(self.hidden, self.hidden, generator=gen) * self.scale for _ in range(4))
             for _ in spec.layer_names
         ]
 
@@ -123,13 +129,16 @@ class TinyModel:
         return self.embed[token_id : token_id + 1]
 
     def layer_step(
-        self, layer: int, x: torch.Tensor, prev_k: torch.Tensor | None
+        self, layer: int, x: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One token through one layer: ``(k, v, next_x)``, each ``[1, hidden]`` float32."""
-        wk, wv, uk = self.layers[layer]
+        """One token through one layer given the earlier tokens' ``[t, hidden]`` K and V:
+        ``(k, v, next_x)``, each ``[1, hidden]`` float32."""
+        wq, wk, wv, u = self.layers[layer]
         pre_k = x @ wk
-        if prev_k is not None:
-            pre_k = pre_k + prev_k @ uk
+        if past_k.shape[0]:
+            scores = (past_k * (x @ wq)).sum(dim=1) * self.scale
+            attended = (torch.softmax(scores, dim=0).unsqueeze(1) * past_v).sum(dim=0, keepdim=True)
+            pre_k = pre_k + attended @ u
         k = torch.tanh(pre_k)
         v = torch.tanh(x @ wv + k)
         return k, v, x + v
@@ -470,6 +479,7 @@ class PagedKVEngine:
             start = entry.request.num_computed_tokens
             tokens = entry.request.token_ids[start : start + entry.num_scheduled_tokens]
             xs[entry.request.request_id] = [self.model.embed_token(t) for t in tokens]
+        heads, head_size = self.spec.num_kv_heads, self.spec.head_size
         for layer, name in enumerate(self.spec.layer_names):
             if self.worker_connector is not None:
                 self.worker_connector.wait_for_layer_load(name)
@@ -477,16 +487,18 @@ class PagedKVEngine:
             for entry in scheduled:
                 start = entry.request.num_computed_tokens
                 layer_xs = xs[entry.request.request_id]
+                # what the cache holds for this request (loaded or computed earlier), as float rows
+                blocks = torch.tensor(entry.block_ids, dtype=torch.long)
+                past_k = cache[0].index_select(0, blocks).reshape(-1, self.model.hidden).float()
+                past_v = cache[1].index_select(0, blocks).reshape(-1, self.model.hidden).float()
                 for offset, x in enumerate(layer_xs):
                     pos = start + offset
-                    prev_k = None
-                    if pos > 0:
-                        prev = pos - 1
-                        prev_k = cache[0, entry.block_ids[prev // bs], prev % bs].reshape(1, -1).float()
-                    k, v, layer_xs[offset] = self.model.layer_step(layer, x, prev_k)
-                    slot = (entry.block_ids[pos // bs], pos % bs)
-                    cache[0, slot[0], slot[1]] = k.reshape(self.spec.num_kv_heads, self.spec.head_size)
-                    cache[1, slot[0], slot[1]] = v.reshape(self.spec.num_kv_heads, self.spec.head_size)
+                    k, v, layer_xs[offset] = self.model.layer_step(layer, x, past_k[:pos], past_v[:pos])
+                    block, slot = entry.block_ids[pos // bs], pos % bs
+                    cache[0, block, slot] = k.reshape(heads, head_size)
+                    cache[1, block, slot] = v.reshape(heads, head_size)
+                    past_k[pos] = cache[0, block, slot].reshape(-1)  # as stored: rounded to the cache dtype
+                    past_v[pos] = cache[1, block, slot].reshape(-1)
             if self.worker_connector is not None:
                 self.worker_connector.save_kv_layer(name, cache)
         return {rid: layer_xs[-1] for rid, layer_xs in xs.items() if layer_xs}
