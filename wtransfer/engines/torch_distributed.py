@@ -12,16 +12,18 @@ then broadcast asynchronously from ``num_buffers`` reusable buffers: packing (tr
 unpacking (workers) of one bucket overlap the transport of the next.
 
 Backend specifics sit behind the small methods of :class:`TorchDistributedBackend`
-(``device``, ``make_process_group``, ``allocate``, ``synchronize``) so a plugin for another
-backend only overrides those.
+(``device``, ``make_process_group``, ``allocate``, ``slot_stream``, ``accepts_in_place``,
+``synchronize``) so a plugin for another backend only overrides those.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import secrets
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -112,7 +114,16 @@ class TorchDistributedBackend:
         return [torch.zeros(nbytes, dtype=torch.uint8, device=self.device()) for _ in range(count)]
 
     def synchronize(self) -> None:
-        """Make packing visible to the transport (a stream sync on GPUs; nothing on CPU)."""
+        """End of a round's data movement: wait for the device (a GPU sync; nothing on CPU)."""
+
+    def slot_stream(self, slot: int) -> contextlib.AbstractContextManager[None]:
+        """Where packing/unpacking of buffer ``slot`` runs. On CPU, inline; a GPU backend runs
+        each buffer on its own stream and makes the transport wait for it."""
+        return contextlib.nullcontext()
+
+    def accepts_in_place(self, tensor: torch.Tensor) -> bool:
+        """Whether the transport can write straight into ``tensor`` (it must be on our device)."""
+        return tensor.device == self.device()
 
     # -- collective helpers ------------------------------------------------------------------
     @staticmethod
@@ -256,6 +267,8 @@ class TorchDistributedWeightTransferEngine(
         def post(index: int) -> None:
             if index < len(buckets):
                 target = unpacker.direct_target(buckets[index])
+                if target is not None and not self.accepts_in_place(target):
+                    target = None
                 in_place = target is not None
                 if target is None:
                     target = self._buffers[index % count][: buckets[index].nbytes]
@@ -269,9 +282,10 @@ class TorchDistributedWeightTransferEngine(
             if in_place:
                 unpacker.received_in_place(bucket)
             else:
-                unpacker.unpack(bucket, self._buffers[bucket.index % count][: bucket.nbytes])
-                self.synchronize()
+                with self.slot_stream(bucket.index % count):
+                    unpacker.unpack(bucket, self._buffers[bucket.index % count][: bucket.nbytes])
             post(bucket.index + count)
+        self.synchronize()
         unpacker.finish()
 
     def shutdown(self) -> None:
@@ -356,7 +370,7 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
         _wait(self.allreduce_max(self._group, verdict), "the manifest vote", self.timeout_s, call)
         if int(verdict.item()):
             raise ManifestRejected(f"round {manifest.version} rejected by a worker's loader")
-        packer = Packer(manifest, iter(self.source))
+        packer = Packer(manifest, self.round_tensors())
         device = self.device()
         # slot -> (work, tensor it reads); holding the tensor keeps an in-place source alive
         works: list[tuple[Any, Any] | None] = [None] * len(self._buffers)
@@ -369,13 +383,18 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
             view = packer.direct_bytes(bucket, device)
             if view is None:
                 view = self._buffers[slot][: bucket.nbytes]
-                packer.pack(bucket, view)
-                self.synchronize()
+                with self.slot_stream(slot):
+                    packer.pack(bucket, view)
             works[slot] = (self.broadcast(self._group, view), view)
         packer.drain()
         for slot, pending in enumerate(works):
             if pending is not None:
                 _wait(pending[0], f"broadcasting the last buckets (buffer {slot})", self.timeout_s, call)
+        self.synchronize()
+
+    def round_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The source's tensors for one round (a GPU backend may track them for its streams)."""
+        return iter(self.source)
 
     def _release(self) -> None:
         group = getattr(self, "_group", None)
