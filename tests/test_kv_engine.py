@@ -60,6 +60,19 @@ def test_local_prefix_cache_and_lru_eviction() -> None:
     assert engine.generate({"a3": PROMPT + [9, 9]})["a3"].num_local_hit_tokens == 0
 
 
+def test_outputs_are_returned_once_and_ids_can_be_reused_after() -> None:
+    engine = PagedKVEngine(SPEC, 16)
+    engine.add_request("a", PROMPT)
+    while engine.has_unfinished():
+        engine.step()
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", PROMPT)
+    first = engine.run()  # finished by the manual steps, returned here
+    assert list(first) == ["a"] and engine.run() == {}
+    again = engine.generate({"a": PROMPT})["a"]
+    assert again.num_local_hit_tokens == 12 and again.output_token_ids == first["a"].output_token_ids
+
+
 def test_requests_wait_for_blocks_instead_of_failing() -> None:
     engine = PagedKVEngine(SPEC, 5)
     outputs = engine.generate({f"r{i}": [i + 1] * 13 for i in range(3)}, max_new_tokens=2)  # 4 blocks each

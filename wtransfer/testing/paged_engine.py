@@ -301,6 +301,8 @@ class PagedKVEngine:
                 KVConnectorFactory.create_connector(kv_transfer_config, KVConnectorRole.WORKER, spec),
             )
         self.scheduler_connector, self.worker_connector = connectors or (None, None)
+        if (self.scheduler_connector is None) != (self.worker_connector is None):
+            raise ValueError("connectors must be a (scheduler instance, worker instance) pair")
         if self.worker_connector is not None:
             self.worker_connector.register_kv_caches(self.kv_caches)
         self._requests: dict[str, _Request] = {}
@@ -320,7 +322,7 @@ class PagedKVEngine:
         max_new_tokens: int = 1,
         kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self._outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
@@ -349,9 +351,9 @@ class PagedKVEngine:
         return any(r.status is not RequestStatus.DONE for r in self._requests.values())
 
     def run(self, *, timeout_s: float = 60.0, max_steps: int = 100_000) -> dict[str, RequestOutput]:
-        """Step until every request is done (delayed frees included); return outputs of this run."""
+        """Step until every request is done (delayed frees included); return every output not
+        returned before (requests finished by earlier manual ``step()`` calls included)."""
         deadline = time.monotonic() + timeout_s
-        done_before = set(self._outputs)
         for _ in range(max_steps):
             if not self.has_unfinished() and not self._finished_since_last_step:
                 break
@@ -364,7 +366,8 @@ class PagedKVEngine:
             raise TransferTimeoutError(f"engine did not finish within {max_steps} steps: {self._stuck_message(None)}")
         for request_id in [r for r, q in self._requests.items() if q.status is RequestStatus.DONE]:
             del self._requests[request_id]
-        return {k: v for k, v in self._outputs.items() if k not in done_before}
+        outputs, self._outputs = self._outputs, {}
+        return outputs
 
     def generate(
         self, prompts: Mapping[str, Sequence[int]], *, max_new_tokens: int = 1, timeout_s: float = 60.0
