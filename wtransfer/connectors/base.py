@@ -29,11 +29,12 @@ Call order for one engine step (``wtransfer.testing.paged_engine`` implements it
         ... compute the layer, writing its KV into kv_caches[layer] ...
         worker.save_kv_layer(layer, kv_caches[layer])
     worker.wait_for_save()
-    sending, receiving = worker.get_finished(step.finished_req_ids)
-    failed = worker.get_block_ids_with_load_errors()
-    worker.clear_connector_metadata()
-    # scheduler, when a request ends
+    failed = worker.get_block_ids_with_load_errors()    # those blocks are recomputed
+    # scheduler, for each request that ended in this step (before freeing its blocks)
     delay_free, params = sched.request_finished(request, block_ids)
+    # worker; finished_req_ids are the requests ended in the previous step
+    sending, receiving = worker.get_finished(step.finished_req_ids)
+    worker.clear_connector_metadata()
 
 Blocks of a request whose ``request_finished`` returned ``delay_free=True`` stay
 allocated until the worker reports the request in ``sending``; a request whose
