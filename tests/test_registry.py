@@ -460,3 +460,25 @@ def test_python_dash_m_and_table_output():
                          timeout=60, check=True)
     assert "shm" in out.stdout and "gloo" in out.stdout and "wtransfer 0.1.0" in out.stdout
     assert "storage" not in out.stdout  # only the asked kind
+
+
+def _code_strings(source: str) -> list[str]:
+    """String constants of a module that are not docstrings."""
+    import ast
+
+    tree = ast.parse(source)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [node.value for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
+
+
+def test_core_never_names_the_nccl_plugin_module():
+    """The NCCL engine is found through its distribution's metadata; only the hint table names it."""
+    package = Path(wtransfer.__file__).parent
+    sources = {str(p.relative_to(package)): p.read_text() for p in package.rglob("*.py")}
+    assert [name for name, text in sources.items() if "wtransfer_nccl" in text] == []
+    in_code = sorted(name for name, text in sources.items()
+                     if any("wtransfer-nccl" in value for value in _code_strings(text)))
+    assert in_code == ["registry/hints.py"]

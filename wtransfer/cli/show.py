@@ -13,7 +13,7 @@ from wtransfer.cli._output import KIND_CHOICES
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("show", help="load one component and show its docs and config fields")
     parser.add_argument("kind", choices=KIND_CHOICES)
-    parser.add_argument("name", help="bare name (shm) or qualified (wtransfer-nccl:nccl)")
+    parser.add_argument("name", help="bare name (shm) or qualified (distribution:name)")
     parser.set_defaults(func=run)
 
 

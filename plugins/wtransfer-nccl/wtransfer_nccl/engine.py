@@ -1,0 +1,156 @@
+"""The NCCL weight-transfer engine: wtransfer's packed broadcast, on CUDA devices over NCCL.
+
+Everything about the protocol (rendezvous, manifest vote, bucket planning, packing,
+buffer rotation, timeouts, version semantics) is wtransfer's own torch.distributed code,
+the same the ``gloo`` engine runs. This module only supplies what differs on a GPU:
+
+* a ``ProcessGroupNCCL`` on a ``PrefixStore`` over the trainer's ``TCPStore``, bound to an
+  explicit device, never the default process group;
+* receive and send buffers on the device, one dedicated CUDA stream per buffer, both
+  created once per engine and reused every round (fresh streams per call leaked memory
+  in vllm#52950);
+* packing and unpacking of a buffer run on that buffer's stream, the transport waits for
+  it, and the buffer is not reused until its stream is done; a final device
+  synchronisation happens before a round is reported finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from wtransfer.engines.torch_distributed import (
+    TorchDistributedBackend,
+    TorchDistributedTrainer,
+    TorchDistributedWeightTransferEngine,
+)
+from wtransfer.errors import WTransferError
+
+logger = logging.getLogger("wtransfer")
+
+
+class NCCLUnavailableError(WTransferError, RuntimeError):
+    """This process cannot run NCCL (no CUDA device, or a torch build without NCCL)."""
+
+
+def nccl_unavailable_reason() -> str | None:
+    """Why NCCL cannot run here, or ``None`` if it can."""
+    import torch
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        return f"no CUDA device is available (torch {torch.__version__}, torch.cuda.is_available() is False)"
+    if not dist.is_available() or not dist.is_nccl_available():
+        return f"this torch build ({torch.__version__}) has no NCCL support"
+    return None
+
+
+def require_nccl(side: str) -> None:
+    reason = nccl_unavailable_reason()
+    if reason is not None:
+        raise NCCLUnavailableError(
+            f"The nccl engine cannot create its {side} side: {reason}. On CPU-only machines use "
+            f"wtransfer's built-in engines instead: 'shm' (same host, shared memory) or 'gloo' "
+            f"(across hosts, torch.distributed over TCP)."
+        )
+
+
+class NCCLBackend(TorchDistributedBackend):
+    """CUDA and NCCL specifics behind wtransfer's torch.distributed backend hooks."""
+
+    distributed_backend = "nccl"
+    _device_index: int | None = None
+    _streams: list[Any] | None = None
+    _in_use: list[Any] | None = None
+    """CUDA source tensors the current bucket's stream may read (trainer side)."""
+
+    def device(self) -> Any:
+        import torch
+
+        if self._device_index is None:
+            options = getattr(getattr(self, "config", None), "options", None) or {}
+            self._device_index = int(options.get("device", torch.cuda.current_device()))
+        return torch.device("cuda", self._device_index)
+
+    def make_process_group(self, store: Any, rank: int, size: int, timeout_s: float) -> Any:
+        import torch
+        from torch._C._distributed_c10d import ProcessGroupNCCL
+
+        device = self.device()
+        torch.cuda.set_device(device)
+        options = ProcessGroupNCCL.Options()
+        options._timeout = datetime.timedelta(seconds=timeout_s)
+        group = ProcessGroupNCCL(store, rank, size, options)
+        if hasattr(group, "bound_device_id"):
+            group.bound_device_id = device  # eager init on this device, no guessing
+        return group
+
+    def allocate(self, nbytes: int, count: int) -> list[Any]:
+        """Device buffers, plus one stream per buffer; both live as long as the engine."""
+        import torch
+
+        buffers = super().allocate(nbytes, count)
+        if self._streams is None or len(self._streams) != count:
+            self._streams = [torch.cuda.Stream(device=self.device()) for _ in range(count)]
+        return buffers
+
+    @contextlib.contextmanager
+    def slot_stream(self, slot: int) -> Iterator[None]:
+        """Pack or unpack buffer ``slot`` on its own stream; the transport then waits for that stream."""
+        import torch
+
+        assert self._streams is not None, "allocate() creates the streams"
+        stream = self._streams[slot]
+        current = torch.cuda.current_stream(self.device())
+        stream.wait_stream(current)  # the buffer's last transport (and the caller's writes) came first
+        with torch.cuda.stream(stream):
+            yield
+        if self._in_use:
+            # Source chunks this stream reads stay allocated until the stream is past them, even
+            # if the trainer drops them now; the last one may continue into the next bucket.
+            for tensor in self._in_use:
+                tensor.record_stream(stream)
+            self._in_use = self._in_use[-1:]
+        current.wait_stream(stream)
+
+    def synchronize(self) -> None:
+        """Once per round, after the last bucket: nothing of the round is still in flight."""
+        import torch
+
+        torch.cuda.synchronize(self.device())
+
+
+class NCCLWeightTransferEngine(NCCLBackend, TorchDistributedWeightTransferEngine):
+    """Worker side of the NCCL engine (one per inference worker process and GPU).
+
+    ``WeightTransferConfig.options``: ``device`` (CUDA index, default the current device),
+    ``max_buffer_bytes`` (refuse larger buffer rings at init). ``receive_weights`` ends with
+    a device synchronisation, so the weights are in place before ``finish_weight_update``.
+    """
+
+    def __init__(self, config: Any, parallel_config: Any = None) -> None:
+        require_nccl("worker")
+        super().__init__(config, parallel_config)
+
+
+class NCCLTrainer(NCCLBackend, TorchDistributedTrainer):
+    """Trainer side of the NCCL engine (rank 0): broadcasts packed buckets from its GPU."""
+
+    backend = "nccl"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        require_nccl("trainer")
+        super().__init__(*args, **kwargs)
+
+    def round_tensors(self) -> Iterator[tuple[str, Any]]:
+        self._in_use = []
+        for name, tensor in super().round_tensors():
+            if tensor.is_cuda:
+                self._in_use.append(tensor)
+            yield name, tensor
+
+
+NCCLWeightTransferEngine.trainer_cls = NCCLTrainer
