@@ -34,3 +34,7 @@ class TestCPUSpecARC(SpecConformance):
 class TestSharedMemoryEngine(EngineConformance):
     engine = "shm"
 
+
+
+class TestGlooEngine(EngineConformance):
+    engine = "gloo"

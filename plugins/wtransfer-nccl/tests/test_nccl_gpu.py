@@ -111,3 +111,28 @@ def test_trainer_and_worker_round_over_nccl() -> None:
             assert stats["bytes"] == sum(p.numel() * p.element_size() for p in model.parameters())
         finally:
             trainer.shutdown()
+
+
+def _nccl_conformance_ready() -> bool:
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("wtransfer-nccl")
+    except PackageNotFoundError:
+        return False
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+from wtransfer.testing.conformance import EngineConformance  # noqa: E402
+
+
+@pytest.mark.skipif(not _nccl_conformance_ready(), reason="needs 2 GPUs and wtransfer-nccl installed")
+class TestNCCLConformance(EngineConformance):
+    """The same suite every engine passes; the trainer uses GPU 0, workers spread over the others."""
+
+    engine = "nccl"
+    num_workers = 1
+
+    @pytest.fixture
+    def engine_options(self):
+        return {"device": 1}
