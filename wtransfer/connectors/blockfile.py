@@ -124,13 +124,10 @@ class BlockLayout:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``, with a clear error for names torch does not know."""
-    import torch
+    """A KV cache's dtype name (``"bfloat16"``) -> the torch dtype, from the shared table."""
+    from wtransfer.dtypes import dtype_from_name
 
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"KV dtype {name!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
-    return dtype
+    return dtype_from_name(name)
 
 
 _WEIGHTS: dict[int, object] = {}

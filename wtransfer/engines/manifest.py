@@ -19,43 +19,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from wtransfer.dtypes import dtype_from_name, dtype_name, supported_dtype_names
+
 if TYPE_CHECKING:
     import torch
 
 MANIFEST_FORMAT = 1
 
-# Wire names are torch's own dtype names without the "torch." prefix. Looked up lazily so that
-# a torch without, say, the fnuz float8 types still loads; such a name is then just "unsupported".
-_DTYPE_NAMES = (
-    "float64", "float32", "float16", "bfloat16",
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-    "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-    "bool", "complex32", "complex64", "complex128",
-)  # fmt: skip
-
-
-@lru_cache(maxsize=1)
-def _dtype_tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
-    import torch
-
-    by_name = {name: getattr(torch, name) for name in _DTYPE_NAMES if hasattr(torch, name)}
-    return by_name, {dtype: name for name, dtype in by_name.items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The wire name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
-    name = _dtype_tables()[1].get(dtype)
-    if name is None:
-        raise ValueError(f"dtype {dtype} cannot be transferred; supported: {', '.join(_dtype_tables()[0])}")
-    return name
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """The torch dtype for a wire name; ``ValueError`` naming the supported ones otherwise."""
-    dtype = _dtype_tables()[0].get(name)
-    if dtype is None:
-        raise ValueError(f"unknown dtype name {name!r}; supported: {', '.join(_dtype_tables()[0])}")
-    return dtype
 
 
 @lru_cache(maxsize=None)
@@ -145,7 +115,7 @@ def _parse_entry(index: int, item: Any) -> TensorEntry:
     name, dtype, shape = item
     if not isinstance(name, str) or not name:
         raise ValueError(f"manifest tensor #{index} has an invalid name {name!r}")
-    if not isinstance(dtype, str) or dtype not in _dtype_tables()[0]:
+    if not isinstance(dtype, str) or dtype not in supported_dtype_names():
         raise ValueError(f"manifest tensor {name!r} has unsupported dtype {dtype!r}")
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from wtransfer.dtypes import dtype_from_name
 from wtransfer.errors import TransferTimeoutError
 from wtransfer.specs.base import (
     CPU_MEDIUM,
@@ -45,14 +46,6 @@ logger = logging.getLogger("wtransfer")
 
 DEFAULT_TRANSFER_TIMEOUT_S = 60.0
 DEFAULT_STAGING_BLOCKS = 64
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``, with an error that lists what would work."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"KVCacheSpec.dtype {name!r} is not a torch dtype name (e.g. 'bfloat16', 'float16')")
-    return dtype
 
 
 @dataclass(frozen=True)
@@ -265,7 +258,7 @@ class CPUOffloadingSpec(OffloadingSpec):
                 "The cpu offloading spec needs the engine's KVCacheSpec to size its tier: "
                 "OffloadingSpecFactory.create_spec(config, kv_cache_spec)"
             )
-        self.dtype = torch_dtype(kv_cache_spec.dtype)
+        self.dtype = dtype_from_name(kv_cache_spec.dtype)
         self.num_layers = len(kv_cache_spec.layer_names)
         self.row_elems = kv_cache_spec.block_size * kv_cache_spec.num_kv_heads * kv_cache_spec.head_size
         self.bytes_per_block = (
