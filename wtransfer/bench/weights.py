@@ -310,7 +310,7 @@ def _gloo_peer_receiver(port: int, spec: str, repeats: int) -> None:
             backend.broadcast(group, tensor).wait()
     for _ in range(repeats):
         backend.broadcast(group, flat).wait()
-    backend.close_group(group, abort=False)
+    del group
 
 
 def peer_gloo(tensors: list[torch.Tensor], shapes: list[list[Any]], dtype: str, repeats: int) -> tuple[float, float]:
@@ -338,7 +338,7 @@ def peer_gloo(tensors: list[torch.Tensor], shapes: list[list[Any]], dtype: str, 
 
         per = _timed(repeats, lambda: None, per_tensor)
         one = _timed(repeats, lambda: None, lambda _: backend.broadcast(group, flat).wait())
-        backend.close_group(group, abort=False)
+        del group
         return per, one
     finally:
         helper.join(30)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import logging
 import secrets
 import time
@@ -144,14 +145,14 @@ class TorchDistributedBackend:
         return group.allreduce([tensor], options)
 
     @staticmethod
-    def close_group(group: Any, abort: bool) -> None:
-        try:
-            if abort and hasattr(group, "abort"):
-                group.abort()
-            elif hasattr(group, "shutdown"):
-                group.shutdown()
-        except Exception as exc:  # closing a group whose peer is gone may complain; we are done with it
-            logger.debug("closing process group: %s", exc)
+    def release_group() -> None:
+        """Called once the last reference to a group is dropped.
+
+        Destroying a gloo group closes its connections, so peers still waiting in a
+        collective fail at once ("connection closed") instead of at their timeout;
+        ``abort()``/``shutdown()`` do not do that. Collect now so it happens immediately.
+        """
+        gc.collect()
 
 
 def _wait(work: Any, what: str, timeout_s: float, call: BackgroundCall | None = None) -> None:
@@ -168,8 +169,10 @@ def _wait(work: Any, what: str, timeout_s: float, call: BackgroundCall | None = 
             time.sleep(_POLL_S)
         work.wait()
     except TransferError:
+        work = None  # noqa: F841 - the traceback keeps this frame: let the group go
         raise
     except RuntimeError as exc:  # gloo reports dead peers and its own timeouts as RuntimeError
+        work = None  # noqa: F841
         kind = TransferTimeoutError if "timed out" in str(exc).lower() else TransferError
         raise kind(f"{what} failed: {exc} (a peer died, stalled or disconnected)") from exc
 
@@ -263,6 +266,16 @@ class TorchDistributedWeightTransferEngine(
         count = len(self._buffers)
         unpacker = Unpacker(manifest, load_weights)
         works: dict[int, tuple[Any, bool]] = {}  # bucket -> (work, received in place)
+        try:
+            self._receive_into(buckets, unpacker, works)
+        finally:
+            works.clear()  # a failure's traceback must not keep the collectives (and the group) alive
+        self.synchronize()
+        unpacker.finish()
+
+    def _receive_into(self, buckets: list[Bucket], unpacker: Unpacker, works: dict[int, tuple[Any, bool]]) -> None:
+        assert self._info is not None
+        count = len(self._buffers)
 
         def post(index: int) -> None:
             if index < len(buckets):
@@ -277,24 +290,23 @@ class TorchDistributedWeightTransferEngine(
         for index in range(min(count, len(buckets))):
             post(index)
         for bucket in buckets:
-            work, in_place = works.pop(bucket.index)
-            _wait(work, f"receiving bucket {bucket.index}", self._info.timeout_s)
+            _wait(works[bucket.index][0], f"receiving bucket {bucket.index}", self._info.timeout_s)
+            in_place = works.pop(bucket.index)[1]
             if in_place:
                 unpacker.received_in_place(bucket)
             else:
                 with self.slot_stream(bucket.index % count):
                     unpacker.unpack(bucket, self._buffers[bucket.index % count][: bucket.nbytes])
             post(bucket.index + count)
-        self.synchronize()
-        unpacker.finish()
 
     def shutdown(self) -> None:
-        if self._group is not None:
-            self.close_group(self._group, abort=self._broken is not None)
+        had_group = self._group is not None
         self._group = None
         self._store = None
         self._buffers = []
         self._info = None
+        if had_group:
+            self.release_group()
 
 
 class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngine):
@@ -370,15 +382,22 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
         _wait(self.allreduce_max(self._group, verdict), "the manifest vote", self.timeout_s, call)
         if int(verdict.item()):
             raise ManifestRejected(f"round {manifest.version} rejected by a worker's loader")
-        packer = Packer(manifest, self.round_tensors())
-        device = self.device()
         # slot -> (work, tensor it reads); holding the tensor keeps an in-place source alive
         works: list[tuple[Any, Any] | None] = [None] * len(self._buffers)
+        try:
+            self._broadcast_buckets(manifest, buckets, call, works)
+        finally:
+            works.clear()  # a failure's traceback must not keep the collectives (and the group) alive
+
+    def _broadcast_buckets(
+        self, manifest: Manifest, buckets: list[Bucket], call: BackgroundCall, works: list[tuple[Any, Any] | None]
+    ) -> None:
+        packer = Packer(manifest, self.round_tensors())
+        device = self.device()
         for bucket in buckets:
             slot = bucket.index % len(self._buffers)
-            pending = works[slot]
-            if pending is not None:
-                _wait(pending[0], f"broadcasting bucket {bucket.index - len(works)}", self.timeout_s, call)
+            if works[slot] is not None:  # no local names for works: a traceback would keep them
+                _wait(works[slot][0], f"broadcasting bucket {bucket.index - len(works)}", self.timeout_s, call)
                 works[slot] = None
             view = packer.direct_bytes(bucket, device)
             if view is None:
@@ -387,9 +406,9 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
                     packer.pack(bucket, view)
             works[slot] = (self.broadcast(self._group, view), view)
         packer.drain()
-        for slot, pending in enumerate(works):
-            if pending is not None:
-                _wait(pending[0], f"broadcasting the last buckets (buffer {slot})", self.timeout_s, call)
+        for slot in range(len(works)):
+            if works[slot] is not None:
+                _wait(works[slot][0], f"broadcasting the last buckets (buffer {slot})", self.timeout_s, call)
         self.synchronize()
 
     def round_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -397,10 +416,10 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
         return iter(self.source)
 
     def _release(self) -> None:
-        group = getattr(self, "_group", None)
-        if group is not None:
-            self.close_group(group, abort=self._broken is not None)
+        had_group = getattr(self, "_group", None) is not None
         self._group = None
         self._prefixed = None
         self._store = None
         self._buffers = []
+        if had_group:
+            self.release_group()
