@@ -303,7 +303,6 @@ def test_own_client_and_a_trainer_killed_mid_round(backend: str, kill: bool) -> 
     assert shm_names() <= before
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["shm", "gloo"])
 def test_a_hundred_rounds_keep_fds_and_memory_flat(backend: str) -> None:
     shapes = [[f"t{i}.weight", [64, 256]] for i in range(6)]
@@ -328,3 +327,54 @@ def test_a_hundred_rounds_keep_fds_and_memory_flat(backend: str) -> None:
     assert workers100[0]["fds"] == workers10[0]["fds"]
     assert workers100[0]["rss"] - workers10[0]["rss"] < 16 << 20
     assert workers100[0]["weight_version"] == 100
+
+
+class ThreadClient:
+    """Another user-style client: the worker engine lives in this process, each call runs to completion."""
+
+    def __init__(self, backend: str, model: torch.nn.Module, load_weights: Any) -> None:
+        self.engine = wtransfer.WeightTransferEngineFactory.create_engine(
+            wtransfer.WeightTransferConfig(backend=backend), wtransfer.ParallelConfig()
+        )
+        self.load_weights = load_weights
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.engine.init_transfer_engine(self.engine.parse_init_info(json.loads(json.dumps(init_info))))
+
+    def start_weight_update(self) -> None:
+        self.engine.start_weight_update()
+
+    def update_weights(self, update_info: dict) -> None:
+        self.engine.receive_weights(self.engine.parse_update_info(json.loads(json.dumps(update_info))), self.load_weights)
+
+    def finish_weight_update(self) -> None:
+        self.engine.finish_weight_update()
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_a_worker_whose_loader_fails_mid_round_stops_the_trainer_at_once(backend: str) -> None:
+    tensors = _big_tensors(12)
+    model = build_model([[name, list(t.shape)] for name, t in tensors.items()], "float32")
+    loader = wtransfer.module_loader(model)
+    calls = []
+
+    def failing_loader(batch: list) -> None:
+        calls.append(len(batch))
+        if len(calls) == 3:
+            raise RuntimeError("disk full while loading")
+        loader(batch)
+
+    failing_loader.validate_manifest = loader.validate_manifest  # type: ignore[attr-defined]
+    client = ThreadClient(backend, model, failing_loader)
+    trainer = wtransfer.create_trainer(
+        backend, client=client, source=tensors,
+        init_info={"world_size": 2, "bucket_bytes": 256 * 1024, "num_buffers": 2, "timeout_s": TIMEOUT,
+                   **({"direct_min_bytes": None} if backend == "gloo" else {})},
+    )  # fmt: skip
+    started = time.monotonic()
+    with pytest.raises((TransferError, RuntimeError), match="disk full"):
+        trainer.send_weights()
+    assert time.monotonic() - started < 10
+    assert client.engine.weight_version == 0 and trainer.weight_version == 0
+    trainer.shutdown()
+    client.engine.shutdown()

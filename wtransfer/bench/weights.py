@@ -255,17 +255,23 @@ def peer_memcpy(tensors: list[torch.Tensor], repeats: int) -> float:
 
 
 def peer_safetensors(tensors: list[torch.Tensor], repeats: int) -> float:
-    """``safetensors`` save to /dev/shm then load back: the usual file hand-off."""
+    """``safetensors`` save to /dev/shm, load back and copy into the (resident) model: the file hand-off.
+
+    The copy into the model is part of it because the engines' figures include it too.
+    """
     from safetensors.torch import load_file, save_file
+
+    from wtransfer.engines.packing import copy_tensor
 
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     path = os.path.join(folder, f"wtransfer-bench-{os.getpid()}.safetensors")
     named = {f"t{i}": t for i, t in enumerate(tensors)}
+    destinations = {name: t.clone() for name, t in named.items()}
 
     def body(_: Any) -> None:
         save_file(named, path)
-        loaded = load_file(path)
-        del loaded
+        for name, tensor in load_file(path).items():
+            copy_tensor(destinations[name], tensor)
 
     try:
         return _timed(repeats, lambda: None, body)
@@ -357,6 +363,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-mb", type=float, default=None, help="bucket size in MiB (default: the engine's)")
     parser.add_argument("--num-buffers", type=int, default=None, help="buffers in rotation (default: the engine's)")
     parser.add_argument("--compare", action="store_true", help="also measure memcpy, per-tensor gloo, safetensors, share_memory_")
+    parser.add_argument("--small-model", default="8192*2048",
+                        help="with --compare and gloo: the many-small-tensors model for the per-tensor comparison "
+                             "(default: 2048 tensors of 8192 elements)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     parser.add_argument("--timeout", type=float, default=120.0, help="timeout_s of every wait (default: 120)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in the trainer process, for the engine and every peer alike (default: 1; 0 = torch's)")
@@ -385,7 +394,8 @@ def run(args: argparse.Namespace) -> int:
         f"model: {len(tensors)} tensors, {sum(t.numel() for t in tensors) / 1e6:.0f}M parameters, "
         f"{total / 1e9:.2f} GB {dtype}; {args.workers} worker(s), {args.rounds} round(s)"
     )
-    steps = len(engines) * (args.rounds + 1) + (4 if args.compare else 0)
+    small_gloo = args.compare and "gloo" in engines
+    steps = len(engines) * (args.rounds + 1) + (4 if args.compare else 0) + (args.rounds + 2 if small_gloo else 0)
     results: list[EngineResult] = []
     peers: dict[str, float] = {}
     with Progress(
@@ -414,6 +424,17 @@ def run(args: argparse.Namespace) -> int:
             advance(f"safetensors: {peers['safetensors save+load (/dev/shm)']:.2f} GB/s")
             peers["share_memory_() per update"] = total / peer_share_memory(tensors, repeats) / 1e9
             advance(f"share_memory_(): {peers['share_memory_() per update']:.2f} GB/s")
+        if small_gloo:
+            small_shapes = [[name, shape] for name, shape in parse_model(args.small_model)]
+            small = build_model(small_shapes, dtype, random=True, seed=1)
+            small_result = run_engine("gloo", small, small_shapes, args, advance)
+            small_result.engine = "gloo (small tensors)"
+            results.append(small_result)
+            small_tensors = [p.data for p in small.parameters()]
+            small_total = sum(t.numel() * t.element_size() for t in small_tensors)
+            per, _ = peer_gloo(small_tensors, [(n, s) for n, s in small_shapes], dtype, max(2, min(args.rounds, 3)))
+            peers["gloo per-tensor broadcast (small tensors)"] = small_total / per / 1e9
+            advance(f"gloo per-tensor broadcast, small tensors: {peers['gloo per-tensor broadcast (small tensors)']:.2f} GB/s")
 
     targets = _targets(results, peers)
     document = {
@@ -433,6 +454,7 @@ def run(args: argparse.Namespace) -> int:
 _RATIO_TARGETS = {
     "shm": [("memcpy", 0.6), ("safetensors save+load (/dev/shm)", 4.0)],
     "gloo": [("gloo one-tensor broadcast", 0.85), ("gloo per-tensor broadcast", 3.0)],
+    "gloo (small tensors)": [("gloo per-tensor broadcast (small tensors)", 3.0)],
 }
 
 
@@ -465,10 +487,13 @@ def _print_tables(console: Any, results: list[EngineResult], peers: dict[str, fl
         comparison = table_cls(title="peers (same tensors, same run)")
         comparison.add_column("peer")
         comparison.add_column("GB/s")
-        for r in results:
+        main = [r for r in results if "small" not in r.engine]
+        for r in main:
             comparison.add_column(f"{r.engine} ÷ peer")
         for peer, rate in peers.items():
-            comparison.add_row(peer, f"{rate:.2f}", *(f"{r.gb_per_s / rate:.2f}×" for r in results))
+            if "small" in peer:
+                continue
+            comparison.add_row(peer, f"{rate:.2f}", *(f"{r.gb_per_s / rate:.2f}×" for r in main))
         console.print(comparison)
     checks = table_cls(title="targets")
     for column in ("check", "measured", "target", ""):

@@ -156,7 +156,13 @@ class TorchDistributedBackend:
 
 
 def _wait(work: Any, what: str, timeout_s: float, call: BackgroundCall | None = None) -> None:
-    """Wait for an async collective, bounded by ``timeout_s``; a failed client call aborts the wait."""
+    """Wait for an async collective, bounded by the group's timeout (``timeout_s``).
+
+    With ``call`` (the manifest vote, before any worker is known to be in the round) the
+    wait polls, so a failed client call stops it at once. Data waits block: by then every
+    worker is in the round, and a worker that fails drops its group, which fails our
+    pending collectives immediately ("connection closed").
+    """
     deadline = time.monotonic() + timeout_s
     try:
         if call is None:
@@ -226,14 +232,14 @@ class TorchDistributedWeightTransferEngine(
     def receive_weights(self, update_info: ManifestUpdateInfo, load_weights: LoadWeights) -> None:
         import torch
 
-        if self._group is None or self._info is None:
-            raise TransferError("receive_weights() before init_transfer_engine() (or after shutdown())")
         if self._broken is not None:
             raise TransferError(
                 f"this worker's {self.distributed_backend} engine is unusable after a failed round "
                 f"({self._broken}); call init_transfer_engine() again with a new trainer's init info"
             )
-        info, manifest, group = self._info, update_info.parsed, self._group
+        if self._group is None or self._info is None:
+            raise TransferError("receive_weights() before init_transfer_engine() (or after shutdown())")
+        info, manifest = self._info, update_info.parsed
         rejection: ManifestMismatchError | None = None
         try:
             validate_with_loader(load_weights, manifest)
@@ -241,9 +247,9 @@ class TorchDistributedWeightTransferEngine(
             rejection = exc
         verdict = torch.tensor([1 if rejection else 0], dtype=torch.int32, device=self.device())
         try:
-            _wait(self.allreduce_max(group, verdict), "the manifest vote", info.timeout_s)
+            _wait(self.allreduce_max(self._group, verdict), "the manifest vote", info.timeout_s)
         except TransferError as exc:
-            self._broken = str(exc)
+            self._leave_group(str(exc))
             raise
         if rejection is not None:
             raise rejection
@@ -255,10 +261,17 @@ class TorchDistributedWeightTransferEngine(
         try:
             self._receive_buckets(manifest, load_weights)
         except BaseException as exc:
-            self._broken = f"{type(exc).__name__}: {exc}"
+            self._leave_group(f"{type(exc).__name__}: {exc}")
             if isinstance(exc, TransferError):
                 raise
             raise TransferError(f"round {manifest.version} failed on worker rank {self.rank}: {exc}") from exc
+
+    def _leave_group(self, reason: str) -> None:
+        """After a failed round: drop the group now, so the trainer's pending collectives fail
+        at once instead of at their timeout. A new ``init_transfer_engine()`` joins a fresh one."""
+        self._broken = reason
+        self._group = None
+        self.release_group()
 
     def _receive_buckets(self, manifest: Manifest, load_weights: LoadWeights) -> None:
         assert self._info is not None
@@ -397,7 +410,7 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
         for bucket in buckets:
             slot = bucket.index % len(self._buffers)
             if works[slot] is not None:  # no local names for works: a traceback would keep them
-                _wait(works[slot][0], f"broadcasting bucket {bucket.index - len(works)}", self.timeout_s, call)
+                _wait(works[slot][0], f"broadcasting bucket {bucket.index - len(works)}", self.timeout_s)
                 works[slot] = None
             view = packer.direct_bytes(bucket, device)
             if view is None:
@@ -408,7 +421,7 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
         packer.drain()
         for slot in range(len(works)):
             if works[slot] is not None:
-                _wait(works[slot][0], f"broadcasting the last buckets (buffer {slot})", self.timeout_s, call)
+                _wait(works[slot][0], f"broadcasting the last buckets (buffer {slot})", self.timeout_s)
         self.synchronize()
 
     def round_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
