@@ -110,6 +110,10 @@ def plan_buckets(
     return buckets
 
 
+_SERIAL_NUMEL = 32768
+"""torch's intra-op grain size: smaller copies never use more than one thread."""
+
+
 def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)``, as one plain single-threaded memcpy when both are contiguous CPU tensors.
 
@@ -117,6 +121,9 @@ def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
     small machines they make a copy several times slower), and they compete with the other
     side of the pipeline. Anything else (strides, devices, dtype casts) goes to ``copy_``.
     """
+    if src.numel() < _SERIAL_NUMEL:  # torch copies these on one thread anyway, with less overhead
+        dst.copy_(src)
+        return
     if (
         dst.device.type == "cpu"
         and src.device.type == "cpu"
