@@ -144,11 +144,13 @@ def test_a_mismatched_manifest_is_rejected_before_anything_is_written(backend: s
 
 
 class KillingSource(WeightSource):
-    """Kills a process (SIGKILL) while the trainer is mid-round, after ``at`` tensors of round ``round``."""
+    """Signals a process (SIGKILL) while the trainer is mid-round, after ``at`` tensors of round ``round``."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], pid: int, at: int, round: int = 1) -> None:
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], pid: int, at: int, round: int = 1, sig: int = signal.SIGKILL
+    ) -> None:
         self.inner = TensorSource(tensors)
-        self.pid, self.at, self.round, self.rounds = pid, at, round, 0
+        self.pid, self.at, self.round, self.rounds, self.sig = pid, at, round, 0, sig
 
     def metadata(self) -> list[TensorEntry]:
         return self.inner.metadata()
@@ -157,7 +159,7 @@ class KillingSource(WeightSource):
         self.rounds += 1
         for index, item in enumerate(self.inner):
             if index == self.at and self.rounds == self.round:
-                os.kill(self.pid, signal.SIGKILL)
+                os.kill(self.pid, self.sig)
             yield item
 
 
@@ -378,3 +380,41 @@ def test_a_worker_whose_loader_fails_mid_round_stops_the_trainer_at_once(backend
     assert client.engine.weight_version == 0 and trainer.weight_version == 0
     trainer.shutdown()
     client.engine.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_a_stalled_worker_times_out_instead_of_hanging(backend: str) -> None:
+    tensors = _big_tensors(24)
+    shapes = [[name, list(t.shape)] for name, t in tensors.items()]
+    with pool_for(backend, shapes, workers=1) as pool:
+        victim = pool.processes[0].pid
+        source = KillingSource(tensors, victim, at=12, round=1, sig=signal.SIGSTOP)
+        trainer = wtransfer.create_trainer(
+            backend, client=pool, source=source,
+            init_info={"world_size": 2, "bucket_bytes": 256 * 1024, "num_buffers": 2, "timeout_s": 3.0},
+        )
+        started = time.monotonic()
+        try:
+            with pytest.raises(wtransfer.TransferTimeoutError):
+                trainer.send_weights()
+            assert time.monotonic() - started < 3.0 + 5.0 + 3.0  # own timeout + grace for the client's error
+        finally:
+            os.kill(victim, signal.SIGCONT)
+        trainer.shutdown()
+
+
+def test_a_worker_refuses_wire_parameters_it_cannot_honour_at_init() -> None:
+    shapes = [["a.weight", [4, 4]]]
+    with pool_for("shm", shapes, workers=1, engine_options={"max_buffer_bytes": 1 << 20}) as pool:
+        with pytest.raises(ValueError, match="max_buffer_bytes=1048576"):
+            wtransfer.create_trainer(
+                "shm", client=pool, source={"a.weight": torch.zeros(4, 4)},
+                init_info={"world_size": 2, "bucket_bytes": 1 << 20, "num_buffers": 2, "timeout_s": TIMEOUT},
+            )
+        trainer = wtransfer.create_trainer(  # within the worker's limit: fine
+            "shm", client=pool, source={"a.weight": torch.ones(4, 4)},
+            init_info={"world_size": 2, "bucket_bytes": 1 << 19, "num_buffers": 2, "timeout_s": TIMEOUT},
+        )
+        trainer.send_weights()
+        assert pool.stats()[0]["weight_version"] == 1
+        trainer.shutdown()

@@ -151,8 +151,8 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         self.rank: int | None = None
 
     def init_transfer_engine(self, init_info: SharedMemoryInitInfo) -> None:
-        if self._channel is not None:
-            raise TransferError("init_transfer_engine() was already called on this shm engine")
+        if self._channel is not None:  # re-joining (a new trainer after a failed round): start clean
+            self.shutdown()
         check_buffer_budget(self, init_info.bucket_bytes, init_info.num_buffers)
         self.rank = global_rank(self, init_info.rank_offset, init_info.world_size)
         channel = connect(init_info.address, init_info.timeout_s, "the shm trainer")
