@@ -328,7 +328,7 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
     backend = "gloo"
     default_bucket_bytes = 64 * MIB
     default_num_buffers = 4
-    backend_init_defaults = {"master_address": "127.0.0.1", "master_port": 0, "direct_min_bytes": 4 * MIB}
+    backend_init_defaults = {"master_address": "127.0.0.1", "master_port": 0, "direct_min_bytes": 2 * MIB}
 
     def _prepare(self) -> dict[str, Any]:
         from torch.distributed import PrefixStore, TCPStore
