@@ -66,6 +66,10 @@ class BackgroundCall:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the call to return (or raise); True if it did."""
+        return self._done.wait(timeout)
+
     @property
     def error(self) -> BaseException | None:
         return self._error if self._done.is_set() else None
@@ -271,13 +275,13 @@ class TrainerWeightTransferEngine(ABC):
         """Re-raise a failure, preferring the client's own error: it carries the workers' reason."""
         if isinstance(exc, ManifestRejected):
             # A clean abort: every side stopped before any data moved; the engine stays usable.
-            call._done.wait(self.timeout_s)
+            call.wait(self.timeout_s)
             if call.error is not None:
                 raise call.error from None
             raise TransferError(str(exc)) from exc
         if not isinstance(exc, KeyboardInterrupt):
             self._broken = f"{type(exc).__name__}: {exc}"
-        call._done.wait(min(self.timeout_s, 5.0))
+        call.wait(min(self.timeout_s, 5.0))
         if call.error is not None and call.error is not exc:
             raise call.error from exc
         raise exc
