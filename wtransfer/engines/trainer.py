@@ -14,6 +14,7 @@ side; a client call that raises aborts the engine's side promptly.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -41,18 +42,56 @@ class NoTrainerSideError(WTransferError, ValueError):
     """The named engine only has a worker side (its class sets no ``trainer_cls``)."""
 
 
-class BackgroundCall:
-    """Run one (possibly blocking) client call in a daemon thread and watch it."""
+class ClientThread:
+    """A reusable daemon thread for client calls.
 
-    def __init__(self, what: str, function: Callable[..., Any], *args: Any) -> None:
+    Starting a thread per call costs milliseconds on a busy machine, several times per
+    round; one parked thread serves the calls instead. A call that never returns keeps it
+    busy, so later calls get a fresh thread: nothing ever queues behind a hung call.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._loop, name="wtransfer-client", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            finally:
+                self._idle.set()
+
+    def try_submit(self, job: Callable[[], None]) -> bool:
+        """Run ``job`` on this thread if it is idle; False if it is still busy."""
+        if not self._idle.is_set():
+            return False
+        self._idle.clear()
+        self._jobs.put(job)
+        return True
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+
+class BackgroundCall:
+    """Run one (possibly blocking) client call on another thread and watch it."""
+
+    def __init__(
+        self, what: str, function: Callable[..., Any], *args: Any, thread: ClientThread | None = None
+    ) -> None:
         self.what = what
         self._result: Any = None
         self._error: BaseException | None = None
         self._done = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(function, args), name=f"wtransfer-{what}", daemon=True
-        )
-        self._thread.start()
+
+        def job() -> None:
+            self._run(function, args)
+
+        if thread is None or not thread.try_submit(job):
+            threading.Thread(target=job, name=f"wtransfer-{what}", daemon=True).start()
 
     def _run(self, function: Callable[..., Any], args: tuple[Any, ...]) -> None:
         try:
@@ -155,6 +194,7 @@ class TrainerWeightTransferEngine(ABC):
         self._broken: str | None = None
         self._closed = False
         self._connected = False
+        self._client_thread = ClientThread()
 
     # -- configuration -----------------------------------------------------------------
     def _parse_init_info(self, info: dict[str, Any]) -> dict[str, Any]:
@@ -197,7 +237,7 @@ class TrainerWeightTransferEngine(ABC):
             return
         try:
             worker_info = self._prepare()
-            call = BackgroundCall("init_weight_transfer_engine", self.client.init_weight_transfer_engine, worker_info)
+            call = self._call("init_weight_transfer_engine", worker_info)
             try:
                 self._rendezvous(call)
             except BaseException as exc:
@@ -233,14 +273,14 @@ class TrainerWeightTransferEngine(ABC):
         buckets = self._plan(manifest)
         update_info = self._update_info(manifest)
         started = time.perf_counter()
-        BackgroundCall("start_weight_update", self.client.start_weight_update).result(self.timeout_s)
-        call = BackgroundCall("update_weights", self.client.update_weights, update_info)
+        self._call("start_weight_update").result(self.timeout_s)
+        call = self._call("update_weights", update_info)
         try:
             self._send_round(manifest, buckets, call)
         except BaseException as exc:
             self._raise_preferring_client(exc, call)
         call.result(self.timeout_s)
-        BackgroundCall("finish_weight_update", self.client.finish_weight_update).result(self.timeout_s)
+        self._call("finish_weight_update").result(self.timeout_s)
         seconds = time.perf_counter() - started
         self.weight_version = manifest.version
         total = manifest.total_bytes
@@ -256,6 +296,10 @@ class TrainerWeightTransferEngine(ABC):
             "seconds": seconds,
             "gb_per_s": total / seconds / 1e9 if seconds > 0 else 0.0,
         }
+
+    def _call(self, method: str, *args: Any) -> BackgroundCall:
+        """Start ``client.<method>(*args)`` on the client thread; the engine keeps working meanwhile."""
+        return BackgroundCall(method, getattr(self.client, method), *args, thread=self._client_thread)
 
     def _plan(self, manifest: Manifest) -> list[Bucket]:
         """The round's bucket layout; workers compute the same from the manifest and init info."""
@@ -291,6 +335,7 @@ class TrainerWeightTransferEngine(ABC):
         if self._closed:
             return
         self._closed = True
+        self._client_thread.close()
         try:
             self._release()
         except Exception:
