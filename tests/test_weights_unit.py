@@ -272,3 +272,13 @@ def test_public_names_are_exported() -> None:
     for name in ("create_trainer", "TrainerWeightTransferEngine", "WeightSource", "ModuleSource",
                  "WeightSyncClient", "module_loader"):  # fmt: skip
         assert getattr(wtransfer, name) is not None
+
+
+@pytest.mark.parametrize("engine_cls", [SharedMemoryWeightTransferEngine, GlooWeightTransferEngine])
+def test_finish_without_a_received_round_does_not_advance_the_version(engine_cls: type) -> None:
+    engine = engine_cls(wtransfer.WeightTransferConfig(backend="x"), wtransfer.ParallelConfig())
+    engine.start_weight_update()
+    with pytest.raises(TransferError, match="without a completed receive_weights"):
+        engine.finish_weight_update()
+    assert engine.weight_version == 0
+    engine.shutdown()

@@ -30,6 +30,7 @@ from wtransfer.engines.control import ControlChannel, Listener, PeerClosedError,
 from wtransfer.engines.loader import validate_with_loader
 from wtransfer.engines.worker import (
     ManifestUpdateInfo,
+    RoundGuard,
     check_buffer_budget,
     check_int,
     check_protocol,
@@ -133,7 +134,7 @@ class _TrainerAborted(TransferError):
     """The trainer called the round off (another worker failed or rejected it)."""
 
 
-class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo, ManifestUpdateInfo]):
+class SharedMemoryWeightTransferEngine(RoundGuard, WeightTransferEngine[SharedMemoryInitInfo, ManifestUpdateInfo]):
     """Worker side of ``shm``: maps the trainer's ring and loads buckets straight from it.
 
     ``WeightTransferConfig.options``: ``max_buffer_bytes`` refuses rings larger than that at init.
@@ -206,6 +207,7 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
                 unpacker.unpack(bucket, slot[: bucket.nbytes])
                 channel.send({"op": "release", "index": bucket.index}, timeout=info.timeout_s)
             unpacker.finish()
+            self._mark_round_received()
         except (PeerClosedError, _TrainerAborted) as exc:
             raise TransferError(
                 f"round {manifest.version} failed on worker rank {self.rank}: {exc}; weight_version stays "

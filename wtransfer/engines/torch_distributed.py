@@ -41,6 +41,7 @@ from wtransfer.engines.trainer import (
 )
 from wtransfer.engines.worker import (
     ManifestUpdateInfo,
+    RoundGuard,
     check_buffer_budget,
     check_int,
     check_protocol,
@@ -184,7 +185,7 @@ def _wait(work: Any, what: str, timeout_s: float, call: BackgroundCall | None = 
 
 
 class TorchDistributedWeightTransferEngine(
-    TorchDistributedBackend, WeightTransferEngine[TorchDistributedInitInfo, ManifestUpdateInfo]
+    TorchDistributedBackend, RoundGuard, WeightTransferEngine[TorchDistributedInitInfo, ManifestUpdateInfo]
 ):
     """Worker side: joins the trainer's side group and receives broadcast buckets.
 
@@ -260,6 +261,7 @@ class TorchDistributedWeightTransferEngine(
             )
         try:
             self._receive_buckets(manifest, load_weights)
+            self._mark_round_received()
         except BaseException as exc:
             self._leave_group(f"{type(exc).__name__}: {exc}")
             if isinstance(exc, TransferError):
