@@ -25,18 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from wtransfer.engines.base import LoadWeights, WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+from wtransfer.engines.base import LoadWeights, WeightTransferEngine, WeightTransferInitInfo
 from wtransfer.engines.control import ControlChannel, Listener, PeerClosedError, connect
 from wtransfer.engines.loader import validate_with_loader
-from wtransfer.engines.worker import (
-    ManifestUpdateInfo,
-    RoundGuard,
-    check_buffer_budget,
-    check_int,
-    check_protocol,
-    check_timeout,
-    global_rank,
-)
 from wtransfer.engines.manifest import Manifest
 from wtransfer.engines.packing import Bucket, Packer, Unpacker, check_bucket_bytes, plan_buckets
 from wtransfer.engines.trainer import (
@@ -45,6 +36,15 @@ from wtransfer.engines.trainer import (
     BackgroundCall,
     ManifestRejected,
     TrainerWeightTransferEngine,
+)
+from wtransfer.engines.worker import (
+    ManifestUpdateInfo,
+    RoundGuard,
+    check_buffer_budget,
+    check_int,
+    check_protocol,
+    check_timeout,
+    global_rank,
 )
 from wtransfer.errors import ManifestMismatchError, TransferError, TransferTimeoutError
 
