@@ -128,9 +128,16 @@ def factory_reference(factory: Callable[..., Any] | str) -> str:
 
 def _resolve(reference: str) -> Callable[..., Any]:
     module_name, _, qualname = reference.partition(":")
-    target: Any = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        target = getattr(target, part)
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as exc:
+        raise TypeError(
+            f"the worker process cannot import the model factory {reference!r} ({exc}); define it at "
+            f"module level in an importable module, or in a script run as a file whose main code is "
+            f"under `if __name__ == '__main__':`"
+        ) from exc
     return target
 
 
