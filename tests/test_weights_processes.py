@@ -418,3 +418,10 @@ def test_a_worker_refuses_wire_parameters_it_cannot_honour_at_init() -> None:
         trainer.send_weights()
         assert pool.stats()[0]["weight_version"] == 1
         trainer.shutdown()
+
+
+def test_the_local_pool_explains_factories_it_cannot_use() -> None:
+    with pytest.raises(ValueError, match="module-level function"):
+        LocalWorkerPool(1, lambda: torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="cannot import the model factory 'nowhere.models:make'"):
+        LocalWorkerPool(1, "nowhere.models:make", start_timeout_s=TIMEOUT)
