@@ -425,3 +425,21 @@ def test_the_local_pool_explains_factories_it_cannot_use() -> None:
         LocalWorkerPool(1, lambda: torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="cannot import the model factory 'nowhere.models:make'"):
         LocalWorkerPool(1, "nowhere.models:make", start_timeout_s=TIMEOUT)
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+@pytest.mark.parametrize("tensors", [{}, {"e": torch.empty(0, 3)}, {"s": torch.tensor(1.5)}], ids=["none", "empty", "0-dim"])
+def test_degenerate_rounds(backend: str, tensors: dict[str, torch.Tensor]) -> None:
+    model = torch.nn.Module()
+    for name, tensor in tensors.items():
+        model.register_parameter(name, torch.nn.Parameter(torch.zeros_like(tensor), requires_grad=False))
+    client = ThreadClient(backend, model, wtransfer.module_loader(model))
+    trainer = wtransfer.create_trainer(
+        backend, client=client, source=tensors,
+        init_info={"world_size": 2, "num_buffers": 1, "bucket_bytes": 4096, "timeout_s": TIMEOUT},
+    )
+    assert trainer.send_weights()["tensors"] == len(tensors)
+    assert client.engine.weight_version == 1
+    assert all(torch.equal(p, tensors[n]) for n, p in model.named_parameters())
+    trainer.shutdown()
+    client.engine.shutdown()

@@ -215,7 +215,8 @@ class Packer:
 
     def drain(self) -> None:
         """After the last bucket: the source must not hold more tensors than announced."""
-        self._advance_to(len(self._entries) - 1)
+        if self._entries:
+            self._advance_to(len(self._entries) - 1)
         if next(self._tensors, None) is not None:
             raise TransferError(
                 f"the weight source yielded more than the {len(self._entries)} tensors its metadata listed"
