@@ -44,6 +44,7 @@ from wtransfer.engines.worker import (
     check_int,
     check_protocol,
     check_timeout,
+    gc_paused,
     global_rank,
 )
 from wtransfer.errors import ManifestMismatchError, TransferError, TransferTimeoutError
@@ -185,6 +186,10 @@ class SharedMemoryWeightTransferEngine(RoundGuard, WeightTransferEngine[SharedMe
         logger.debug("shm worker rank %d joined (%d x %d bytes)", self.rank, init_info.num_buffers, init_info.bucket_bytes)
 
     def receive_weights(self, update_info: ManifestUpdateInfo, load_weights: LoadWeights) -> None:
+        with gc_paused():
+            self._receive(update_info, load_weights)
+
+    def _receive(self, update_info: ManifestUpdateInfo, load_weights: LoadWeights) -> None:
         if self._channel is None or self._ring is None or self._info is None:
             raise TransferError("receive_weights() before init_transfer_engine() (or after shutdown())")
         channel, info, manifest = self._channel, self._info, update_info.parsed

@@ -46,6 +46,7 @@ from wtransfer.engines.worker import (
     check_int,
     check_protocol,
     check_timeout,
+    gc_paused,
     global_rank,
 )
 from wtransfer.errors import ManifestMismatchError, TransferError, TransferTimeoutError
@@ -231,6 +232,10 @@ class TorchDistributedWeightTransferEngine(
         logger.debug("%s worker rank %d joined group %s", self.distributed_backend, self.rank, init_info.group_name)
 
     def receive_weights(self, update_info: ManifestUpdateInfo, load_weights: LoadWeights) -> None:
+        with gc_paused():
+            self._receive(update_info, load_weights)
+
+    def _receive(self, update_info: ManifestUpdateInfo, load_weights: LoadWeights) -> None:
         import torch
 
         if self._broken is not None:

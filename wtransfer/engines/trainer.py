@@ -13,12 +13,14 @@ side; a client call that raises aborts the engine's side promptly.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from wtransfer.engines.client import WeightSyncClient
@@ -36,6 +38,24 @@ PROTOCOL_VERSION = 1
 """Bumped whenever the trainer/worker wire protocol changes; workers refuse other versions."""
 
 MIB = 1 << 20
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Keep the cyclic GC out of a round's critical path.
+
+    A round allocates many short-lived objects (manifest entries, pieces, tensor views);
+    a full collection triggered mid-round walks the whole heap (every module and parameter
+    of the model) and stalls the pipeline for tens of milliseconds. Collection simply
+    resumes after the round (it is re-enabled only if it was enabled before).
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class NoTrainerSideError(WTransferError, ValueError):
@@ -260,7 +280,8 @@ class TrainerWeightTransferEngine(ABC):
                 f"shut it down and create a new one (and restart the workers' engines)"
             )
         try:
-            stats = self._run_round()
+            with gc_paused():
+                stats = self._run_round()
         except BaseException as exc:
             notify("wtransfer_update_failed", error=exc)
             raise

@@ -11,7 +11,7 @@ from typing import Any
 
 from wtransfer.engines.base import WeightTransferEngine, WeightTransferUpdateInfo
 from wtransfer.engines.manifest import Manifest
-from wtransfer.engines.trainer import PROTOCOL_VERSION
+from wtransfer.engines.trainer import PROTOCOL_VERSION, gc_paused
 
 
 def check_int(owner: str, name: str, value: Any, minimum: int) -> None:
@@ -94,3 +94,15 @@ class RoundGuard:
             )
         self._round_received = False
         super().finish_weight_update()  # type: ignore[misc]
+
+
+__all__ = [
+    "ManifestUpdateInfo",
+    "RoundGuard",
+    "check_buffer_budget",
+    "check_int",
+    "check_protocol",
+    "check_timeout",
+    "gc_paused",
+    "global_rank",
+]
