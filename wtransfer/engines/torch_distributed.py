@@ -333,7 +333,7 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
     """Trainer side (rank 0): hosts the store, then broadcasts packed buckets."""
 
     backend = "gloo"
-    default_bucket_bytes = 64 * MIB
+    default_bucket_bytes = 32 * MIB
     default_num_buffers = 4
     backend_init_defaults = {"master_address": "127.0.0.1", "master_port": 0, "direct_min_bytes": 2 * MIB}
 
