@@ -395,11 +395,15 @@ def test_a_stalled_worker_times_out_instead_of_hanging(backend: str) -> None:
         )
         started = time.monotonic()
         try:
-            with pytest.raises(wtransfer.TransferTimeoutError):
+            with pytest.raises(TransferError) as info:
                 trainer.send_weights()
-            assert time.monotonic() - started < 3.0 + 5.0 + 3.0  # own timeout + grace for the client's error
+            elapsed = time.monotonic() - started
         finally:
             os.kill(victim, signal.SIGCONT)
+        # The trainer's own 3 s timeout fired (plus up to 3 s waiting for the client's own error),
+        # long before the pool's 30 s one could.
+        assert isinstance(info.value, wtransfer.TransferTimeoutError), repr(info.value)
+        assert elapsed < 15, (elapsed, repr(info.value))
         trainer.shutdown()
 
 
