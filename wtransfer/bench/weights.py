@@ -359,7 +359,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="0.5B", help="parameter count (0.5B, 100M) or shapes (4096x4096,896*24)")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="tensor dtype (default: bf16)")
     parser.add_argument("--workers", type=int, default=1, help="number of local worker processes (default: 1)")
-    parser.add_argument("--rounds", type=int, default=5, help="update rounds per engine (default: 5)")
+    parser.add_argument("--rounds", type=int, default=10, help="update rounds per engine (default: 10)")
     parser.add_argument("--bucket-mb", type=float, default=None, help="bucket size in MiB (default: the engine's)")
     parser.add_argument("--num-buffers", type=int, default=None, help="buffers in rotation (default: the engine's)")
     parser.add_argument("--compare", action="store_true", help="also measure memcpy, per-tensor gloo, safetensors, share_memory_")
