@@ -81,6 +81,12 @@ class PeakRss:
             self._thread = threading.Thread(target=self._sample, name="wtransfer-rss", daemon=True)
             self._thread.start()
 
+    def restart_peak(self) -> None:
+        """Forget the peak so far but keep the baseline (to leave out work that is not measured)."""
+        self._sampled = self.current()
+        if self._kernel:
+            self._kernel = self._reset_kernel_peak()
+
     def _sample(self) -> None:
         while not self._stop.wait(0.001):
             self._sampled = max(self._sampled, self.current())

@@ -177,10 +177,15 @@ class EngineResult:
     def gb_per_s(self) -> float:
         return statistics.median(r["gb_per_s"] for r in self.rounds)
 
-    def memcpy_ratio(self) -> float | None:
-        """Median over rounds of (round GB/s / the memcpy measured right after it)."""
-        pairs = [r["gb_per_s"] / r["memcpy_gb_per_s"] for r in self.rounds if "memcpy_gb_per_s" in r]
+    def paired_ratio(self, peer: str) -> float | None:
+        """Median over rounds of (round GB/s / that peer's GB/s measured right after the round)."""
+        pairs = [r["gb_per_s"] / r["peers_gb_per_s"][peer] for r in self.rounds if peer in r.get("peers_gb_per_s", {})]
         return statistics.median(pairs) if pairs else None
+
+    def paired_peers(self) -> dict[str, float]:
+        """Median GB/s of every peer measured alongside this engine's rounds."""
+        names = {name for r in self.rounds for name in r.get("peers_gb_per_s", {})}
+        return {name: statistics.median(r["peers_gb_per_s"][name] for r in self.rounds) for name in sorted(names)}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -199,11 +204,11 @@ def run_engine(
     shapes: list[list[Any]],
     args: argparse.Namespace,
     advance: Callable[[str], None],
-    memcpy: Callable[[], float] | None = None,
+    references: dict[str, Callable[[], float]] | None = None,
 ) -> EngineResult:
     """Sync ``model`` ``args.rounds`` times, verifying every worker after each round.
 
-    With ``memcpy`` (GB/s of one memcpy of the same tensors), the reference is measured right
+    ``references`` (peer name -> GB/s of that peer on the same tensors) are measured right
     after each round, so a machine whose load changes during the run skews both alike.
     """
     from wtransfer.engines.source import ModuleSource
@@ -235,11 +240,13 @@ def run_engine(
                         bad = [n for n in expected if got.get(n) != expected[n]]
                         raise SystemExit(f"round {index + 1}: worker {rank} differs in {len(bad)} tensor(s), e.g. {bad[:3]}")
                 stats["verified_workers"] = args.workers
-                if memcpy is not None:
-                    stats["memcpy_gb_per_s"] = memcpy()
+                if references:  # the peers' own memory must not count as the engine's
+                    result.trainer_extra_rss = max(result.trainer_extra_rss, rss.extra())
+                    stats["peers_gb_per_s"] = {name: measure() for name, measure in references.items()}
+                    rss.restart_peak()
                 result.rounds.append(stats)
                 advance(f"{engine} round {index + 1}: {stats['gb_per_s']:.2f} GB/s, verified")
-            result.trainer_extra_rss = rss.extra()
+            result.trainer_extra_rss = max(result.trainer_extra_rss, rss.extra())
             result.worker_extra_rss = [s["peak_extra_rss"] for s in pool.stats()]
         finally:
             trainer.shutdown()
@@ -278,10 +285,11 @@ def memcpy_reference(tensors: list[torch.Tensor]) -> Callable[[], float]:
     return measure
 
 
-def peer_safetensors(tensors: list[torch.Tensor], repeats: int) -> float:
-    """``safetensors`` save to /dev/shm, load back and copy into the (resident) model: the file hand-off.
+def safetensors_reference(tensors: list[torch.Tensor]) -> Callable[[], float]:
+    """GB/s of ``safetensors`` save to /dev/shm, load back and copy into the (resident) model.
 
-    The copy into the model is part of it because the engines' figures include it too.
+    The copy into the model is part of it because the engines' figures include it too. The
+    file is removed after every measurement.
     """
     from safetensors.torch import load_file, save_file
 
@@ -291,17 +299,20 @@ def peer_safetensors(tensors: list[torch.Tensor], repeats: int) -> float:
     path = os.path.join(folder, f"wtransfer-bench-{os.getpid()}.safetensors")
     named = {f"t{i}": t for i, t in enumerate(tensors)}
     destinations = {name: t.clone() for name, t in named.items()}
+    total = sum(t.numel() * t.element_size() for t in tensors)
 
-    def body(_: Any) -> None:
-        save_file(named, path)
-        for name, tensor in load_file(path).items():
-            copy_tensor(destinations[name], tensor)
+    def measure() -> float:
+        start = time.perf_counter()
+        try:
+            save_file(named, path)
+            for name, tensor in load_file(path).items():
+                copy_tensor(destinations[name], tensor)
+        finally:
+            if os.path.exists(path):
+                os.unlink(path)
+        return total / (time.perf_counter() - start) / 1e9
 
-    try:
-        return _timed(repeats, lambda: None, body)
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
+    return measure
 
 
 def peer_share_memory(tensors: list[torch.Tensor], repeats: int) -> float:
@@ -319,8 +330,11 @@ def peer_share_memory(tensors: list[torch.Tensor], repeats: int) -> float:
     return _timed(repeats, lambda: None, body)
 
 
-def _gloo_peer_receiver(port: int, spec: str, repeats: int) -> None:
-    """Helper process for the gloo peers: receives what ``peer_gloo`` broadcasts."""
+_STOP, _ONE_TENSOR, _PER_TENSOR = 0, 1, 2
+
+
+def _gloo_peer_receiver(port: int, spec: str, timeout_s: float) -> None:
+    """Helper process for :class:`GlooPeer`: receives whatever the command broadcast asks for."""
     import torch
     from torch.distributed import PrefixStore, TCPStore
 
@@ -329,52 +343,77 @@ def _gloo_peer_receiver(port: int, spec: str, repeats: int) -> None:
 
     torch.set_num_threads(1)
     shapes, dtype = json.loads(spec)
-    timeout = datetime.timedelta(seconds=120)
-    store = TCPStore("127.0.0.1", port, None, False, timeout)
+    store = TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=timeout_s))
     backend = TorchDistributedBackend()
-    group = backend.make_process_group(PrefixStore("bench/", store), 1, 2, 120.0)
+    group = backend.make_process_group(PrefixStore("bench/", store), 1, 2, timeout_s)
     tensors = [torch.zeros(s, dtype=dtype_from_name(dtype)) for s in shapes]
     flat = torch.zeros(sum(t.numel() * t.element_size() for t in tensors), dtype=torch.uint8)
-    for _ in range(repeats):
-        for tensor in tensors:
-            backend.broadcast(group, tensor).wait()
-    for _ in range(repeats):
-        backend.broadcast(group, flat).wait()
+    command = torch.zeros(1, dtype=torch.int64)
+    while True:
+        backend.broadcast(group, command).wait()
+        if int(command.item()) == _STOP:
+            break
+        if int(command.item()) == _PER_TENSOR:
+            for tensor in tensors:
+                backend.broadcast(group, tensor).wait()
+        else:
+            backend.broadcast(group, flat).wait()
     del group
 
 
-def peer_gloo(tensors: list[torch.Tensor], shapes: list[list[Any]], dtype: str, repeats: int) -> tuple[float, float]:
-    """Seconds for (per-tensor gloo broadcast, one flat one-tensor broadcast of the same bytes)."""
-    import torch
-    from torch.distributed import PrefixStore, TCPStore
+class GlooPeer:
+    """The plain gloo alternatives, against a helper process holding the same tensors.
 
-    from wtransfer.engines.torch_distributed import TorchDistributedBackend
+    ``per_tensor()``: one synchronous broadcast per tensor (what per-parameter sync loops do);
+    ``one_tensor()``: a single broadcast of all the bytes at once (the transport's ceiling).
+    Its own side group, so it can be measured between an engine's rounds.
+    """
 
-    timeout = datetime.timedelta(seconds=120)
-    store = TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False)
-    spec = json.dumps([[s for _, s in shapes], dtype])
-    helper = multiprocessing.get_context("spawn").Process(
-        target=_gloo_peer_receiver, args=(int(store.port), spec, repeats), daemon=True
-    )
-    helper.start()
-    try:
-        backend = TorchDistributedBackend()
-        group = backend.make_process_group(PrefixStore("bench/", store), 0, 2, 120.0)
-        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+    def __init__(self, tensors: list[torch.Tensor], shapes: list[list[Any]], dtype: str, timeout_s: float = 1800.0) -> None:
+        import torch
+        from torch.distributed import PrefixStore, TCPStore
 
-        def per_tensor(_: Any) -> None:
-            for tensor in tensors:
-                backend.broadcast(group, tensor).wait()
+        from wtransfer.engines.torch_distributed import TorchDistributedBackend
 
-        per = _timed(repeats, lambda: None, per_tensor)
-        one = _timed(repeats, lambda: None, lambda _: backend.broadcast(group, flat).wait())
-        del group
-        return per, one
-    finally:
-        helper.join(30)
-        if helper.is_alive():
-            helper.kill()
-            helper.join(5)
+        self.tensors = tensors
+        self.total = sum(t.numel() * t.element_size() for t in tensors)
+        self.flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+        self._backend = TorchDistributedBackend()
+        self._store = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        spec = json.dumps([[shape for _, shape, *_ in shapes], dtype])
+        self._helper = multiprocessing.get_context("spawn").Process(
+            target=_gloo_peer_receiver, args=(int(self._store.port), spec, timeout_s), daemon=True
+        )
+        self._helper.start()
+        self._group: Any = self._backend.make_process_group(PrefixStore("bench/", self._store), 0, 2, timeout_s)
+        self._command = torch.zeros(1, dtype=torch.int64)
+
+    def _order(self, op: int) -> None:
+        self._command.fill_(op)
+        self._backend.broadcast(self._group, self._command).wait()
+
+    def one_tensor(self) -> float:
+        self._order(_ONE_TENSOR)
+        start = time.perf_counter()
+        self._backend.broadcast(self._group, self.flat).wait()
+        return self.total / (time.perf_counter() - start) / 1e9
+
+    def per_tensor(self) -> float:
+        self._order(_PER_TENSOR)
+        start = time.perf_counter()
+        for tensor in self.tensors:
+            self._backend.broadcast(self._group, tensor).wait()
+        return self.total / (time.perf_counter() - start) / 1e9
+
+    def close(self) -> None:
+        try:
+            self._order(_STOP)
+        finally:
+            self._group = None
+            self._helper.join(30)
+            if self._helper.is_alive():
+                self._helper.kill()
+                self._helper.join(5)
 
 
 # -- the command ------------------------------------------------------------------------------------
@@ -419,10 +458,17 @@ def run(args: argparse.Namespace) -> int:
         f"{total / 1e9:.2f} GB {dtype}; {args.workers} worker(s), {args.rounds} round(s)"
     )
     small_gloo = args.compare and "gloo" in engines
-    steps = len(engines) * (args.rounds + 1) + (4 if args.compare else 0) + (args.rounds + 2 if small_gloo else 0)
-    memcpy = memcpy_reference(tensors) if args.compare else None
+    steps = len(engines) * (args.rounds + 1) + (2 if args.compare else 0) + (args.rounds + 2 if small_gloo else 0)
     results: list[EngineResult] = []
     peers: dict[str, float] = {}
+    gloo_peer: GlooPeer | None = None
+    references: dict[str, Callable[[], float]] = {}
+    if args.compare:  # every reference allocates its memory now, before any engine's RSS is measured
+        references["memcpy"] = memcpy_reference(tensors)
+        references["safetensors save+load (/dev/shm)"] = safetensors_reference(tensors)
+        gloo_peer = GlooPeer(tensors, shapes, dtype)
+        references["gloo one-tensor broadcast"] = gloo_peer.one_tensor
+        references["gloo per-tensor broadcast"] = gloo_peer.per_tensor
     with Progress(
         TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(), console=console, transient=False,
@@ -434,21 +480,25 @@ def run(args: argparse.Namespace) -> int:
             if not args.json:
                 progress.console.print(f"  {message}")
 
-        for engine in engines:
-            results.append(run_engine(engine, model, shapes, args, advance, memcpy))
-        if args.compare:
-            repeats = max(2, min(args.rounds, 3))
-            peers["memcpy"] = statistics.median(r["memcpy_gb_per_s"] for e in results for r in e.rounds)
-            advance(f"memcpy into resident memory (after every round): {peers['memcpy']:.2f} GB/s")
-            per, one = peer_gloo(tensors, [(n, s) for n, s in shapes], dtype, repeats)
-            peers["gloo per-tensor broadcast"] = total / per / 1e9
-            peers["gloo one-tensor broadcast"] = total / one / 1e9
-            advance(f"gloo broadcast: per-tensor {peers['gloo per-tensor broadcast']:.2f} GB/s, "
-                    f"one tensor {peers['gloo one-tensor broadcast']:.2f} GB/s")
-            peers["safetensors save+load (/dev/shm)"] = total / peer_safetensors(tensors, repeats) / 1e9
-            advance(f"safetensors: {peers['safetensors save+load (/dev/shm)']:.2f} GB/s")
-            peers["share_memory_() per update"] = total / peer_share_memory(tensors, repeats) / 1e9
-            advance(f"share_memory_(): {peers['share_memory_() per update']:.2f} GB/s")
+        try:
+            for engine in engines:
+                paired = {name: references[name] for name in _PAIRED.get(engine, ()) if name in references}
+                results.append(run_engine(engine, model, shapes, args, advance, paired))
+            if args.compare:
+                assert gloo_peer is not None
+                for name, measure in references.items():  # peers not paired with any engine: once, now
+                    if not any(name in r.paired_peers() for r in results):
+                        results_for_peer = [measure() for _ in range(max(2, min(args.rounds, 3)))]
+                        peers[name] = statistics.median(results_for_peer)
+                for result in results:
+                    for name, rate in result.paired_peers().items():
+                        peers.setdefault(name, rate)
+                advance("peers: " + ", ".join(f"{name} {rate:.2f} GB/s" for name, rate in peers.items()))
+                peers["share_memory_() per update"] = total / peer_share_memory(tensors, max(2, min(args.rounds, 3))) / 1e9
+                advance(f"share_memory_(): {peers['share_memory_() per update']:.2f} GB/s")
+        finally:
+            if gloo_peer is not None:
+                gloo_peer.close()
         if small_gloo:
             small_shapes = [[name, shape] for name, shape in parse_model(args.small_model)]
             small = build_model(small_shapes, dtype, random=True, seed=1)
@@ -456,9 +506,13 @@ def run(args: argparse.Namespace) -> int:
             small_result.engine = "gloo (small tensors)"
             results.append(small_result)
             small_tensors = [p.data for p in small.parameters()]
-            small_total = sum(t.numel() * t.element_size() for t in small_tensors)
-            per, _ = peer_gloo(small_tensors, [(n, s) for n, s in small_shapes], dtype, max(2, min(args.rounds, 3)))
-            peers["gloo per-tensor broadcast (small tensors)"] = small_total / per / 1e9
+            small_peer = GlooPeer(small_tensors, small_shapes, dtype)
+            try:
+                peers["gloo per-tensor broadcast (small tensors)"] = statistics.median(
+                    small_peer.per_tensor() for _ in range(max(2, min(args.rounds, 3)))
+                )
+            finally:
+                small_peer.close()
             advance(f"gloo per-tensor broadcast, small tensors: {peers['gloo per-tensor broadcast (small tensors)']:.2f} GB/s")
 
     targets = _targets(results, peers)
@@ -476,6 +530,11 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(t["ok"] for t in targets) else 1
 
 
+_PAIRED = {  # the references measured right after each round of an engine (those its targets use)
+    "shm": ("memcpy", "safetensors save+load (/dev/shm)"),
+    "gloo": ("memcpy", "gloo one-tensor broadcast", "gloo per-tensor broadcast"),
+}
+
 _RATIO_TARGETS = {
     "shm": [("memcpy", 0.6), ("safetensors save+load (/dev/shm)", 4.0)],
     "gloo": [("gloo one-tensor broadcast", 0.85), ("gloo per-tensor broadcast", 3.0)],
@@ -487,8 +546,8 @@ def _targets(results: list[EngineResult], peers: dict[str, float]) -> list[dict[
     checks: list[dict[str, Any]] = []
     for result in results:
         for peer, minimum in _RATIO_TARGETS.get(result.engine, []):
-            if peer in peers:
-                paired = result.memcpy_ratio() if peer == "memcpy" else None
+            if peer in peers or peer in result.paired_peers():
+                paired = result.paired_ratio(peer)
                 ratio = paired if paired is not None else result.gb_per_s / peers[peer]
                 checks.append({"what": f"{result.engine} / {peer}", "value": ratio, "target": f">= {minimum}",
                                "ok": ratio >= minimum})
@@ -510,7 +569,7 @@ def _print_tables(console: Any, results: list[EngineResult], peers: dict[str, fl
         )
     console.print(summary)
     if peers:
-        comparison = table_cls(title="peers (same tensors, same run)")
+        comparison = table_cls(title="peers (same tensors, same run; paired peers measured after every round)")
         comparison.add_column("peer")
         comparison.add_column("GB/s")
         main = [r for r in results if "small" not in r.engine]
@@ -519,7 +578,8 @@ def _print_tables(console: Any, results: list[EngineResult], peers: dict[str, fl
         for peer, rate in peers.items():
             if "small" in peer:
                 continue
-            comparison.add_row(peer, f"{rate:.2f}", *(f"{r.gb_per_s / rate:.2f}×" for r in main))
+            ratios = [r.paired_ratio(peer) or r.gb_per_s / rate for r in main]
+            comparison.add_row(peer, f"{rate:.2f}", *(f"{ratio:.2f}×" for ratio in ratios))
         console.print(comparison)
     checks = table_cls(title="targets")
     for column in ("check", "measured", "target", ""):
