@@ -485,7 +485,6 @@ def run(args: argparse.Namespace) -> int:
                 paired = {name: references[name] for name in _PAIRED.get(engine, ()) if name in references}
                 results.append(run_engine(engine, model, shapes, args, advance, paired))
             if args.compare:
-                assert gloo_peer is not None
                 for name, measure in references.items():  # peers not paired with any engine: once, now
                     if not any(name in r.paired_peers() for r in results):
                         results_for_peer = [measure() for _ in range(max(2, min(args.rounds, 3)))]
@@ -502,18 +501,16 @@ def run(args: argparse.Namespace) -> int:
         if small_gloo:
             small_shapes = [[name, shape] for name, shape in parse_model(args.small_model)]
             small = build_model(small_shapes, dtype, random=True, seed=1)
-            small_result = run_engine("gloo", small, small_shapes, args, advance)
-            small_result.engine = "gloo (small tensors)"
-            results.append(small_result)
-            small_tensors = [p.data for p in small.parameters()]
-            small_peer = GlooPeer(small_tensors, small_shapes, dtype)
+            small_peer = GlooPeer([p.data for p in small.parameters()], small_shapes, dtype)
+            name = "gloo per-tensor broadcast (small tensors)"
             try:
-                peers["gloo per-tensor broadcast (small tensors)"] = statistics.median(
-                    small_peer.per_tensor() for _ in range(max(2, min(args.rounds, 3)))
-                )
+                small_result = run_engine("gloo", small, small_shapes, args, advance, {name: small_peer.per_tensor})
             finally:
                 small_peer.close()
-            advance(f"gloo per-tensor broadcast, small tensors: {peers['gloo per-tensor broadcast (small tensors)']:.2f} GB/s")
+            small_result.engine = "gloo (small tensors)"
+            results.append(small_result)
+            peers[name] = small_result.paired_peers()[name]
+            advance(f"gloo per-tensor broadcast, small tensors: {peers[name]:.2f} GB/s")
 
     targets = _targets(results, peers)
     document = {
