@@ -482,3 +482,11 @@ def test_core_never_names_the_nccl_plugin_module():
     in_code = sorted(name for name, text in sources.items()
                      if any("wtransfer-nccl" in value for value in _code_strings(text)))
     assert in_code == ["registry/hints.py"]
+
+
+def test_bench_help_reaches_the_suite():
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "wtransfer", "bench", "discovery", "--help"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert "--dists" in out.stdout and "suites: weights, discovery" in out.stdout

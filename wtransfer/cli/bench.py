@@ -14,6 +14,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "bench",
         help=f"run a benchmark (suites: {', '.join(SUITES)}; default {DEFAULT_SUITE})",
         description="Measure wtransfer against the alternatives, side by side in one run.",
+        add_help=False,  # `wtransfer bench [SUITE] --help` is answered by the suite's own parser
     )
     # Suites have their own options: everything after `bench` is parsed by the chosen suite.
     parser.set_defaults(func=run, accepts_extra=True)
@@ -31,6 +32,11 @@ def run_suite(argv: list[str]) -> int:
         print(f"error: unknown bench suite {suite!r}; choose from {', '.join(SUITES)}", file=sys.stderr)
         return 2
     module = importlib.import_module(SUITES[suite])
-    parser = argparse.ArgumentParser(prog=f"wtransfer bench {suite}", description=module.__doc__)
+    parser = argparse.ArgumentParser(
+        prog=f"wtransfer bench {suite}",
+        description=module.__doc__,
+        epilog=f"suites: {', '.join(SUITES)} (default {DEFAULT_SUITE}); `wtransfer bench SUITE --help` for each",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     module.add_arguments(parser)
     return int(module.run(parser.parse_args(argv)) or 0)
