@@ -18,7 +18,7 @@ from wtransfer import (
     WeightTransferEngineFactory,
 )
 from wtransfer.registry.registry import registry_for
-from wtransfer.testing.distributions import write_distribution
+from wtransfer.testing.distributions import site_on_path, write_distribution
 from wtransfer.testing.processes import run_python
 
 ENGINE_SOURCE = '''
@@ -54,15 +54,8 @@ def site(tmp_path: Path):
     """A fresh site directory on sys.path; modules imported from it are forgotten afterwards."""
     site_dir = tmp_path / "site"
     site_dir.mkdir()
-    sys.path.insert(0, str(site_dir))
-    importlib.invalidate_caches()
-    wtransfer.refresh()
-    yield site_dir
-    sys.path.remove(str(site_dir))
-    for name, module in list(sys.modules.items()):
-        if (getattr(module, "__file__", None) or "").startswith(str(site_dir)):
-            del sys.modules[name]
-    wtransfer.refresh()
+    with site_on_path(site_dir):
+        yield site_dir
 
 
 def add_dist(site_dir: Path, name: str, group: str, entries: dict[str, str], modules=None, version="1.0"):

@@ -24,7 +24,7 @@ def collect() -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for kind in KINDS.values():
         registry = registry_for(kind)
-        for info, ref in zip(registry.list(), sorted(registry.refs(), key=lambda r: (r.name, r.distribution or ""))):
+        for info, ref in registry.entries():
             row = info.to_dict()
             row["problem"] = None
             if info.status == "disabled":

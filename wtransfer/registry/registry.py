@@ -216,25 +216,29 @@ class ComponentRegistry:
             discovered = [ref for providers in self._by_name().values() for ref in providers]
             return discovered + list(self._runtime.values())
 
-    def list(self) -> list[ComponentInfo]:
-        """Metadata of every component of this kind; imports nothing."""
-        infos = []
+    def entries(self) -> list[tuple[ComponentInfo, ComponentRef]]:
+        """Every component with its metadata view, sorted by name; imports nothing."""
+        refs = sorted(self.refs(), key=lambda r: (r.name, r.distribution or ""))
+        disabled = {id(ref) for ref in refs if self.is_disabled(ref)}
         counts: dict[str, int] = {}
-        refs = self.refs()
         for ref in refs:
-            if not self.is_disabled(ref):
+            if id(ref) not in disabled:
                 counts[ref.name] = counts.get(ref.name, 0) + 1
-        for ref in sorted(refs, key=lambda r: (r.name, r.distribution or "")):
-            if self.is_disabled(ref):
+        pairs = []
+        for ref in refs:
+            if id(ref) in disabled:
                 status = "disabled"
             elif counts[ref.name] > 1:
                 status = "conflict"
-            elif ref.loaded:
-                status = "loaded"
             else:
-                status = "available"
-            infos.append(ComponentInfo(self.kind.name, ref.name, ref.distribution, ref.version, ref.target, status))
-        return infos
+                status = "loaded" if ref.loaded else "available"
+            info = ComponentInfo(self.kind.name, ref.name, ref.distribution, ref.version, ref.target, status)
+            pairs.append((info, ref))
+        return pairs
+
+    def list(self) -> list[ComponentInfo]:
+        """Metadata of every component of this kind; imports nothing."""
+        return [info for info, _ in self.entries()]
 
 
 def _same_provider(a: ComponentRef, b: ComponentRef) -> bool:

@@ -7,12 +7,47 @@ the real discovery path with no mocking of importlib.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import re
+import sys
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 EntryPoints = Mapping[str, Mapping[str, str]]  # group -> {name: "module:Class"}
+
+
+@contextlib.contextmanager
+def site_on_path(site_dir: str | Path) -> Iterator[Path]:
+    """Put ``site_dir`` first on ``sys.path`` (rescanning components) for the block; afterwards
+    remove it, forget every module imported from it, and rescan again."""
+    from wtransfer.registry.registry import refresh
+
+    site = str(site_dir)
+    sys.path.insert(0, site)
+    importlib.invalidate_caches()
+    refresh()
+    try:
+        yield Path(site_dir)
+    finally:
+        sys.path.remove(site)
+        for module_name, module in list(sys.modules.items()):
+            if (getattr(module, "__file__", None) or "").startswith(site):
+                del sys.modules[module_name]
+        importlib.invalidate_caches()
+        refresh()
+
+
+def is_installed(name: str) -> bool:
+    """Whether a distribution of that name is installed in this environment."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution(name)
+    except PackageNotFoundError:
+        return False
+    return True
 
 
 def write_distribution(

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from wtransfer.testing.distributions import EntryPoints, write_distribution
+from wtransfer.testing.distributions import EntryPoints, site_on_path, write_distribution
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -61,7 +60,6 @@ def fake_distribution(
     from wtransfer.registry.registry import refresh
 
     site = tmp_path_factory.mktemp("fake-site")
-    sys.path.insert(0, str(site))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
 
     def make(
@@ -75,15 +73,8 @@ def fake_distribution(
         refresh()
         return info
 
-    try:
+    with site_on_path(site):
         yield make
-    finally:
-        sys.path.remove(str(site))
-        for module_name, module in list(sys.modules.items()):
-            if (getattr(module, "__file__", None) or "").startswith(str(site)):
-                del sys.modules[module_name]
-        importlib.invalidate_caches()
-        refresh()
 
 
 @pytest.fixture

@@ -5,20 +5,17 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
 import pytest
+
+from wtransfer.testing.distributions import is_installed
 
 PLUGIN_ROOT = Path(__file__).resolve().parents[1]
 
 
 def plugin_installed_here() -> bool:
-    try:
-        distribution("wtransfer-nccl")
-    except PackageNotFoundError:
-        return False
-    return True
+    return is_installed("wtransfer-nccl")
 
 
 @pytest.fixture(scope="session")

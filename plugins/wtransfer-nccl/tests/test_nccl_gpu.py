@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from wtransfer import WeightTransferConfig
+from wtransfer.testing.distributions import is_installed
 
 pytestmark = [
     pytest.mark.gpu,
@@ -84,11 +85,7 @@ def test_gloo_round_with_a_cuda_resident_source() -> None:
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: trainer and worker")
 def test_trainer_and_worker_round_over_nccl() -> None:
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    try:
-        distribution("wtransfer-nccl")
-    except PackageNotFoundError:
+    if not is_installed("wtransfer-nccl"):
         pytest.skip("pip install ./plugins/wtransfer-nccl first (workers find the engine by its entry point)")
     from wtransfer.engines.manifest import tensor_checksum
     from wtransfer.engines.source import ModuleSource
@@ -114,13 +111,7 @@ def test_trainer_and_worker_round_over_nccl() -> None:
 
 
 def _nccl_conformance_ready() -> bool:
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    try:
-        distribution("wtransfer-nccl")
-    except PackageNotFoundError:
-        return False
-    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    return is_installed("wtransfer-nccl") and torch.cuda.is_available() and torch.cuda.device_count() >= 2
 
 
 from wtransfer.testing.conformance import EngineConformance  # noqa: E402
