@@ -181,7 +181,9 @@ def _wait(work: Any, what: str, timeout_s: float, call: BackgroundCall | None = 
         raise
     except RuntimeError as exc:  # gloo reports dead peers and its own timeouts as RuntimeError
         work = None  # noqa: F841
-        kind = TransferTimeoutError if "timed out" in str(exc).lower() else TransferError
+        # gloo words its timeouts both "Timed out ..." and "Application timeout caused pair closure"
+        message = str(exc).lower()
+        kind = TransferTimeoutError if "timed out" in message or "timeout" in message else TransferError
         raise kind(f"{what} failed: {exc} (a peer died, stalled or disconnected)") from exc
 
 
