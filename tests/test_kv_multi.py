@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +77,12 @@ def test_a_request_is_done_only_when_every_child_finished_saving(tmp_path: Path,
     slow = {"kv_connector": "slow-storage", "kv_connector_extra_config": {"path": str(tmp_path / "slow")}}
     with PagedKVEngine(SPEC, 16, kv_transfer_config=_multi(_child(tmp_path / "fast"), slow)) as engine:
         engine.add_request("a", PROMPT)
+        deadline = time.monotonic() + 10  # the fast child saves on an I/O thread: give it time on a busy machine
         for _ in range(5):
             engine.step()
+        while not _files(tmp_path / "fast") and time.monotonic() < deadline:
+            engine.step()
+            time.sleep(0.01)
         assert engine.has_unfinished()  # blocks held: the slow child has not saved yet
         assert _files(tmp_path / "fast") and not _files(tmp_path / "slow")
         SlowStorage.GATE.set()
