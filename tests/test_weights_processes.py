@@ -61,10 +61,11 @@ CONFIGS = [
     ("shm", {}),
     ("gloo", {}),
     ("gloo", {"direct_min_bytes": 1024}),  # large tensors broadcast in place, straight into parameters
+    ("gloo", {"direct_min_bytes": 1024, "channels": 3}),  # buckets spread over three groups
 ]
 
 
-@pytest.mark.parametrize(("backend", "extra"), CONFIGS, ids=["shm", "gloo", "gloo-in-place"])
+@pytest.mark.parametrize(("backend", "extra"), CONFIGS, ids=["shm", "gloo", "gloo-in-place", "gloo-3-channels"])
 def test_two_workers_receive_every_round_bit_exactly(backend: str, extra: dict) -> None:
     before = shm_names()
     model = build_model(MIXED, "float32", random=True)

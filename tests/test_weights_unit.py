@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -100,6 +102,58 @@ def test_plan_direct_buckets_hold_one_large_tensor_each() -> None:
             assert len(bucket.pieces) == 1
         else:
             assert all(manifest.entries[p.index].nbytes < 4096 for p in bucket.pieces)
+
+
+def _decoder_like() -> dict[str, torch.Tensor]:
+    """Per layer: small tensors (norms, biases, narrow projections) around large matrices."""
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(6):
+        tensors[f"l{layer}.norm"] = _random((250,), "float32", 10 * layer)
+        tensors[f"l{layer}.up"] = _random((50, 50), "float32", 10 * layer + 1)  # 10000 bytes: direct
+        tensors[f"l{layer}.bias"] = _random((250,), "float32", 10 * layer + 2)
+        tensors[f"l{layer}.down"] = _random((50, 50), "float32", 10 * layer + 3)
+    return tensors
+
+
+def test_small_tensors_share_buckets_across_the_direct_ones() -> None:
+    manifest = build_manifest(TensorSource(_decoder_like()).metadata(), 1)
+    buckets = plan_buckets(manifest.entries, 8192, direct_min_bytes=4096)
+    packed = [b for b in buckets if not b.direct]
+    # 12 small tensors of 1000 bytes (1024 aligned) fill 2 buckets, not one per layer
+    assert [len(b.pieces) for b in packed] == [8, 4]
+    assert [b.index for b in buckets] == list(range(len(buckets)))
+    first = packed[0]  # sent once full: after the direct buckets that came while it filled
+    last_small = max(p.index for p in first.pieces)
+    assert all(b.index < first.index for b in buckets if b.direct and b.pieces[0].index < last_small)
+
+
+def test_interleaved_plan_round_trips_with_the_source_read_once_in_order() -> None:
+    tensors = _decoder_like()
+    reads: list[str] = []
+
+    def source() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in tensors.items():
+            reads.append(name)
+            yield name, tensor.clone()  # a materialising source: nothing else holds these
+
+    manifest = build_manifest(TensorSource(tensors).metadata(), 1)
+    model = _target_module(tensors)
+    packer, unpacker = Packer(manifest, source()), Unpacker(manifest, module_loader(model))
+    buffer = torch.zeros(8192, dtype=torch.uint8)
+    for bucket in plan_buckets(manifest.entries, 8192, direct_min_bytes=4096):
+        if bucket.direct:  # what a broadcast does: the source's bytes straight into the destination
+            target = unpacker.direct_target(bucket)
+            target.copy_(packer.direct_bytes(bucket, torch.device("cpu")))
+            unpacker.received_in_place(bucket)
+        else:
+            buffer.fill_(0xAB)
+            packer.pack(bucket, buffer)
+            unpacker.unpack(bucket, buffer)
+    packer.drain()
+    unpacker.finish()
+    assert reads == list(tensors)
+    state = dict(model.named_parameters())
+    assert all(_same_bits(state[name].detach(), tensor) for name, tensor in tensors.items())
 
 
 @pytest.mark.parametrize("loader_kind", ["module_loader", "plain_function"])
@@ -227,6 +281,26 @@ def test_parse_info_errors_name_the_engine_and_the_field(engine_cls: type) -> No
     assert info.parsed.version == 2 and info.is_checkpoint_format is False
     engine.shutdown()
     engine.shutdown()  # idempotent
+
+
+@pytest.mark.parametrize(("channels", "fragment"), [(0, "'channels' must be"), (99, "at most 8"), ("2", "'channels' must be")])
+def test_gloo_refuses_channel_counts_it_cannot_build_at_init(channels: object, fragment: str) -> None:
+    engine = GlooWeightTransferEngine(wtransfer.WeightTransferConfig(backend="gloo"), wtransfer.ParallelConfig())
+    info = {"world_size": 2, "bucket_bytes": 4096, "num_buffers": 2, "master_address": "127.0.0.1",
+            "master_port": 1234, "group_name": "g", "channels": channels}  # fmt: skip
+    with pytest.raises(ValueError, match=fragment):
+        engine.parse_init_info(info)
+
+    class Untouched:  # the trainer must refuse before calling any worker
+        def init_weight_transfer_engine(self, info: dict) -> None:
+            raise AssertionError("a worker was asked to init with a bad channel count")
+
+        start_weight_update = finish_weight_update = lambda self: None  # noqa: E731
+        update_weights = lambda self, info: None  # noqa: E731
+
+    with pytest.raises(ValueError, match=fragment):
+        wtransfer.create_trainer("gloo", client=Untouched(), source={"a": torch.zeros(2)},
+                                 init_info={"world_size": 2, "channels": channels})  # fmt: skip
 
 
 def test_create_trainer_validates_before_touching_any_worker() -> None:

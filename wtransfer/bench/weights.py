@@ -330,7 +330,7 @@ def peer_share_memory(tensors: list[torch.Tensor], repeats: int) -> float:
     return _timed(repeats, lambda: None, body)
 
 
-_STOP, _ONE_TENSOR, _PER_TENSOR = 0, 1, 2
+_STOP, _ONE_TENSOR, _PER_TENSOR, _PER_TENSOR_LOOP = 0, 1, 2, 3
 
 
 def _gloo_peer_receiver(port: int, spec: str, timeout_s: float) -> None:
@@ -356,6 +356,12 @@ def _gloo_peer_receiver(port: int, spec: str, timeout_s: float) -> None:
         if int(command.item()) == _PER_TENSOR:
             for tensor in tensors:
                 backend.broadcast(group, tensor).wait()
+        elif int(command.item()) == _PER_TENSOR_LOOP:
+            for tensor in tensors:  # as vLLM's unpacked path: a fresh tensor, then load_weights
+                received = torch.empty(tensor.shape, dtype=tensor.dtype)
+                backend.broadcast(group, received).wait()
+                tensor.copy_(received)
+                del received
         else:
             backend.broadcast(group, flat).wait()
     del group
@@ -364,7 +370,10 @@ def _gloo_peer_receiver(port: int, spec: str, timeout_s: float) -> None:
 class GlooPeer:
     """The plain gloo alternatives, against a helper process holding the same tensors.
 
-    ``per_tensor()``: one synchronous broadcast per tensor (what per-parameter sync loops do);
+    ``per_tensor()``: one synchronous broadcast per tensor, received in place (the strictest
+    per-tensor figure: no allocation, no load step);
+    ``per_tensor_loop()``: the same as inference engines run it (vLLM's unpacked path): each
+    tensor received into a fresh tensor, then loaded into the model;
     ``one_tensor()``: a single broadcast of all the bytes at once (the transport's ceiling).
     Its own side group, so it can be measured between an engine's rounds.
     """
@@ -399,7 +408,13 @@ class GlooPeer:
         return self.total / (time.perf_counter() - start) / 1e9
 
     def per_tensor(self) -> float:
-        self._order(_PER_TENSOR)
+        return self._each_tensor(_PER_TENSOR)
+
+    def per_tensor_loop(self) -> float:
+        return self._each_tensor(_PER_TENSOR_LOOP)
+
+    def _each_tensor(self, op: int) -> float:
+        self._order(op)
         start = time.perf_counter()
         for tensor in self.tensors:
             self._backend.broadcast(self._group, tensor).wait()
@@ -469,6 +484,7 @@ def run(args: argparse.Namespace) -> int:
         gloo_peer = GlooPeer(tensors, shapes, dtype)
         references["gloo one-tensor broadcast"] = gloo_peer.one_tensor
         references["gloo per-tensor broadcast"] = gloo_peer.per_tensor
+        references["gloo per-tensor, new tensor + load (vLLM loop)"] = gloo_peer.per_tensor_loop
     with Progress(
         TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(), console=console, transient=False,

@@ -66,7 +66,12 @@ def plan_buckets(
 
     With ``direct_min_bytes``, every tensor at least that large gets buckets of its own
     (``direct``), so a transport that can read and write tensors in place (a broadcast)
-    skips packing them; smaller tensors are still packed together.
+    skips packing them. Smaller tensors are still packed together, and the bucket being
+    filled stays open across the direct ones: a decoder's few small tensors per layer
+    share full buckets instead of each layer sending a small one (a collective costs the
+    same fixed overhead whatever its size). Such a bucket is sent after the direct buckets
+    that came while it filled, so the trainer's :class:`Packer` holds on to the small
+    tensors it passes until then (at most one bucket's worth).
     """
     check_bucket_bytes(bucket_bytes)
     buckets: list[Bucket] = []
@@ -82,12 +87,9 @@ def plan_buckets(
     for index, entry in enumerate(entries):
         nbytes = entry.nbytes
         if direct_min_bytes is not None and nbytes >= max(direct_min_bytes, 1):
-            flush()
-            for start in range(0, nbytes, bucket_bytes):
+            for start in range(0, nbytes, bucket_bytes):  # the open bucket stays open
                 length = min(bucket_bytes, nbytes - start)
-                pieces.append(Piece(index, start, 0, length, length == nbytes))
-                used = length
-                flush(direct=True)
+                buckets.append(Bucket(len(buckets), length, (Piece(index, start, 0, length, length == nbytes),), True))
             continue
         if nbytes <= bucket_bytes:
             start = _align(used)
@@ -155,7 +157,9 @@ class Packer:
     """Trainer side: copies the source's tensors into bucket buffers, in plan order.
 
     The source is consumed lazily (one tensor at a time), so a sharded tensor is only
-    materialised while its bytes are being packed.
+    materialised while its bytes are being packed. Small tensors passed on the way to a
+    direct bucket's tensor belong to the bucket still filling (see :func:`plan_buckets`):
+    they are held until that bucket is packed.
     """
 
     def __init__(self, manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -164,9 +168,22 @@ class Packer:
         self._index = -1
         self._tensor: torch.Tensor | None = None
         self._flat: torch.Tensor | None = None
+        self._held: dict[int, torch.Tensor] = {}  # passed, for a bucket not packed yet
+        self._target = -1  # the last tensor asked for (others passed on the way are held)
+
+    def _whole_tensor(self, index: int) -> torch.Tensor:
+        """Tensor ``index``: the source's next ones, or one held since it was passed."""
+        if index >= self._index:
+            return self._advance_to(index)
+        held = self._held.pop(index, None)
+        if held is None:
+            raise TransferError(f"internal error: {self._entries[index].name!r} was passed but not held")
+        return held
 
     def _advance_to(self, index: int) -> torch.Tensor:
         while self._index < index:
+            if self._tensor is not None and self._index != self._target:
+                self._held[self._index] = self._tensor  # passed: a later packed bucket needs it
             try:
                 name, tensor = next(self._tensors)
             except StopIteration:
@@ -184,24 +201,33 @@ class Packer:
                 )
             self._tensor, self._flat = tensor, None
         assert self._tensor is not None
+        self._target = index
         return self._tensor
 
-    def pack(self, bucket: Bucket, data: torch.Tensor) -> None:
-        """Fill ``data`` (a uint8 buffer of at least ``bucket.nbytes``) with the bucket's bytes."""
+    def pack(self, bucket: Bucket, data: torch.Tensor) -> list[torch.Tensor]:
+        """Fill ``data`` (a uint8 buffer of at least ``bucket.nbytes``) with the bucket's bytes.
+
+        Returns the source tensors read, for a transport whose copies are still in flight
+        (a GPU stream) and must keep them alive until done.
+        """
+        read: list[torch.Tensor] = []
         for piece in bucket.pieces:
-            tensor = self._advance_to(piece.index)
+            tensor = self._whole_tensor(piece.index) if piece.whole else self._advance_to(piece.index)
             if piece.length == 0:
                 continue
             if piece.whole:
                 # copy_ reads any strides/storage offset directly: no temporary for views.
                 copy_tensor(_typed_view(data, piece, self._entries[piece.index]), tensor)
+                read.append(tensor)
                 continue
             if self._flat is None:
-                self._flat = tensor_bytes(tensor)
+                self._flat = tensor_bytes(tensor)  # a contiguous copy if the tensor is not
             copy_tensor(
                 data[piece.offset : piece.offset + piece.length],
                 self._flat[piece.start : piece.start + piece.length],
             )
+            read.append(self._flat)
+        return read
 
     def direct_bytes(self, bucket: Bucket, device: torch.device) -> torch.Tensor | None:
         """A direct bucket's bytes read in place from the source tensor (None: pack it instead)."""
@@ -221,6 +247,9 @@ class Packer:
             raise TransferError(
                 f"the weight source yielded more than the {len(self._entries)} tensors its metadata listed"
             )
+        if self._held:
+            names = [self._entries[i].name for i in sorted(self._held)]
+            raise TransferError(f"internal error: tensors passed but never packed: {names[:5]}")
 
 
 class Unpacker:

@@ -11,9 +11,15 @@ accepts the manifest, so a rejection stops everybody before any data moves. Buck
 then broadcast asynchronously from ``num_buffers`` reusable buffers: packing (trainer) and
 unpacking (workers) of one bucket overlap the transport of the next.
 
+Buckets go round-robin over ``channels`` groups with the same members. Gloo moves each
+group's data through one socket serviced by one I/O thread, which a single stream keeps
+busy at a few GB/s; two groups move data in parallel (measured here: 1.1-1.3x one group,
+and more than one flat broadcast). Both sides derive everything from the bucket index,
+so no extra message is needed.
+
 Backend specifics sit behind the small methods of :class:`TorchDistributedBackend`
-(``device``, ``make_process_group``, ``allocate``, ``slot_stream``, ``accepts_in_place``,
-``synchronize``) so a plugin for another backend only overrides those.
+(``device``, ``make_process_group``, ``allocate``, ``slot_stream``, ``packed_from``,
+``accepts_in_place``, ``synchronize``) so a plugin for another backend only overrides those.
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ import gc
 import logging
 import secrets
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +78,8 @@ class TorchDistributedInitInfo(WeightTransferInitInfo):
     timeout_s: float = 300.0
     direct_min_bytes: int | None = None
     """Tensors at least this large are broadcast in place (no packing); None packs everything."""
+    channels: int = 1
+    """Process groups the buckets are spread over (round-robin by bucket index)."""
     protocol_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
@@ -86,6 +93,7 @@ class TorchDistributedInitInfo(WeightTransferInitInfo):
         check_int(owner, "world_size", self.world_size, 2)
         check_int(owner, "num_buffers", self.num_buffers, 1)
         check_int(owner, "rank_offset", self.rank_offset, 0)
+        check_channels(owner, self.channels)
         check_timeout(owner, self.timeout_s)
         if not isinstance(self.group_name, str) or not self.group_name:
             raise ValueError(f"{owner}: 'group_name' must be a non-empty string")
@@ -93,6 +101,15 @@ class TorchDistributedInitInfo(WeightTransferInitInfo):
             check_bucket_bytes(self.bucket_bytes)
         except ValueError as exc:
             raise ValueError(f"{owner}: {exc}") from None
+
+
+MAX_CHANNELS = 8
+
+
+def check_channels(owner: str, channels: Any) -> None:
+    check_int(owner, "channels", channels, 1)
+    if channels > MAX_CHANNELS:
+        raise ValueError(f"{owner}: 'channels' must be at most {MAX_CHANNELS} (each is a process group), got {channels}")
 
 
 class TorchDistributedBackend:
@@ -110,6 +127,15 @@ class TorchDistributedBackend:
 
         return ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
 
+    def make_groups(self, store: Any, rank: int, size: int, timeout_s: float, channels: int) -> list[Any]:
+        """One group per channel, each under its own key prefix; every member builds them in order."""
+        from torch.distributed import PrefixStore
+
+        return [
+            self.make_process_group(PrefixStore(f"channel{index}/", store), rank, size, timeout_s)
+            for index in range(channels)
+        ]
+
     def allocate(self, nbytes: int, count: int) -> list[torch.Tensor]:
         """``count`` reusable, pre-touched byte buffers (once per engine, never per round)."""
         import torch
@@ -123,6 +149,11 @@ class TorchDistributedBackend:
         """Where packing/unpacking of buffer ``slot`` runs. On CPU, inline; a GPU backend runs
         each buffer on its own stream and makes the transport wait for it."""
         return contextlib.nullcontext()
+
+    def packed_from(self, slot: int, tensors: list[torch.Tensor]) -> None:
+        """Called after packing buffer ``slot`` from ``tensors`` (trainer side). On CPU the copies
+        are done; a GPU backend marks the tensors as used by the slot's stream, so their memory
+        is not reused before that stream has read them."""
 
     def accepts_in_place(self, tensor: torch.Tensor) -> bool:
         """Whether the transport can write straight into ``tensor`` (it must be on our device)."""
@@ -200,7 +231,7 @@ class TorchDistributedWeightTransferEngine(
 
     def __init__(self, config: Any, parallel_config: Any = None) -> None:
         super().__init__(config, parallel_config)
-        self._group: Any = None
+        self._groups: list[Any] = []
         self._store: Any = None
         self._buffers: list[torch.Tensor] = []
         self._info: TorchDistributedInitInfo | None = None
@@ -210,7 +241,7 @@ class TorchDistributedWeightTransferEngine(
     def init_transfer_engine(self, init_info: TorchDistributedInitInfo) -> None:
         from torch.distributed import PrefixStore, TCPStore
 
-        if self._group is not None:  # re-joining (e.g. after a failed round): start clean
+        if self._groups:  # re-joining (e.g. after a failed round): start clean
             self.shutdown()
         check_buffer_budget(self, init_info.bucket_bytes, init_info.num_buffers)
         self.rank = global_rank(self, init_info.rank_offset, init_info.world_size)
@@ -226,10 +257,12 @@ class TorchDistributedWeightTransferEngine(
         buffers = self.allocate(init_info.bucket_bytes, init_info.num_buffers)
         prefixed.set(f"joined/{self.rank}", "1")
         try:
-            group = self.make_process_group(prefixed, self.rank, init_info.world_size, init_info.timeout_s)
+            groups = self.make_groups(
+                prefixed, self.rank, init_info.world_size, init_info.timeout_s, init_info.channels
+            )
         except RuntimeError as exc:
             raise TransferError(f"joining the {self.distributed_backend} group failed: {exc}") from exc
-        self._store, self._group, self._buffers, self._info = store, group, buffers, init_info
+        self._store, self._groups, self._buffers, self._info = store, groups, buffers, init_info
         self._broken = None
         logger.debug("%s worker rank %d joined group %s", self.distributed_backend, self.rank, init_info.group_name)
 
@@ -245,7 +278,7 @@ class TorchDistributedWeightTransferEngine(
                 f"this worker's {self.distributed_backend} engine is unusable after a failed round "
                 f"({self._broken}); call init_transfer_engine() again with a new trainer's init info"
             )
-        if self._group is None or self._info is None:
+        if not self._groups or self._info is None:
             raise TransferError("receive_weights() before init_transfer_engine() (or after shutdown())")
         info, manifest = self._info, update_info.parsed
         rejection: ManifestMismatchError | None = None
@@ -255,7 +288,7 @@ class TorchDistributedWeightTransferEngine(
             rejection = exc
         verdict = torch.tensor([1 if rejection else 0], dtype=torch.int32, device=self.device())
         try:
-            _wait(self.allreduce_max(self._group, verdict), "the manifest vote", info.timeout_s)
+            _wait(self.allreduce_max(self._groups[0], verdict), "the manifest vote", info.timeout_s)
         except TransferError as exc:
             self._leave_group(str(exc))
             raise
@@ -279,7 +312,7 @@ class TorchDistributedWeightTransferEngine(
         """After a failed round: drop the group now, so the trainer's pending collectives fail
         at once instead of at their timeout. A new ``init_transfer_engine()`` joins a fresh one."""
         self._broken = reason
-        self._group = None
+        self._groups = []
         self.release_group()
 
     def _receive_buckets(self, manifest: Manifest, load_weights: LoadWeights) -> None:
@@ -307,7 +340,8 @@ class TorchDistributedWeightTransferEngine(
                 in_place = target is not None
                 if target is None:
                     target = self._buffers[index % count][: buckets[index].nbytes]
-                works[index] = (self.broadcast(self._group, target), in_place)
+                group = self._groups[index % len(self._groups)]
+                works[index] = (self.broadcast(group, target), in_place)
 
         for index in range(min(count, len(buckets))):
             post(index)
@@ -322,8 +356,8 @@ class TorchDistributedWeightTransferEngine(
             post(bucket.index + count)
 
     def shutdown(self) -> None:
-        had_group = self._group is not None
-        self._group = None
+        had_group = bool(self._groups)
+        self._groups = []
         self._store = None
         self._buffers = []
         self._info = None
@@ -335,9 +369,13 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
     """Trainer side (rank 0): hosts the store, then broadcasts packed buckets."""
 
     backend = "gloo"
-    default_bucket_bytes = 32 * MIB
-    default_num_buffers = 4
-    backend_init_defaults = {"master_address": "127.0.0.1", "master_port": 0, "direct_min_bytes": 2 * MIB}
+    # 8 x 16 MiB: as much memory as 4 x 32 MiB, but enough collectives in flight to keep
+    # both channels busy (each gloo group runs its collectives on two threads).
+    default_bucket_bytes = 16 * MIB
+    default_num_buffers = 8
+    backend_init_defaults = {
+        "master_address": "127.0.0.1", "master_port": 0, "direct_min_bytes": 2 * MIB, "channels": 2,
+    }  # fmt: skip
 
     def _prepare(self) -> dict[str, Any]:
         from torch.distributed import PrefixStore, TCPStore
@@ -353,7 +391,7 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
             raise TransferError(f"cannot listen on {address}:{port} for the {self.backend} group: {exc}") from exc
         self._group_name = f"wtransfer/{self.backend}/{secrets.token_hex(8)}/"
         self._prefixed: Any = PrefixStore(self._group_name, self._store)
-        self._group: Any = None
+        self._groups: list[Any] = []
         self._buffers = self.allocate(self.bucket_bytes, self.num_buffers)
         return {
             "master_address": address,
@@ -365,6 +403,7 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
             "rank_offset": 1,
             "timeout_s": self.timeout_s,
             "direct_min_bytes": self.direct_min_bytes,
+            "channels": self.channels,
             "protocol_version": PROTOCOL_VERSION,
         }
 
@@ -374,6 +413,12 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"init_info 'direct_min_bytes' must be a positive int or None, got {value!r}")
         return value
+
+    @property
+    def channels(self) -> int:
+        value = self.init_info["channels"]
+        check_channels("init_info", value)
+        return int(value)
 
     def _plan(self, manifest: Manifest) -> list[Bucket]:
         return plan_buckets(manifest.entries, self.bucket_bytes, self.direct_min_bytes)
@@ -393,7 +438,7 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
                 )
             time.sleep(0.01)
         try:
-            self._group = self.make_process_group(self._prefixed, 0, self.world_size, self.timeout_s)
+            self._groups = self.make_groups(self._prefixed, 0, self.world_size, self.timeout_s, self.channels)
         except RuntimeError as exc:
             raise TransferError(f"creating the {self.backend} group failed: {exc}") from exc
 
@@ -401,7 +446,7 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
         import torch
 
         verdict = torch.zeros(1, dtype=torch.int32, device=self.device())
-        _wait(self.allreduce_max(self._group, verdict), "the manifest vote", self.timeout_s, call)
+        _wait(self.allreduce_max(self._groups[0], verdict), "the manifest vote", self.timeout_s, call)
         if int(verdict.item()):
             raise ManifestRejected(f"round {manifest.version} rejected by a worker's loader")
         # slot -> (work, tensor it reads); holding the tensor keeps an in-place source alive
@@ -414,7 +459,7 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
     def _broadcast_buckets(
         self, manifest: Manifest, buckets: list[Bucket], call: BackgroundCall, works: list[tuple[Any, Any] | None]
     ) -> None:
-        packer = Packer(manifest, self.round_tensors())
+        packer = Packer(manifest, iter(self.source))
         device = self.device()
         for bucket in buckets:
             slot = bucket.index % len(self._buffers)
@@ -425,21 +470,19 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
             if view is None:
                 view = self._buffers[slot][: bucket.nbytes]
                 with self.slot_stream(slot):
-                    packer.pack(bucket, view)
-            works[slot] = (self.broadcast(self._group, view), view)
+                    read = packer.pack(bucket, view)
+                self.packed_from(slot, read)
+            group = self._groups[bucket.index % len(self._groups)]
+            works[slot] = (self.broadcast(group, view), view)
         packer.drain()
         for slot in range(len(works)):
             if works[slot] is not None:
                 _wait(works[slot][0], f"broadcasting the last buckets (buffer {slot})", self.timeout_s)
         self.synchronize()
 
-    def round_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The source's tensors for one round (a GPU backend may track them for its streams)."""
-        return iter(self.source)
-
     def _release(self) -> None:
-        had_group = getattr(self, "_group", None) is not None
-        self._group = None
+        had_group = bool(getattr(self, "_groups", None))
+        self._groups = []
         self._prefixed = None
         self._store = None
         self._buffers = []

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("wtransfer")
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Bumped whenever the trainer/worker wire protocol changes; workers refuse other versions."""
 
 MIB = 1 << 20

@@ -27,6 +27,7 @@ from wtransfer.engines.torch_distributed import (
     TorchDistributedTrainer,
     TorchDistributedWeightTransferEngine,
 )
+from wtransfer.engines.trainer import MIB
 from wtransfer.errors import WTransferError
 
 logger = logging.getLogger("wtransfer")
@@ -64,8 +65,6 @@ class NCCLBackend(TorchDistributedBackend):
     distributed_backend = "nccl"
     _device_index: int | None = None
     _streams: list[Any] | None = None
-    _in_use: list[Any] | None = None
-    """CUDA source tensors the current bucket's stream may read (trainer side)."""
 
     def device(self) -> Any:
         import torch
@@ -108,13 +107,15 @@ class NCCLBackend(TorchDistributedBackend):
         stream.wait_stream(current)  # the buffer's last transport (and the caller's writes) came first
         with torch.cuda.stream(stream):
             yield
-        if self._in_use:
-            # Source chunks this stream reads stay allocated until the stream is past them, even
-            # if the trainer drops them now; the last one may continue into the next bucket.
-            for tensor in self._in_use:
-                tensor.record_stream(stream)
-            self._in_use = self._in_use[-1:]
         current.wait_stream(stream)
+
+    def packed_from(self, slot: int, tensors: list[Any]) -> None:
+        """Source tensors the slot's stream copies from stay allocated until it is past them,
+        even if the trainer drops them now (a materialised shard, a held small tensor)."""
+        assert self._streams is not None
+        for tensor in tensors:
+            if tensor.is_cuda:
+                tensor.record_stream(self._streams[slot])
 
     def synchronize(self) -> None:
         """Once per round, after the last bucket: nothing of the round is still in flight."""
@@ -140,17 +141,15 @@ class NCCLTrainer(NCCLBackend, TorchDistributedTrainer):
     """Trainer side of the NCCL engine (rank 0): broadcasts packed buckets from its GPU."""
 
     backend = "nccl"
+    default_bucket_bytes = 32 * MIB
+    default_num_buffers = 4
+    # NCCL runs its own channels inside one communicator: one group is enough.
+    backend_init_defaults = {**TorchDistributedTrainer.backend_init_defaults, "channels": 1}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         require_nccl("trainer")
         super().__init__(*args, **kwargs)
 
-    def round_tensors(self) -> Iterator[tuple[str, Any]]:
-        self._in_use = []
-        for name, tensor in super().round_tensors():
-            if tensor.is_cuda:
-                self._in_use.append(tensor)
-            yield name, tensor
 
 
 NCCLWeightTransferEngine.trainer_cls = NCCLTrainer
