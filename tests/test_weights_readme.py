@@ -47,6 +47,7 @@ def test_bench_verifies_rounds_and_reports_peers_as_json() -> None:
         assert len(engine["worker_peak_extra_rss"]) == 2 and engine["median_gb_per_s"] > 0
     assert set(document["peers_gb_per_s"]) == {
         "memcpy", "gloo per-tensor broadcast", "gloo one-tensor broadcast",
+        "gloo per-tensor, new tensor + load (vLLM loop)",
         "safetensors save+load (/dev/shm)", "share_memory_() per update", "gloo per-tensor broadcast (small tensors)",
     }  # fmt: skip
     assert {t["what"] for t in document["targets"]} >= {"shm / memcpy", "gloo / gloo one-tensor broadcast"}
