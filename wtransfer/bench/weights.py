@@ -333,7 +333,7 @@ def peer_share_memory(tensors: list[torch.Tensor], repeats: int) -> float:
 _STOP, _ONE_TENSOR, _PER_TENSOR, _PER_TENSOR_LOOP = 0, 1, 2, 3
 
 
-def _gloo_peer_receiver(port: int, spec: str, timeout_s: float) -> None:
+def _gloo_peer_receiver(port: int, spec: str, timeout_s: float, rank: int, size: int) -> None:
     """Helper process for :class:`GlooPeer`: receives whatever the command broadcast asks for."""
     import torch
     from torch.distributed import PrefixStore, TCPStore
@@ -345,7 +345,7 @@ def _gloo_peer_receiver(port: int, spec: str, timeout_s: float) -> None:
     shapes, dtype = json.loads(spec)
     store = TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=timeout_s))
     backend = TorchDistributedBackend()
-    group = backend.make_process_group(PrefixStore("bench/", store), 1, 2, timeout_s)
+    group = backend.make_process_group(PrefixStore("bench/", store), rank, size, timeout_s)
     tensors = [torch.zeros(s, dtype=dtype_from_name(dtype)) for s in shapes]
     flat = torch.zeros(sum(t.numel() * t.element_size() for t in tensors), dtype=torch.uint8)
     command = torch.zeros(1, dtype=torch.int64)
@@ -368,7 +368,8 @@ def _gloo_peer_receiver(port: int, spec: str, timeout_s: float) -> None:
 
 
 class GlooPeer:
-    """The plain gloo alternatives, against a helper process holding the same tensors.
+    """The plain gloo alternatives, against ``receivers`` helper processes (as many as the
+    engine has workers) holding the same tensors.
 
     ``per_tensor()``: one synchronous broadcast per tensor, received in place (the strictest
     per-tensor figure: no allocation, no load step);
@@ -378,7 +379,10 @@ class GlooPeer:
     Its own side group, so it can be measured between an engine's rounds.
     """
 
-    def __init__(self, tensors: list[torch.Tensor], shapes: list[list[Any]], dtype: str, timeout_s: float = 1800.0) -> None:
+    def __init__(
+        self, tensors: list[torch.Tensor], shapes: list[list[Any]], dtype: str, timeout_s: float = 1800.0,
+        receivers: int = 1,
+    ) -> None:
         import torch
         from torch.distributed import PrefixStore, TCPStore
 
@@ -390,11 +394,16 @@ class GlooPeer:
         self._backend = TorchDistributedBackend()
         self._store = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
         spec = json.dumps([[shape for _, shape, *_ in shapes], dtype])
-        self._helper = multiprocessing.get_context("spawn").Process(
-            target=_gloo_peer_receiver, args=(int(self._store.port), spec, timeout_s), daemon=True
-        )
-        self._helper.start()
-        self._group: Any = self._backend.make_process_group(PrefixStore("bench/", self._store), 0, 2, timeout_s)
+        size = receivers + 1
+        self._helpers = [
+            multiprocessing.get_context("spawn").Process(
+                target=_gloo_peer_receiver, args=(int(self._store.port), spec, timeout_s, rank, size), daemon=True
+            )
+            for rank in range(1, size)
+        ]
+        for helper in self._helpers:
+            helper.start()
+        self._group: Any = self._backend.make_process_group(PrefixStore("bench/", self._store), 0, size, timeout_s)
         self._command = torch.zeros(1, dtype=torch.int64)
 
     def _order(self, op: int) -> None:
@@ -425,10 +434,11 @@ class GlooPeer:
             self._order(_STOP)
         finally:
             self._group = None
-            self._helper.join(30)
-            if self._helper.is_alive():
-                self._helper.kill()
-                self._helper.join(5)
+            for helper in self._helpers:
+                helper.join(30)
+                if helper.is_alive():
+                    helper.kill()
+                    helper.join(5)
 
 
 # -- the command ------------------------------------------------------------------------------------
@@ -481,7 +491,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:  # every reference allocates its memory now, before any engine's RSS is measured
         references["memcpy"] = memcpy_reference(tensors)
         references["safetensors save+load (/dev/shm)"] = safetensors_reference(tensors)
-        gloo_peer = GlooPeer(tensors, shapes, dtype)
+        gloo_peer = GlooPeer(tensors, shapes, dtype, receivers=args.workers)
         references["gloo one-tensor broadcast"] = gloo_peer.one_tensor
         references["gloo per-tensor broadcast"] = gloo_peer.per_tensor
         references["gloo per-tensor, new tensor + load (vLLM loop)"] = gloo_peer.per_tensor_loop
@@ -517,7 +527,7 @@ def run(args: argparse.Namespace) -> int:
         if small_gloo:
             small_shapes = [[name, shape] for name, shape in parse_model(args.small_model)]
             small = build_model(small_shapes, dtype, random=True, seed=1)
-            small_peer = GlooPeer([p.data for p in small.parameters()], small_shapes, dtype)
+            small_peer = GlooPeer([p.data for p in small.parameters()], small_shapes, dtype, receivers=args.workers)
             name = "gloo per-tensor broadcast (small tensors)"
             try:
                 small_result = run_engine("gloo", small, small_shapes, args, advance, {name: small_peer.per_tensor})
