@@ -78,10 +78,10 @@ def plan_buckets(
     pieces: list[Piece] = []
     used = 0
 
-    def flush(direct: bool = False) -> None:
+    def flush() -> None:
         nonlocal pieces, used
         if pieces:
-            buckets.append(Bucket(len(buckets), used, tuple(pieces), direct))
+            buckets.append(Bucket(len(buckets), used, tuple(pieces)))
         pieces, used = [], 0
 
     for index, entry in enumerate(entries):
@@ -89,7 +89,8 @@ def plan_buckets(
         if direct_min_bytes is not None and nbytes >= max(direct_min_bytes, 1):
             for start in range(0, nbytes, bucket_bytes):  # the open bucket stays open
                 length = min(bucket_bytes, nbytes - start)
-                buckets.append(Bucket(len(buckets), length, (Piece(index, start, 0, length, length == nbytes),), True))
+                piece = Piece(index, start, 0, length, length == nbytes)
+                buckets.append(Bucket(len(buckets), length, (piece,), direct=True))
             continue
         if nbytes <= bucket_bytes:
             start = _align(used)

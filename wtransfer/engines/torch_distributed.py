@@ -109,7 +109,9 @@ MAX_CHANNELS = 8
 def check_channels(owner: str, channels: Any) -> None:
     check_int(owner, "channels", channels, 1)
     if channels > MAX_CHANNELS:
-        raise ValueError(f"{owner}: 'channels' must be at most {MAX_CHANNELS} (each is a process group), got {channels}")
+        raise ValueError(
+            f"{owner}: 'channels' must be at most {MAX_CHANNELS} (each is a process group), got {channels}"
+        )
 
 
 class TorchDistributedBackend:
