@@ -26,7 +26,12 @@ class WeightSource(ABC):
 
     @abstractmethod
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` pairs in ``metadata()`` order; called once per round."""
+        """``(name, tensor)`` pairs in ``metadata()`` order; called once per round.
+
+        A yielded tensor must not be overwritten during the round: engines read some after
+        later ones were yielded (in-place broadcasts still in flight, small tensors held for
+        a bucket they share). Yield a new tensor each time, never one reused scratch buffer.
+        """
 
 
 def _unwrap(tensor: torch.Tensor) -> torch.Tensor:
