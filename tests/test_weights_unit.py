@@ -58,13 +58,24 @@ def _target_module(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
     return build_model([[n, list(t.shape), dtype_name(t.dtype)] for n, t in tensors.items()], "float32")
 
 
-def _transfer(tensors: dict[str, torch.Tensor], load_weights, bucket_bytes: int = 8192) -> int:
-    source = TensorSource(tensors)
-    manifest = build_manifest(source.metadata(), 1)
-    buckets = plan_buckets(manifest.entries, bucket_bytes)
-    packer, unpacker = Packer(manifest, iter(source)), Unpacker(manifest, load_weights)
+def _transfer(
+    tensors: dict[str, torch.Tensor],
+    load_weights,
+    bucket_bytes: int = 8192,
+    direct_min_bytes: int | None = None,
+    source: Iterator[tuple[str, torch.Tensor]] | None = None,
+) -> int:
+    """One round through Packer and Unpacker; direct buckets are copied in place, as a broadcast does."""
+    manifest = build_manifest(TensorSource(tensors).metadata(), 1)
+    buckets = plan_buckets(manifest.entries, bucket_bytes, direct_min_bytes)
+    packer = Packer(manifest, source if source is not None else iter(TensorSource(tensors)))
+    unpacker = Unpacker(manifest, load_weights)
     buffer = torch.zeros(bucket_bytes, dtype=torch.uint8)
     for bucket in buckets:
+        if bucket.direct:
+            unpacker.direct_target(bucket).copy_(packer.direct_bytes(bucket, torch.device("cpu")))
+            unpacker.received_in_place(bucket)
+            continue
         buffer.fill_(0xAB)  # garbage between buckets: nothing may depend on leftovers
         packer.pack(bucket, buffer)
         unpacker.unpack(bucket, buffer)
@@ -136,21 +147,8 @@ def test_interleaved_plan_round_trips_with_the_source_read_once_in_order() -> No
             reads.append(name)
             yield name, tensor.clone()  # a materialising source: nothing else holds these
 
-    manifest = build_manifest(TensorSource(tensors).metadata(), 1)
     model = _target_module(tensors)
-    packer, unpacker = Packer(manifest, source()), Unpacker(manifest, module_loader(model))
-    buffer = torch.zeros(8192, dtype=torch.uint8)
-    for bucket in plan_buckets(manifest.entries, 8192, direct_min_bytes=4096):
-        if bucket.direct:  # what a broadcast does: the source's bytes straight into the destination
-            target = unpacker.direct_target(bucket)
-            target.copy_(packer.direct_bytes(bucket, torch.device("cpu")))
-            unpacker.received_in_place(bucket)
-        else:
-            buffer.fill_(0xAB)
-            packer.pack(bucket, buffer)
-            unpacker.unpack(bucket, buffer)
-    packer.drain()
-    unpacker.finish()
+    _transfer(tensors, module_loader(model), direct_min_bytes=4096, source=source())
     assert reads == list(tensors)
     state = dict(model.named_parameters())
     assert all(_same_bits(state[name].detach(), tensor) for name, tensor in tensors.items())

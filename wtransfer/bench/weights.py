@@ -339,6 +339,7 @@ def _gloo_peer_receiver(port: int, spec: str, timeout_s: float, rank: int, size:
     from torch.distributed import PrefixStore, TCPStore
 
     from wtransfer.engines.manifest import dtype_from_name
+    from wtransfer.engines.packing import copy_tensor
     from wtransfer.engines.torch_distributed import TorchDistributedBackend
 
     torch.set_num_threads(1)
@@ -351,16 +352,17 @@ def _gloo_peer_receiver(port: int, spec: str, timeout_s: float, rank: int, size:
     command = torch.zeros(1, dtype=torch.int64)
     while True:
         backend.broadcast(group, command).wait()
-        if int(command.item()) == _STOP:
+        op = int(command.item())
+        if op == _STOP:
             break
-        if int(command.item()) == _PER_TENSOR:
+        if op == _PER_TENSOR:
             for tensor in tensors:
                 backend.broadcast(group, tensor).wait()
-        elif int(command.item()) == _PER_TENSOR_LOOP:
+        elif op == _PER_TENSOR_LOOP:
             for tensor in tensors:  # as vLLM's unpacked path: a fresh tensor, then load_weights
                 received = torch.empty(tensor.shape, dtype=tensor.dtype)
                 backend.broadcast(group, received).wait()
-                tensor.copy_(received)
+                copy_tensor(tensor, received)
                 del received
         else:
             backend.broadcast(group, flat).wait()

@@ -152,6 +152,12 @@ class TorchDistributedBackend:
         each buffer on its own stream and makes the transport wait for it."""
         return contextlib.nullcontext()
 
+    _groups: list[Any]
+
+    def group_for(self, bucket_index: int) -> Any:
+        """The channel a bucket travels on: round-robin by index, so both sides agree unasked."""
+        return self._groups[bucket_index % len(self._groups)]
+
     def packed_from(self, slot: int, tensors: list[torch.Tensor]) -> None:
         """Called after packing buffer ``slot`` from ``tensors`` (trainer side). On CPU the copies
         are done; a GPU backend marks the tensors as used by the slot's stream, so their memory
@@ -342,8 +348,7 @@ class TorchDistributedWeightTransferEngine(
                 in_place = target is not None
                 if target is None:
                     target = self._buffers[index % count][: buckets[index].nbytes]
-                group = self._groups[index % len(self._groups)]
-                works[index] = (self.broadcast(group, target), in_place)
+                works[index] = (self.broadcast(self.group_for(index), target), in_place)
 
         for index in range(min(count, len(buckets))):
             post(index)
@@ -474,8 +479,7 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
                 with self.slot_stream(slot):
                     read = packer.pack(bucket, view)
                 self.packed_from(slot, read)
-            group = self._groups[bucket.index % len(self._groups)]
-            works[slot] = (self.broadcast(group, view), view)
+            works[slot] = (self.broadcast(self.group_for(bucket.index), view), view)
         packer.drain()
         for slot in range(len(works)):
             if works[slot] is not None:
