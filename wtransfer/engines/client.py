@@ -23,5 +23,9 @@ class WeightSyncClient(Protocol):
     def update_weights(self, update_info: dict[str, Any]) -> Any:
         """Workers: ``engine.receive_weights(engine.parse_update_info(update_info), load_weights)``."""
 
-    def finish_weight_update(self) -> Any:
-        """Workers: ``engine.finish_weight_update()``."""
+    def finish_weight_update(self, weight_version: str | None = None) -> Any:
+        """Workers: ``engine.finish_weight_update()``.
+
+        ``weight_version`` (optional in implementations) is the round's label, passed by
+        the trainer when the method accepts it, as vLLM's clients do.
+        """

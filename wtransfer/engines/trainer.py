@@ -149,6 +149,21 @@ class BackgroundCall:
         return self._result
 
 
+def accepts_weight_version(method: Callable[..., Any]) -> bool:
+    """Whether a client's ``finish_weight_update`` takes the round's version label.
+
+    The four-method protocol started without it; vLLM's clients take
+    ``finish_weight_update(weight_version=None)``. Clients written for either work.
+    """
+    import inspect
+
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "weight_version" or p.kind is p.VAR_POSITIONAL for p in parameters)
+
+
 def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"init_info {name!r} must be an int >= {minimum}, got {value!r}")
@@ -215,6 +230,7 @@ class TrainerWeightTransferEngine(ABC):
         self._closed = False
         self._connected = False
         self._client_thread = ClientThread()
+        self._finish_takes_version = accepts_weight_version(client.finish_weight_update)
 
     # -- configuration -----------------------------------------------------------------
     def _parse_init_info(self, info: dict[str, Any]) -> dict[str, Any]:
@@ -268,8 +284,13 @@ class TrainerWeightTransferEngine(ABC):
             raise
         self._connected = True
 
-    def send_weights(self) -> dict[str, Any]:
-        """Run one whole update round; returns its stats (bytes, tensors, seconds, GB/s, buckets)."""
+    def send_weights(self, weight_version: str | None = None) -> dict[str, Any]:
+        """Run one whole update round; returns its stats (bytes, tensors, seconds, GB/s, buckets).
+
+        ``weight_version`` labels the round for clients whose ``finish_weight_update``
+        takes one (vLLM's clients show it at ``/weight_info``); the default is the round's
+        number, ``str(stats["version"])``.
+        """
         from wtransfer.registry.manager import notify
 
         if self._closed:
@@ -281,14 +302,14 @@ class TrainerWeightTransferEngine(ABC):
             )
         try:
             with gc_paused():
-                stats = self._run_round()
+                stats = self._run_round(weight_version)
         except BaseException as exc:
             notify("wtransfer_update_failed", error=exc)
             raise
         notify("wtransfer_update_finished", stats=stats)
         return stats
 
-    def _run_round(self) -> dict[str, Any]:
+    def _run_round(self, label: str | None) -> dict[str, Any]:
         entries = self.source.metadata()
         manifest = self._manifest(entries)
         buckets = self._plan(manifest)
@@ -301,7 +322,11 @@ class TrainerWeightTransferEngine(ABC):
         except BaseException as exc:
             self._raise_preferring_client(exc, call)
         call.result(self.timeout_s)
-        self._call("finish_weight_update").result(self.timeout_s)
+        if self._finish_takes_version:
+            label = str(manifest.version) if label is None else str(label)
+            self._call("finish_weight_update", label).result(self.timeout_s)
+        else:
+            self._call("finish_weight_update").result(self.timeout_s)
         seconds = time.perf_counter() - started
         self.weight_version = manifest.version
         total = manifest.total_bytes

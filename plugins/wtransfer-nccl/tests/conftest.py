@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from wtransfer.testing.distributions import is_installed
+from wtransfer.testing.venvs import layered_venv, pip
 
 PLUGIN_ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,13 +29,10 @@ def plugin_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("venv")
     source = tmp_path_factory.mktemp("src") / "wtransfer-nccl"
     shutil.copytree(PLUGIN_ROOT, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "tests"))
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(root)], check=True)
-    python = root / "bin" / "python"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
-         "--no-build-isolation", str(source)],
-        check=True, capture_output=True, text=True, timeout=300,
-    )
+    python = layered_venv(root)
+    # Built in pip's isolated build environment, as a user's install is: the running
+    # environment's setuptools may be too old to build a wheel.
+    pip(python, "install", "--quiet", "--no-deps", str(source))
     return python
 
 

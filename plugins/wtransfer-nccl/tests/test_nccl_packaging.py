@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from wtransfer.testing.venvs import pip
 
 CUDA_PROBE = "import torch; print(torch.cuda.is_available())"
 
@@ -86,8 +87,7 @@ print("\\n".join(errors))
 
 def test_uninstalling_brings_back_the_install_hint(plugin_venv: Path) -> None:
     # Runs last in this module (pytest keeps file order): it removes the plugin from the venv.
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(plugin_venv), "uninstall", "--yes", "--quiet",
-                    "wtransfer-nccl"], check=True, capture_output=True, text=True, timeout=300)
+    pip(plugin_venv, "uninstall", "--yes", "--quiet", "wtransfer-nccl")
     out = run(plugin_venv, """
 from wtransfer import WeightTransferConfig, WeightTransferEngineFactory, UnknownComponentError
 try:

@@ -1,0 +1,34 @@
+"""One vLLM instance (offline LLM) synced by a wtransfer trainer in this process.
+
+usage: offline_sync.py BACKEND MODEL_DIR FINAL_DIR OUT_JSON [ROUNDS]
+Writes: outputs before and after, vLLM's digests and weight version, per-round stats;
+saves the trainer's final weights to FINAL_DIR (the reference loads them fresh).
+"""
+
+import sys
+
+import wtransfer
+from wtransfer_vllm import LLMClient
+from wtransfer_vllm.testing import checksums, greedy, llm_kwargs, load_trainer_model, perturb, write_json
+
+if __name__ == "__main__":
+    backend, model_dir, final_dir, out = sys.argv[1:5]
+    rounds = int(sys.argv[5]) if len(sys.argv) > 5 else 3
+    from vllm import LLM
+
+    llm = LLM(**llm_kwargs(model_dir, weight_transfer_config={"backend": backend}))
+    before = greedy(llm)
+    model = load_trainer_model(model_dir)
+    trainer = wtransfer.create_trainer(
+        backend, client=LLMClient(llm), source=wtransfer.ModuleSource(model), init_info={"world_size": 2}
+    )
+    stats = []
+    for step in range(rounds):
+        perturb(model, step)
+        stats.append(trainer.send_weights())
+    after = greedy(llm)
+    result = {"before": before, "after": after, "checksums": checksums(llm),
+              "weight_version": llm.get_weight_version(), "stats": stats}
+    trainer.shutdown()
+    model.save_pretrained(final_dir)
+    write_json(out, result)
