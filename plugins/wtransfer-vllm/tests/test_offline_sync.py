@@ -1,0 +1,38 @@
+"""Offline ``vllm.LLM(weight_transfer_config={"backend": ...})`` synced by ``wtransfer.create_trainer``.
+
+The trainer (transformers, bf16, same process) perturbs every parameter and syncs
+ROUNDS rounds through ``wtransfer_vllm.LLMClient``. Afterwards vLLM must compute exactly
+what a fresh vLLM loaded from the trainer's final checkpoint computes: the same greedy
+tokens, the same logprobs to the last bit, and vLLM's own weight digests.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import ROUNDS, run_script
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_offline_llm_computes_exactly_the_trainers_weights(
+    backend: str, vllm_python: Path, tiny_llama: Path, final_checkpoint: Path, reference: dict, tmp_path: Path
+) -> None:
+    out = tmp_path / "result.json"
+    run_script(vllm_python, "offline_sync.py", backend, str(tiny_llama), str(tmp_path / "final"), str(out), str(ROUNDS))
+    result = json.loads(out.read_text())
+
+    # The trainer ended where the reference checkpoint is (same deterministic steps).
+    ours, theirs = load_file(tmp_path / "final" / "model.safetensors"), load_file(final_checkpoint / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in ours)
+
+    assert result["before"] != result["after"], "the sync changed nothing vLLM computes"
+    assert result["after"] == reference["outputs"]  # tokens and logprobs, exactly
+    assert result["checksums"] == reference["checksums"]  # vLLM's digests, for what they cover
+    assert result["weight_version"] == str(ROUNDS)
+    stats = result["stats"]
+    assert [s["version"] for s in stats] == list(range(1, ROUNDS + 1))
+    assert all(s["bytes"] == sum(t.numel() * t.element_size() for t in theirs.values()) for s in stats)
