@@ -111,11 +111,12 @@ def final_checkpoint(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pyte
     path = tmp_path_factory.mktemp("models") / "final"
     run_script(vllm_python, "-c", textwrap.dedent(f"""
         import sys
-        from wtransfer_vllm.testing import load_trainer_model, perturb
+        from wtransfer_vllm.testing import load_trainer_model, perturb, write_tokenizer
         model = load_trainer_model(sys.argv[1])
         for step in range({ROUNDS}):
             perturb(model, step)
         model.save_pretrained(sys.argv[2])
+        write_tokenizer(sys.argv[2], model.config.vocab_size)
     """), str(tiny_llama), str(path))
     return path
 

