@@ -137,6 +137,59 @@ def test_bad_files_found_at_lookup_are_misses_and_reported(tmp_path: Path, damag
     _assert_bit_exact(SPEC, out)
 
 
+def _make_hostile(target: Path, kind: str, tmp_path: Path) -> Any:
+    """Put something that is not a regular file where a block file should be."""
+    import socket
+
+    target.unlink()
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "socket":
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        cwd = os.getcwd()
+        os.chdir(target.parent)  # bind by a short relative name: socket paths are limited to ~108 bytes
+        try:
+            server.bind(target.name)
+        finally:
+            os.chdir(cwd)
+        server.listen(1)
+        return server
+    elif kind == "symlink-to-fifo":
+        os.mkfifo(tmp_path / "elsewhere.fifo")
+        target.symlink_to(tmp_path / "elsewhere.fifo")
+    elif kind == "device":  # a device node, through a symlink (no mknod needed): reads never end
+        target.symlink_to("/dev/zero")
+    elif kind == "empty-device":
+        target.symlink_to("/dev/null")
+    return None
+
+
+@pytest.mark.parametrize("kind", ["fifo", "socket", "symlink-to-fifo", "device", "empty-device"])
+def test_non_regular_files_in_the_store_are_misses_and_never_block(tmp_path: Path, kind: str) -> None:
+    # Opening a FIFO for reading blocks until a writer appears: a plain open() hangs this test
+    # forever (run_python's timeout turns that into a failure instead of a hung suite).
+    _save_prompt(tmp_path)
+    target = next(p for p in _block_files(tmp_path) if p.stem == request_block_hashes(SPEC, PROMPT)[1])
+    keep = _make_hostile(target, kind, tmp_path)
+    try:
+        code = f"""
+import json
+from test_kv_storage import PROMPT, SUFFIX, SPEC, _config, _engine, _assert_bit_exact
+from pathlib import Path
+with _engine(_config(Path({str(tmp_path)!r}))) as engine:
+    out = engine.generate({{"c": PROMPT + SUFFIX}})["c"]
+    stats = engine.scheduler_connector.get_kv_connector_stats()
+_assert_bit_exact(SPEC, out)
+print(json.dumps({{"external": out.num_external_tokens, "corrupt": stats["corrupt_blocks"]}}))
+"""
+        result = run_python(code, path=[Path(__file__).parent], timeout=60).stdout
+    finally:
+        if keep is not None:
+            keep.close()
+    got = json.loads(result.strip().splitlines()[-1])
+    assert got == {"external": 4, "corrupt": 1}  # block 0 loaded, the hostile entry a counted miss
+
+
 def test_corrupt_data_is_never_loaded_and_the_block_is_recomputed(tmp_path: Path) -> None:
     _save_prompt(tmp_path)
     target = next(p for p in _block_files(tmp_path) if p.stem == request_block_hashes(SPEC, PROMPT)[1])

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 if TYPE_CHECKING:
     import torch
@@ -209,10 +210,33 @@ def _expect(actual: object, expected: object, what: str, path: str) -> None:
         raise BlockFileError(f"{path}: {what} is {actual!r}, expected {expected!r}")
 
 
+def open_regular(path: str) -> BinaryIO:
+    """Open ``path`` for reading only if it is a regular file, without ever blocking.
+
+    A plain ``open`` of a FIFO blocks until a writer appears (forever, if none does), and a
+    device node can be read without end: anyone who can write into a shared store could
+    stall every engine reading it. ``O_NONBLOCK`` makes the open itself return at once,
+    and ``fstat`` on the opened descriptor (not the name, which could be swapped in
+    between) refuses anything but a regular file.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+                    stat.S_IFDIR: "a directory", stat.S_IFSOCK: "a socket"}.get(stat.S_IFMT(mode), "not a file")
+            raise BlockFileError(f"{path}: is {kind}, not a regular file")
+        os.set_blocking(fd, True)  # a regular file: plain reads from here on
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def check_header(path: str, layout: BlockLayout, block_hash: str) -> tuple[int, str]:
     """Validate size and header without reading the data; ``(data_offset, checksum)`` or BlockFileError."""
     try:
-        with open(path, "rb", buffering=0) as handle:
+        with open_regular(path) as handle:
             return _check_open_header(handle, path, layout, block_hash)
     except FileNotFoundError:
         raise
@@ -260,7 +284,7 @@ def read_block_file(path: str, layout: BlockLayout, block_hash: str, into: memor
     if into.nbytes != layout.data_bytes:
         raise ValueError(f"read buffer has {into.nbytes} bytes, the layout needs {layout.data_bytes}")
     try:
-        with open(path, "rb", buffering=0) as handle:
+        with open_regular(path) as handle:
             _, expected = _check_open_header(handle, path, layout, block_hash)
             got = 0
             while got < into.nbytes:
