@@ -448,3 +448,13 @@ def test_degenerate_rounds(backend: str, tensors: dict[str, torch.Tensor]) -> No
     assert all(torch.equal(p, tensors[n]) for n, p in model.named_parameters())
     trainer.shutdown()
     client.engine.shutdown()
+
+
+def test_a_world_size_larger_than_the_workers_is_found_at_once() -> None:
+    # One worker, world_size 5: the client's init call returns after one joined; waiting for
+    # timeout_s (120 s here) and then blaming ranks 2-4 would tell the user nothing.
+    with pool_for("shm", MIXED[:1], workers=1) as pool:
+        started = time.monotonic()
+        with pytest.raises(TransferError, match=r"world_size=5 expects 4 worker\(s\).* returned after 1 joined"):
+            wtransfer.create_trainer("shm", client=pool, source={}, init_info={"world_size": 5, "timeout_s": 120})
+        assert time.monotonic() - started < 30

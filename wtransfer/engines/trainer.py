@@ -266,6 +266,30 @@ class TrainerWeightTransferEngine(ABC):
     def num_workers(self) -> int:
         return self.world_size - 1
 
+    SHORTFALL_GRACE_S: ClassVar[float] = 3.0
+    """How long the rendezvous still waits for workers after the client's init call returned."""
+
+    def check_shortfall(self, call: BackgroundCall, joined: set[int], since: list[float]) -> None:
+        """Fail fast when ``world_size`` is larger than the workers the client really drives.
+
+        The client's ``init_weight_transfer_engine`` returns once every worker it fans out to
+        has joined; if fewer than ``world_size - 1`` did (after a short grace for clients
+        that return early), waiting ``timeout_s`` more would only end in a timeout that
+        blames ranks that do not exist. ``since`` holds the moment the call was first seen done.
+        """
+        if not call.done or call.error is not None or len(joined) >= self.num_workers:
+            return
+        now = time.monotonic()
+        if not since:
+            since.append(now)
+        if now - since[0] >= min(self.SHORTFALL_GRACE_S, self.timeout_s):
+            raise TransferError(
+                f"{self.backend} rendezvous: init_info world_size={self.world_size} expects "
+                f"{self.num_workers} worker(s), but client.init_weight_transfer_engine() returned after "
+                f"{len(joined)} joined (rank(s) {sorted(joined) or 'none'}); world_size counts the trainer "
+                f"plus every worker process the client drives"
+            )
+
     # -- life cycle ---------------------------------------------------------------------
     def connect(self) -> None:
         """Rendezvous with the workers through ``client.init_weight_transfer_engine``."""
