@@ -1,7 +1,8 @@
 """Offline ``vllm.LLM(weight_transfer_config={"backend": ...})`` synced by ``wtransfer.create_trainer``.
 
 The trainer (transformers, bf16, same process) perturbs every parameter and syncs
-ROUNDS rounds through ``wtransfer_vllm.LLMClient``. Afterwards vLLM must compute exactly
+ROUNDS rounds through ``wtransfer_vllm.LLMClient``: with ``wtransfer.create_trainer`` (shm), and with vLLM's own
+``WeightTransferTrainerFactory.trainer_init`` and vLLM's ``ModuleSource`` (gloo). Afterwards vLLM must compute exactly
 what a fresh vLLM loaded from the trainer's final checkpoint computes: the same greedy
 tokens, the same logprobs to the last bit, and vLLM's own weight digests.
 """
@@ -17,12 +18,12 @@ from safetensors.torch import load_file
 from vllm_harness import ROUNDS, run_script
 
 
-@pytest.mark.parametrize("backend", ["shm", "gloo"])
+@pytest.mark.parametrize(("backend", "via"), [("shm", "wtransfer"), ("gloo", "vllm-factory")])
 def test_offline_llm_computes_exactly_the_trainers_weights(
-    backend: str, vllm_python: Path, tiny_llama: Path, final_checkpoint: Path, reference: dict, tmp_path: Path
+    backend: str, via: str, vllm_python: Path, tiny_llama: Path, final_checkpoint: Path, reference: dict, tmp_path: Path
 ) -> None:
     out = tmp_path / "result.json"
-    run_script(vllm_python, "offline_sync.py", backend, str(tiny_llama), str(tmp_path / "final"), str(out), str(ROUNDS))
+    run_script(vllm_python, "offline_sync.py", backend, str(tiny_llama), str(tmp_path / "final"), str(out), str(ROUNDS), via)
     result = json.loads(out.read_text())
 
     # The trainer ended where the reference checkpoint is (same deterministic steps).

@@ -11,12 +11,10 @@ its own process with that environment's python. Only ``WTRANSFER_SKIP_VLLM=1`` s
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 PLUGIN_ROOT = Path(__file__).resolve().parents[1]

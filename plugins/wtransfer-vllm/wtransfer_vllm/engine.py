@@ -23,16 +23,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from functools import lru_cache
 from typing import Any, ClassVar
 
 import wtransfer
 from vllm.distributed.weight_transfer.base import WeightTransferEngine as VLLMWeightTransferEngine
 
+from wtransfer_vllm.adapters import adapter_classes
 from wtransfer_vllm.checkpoint import checkpoint_tensors
 from wtransfer_vllm.staging import StagingLoader
 
-logger = logging.getLogger("wtransfer_vllm")
+# Under vLLM's logger tree, so the per-round line shows in vLLM's own log output.
+logger = logging.getLogger("vllm.wtransfer_vllm")
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -80,6 +81,7 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
     # -- life cycle ---------------------------------------------------------------------
     def init_transfer_engine(self, init_info: Any) -> None:
         self.inner.init_transfer_engine(init_info)
+        self._loader().reserve()  # off the first round's critical path
 
     def start_weight_update(self) -> None:
         self.inner.start_weight_update()
@@ -96,8 +98,8 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
             "staged_bytes": loader.staged_bytes,
         }
         logger.info(
-            "wtransfer %s: round received in %.3f s, loaded into the model in %.3f s",
-            self.wtransfer_backend, self.last_round["receive_s"], self.last_round["load_s"],
+            "wtransfer-vllm round: %s received %.1f MB in %.3f s, loaded into the model in %.3f s",
+            self.wtransfer_backend, loader.staged_bytes / 1e6, self.last_round["receive_s"], self.last_round["load_s"],
         )
 
     def finish_weight_update(self) -> None:
@@ -144,17 +146,4 @@ def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]
         finalize_layerwise_reload(model, model_config)
 
 
-@lru_cache(maxsize=None)
-def adapter_for(wtransfer_name: str) -> type[WTransferEngineAdapter]:
-    """The adapter class for one wtransfer engine name (made once per process)."""
-    return type(
-        f"WTransferEngine[{wtransfer_name}]",
-        (WTransferEngineAdapter,),
-        {"wtransfer_backend": wtransfer_name, "__module__": __name__},
-    )
-
-
-def __getattr__(name: str) -> type[WTransferEngineAdapter]:
-    if ":" not in name:  # only qualified wtransfer names are served here
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return adapter_for(name)
+__getattr__ = adapter_classes(WTransferEngineAdapter, __name__)

