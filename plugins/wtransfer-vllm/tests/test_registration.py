@@ -44,8 +44,8 @@ def write_acme(root: Path) -> Path:
     """))
     (package / "acme_dup" / "__init__.py").write_text("")
     (package / "acme_dup" / "engine.py").write_text(
-        "from wtransfer.engines.shm import SharedMemoryWeightTransferEngine\n"
-        "class AcmeShm(SharedMemoryWeightTransferEngine):\n    pass\n"
+        "import wtransfer\n"
+        "class AcmeShm(wtransfer.get_class('engines', 'wtransfer:shm')):\n    pass\n"
     )
     (package / "acme_dup" / "hooks.py").write_text("raise RuntimeError('acme hooks are broken')\n")
     return package
