@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,3 +52,13 @@ def test_bench_verifies_rounds_and_reports_peers_as_json() -> None:
         "safetensors save+load (/dev/shm)", "share_memory_() per update", "gloo per-tensor broadcast (small tensors)",
     }  # fmt: skip
     assert {t["what"] for t in document["targets"]} >= {"shm / memcpy", "gloo / gloo one-tensor broadcast"}
+
+
+def test_bench_checks_engine_names_before_any_work() -> None:
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "wtransfer", "bench", "--engine", "shn"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "shn" in out.stdout + out.stderr and "'shm'" in out.stdout + out.stderr  # did you mean
+    assert "model:" not in out.stdout + out.stderr  # no model was built, no worker started
+    assert time.monotonic() - started < 30

@@ -472,6 +472,15 @@ def run(args: argparse.Namespace) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     engines = [e.strip() for e in args.engine.split(",") if e.strip()]
+    from wtransfer.errors import WTransferError
+    from wtransfer.registry.registry import get_class
+
+    for engine in engines:  # names first: a typo must not cost a model build and a worker start
+        try:
+            get_class("engines", engine)
+        except WTransferError as exc:
+            console.print(f"[red]error:[/red] {exc}")
+            return 2
     if args.workers < 1 or args.rounds < 1:
         console.print("[red]--workers and --rounds must be >= 1[/red]")
         return 2
