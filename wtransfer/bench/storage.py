@@ -1,5 +1,5 @@
 """KV storage connector: save and load GB/s through the real connector (scheduler metadata as JSON,
-worker I/O threads, atomic writes, header and CRC checks) against plain ``safetensors`` save_file /
+worker I/O threads, atomic writes, header and wsum64 checksum checks) against plain ``safetensors`` save_file /
 load_file of the same blocks from the same paged cache, in the same run (target >= 0.8x); and the
 cost of the chained block hashes per block.
 """

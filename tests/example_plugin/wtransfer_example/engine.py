@@ -1,8 +1,8 @@
-"""A shared-memory engine tuned for small models: a real engine built on wtransfer's ``shm``.
+"""A shared-memory engine with its own defaults: a real engine built on wtransfer's ``shm``.
 
-Smaller default buckets and three buffers suit models of a few hundred MB, where a
-64 MiB bucket would leave the ring mostly idle. The transport, the manifest checks and
-the timeouts are wtransfer's; the plugin only changes defaults, so it stays small.
+It keeps ``shm``'s 4 MiB buckets but uses three buffers instead of four (a smaller ring
+for hosts with little memory to spare). The transport, the manifest checks and the
+timeouts are wtransfer's; the plugin only changes defaults, so it stays small.
 """
 
 from __future__ import annotations
