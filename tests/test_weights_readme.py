@@ -62,3 +62,14 @@ def test_bench_checks_engine_names_before_any_work() -> None:
     assert "shn" in out.stdout + out.stderr and "'shm'" in out.stdout + out.stderr  # did you mean
     assert "model:" not in out.stdout + out.stderr  # no model was built, no worker started
     assert time.monotonic() - started < 30
+
+
+def test_the_main_command_checks_shm_against_memcpy_and_its_exit_code_says_so() -> None:
+    result = subprocess.run([sys.executable, "-m", "wtransfer", "bench", "--model", "3M", "--rounds", "2", "--json"],
+                            capture_output=True, text=True, timeout=240)
+    document = json.loads(result.stdout)
+    assert "memcpy" in document["peers_gb_per_s"]  # measured without --compare
+    checks = {t["what"]: t for t in document["targets"]}
+    assert checks["shm / memcpy"]["applies"]
+    missed = [t for t in document["targets"] if t["applies"] and not t["ok"]]
+    assert result.returncode == (1 if missed else 0), (result.returncode, missed)

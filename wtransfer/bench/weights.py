@@ -494,13 +494,15 @@ def run(args: argparse.Namespace) -> int:
         f"{total / 1e9:.2f} GB {dtype}; {args.workers} worker(s), {args.rounds} round(s)"
     )
     small_gloo = args.compare and "gloo" in engines
-    steps = len(engines) * (args.rounds + 1) + (2 if args.compare else 0) + (args.rounds + 2 if small_gloo else 0)
+    steps = len(engines) * (args.rounds + 1) + (2 if args.compare else 1) + (args.rounds + 2 if small_gloo else 0)
     results: list[EngineResult] = []
     peers: dict[str, float] = {}
     gloo_peer: GlooPeer | None = None
     references: dict[str, Callable[[], float]] = {}
-    if args.compare:  # every reference allocates its memory now, before any engine's RSS is measured
-        references["memcpy"] = memcpy_reference(tensors)
+    # memcpy is always measured: the main command checks the engine against it in every run.
+    # Every reference allocates its memory now, before any engine's RSS is measured.
+    references["memcpy"] = memcpy_reference(tensors)
+    if args.compare:
         references["safetensors save+load (/dev/shm)"] = safetensors_reference(tensors)
         gloo_peer = GlooPeer(tensors, shapes, dtype, receivers=args.workers)
         references["gloo one-tensor broadcast"] = gloo_peer.one_tensor
@@ -521,15 +523,15 @@ def run(args: argparse.Namespace) -> int:
             for engine in engines:
                 paired = {name: references[name] for name in _PAIRED.get(engine, ()) if name in references}
                 results.append(run_engine(engine, model, shapes, args, advance, paired))
+            for name, measure in references.items():  # peers not paired with any engine: once, now
+                if not any(name in r.paired_peers() for r in results):
+                    results_for_peer = [measure() for _ in range(max(2, min(args.rounds, 3)))]
+                    peers[name] = statistics.median(results_for_peer)
+            for result in results:
+                for name, rate in result.paired_peers().items():
+                    peers.setdefault(name, rate)
+            advance("peers: " + ", ".join(f"{name} {rate:.2f} GB/s" for name, rate in peers.items()))
             if args.compare:
-                for name, measure in references.items():  # peers not paired with any engine: once, now
-                    if not any(name in r.paired_peers() for r in results):
-                        results_for_peer = [measure() for _ in range(max(2, min(args.rounds, 3)))]
-                        peers[name] = statistics.median(results_for_peer)
-                for result in results:
-                    for name, rate in result.paired_peers().items():
-                        peers.setdefault(name, rate)
-                advance("peers: " + ", ".join(f"{name} {rate:.2f} GB/s" for name, rate in peers.items()))
                 peers["share_memory_() per update"] = total / peer_share_memory(tensors, max(2, min(args.rounds, 3))) / 1e9
                 advance(f"share_memory_(): {peers['share_memory_() per update']:.2f} GB/s")
         finally:
@@ -561,7 +563,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(document, indent=2))
     else:
         _print_tables(console, results, peers, targets, Table)
-    return 0 if all(t["ok"] for t in targets) else 1
+        for line in _verdicts(results, targets):
+            console.print(line)
+    return 0 if all(t["ok"] for t in targets if t["applies"]) else 1
 
 
 _PAIRED = {  # the references measured right after each round of an engine (those its targets use)
@@ -569,26 +573,50 @@ _PAIRED = {  # the references measured right after each round of an engine (thos
     "gloo": ("memcpy", "gloo one-tensor broadcast", "gloo per-tensor broadcast"),
 }
 
-_RATIO_TARGETS = {
-    "shm": [("memcpy", 0.6), ("safetensors save+load (/dev/shm)", 4.0)],
-    "gloo": [("gloo one-tensor broadcast", 0.85), ("gloo per-tensor broadcast", 3.0)],
-    "gloo (small tensors)": [("gloo per-tensor broadcast (small tensors)", 3.0)],
+_RATIO_TARGETS = {  # engine -> (peer, minimum ratio, does the target apply to this model?)
+    "shm": [("memcpy", 0.6, True), ("safetensors save+load (/dev/shm)", 4.0, True)],
+    # The 3x per-tensor target is for many-small-tensor models ("gloo (small tensors)"): on a
+    # model whose bytes sit in large matrices, per-tensor broadcast already runs near one flat
+    # broadcast, so there the ratio is reported but not held against the engine.
+    "gloo": [("gloo one-tensor broadcast", 0.85, True), ("gloo per-tensor broadcast", 3.0, False)],
+    "gloo (small tensors)": [("gloo per-tensor broadcast (small tensors)", 3.0, True)],
 }
 
 
 def _targets(results: list[EngineResult], peers: dict[str, float]) -> list[dict[str, Any]]:
     checks: list[dict[str, Any]] = []
     for result in results:
-        for peer, minimum in _RATIO_TARGETS.get(result.engine, []):
+        for peer, minimum, applies in _RATIO_TARGETS.get(result.engine, []):
             if peer in peers or peer in result.paired_peers():
                 paired = result.paired_ratio(peer)
                 ratio = paired if paired is not None else result.gb_per_s / peers[peer]
                 checks.append({"what": f"{result.engine} / {peer}", "value": ratio, "target": f">= {minimum}",
-                               "ok": ratio >= minimum})
+                               "ok": ratio >= minimum, "applies": applies})
         worst = max([result.trainer_extra_rss, *result.worker_extra_rss])
         checks.append({"what": f"{result.engine} peak extra RSS (MiB, worst side)", "value": worst / MIB,
-                       "target": f"<= {result.rss_budget / MIB:.0f}", "ok": worst <= result.rss_budget})
+                       "target": f"<= {result.rss_budget / MIB:.0f}", "ok": worst <= result.rss_budget,
+                       "applies": True})
     return checks
+
+
+def _verdicts(results: list[EngineResult], targets: list[dict[str, Any]]) -> list[str]:
+    """The result in words: each engine against each reference and target, and the exit status."""
+    lines = []
+    for t in targets:
+        if t["what"].endswith("(MiB, worst side)"):
+            engine = t["what"].split(" peak")[0]
+            state = "within" if t["ok"] else "OVER"
+            lines.append(f"{engine}: peak extra RSS {t['value']:.0f} MiB, {state} its budget ({t['target']} MiB)")
+            continue
+        engine, peer = t["what"].split(" / ", 1)
+        if not t["applies"]:
+            verdict = f"reported only: the {t['target']}x target applies to many-small-tensor models"
+        else:
+            verdict = f"target {t['target']}x {'met' if t['ok'] else 'MISSED'}"
+        lines.append(f"{engine} runs at {t['value']:.2f}x {peer} ({verdict})")
+    missed = [t["what"] for t in targets if t["applies"] and not t["ok"]]
+    lines.append(f"exit 1: missed {', '.join(missed)}" if missed else "all targets that apply are met (exit 0)")
+    return lines
 
 
 def _print_tables(console: Any, results: list[EngineResult], peers: dict[str, float], targets: list[dict[str, Any]], table_cls: Any) -> None:
@@ -619,5 +647,6 @@ def _print_tables(console: Any, results: list[EngineResult], peers: dict[str, fl
     for column in ("check", "measured", "target", ""):
         checks.add_column(column)
     for t in targets:
-        checks.add_row(t["what"], f"{t['value']:.2f}", t["target"], "[green]ok[/green]" if t["ok"] else "[red]MISSED[/red]")
+        state = ("[green]ok[/green]" if t["ok"] else "[red]MISSED[/red]") if t["applies"] else "reported only"
+        checks.add_row(t["what"], f"{t['value']:.2f}", t["target"], state)
     console.print(checks)
