@@ -73,3 +73,19 @@ def test_the_main_command_checks_shm_against_memcpy_and_its_exit_code_says_so() 
     assert checks["shm / memcpy"]["applies"]
     missed = [t for t in document["targets"] if t["applies"] and not t["ok"]]
     assert result.returncode == (1 if missed else 0), (result.returncode, missed)
+
+
+def test_every_bench_suite_has_json_and_help_on_every_option() -> None:
+    import argparse
+    import importlib
+
+    from wtransfer.bench import SUITES
+
+    for suite, module_name in SUITES.items():
+        parser = argparse.ArgumentParser()
+        importlib.import_module(module_name).add_arguments(parser)
+        options = {o for action in parser._actions for o in action.option_strings}
+        assert "--json" in options, suite
+        undocumented = [a.option_strings for a in parser._actions
+                        if a.option_strings and a.help in (None, "") and "-h" not in a.option_strings]
+        assert not undocumented, (suite, undocumented)

@@ -10,33 +10,39 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 TARGET_RATIO = 0.8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=8, help="KV layers")
     parser.add_argument("--engine-blocks", type=int, default=512, help="blocks in the engine's paged cache")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per engine block")
     parser.add_argument("--factor", type=int, default=1, help="engine blocks per offloaded block")
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-size", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--heads", type=int, default=8, help="KV heads")
+    parser.add_argument("--head-size", type=int, default=128, help="elements per head")
+    parser.add_argument("--dtype", default="bfloat16", help="KV dtype")
     parser.add_argument("--job-blocks", type=int, default=256, help="engine blocks moved per job")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="measured rounds (best is reported)")
     parser.add_argument("--manager-ops", type=int, default=100_000, help="block operations per policy")
     parser.add_argument("--manager-capacity", type=int, default=4096, help="tier blocks for the manager test")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the manager workload")
+    parser.add_argument("--json", action="store_true", help="one JSON document on stdout (lines go to stderr)")
 
 
 def run(args: argparse.Namespace) -> int:
-    ok = bench_tier(args)
-    bench_managers(args)
+    from wtransfer.bench.report import json_report
+
+    with json_report(args.json) as figures:
+        ok = bench_tier(args, figures)
+        figures["managers"] = bench_managers(args)
+        figures["targets_met"] = ok
     return 0 if ok else 1
 
 
 # -- data movement ------------------------------------------------------------------------------
-def bench_tier(args: argparse.Namespace) -> bool:
+def bench_tier(args: argparse.Namespace, figures: dict[str, Any]) -> bool:
     import torch
 
     from wtransfer.config import KVTransferConfig
@@ -121,6 +127,8 @@ def bench_tier(args: argparse.Namespace) -> bool:
             ratio = plain_best / ours_best
             ok &= ratio >= TARGET_RATIO
             verdict = "ok" if ratio >= TARGET_RATIO else "MISSED"
+            figures[direction] = {"plain_gb_per_s": nbytes / plain_best / 1e9, "tier_gb_per_s": nbytes / ours_best / 1e9,
+                                  "ratio": ratio, "target": TARGET_RATIO, "ok": ratio >= TARGET_RATIO}
             print(
                 f"{direction:<10} {nbytes / plain_best / 1e9:>21.2f} {nbytes / ours_best / 1e9:>14.2f} "
                 f"{ratio:>6.2f}x  >= {TARGET_RATIO}x {verdict}"
@@ -133,7 +141,8 @@ def bench_tier(args: argparse.Namespace) -> bool:
         tier_load()
         expect = tier[:, :, tier_rows[: args.factor]]
         got = torch.stack([caches[n].view(2, args.engine_blocks, -1)[:, probe] for n in layers])
-        if not torch.equal(expect, got):
+        figures["bit_exact"] = bool(torch.equal(expect, got))
+        if not figures["bit_exact"]:
             print("ERROR: blocks loaded back differ from the blocks stored")
             ok = False
         return ok
@@ -148,7 +157,7 @@ def _timed(fn: Callable[[], None]) -> float:
 
 
 # -- bookkeeping ---------------------------------------------------------------------------------
-def bench_managers(args: argparse.Namespace) -> None:
+def bench_managers(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     from wtransfer.specs.manager import BlockTableManager
 
     print(
@@ -157,12 +166,15 @@ def bench_managers(args: argparse.Namespace) -> None:
         f"fresh ones (median of 3 runs)"
     )
     print(f"{'policy':<8} {'store us/block':>15} {'load us/block':>14} {'hit rate':>9}")
+    managers: dict[str, dict[str, float]] = {}
     for policy in ("lru", "arc"):
         samples = [_manager_round(BlockTableManager, policy, args, seed) for seed in range(3)]
         store_us = statistics.median(s[0] for s in samples)
         load_us = statistics.median(s[1] for s in samples)
         hit_rate = statistics.median(s[2] for s in samples)
         print(f"{policy:<8} {store_us:>15.2f} {load_us:>14.2f} {hit_rate:>8.1%}")
+        managers[policy] = {"store_us_per_block": store_us, "load_us_per_block": load_us, "hit_rate": hit_rate}
+    return managers
 
 
 def _manager_round(manager_cls: type, policy: str, args: argparse.Namespace, seed: int) -> tuple[float, float, float]:

@@ -12,35 +12,41 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 TARGET_RATIO = 0.8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=32, help="KV layers per block")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
     parser.add_argument("--heads", type=int, default=8, help="KV heads")
-    parser.add_argument("--head-size", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--head-size", type=int, default=128, help="elements per head")
+    parser.add_argument("--dtype", default="bfloat16", help="KV dtype")
     parser.add_argument("--blocks", type=int, default=64, help="blocks saved and loaded per round")
     parser.add_argument("--io-threads", type=int, default=2, help="the connector's io_threads option")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="measured rounds (best is reported)")
     parser.add_argument("--dir", default=None, help="where files go (default: a temp dir in /dev/shm if present)")
     parser.add_argument("--hash-blocks", type=int, default=20_000, help="blocks hashed for the hash-chain cost")
+    parser.add_argument("--json", action="store_true", help="one JSON document on stdout (lines go to stderr)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from wtransfer.bench.report import json_report
+
     base = args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     root = tempfile.mkdtemp(prefix="wtransfer-bench-storage-", dir=base)
-    try:
-        ok = bench_io(args, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    bench_hashes(args)
+    with json_report(args.json) as figures:
+        try:
+            ok = bench_io(args, root, figures)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        figures["hash_us_per_block"] = bench_hashes(args)
+        figures["targets_met"] = ok
     return 0 if ok else 1
 
 
-def bench_io(args: argparse.Namespace, root: str) -> bool:
+def bench_io(args: argparse.Namespace, root: str, figures: dict[str, Any]) -> bool:
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -142,6 +148,9 @@ def bench_io(args: argparse.Namespace, root: str) -> bool:
             plain_best, ours_best = min(plain_s[1:]), min(ours_s[1:])
             ratio = plain_best / ours_best
             ok &= ratio >= TARGET_RATIO
+            figures[direction] = {"safetensors_gb_per_s": nbytes / plain_best / 1e9,
+                                  "storage_gb_per_s": nbytes / ours_best / 1e9, "ratio": ratio,
+                                  "target": TARGET_RATIO, "ok": ratio >= TARGET_RATIO}
             print(
                 f"{direction:<10} {nbytes / plain_best / 1e9:>17.2f} {nbytes / ours_best / 1e9:>13.2f} "
                 f"{ratio:>6.2f}x  >= {TARGET_RATIO}x {'ok' if ratio >= TARGET_RATIO else 'MISSED'}"
@@ -150,7 +159,8 @@ def bench_io(args: argparse.Namespace, root: str) -> bool:
         for name in layers:
             caches[name][:, dst_ids] = 0
         connector_load()
-        if not all(torch.equal(caches[name][:, src_ids], caches[name][:, dst_ids]) for name in layers):
+        figures["bit_exact"] = all(torch.equal(caches[name][:, src_ids], caches[name][:, dst_ids]) for name in layers)
+        if not figures["bit_exact"]:
             print("ERROR: blocks loaded through the connector differ from the blocks saved")
             ok = False
         return ok
@@ -159,7 +169,7 @@ def bench_io(args: argparse.Namespace, root: str) -> bool:
         worker.shutdown()
 
 
-def bench_hashes(args: argparse.Namespace) -> None:
+def bench_hashes(args: argparse.Namespace) -> float:
     from wtransfer.connectors.hashing import block_hashes
 
     namespace = "00" * 32
@@ -170,6 +180,7 @@ def bench_hashes(args: argparse.Namespace) -> None:
         f"\nHash chain: {per_block_us:.2f} us per block of {args.block_size} tokens "
         f"({args.hash_blocks} blocks, sha256 over parent + int64 tokens + extra keys, best of 3)"
     )
+    return per_block_us
 
 
 def _timed(fn: Callable[[], None]) -> float:
