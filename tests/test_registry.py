@@ -379,6 +379,22 @@ def test_hook_plugins_observe_and_contribute(site: Path):
     assert statuses["acme-broken-hooks"][0] == "broken" and "missing dependency" in statuses["acme-broken-hooks"][1]
 
 
+def test_a_misspelled_hook_is_an_error_naming_plugin_and_hook(site: Path):
+    # Without the check, pluggy registers the typo as a hook nobody calls: silence.
+    write_distribution(site, "acme-typo-hooks", "1.0", {"wtransfer.plugins": {"typo": "acme_typo_hooks"}},
+                       {"acme_typo_hooks": "import wtransfer\n"
+                                           "@wtransfer.hookimpl\n"
+                                           "def wtransfer_update_finishd(stats):\n    pass\n"})
+    from wtransfer.registry.manager import hook_plugins, plugin_manager
+
+    statuses = {p.record.distribution: (p.status, p.error) for p in hook_plugins()}
+    status, error = statuses["acme-typo-hooks"]
+    assert status == "broken"
+    assert "wtransfer_update_finishd" in error and "Did you mean 'wtransfer_update_finished'" in error
+    assert plugin_manager().get_plugin("acme-typo-hooks:typo") is None  # unregistered
+    plugin_manager().check_pending()  # nothing unverified is left behind
+
+
 def test_trace_logs_hook_calls(tmp_path: Path):
     out = run_python(
         """

@@ -90,6 +90,7 @@ def _build_manager() -> pluggy.PluginManager:
         try:
             module = importlib.import_module(record.value.partition(":")[0])
             pm.register(module, name=f"{record.distribution}:{record.name}")
+            _refuse_unknown_hooks(pm, module)
         except Exception as exc:
             logger.warning(
                 "Skipping hook plugin %s from distribution '%s' %s: %s: %s",
@@ -102,6 +103,26 @@ def _build_manager() -> pluggy.PluginManager:
         pm.trace.root.setwriter(lambda message: logger.info("%s", message.rstrip()))
         pm.enable_tracing()
     return pm
+
+
+def _refuse_unknown_hooks(pm: pluggy.PluginManager, plugin: object) -> None:
+    """A ``@hookimpl`` whose name matches no hook spec would simply never be called:
+    unregister the plugin and raise, naming the function and the hooks that exist
+    (pluggy's ``check_pending``, per plugin, so one typo does not silence the others)."""
+    from wtransfer.registry.names import suggest
+
+    known = sorted(name for name in dir(pm.hook) if not name.startswith("_") and getattr(pm.hook, name).has_spec())
+    for caller in pm.get_hookcallers(plugin) or []:
+        if caller.has_spec():
+            continue
+        if all(impl.optionalhook for impl in caller.get_hookimpls() if impl.plugin is plugin):
+            continue
+        pm.unregister(plugin)
+        close = suggest(caller.name, known)
+        hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise pluggy.PluginValidationError(
+            plugin, f"implements unknown hook {caller.name!r}.{hint} Known hooks: {', '.join(known)}"
+        )
 
 
 def notify(hook_name: str, **kwargs: Any) -> None:
