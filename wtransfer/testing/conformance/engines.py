@@ -17,6 +17,8 @@ non-contiguous, offset views, a tensor larger than a bucket) and checked bit for
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from wtransfer.engines.source import ModuleSource
 from wtransfer.testing.conformance._contract import require
 
 MODEL_FACTORY = "wtransfer.testing.models:matrix_model"
@@ -59,13 +62,13 @@ class EngineConformance:
                              timeout_s=self.timeout_s, torch_threads=1) as pool:
             yield pool
 
-    def _trainer(self, pool: Any, model: Any, trainer_init_info: dict[str, Any]) -> Any:
+    def _trainer(self, pool: Any, model: Any, trainer_init_info: dict[str, Any], source: Any = None) -> Any:
         from wtransfer.engines.trainer import create_trainer
-        from wtransfer.engines.source import ModuleSource
 
         init_info = {"world_size": pool.world_size, "bucket_bytes": BUCKET_BYTES, "timeout_s": self.timeout_s,
                      **trainer_init_info}
-        return create_trainer(self.engine, client=pool, source=ModuleSource(model), init_info=init_info)
+        source = source if source is not None else ModuleSource(model)
+        return create_trainer(self.engine, client=pool, source=source, init_info=init_info)
 
     @staticmethod
     def _digests(model: Any) -> dict[str, int]:
@@ -146,20 +149,27 @@ class EngineConformance:
     def test_dead_worker_raises_within_the_timeout(
         self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any]
     ) -> None:
+        """A worker SIGKILLed mid-round, after half the tensors were handed to the engine (so
+        buckets are already moving): the trainer must raise within the timeout, and its round
+        must not count. Killing the worker before the round would only test the pool's client."""
         from wtransfer.errors import WTransferError
         from wtransfer.testing.models import matrix_model
 
         with self._pool(engine_options) as pool:
-            trainer = self._trainer(pool, matrix_model(seed=1), trainer_init_info)
+            victim = pool.processes[-1]
+            source = _KillsMidRound(matrix_model(seed=1), victim.pid)
+            trainer = self._trainer(pool, None, trainer_init_info, source=source)
             try:
-                pool.processes[-1].kill()
-                pool.processes[-1].join(10)
                 start = time.monotonic()
                 with pytest.raises(WTransferError) as info:
                     trainer.send_weights()
                 elapsed = time.monotonic() - start
-                require(elapsed < self.timeout_s + 15, "a dead peer raises within the timeout, never hangs",
+                require(source.killed, "the worker died mid-round (the engine pulled tensors from the source)",
+                        "the source reached its middle tensor", "it did not: the round never read the source")
+                require(elapsed < self.timeout_s + 15, "a peer dying mid-round raises within the timeout, never hangs",
                         f"an error within {self.timeout_s:g} s (+ slack)", f"{elapsed:.1f} s: {info.value}")
+                require(trainer.weight_version == 0, "a failed round does not advance the trainer's weight_version",
+                        0, trainer.weight_version)
             finally:
                 trainer.shutdown()
 
@@ -176,3 +186,21 @@ class EngineConformance:
         require(listed == "True", "the engine is listed from its distribution's metadata",
                 f"{self.engine!r} in list_components()", out.stdout)
         require(has_trainer == "True", "an engine names its trainer side", "a trainer_cls attribute", name)
+
+
+
+class _KillsMidRound(ModuleSource):
+    """The model's weights; SIGKILLs ``pid`` when the engine asks for the middle tensor."""
+
+    def __init__(self, module: Any, pid: int) -> None:
+        super().__init__(module)
+        self.pid = pid
+        self.killed = False
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        middle = len(self.metadata()) // 2
+        for index, item in enumerate(super().__iter__()):
+            if index == middle and not self.killed:
+                os.kill(self.pid, signal.SIGKILL)
+                self.killed = True
+            yield item
