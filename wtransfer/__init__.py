@@ -37,6 +37,7 @@ _EXPORTS: dict[str, str] = {
     "ModuleSource": "wtransfer.engines.source",
     "TensorSource": "wtransfer.engines.source",
     "TensorEntry": "wtransfer.engines.manifest",
+    "dtype_name": "wtransfer.dtypes",
     # KV connectors and offloading
     "KVCacheSpec": "wtransfer.kvcache",
     "KVConnectorBase": "wtransfer.connectors.base",
@@ -108,6 +109,7 @@ if TYPE_CHECKING:  # let type checkers and IDEs see the lazy names
     from wtransfer.engines.client import WeightSyncClient
     from wtransfer.engines.factory import WeightTransferEngineFactory
     from wtransfer.engines.loader import module_loader
+    from wtransfer.dtypes import dtype_name
     from wtransfer.engines.manifest import TensorEntry
     from wtransfer.engines.source import ModuleSource, TensorSource, WeightSource
     from wtransfer.engines.trainer import NoTrainerSideError, TrainerWeightTransferEngine, create_trainer

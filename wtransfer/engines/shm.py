@@ -270,11 +270,10 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         ready: set[int] = set()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         deadline = time.monotonic() + self.timeout_s
-        call_returned: list[float] = []
         try:
             while len(ready) < self.num_workers:
                 call.raise_if_failed()
-                self.check_shortfall(call, ready, call_returned)
+                self.check_shortfall(call, ready)
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(1, self.world_size)) - ready)
                     raise TransferTimeoutError(

@@ -106,6 +106,8 @@ class BackgroundCall:
         self._result: Any = None
         self._error: BaseException | None = None
         self._done = threading.Event()
+        self.finished_at: float | None = None
+        """``time.monotonic()`` when the call returned or raised."""
 
         def job() -> None:
             self._run(function, args)
@@ -119,6 +121,7 @@ class BackgroundCall:
         except BaseException as exc:  # re-raised in the trainer's thread
             self._error = exc
         finally:
+            self.finished_at = time.monotonic()
             self._done.set()
 
     @property
@@ -269,20 +272,18 @@ class TrainerWeightTransferEngine(ABC):
     SHORTFALL_GRACE_S: ClassVar[float] = 3.0
     """How long the rendezvous still waits for workers after the client's init call returned."""
 
-    def check_shortfall(self, call: BackgroundCall, joined: set[int], since: list[float]) -> None:
+    def check_shortfall(self, call: BackgroundCall, joined: set[int]) -> None:
         """Fail fast when ``world_size`` is larger than the workers the client really drives.
 
         The client's ``init_weight_transfer_engine`` returns once every worker it fans out to
         has joined; if fewer than ``world_size - 1`` did (after a short grace for clients
         that return early), waiting ``timeout_s`` more would only end in a timeout that
-        blames ranks that do not exist. ``since`` holds the moment the call was first seen done.
+        blames ranks that do not exist.
         """
         if not call.done or call.error is not None or len(joined) >= self.num_workers:
             return
-        now = time.monotonic()
-        if not since:
-            since.append(now)
-        if now - since[0] >= min(self.SHORTFALL_GRACE_S, self.timeout_s):
+        assert call.finished_at is not None
+        if time.monotonic() - call.finished_at >= min(self.SHORTFALL_GRACE_S, self.timeout_s):
             raise TransferError(
                 f"{self.backend} rendezvous: init_info world_size={self.world_size} expects "
                 f"{self.num_workers} worker(s), but client.init_weight_transfer_engine() returned after "
@@ -348,11 +349,8 @@ class TrainerWeightTransferEngine(ABC):
         except BaseException as exc:
             self._raise_preferring_client(exc, call)
         call.result(self.timeout_s)
-        if self._finish_takes_version:
-            label = str(manifest.version) if label is None else str(label)
-            self._call("finish_weight_update", label).result(self.timeout_s)
-        else:
-            self._call("finish_weight_update").result(self.timeout_s)
+        version_label = (str(manifest.version if label is None else label),) if self._finish_takes_version else ()
+        self._call("finish_weight_update", *version_label).result(self.timeout_s)
         seconds = time.perf_counter() - started
         self.weight_version = manifest.version
         total = manifest.total_bytes

@@ -109,15 +109,15 @@ def _refuse_unknown_hooks(pm: pluggy.PluginManager, plugin: object) -> None:
     """A ``@hookimpl`` whose name matches no hook spec would simply never be called:
     unregister the plugin and raise, naming the function and the hooks that exist
     (pluggy's ``check_pending``, per plugin, so one typo does not silence the others)."""
-    from wtransfer.registry.names import suggest
-
-    known = sorted(name for name in dir(pm.hook) if not name.startswith("_") and getattr(pm.hook, name).has_spec())
     for caller in pm.get_hookcallers(plugin) or []:
         if caller.has_spec():
             continue
         if all(impl.optionalhook for impl in caller.get_hookimpls() if impl.plugin is plugin):
             continue
+        from wtransfer.registry.names import suggest
+
         pm.unregister(plugin)
+        known = sorted(n for n in dir(pm.hook) if not n.startswith("_") and getattr(pm.hook, n).has_spec())
         close = suggest(caller.name, known)
         hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         raise pluggy.PluginValidationError(

@@ -36,10 +36,6 @@ from wtransfer_vllm.staging import StagingLoader
 logger = logging.getLogger("vllm.wtransfer_vllm")
 
 
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 class WTransferEngineAdapter(VLLMWeightTransferEngine):
     """A vLLM weight-transfer engine backed by the wtransfer engine ``wtransfer_backend``."""
 
@@ -59,7 +55,6 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
             ),
         )
         self._loaders: dict[int, StagingLoader] = {}
-        self.last_round: dict[str, float] = {}
 
     # -- the wire format belongs to the wtransfer engine --------------------------------
     def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
@@ -92,14 +87,9 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
         self.inner.receive_weights(update_info, loader)  # validated, then the whole round staged
         received = time.perf_counter()
         load_into_model(self.model, self.model_config, loader.staged())
-        self.last_round = {
-            "receive_s": received - started,
-            "load_s": time.perf_counter() - received,
-            "staged_bytes": loader.staged_bytes,
-        }
         logger.info(
             "wtransfer-vllm round: %s received %.1f MB in %.3f s, loaded into the model in %.3f s",
-            self.wtransfer_backend, loader.staged_bytes / 1e6, self.last_round["receive_s"], self.last_round["load_s"],
+            self.wtransfer_backend, loader.staged_bytes / 1e6, received - started, time.perf_counter() - received,
         )
 
     def finish_weight_update(self) -> None:
@@ -115,7 +105,7 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
         key = id(self.model)
         if key not in self._loaders:
             self._loaders[key] = StagingLoader(
-                checkpoint_tensors(self.model_config), _dtype_name(self.model_config.dtype), self.device
+                checkpoint_tensors(self.model_config), wtransfer.dtype_name(self.model_config.dtype), self.device
             )
         return self._loaders[key]
 

@@ -9,10 +9,9 @@ bare name two distributions provide is registered for neither.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-
-import re
 
 _SEPARATORS = re.compile(r"[-_.]+")
 
@@ -32,7 +31,7 @@ class Registration:
 
 @dataclass(frozen=True)
 class Skipped:
-    """A bare name that is not registered, and why (shown by ``wtransfer-vllm`` diagnostics)."""
+    """A bare name that is not registered, and why (logged at registration)."""
 
     name: str
     reason: str

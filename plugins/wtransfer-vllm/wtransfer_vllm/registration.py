@@ -12,13 +12,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from wtransfer_vllm.naming import Registration, Skipped, registration_plan
+from wtransfer_vllm.naming import Registration, registration_plan
 
 logger = logging.getLogger("wtransfer_vllm")
 
 _done = False
-REGISTERED: dict[str, list[Registration]] = {"engine": [], "trainer": []}
-SKIPPED: list[Skipped] = []
+REGISTERED: list[Registration] = []
+"""The engine names registered in vLLM's factory (its unknown-name error lists them)."""
 
 
 def register() -> None:
@@ -48,7 +48,6 @@ def _register_engines() -> None:
 
     rows = [(c.name, c.distribution, c.status) for c in wtransfer.list_components("engines")]
     plan, skipped = registration_plan(rows, _existing_names(WeightTransferEngineFactory))
-    SKIPPED.extend(skipped)
     for item in skipped:
         logger.info("wtransfer-vllm: bare engine name %r not registered: %s", item.name, item.reason)
     for factory, module, key in (
@@ -61,9 +60,10 @@ def _register_engines() -> None:
             except ValueError as exc:  # taken after all (another plugin got there first)
                 logger.info("wtransfer-vllm: %s name %r not registered: %s", key, item.vllm_name, exc)
                 continue
-            REGISTERED[key].append(item)
+            if factory is WeightTransferEngineFactory:
+                REGISTERED.append(item)
     _explain_unknown_backends(WeightTransferEngineFactory)
-    logger.debug("wtransfer-vllm: registered %s", [r.vllm_name for r in REGISTERED["engine"]])
+    logger.debug("wtransfer-vllm: registered %s", [r.vllm_name for r in REGISTERED])
 
 
 def _explain_unknown_backends(factory: Any) -> None:
@@ -95,7 +95,7 @@ class UnknownVLLMBackendError(ValueError):
 def unknown_backend_message(backend: str, vllm_names: list[str]) -> str:
     import difflib
 
-    ours = sorted({r.vllm_name for r in REGISTERED["engine"]})
+    ours = sorted({r.vllm_name for r in REGISTERED})
     theirs = [n for n in vllm_names if n not in ours]
     close = difflib.get_close_matches(backend, vllm_names, n=3, cutoff=0.6)
     hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""

@@ -24,6 +24,15 @@ if TYPE_CHECKING:
 ALIGN = 64
 
 
+def _lay_out_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Each tensor's offset in the buffer (64-byte aligned, so any dtype's view is) and the total."""
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += (size + ALIGN - 1) // ALIGN * ALIGN
+    return offsets, total
+
+
 class StagingLoader:
     """The ``load_weights`` a wtransfer engine fills: validates, then copies into staging."""
 
@@ -33,8 +42,7 @@ class StagingLoader:
         self.device = device
         self._buffer: torch.Tensor | None = None
         self._layout: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
-        self._views: dict[str, torch.Tensor] = {}
-        self._order: list[str] = []
+        self._views: dict[str, torch.Tensor] = {}  # in manifest order
 
     @property
     def staged_bytes(self) -> int:
@@ -49,8 +57,7 @@ class StagingLoader:
 
         from wtransfer import TensorEntry
 
-        sizes = [TensorEntry(name, t.dtype, t.shape).nbytes for name, t in self.expected.items()]
-        total = sum((n + ALIGN - 1) // ALIGN * ALIGN for n in sizes)
+        _, total = _lay_out_offsets([TensorEntry(n, t.dtype, t.shape).nbytes for n, t in self.expected.items()])
         self._buffer = torch.zeros(total, dtype=torch.uint8, device=self.device)
 
     def validate_manifest(self, manifest: Any) -> None:
@@ -69,19 +76,14 @@ class StagingLoader:
     def _lay_out(self, entries: Any) -> None:
         import torch
 
-        offsets, total = [], 0
-        for entry in entries:
-            offsets.append(total)
-            total += (entry.nbytes + ALIGN - 1) // ALIGN * ALIGN
+        offsets, total = _lay_out_offsets([entry.nbytes for entry in entries])
         if self._buffer is None or self._buffer.numel() < total:
             self._buffer = None  # drop the old one first: never hold two
             self._buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
         self._views = {}
-        self._order = []
         for entry, offset in zip(entries, offsets):
             raw = self._buffer[offset : offset + entry.nbytes]
             self._views[entry.name] = raw.view(entry.torch_dtype()).view(entry.shape)
-            self._order.append(entry.name)
 
     def destination(self, name: str) -> torch.Tensor | None:
         """Where ``name`` is staged: engines receive large tensors straight into it."""
@@ -97,11 +99,10 @@ class StagingLoader:
 
     def staged(self) -> list[tuple[str, torch.Tensor]]:
         """The round's tensors in manifest order, as views of the staging buffer."""
-        return [(name, self._views[name]) for name in self._order]
+        return list(self._views.items())
 
     def release(self) -> None:
         """Free the staging buffer (the next round allocates it again)."""
         self._buffer = None
         self._views = {}
-        self._order = []
         self._layout = ()

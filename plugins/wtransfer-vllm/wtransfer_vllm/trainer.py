@@ -54,7 +54,7 @@ class _VLLMSource(wtransfer.WeightSource):
         self.source = source
 
     def metadata(self) -> list[Any]:
-        return [wtransfer.TensorEntry(m.name, str(m.dtype).removeprefix("torch."), tuple(m.shape)) for m in self.source.metadata()]
+        return [wtransfer.TensorEntry(m.name, wtransfer.dtype_name(m.dtype), tuple(m.shape)) for m in self.source.metadata()]
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         return iter(self.source)

@@ -62,12 +62,12 @@ class EngineConformance:
                              timeout_s=self.timeout_s, torch_threads=1) as pool:
             yield pool
 
-    def _trainer(self, pool: Any, model: Any, trainer_init_info: dict[str, Any], source: Any = None) -> Any:
+    def _trainer(self, pool: Any, source: Any, trainer_init_info: dict[str, Any]) -> Any:
+        """``source``: the model or a WeightSource (``create_trainer`` takes either)."""
         from wtransfer.engines.trainer import create_trainer
 
         init_info = {"world_size": pool.world_size, "bucket_bytes": BUCKET_BYTES, "timeout_s": self.timeout_s,
                      **trainer_init_info}
-        source = source if source is not None else ModuleSource(model)
         return create_trainer(self.engine, client=pool, source=source, init_info=init_info)
 
     @staticmethod
@@ -158,7 +158,7 @@ class EngineConformance:
         with self._pool(engine_options) as pool:
             victim = pool.processes[-1]
             source = _KillsMidRound(matrix_model(seed=1), victim.pid)
-            trainer = self._trainer(pool, None, trainer_init_info, source=source)
+            trainer = self._trainer(pool, source, trainer_init_info)
             try:
                 start = time.monotonic()
                 with pytest.raises(WTransferError) as info:
