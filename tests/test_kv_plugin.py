@@ -94,7 +94,15 @@ ENGINE_RUN = """
     with PagedKVEngine(spec, 8, kv_transfer_config=config, capture_kv=True) as second:
         out = second.generate({"b": prompt + [1, 2, 3]}, max_new_tokens=2)["b"]
     ref = reference_kv(spec, out.prompt_token_ids + out.output_token_ids[:1])
+    # It indexes blocks as cache[:, block_id]: written for the default layout, never declared
+    # another, so an engine with vLLM-CPU's layout is refused instead of misread.
+    try:
+        PagedKVEngine(KVCacheSpec(**{**spec.to_dict(), "layout": "vllm-cpu"}), 8, kv_transfer_config=config)
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
     print(json.dumps({
+        "refused": "does not support the 'vllm-cpu' KV cache layout" in refused and "'wtransfer'" in refused,
         "provider": listed.get("memstore"),
         "class": f"{cls.__module__}.{cls.__name__}",
         "external": out.num_external_tokens,
@@ -114,6 +122,7 @@ def test_entry_point_connector_runs_through_the_tiny_engine_in_a_subprocess(tmp_
     )
     result = json.loads(run_python(ENGINE_RUN, path=[site], timeout=120).stdout)
     assert result == {
+        "refused": True,
         "provider": "acme-kv",
         "class": "acme_kv.connector.MemStoreConnector",
         "external": 12,

@@ -216,6 +216,40 @@ def test_another_model_fingerprint_never_matches(tmp_path: Path) -> None:
     _assert_bit_exact(other, out)
 
 
+VLLM_CPU = dataclasses.replace(SPEC, layout="vllm-cpu")
+
+
+def test_the_vllm_cpu_layout_round_trips_and_files_hold_its_block_shape(tmp_path: Path) -> None:
+    _save_prompt(tmp_path, spec=VLLM_CPU)
+    (path,) = [p for p in _block_files(tmp_path) if p.stem == request_block_hashes(VLLM_CPU, PROMPT)[0]]
+    with safe_open(str(path), framework="pt") as handle:
+        assert handle.metadata()["layout"] == "vllm-cpu"
+        assert list(handle.get_tensor("kv").shape) == [3, 2, 4, 16]  # [layers, heads, block_size, 2 * head_size]
+    with _engine(_config(tmp_path), VLLM_CPU) as engine:
+        out = engine.generate({"c": PROMPT + SUFFIX})["c"]
+    assert out.num_external_tokens == 16
+    _assert_bit_exact(VLLM_CPU, out)
+
+
+def test_a_block_stored_under_one_layout_is_never_read_as_another(tmp_path: Path) -> None:
+    _save_prompt(tmp_path)  # the "wtransfer" layout
+    with _engine(_config(tmp_path), VLLM_CPU) as engine:  # same model, same tokens, other layout
+        out = engine.generate({"c": PROMPT + SUFFIX})["c"]
+    assert out.num_external_tokens == 0  # the namespace covers the layout: different hashes
+    _assert_bit_exact(VLLM_CPU, out)
+    # Even a file planted under the other layout's hash is refused by its header, never copied in.
+    theirs = request_block_hashes(SPEC, PROMPT)[0]
+    ours = request_block_hashes(VLLM_CPU, PROMPT)[0]
+    (source,) = [p for p in _block_files(tmp_path) if p.stem == theirs]
+    planted = next(p for p in _block_files(tmp_path) if p.stem == ours)
+    planted.write_bytes(source.read_bytes())
+    with _engine(_config(tmp_path), VLLM_CPU) as engine:
+        out = engine.generate({"d": PROMPT + SUFFIX})["d"]
+        stats = engine.worker_connector.get_kv_connector_stats()
+    assert out.num_external_tokens == 0 and stats.get("loaded_blocks", 0) == 0
+    _assert_bit_exact(VLLM_CPU, out)
+
+
 def test_roles_producer_only_saves_consumer_only_loads(tmp_path: Path) -> None:
     with _engine(_config(tmp_path, "kv_consumer")) as engine:
         engine.generate({"a": PROMPT})

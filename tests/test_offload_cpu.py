@@ -191,7 +191,7 @@ def test_a_failed_copy_is_reported_not_lost() -> None:
 
 def test_bad_jobs_and_caches_are_rejected(cpu_spec: CPUOffloadingSpec) -> None:
     caches = make_caches(cpu_spec.kv_cache_spec)
-    with pytest.raises(ValueError, match="expected \\[2, num_blocks, 4, 2, 8\\]"):
+    with pytest.raises(ValueError, match="expects \\[2, 12, 4, 2, 8\\]"):
         list(cpu_spec.get_handlers({**caches, LAYERS[1]: torch.zeros(2, 12, 4, 2, 9)}))
     with pytest.raises(ValueError, match="no layer 'model.layers.2.attn'"):
         list(cpu_spec.get_handlers({n: c for n, c in caches.items() if n != LAYERS[2]}))

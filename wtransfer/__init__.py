@@ -40,6 +40,8 @@ _EXPORTS: dict[str, str] = {
     "dtype_name": "wtransfer.dtypes",
     # KV connectors and offloading
     "KVCacheSpec": "wtransfer.kvcache",
+    "KV_LAYOUTS": "wtransfer.kvcache",
+    "block_view": "wtransfer.kvcache",
     "KVConnectorBase": "wtransfer.connectors.base",
     "KVConnectorRole": "wtransfer.connectors.base",
     "KVConnectorMetadata": "wtransfer.connectors.base",
@@ -125,7 +127,7 @@ if TYPE_CHECKING:  # let type checkers and IDEs see the lazy names
         UnknownComponentError,
         WTransferError,
     )
-    from wtransfer.kvcache import KVCacheSpec
+    from wtransfer.kvcache import KV_LAYOUTS, KVCacheSpec, block_view
     from wtransfer.registry.component import ComponentRef
     from wtransfer.registry.hooks import hookimpl, hookspec
     from wtransfer.registry.registry import ComponentInfo, get_class, list_components, refresh

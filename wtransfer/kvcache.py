@@ -2,13 +2,39 @@
 
 Plain dataclasses with no engine types, so any engine with a paged KV cache can
 describe itself to any connector plugin, and so they serialise to JSON.
-Per-layer cache layout: ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
+
+The per-layer memory layout is part of the description (``KVCacheSpec.layout``),
+because engines differ and a connector that copies blocks must know where a block's
+bytes are. The layouts wtransfer knows (:data:`KV_LAYOUTS`):
+
+``"wtransfer"``
+    ``[2, num_blocks, block_size, num_kv_heads, head_size]``: keys then values, the
+    layout of wtransfer's tiny paged engine. A block is two runs of bytes.
+``"vllm-cpu"``
+    ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``: vLLM's CPU attention
+    cache. A block is one run of bytes (vLLM splits it into keys and values itself).
+
+Block-moving connectors treat a block as opaque bytes: :func:`block_view` gives every
+layer as ``[segments, num_blocks, elements]`` whatever the layout, so one copy loop
+serves all of them. The layout is also part of every block hash's namespace, so KV
+stored under one layout is never read as another.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+KV_LAYOUTS: dict[str, str] = {
+    "wtransfer": "[2, num_blocks, block_size, num_kv_heads, head_size]",
+    "vllm-cpu": "[num_blocks, num_kv_heads, block_size, 2 * head_size]",
+}
+"""Layout name -> the per-layer tensor shape it names."""
+
+DEFAULT_LAYOUT = "wtransfer"
 
 
 @dataclass(frozen=True)
@@ -17,6 +43,7 @@ class KVCacheSpec:
 
     ``dtype`` is a torch dtype name (``"bfloat16"``, ``"float32"``). ``model_fingerprint``
     identifies the weights: KV produced under another fingerprint or layout never matches.
+    ``layout`` names the per-layer tensor layout (a key of :data:`KV_LAYOUTS`).
     """
 
     layer_names: tuple[str, ...]
@@ -25,6 +52,7 @@ class KVCacheSpec:
     head_size: int
     dtype: str
     model_fingerprint: str
+    layout: str = DEFAULT_LAYOUT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_names", tuple(self.layer_names))
@@ -35,6 +63,28 @@ class KVCacheSpec:
                 raise ValueError(f"KVCacheSpec.{name} must be > 0, got {getattr(self, name)}")
         if self.dtype.startswith("torch."):
             object.__setattr__(self, "dtype", self.dtype.removeprefix("torch."))
+        if self.layout not in KV_LAYOUTS:
+            raise ValueError(
+                f"KVCacheSpec.layout {self.layout!r} is not a known layout; known: "
+                + ", ".join(f"{name} {shape}" for name, shape in KV_LAYOUTS.items())
+            )
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The shape of one layer's cache tensor with ``num_blocks`` blocks, in this layout."""
+        if self.layout == "vllm-cpu":
+            return (num_blocks, self.num_kv_heads, self.block_size, 2 * self.head_size)
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block of one layer, as its bytes lie in memory (``cache_shape`` without the block axis)."""
+        shape = self.cache_shape(1)
+        return shape[1:] if self.layout == "vllm-cpu" else (shape[0], *shape[2:])
+
+    @property
+    def block_segments(self) -> int:
+        """How many separate runs of bytes one block of one layer is (2 for keys-then-values layouts)."""
+        return 1 if self.layout == "vllm-cpu" else 2
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -44,3 +94,43 @@ class KVCacheSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVCacheSpec:
         return cls(**data)
+
+
+def check_layout(spec: KVCacheSpec | None, component: type, what: str) -> None:
+    """Refuse, before anything is created, a cache layout that ``component`` does not declare.
+
+    Components declare ``supported_layouts`` (default: only ``"wtransfer"``, so a plugin
+    written before layouts existed is never handed bytes it would misread).
+    """
+    supported = tuple(getattr(component, "supported_layouts", (DEFAULT_LAYOUT,)))
+    if spec is not None and spec.layout not in supported:
+        raise ValueError(
+            f"{what} {component.__name__} does not support the {spec.layout!r} KV cache layout "
+            f"{KV_LAYOUTS[spec.layout]}; it supports {', '.join(repr(name) for name in supported)}. "
+            "Pick a component that does, or declare the layout in its supported_layouts once it handles it"
+        )
+
+
+def block_view(spec: KVCacheSpec, name: str, cache: torch.Tensor, *, who: str, cpu_only: bool = True) -> torch.Tensor:
+    """Layer ``name``'s cache as ``[segments, num_blocks, elements]`` (a view: no copy).
+
+    Checks the tensor against the spec first; ``ValueError`` naming ``who``, the layer,
+    what it got and what the layout expects. The cache must be contiguous, and on the
+    CPU unless ``cpu_only`` is False (copies with a device's own kernels).
+    """
+    from wtransfer.dtypes import dtype_name
+
+    axis = 0 if spec.layout == "vllm-cpu" else 1
+    num_blocks = cache.shape[axis] if cache.dim() > axis else 0
+    expected = spec.cache_shape(num_blocks)
+    if tuple(cache.shape) != expected or dtype_name(cache.dtype) != spec.dtype:
+        raise ValueError(
+            f"{who}: KV cache of layer {name!r} is {list(cache.shape)} {dtype_name(cache.dtype)}; layout "
+            f"{spec.layout!r} {KV_LAYOUTS[spec.layout]} expects {list(expected)} {spec.dtype}"
+        )
+    if (cpu_only and cache.device.type != "cpu") or not cache.is_contiguous():
+        raise ValueError(
+            f"{who}: KV cache of layer {name!r} must be a contiguous {'CPU ' if cpu_only else ''}tensor (got {cache.device}, "
+            f"contiguous={cache.is_contiguous()}); blocks are copied as whole runs of bytes"
+        )
+    return cache.view(spec.block_segments, num_blocks, -1)

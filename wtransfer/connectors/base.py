@@ -115,6 +115,10 @@ class KVConnectorBase(ABC):
     metadata_cls: ClassVar[type[KVConnectorMetadata]] = KVConnectorMetadata
     """The metadata class the worker rebuilds from the scheduler's dict."""
 
+    supported_layouts: ClassVar[tuple[str, ...]] = ("wtransfer",)
+    """KV cache layouts (:data:`wtransfer.kvcache.KV_LAYOUTS`) this connector reads and writes
+    correctly; the factory refuses any other before creating it."""
+
     def __init__(
         self,
         config: KVTransferConfig,
@@ -164,9 +168,10 @@ class KVConnectorBase(ABC):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:  # noqa: B027 - optional
         """Engine, worker, once after allocating its cache: layer name -> paged KV tensor.
 
-        Each tensor is ``[2, num_blocks, block_size, num_kv_heads, head_size]``
-        (index 0 keys, 1 values). The connector keeps references and reads or writes
-        blocks in place; it must not resize or replace them.
+        Each tensor is in ``kv_cache_spec.layout`` (``[2, num_blocks, block_size,
+        num_kv_heads, head_size]`` for ``"wtransfer"``; see :data:`wtransfer.kvcache.KV_LAYOUTS`
+        and :func:`wtransfer.kvcache.block_view`). The connector keeps references and reads
+        or writes blocks in place; it must not resize or replace them.
         """
 
     @abstractmethod

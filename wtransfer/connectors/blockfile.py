@@ -1,9 +1,11 @@
 """One KV block as one safetensors file: written atomically, checked before a byte reaches the cache.
 
 The file is a standard safetensors file (any safetensors reader opens it) holding
-one tensor ``"kv"`` of shape ``[num_layers, 2, block_size, num_kv_heads,
-head_size]`` plus string metadata: the layout, the model fingerprint, the block
-hash and a checksum of the tensor bytes. We write and read the format ourselves
+one tensor ``"kv"`` of shape ``[num_layers, *block_shape]`` (one block of every
+layer, as its bytes lie in the engine's cache layout, e.g. ``[num_layers, 2,
+block_size, num_kv_heads, head_size]`` for the ``"wtransfer"`` layout) plus string
+metadata: the layout, the model fingerprint, the block hash and a checksum of the
+tensor bytes. We write and read the format ourselves
 instead of calling ``safetensors.torch.save_file``/``load_file`` so that the bytes
 go straight from a reused buffer to the file and back, with no per-block
 allocation.
@@ -34,10 +36,13 @@ import struct
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, BinaryIO
 
 if TYPE_CHECKING:
     import torch
+
+    from wtransfer.kvcache import KVCacheSpec
 
 FORMAT = "wtransfer-kv-block-v1"
 TENSOR_NAME = "kv"
@@ -77,12 +82,25 @@ class BlockLayout:
     num_kv_heads: int
     head_size: int
     dtype: str
+    layout: str = "wtransfer"
+    """The cache layout's name (:data:`wtransfer.kvcache.KV_LAYOUTS`): fixes the block's shape."""
 
-    @property
+    @classmethod
+    def for_spec(cls, spec: KVCacheSpec) -> BlockLayout:
+        from wtransfer.connectors.hashing import kv_namespace
+
+        return cls(kv_namespace(spec), spec.model_fingerprint, tuple(spec.layer_names), spec.block_size,
+                   spec.num_kv_heads, spec.head_size, spec.dtype, spec.layout)
+
+    @cached_property
     def shape(self) -> list[int]:
-        return [len(self.layer_names), 2, self.block_size, self.num_kv_heads, self.head_size]
+        from wtransfer.kvcache import KVCacheSpec
 
-    @property
+        spec = KVCacheSpec(self.layer_names, self.block_size, self.num_kv_heads, self.head_size, self.dtype,
+                           self.model_fingerprint, self.layout)
+        return [len(self.layer_names), *spec.block_shape]
+
+    @cached_property
     def data_bytes(self) -> int:
         count = 1
         for dim in self.shape:
@@ -112,6 +130,7 @@ class BlockLayout:
             "num_kv_heads": str(self.num_kv_heads),
             "head_size": str(self.head_size),
             "dtype": self.dtype,
+            "layout": self.layout,
             "checksum": checksum,
         }
 

@@ -6,6 +6,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from wtransfer.config import KVTransferConfig
+from wtransfer.kvcache import check_layout
 from wtransfer.registry.kinds import CONNECTORS
 from wtransfer.registry.manager import notify
 from wtransfer.registry.registry import registry_for
@@ -36,6 +37,7 @@ class KVConnectorFactory:
         connector_cls = registry_for(CONNECTORS).get_class(
             config.kv_connector, config.kv_connector_module_path
         )
+        check_layout(kv_cache_spec, connector_cls, "KV connector")
         logger.info(
             "Creating KV connector %s (%s) for role %s, engine_id %s",
             config.kv_connector, connector_cls.__name__, getattr(role, "name", role), config.engine_id,

@@ -3,7 +3,7 @@
 A block's hash covers every token before it: ``hash_i = sha256(encode(hash_{i-1},
 tokens of block i, extra keys))``. The chain is rooted in a namespace digest of
 the model fingerprint and the KV layout (layer names, block size, heads, head
-size, dtype), so KV produced by another model or stored in another layout can
+size, dtype, and the memory layout of :data:`wtransfer.kvcache.KV_LAYOUTS`), so KV produced by another model or stored in another layout can
 never match, however the tokens agree.
 
 The encoding is canonical (fixed-width little-endian integers, length prefixes,
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from wtransfer.kvcache import KVCacheSpec
 
-HASH_SCHEME = "wtransfer-kv-block-v1"
+HASH_SCHEME = "wtransfer-kv-block-v2"
 """Bumped whenever the encoding changes, so old stores stop matching instead of mismatching."""
 
 _LENGTH = struct.Struct("<Q")
@@ -52,6 +52,7 @@ def kv_namespace(spec: KVCacheSpec) -> str:
         "num_kv_heads": spec.num_kv_heads,
         "head_size": spec.head_size,
         "dtype": spec.dtype,
+        "layout": spec.layout,
     }
     return hashlib.sha256(_canonical_json(layout)).hexdigest()
 

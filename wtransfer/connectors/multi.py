@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from wtransfer.config import KVTransferConfig
 from wtransfer.connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from wtransfer.kvcache import KV_LAYOUTS
 
 if TYPE_CHECKING:
     import torch
@@ -79,6 +80,7 @@ class MultiConnector(KVConnectorBase):
     """Composes child connectors: first hit loads, all save, done when all are done."""
 
     metadata_cls = MultiConnectorMetadata
+    supported_layouts = tuple(KV_LAYOUTS)  # each child is checked against the layout when it is created
 
     def __init__(
         self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_spec: KVCacheSpec | None = None

@@ -38,6 +38,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from wtransfer.connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from wtransfer.kvcache import KV_LAYOUTS
 from wtransfer.specs.base import DEVICE_MEDIUM, LoadStoreSpec
 from wtransfer.specs.factory import OffloadingSpecFactory
 
@@ -74,6 +75,7 @@ class OffloadingConnector(KVConnectorBase):
     """A KV connector driven by an :class:`~wtransfer.specs.base.OffloadingSpec`."""
 
     metadata_cls = OffloadingConnectorMetadata
+    supported_layouts = tuple(KV_LAYOUTS)  # the spec copies the blocks; its factory checks the layout
 
     def __init__(
         self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_spec: KVCacheSpec | None = None

@@ -46,9 +46,9 @@ from wtransfer.connectors.blockfile import (
     read_block_file,
     write_block_file,
 )
-from wtransfer.connectors.hashing import kv_namespace
 from wtransfer.connectors.request import full_block_range
 from wtransfer.errors import TransferTimeoutError
+from wtransfer.kvcache import KV_LAYOUTS, block_view
 
 if TYPE_CHECKING:
     import numpy as np
@@ -161,34 +161,24 @@ class BlockStore:
             pass  # already moved or removed by another process
 
 
-def _raw_view(cache: torch.Tensor) -> np.ndarray:
-    """The cache's memory as a ``[2, num_blocks, block elements]`` integer numpy array (no copy).
+def _raw_view(spec: KVCacheSpec, name: str, cache: torch.Tensor) -> np.ndarray:
+    """The cache's memory as a ``[segments, num_blocks, block elements]`` integer numpy array (no copy).
 
     Copies through numpy cost a fraction of torch's per-call overhead, never spawn
     intra-op threads from the I/O threads, and work for dtypes numpy lacks (bfloat16, fp8).
     """
     import torch
 
+    view = block_view(spec, name, cache, who="storage connector")
     as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[cache.element_size()]
-    return cache.view(as_int).numpy().reshape(2, cache.shape[1], -1)
-
-
-def _layout_for(spec: KVCacheSpec) -> BlockLayout:
-    return BlockLayout(
-        namespace=kv_namespace(spec),
-        model_fingerprint=spec.model_fingerprint,
-        layer_names=tuple(spec.layer_names),
-        block_size=spec.block_size,
-        num_kv_heads=spec.num_kv_heads,
-        head_size=spec.head_size,
-        dtype=spec.dtype,
-    )
+    return view.view(as_int).numpy()
 
 
 class StorageConnector(KVConnectorBase):
     """Per-block prefix store in a directory; asynchronous saves, parallel checked loads."""
 
     metadata_cls = StorageConnectorMetadata
+    supported_layouts = tuple(KV_LAYOUTS)  # blocks are copied as opaque runs of bytes (block_view)
 
     def __init__(
         self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_spec: KVCacheSpec | None = None
@@ -213,14 +203,14 @@ class StorageConnector(KVConnectorBase):
         spec = self.require_spec()
         self.block_size = spec.block_size
         self.counters = _Counters()
-        self.store = BlockStore(str(options["path"]), _layout_for(spec), self.counters)
+        self.store = BlockStore(str(options["path"]), BlockLayout.for_spec(spec), self.counters)
         # scheduler state
         self._matches: dict[str, tuple[int, int]] = {}  # request -> (first block index, matched blocks)
         self._pending_loads: list[BlockTransfer] = []
         self._requests_with_saves: set[str] = set()
         # worker state
         self._kv_caches: dict[str, torch.Tensor] | None = None
-        self._block_views: list[np.ndarray] = []  # per layer, [2, num_blocks, block elements]
+        self._block_views: list[np.ndarray] = []  # per layer, [segments, num_blocks, block elements]
         self._executor: ThreadPoolExecutor | None = None
         self._buffers = threading.local()
         self._load_futures: list[tuple[BlockTransfer, Future[bool]]] = []
@@ -289,27 +279,15 @@ class StorageConnector(KVConnectorBase):
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layout = self.store.layout
-        if set(kv_caches) != set(layout.layer_names):
+        spec = self.require_spec()
+        if set(kv_caches) != set(spec.layer_names):
             raise ValueError(
                 f"storage connector: kv_caches layers {sorted(kv_caches)} differ from the spec's "
-                f"{list(layout.layer_names)}"
+                f"{list(spec.layer_names)}"
             )
-        for name, cache in kv_caches.items():
-            if cache.dim() != 5 or cache.shape[0] != 2 or list(cache.shape[2:]) != layout.shape[2:]:
-                raise ValueError(
-                    f"storage connector: cache {name!r} has shape {list(cache.shape)}; expected "
-                    f"[2, num_blocks, {layout.block_size}, {layout.num_kv_heads}, {layout.head_size}]"
-                )
-            if str(cache.dtype).removeprefix("torch.") != layout.dtype:
-                raise ValueError(f"storage connector: cache {name!r} is {cache.dtype}, the spec says {layout.dtype}")
-            if cache.device.type != "cpu" or not cache.is_contiguous():
-                raise ValueError(
-                    f"storage connector: cache {name!r} must be a contiguous CPU tensor (got {cache.device}, "
-                    f"contiguous={cache.is_contiguous()}); it copies blocks with the CPU"
-                )
+        views = [_raw_view(spec, name, kv_caches[name]) for name in spec.layer_names]
         self._kv_caches = kv_caches
-        self._block_views = [_raw_view(kv_caches[name]) for name in layout.layer_names]
+        self._block_views = views
 
     def start_load_kv(self, **kwargs: Any) -> None:
         meta = self._meta()
@@ -416,7 +394,7 @@ class StorageConnector(KVConnectorBase):
             import numpy as np
 
             views = self._views()
-            staging = np.empty((len(views), 2, views[0].shape[2]), dtype=views[0].dtype)
+            staging = np.empty((len(views), views[0].shape[0], views[0].shape[2]), dtype=views[0].dtype)
             self._buffers.staging = staging
             self._buffers.raw = memoryview(staging).cast("B")
         return staging, self._buffers.raw

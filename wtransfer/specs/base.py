@@ -19,7 +19,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     import torch
@@ -194,6 +194,10 @@ class OffloadingSpec(ABC):
     offloaded block size in tokens and must be a multiple of the engine's block size
     (default: the engine's). ``kv_cache_spec`` describes the engine's paged cache.
     """
+
+    supported_layouts: ClassVar[tuple[str, ...]] = ("wtransfer",)
+    """KV cache layouts (:data:`wtransfer.kvcache.KV_LAYOUTS`) whose blocks this spec copies
+    correctly; the factory refuses any other before creating it."""
 
     def __init__(self, config: KVTransferConfig, kv_cache_spec: KVCacheSpec | None = None) -> None:
         self.config = config

@@ -16,6 +16,7 @@ every transfer reuses it and one preallocated staging buffer per direction.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -27,6 +28,7 @@ import torch
 
 from wtransfer.dtypes import dtype_from_name
 from wtransfer.errors import TransferTimeoutError
+from wtransfer.kvcache import KV_LAYOUTS, block_view
 from wtransfer.specs.base import (
     CPU_MEDIUM,
     DEVICE_MEDIUM,
@@ -50,7 +52,7 @@ DEFAULT_STAGING_BLOCKS = 64
 
 @dataclass(frozen=True)
 class BlockRows:
-    """One side of a copy: per-layer ``[2, rows, row_elems]`` views, and rows per block id."""
+    """One side of a copy: per-layer ``[segments, rows, row_elems]`` views, and rows per block id."""
 
     medium: str
     layers: tuple[torch.Tensor, ...]
@@ -96,10 +98,10 @@ class BlockCopyHandler(OffloadingHandler):
     ) -> None:
         self.src, self.dst = src, dst
         self.timeout_s = timeout_s
-        row_elems = src.layers[0].shape[2]
-        self._row_bytes = row_elems * src.layers[0].element_size() * 2 * len(src.layers)
+        segments, _, row_elems = src.layers[0].shape
+        self._row_bytes = row_elems * src.layers[0].element_size() * segments * len(src.layers)
         self._chunk_rows = max(1, staging_rows)
-        self._src_staging = torch.empty(2 * self._chunk_rows * row_elems, dtype=src.layers[0].dtype, device=src.device)
+        self._src_staging = torch.empty(segments * self._chunk_rows * row_elems, dtype=src.layers[0].dtype, device=src.device)
         self._dst_staging = (
             self._src_staging
             if dst.device == src.device
@@ -212,7 +214,7 @@ class BlockCopyHandler(OffloadingHandler):
             src_idx = src_rows[start : start + self._chunk_rows]
             dst_idx = dst_rows[start : start + self._chunk_rows]
             for src_layer, dst_layer in zip(self.src.layers, self.dst.layers):
-                shape = (2, len(src_idx), src_layer.shape[2])
+                shape = (src_layer.shape[0], len(src_idx), src_layer.shape[2])
                 gathered = self._src_staging[: shape[0] * shape[1] * shape[2]].view(shape)
                 torch.index_select(src_layer, 1, src_idx, out=gathered)
                 if self._dst_staging is not self._src_staging:
@@ -249,6 +251,8 @@ def _pin(dst: torch.device, src: torch.device) -> bool:
 class CPUOffloadingSpec(OffloadingSpec):
     """KV blocks evicted from the engine's cache go to host memory, chosen by an eviction policy."""
 
+    supported_layouts = tuple(KV_LAYOUTS)  # blocks are copied as opaque rows (block_view)
+
     handler_cls: type[BlockCopyHandler] = BlockCopyHandler
 
     def __init__(self, config: KVTransferConfig, kv_cache_spec: KVCacheSpec | None = None) -> None:
@@ -260,9 +264,10 @@ class CPUOffloadingSpec(OffloadingSpec):
             )
         self.dtype = dtype_from_name(kv_cache_spec.dtype)
         self.num_layers = len(kv_cache_spec.layer_names)
-        self.row_elems = kv_cache_spec.block_size * kv_cache_spec.num_kv_heads * kv_cache_spec.head_size
+        self.segments = kv_cache_spec.block_segments
+        self.row_elems = math.prod(kv_cache_spec.block_shape) // self.segments
         self.bytes_per_block = (
-            self.num_layers * 2 * self.row_elems * self.block_size_factor * self.dtype.itemsize
+            self.num_layers * self.segments * self.row_elems * self.block_size_factor * self.dtype.itemsize
         )
         self.num_blocks = self._num_blocks()
         self.eviction_policy = str(self.extra_config.get("eviction_policy", "lru"))
@@ -293,7 +298,7 @@ class CPUOffloadingSpec(OffloadingSpec):
 
     @property
     def tier(self) -> torch.Tensor | None:
-        """``[layers, 2, num_blocks * block_size_factor, row]`` once the worker side exists."""
+        """``[layers, segments, num_blocks * block_size_factor, row]`` once the worker side exists."""
         return self._tier
 
     def get_manager(self) -> BlockTableManager:
@@ -315,7 +320,7 @@ class CPUOffloadingSpec(OffloadingSpec):
         started = time.perf_counter()
         # zeros, not empty: fault every page in now rather than during the first transfers
         self._tier = torch.zeros(
-            (self.num_layers, 2, self.num_blocks * self.block_size_factor, self.row_elems),
+            (self.num_layers, self.segments, self.num_blocks * self.block_size_factor, self.row_elems),
             dtype=self.dtype,
             pin_memory=device.type == "cuda",
         )
@@ -336,16 +341,7 @@ class CPUOffloadingSpec(OffloadingSpec):
         assert spec is not None
         if name not in kv_caches:
             raise ValueError(f"kv_caches has no layer {name!r}; the KVCacheSpec names {list(spec.layer_names)}")
-        cache = kv_caches[name]
-        expected = (2, spec.block_size, spec.num_kv_heads, spec.head_size)
-        if cache.dim() != 5 or (cache.shape[0], *cache.shape[2:]) != expected or cache.dtype != self.dtype:
-            raise ValueError(
-                f"KV cache of layer {name!r} is {tuple(cache.shape)} {cache.dtype}; expected "
-                f"[2, num_blocks, {spec.block_size}, {spec.num_kv_heads}, {spec.head_size}] {self.dtype}"
-            )
-        if not cache.is_contiguous():
-            raise ValueError(f"KV cache of layer {name!r} must be contiguous for block copies")
-        return cache.view(2, cache.shape[1], self.row_elems)
+        return block_view(spec, name, kv_caches[name], who="cpu offloading spec", cpu_only=False)
 
     def shutdown(self) -> None:
         """Stop the handler threads (joined); the tier is released with the spec."""

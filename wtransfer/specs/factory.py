@@ -6,6 +6,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from wtransfer.config import KVTransferConfig
+from wtransfer.kvcache import check_layout
 from wtransfer.registry.kinds import SPECS
 from wtransfer.registry.manager import notify
 from wtransfer.registry.registry import registry_for
@@ -40,6 +41,7 @@ class OffloadingSpecFactory:
         if not module_path:
             spec_name = SEED_ALIASES.get(spec_name, spec_name)
         spec_cls = registry_for(SPECS).get_class(spec_name, module_path)
+        check_layout(kv_cache_spec, spec_cls, "offloading spec")
         logger.info("Creating offloading spec %s (%s)", spec_name, spec_cls.__name__)
         spec = spec_cls(config, kv_cache_spec)
         notify(SPECS.created_hook, spec=spec)

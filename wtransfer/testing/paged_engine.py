@@ -8,7 +8,8 @@ Connector authors use it to test their plugin end to end without vLLM:
 
 What is real here
 -----------------
-* **Paged cache.** One tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_size]``
+* **Paged cache.** One tensor per layer in the spec's layout (``KVCacheSpec.cache_shape``: by default
+  ``[2, num_blocks, block_size, num_kv_heads, head_size]``, or vLLM-CPU's, see :func:`kv_planes`)
   (0 = keys, 1 = values), in the spec's dtype. These exact tensors are given to
   the worker connector's ``register_kv_caches``; connectors read and write blocks in place.
 * **Block allocator with prefix caching.** Full blocks are identified by their
@@ -289,7 +290,7 @@ class PagedKVEngine:
         self.enable_prefix_caching = enable_prefix_caching
         self.capture_kv = capture_kv
         dtype = torch_dtype(spec.dtype)
-        shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        shape = spec.cache_shape(num_blocks)  # in the spec's layout: connectors must handle it
         self.kv_caches: dict[str, torch.Tensor] = {name: torch.zeros(shape, dtype=dtype) for name in spec.layer_names}
         if kv_transfer_config is not None and connectors is not None:
             raise ValueError("pass either kv_transfer_config or connectors, not both")
@@ -486,24 +487,24 @@ class PagedKVEngine:
         for layer, name in enumerate(self.spec.layer_names):
             if self.worker_connector is not None:
                 self.worker_connector.wait_for_layer_load(name)
-            cache = self.kv_caches[name]
+            keys, values = kv_planes(self.spec, self.kv_caches[name])
             for entry in scheduled:
                 start = entry.request.num_computed_tokens
                 layer_xs = xs[entry.request.request_id]
                 # what the cache holds for this request (loaded or computed earlier), as float rows
                 blocks = torch.tensor(entry.block_ids, dtype=torch.long)
-                past_k = cache[0].index_select(0, blocks).reshape(-1, self.model.hidden).float()
-                past_v = cache[1].index_select(0, blocks).reshape(-1, self.model.hidden).float()
+                past_k = keys.index_select(0, blocks).reshape(-1, self.model.hidden).float()
+                past_v = values.index_select(0, blocks).reshape(-1, self.model.hidden).float()
                 for offset, x in enumerate(layer_xs):
                     pos = start + offset
                     k, v, layer_xs[offset] = self.model.layer_step(layer, x, past_k[:pos], past_v[:pos])
                     block, slot = entry.block_ids[pos // bs], pos % bs
-                    cache[0, block, slot] = k.reshape(heads, head_size)
-                    cache[1, block, slot] = v.reshape(heads, head_size)
-                    past_k[pos] = cache[0, block, slot].reshape(-1)  # as stored: rounded to the cache dtype
-                    past_v[pos] = cache[1, block, slot].reshape(-1)
+                    keys[block, slot] = k.reshape(heads, head_size)
+                    values[block, slot] = v.reshape(heads, head_size)
+                    past_k[pos] = keys[block, slot].reshape(-1)  # as stored: rounded to the cache dtype
+                    past_v[pos] = values[block, slot].reshape(-1)
             if self.worker_connector is not None:
-                self.worker_connector.save_kv_layer(name, cache)
+                self.worker_connector.save_kv_layer(name, self.kv_caches[name])
         return {rid: layer_xs[-1] for rid, layer_xs in xs.items() if layer_xs}
 
     def _update_after_forward(
@@ -592,9 +593,10 @@ class PagedKVEngine:
         n = request.kv.num_computed_tokens
         blocks = torch.tensor(request.block_ids, dtype=torch.long)
         out: dict[str, torch.Tensor] = {}
+        heads, head_size = self.spec.num_kv_heads, self.spec.head_size
         for name, cache in self.kv_caches.items():
-            gathered = cache.index_select(1, blocks)  # [2, nblocks, bs, H, D]
-            out[name] = gathered.reshape(2, -1, self.spec.num_kv_heads, self.spec.head_size)[:, :n].clone()
+            planes = kv_planes(self.spec, cache)  # each [num_blocks, bs, H, D]
+            out[name] = torch.stack([p.index_select(0, blocks).reshape(-1, heads, head_size)[:n] for p in planes])
         return out
 
     def _blocks_for(self, num_tokens: int) -> int:
@@ -612,6 +614,20 @@ class PagedKVEngine:
             f"engine stuck {waited}with requests {pending}: a connector never reported them in "
             "get_finished() (sending/receiving), or the cache is too small for the waiting requests"
         )
+
+
+def kv_planes(spec: KVCacheSpec, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of one layer's cache as ``[num_blocks, block_size, heads, head_size]`` views.
+
+    Writing into them writes the cache. For ``"vllm-cpu"`` the block is split as vLLM's
+    CPU attention splits it: viewed as ``[heads, 2 * block_size, head_size]``, the first
+    ``block_size`` rows are keys and the rest values.
+    """
+    if spec.layout == "vllm-cpu":
+        num_blocks = cache.shape[0]
+        halves = cache.view(num_blocks, spec.num_kv_heads, 2 * spec.block_size, spec.head_size).chunk(2, dim=2)
+        return halves[0].permute(0, 2, 1, 3), halves[1].permute(0, 2, 1, 3)
+    return cache[0], cache[1]
 
 
 def reference_kv(spec: KVCacheSpec, token_ids: Sequence[int], *, vocab_size: int = 512) -> dict[str, torch.Tensor]:

@@ -41,12 +41,17 @@ class ConnectorConformance:
         """``kv_connector_extra_config`` for the connector under test."""
         return {}
 
-    @pytest.fixture
-    def kv_cache_spec(self) -> Any:
+    @pytest.fixture(params=["wtransfer", "vllm-cpu"])
+    def kv_cache_spec(self, request: Any) -> Any:
+        """The engine's cache, once per known layout (a layout the connector does not declare is skipped)."""
+        from wtransfer import get_class
         from wtransfer.kvcache import KVCacheSpec
 
+        supported = getattr(get_class("connectors", self.connector), "supported_layouts", ("wtransfer",))
+        if request.param not in supported:
+            pytest.skip(f"connector {self.connector!r} does not declare the {request.param!r} layout")
         return KVCacheSpec(("layer.0", "layer.1"), block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8,
-                           dtype="float32", model_fingerprint="conformance-model")
+                           dtype="float32", model_fingerprint="conformance-model", layout=request.param)
 
     @pytest.fixture
     def kv_transfer_config(self, connector_options: dict[str, Any]) -> Any:

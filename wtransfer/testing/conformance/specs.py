@@ -42,12 +42,17 @@ class SpecConformance:
         """``kv_connector_extra_config`` for the spec (keep the tier small: tests fill it)."""
         return {}
 
-    @pytest.fixture
-    def kv_cache_spec(self) -> Any:
+    @pytest.fixture(params=["wtransfer", "vllm-cpu"])
+    def kv_cache_spec(self, request: Any) -> Any:
+        """The engine's cache, once per known layout (a layout the spec does not declare is skipped)."""
+        from wtransfer import get_class
         from wtransfer.kvcache import KVCacheSpec
 
+        supported = getattr(get_class("specs", self.spec), "supported_layouts", ("wtransfer",))
+        if request.param not in supported:
+            pytest.skip(f"spec {self.spec!r} does not declare the {request.param!r} layout")
         return KVCacheSpec(("layer.0", "layer.1"), block_size=4, num_kv_heads=2, head_size=8,
-                           dtype="float32", model_fingerprint="conformance")
+                           dtype="float32", model_fingerprint="conformance", layout=request.param)
 
     @pytest.fixture
     def offloading_spec(self, spec_options: dict[str, Any], kv_cache_spec: Any) -> Any:
@@ -185,12 +190,13 @@ class SpecConformance:
     def test_round_trip_through_the_tier_is_bit_exact(self, offloading_spec: Any, kv_cache_spec: Any) -> None:
         import torch
 
+        from wtransfer.kvcache import block_view
         from wtransfer.specs.base import DEVICE_MEDIUM, LoadStoreSpec
 
         factor = offloading_spec.block_size_factor
         num_engine_blocks = 8 * factor
         dtype = getattr(torch, kv_cache_spec.dtype)
-        shape = (2, num_engine_blocks, kv_cache_spec.block_size, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size)
+        shape = kv_cache_spec.cache_shape(num_engine_blocks)
         generator = torch.Generator().manual_seed(0)
         caches = {name: torch.randn(shape, generator=generator).to(dtype) for name in kv_cache_spec.layer_names}
         original = {name: t.clone() for name, t in caches.items()}
@@ -211,8 +217,11 @@ class SpecConformance:
         require([r.job_id for r in results if r.success] == [1], "get_finished reports the job once, successful",
                 "[1]", results)
         manager.complete_store(blocks)
-        for t in caches.values():
-            t[:, factor:3 * factor].zero_()
+        def blocks_of(name: str, cache: Any) -> Any:  # [segments, blocks, elements], whatever the layout
+            return block_view(kv_cache_spec, name, cache, who="SpecConformance", cpu_only=False)
+
+        for name, t in caches.items():
+            blocks_of(name, t)[:, factor:3 * factor].zero_()
         load_spec = manager.prepare_load(blocks)
         target_ids = list(range(5 * factor, 7 * factor))
         load = handlers[(tier, DEVICE_MEDIUM)]
@@ -222,7 +231,8 @@ class SpecConformance:
         require([r.job_id for r in load.get_finished() if r.success] == [2], "a load job succeeds", "[2]", "failure")
         manager.complete_load(blocks)
         for name, t in caches.items():
-            require(torch.equal(t[:, 5 * factor:7 * factor], original[name][:, factor:3 * factor]),
+            require(torch.equal(blocks_of(name, t)[:, 5 * factor:7 * factor],
+                                blocks_of(name, original[name])[:, factor:3 * factor]),
                     "a block loaded back from the tier is bit-exact", f"layer {name} equal to what was stored",
                     "different bytes")
         for handler in {id(h): h for h in handlers.values()}.values():
