@@ -46,6 +46,8 @@ _EXPORTS: dict[str, str] = {
     "KVConnectorRole": "wtransfer.connectors.base",
     "KVConnectorMetadata": "wtransfer.connectors.base",
     "KVRequest": "wtransfer.connectors.request",
+    "block_hashes": "wtransfer.connectors.hashing",
+    "kv_namespace": "wtransfer.connectors.hashing",
     "ScheduledRequest": "wtransfer.connectors.request",
     "SchedulerStep": "wtransfer.connectors.request",
     "OffloadingSpec": "wtransfer.specs.base",
@@ -127,6 +129,7 @@ if TYPE_CHECKING:  # let type checkers and IDEs see the lazy names
         UnknownComponentError,
         WTransferError,
     )
+    from wtransfer.connectors.hashing import block_hashes, kv_namespace
     from wtransfer.kvcache import KV_LAYOUTS, KVCacheSpec, block_view
     from wtransfer.registry.component import ComponentRef
     from wtransfer.registry.hooks import hookimpl, hookspec

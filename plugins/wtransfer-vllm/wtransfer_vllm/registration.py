@@ -19,6 +19,8 @@ logger = logging.getLogger("wtransfer_vllm")
 _done = False
 REGISTERED: list[Registration] = []
 """The engine names registered in vLLM's factory (its unknown-name error lists them)."""
+REGISTERED_CONNECTORS: list[Registration] = []
+"""The connector names registered in vLLM's ``KVConnectorFactory``."""
 
 
 def register() -> None:
@@ -31,6 +33,10 @@ def register() -> None:
         _register_engines()
     except Exception:  # a broken environment must not stop vLLM
         logger.exception("wtransfer-vllm: could not register wtransfer's engines; vLLM runs without them")
+    try:
+        _register_connectors()
+    except Exception:
+        logger.exception("wtransfer-vllm: could not register wtransfer's KV connectors; vLLM runs without them")
 
 
 def _existing_names(factory: Any) -> set[str]:
@@ -64,6 +70,24 @@ def _register_engines() -> None:
                 REGISTERED.append(item)
     _explain_unknown_backends(WeightTransferEngineFactory)
     logger.debug("wtransfer-vllm: registered %s", [r.vllm_name for r in REGISTERED])
+
+
+def _register_connectors() -> None:
+    """Every wtransfer connector into vLLM's ``KVConnectorFactory``, under the same naming rule."""
+    import wtransfer
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    rows = [(c.name, c.distribution, c.status) for c in wtransfer.list_components("connectors")]
+    plan, skipped = registration_plan(rows, _existing_names(KVConnectorFactory))
+    for item in skipped:
+        logger.info("wtransfer-vllm: bare connector name %r not registered: %s", item.name, item.reason)
+    for item in plan:
+        try:
+            KVConnectorFactory.register_connector(item.vllm_name, "wtransfer_vllm.connector", item.wtransfer_name)
+        except ValueError as exc:
+            logger.info("wtransfer-vllm: connector name %r not registered: %s", item.vllm_name, exc)
+            continue
+        REGISTERED_CONNECTORS.append(item)
 
 
 def _explain_unknown_backends(factory: Any) -> None:

