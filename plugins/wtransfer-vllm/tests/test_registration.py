@@ -110,6 +110,21 @@ def test_third_party_names_conflicts_and_broken_plugins(vllm_python: Path, third
     assert "acme-dup:broken" in names  # listed from metadata; it fails only when created
 
 
+def test_builtin_connectors_registered_lazily_in_vllms_kv_connector_factory(vllm_python: Path) -> None:
+    got = load(vllm_python, """
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory as K
+        cls = K._registry["storage"]()      # what vLLM's get_connector_class looks up
+        print(json.dumps({"names": sorted(K._registry), "cls": cls.__mro__[1].__name__,
+                          "backend": cls.wtransfer_backend, "same": K._registry["wtransfer:storage"]() is cls,
+                          "imported": sorted(m for m in sys.modules if m.startswith("wtransfer.connectors."))}))
+    """)
+    for name in ("storage", "multi", "offloading", "wtransfer:storage", "wtransfer:multi", "wtransfer:offloading"):
+        assert name in got["names"]
+    assert "ExampleConnector" in got["names"]  # vLLM's own are untouched
+    assert got["cls"] == "WTransferKVConnectorAdapter" and got["backend"] == "wtransfer:storage" and got["same"]
+    assert got["imported"] == []  # looking the class up imports no connector module
+
+
 def test_unknown_backend_error_lists_wtransfer_names_with_did_you_mean(vllm_python: Path) -> None:
     got = load(vllm_python, """
         from vllm.config.weight_transfer import WeightTransferConfig
@@ -125,3 +140,16 @@ def test_unknown_backend_error_lists_wtransfer_names_with_did_you_mean(vllm_pyth
     for message in got.values():
         assert "wtransfer's engines" in message and "wtransfer:gloo" in message and "nccl" in message
     assert "Did you mean" not in got["totally-unknown"]
+
+
+def test_unknown_connector_error_lists_wtransfer_names_with_did_you_mean(vllm_python: Path) -> None:
+    got = load(vllm_python, """
+        from vllm.config import KVTransferConfig
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory as K
+        try:
+            K.get_connector_class(KVTransferConfig(kv_connector="storag", kv_role="kv_both"))
+        except ValueError as exc:
+            print(json.dumps(str(exc)))
+    """)
+    assert "Invalid KV connector: 'storag'. Did you mean 'storage'" in got
+    assert "ExampleConnector" in got and "wtransfer:multi" in got

@@ -1,9 +1,10 @@
-"""The ``vllm.general_plugins`` entry point: wtransfer's engines into vLLM's factories.
+"""The ``vllm.general_plugins`` entry point: wtransfer's engines and KV connectors into vLLM's factories.
 
 vLLM calls :func:`register` in every process it starts. It reads entry-point metadata only:
 each name is registered with vLLM's own lazy ``register_engine(name, module, attribute)``,
 where the module is this package's adapter module and the attribute the wtransfer name, so
-no engine module is imported until vLLM creates that engine. Nothing here may break vLLM's
+no engine module is imported until vLLM creates that engine. KV connectors go the same way
+into ``KVConnectorFactory.register_connector`` (adapter module :mod:`wtransfer_vllm.connector`). Nothing here may break vLLM's
 start-up: any failure is logged and vLLM runs without wtransfer's engines.
 """
 
@@ -88,6 +89,7 @@ def _register_connectors() -> None:
             logger.info("wtransfer-vllm: connector name %r not registered: %s", item.vllm_name, exc)
             continue
         REGISTERED_CONNECTORS.append(item)
+    _explain_unknown_connectors(KVConnectorFactory)
 
 
 def _explain_unknown_backends(factory: Any) -> None:
@@ -97,35 +99,53 @@ def _explain_unknown_backends(factory: Any) -> None:
     ``shm`` exists, and that ``nccl`` from wtransfer is spelled ``wtransfer-nccl:nccl``.
     Only the unknown-name path changes: a known name goes straight to vLLM's code.
     """
-    original = factory.create_engine.__func__
+    _explain_unknown(factory, "create_engine", lambda config: getattr(config, "backend", None),
+                     "weight transfer backend", "engines", REGISTERED)
+
+
+def _explain_unknown_connectors(factory: Any) -> None:
+    """The same for ``kv_connector`` names (a ``kv_connector_module_path`` goes to vLLM's code)."""
+
+    def name_of(config: Any) -> str | None:
+        return None if getattr(config, "kv_connector_module_path", None) else getattr(config, "kv_connector", None)
+
+    _explain_unknown(factory, "get_connector_class", name_of, "KV connector", "connectors", REGISTERED_CONNECTORS)
+
+
+def _explain_unknown(factory: Any, method: str, name_of: Any, what: str, kind: str, ours: list[Registration]) -> None:
+    original = getattr(factory, method).__func__
     if getattr(original, "_wtransfer_wrapped", False):
         return
 
-    def create_engine(cls: Any, config: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrapped(cls: Any, config: Any, *args: Any, **kwargs: Any) -> Any:
         known = getattr(cls, "_registry", None)
-        backend = getattr(config, "backend", None)
-        if isinstance(known, dict) and isinstance(backend, str) and backend not in known:
-            raise UnknownVLLMBackendError(unknown_backend_message(backend, sorted(known)))
+        name = name_of(config)
+        if isinstance(known, dict) and isinstance(name, str) and name not in known:
+            raise UnknownVLLMBackendError(unknown_name_message(what, kind, name, sorted(known), ours))
         return original(cls, config, *args, **kwargs)
 
-    create_engine._wtransfer_wrapped = True  # type: ignore[attr-defined]
-    factory.create_engine = classmethod(create_engine)
+    wrapped._wtransfer_wrapped = True  # type: ignore[attr-defined]
+    setattr(factory, method, classmethod(wrapped))
 
 
 class UnknownVLLMBackendError(ValueError):
-    """``weight_transfer_config.backend`` names no engine vLLM or wtransfer knows."""
+    """A ``weight_transfer_config.backend`` or ``kv_connector`` names nothing vLLM or wtransfer knows."""
 
 
 def unknown_backend_message(backend: str, vllm_names: list[str]) -> str:
+    return unknown_name_message("weight transfer backend", "engines", backend, vllm_names, REGISTERED)
+
+
+def unknown_name_message(what: str, kind: str, name: str, vllm_names: list[str], registered: list[Registration]) -> str:
     import difflib
 
-    ours = sorted({r.vllm_name for r in REGISTERED})
+    ours = sorted({r.vllm_name for r in registered})
     theirs = [n for n in vllm_names if n not in ours]
-    close = difflib.get_close_matches(backend, vllm_names, n=3, cutoff=0.6)
+    close = difflib.get_close_matches(name, vllm_names, n=3, cutoff=0.6)
     hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
     return (
-        f"Invalid weight transfer backend: {backend!r}.{hint} vLLM's engines: {', '.join(theirs) or '(none)'}; "
-        f"wtransfer's engines (from installed packages): {', '.join(ours) or '(none)'}. "
-        f"`wtransfer list engines` shows what is installed; a wtransfer engine is also reachable "
+        f"Invalid {what}: {name!r}.{hint} vLLM's {kind}: {', '.join(theirs) or '(none)'}; "
+        f"wtransfer's {kind} (from installed packages): {', '.join(ours) or '(none)'}. "
+        f"`wtransfer list {kind}` shows what is installed; a wtransfer component is also reachable "
         f"as distribution:name."
     )

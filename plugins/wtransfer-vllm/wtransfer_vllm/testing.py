@@ -116,9 +116,10 @@ def generate_one_by_one(llm: Any, prompts: list[list[int]], max_tokens: int = 4)
     for prompt in prompts:
         (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
         completion = output.outputs[0]
-        logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+        logprobs = [step[token].logprob for step, token in zip(completion.logprobs or [], completion.token_ids)]
         results.append({"tokens": list(completion.token_ids), "logprobs": logprobs,
-                        "num_cached_tokens": int(output.num_cached_tokens or 0)})
+                        "num_cached_tokens": int(output.num_cached_tokens or 0),
+                        "finish_reason": completion.finish_reason})
     return results
 
 

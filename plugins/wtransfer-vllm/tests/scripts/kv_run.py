@@ -2,7 +2,8 @@
 
 usage: kv_run.py MODEL_DIR OUT_JSON CONNECTOR EXTRA_CONFIG_JSON PROMPTS_JSON [LLM_KWARGS_JSON]
 
-CONNECTOR ``none`` runs without a connector. Writes, per prompt: greedy tokens, logprobs
+CONNECTOR ``none`` runs without a connector. ``LLM_KWARGS_JSON`` may hold
+``kv_load_failure_policy`` (a ``KVTransferConfig`` field) besides ``LLM`` arguments. Writes, per prompt: greedy tokens, logprobs
 and vLLM's ``num_cached_tokens``.
 """
 
@@ -17,9 +18,11 @@ if __name__ == "__main__":
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
+    policy = overrides.pop("kv_load_failure_policy", "fail")
     if connector != "none":
         overrides["kv_transfer_config"] = KVTransferConfig(
-            kv_connector=connector, kv_role="kv_both", kv_connector_extra_config=json.loads(extra)
+            kv_connector=connector, kv_role="kv_both", kv_connector_extra_config=json.loads(extra),
+            kv_load_failure_policy=policy,
         )
     llm = LLM(**llm_kwargs(model_dir, **overrides))
     write_json(out, {"results": generate_one_by_one(llm, json.loads(prompts))})
