@@ -61,6 +61,22 @@ def test_saves_to_every_child_and_loads_from_the_first_hit(tmp_path: Path) -> No
     assert all(torch.equal(out.kv[n], reference[n]) for n in reference)
 
 
+def test_each_child_hears_its_own_workers_reports(tmp_path: Path) -> None:
+    """An offloading child's stores count only once its worker reports them landed; through
+    multi that report must reach it, or the CPU tier would never serve a load."""
+    offload = {"kv_connector": "offloading", "kv_connector_extra_config": {"spec_name": "cpu", "num_cpu_blocks": 16}}
+    config = _multi(offload, _child(tmp_path / "disk"))
+    with PagedKVEngine(SPEC, 16, kv_transfer_config=config, enable_prefix_caching=False, capture_kv=True) as engine:
+        engine.generate({"a": PROMPT}, max_new_tokens=1)
+        out = engine.generate({"b": PROMPT}, max_new_tokens=1)["b"]
+        stats = engine.worker_connector.get_kv_connector_stats()
+    assert out.num_external_tokens == 16
+    assert stats["0:offloading"]["load_jobs"] >= 1  # the tier served it, ahead of the disk
+    assert "loaded_blocks" not in stats["1:storage"]
+    reference = reference_kv(SPEC, out.prompt_token_ids)
+    assert all(torch.equal(out.kv[n][:, :16], reference[n][:, :16]) for n in reference)
+
+
 class SlowStorage(StorageConnector):
     """A storage child whose saves wait for the test to open a gate."""
 

@@ -66,7 +66,7 @@ def test_evicted_prefixes_come_back_from_the_tier_bit_exactly(paged_engine: Engi
         assert first[name].num_external_tokens == 0
     assert engine.allocator.num_evictions > 0, "the working set must not fit the engine's cache"
     metadata = json.loads(engine.last_metadata_json or "{}")
-    assert {"step", "loads", "stores", "stores_ready_through"} <= set(metadata)
+    assert {"step", "loads", "stores"} <= set(metadata)
     external = 0
     for name, tokens in prompts.items():
         again = engine.generate({f"{name}-2": tokens})[f"{name}-2"]
@@ -175,11 +175,15 @@ def test_a_failed_store_is_never_loaded(paged_engine: Engine, isolated_registry:
                           enable_prefix_caching=False, capture_kv=True)
     first = engine.generate({"a": prompt(5)})["a"]
     again = engine.generate({"b": prompt(5)})["b"]
-    # the scheduler could not know the store failed, offered the blocks, and the worker refused them
-    assert again.num_load_errors >= 1 and again.num_external_tokens == 0
+    # The worker reported the failure (build_connector_worker_meta -> update_connector_output):
+    # the scheduler freed the slots instead of offering blocks that never landed.
+    assert again.num_external_tokens == 0 and again.num_load_errors == 0
     assert again.output_token_ids == first.output_token_ids
     assert_bit_exact(again)
     assert engine.worker_connector.get_kv_connector_stats()["failed_stores"] >= 1
+    assert engine.scheduler_connector.get_kv_connector_stats()["failed_store_blocks"] >= 1
+    hashes = request_block_hashes(SPEC, prompt(5))
+    assert engine.scheduler_connector.manager.lookup(hashes) == 0
 
 
 class GatedStoreHandler(BlockCopyHandler):
@@ -199,16 +203,20 @@ def test_blocks_are_held_while_their_stores_are_in_flight(paged_engine: Engine, 
     registry_for(SPECS).register("gated-store", GatedStoreSpec)
     GatedStoreHandler.gate.clear()
     engine = paged_engine(SPEC, 8, kv_transfer_config=offloading(spec_name="gated-store", num_cpu_blocks=8))
+    manager = engine.scheduler_connector.manager
+    hashes = request_block_hashes(SPEC, prompt(6))
     try:
         engine.add_request("a", prompt(6), max_new_tokens=1)
         for _ in range(5):
             engine.step()
         assert engine.has_unfinished(), "finished, but its blocks must wait for the store"
         assert engine.allocator.num_free < 8
+        assert manager.lookup(hashes) == 0, "offered for loading before its bytes are in the tier"
     finally:
         GatedStoreHandler.gate.set()
     engine.run(timeout_s=10)  # "a" already produced its output; this waits for the delayed free
     assert not engine.has_unfinished() and engine.allocator.num_free == 8
+    assert manager.lookup(hashes) == len(hashes), "landed, so stored: in the same step that reported it"
     out = engine.generate({"b": prompt(6)})["b"]
     assert out.num_local_hit_tokens + out.num_external_tokens == 16
 

@@ -72,6 +72,8 @@ def test_tier_sized_by_bytes_with_a_larger_offloaded_block() -> None:
         ({"cpu_bytes_to_use": 100}, "would hold 0 blocks"),
         ({"num_cpu_blocks": 4, "block_size": 6}, "multiple of the engine's block size"),
         ({"num_cpu_blocks": 4, "eviction_policy": "lfu"}, "Unknown eviction policy 'lfu'"),
+        # a misspelled size is an unknown key (with a hint), not "needs a size"
+        ({"num_cpu_block": 4}, "unknown option\\(s\\) 'num_cpu_block' \\(did you mean 'num_cpu_blocks'\\?\\).*valid options"),
     ],
 )
 def test_configuration_errors_say_what_to_do(extra: dict, message: str) -> None:

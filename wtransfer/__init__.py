@@ -50,6 +50,7 @@ _EXPORTS: dict[str, str] = {
     "kv_namespace": "wtransfer.connectors.hashing",
     "ScheduledRequest": "wtransfer.connectors.request",
     "SchedulerStep": "wtransfer.connectors.request",
+    "KVConnectorOutput": "wtransfer.connectors.request",
     "OffloadingSpec": "wtransfer.specs.base",
     "OffloadingManager": "wtransfer.specs.base",
     "OffloadingHandler": "wtransfer.specs.base",
@@ -101,7 +102,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # let type checkers and IDEs see the lazy names
     from wtransfer.config import KVTransferConfig, ParallelConfig, WeightTransferConfig
     from wtransfer.connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
-    from wtransfer.connectors.request import KVRequest, ScheduledRequest, SchedulerStep
+    from wtransfer.connectors.request import KVConnectorOutput, KVRequest, ScheduledRequest, SchedulerStep
     from wtransfer.connectors.factory import KVConnectorFactory
     from wtransfer.engines.base import (
         WeightTransferEngine,

@@ -34,7 +34,10 @@ Call order for one engine step (``wtransfer.testing.paged_engine`` implements it
     delay_free, params = sched.request_finished(request, block_ids)
     # worker; finished_req_ids are the requests ended in the previous step
     sending, receiving = worker.get_finished(step.finished_req_ids)
+    report = worker.build_connector_worker_meta()       # JSON-safe, or None
     worker.clear_connector_metadata()
+    # scheduler: what the workers said (the only way back from worker to scheduler)
+    sched.update_connector_output(KVConnectorOutput(sending, receiving, failed, [report]))
 
 Blocks of a request whose ``request_finished`` returned ``delay_free=True`` stay
 allocated until the worker reports the request in ``sending``; a request whose
@@ -57,7 +60,7 @@ if TYPE_CHECKING:
     import torch
 
     from wtransfer.config import KVTransferConfig
-    from wtransfer.connectors.request import KVRequest, SchedulerStep
+    from wtransfer.connectors.request import KVConnectorOutput, KVRequest, SchedulerStep
     from wtransfer.kvcache import KVCacheSpec
 
 logger = logging.getLogger("wtransfer")
@@ -229,6 +232,20 @@ class KVConnectorBase(ABC):
         A wtransfer addition to vLLM's contract: without it, one child of a composite
         would store KV derived from another child's failed load under valid hashes.
         """
+
+    def build_connector_worker_meta(self) -> dict[str, Any] | None:
+        """Engine, worker, after ``get_finished`` each step: JSON-safe facts the scheduler instance
+        must learn (which stores landed or failed, say), or ``None`` when there is nothing new.
+
+        The engine hands it, through JSON, to the scheduler instance's
+        :meth:`update_connector_output` in ``KVConnectorOutput.worker_meta``: the one channel
+        from worker to scheduler (vLLM's ``build_connector_worker_meta``).
+        """
+        return None
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:  # noqa: B027 - optional hook
+        """Engine, scheduler, after each step: what the workers reported (finished transfers,
+        failed loads, and each worker's :meth:`build_connector_worker_meta`)."""
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """Anyone: JSON-safe counters (hits, misses, bytes, corrupt entries) for logs and metrics."""

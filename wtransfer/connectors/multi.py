@@ -17,6 +17,7 @@ installed connector plugin can be a child.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from wtransfer.kvcache import KV_LAYOUTS
 if TYPE_CHECKING:
     import torch
 
-    from wtransfer.connectors.request import KVRequest, SchedulerStep
+    from wtransfer.connectors.request import KVConnectorOutput, KVRequest, SchedulerStep
     from wtransfer.kvcache import KVCacheSpec
 
 logger = logging.getLogger("wtransfer")
@@ -245,6 +246,17 @@ class MultiConnector(KVConnectorBase):
         for child in self.children:
             errors |= child.get_block_ids_with_load_errors()
         return errors
+
+    def build_connector_worker_meta(self) -> dict[str, Any] | None:
+        """Each child's report, keyed by its position in the list."""
+        reports = {str(i): r for i, child in enumerate(self.children) if (r := child.build_connector_worker_meta())}
+        return {"children": reports} if reports else None
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Each child hears the step's transfers and only its own workers' reports."""
+        for index, child in enumerate(self.children):
+            mine = [m["children"][str(index)] for m in output.worker_meta if str(index) in m.get("children", {})]
+            child.update_connector_output(dataclasses.replace(output, worker_meta=mine))
 
     def get_kv_connector_stats(self) -> dict[str, Any]:
         return {

@@ -5,24 +5,25 @@ Options (``kv_connector_extra_config``) are the spec's: ``spec_name`` (default `
 ``spec_module_path``, and whatever the spec reads (``cpu_bytes_to_use``, ``block_size``,
 ``eviction_policy``...).
 
-How the two halves agree without a channel from worker to scheduler
------------------------------------------------------------------
+How the two halves agree
+------------------------
 The scheduler instance owns the spec's manager; the worker instance owns its handlers.
 Per step ``N`` the scheduler puts in the metadata the loads it pinned during admission and
 the stores of blocks that become full during step ``N``. The worker
 
 * submits the loads in ``start_load_kv`` and waits for them before the first layer is
-  computed (``wait_for_layer_load``): a load never outlives its step;
+  computed (``wait_for_layer_load``): a load never outlives its step, so the scheduler
+  unpins step ``N``'s loads when it builds step ``N + 1``;
 * submits the stores once the forward pass has written every layer (``wait_for_save``)
   and does *not* wait: they overlap with the following steps.
 
-So at ``build_connector_meta(N + 1)`` the scheduler unpins step ``N``'s loads and marks
-step ``N``'s stores complete. Those blocks can only be loaded by requests admitted in a
-later step, and every metadata says through which step stores must have landed
-(``stores_ready_through``): the worker waits for them before starting that step's loads.
-A store that fails on the worker marks its tier blocks bad there; a later load that would
-read one is reported through ``get_block_ids_with_load_errors`` and the engine recomputes.
-A finished request whose stores may still be reading its blocks is held
+A store counts as stored only when the worker says it landed: each step's
+``build_connector_worker_meta`` lists the stores that finished (``stored``) and those that
+failed or were dropped (``failed``), and the scheduler's ``update_connector_output`` then
+completes them in the manager, or frees their slots. So a block is offered for loading
+exactly when its bytes are in the tier, never before, and a failed store is never
+reported as stored. A store computed on top of a failed load is dropped (reported
+``failed``). A finished request whose stores may still be reading its blocks is held
 (``request_finished`` -> ``delay_free``) until the worker reports it in ``done_sending``.
 
 Each request counts as one use of its blocks for the eviction policy: blocks already in
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     import torch
 
     from wtransfer.config import KVTransferConfig
-    from wtransfer.connectors.request import KVRequest, SchedulerStep
+    from wtransfer.connectors.request import KVConnectorOutput, KVRequest, SchedulerStep
     from wtransfer.kvcache import KVCacheSpec
     from wtransfer.specs.base import OffloadingHandler, OffloadingManager, OffloadingSpec
 
@@ -61,14 +62,17 @@ class OffloadingConnectorMetadata(KVConnectorMetadata):
     step: int = 0
     loads: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     stores: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    stores_ready_through: int = -1
 
 
 @dataclasses.dataclass
 class _StoreJob:
-    step: int
+    keys: tuple[str, ...]  # "<step>:<request id>": how the scheduler names each planned store
     request_ids: tuple[str, ...]
     tier_block_ids: tuple[int, ...]
+
+
+def _store_key(step: int, request_id: str) -> str:
+    return f"{step}:{request_id}"
 
 
 class OffloadingConnector(KVConnectorBase):
@@ -100,13 +104,11 @@ class OffloadingConnector(KVConnectorBase):
         self._loads_this_step: list[dict[str, Any]] = []
         self._pinned_this_step: list[list[str]] = []
         self._pinned_last_step: list[list[str]] = []
-        self._stores_last_step: list[list[str]] = []
-        self._last_store_step = -1
-        self._completed_through = -1
+        self._stores_in_flight: dict[str, list[str]] = {}  # store key -> hashes, until the worker reports it
         self._events: list[dict[str, Any]] = []
         self._stats = {
             "lookup_blocks": 0, "hit_blocks": 0, "loaded_blocks": 0,
-            "stored_blocks": 0, "evicted_blocks": 0, "store_refusals": 0,
+            "stored_blocks": 0, "evicted_blocks": 0, "store_refusals": 0, "failed_store_blocks": 0,
         }
 
     def _offloaded_hashes(self, request: KVRequest) -> list[str]:
@@ -150,21 +152,30 @@ class OffloadingConnector(KVConnectorBase):
         )
 
     def build_connector_meta(self, step: SchedulerStep) -> OffloadingConnectorMetadata:
-        # Last step's loads ran inside its forward pass and its stores landed before any
-        # load that can read them (stores_ready_through): settle both now.
+        # Last step's loads ran inside its forward pass: unpin them now.
         for hashes in self._pinned_last_step:
             self.manager.complete_load(hashes)
-        ready_through = self._completed_through
-        for hashes in self._stores_last_step:
-            self.manager.complete_store(hashes)
-        self._completed_through = self._last_store_step
         self._pinned_last_step, self._pinned_this_step = self._pinned_this_step, []
         loads, self._loads_this_step = self._loads_this_step, []
         stores = self._plan_stores(step) if self.config.is_kv_producer else []
-        self._stores_last_step = [entry.pop("hashes") for entry in stores]
-        self._last_store_step = step.step
+        for entry in stores:
+            self._stores_in_flight[_store_key(step.step, entry["request_id"])] = entry.pop("hashes")
         self._collect_events()
-        return OffloadingConnectorMetadata(step.step, loads, stores, ready_through)
+        return OffloadingConnectorMetadata(step.step, loads, stores)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Complete the stores the worker saw land; free the slots of those that failed."""
+        for report in output.worker_meta:
+            for key in report.get("stored", []):
+                hashes = self._stores_in_flight.pop(key, None)
+                if hashes is not None:
+                    self.manager.complete_store(hashes)
+            for key in report.get("failed", []):
+                hashes = self._stores_in_flight.pop(key, None)
+                if hashes is not None:
+                    self.manager.complete_store(hashes, success=False)
+                    self._stats["failed_store_blocks"] += len(hashes)
+        self._collect_events()
 
     def _plan_stores(self, step: SchedulerStep) -> list[dict[str, Any]]:
         entries = []
@@ -226,6 +237,7 @@ class OffloadingConnector(KVConnectorBase):
         self._job_ids = itertools.count(1)
         self._store_jobs: dict[int, _StoreJob] = {}
         self._store_jobs_of: dict[str, set[int]] = {}
+        self._report: dict[str, list[str]] = {"stored": [], "failed": []}  # for the scheduler, next step
         self._finished_waiting: set[str] = set()
         self._loads_in_flight: dict[int, tuple[str, tuple[int, ...]]] = {}
         self._failed_requests: set[str] = set()
@@ -266,9 +278,6 @@ class OffloadingConnector(KVConnectorBase):
         self._failed_requests.clear()
         if not meta.loads:
             return
-        due = [job_id for job_id, job in self._store_jobs.items() if job.step <= meta.stores_ready_through]
-        if due:
-            store.wait(due)  # the blocks these loads read must have landed
         self._collect()
         for entry in meta.loads:
             source, destination = LoadStoreSpec.from_dict(entry["src"]), LoadStoreSpec.from_dict(entry["dst"])
@@ -305,15 +314,19 @@ class OffloadingConnector(KVConnectorBase):
         src_ids: list[int] = []
         dst_ids: list[int] = []
         request_ids: list[str] = []
+        keys: list[str] = []
         for entry in meta.stores:
             tier_ids = entry["dst"]["block_ids"]
+            key = _store_key(meta.step, entry["request_id"])
             if entry["request_id"] in self._failed_requests:
-                # computed on top of a failed load: never store it; the scheduler thinks it will land
+                # computed on top of a failed load: never store it, and say so
                 self._bad_tier_blocks.update(tier_ids)
+                self._report["failed"].append(key)
                 continue
             src_ids += entry["src"]["block_ids"]
             dst_ids += tier_ids
             request_ids.append(entry["request_id"])
+            keys.append(key)
         if not dst_ids:
             return
         tier_medium = meta.stores[0]["dst"]["medium"]
@@ -322,9 +335,10 @@ class OffloadingConnector(KVConnectorBase):
         if not store.transfer_async(job_id, spec):
             self._bad_tier_blocks.update(dst_ids)
             self._worker_stats["failed_stores"] += 1
+            self._report["failed"].extend(keys)
             return
         self._worker_stats["store_jobs"] += 1
-        self._store_jobs[job_id] = _StoreJob(meta.step, tuple(request_ids), tuple(dst_ids))
+        self._store_jobs[job_id] = _StoreJob(tuple(keys), tuple(request_ids), tuple(dst_ids))
         for request_id in request_ids:
             self._store_jobs_of.setdefault(request_id, set()).add(job_id)
 
@@ -337,6 +351,7 @@ class OffloadingConnector(KVConnectorBase):
                 continue
             for request_id in job.request_ids:
                 self._store_jobs_of.get(request_id, set()).discard(result.job_id)
+            self._report["stored" if result.success else "failed"].extend(job.keys)
             if result.success:
                 self._bad_tier_blocks.difference_update(job.tier_block_ids)
                 self._worker_stats["bytes_stored"] += result.num_bytes
@@ -375,6 +390,16 @@ class OffloadingConnector(KVConnectorBase):
             self._finished_waiting.discard(request_id)
             self._store_jobs_of.pop(request_id, None)
         return (sending or None), None
+
+    def build_connector_worker_meta(self) -> dict[str, Any] | None:
+        """The stores that landed or failed since the last step, for the scheduler's manager."""
+        if self.role is not KVConnectorRole.WORKER or self._store_handler is None:
+            return None
+        self._collect()
+        if not (self._report["stored"] or self._report["failed"]):
+            return None
+        report, self._report = self._report, {"stored": [], "failed": []}
+        return report
 
     # ================================================================== both
     def get_kv_connector_stats(self) -> dict[str, Any] | None:

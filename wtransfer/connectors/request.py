@@ -121,6 +121,48 @@ class SchedulerStep:
         )
 
 
+@dataclass
+class KVConnectorOutput:
+    """What the workers told the engine after one step: the argument of ``update_connector_output``.
+
+    vLLM's ``KVConnectorOutput``, engine-neutral and JSON-safe. ``worker_meta`` holds one
+    entry per worker whose ``build_connector_worker_meta`` returned something this step.
+    """
+
+    finished_sending: list[str] = field(default_factory=list)
+    finished_recving: list[str] = field(default_factory=list)
+    invalid_block_ids: list[int] = field(default_factory=list)
+    worker_meta: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "finished_sending": sorted(self.finished_sending),
+            "finished_recving": sorted(self.finished_recving),
+            "invalid_block_ids": sorted(self.invalid_block_ids),
+            "worker_meta": list(self.worker_meta),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVConnectorOutput:
+        return cls(
+            finished_sending=[str(r) for r in data.get("finished_sending", [])],
+            finished_recving=[str(r) for r in data.get("finished_recving", [])],
+            invalid_block_ids=[int(b) for b in data.get("invalid_block_ids", [])],
+            worker_meta=[dict(m) for m in data.get("worker_meta", [])],
+        )
+
+    def to_json(self) -> str:
+        import json
+
+        return json.dumps(self.to_dict(), allow_nan=False, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> KVConnectorOutput:
+        import json
+
+        return cls.from_dict(json.loads(text))
+
+
 def full_block_range(num_tokens_before: int, num_tokens_after: int, block_size: int) -> Sequence[int]:
     """Indices of the blocks that become full when a request grows between these token counts."""
     return range(num_tokens_before // block_size, num_tokens_after // block_size)

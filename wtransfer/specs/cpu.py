@@ -46,6 +46,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("wtransfer")
 
+CPU_SPEC_OPTIONS = (
+    "spec_name", "spec_module_path", "block_size", "num_cpu_blocks", "cpu_bytes_to_use",
+    "eviction_policy", "transfer_timeout_s", "staging_blocks",
+)
+"""Every ``kv_connector_extra_config`` key the cpu spec (and the offloading connector in front of it) reads."""
+
 DEFAULT_TRANSFER_TIMEOUT_S = 60.0
 DEFAULT_STAGING_BLOCKS = 64
 
@@ -261,6 +267,16 @@ class CPUOffloadingSpec(OffloadingSpec):
             raise ValueError(
                 "The cpu offloading spec needs the engine's KVCacheSpec to size its tier: "
                 "OffloadingSpecFactory.create_spec(config, kv_cache_spec)"
+            )
+        unknown = sorted(set(self.extra_config) - set(CPU_SPEC_OPTIONS))
+        if unknown:
+            import difflib
+
+            hints = [f"{key!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(
+                key, CPU_SPEC_OPTIONS, n=1)) else repr(key) for key in unknown]
+            raise ValueError(
+                f"cpu offloading spec: unknown option(s) {', '.join(hints)} in kv_connector_extra_config; "
+                f"valid options: {', '.join(CPU_SPEC_OPTIONS)}"
             )
         self.dtype = dtype_from_name(kv_cache_spec.dtype)
         self.num_layers = len(kv_cache_spec.layer_names)

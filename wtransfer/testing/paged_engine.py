@@ -62,7 +62,9 @@ was called once at construction):
     with ``delay_free`` their blocks stay allocated.
 12. ``sending, receiving = worker.get_finished(set(step.finished_req_ids))``:
     ``sending`` frees delayed blocks; ``receiving`` un-parks requests.
-13. ``worker.clear_connector_metadata()``
+13. ``report = worker.build_connector_worker_meta()``, then ``worker.clear_connector_metadata()``
+14. ``sched.update_connector_output(KVConnectorOutput(sending, receiving, failed, [report]))``,
+    through JSON: the one way back from worker to scheduler (stores that landed or failed).
 
 :meth:`PagedKVEngine.run` steps until every request is done (delayed frees
 included), raising :class:`~wtransfer.errors.TransferTimeoutError` instead of
@@ -87,7 +89,7 @@ from wtransfer.config import KVTransferConfig
 from wtransfer.connectors.base import KVConnectorBase, KVConnectorRole
 from wtransfer.connectors.blockfile import torch_dtype
 from wtransfer.connectors.hashing import block_hashes, kv_namespace
-from wtransfer.connectors.request import KVRequest, ScheduledRequest, SchedulerStep
+from wtransfer.connectors.request import KVConnectorOutput, KVRequest, ScheduledRequest, SchedulerStep
 from wtransfer.errors import TransferError, TransferTimeoutError
 from wtransfer.kvcache import KVCacheSpec
 
@@ -419,7 +421,12 @@ class PagedKVEngine:
         if worker is not None:
             sending, receiving = worker.get_finished(set(step.finished_req_ids))
             self._handle_finished_transfers(sending or set(), receiving or set())
+            report = worker.build_connector_worker_meta()
             worker.clear_connector_metadata()
+            output = KVConnectorOutput(sorted(sending or ()), sorted(receiving or ()), sorted(failed),
+                                       [report] if report else [])
+            assert self.scheduler_connector is not None
+            self.scheduler_connector.update_connector_output(KVConnectorOutput.from_json(output.to_json()))
         return bool(scheduled)
 
     def _schedule(self) -> list[ScheduledRequest]:

@@ -121,6 +121,23 @@ def test_multi_loads_from_the_store_that_has_the_blocks_and_saves_to_both(
     assert len(block_files(local)) == 4 and len(block_files(shared)) == 8
 
 
+EVICTING = [[(k * 31 + 17 * i) % 500 for i in range(129)] for k in range(1, 4)]
+
+
+def test_offloading_brings_back_a_prompt_vllms_own_cache_evicted(
+    vllm_python: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """vLLM's cache is cut to 16 blocks, so three other prompts push PROMPT out of it."""
+    prompts, small = [PROMPT, *EVICTING, PROMPT], {"num_gpu_blocks_override": 16}
+    plain = kv_run(vllm_python, tiny_llama, tmp_path, "none", {}, prompts, **small)
+    offloaded = kv_run(vllm_python, tiny_llama, tmp_path, "offloading", {"spec_name": "cpu", "num_cpu_blocks": 64},
+                       prompts, **small)
+    assert plain[-1]["num_cached_tokens"] < 128  # vLLM's own prefix cache lost (part of) it
+    assert offloaded[-1]["num_cached_tokens"] == 128  # the rest came back from the CPU tier
+    for ours, theirs in zip(offloaded, plain):
+        assert ours["tokens"] == theirs["tokens"] and ours["logprobs"] == theirs["logprobs"]
+
+
 def test_unknown_options_are_an_error_naming_the_key_and_the_valid_ones(
     vllm_python: Path, tiny_llama: Path, tmp_path: Path
 ) -> None:
@@ -129,6 +146,11 @@ def test_unknown_options_are_an_error_naming_the_key_and_the_valid_ones(
     assert not isinstance(done, list)
     text = done.stdout + done.stderr
     assert "unknown option(s) ['io_thread']" in text and "io_threads" in text and "path" in text, text[-3000:]
+    done = kv_run(vllm_python, tiny_llama, tmp_path, "offloading", {"spec_name": "cpu", "num_cpu_block": 8}, [PROMPT],
+                  check=False)
+    assert not isinstance(done, list)
+    text = done.stdout + done.stderr
+    assert "'num_cpu_block' (did you mean 'num_cpu_blocks'?)" in text and "valid options" in text, text[-3000:]
 
 
 ACME_CONNECTOR = '''

@@ -16,7 +16,9 @@ What the adapter translates, and nothing more:
 * vLLM's ``SchedulerOutput`` becomes a :class:`wtransfer.SchedulerStep` (new, running and
   resumed requests, their block tables and how many tokens this step computes);
 * the wtransfer metadata crosses to the workers as its JSON text inside a tiny vLLM
-  metadata object; the worker side passes vLLM's calls straight through.
+  metadata object, and the workers' reports (``build_connector_worker_meta``: stores that
+  landed or failed) come back the same way to ``update_connector_output``; the worker side
+  otherwise passes vLLM's calls straight through.
 
 Requests the hashes cannot describe (multimodal inputs, prompt embeddings) are neither
 looked up nor saved. Adapter options, taken out of ``kv_connector_extra_config`` before the
@@ -27,6 +29,7 @@ checkpoint fingerprint, e.g. one per weight version).
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -36,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from wtransfer_vllm.adapters import adapter_classes
@@ -52,6 +56,16 @@ class WTransferKVMetadata(KVConnectorMetadata):
     """One step's wtransfer connector metadata, as the JSON text the worker rebuilds it from."""
 
     text: str = "{}"
+
+
+@dataclass
+class WTransferWorkerReports(KVConnectorWorkerMetadata):
+    """What the workers' wtransfer connectors reported this step, as JSON texts (one per worker)."""
+
+    texts: list[str] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> WTransferWorkerReports:
+        return WTransferWorkerReports(self.texts + list(getattr(other, "texts", [])))
 
 
 @dataclass
@@ -180,6 +194,17 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
         )
         return WTransferKVMetadata(self.inner.build_connector_meta(step).to_json())
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' step results, including their reports (stores that landed or failed)."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        reports = [json.loads(text) for text in getattr(meta, "texts", [])]
+        self.inner.update_connector_output(wtransfer.KVConnectorOutput(
+            finished_sending=sorted(connector_output.finished_sending or ()),
+            finished_recving=sorted(connector_output.finished_recving or ()),
+            invalid_block_ids=sorted(connector_output.invalid_block_ids or ()),
+            worker_meta=reports,
+        ))
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
@@ -221,6 +246,10 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set(self.inner.get_block_ids_with_load_errors())
+
+    def build_connector_worker_meta(self) -> WTransferWorkerReports | None:
+        report = self.inner.build_connector_worker_meta()
+        return None if report is None else WTransferWorkerReports([json.dumps(report, allow_nan=False)])
 
     def shutdown(self) -> None:
         stats = self.inner.get_kv_connector_stats()
