@@ -62,6 +62,16 @@ def test_offline_then_serve_commands_run_as_written(vllm_python: Path, readme_mo
     assert "identical to a fresh load: True" in offline.stdout
     assert re.search(r"round 3: [\d.]+ MB", offline.stdout)
 
+    store = Path("/tmp/kv-store")  # the README's
+    shutil.rmtree(store, ignore_errors=True)
+    try:
+        out = run_block(vllm_python, "vllm-kv", timeout=600).stdout
+        first, second = [line for line in out.splitlines() if line.startswith("reused ")]
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+    assert first.startswith("reused 0 of 129 prompt tokens") and second.startswith("reused 128 of 129 prompt tokens")
+    assert first.split("tokens: ")[1] == second.split("tokens: ")[1]
+
     with socket.socket() as sock:
         if sock.connect_ex(("127.0.0.1", 8000)) == 0:
             pytest.fail("port 8000 (the README's) is taken on this machine; free it to run this test")
