@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from vllm_harness import run_script
+from vllm_harness import pip_install_into, run_script
 
 BLOCK = 32  # testing.llm_kwargs' block_size
 PROMPT = [(7 * i + 3) % 500 for i in range(129)]  # 4 full blocks + 1 token
@@ -191,10 +191,7 @@ def acme_site(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
         packages = ["acme_kv"]
     """))
     site = tmp_path_factory.mktemp("site")
-    run_script(vllm_python, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-m', 'pip', 'install', "
-               "'--quiet', '--no-deps', '--no-build-isolation', '--target', *sys.argv[1:]], check=True)",
-               str(site), str(source), timeout=600)
-    return site
+    return pip_install_into(vllm_python, site, source)
 
 
 def test_a_pip_installed_third_party_connector_runs_in_vllm_by_name(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_harness import REPO_ROOT, run_script
+from vllm_harness import REPO_ROOT, pip_install_into, run_script
 
 LOAD = """
 import json, sys
@@ -57,10 +57,7 @@ def third_party(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     target = tmp_path_factory.mktemp("site")
     sources = [REPO_ROOT / "tests" / "example_plugin", REPO_ROOT / "plugins" / "wtransfer-nccl",
                write_acme(tmp_path_factory.mktemp("acme"))]
-    run_script(vllm_python, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-m', 'pip', 'install', "
-               "'--quiet', '--no-deps', '--no-build-isolation', '--target', *sys.argv[1:]], check=True)",
-               str(target), *map(str, sources), timeout=600)
-    return target
+    return pip_install_into(vllm_python, target, *sources)
 
 
 def load(python: Path, code: str, site: Path | None = None) -> dict:

@@ -65,6 +65,14 @@ def ensure_vllm_venv() -> Path:
     return python
 
 
+def pip_install_into(python: Path, target: Path, *sources: Path) -> Path:
+    """Really pip-install distributions from source folders into ``target`` (a site dir for ``PYTHONPATH``)."""
+    run_script(python, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-m', 'pip', 'install', "
+               "'--quiet', '--no-deps', '--no-build-isolation', '--target', *sys.argv[1:]], check=True)",
+               str(target), *map(str, sources), timeout=600)
+    return target
+
+
 ROUNDS = 3
 """Update rounds every sync test runs (the reference checkpoint takes the same steps)."""
 

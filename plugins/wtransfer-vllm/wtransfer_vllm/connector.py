@@ -28,9 +28,13 @@ checkpoint fingerprint, e.g. one per weight version).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -139,6 +143,7 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
         self._tracked: dict[str, _Tracked] = {}
         self._steps = itertools.count()
         self._skipped_kinds: set[str] = set()
+        self.seconds: defaultdict[str, float] = defaultdict(float)
         logger.info(
             "wtransfer-vllm: KV connector %s (%s) for the %s, layout %s, model fingerprint %s",
             self.wtransfer_backend, type(self.inner).__name__, role.name.lower(),
@@ -151,9 +156,10 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
             return 0, False
         tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
         tracked.local_computed = num_computed_tokens
-        count, load_async = self.inner.get_num_new_matched_tokens(
-            self._kv_request(tracked, num_computed_tokens), num_computed_tokens
-        )
+        with self._timed("lookup"):
+            count, load_async = self.inner.get_num_new_matched_tokens(
+                self._kv_request(tracked, num_computed_tokens), num_computed_tokens
+            )
         return count, bool(load_async and count)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -192,7 +198,8 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
             scheduled=scheduled,
             finished_req_ids=sorted(scheduler_output.finished_req_ids),
         )
-        return WTransferKVMetadata(self.inner.build_connector_meta(step).to_json())
+        with self._timed("build_meta"):
+            return WTransferKVMetadata(self.inner.build_connector_meta(step).to_json())
 
     def update_connector_output(self, connector_output: Any) -> None:
         """The workers' step results, including their reports (stores that landed or failed)."""
@@ -230,16 +237,19 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
         self.inner.clear_connector_metadata()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self.inner.start_load_kv()
+        with self._timed("start_load"):
+            self.inner.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.inner.wait_for_layer_load(layer_name)
+        with self._timed("wait_load"):
+            self.inner.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         self.inner.save_kv_layer(layer_name, kv_layer, attn_metadata)
 
     def wait_for_save(self) -> None:
-        self.inner.wait_for_save()
+        with self._timed("wait_for_save"):
+            self.inner.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.inner.get_finished(set(finished_req_ids))
@@ -253,11 +263,21 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         stats = self.inner.get_kv_connector_stats()
-        if stats:
-            logger.info("wtransfer-vllm: KV connector %s stats: %s", self.wtransfer_backend, stats)
+        if stats or self.seconds:
+            logger.info("wtransfer-vllm: KV connector %s stats: %s; seconds in: %s", self.wtransfer_backend, stats,
+                        {k: round(v, 4) for k, v in self.seconds.items()})
         self.inner.shutdown()
 
     # ================================================================ helpers
+    @contextlib.contextmanager
+    def _timed(self, what: str) -> Iterator[None]:
+        """Wall seconds spent in the wrapped connector, per call kind (logged at shutdown)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[what] += time.perf_counter() - started
+
     def _describable(self, request: Any) -> bool:
         """False for requests whose KV depends on more than token ids and the salt."""
         kind = "multimodal" if getattr(request, "mm_features", None) else None
