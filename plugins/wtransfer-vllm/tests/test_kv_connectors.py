@@ -121,6 +121,21 @@ def test_multi_loads_from_the_store_that_has_the_blocks_and_saves_to_both(
     assert len(block_files(local)) == 4 and len(block_files(shared)) == 8
 
 
+def test_vllm_serve_takes_the_connector_by_name(vllm_python: Path, tiny_llama: Path, tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out, store = tmp_path / "served.json", tmp_path / "store"
+    run_script(vllm_python, "kv_serve.py", str(tiny_llama), str(store), str(port), str(out), json.dumps(PROMPT),
+               timeout=900)
+    first, second = json.loads(out.read_text())
+    assert sorted(p.stem for p in block_files(store)) == sorted(prompt_block_hashes(store))
+    assert not first["cached"] and second["cached"] == 128  # the second server got them from the store
+    assert second["text"] == first["text"]
+
+
 EVICTING = [[(k * 31 + 17 * i) % 500 for i in range(129)] for k in range(1, 4)]
 
 

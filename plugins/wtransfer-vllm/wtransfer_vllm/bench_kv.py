@@ -14,7 +14,7 @@ In the timed process the prompt is generated once to warm vLLM up on the timed p
 each repeat resets vLLM's own prefix cache and times ``llm.generate(prompt, max_tokens=1)``
 as the caller waits for it (scheduling, loading through the connector, the forward pass of
 what is not reused, sampling). The median is reported, with the tokens vLLM says it reused
-and the bytes each store holds per stored token. The first token and its logprob after a
+and the bytes each store holds per reused token. The first token and its logprob after a
 ``storage`` load must equal, to the last bit, those after an ``ExampleConnector`` load of the
 same KV (vLLM's own reference connector); recomputing the whole prompt, and vLLM's own prefix
 cache supplying the same tokens, round differently in the last bits (shown, not failed). Both connectors get the same settings: same directory kind,
@@ -176,7 +176,7 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> int:
         return 1 if failures else 0
     print(f"time to first token in vLLM, restarted LLM: {args.model} shapes, a {args.tokens}-token prompt, "
           f"median of {args.repeats}, {document['machine']}")
-    print(f"{'method':<18} {'TTFT s':>8} {'(each run)':<22} {'reused tokens':>14} {'store bytes/token':>18}  "
+    print(f"{'method':<18} {'TTFT s':>8} {'(each run)':<22} {'reused tokens':>14} {'bytes/reused token':>18}  "
           "first token+logprob vs ExampleConnector's")
     for row in rows.values():
         per_token = "-" if row["bytes_per_token"] is None else f"{row['bytes_per_token']:.0f}"
