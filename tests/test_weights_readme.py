@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -89,3 +91,19 @@ def test_every_bench_suite_has_json_and_help_on_every_option() -> None:
         undocumented = [a.option_strings for a in parser._actions
                         if a.option_strings and a.help in (None, "") and "-h" not in a.option_strings]
         assert not undocumented, (suite, undocumented)
+
+
+@pytest.mark.parametrize("suite", ["weights", "discovery", "storage", "offload"])
+def test_every_bench_option_shows_its_default_in_help(suite: str) -> None:
+    """As a user reads it: `wtransfer bench SUITE --help`, every option with its default, once."""
+    out = subprocess.run([sys.executable, "-m", "wtransfer", "bench", suite, "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    options = out.stdout.split("options:", 1)[1].split("\n\n")[0]
+    entries = re.split(r"\n  (?=-)", "\n" + options.strip("\n"))
+    assert len(entries) > 4, out.stdout
+    for entry in entries[1:]:
+        if entry.startswith("-h, --help"):
+            continue
+        flat = " ".join(entry.split())
+        assert flat.count("(default: ") == 1, (suite, flat)

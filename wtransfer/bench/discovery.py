@@ -56,9 +56,9 @@ print(time.perf_counter() - t)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dists", type=int, default=500, help="extra distributions on sys.path (default 500)")
-    parser.add_argument("--lookups", type=int, default=1000, help="name lookups per process (default 1000)")
-    parser.add_argument("--repeat", type=int, default=15, help="fresh interpreters per measurement (default 15)")
+    parser.add_argument("--dists", type=int, default=500, help="extra distributions on sys.path")
+    parser.add_argument("--lookups", type=int, default=1000, help="name lookups per process")
+    parser.add_argument("--repeat", type=int, default=15, help="fresh interpreters per measurement")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 

@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blocks", type=int, default=64, help="blocks saved and loaded per round")
     parser.add_argument("--io-threads", type=int, default=2, help="the connector's io_threads option")
     parser.add_argument("--repeats", type=int, default=3, help="measured rounds (best is reported)")
-    parser.add_argument("--dir", default=None, help="where files go (default: a temp dir in /dev/shm if present)")
+    parser.add_argument("--dir", default=None, help="where files go (None: a temp dir in /dev/shm if present)")
     parser.add_argument("--hash-blocks", type=int, default=20_000, help="blocks hashed for the hash-chain cost")
     parser.add_argument("--json", action="store_true", help="one JSON document on stdout (lines go to stderr)")
 

@@ -482,21 +482,21 @@ class GlooPeer:
 
 # -- the command ------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", default="shm", help="engine(s) to measure, comma-separated (default: shm)")
+    parser.add_argument("--engine", default="shm", help="engine(s) to measure, comma-separated")
     parser.add_argument("--model", default="0.5B", help="parameter count (0.5B, 100M) or shapes (4096x4096,896*24)")
-    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="tensor dtype (default: bf16)")
-    parser.add_argument("--workers", type=int, default=1, help="number of local worker processes (default: 1)")
-    parser.add_argument("--rounds", type=int, default=10, help="update rounds per engine (default: 10)")
-    parser.add_argument("--bucket-mb", type=float, default=None, help="bucket size in MiB (default: the engine's)")
-    parser.add_argument("--num-buffers", type=int, default=None, help="buffers in rotation (default: the engine's)")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="tensor dtype")
+    parser.add_argument("--workers", type=int, default=1, help="number of local worker processes")
+    parser.add_argument("--rounds", type=int, default=10, help="update rounds per engine")
+    parser.add_argument("--bucket-mb", type=float, default=None, help="bucket size in MiB (None: the engine's)")
+    parser.add_argument("--num-buffers", type=int, default=None, help="buffers in rotation (None: the engine's)")
     parser.add_argument("--compare", action="store_true", help="also measure memcpy, per-tensor gloo, safetensors, share_memory_")
     parser.add_argument("--small-model", default="8192*2048",
                         help="with --compare and gloo: the many-small-tensors model for the per-tensor comparison "
-                             "(default: 2048 tensors of 8192 elements)")
+                             "(8192*2048: 2048 tensors of 8192 elements)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
-    parser.add_argument("--timeout", type=float, default=120.0, help="timeout_s of every wait (default: 120)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads in the trainer process, for the engine and every peer alike (default: 1; 0 = torch's)")
-    parser.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker (default: 1; 0 = torch's)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="timeout_s of every wait")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in the trainer process, for the engine and every peer alike (0 = torch's)")
+    parser.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker (0 = torch's)")
 
 
 def run(args: argparse.Namespace) -> int:

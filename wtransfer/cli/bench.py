@@ -9,6 +9,10 @@ import sys
 from wtransfer.bench import DEFAULT_SUITE, SUITES
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The suite's docstring as written, and every option's default shown by argparse itself."""
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
@@ -36,7 +40,7 @@ def run_suite(argv: list[str]) -> int:
         prog=f"wtransfer bench {suite}",
         description=module.__doc__,
         epilog=f"suites: {', '.join(SUITES)} (default {DEFAULT_SUITE}); `wtransfer bench SUITE --help` for each",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     module.add_arguments(parser)
     return int(module.run(parser.parse_args(argv)) or 0)
