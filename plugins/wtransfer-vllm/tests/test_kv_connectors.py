@@ -72,6 +72,21 @@ def test_a_restarted_llm_reuses_whole_stored_blocks_with_identical_output(
     assert again["tokens"] == first["tokens"] and again["logprobs"] == first["logprobs"]
 
 
+def test_a_cache_reset_stops_every_earlier_block_from_matching(
+    vllm_python: Path, tiny_llama: Path, stored: dict[str, Any], tmp_path: Path
+) -> None:
+    """vLLM's RL flow resets caches after a weight update (``reset_prefix_cache(reset_connector=True)``):
+    KV stored before must not be reused after, by this process, while a restart still may."""
+    store = copy_store(stored["store"], tmp_path / "store")
+    before, after, again = kv_run(vllm_python, tiny_llama, tmp_path, "storage", {"path": str(store)},
+                                  [PROMPT, PROMPT, PROMPT], reset_after=[0])
+    assert before["num_cached_tokens"] == 128  # from the store
+    assert after["num_cached_tokens"] == 0  # reset: neither vLLM's cache nor the store's blocks match
+    assert again["num_cached_tokens"] == 128  # what was computed after the reset is reused
+    assert before["tokens"] == after["tokens"] == stored["first"]["tokens"]
+    assert len({p.parent.name for p in block_files(store)}) == 2  # the old namespace is left alone
+
+
 def test_damaged_block_files_are_never_loaded_and_the_output_is_still_exact(
     vllm_python: Path, tiny_llama: Path, stored: dict[str, Any], tmp_path: Path
 ) -> None:

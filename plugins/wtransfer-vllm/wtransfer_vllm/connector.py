@@ -57,9 +57,11 @@ ADAPTER_OPTIONS = ("model_fingerprint",)
 
 @dataclass
 class WTransferKVMetadata(KVConnectorMetadata):
-    """One step's wtransfer connector metadata, as the JSON text the worker rebuilds it from."""
+    """One step's wtransfer connector metadata, as the JSON text the worker rebuilds it from,
+    and the model fingerprint it was planned under (it changes when vLLM resets the cache)."""
 
     text: str = "{}"
+    fingerprint: str = ""
 
 
 @dataclass
@@ -129,17 +131,19 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
         if fingerprint is not None and not isinstance(fingerprint, str):
             raise ValueError(f"kv_connector_extra_config['model_fingerprint'] must be a string, got {fingerprint!r}")
         self.kv_cache_spec = kv_cache_spec_for(vllm_config, kv_cache_config, fingerprint)
-        config = wtransfer.KVTransferConfig(
+        self._config = wtransfer.KVTransferConfig(
             kv_connector=self.wtransfer_backend,
             kv_role=transfer.kv_role or "kv_both",
             kv_connector_extra_config=extra,
             engine_id=str(transfer.engine_id),
         )
-        inner_role = (
+        self._inner_role = (
             wtransfer.KVConnectorRole.SCHEDULER if role == KVConnectorRole.SCHEDULER else wtransfer.KVConnectorRole.WORKER
         )
-        self.inner = wtransfer.KVConnectorFactory.create_connector(config, inner_role, self.kv_cache_spec)
+        self.inner = wtransfer.KVConnectorFactory.create_connector(self._config, self._inner_role, self.kv_cache_spec)
         self._namespace = wtransfer.kv_namespace(self.kv_cache_spec)
+        self._owed_sending: set[str] = set()  # worker: finished saves of a connector replaced at a reset
+        self._kv_caches: dict[str, Any] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._steps = itertools.count()
         self._skipped_kinds: set[str] = set()
@@ -199,7 +203,40 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
             finished_req_ids=sorted(scheduler_output.finished_req_ids),
         )
         with self._timed("build_meta"):
-            return WTransferKVMetadata(self.inner.build_connector_meta(step).to_json())
+            return WTransferKVMetadata(self.inner.build_connector_meta(step).to_json(),
+                                       self.kv_cache_spec.model_fingerprint)
+
+    def reset_cache(self) -> bool:
+        """vLLM's cache reset (``reset_prefix_cache(reset_connector=True)``, ``pause_generation``
+        with ``clear_cache``), which vLLM's RL flow runs after a weight update: from now on
+        blocks are named under a new fingerprint, unique to this reset, so nothing stored
+        before (by this process or any other) matches again. The store itself is left alone:
+        other engines may share it. The workers follow with the next step's metadata.
+        """
+        import uuid
+
+        base = self.kv_cache_spec.model_fingerprint.split("#reset-")[0]
+        self._switch_fingerprint(f"{base}#reset-{uuid.uuid4().hex}")
+        for tracked in self._tracked.values():
+            tracked.hashes = []
+        logger.info("wtransfer-vllm: KV connector %s reset: stored blocks no longer match (fingerprint %s)",
+                    self.wtransfer_backend, self.kv_cache_spec.model_fingerprint[:24])
+        return True
+
+    def _switch_fingerprint(self, fingerprint: str) -> None:
+        """Replace the wtransfer connector by one rooted in ``fingerprint``. The old one finishes
+        its work first (``shutdown``); on the worker, the requests whose saves it then reports
+        done are passed on by the next ``get_finished``, since vLLM holds their blocks until then."""
+        import dataclasses
+
+        self.kv_cache_spec = dataclasses.replace(self.kv_cache_spec, model_fingerprint=fingerprint)
+        old, self.inner = self.inner, wtransfer.KVConnectorFactory.create_connector(
+            self._config, self._inner_role, self.kv_cache_spec)
+        self._namespace = wtransfer.kv_namespace(self.kv_cache_spec)
+        old.shutdown()
+        if self._inner_role is wtransfer.KVConnectorRole.WORKER:
+            self._owed_sending |= old.get_finished(set())[0] or set()
+            self.inner.register_kv_caches(self._kv_caches)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """The workers' step results, including their reports (stores that landed or failed)."""
@@ -221,7 +258,8 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self.inner.register_kv_caches(dict(kv_caches))
+        self._kv_caches = dict(kv_caches)
+        self.inner.register_kv_caches(self._kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -230,6 +268,8 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
                 f"wtransfer-vllm: the worker got {type(connector_metadata).__name__} metadata; the scheduler "
                 "and the workers must run the same connector"
             )
+        if connector_metadata.fingerprint and connector_metadata.fingerprint != self.kv_cache_spec.model_fingerprint:
+            self._switch_fingerprint(connector_metadata.fingerprint)  # the scheduler reset the cache
         self.inner.bind_connector_metadata(self.inner.metadata_cls.from_json(connector_metadata.text))
 
     def clear_connector_metadata(self) -> None:
@@ -252,7 +292,10 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
             self.inner.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.inner.get_finished(set(finished_req_ids))
+        sending, receiving = self.inner.get_finished(set(finished_req_ids))
+        if self._owed_sending:  # requests whose saves the connector replaced at a reset finished
+            sending, self._owed_sending = (sending or set()) | self._owed_sending, set()
+        return sending, receiving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set(self.inner.get_block_ids_with_load_errors())

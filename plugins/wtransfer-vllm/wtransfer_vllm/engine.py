@@ -134,6 +134,33 @@ def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]
             model.load_weights(iter(weights))
     finally:
         finalize_layerwise_reload(model, model_config)
+    refresh_tied_layers(model)
+
+
+def refresh_tied_layers(model: Any) -> list[str]:
+    """Re-run the weight processing of layers that share their weight with an earlier layer.
+
+    vLLM's layerwise reload processes a layer when its own weights arrive. A tied LM head
+    receives none (its weight *is* the embedding's, and the checkpoint has no copy), so what
+    its processing built from the weight stays as it was: on CPUs where vLLM's GEMM uses
+    oneDNN (AVX-512 hosts), a packed copy of the old embedding, and the logits would come
+    from the old weights while everything else moved on. Only unquantized methods are
+    re-run (their processing rebuilds from the weight and is idempotent). Returns the names.
+    """
+    first_holder: dict[int, str] = {}
+    refreshed: list[str] = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "_parameters", {}).get("weight")
+        method = getattr(module, "quant_method", None)
+        if weight is None or weight.is_meta or method is None:
+            continue
+        key = weight.data_ptr()
+        if key not in first_holder:
+            first_holder[key] = name
+        elif type(method).__name__.startswith("Unquantized") and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+            refreshed.append(name)
+    return refreshed
 
 
 __getattr__ = adapter_classes(WTransferEngineAdapter, __name__)

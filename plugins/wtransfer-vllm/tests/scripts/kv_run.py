@@ -3,7 +3,9 @@
 usage: kv_run.py MODEL_DIR OUT_JSON CONNECTOR EXTRA_CONFIG_JSON PROMPTS_JSON [LLM_KWARGS_JSON]
 
 CONNECTOR ``none`` runs without a connector. ``LLM_KWARGS_JSON`` may hold
-``kv_load_failure_policy`` (a ``KVTransferConfig`` field) besides ``LLM`` arguments. Writes, per prompt: greedy tokens, logprobs
+``kv_load_failure_policy`` (a ``KVTransferConfig`` field) besides ``LLM`` arguments, and
+``reset_after`` (indices of prompts after which ``llm.reset_prefix_cache(reset_connector=True)``
+runs, as vLLM's RL flow does after a weight update). Writes, per prompt: greedy tokens, logprobs
 and vLLM's ``num_cached_tokens``.
 """
 
@@ -19,10 +21,16 @@ if __name__ == "__main__":
     from vllm.config import KVTransferConfig
 
     policy = overrides.pop("kv_load_failure_policy", "fail")
+    reset_after = set(overrides.pop("reset_after", []))
     if connector != "none":
         overrides["kv_transfer_config"] = KVTransferConfig(
             kv_connector=connector, kv_role="kv_both", kv_connector_extra_config=json.loads(extra),
             kv_load_failure_policy=policy,
         )
     llm = LLM(**llm_kwargs(model_dir, **overrides))
-    write_json(out, {"results": generate_one_by_one(llm, json.loads(prompts))})
+    results = []
+    for index, prompt in enumerate(json.loads(prompts)):
+        results += generate_one_by_one(llm, [prompt])
+        if index in reset_after:
+            assert llm.reset_prefix_cache(reset_connector=True), "vLLM could not reset its caches"
+    write_json(out, {"results": results})
