@@ -450,11 +450,53 @@ def test_degenerate_rounds(backend: str, tensors: dict[str, torch.Tensor]) -> No
     client.engine.shutdown()
 
 
-def test_a_world_size_larger_than_the_workers_is_found_at_once() -> None:
-    # One worker, world_size 5: the client's init call returns after one joined; waiting for
-    # timeout_s (120 s here) and then blaming ranks 2-4 would tell the user nothing.
-    with pool_for("shm", MIXED[:1], workers=1) as pool:
+@pytest.mark.parametrize(
+    ("backend", "reason"),
+    [("shm", r"returned after 1 joined"), ("gloo", r"but 1 joined \(rank\(s\) \[1\]\) and no other in 10 s")],
+)
+def test_a_world_size_larger_than_the_workers_is_found_at_once(backend: str, reason: str) -> None:
+    # One worker, world_size 5: waiting for timeout_s (120 s here) and then blaming ranks 2-4
+    # would tell the user nothing. shm: the client's init call returns after one joined;
+    # gloo: the worker blocks in the group, but no other joins.
+    with pool_for(backend, MIXED[:1], workers=1) as pool:
         started = time.monotonic()
-        with pytest.raises(TransferError, match=r"world_size=5 expects 4 worker\(s\).* returned after 1 joined"):
-            wtransfer.create_trainer("shm", client=pool, source={}, init_info={"world_size": 5, "timeout_s": 120})
+        with pytest.raises(TransferError, match=r"world_size=5 expects 4 worker\(s\).*" + reason):
+            wtransfer.create_trainer(backend, client=pool, source={}, init_info={"world_size": 5, "timeout_s": 120})
         assert time.monotonic() - started < 30
+        # the worker is not left hanging in the group either: it fails and can be re-used
+        worker_error = pool.request("stats")[0]
+        assert worker_error["weight_version"] == 0
+
+
+def test_the_gloo_rendezvous_answers_only_holders_of_the_round_token() -> None:
+    # torch's TCPStore would hand every key to anyone who connects (list_keys) and take
+    # writes from them; the trainer's rendezvous must not.
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    from wtransfer.engines.rendezvous import RendezvousClient
+
+    seen: dict[str, Any] = {}
+
+    class RecordingPool(LocalWorkerPool):
+        def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> list[dict[str, Any]]:
+            seen.update(init_info)
+            return super().init_weight_transfer_engine(init_info)
+
+    model = build_model(MIXED, "float32", random=True, seed=3)
+    with RecordingPool(1, FACTORY, backend="gloo", factory_kwargs={"shapes": MIXED, "dtype": "float32"},
+                       timeout_s=TIMEOUT, torch_threads=1) as pool:  # fmt: skip
+        with wtransfer.create_trainer("gloo", client=pool, source=model, init_info={"world_size": 2}) as trainer:
+            address, port, token = seen["master_address"], seen["master_port"], seen["token"]
+            assert len(token) >= 32
+            with pytest.raises(TransferError, match="does not hold this round's token"):
+                RendezvousClient.connect(address, port, "0" * 32, timeout_s=5)
+            with pytest.raises(Exception):  # noqa: B017 - torch's own client gets no answer it understands
+                TCPStore(address, port, None, False, datetime.timedelta(seconds=3)).list_keys()
+            holder = RendezvousClient.connect(address, port, token, timeout_s=5)
+            assert holder.check(["wtransfer/gloo//joined/1"])  # the holder of the token does see the group
+            holder.close()
+            mutate(model, 1)
+            trainer.send_weights()  # the outsiders changed nothing
+            assert_workers_hold(pool, model)

@@ -2,7 +2,10 @@
 
 All the logic lives in :mod:`wtransfer.engines.torch_distributed`; this module only names
 the gloo flavour. Trainer ``init_info`` adds ``master_address`` (default ``127.0.0.1``; use
-an address the workers can reach) and ``master_port`` (default 0: a free port is picked).
+an address of the trainer's host that the workers can reach: the authenticated rendezvous
+listens there only), ``master_port`` (default 0: a free port is picked), ``listen_address``,
+``local_address`` and ``interface``; workers take ``local_address`` or ``interface`` in
+``WeightTransferConfig.options`` (by default, their address on the route to the trainer).
 """
 
 from __future__ import annotations

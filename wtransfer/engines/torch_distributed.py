@@ -1,10 +1,18 @@
 """Packed broadcast over a private ``torch.distributed`` process group (gloo here, NCCL in its plugin).
 
-The group is built from ``TCPStore`` + ``PrefixStore`` + the backend's ``ProcessGroup``
-class directly: the default process group is never created, required or touched, so it
-coexists with whatever groups the trainer already runs. Ranks: the trainer is 0, workers
-take ``data_parallel_index * world_size + rank + rank_offset`` (the seed's rule). The
-trainer's store binds port 0 when asked, and publishes the port it got: no race.
+The group is built from the trainer's authenticated rendezvous store
+(:mod:`wtransfer.engines.rendezvous`: one listening address, a token-proving handshake;
+torch's ``TCPStore`` would answer anyone on every interface) + ``PrefixStore`` + the
+backend's ``ProcessGroup`` class directly: the default process group is never created,
+required or touched, so it coexists with whatever groups the trainer already runs. Ranks:
+the trainer is 0, workers take ``data_parallel_index * world_size + rank + rank_offset``
+(the seed's rule). The trainer's store binds port 0 when asked, and publishes the port it
+got: no race.
+
+Across hosts each gloo rank advertises the local address on the route to the trainer
+(workers) or the address it listens on (trainer), not what its host name resolves to
+(127.0.0.1 on many hosts); ``local_address`` or ``interface`` (worker options, trainer
+``init_info``) or ``GLOO_SOCKET_IFNAME`` choose by hand.
 
 Each round starts with a one-integer all-reduce: every worker says whether its loader
 accepts the manifest, so a rejection stops everybody before any data moves. Buckets are
@@ -28,15 +36,24 @@ import contextlib
 import datetime
 import gc
 import logging
-import secrets
+import os
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from wtransfer.engines.base import LoadWeights, WeightTransferEngine, WeightTransferInitInfo
 from wtransfer.engines.loader import validate_with_loader
 from wtransfer.engines.manifest import Manifest
 from wtransfer.engines.packing import Bucket, Packer, Unpacker, check_bucket_bytes, plan_buckets
+from wtransfer.engines.rendezvous import (
+    WILDCARD_ADDRESSES,
+    RendezvousClient,
+    RendezvousServer,
+    local_address_for,
+    new_token,
+    store,
+)
 from wtransfer.engines.trainer import (
     MIB,
     PROTOCOL_VERSION,
@@ -80,6 +97,8 @@ class TorchDistributedInitInfo(WeightTransferInitInfo):
     """Tensors at least this large are broadcast in place (no packing); None packs everything."""
     channels: int = 1
     """Process groups the buckets are spread over (round-robin by bucket index)."""
+    token: str = ""
+    """The rendezvous secret: only a holder may read or write the group's keys."""
     protocol_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
@@ -97,6 +116,8 @@ class TorchDistributedInitInfo(WeightTransferInitInfo):
         check_timeout(owner, self.timeout_s)
         if not isinstance(self.group_name, str) or not self.group_name:
             raise ValueError(f"{owner}: 'group_name' must be a non-empty string")
+        if not isinstance(self.token, str) or len(self.token) < 16:
+            raise ValueError(f"{owner}: 'token' (the rendezvous secret from the trainer) is missing or too short")
         try:
             check_bucket_bytes(self.bucket_bytes)
         except ValueError as exc:
@@ -118,6 +139,10 @@ class TorchDistributedBackend:
     """The per-backend pieces; gloo by default. Mixed into both the worker and trainer classes."""
 
     distributed_backend = "gloo"
+    local_address: str | None = None
+    """The address this rank's gloo device binds and advertises (set before groups are made)."""
+    local_interface: str | None = None
+    """Or a network interface name, when the user named one."""
 
     def device(self) -> torch.device:
         import torch
@@ -127,7 +152,39 @@ class TorchDistributedBackend:
     def make_process_group(self, store: Any, rank: int, size: int, timeout_s: float) -> Any:
         from torch._C._distributed_c10d import ProcessGroupGloo
 
-        return ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
+        options = ProcessGroupGloo._Options()
+        options._timeout = datetime.timedelta(seconds=timeout_s)
+        options._devices = [self.gloo_device()]
+        return ProcessGroupGloo(store, rank, size, options)
+
+    def gloo_device(self) -> Any:
+        """The user's ``interface`` or ``local_address``, else ``GLOO_SOCKET_IFNAME``, else the
+        automatically chosen address (see the module docstring)."""
+        from torch._C._distributed_c10d import ProcessGroupGloo
+
+        if self.local_interface:
+            return ProcessGroupGloo.create_device(interface=self.local_interface)
+        if self.local_address and not self._address_from_env():
+            return ProcessGroupGloo.create_device(hostname=self.local_address)
+        return ProcessGroupGloo.create_default_device()
+
+    _address_chosen_by_user = False
+
+    def _address_from_env(self) -> bool:
+        """Whether ``GLOO_SOCKET_IFNAME`` decides (set, and the user named no address here)."""
+        return bool(os.environ.get("GLOO_SOCKET_IFNAME")) and not self._address_chosen_by_user
+
+    def choose_local_address(self, options: Mapping[str, Any], automatic: Callable[[], str | None]) -> None:
+        """Apply a user's ``local_address``/``interface`` option, else ``automatic()``."""
+        address, interface = options.get("local_address"), options.get("interface")
+        for key, value in (("local_address", address), ("interface", interface)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{type(self).__name__}: {key!r} must be a non-empty string, got {value!r}")
+        if address and interface:
+            raise ValueError(f"{type(self).__name__}: give 'local_address' or 'interface', not both")
+        self._address_chosen_by_user = bool(address or interface)
+        self.local_interface = interface
+        self.local_address = address or (None if interface or self._address_from_env() else automatic())
 
     def make_groups(self, store: Any, rank: int, size: int, timeout_s: float, channels: int) -> list[Any]:
         """One group per channel, each under its own key prefix; every member builds them in order."""
@@ -241,38 +298,42 @@ class TorchDistributedWeightTransferEngine(
         super().__init__(config, parallel_config)
         self._groups: list[Any] = []
         self._store: Any = None
+        self._kv: Any = None
         self._buffers: list[torch.Tensor] = []
         self._info: TorchDistributedInitInfo | None = None
         self._broken: str | None = None
         self.rank: int | None = None
 
     def init_transfer_engine(self, init_info: TorchDistributedInitInfo) -> None:
-        from torch.distributed import PrefixStore, TCPStore
+        from torch.distributed import PrefixStore
 
         if self._groups:  # re-joining (e.g. after a failed round): start clean
             self.shutdown()
         check_buffer_budget(self, init_info.bucket_bytes, init_info.num_buffers)
         self.rank = global_rank(self, init_info.rank_offset, init_info.world_size)
-        timeout = datetime.timedelta(seconds=init_info.timeout_s)
+        address, port = init_info.master_address, init_info.master_port
+        self.choose_local_address(self.config.options, lambda: local_address_for(address, port))
+        client = RendezvousClient.connect(address, port, init_info.token, init_info.timeout_s)
         try:
-            store = TCPStore(init_info.master_address, init_info.master_port, None, False, timeout)
-        except Exception as exc:
-            raise TransferError(
-                f"cannot reach the trainer's store at {init_info.master_address}:{init_info.master_port} "
-                f"({exc}); is the trainer running and reachable from this host?"
-            ) from exc
-        prefixed = PrefixStore(init_info.group_name, store)
-        buffers = self.allocate(init_info.bucket_bytes, init_info.num_buffers)
-        prefixed.set(f"joined/{self.rank}", "1")
-        try:
+            # keep the Python store referenced: torch calls into it while the groups live
+            self._kv = store(client, init_info.timeout_s)
+            prefixed = PrefixStore(init_info.group_name, self._kv)
+            prefixed.set(f"joined/{self.rank}", "1")
+            buffers = self.allocate(init_info.bucket_bytes, init_info.num_buffers)
             groups = self.make_groups(
                 prefixed, self.rank, init_info.world_size, init_info.timeout_s, init_info.channels
             )
-        except RuntimeError as exc:
-            raise TransferError(f"joining the {self.distributed_backend} group failed: {exc}") from exc
-        self._store, self._groups, self._buffers, self._info = store, groups, buffers, init_info
+        except (RuntimeError, TransferError) as exc:
+            client.close()
+            self._kv = None
+            raise TransferError(
+                f"joining the {self.distributed_backend} group at {address}:{port} as rank {self.rank} "
+                f"(local address {self.local_interface or self.local_address or 'from GLOO_SOCKET_IFNAME'}) "
+                f"failed: {exc}"
+            ) from exc
+        self._store, self._groups, self._buffers, self._info = client, groups, buffers, init_info
         self._broken = None
-        logger.debug("%s worker rank %d joined group %s", self.distributed_backend, self.rank, init_info.group_name)
+        logger.debug("%s worker rank %d joined the group at %s:%d", self.distributed_backend, self.rank, address, port)
 
     def receive_weights(self, update_info: ManifestUpdateInfo, load_weights: LoadWeights) -> None:
         with gc_paused():
@@ -326,7 +387,6 @@ class TorchDistributedWeightTransferEngine(
     def _receive_buckets(self, manifest: Manifest, load_weights: LoadWeights) -> None:
         assert self._info is not None
         buckets = plan_buckets(manifest.entries, self._info.bucket_bytes, self._info.direct_min_bytes)
-        count = len(self._buffers)
         unpacker = Unpacker(manifest, load_weights)
         works: dict[int, tuple[Any, bool]] = {}  # bucket -> (work, received in place)
         try:
@@ -365,7 +425,9 @@ class TorchDistributedWeightTransferEngine(
     def shutdown(self) -> None:
         had_group = bool(self._groups)
         self._groups = []
-        self._store = None
+        if self._store is not None:
+            self._store.close()
+        self._store = self._kv = None
         self._buffers = []
         self._info = None
         if had_group:
@@ -382,27 +444,34 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
     default_num_buffers = 8
     backend_init_defaults = {
         "master_address": "127.0.0.1", "master_port": 0, "direct_min_bytes": 2 * MIB, "channels": 2,
+        "listen_address": None, "local_address": None, "interface": None,
     }  # fmt: skip
 
     def _prepare(self) -> dict[str, Any]:
-        from torch.distributed import PrefixStore, TCPStore
+        from torch.distributed import PrefixStore
 
         address, port = self.init_info["master_address"], self.init_info["master_port"]
+        if not isinstance(address, str) or not address:
+            raise ValueError(f"init_info 'master_address' must be a host name or address, got {address!r}")
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536:
             raise ValueError(f"init_info 'master_port' must be 0 (pick a free port) or a port number, got {port!r}")
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        try:
-            # Port 0: the store binds a free port itself and we publish what it got (no race).
-            self._store: Any = TCPStore(address, port, None, True, timeout, wait_for_workers=False)
-        except Exception as exc:
-            raise TransferError(f"cannot listen on {address}:{port} for the {self.backend} group: {exc}") from exc
-        self._group_name = f"wtransfer/{self.backend}/{secrets.token_hex(8)}/"
-        self._prefixed: Any = PrefixStore(self._group_name, self._store)
+        listen = self.init_info["listen_address"] or address
+        if listen in WILDCARD_ADDRESSES:
+            logger.warning("%s trainer: the rendezvous listens on every interface (listen_address=%r)", self.backend, listen)
+        # Port 0: the server binds a free port itself and we publish what it got (no race).
+        self._server: Any = RendezvousServer(listen, port, new_token(), self.timeout_s)
+        bound = self._server.address
+        self.choose_local_address(self.init_info, lambda: None if bound in WILDCARD_ADDRESSES else bound)
+        self._group_name = f"wtransfer/{self.backend}/"
+        # keep the Python store referenced: torch calls into it while the groups live
+        self._kv = store(self._server.table, self.timeout_s)
+        self._prefixed: Any = PrefixStore(self._group_name, self._kv)
         self._groups: list[Any] = []
         self._buffers = self.allocate(self.bucket_bytes, self.num_buffers)
         return {
             "master_address": address,
-            "master_port": int(self._store.port),
+            "master_port": self._server.port,
+            "token": self._server.token,
             "world_size": self.world_size,
             "group_name": self._group_name,
             "bucket_bytes": self.bucket_bytes,
@@ -430,15 +499,28 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
     def _plan(self, manifest: Manifest) -> list[Bucket]:
         return plan_buckets(manifest.entries, self.bucket_bytes, self.direct_min_bytes)
 
+    STALL_GRACE_S: ClassVar[float] = 10.0
+    """How long the rendezvous waits for one more worker once some joined and the rest went quiet."""
+
     def _rendezvous(self, call: BackgroundCall) -> None:
-        keys = [f"joined/{rank}" for rank in range(1, self.world_size)]
+        ranks = range(1, self.world_size)
         deadline = time.monotonic() + self.timeout_s
-        # Wait for every worker's key first, so a failing client call is noticed at once
-        # instead of blocking inside the group constructor until its timeout.
-        while not self._prefixed.check(keys):
+        joined: set[int] = set()
+        last_join = time.monotonic()
+        # Wait for every worker's key first, so a failing client call (or a world_size larger
+        # than the workers the client drives) is noticed at once instead of blocking inside
+        # the group constructor until its timeout.
+        while True:
+            now_joined = {rank for rank in ranks if self._prefixed.check([f"joined/{rank}"])}
+            if now_joined != joined:
+                joined, last_join = now_joined, time.monotonic()
+            if len(joined) == len(ranks):
+                break
             call.raise_if_failed()
+            self.check_shortfall(call, joined)
+            self.check_stalled(joined, time.monotonic() - last_join)
             if time.monotonic() > deadline:
-                missing = [k.split("/")[1] for k in keys if not self._prefixed.check([k])]
+                missing = [str(rank) for rank in ranks if rank not in joined]
                 raise TransferTimeoutError(
                     f"{self.backend} rendezvous: worker rank(s) {', '.join(missing)} did not join "
                     f"within {self.timeout_s:g} s"
@@ -448,6 +530,23 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
             self._groups = self.make_groups(self._prefixed, 0, self.world_size, self.timeout_s, self.channels)
         except RuntimeError as exc:
             raise TransferError(f"creating the {self.backend} group failed: {exc}") from exc
+
+    def check_stalled(self, joined: set[int], quiet_s: float) -> None:
+        """Fail fast when some workers joined and no other came for ``STALL_GRACE_S``.
+
+        A client must start every worker's init at once (each blocks in the group until all
+        are in), so workers join within moments of each other; a long silence after the first
+        means ``world_size`` counts workers that do not exist (or that never got the call).
+        """
+        grace = min(self.STALL_GRACE_S, self.timeout_s)
+        if joined and quiet_s >= grace:
+            missing = [rank for rank in range(1, self.world_size) if rank not in joined]
+            raise TransferError(
+                f"{self.backend} rendezvous: init_info world_size={self.world_size} expects {self.num_workers} "
+                f"worker(s), but {len(joined)} joined (rank(s) {sorted(joined)}) and no other in {grace:g} s "
+                f"(missing rank(s) {missing}); world_size counts the trainer plus every worker process the "
+                f"client drives, and the client must start every worker's init_weight_transfer_engine at once"
+            )
 
     def _send_round(self, manifest: Manifest, buckets: list[Bucket], call: BackgroundCall) -> None:
         import torch
@@ -490,7 +589,9 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
         had_group = bool(getattr(self, "_groups", None))
         self._groups = []
         self._prefixed = None
-        self._store = None
+        if getattr(self, "_server", None) is not None:
+            self._server.close()
+        self._server = self._kv = None
         self._buffers = []
         if had_group:
             self.release_group()

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("wtransfer")
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped whenever the trainer/worker wire protocol changes; workers refuse other versions."""
 
 MIB = 1 << 20
@@ -269,6 +269,9 @@ class TrainerWeightTransferEngine(ABC):
     def num_workers(self) -> int:
         return self.world_size - 1
 
+    CLIENT_REASON_WAIT_S: ClassVar[float] = 1.0
+    """After a failed transfer, how long to wait for the client's error (it names the workers' reason)."""
+
     SHORTFALL_GRACE_S: ClassVar[float] = 3.0
     """How long the rendezvous still waits for workers after the client's init call returned."""
 
@@ -395,7 +398,9 @@ class TrainerWeightTransferEngine(ABC):
             raise TransferError(str(exc)) from exc
         if not isinstance(exc, KeyboardInterrupt):
             self._broken = f"{type(exc).__name__}: {exc}"
-        call.wait(min(self.timeout_s, 5.0))
+        # Briefly: a client whose transport died with the link may never answer, and the
+        # caller was promised an error within timeout_s of the stall.
+        call.wait(min(self.timeout_s, self.CLIENT_REASON_WAIT_S))
         if call.error is not None and call.error is not exc:
             raise call.error from exc
         raise exc

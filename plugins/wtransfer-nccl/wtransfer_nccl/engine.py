@@ -143,8 +143,13 @@ class NCCLTrainer(NCCLBackend, TorchDistributedTrainer):
     backend = "nccl"
     default_bucket_bytes = 32 * MIB
     default_num_buffers = 4
-    # NCCL runs its own channels inside one communicator: one group is enough.
-    backend_init_defaults = {**TorchDistributedTrainer.backend_init_defaults, "channels": 1}
+    # NCCL runs its own channels inside one communicator: one group is enough. gloo's
+    # local_address/interface choose a gloo device; NCCL picks its own (NCCL_SOCKET_IFNAME).
+    backend_init_defaults = {
+        key: value
+        for key, value in {**TorchDistributedTrainer.backend_init_defaults, "channels": 1}.items()
+        if key not in ("local_address", "interface")
+    }
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         require_nccl("trainer")
