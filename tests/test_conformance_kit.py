@@ -77,9 +77,101 @@ def test_a_broken_spec_fails_with_an_explanation(fake_distribution, tmp_path: Pa
     assert "expected: lookup == 0" in out.stdout
     # every other point of the contract still holds, under each cache layout the spec declares
     assert "2 failed" in out.stdout
-    failed = sorted(line.split("::")[-1] for line in out.stdout.splitlines() if line.startswith("FAILED"))
-    assert [name.split(" ")[0] for name in failed] == [
+    assert failed_tests(out.stdout) == [
         "test_failed_store_frees_its_space[vllm-cpu]", "test_failed_store_frees_its_space[wtransfer]"]
+
+
+FORGETFUL_ENGINE = '''
+from wtransfer.engines.shm import SharedMemoryWeightTransferEngine
+
+
+class DropsNorm:
+    """Forwards a loader (its manifest check and in-place destinations too) but never loads 'norm'."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __call__(self, weights):
+        self._inner([(name, tensor) for name, tensor in weights if name != "norm"])
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class Forgetful(SharedMemoryWeightTransferEngine):
+    """shm with one contract violation: one small tensor silently never reaches the model."""
+
+    def receive_weights(self, update_info, load_weights):
+        super().receive_weights(update_info, DropsNorm(load_weights))
+'''
+
+TOKEN_KEYED_CONNECTOR = '''
+import dataclasses
+
+from wtransfer import block_hashes
+from wtransfer.connectors.storage import StorageConnector
+
+ANY_MODEL = "00" * 32  # one namespace for every model
+
+
+class TokenKeyed(StorageConnector):
+    """storage with one contract violation: blocks are keyed by their tokens alone, so KV saved
+    for one model is offered to another (and across cache salts, adapters, weight updates)."""
+
+    def _by_tokens(self, request):
+        return dataclasses.replace(request, block_hashes=block_hashes(ANY_MODEL, request.token_ids, self.block_size))
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return super().get_num_new_matched_tokens(self._by_tokens(request), num_computed_tokens)
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        super().update_state_after_alloc(self._by_tokens(request), block_ids, num_external_tokens)
+
+    def build_connector_meta(self, step):
+        scheduled = [dataclasses.replace(entry, request=self._by_tokens(entry.request)) for entry in step.scheduled]
+        return super().build_connector_meta(dataclasses.replace(step, scheduled=scheduled))
+'''
+
+
+def failed_tests(stdout: str) -> list[str]:
+    return sorted(line.split("::")[-1].split(" ")[0] for line in stdout.splitlines() if line.startswith("FAILED"))
+
+
+def test_a_broken_engine_fails_exactly_its_point(fake_distribution, tmp_path: Path):
+    fake_distribution("acme-forgetful", {"wtransfer.engines": {"forgetful": "acme_forgetful:Forgetful"}},
+                      {"acme_forgetful": FORGETFUL_ENGINE})
+    out = run_pytest(tmp_path, """
+        from wtransfer.testing.conformance import EngineConformance
+
+        class TestForgetful(EngineConformance):
+            engine = "forgetful"
+    """)
+    assert out.returncode == 1, out.stdout
+    assert "contract point: every worker holds the trainer's weights bit for bit after a round" in out.stdout
+    assert "differs in ['norm']" in out.stdout
+    assert failed_tests(out.stdout) == ["test_rounds_are_bit_exact_on_the_dtype_shape_matrix"], out.stdout
+
+
+def test_a_broken_connector_fails_exactly_its_point(fake_distribution, tmp_path: Path):
+    fake_distribution("acme-tokenkeyed", {"wtransfer.connectors": {"tokenkeyed": "acme_tokenkeyed:TokenKeyed"}},
+                      {"acme_tokenkeyed": TOKEN_KEYED_CONNECTOR})
+    out = run_pytest(tmp_path, """
+        import pytest
+        from wtransfer.testing.conformance import ConnectorConformance
+
+        class TestTokenKeyed(ConnectorConformance):
+            connector = "tokenkeyed"
+            persistent = True
+
+            @pytest.fixture
+            def connector_options(self, tmp_path):
+                return {"path": str(tmp_path / "kv")}
+    """)
+    assert out.returncode == 1, out.stdout
+    assert "contract point: blocks are identified by the request's block hashes" in out.stdout
+    # every other point holds, under each layout the connector declares
+    assert failed_tests(out.stdout) == [
+        "test_another_model_never_matches[vllm-cpu]", "test_another_model_never_matches[wtransfer]"], out.stdout
 
 
 def test_fixtures_isolate_registrations_and_distributions(tmp_path: Path):

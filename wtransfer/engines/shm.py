@@ -191,7 +191,10 @@ class SharedMemoryWeightTransferEngine(RoundGuard, WeightTransferEngine[SharedMe
 
     def _receive(self, update_info: ManifestUpdateInfo, load_weights: LoadWeights) -> None:
         if self._channel is None or self._ring is None or self._info is None:
-            raise TransferError("receive_weights() before init_transfer_engine() (or after shutdown())")
+            raise TransferError(
+                "receive_weights() without a trainer: call init_transfer_engine() first (again after shutdown() "
+                "or after a round failed because the trainer died or aborted)"
+            )
         channel, info, manifest = self._channel, self._info, update_info.parsed
         try:
             validate_with_loader(load_weights, manifest)
@@ -214,6 +217,9 @@ class SharedMemoryWeightTransferEngine(RoundGuard, WeightTransferEngine[SharedMe
             unpacker.finish()
             self._mark_round_received()
         except (PeerClosedError, _TrainerAborted) as exc:
+            # That trainer will never send again: drop its socket and ring now (the mapping
+            # would keep its shared memory alive) instead of at the next init or shutdown.
+            self.shutdown()
             raise TransferError(
                 f"round {manifest.version} failed on worker rank {self.rank}: {exc}; weight_version stays "
                 f"{self.weight_version}"

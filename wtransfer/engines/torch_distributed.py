@@ -380,9 +380,8 @@ class TorchDistributedWeightTransferEngine(
     def _leave_group(self, reason: str) -> None:
         """After a failed round: drop the group now, so the trainer's pending collectives fail
         at once instead of at their timeout. A new ``init_transfer_engine()`` joins a fresh one."""
+        self.shutdown()  # the group, its rendezvous connection and the buffers: nothing outlives the round
         self._broken = reason
-        self._groups = []
-        self.release_group()
 
     def _receive_buckets(self, manifest: Manifest, load_weights: LoadWeights) -> None:
         assert self._info is not None

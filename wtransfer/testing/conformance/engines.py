@@ -17,6 +17,7 @@ non-contiguous, offset views, a tensor larger than a bucket) and checked bit for
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -155,8 +156,11 @@ class EngineConformance:
         from wtransfer.errors import WTransferError
         from wtransfer.testing.models import matrix_model
 
+        from wtransfer.local import open_fd_count
+
         with self._pool(engine_options) as pool:
             victim = pool.processes[-1]
+            fds_before, shm_before = open_fd_count(), _shm_names()
             source = _KillsMidRound(matrix_model(seed=1), victim.pid)
             trainer = self._trainer(pool, source, trainer_init_info)
             try:
@@ -172,6 +176,85 @@ class EngineConformance:
                         0, trainer.weight_version)
             finally:
                 trainer.shutdown()
+            require(open_fd_count() <= fds_before, "a trainer shut down after a failed round leaks no descriptors",
+                    f"at most {fds_before} open", open_fd_count())
+            require(_shm_names() <= shm_before, "a failed round leaves nothing in /dev/shm",
+                    "no new names", sorted(_shm_names() - shm_before))
+
+    def test_dead_trainer_fails_the_workers_within_the_timeout(
+        self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any]
+    ) -> None:
+        """The trainer's process SIGKILLed mid-round, after half the tensors were handed to the
+        engine: every worker raises a TransferError within the timeout, keeps its
+        weight_version, holds no more file descriptors than before the trainer existed, leaves
+        nothing in /dev/shm, and takes a fresh trainer's round afterwards."""
+        import multiprocessing
+
+        from wtransfer.errors import TransferError
+        from wtransfer.testing.models import matrix_model
+
+        with self._pool(engine_options) as pool:
+            fds_before = [s["fds"] for s in pool.stats()]
+            shm_before = _shm_names()
+            init_info = {"world_size": pool.world_size, "bucket_bytes": BUCKET_BYTES, "timeout_s": self.timeout_s,
+                         **trainer_init_info}
+            context = multiprocessing.get_context("spawn")
+            relay, child_end = context.Pipe()
+            trainer = context.Process(target=_trainer_killed_in_round_two, daemon=True,
+                                      args=(child_end, self.engine, json.dumps(init_info)))
+            trainer.start()
+            child_end.close()
+            failure: tuple[BaseException, float] | None = None
+            try:
+                # This process is the trainer's control plane: its client's calls reach the pool here.
+                while relay.poll(self.timeout_s * 3 + 60):
+                    try:
+                        request = json.loads(relay.recv_bytes())
+                    except EOFError:  # the trainer is gone
+                        break
+                    started = time.monotonic()
+                    try:
+                        getattr(pool, request["op"])(*request["args"])
+                        reply = {"ok": True}
+                    except Exception as exc:
+                        failure = (exc, time.monotonic() - started)
+                        reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                    try:
+                        relay.send_bytes(json.dumps(reply).encode())
+                    except OSError:
+                        break
+            finally:
+                trainer.join(30)
+                if trainer.is_alive():
+                    trainer.kill()
+            require(trainer.exitcode == -signal.SIGKILL, "the trainer died mid-round (killed by its own source)",
+                    "exit by SIGKILL", f"exit code {trainer.exitcode}")
+            require(failure is not None and isinstance(failure[0], TransferError)
+                    and "did not answer" not in str(failure[0]),
+                    "workers whose trainer died mid-round raise a TransferError (the engine's own, not the "
+                    "local pool giving up on a worker stuck in receive_weights)",
+                    "update_weights failing with the engines' TransferError", failure and repr(failure[0]))
+            assert failure is not None
+            require(failure[1] < self.timeout_s + 15, "a dead trainer fails the workers within the timeout",
+                    f"an error within {self.timeout_s:g} s (+ slack)", f"{failure[1]:.1f} s")
+            stats = pool.stats()
+            require([s["weight_version"] for s in stats] == [1] * self.num_workers,
+                    "a round cut by the trainer's death does not advance weight_version",
+                    [1] * self.num_workers, [s["weight_version"] for s in stats])
+            require(all(s["fds"] <= before for s, before in zip(stats, fds_before)),
+                    "a failed round leaks no file descriptors on the workers",
+                    f"at most {fds_before}", [s["fds"] for s in stats])
+            require(_shm_names() <= shm_before, "a failed round leaves nothing in /dev/shm",
+                    "no new names", sorted(_shm_names() - shm_before))
+            model = matrix_model(seed=5)
+            fresh = self._trainer(pool, model, trainer_init_info)
+            try:
+                fresh.send_weights()
+            finally:
+                fresh.shutdown()
+            versions = [s["weight_version"] for s in pool.stats()]
+            require(versions == [2] * self.num_workers, "workers take a new trainer's round after a trainer died",
+                    [2] * self.num_workers, versions)
 
     def test_discovered_through_its_entry_point_in_a_fresh_interpreter(self) -> None:
         from wtransfer.testing.processes import run_python
@@ -189,18 +272,56 @@ class EngineConformance:
 
 
 
-class _KillsMidRound(ModuleSource):
-    """The model's weights; SIGKILLs ``pid`` when the engine asks for the middle tensor."""
+def _shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
-    def __init__(self, module: Any, pid: int) -> None:
+
+def _trainer_killed_in_round_two(conn: Any, engine: str, init_info_json: str) -> None:
+    """A trainer process whose client relays every call to the test process over ``conn``
+    (JSON); one whole round, then its source SIGKILLs the process half-way through round two."""
+    from wtransfer.engines.trainer import create_trainer
+    from wtransfer.errors import TransferError
+    from wtransfer.testing.models import matrix_model
+
+    class RelayClient:
+        def _call(self, op: str, *args: Any) -> None:
+            conn.send_bytes(json.dumps({"op": op, "args": list(args)}).encode())
+            reply = json.loads(conn.recv_bytes())
+            if not reply["ok"]:
+                raise TransferError(reply["error"])
+
+        def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+            self._call("init_weight_transfer_engine", init_info)
+
+        def start_weight_update(self) -> None:
+            self._call("start_weight_update")
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            self._call("update_weights", update_info)
+
+        def finish_weight_update(self) -> None:
+            self._call("finish_weight_update")
+
+    source = _KillsMidRound(matrix_model(seed=1), os.getpid(), armed=False)
+    trainer = create_trainer(engine, client=RelayClient(), source=source, init_info=json.loads(init_info_json))
+    trainer.send_weights()
+    source.armed = True
+    trainer.send_weights()  # never returns: the source kills this process
+
+
+class _KillsMidRound(ModuleSource):
+    """The model's weights; SIGKILLs ``pid`` when the engine asks for the middle tensor (once armed)."""
+
+    def __init__(self, module: Any, pid: int, armed: bool = True) -> None:
         super().__init__(module)
         self.pid = pid
+        self.armed = armed
         self.killed = False
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         middle = len(self.metadata()) // 2
         for index, item in enumerate(super().__iter__()):
-            if index == middle and not self.killed:
+            if index == middle and self.armed and not self.killed:
                 os.kill(self.pid, signal.SIGKILL)
                 self.killed = True
             yield item
