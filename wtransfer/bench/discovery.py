@@ -9,14 +9,15 @@ so the comparison is the one a real environment sees. Medians of interleaved run
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+from wtransfer.bench.report import add_report_arguments, figures_report, table
 from wtransfer.testing.distributions import write_distribution
 
 RAW_SCAN = """
@@ -59,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dists", type=int, default=500, help="extra distributions on sys.path")
     parser.add_argument("--lookups", type=int, default=1000, help="name lookups per process")
     parser.add_argument("--repeat", type=int, default=15, help="fresh interpreters per measurement")
-    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    add_report_arguments(parser)
 
 
 def make_site(root: Path, count: int) -> list[str]:
@@ -107,36 +108,56 @@ def measure(dists: int, lookups: int, repeat: int) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    ms = measure(args.dists, args.lookups, args.repeat)
-    result = {
-        "dists": args.dists,
-        "lookups": args.lookups,
-        "bare_interpreter_ms": ms["bare"],
-        "import_wtransfer_ms": ms["import"],
-        "import_overhead_ms": ms["import"] - ms["bare"],
-        "raw_entry_points_scan_ms": ms["raw_scan"],
-        "wtransfer_discovery_ms": ms["discovery"],
-        "discovery_ratio": ms["discovery"] / ms["raw_scan"],
-        "discovery_with_imports_ms": ms["with_imports"],
-        "raw_scan_with_import_ms": ms["raw_with_import"],
-        "with_imports_ratio": ms["with_imports"] / ms["raw_with_import"],
-    }
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
-    from wtransfer.cli._output import print_table
+    with figures_report(args, "discovery", markdown) as result:
+        ms = measure(args.dists, args.lookups, args.repeat)
+        result.update({
+            "dists": args.dists,
+            "lookups": args.lookups,
+            "repeat": args.repeat,
+            "bare_interpreter_ms": ms["bare"],
+            "import_wtransfer_ms": ms["import"],
+            "import_overhead_ms": ms["import"] - ms["bare"],
+            "raw_entry_points_scan_ms": ms["raw_scan"],
+            "wtransfer_discovery_ms": ms["discovery"],
+            "discovery_ratio": ms["discovery"] / ms["raw_scan"],
+            "discovery_with_imports_ms": ms["with_imports"],
+            "raw_scan_with_import_ms": ms["raw_with_import"],
+            "with_imports_ratio": ms["with_imports"] / ms["raw_with_import"],
+        })
+        if not args.json and args.markdown is None:
+            from rich.console import Console
+            from rich.table import Table
 
-    rows = [
-        ("bare interpreter (python -c pass)", f"{ms['bare']:.1f} ms", "", ""),
-        ("python -c 'import wtransfer'", f"{ms['import']:.1f} ms",
-         f"+{result['import_overhead_ms']:.1f} ms", "≤ +10 ms"),
-        (f"raw importlib.metadata.entry_points() ({args.dists} extra dists)", f"{ms['raw_scan']:.1f} ms", "1.00×", ""),
-        (f"wtransfer discovery + {args.lookups} lookups", f"{ms['discovery']:.1f} ms",
-         f"{result['discovery_ratio']:.2f}×", "≤ 1.10×"),
-        ("cold: import importlib.metadata + raw scan", f"{ms['raw_with_import']:.1f} ms", "1.00×", ""),
-        ("cold: import wtransfer (+ pluggy, importlib.metadata) + discovery + lookups",
-         f"{ms['with_imports']:.1f} ms", f"{result['with_imports_ratio']:.2f}×", "(informative)"),
-    ]
-    print_table(f"discovery cost (medians of {args.repeat} fresh interpreters)",
-                ("measurement", "time", "vs reference", "target"), rows)
+            made = Table(title=_title(result))
+            for column in COLUMNS:
+                made.add_column(column)
+            for row in _rows(result):
+                made.add_row(*row)
+            Console().print(made)
     return 0
+
+
+COLUMNS = ("measurement", "time", "vs reference", "target")
+
+
+def _title(result: dict[str, Any]) -> str:
+    return (f"discovery cost (medians of {result['repeat']} fresh interpreters; {result['dists']} extra "
+            f"distributions installed, {result['lookups']} lookups)")
+
+
+def _rows(result: dict[str, Any]) -> list[list[str]]:
+    return [
+        ["bare interpreter (python -c pass)", f"{result['bare_interpreter_ms']:.1f} ms", "", ""],
+        ["python -c 'import wtransfer'", f"{result['import_wtransfer_ms']:.1f} ms",
+         f"+{result['import_overhead_ms']:.1f} ms", "≤ +10 ms"],
+        ["raw importlib.metadata.entry_points()", f"{result['raw_entry_points_scan_ms']:.1f} ms", "1.00×", ""],
+        ["wtransfer discovery + lookups", f"{result['wtransfer_discovery_ms']:.1f} ms",
+         f"{result['discovery_ratio']:.2f}×", "≤ 1.10×"],
+        ["cold: import importlib.metadata + raw scan", f"{result['raw_scan_with_import_ms']:.1f} ms", "1.00×", ""],
+        ["cold: import wtransfer (+ pluggy, importlib.metadata) + discovery + lookups",
+         f"{result['discovery_with_imports_ms']:.1f} ms", f"{result['with_imports_ratio']:.2f}×", "(informative)"],
+    ]
+
+
+def markdown(result: dict[str, Any]) -> list[str]:
+    return table(_title(result), list(COLUMNS), _rows(result))

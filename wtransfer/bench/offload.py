@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from wtransfer.bench.report import add_report_arguments, figures_report, table
+
 TARGET_RATIO = 0.8
 
 
@@ -28,15 +30,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--manager-ops", type=int, default=100_000, help="block operations per policy")
     parser.add_argument("--manager-capacity", type=int, default=4096, help="tier blocks for the manager test")
     parser.add_argument("--seed", type=int, default=0, help="seed of the manager workload")
-    parser.add_argument("--json", action="store_true", help="one JSON document on stdout (lines go to stderr)")
+    add_report_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from wtransfer.bench.report import json_report
-
-    with json_report(args.json) as figures:
+    with figures_report(args, "offload", markdown) as figures:
         ok = bench_tier(args, figures)
         figures["managers"] = bench_managers(args)
+        figures["manager_setup"] = {"ops": args.manager_ops, "capacity": args.manager_capacity}
         figures["targets_met"] = ok
     return 0 if ok else 1
 
@@ -109,11 +110,12 @@ def bench_tier(args: argparse.Namespace, figures: dict[str, Any]) -> bool:
     tier_store = run_job(DEVICE_MEDIUM, CPU_MEDIUM, (engine_spec, tier_spec))
     tier_load = run_job(CPU_MEDIUM, DEVICE_MEDIUM, (tier_spec, engine_spec))
 
-    print(
+    figures["setup"] = (
         f"KV offload, cpu tier: {args.layers} layers, {len(engine_ids)} engine blocks of {args.block_size} tokens "
         f"per job (offloaded block = {args.factor} engine blocks), {args.dtype}, {nbytes / 2**20:.1f} MiB per job, "
         f"best of {args.repeats}, torch threads {torch.get_num_threads()}"
     )
+    print(figures["setup"])
     try:
         ok = True
         print(f"{'direction':<10} {'plain index ops GB/s':>21} {'cpu tier GB/s':>14} {'ratio':>7}  target")
@@ -160,11 +162,7 @@ def _timed(fn: Callable[[], None]) -> float:
 def bench_managers(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     from wtransfer.specs.manager import BlockTableManager
 
-    print(
-        f"\nManager cost per block operation: {args.manager_ops} block ops, tier of {args.manager_capacity} blocks, "
-        f"requests of 8 blocks, half from a hot set of {args.manager_capacity // 2} blocks, half a scan of "
-        f"fresh ones (median of 3 runs)"
-    )
+    print("\n" + manager_setup(args.manager_ops, args.manager_capacity))
     print(f"{'policy':<8} {'store us/block':>15} {'load us/block':>14} {'hit rate':>9}")
     managers: dict[str, dict[str, float]] = {}
     for policy in ("lru", "arc"):
@@ -175,6 +173,30 @@ def bench_managers(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         print(f"{policy:<8} {store_us:>15.2f} {load_us:>14.2f} {hit_rate:>8.1%}")
         managers[policy] = {"store_us_per_block": store_us, "load_us_per_block": load_us, "hit_rate": hit_rate}
     return managers
+
+
+def manager_setup(ops: int, capacity: int) -> str:
+    return (f"Manager cost per block operation: {ops} block ops, tier of {capacity} blocks, requests of 8 blocks, "
+            f"half from a hot set of {capacity // 2} blocks, half a scan of fresh ones (median of 3 runs)")
+
+
+def markdown(figures: dict[str, Any]) -> list[str]:
+    moves = [
+        [direction, f"{f['plain_gb_per_s']:.2f}", f"{f['tier_gb_per_s']:.2f}", f"{f['ratio']:.2f}×",
+         f">= {f['target']}× {'ok' if f['ok'] else 'MISSED'}"]
+        for direction, f in ((d, figures[d]) for d in ("store", "load") if d in figures)
+    ]
+    managers, setup = figures["managers"], figures["manager_setup"]
+    return [
+        figures["setup"] + ".", "",
+        *table("cpu tier vs plain index ops", ["direction", "plain index ops GB/s", "cpu tier GB/s", "ratio", "target"],
+               moves),
+        "", f"Blocks loaded back bit-exact to the blocks stored: {figures.get('bit_exact')}.", "",
+        manager_setup(setup["ops"], setup["capacity"]) + ":", "",
+        *table("manager cost", ["policy", "store µs/block", "load µs/block", "hit rate"],
+               [[policy, f"{m['store_us_per_block']:.2f}", f"{m['load_us_per_block']:.2f}", f"{m['hit_rate']:.1%}"]
+                for policy, m in managers.items()]),
+    ]
 
 
 def _manager_round(manager_cls: type, policy: str, args: argparse.Namespace, seed: int) -> tuple[float, float, float]:

@@ -1,24 +1,197 @@
-"""``--json`` for the suites that print tables: the same figures, one JSON document on stdout.
+"""How a suite reports: tables for people, ``--json`` for programs, ``--markdown`` for READMEs.
 
-A suite prints its human-readable lines as it measures; with ``--json`` those lines go to
-stderr (progress) and the figures it recorded in the dict go to stdout as one document.
+A suite prints its human-readable lines as it measures and records its figures in a dict.
+With ``--json`` those lines go to stderr (progress) and the dict goes to stdout as one
+document. With ``--markdown`` the suite renders the dict as a Markdown block that names the
+machine plainly and the command that made it; ``--markdown FILE`` replaces that block between
+its markers in FILE (README's figures are generated this way, never typed), ``--markdown``
+alone prints it.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
+import os
+import platform
+import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
+
+Renderer = Callable[[dict[str, Any]], list[str]]
+
+
+def add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="one JSON document on stdout (lines go to stderr)")
+    parser.add_argument(
+        "--markdown", nargs="?", const="-", default=None, metavar="FILE",
+        help="a Markdown block of the figures: printed, or written between its markers in FILE (e.g. README.md)",
+    )
+    parser.add_argument("--markdown-block", default=None, metavar="NAME",
+                        help="the block's name in FILE (None: the suite's name)")
 
 
 @contextlib.contextmanager
-def json_report(enabled: bool) -> Iterator[dict[str, Any]]:
+def figures_report(args: argparse.Namespace, suite: str, render: Renderer) -> Iterator[dict[str, Any]]:
+    """The dict a suite records its figures in; reported as ``args`` asks when the suite is done."""
     figures: dict[str, Any] = {}
-    if not enabled:
+    if not args.json and args.markdown is None:
         yield figures
         return
     with contextlib.redirect_stdout(sys.stderr):
         yield figures
-    print(json.dumps(figures, indent=2))
+    if args.json:
+        print(json.dumps(figures, indent=2))
+        return
+    name = args.markdown_block or suite
+    block = markdown_block(name, getattr(args, "command_line", f"wtransfer bench {suite}"), render(figures))
+    if args.markdown == "-":
+        print(block)
+    else:
+        replace_block(Path(args.markdown), name, block)
+        print(f"wrote the {name!r} block of {args.markdown}", file=sys.stderr)
+
+
+# -- the machine, described plainly ------------------------------------------------------------
+def machine_description() -> str:
+    """Cores, CPU model and vector extensions, OS, Python and torch versions."""
+    model, flags = platform.processor() or platform.machine(), set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
+    torch_version = "torch not installed"
+    if "torch" in sys.modules or _importable("torch"):
+        import torch
+
+        torch_version = f"torch {torch.__version__}"
+    cpu = f"{model} ({vector})" if vector else model
+    return (f"{os.cpu_count()} cores, {cpu}, {platform.system()} {platform.machine()}, "
+            f"Python {platform.python_version()}, {torch_version}")
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+# -- Markdown ---------------------------------------------------------------------------------
+class MarkdownTable:
+    """The slice of ``rich.table.Table`` the suites use, rendered as a Markdown table."""
+
+    def __init__(self, title: str = "") -> None:
+        self.title = title
+        self.columns: list[str] = []
+        self.rows: list[list[str]] = []
+
+    def add_column(self, name: str) -> None:
+        self.columns.append(name)
+
+    def add_row(self, *cells: str) -> None:
+        from rich.text import Text
+
+        self.rows.append([Text.from_markup(str(cell)).plain for cell in cells])
+
+    def lines(self) -> list[str]:
+        out = [f"**{self.title}**", ""] if self.title else []
+        out.append("| " + " | ".join(self.columns) + " |")
+        out.append("|" + "---|" * len(self.columns))
+        out.extend("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in self.rows)
+        return out
+
+
+class MarkdownLines:
+    """A console stand-in that collects tables and lines (rich markup stripped) as Markdown."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def print(self, item: Any = "") -> None:
+        from rich.text import Text
+
+        if self.lines:
+            self.lines.append("")
+        if isinstance(item, MarkdownTable):
+            self.lines.extend(item.lines())
+        else:
+            self.lines.append(Text.from_markup(str(item)).plain)
+
+
+def table(title: str, columns: list[str], rows: list[list[str]]) -> list[str]:
+    made = MarkdownTable(title)
+    for column in columns:
+        made.add_column(column)
+    for row in rows:
+        made.add_row(*row)
+    return made.lines()
+
+
+def start_marker(name: str) -> str:
+    return f"<!-- wtransfer bench block {name}: generated, do not edit by hand -->"
+
+
+def end_marker(name: str) -> str:
+    return f"<!-- end of wtransfer bench block {name} -->"
+
+
+def markdown_block(name: str, command: str, body: list[str]) -> str:
+    return "\n".join([
+        start_marker(name),
+        f"Generated by `{command}` on: {machine_description()}.",
+        "",
+        *body,
+        end_marker(name),
+    ])
+
+
+def find_block(text: str, name: str) -> tuple[int, int] | None:
+    """Where the block ``name`` starts and ends (markers included) in ``text``, if present."""
+    start = text.find(start_marker(name))
+    if start < 0:
+        return None
+    end = text.find(end_marker(name), start)
+    if end < 0:
+        raise ValueError(f"block {name!r} has a start marker but no {end_marker(name)!r}")
+    return start, end + len(end_marker(name))
+
+
+def replace_block(path: Path, name: str, block: str) -> None:
+    text = path.read_text()
+    where = find_block(text, name)
+    if where is None:
+        raise SystemExit(
+            f"error: {path} has no block {name!r}; put these two lines where it belongs, then run again:\n"
+            f"{start_marker(name)}\n{end_marker(name)}"
+        )
+    path.write_text(text[: where[0]] + block + text[where[1] :])
+
+
+def block_shape(block: str) -> list[str]:
+    """What must match between a README block and a fresh run's: the tables' titles, columns and
+    row labels, and the provenance line (numbers, machine and verdicts may differ)."""
+    shape: list[str] = []
+    lines = block.splitlines()
+    for index, line in enumerate(lines):
+        if line.startswith("Generated by `wtransfer bench"):
+            shape.append("provenance: command + machine")
+            if not re.search(r"on: \d+ cores, .+, Python [\d.]+, torch \S+\.$", line):
+                shape.append(f"MALFORMED provenance line: {line}")
+        elif line.startswith("**") and line.endswith("**"):
+            shape.append(_sizes_out(line))  # a title may name the run's sizes
+        elif line.startswith("|") and index + 1 < len(lines) and lines[index + 1].startswith("|---"):
+            shape.append(line)  # a header row: every column name
+        elif line.startswith("|") and not line.startswith("|---"):
+            shape.append("row: " + _sizes_out(line.split("|")[1].strip()))
+    return shape
+
+
+def _sizes_out(text: str) -> str:
+    return re.sub(r"\d+(\.\d+)?", "N", text)

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from wtransfer.bench.report import add_report_arguments, figures_report, table
+
 TARGET_RATIO = 0.8
 
 
@@ -29,20 +31,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="measured rounds (best is reported)")
     parser.add_argument("--dir", default=None, help="where files go (None: a temp dir in /dev/shm if present)")
     parser.add_argument("--hash-blocks", type=int, default=20_000, help="blocks hashed for the hash-chain cost")
-    parser.add_argument("--json", action="store_true", help="one JSON document on stdout (lines go to stderr)")
+    add_report_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from wtransfer.bench.report import json_report
-
     base = args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     root = tempfile.mkdtemp(prefix="wtransfer-bench-storage-", dir=base)
-    with json_report(args.json) as figures:
+    with figures_report(args, "storage", markdown) as figures:
         try:
             ok = bench_io(args, root, figures)
         finally:
             shutil.rmtree(root, ignore_errors=True)
         figures["hash_us_per_block"] = bench_hashes(args)
+        figures["block_size"], figures["hash_blocks"] = args.block_size, args.hash_blocks
         figures["targets_met"] = ok
     return 0 if ok else 1
 
@@ -135,14 +136,18 @@ def bench_io(args: argparse.Namespace, root: str, figures: dict[str, Any]) -> bo
         shutil.rmtree(raw_dir, ignore_errors=True)
         shutil.rmtree(store_dir, ignore_errors=True)
 
-    print(
+    figures["setup"] = (
         f"KV storage connector: {args.layers} layers x {args.block_size} tokens x {args.heads} heads x "
         f"{args.head_size} ({args.dtype}) = {block_bytes / 2**20:.2f} MiB per block, {n} blocks "
-        f"({nbytes / 2**20:.0f} MiB) per round, files in {root}, connector io_threads={args.io_threads}, "
-        f"best of {args.repeats}"
+        f"({nbytes / 2**20:.0f} MiB) per round, files in {os.path.dirname(root)}, connector "
+        f"io_threads={args.io_threads}, best of {args.repeats}"
     )
-    print(f"baseline: safetensors save_file/load_file per block on {args.io_threads} thread(s) (the connector's "
-          "io_threads), gathering from / copying into the same paged cache")
+    figures["baseline"] = (
+        f"baseline: safetensors save_file/load_file per block on {args.io_threads} thread(s) (the connector's "
+        "io_threads), gathering from / copying into the same paged cache"
+    )
+    print(figures["setup"])
+    print(figures["baseline"])
     try:
         ok = True
         print(f"{'direction':<10} {'safetensors GB/s':>17} {'storage GB/s':>13} {'ratio':>7}  target")
@@ -186,11 +191,29 @@ def bench_hashes(args: argparse.Namespace) -> float:
     tokens = [(31 * i) % 128_000 for i in range(args.hash_blocks * args.block_size)]
     best = min(_timed(lambda: block_hashes(namespace, tokens, args.block_size)) for _ in range(3))
     per_block_us = best / args.hash_blocks * 1e6
-    print(
-        f"\nHash chain: {per_block_us:.2f} us per block of {args.block_size} tokens "
-        f"({args.hash_blocks} blocks, sha256 over parent + int64 tokens + extra keys, best of 3)"
-    )
+    print(f"\n{hash_line(per_block_us, args.block_size, args.hash_blocks)}")
     return per_block_us
+
+
+def hash_line(per_block_us: float, block_size: int, blocks: int) -> str:
+    return (f"Hash chain: {per_block_us:.2f} us per block of {block_size} tokens "
+            f"({blocks} blocks, sha256 over parent + int64 tokens + extra keys, best of 3)")
+
+
+def markdown(figures: dict[str, Any]) -> list[str]:
+    rows = [
+        [direction, f"{f['safetensors_gb_per_s']:.2f}", f"{f['storage_gb_per_s']:.2f}", f"{f['ratio']:.2f}×",
+         f">= {f['target']}× {'ok' if f['ok'] else 'MISSED'}"]
+        for direction, f in ((d, figures[d]) for d in ("save", "load") if d in figures)
+    ]
+    return [
+        figures["setup"] + ".", figures["baseline"] + ".", "",
+        *table("storage connector vs safetensors", ["direction", "safetensors GB/s", "storage GB/s", "ratio", "target"],
+               rows),
+        "",
+        f"Loaded blocks bit-exact to the saved ones: {figures.get('bit_exact')}. "
+        + hash_line(figures["hash_us_per_block"], figures["block_size"], figures["hash_blocks"]) + ".",
+    ]
 
 
 def _timed(fn: Callable[[], None]) -> float:

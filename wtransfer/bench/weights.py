@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from wtransfer.bench.report import MarkdownLines, MarkdownTable, add_report_arguments, figures_report
+
 if TYPE_CHECKING:
     import torch
 
@@ -186,6 +188,11 @@ class EngineResult:
         """Median GB/s of every peer measured alongside this engine's rounds."""
         names = {name for r in self.rounds for name in r.get("peers_gb_per_s", {})}
         return {name: statistics.median(r["peers_gb_per_s"][name] for r in self.rounds) for name in sorted(names)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineResult:
+        return cls(data["engine"], data["rounds"], data["trainer_peak_extra_rss"], data["worker_peak_extra_rss"],
+                   data["rss_budget"])
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -493,10 +500,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--small-model", default="8192*2048",
                         help="with --compare and gloo: the many-small-tensors model for the per-tensor comparison "
                              "(8192*2048: 2048 tensors of 8192 elements)")
-    parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     parser.add_argument("--timeout", type=float, default=120.0, help="timeout_s of every wait")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in the trainer process, for the engine and every peer alike (0 = torch's)")
     parser.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker (0 = torch's)")
+    add_report_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -508,7 +515,8 @@ def run(args: argparse.Namespace) -> int:
     from wtransfer.errors import WTransferError
     from wtransfer.registry.registry import get_class
 
-    console = Console(stderr=args.json)
+    quiet = args.json or args.markdown is not None  # tables go to stdout only for people
+    console = Console(stderr=quiet)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     engines = [e.strip() for e in args.engine.split(",") if e.strip()]
@@ -554,7 +562,7 @@ def run(args: argparse.Namespace) -> int:
 
         def advance(message: str) -> None:
             progress.update(task, advance=1, description=message)
-            if not args.json:
+            if not quiet:
                 progress.console.print(f"  {message}")
 
         try:
@@ -590,20 +598,36 @@ def run(args: argparse.Namespace) -> int:
             advance(f"gloo per-tensor broadcast, small tensors: {peers[name]:.2f} GB/s")
 
     targets = _targets(results, peers)
-    document = {
-        "model": {"spec": args.model, "tensors": len(tensors), "bytes": total, "dtype": dtype},
-        "workers": args.workers,
-        "engines": [r.to_dict() for r in results],
-        "peers_gb_per_s": peers,
-        "targets": targets,
-    }
-    if args.json:
-        print(json.dumps(document, indent=2))
-    else:
-        _print_tables(console, results, peers, targets, Table)
-        for line in _verdicts(targets):
-            console.print(line)
+    with figures_report(args, "weights", markdown) as document:
+        document.update({
+            "model": {"spec": args.model, "tensors": len(tensors), "bytes": total, "dtype": dtype,
+                      "parameters": sum(t.numel() for t in tensors)},
+            "workers": args.workers,
+            "rounds": args.rounds,
+            "engines": [r.to_dict() for r in results],
+            "peers_gb_per_s": peers,
+            "targets": targets,
+        })
+        if not quiet:
+            _print_tables(console, results, peers, targets, Table)
+            for line in _verdicts(targets):
+                console.print(line)
     return 0 if all(t["ok"] for t in targets if t["applies"]) else 1
+
+
+def markdown(document: dict[str, Any]) -> list[str]:
+    """The run as README shows it: model, the three tables, the verdicts in words."""
+    model = document["model"]
+    out = MarkdownLines()
+    out.print(
+        f"Model: {model['tensors']} tensors, {model['parameters'] / 1e6:.0f}M parameters, "
+        f"{model['bytes'] / 1e9:.2f} GB {model['dtype']}; {document['workers']} worker(s), "
+        f"{document['rounds']} round(s); ratios are medians of per-round pairs."
+    )
+    results = [EngineResult.from_dict(engine) for engine in document["engines"]]
+    _print_tables(out, results, document["peers_gb_per_s"], document["targets"], MarkdownTable)
+    out.print("\n".join(f"- {line}" for line in _verdicts(document["targets"])))
+    return out.lines
 
 
 RAW_CHUNKED = "gloo raw, engine's groups/buckets/in-flight"

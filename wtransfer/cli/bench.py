@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import sys
 
 from wtransfer.bench import DEFAULT_SUITE, SUITES
@@ -43,4 +44,6 @@ def run_suite(argv: list[str]) -> int:
         formatter_class=_HelpFormatter,
     )
     module.add_arguments(parser)
-    return int(module.run(parser.parse_args(argv)) or 0)
+    args = parser.parse_args(argv)
+    args.command_line = shlex.join(["wtransfer", "bench", suite, *argv])  # what regenerates a --markdown block
+    return int(module.run(args) or 0)
