@@ -9,5 +9,6 @@ SUITES: dict[str, str] = {
     "discovery": "wtransfer.bench.discovery",
     "storage": "wtransfer.bench.storage",
     "offload": "wtransfer.bench.offload",
+    "sharded": "wtransfer.bench.sharded",
 }
 DEFAULT_SUITE = "weights"

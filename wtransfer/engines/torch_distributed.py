@@ -482,6 +482,13 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
             "protocol_version": PROTOCOL_VERSION,
         }
 
+    def _parse_init_info(self, info: dict[str, Any]) -> dict[str, Any]:
+        # A sharded source gathers a tensor when it is read: an in-place send would keep up to
+        # num_buffers whole parameters alive while in flight. Pack everything unless asked.
+        if self.sharded and "direct_min_bytes" not in info:
+            info = {**info, "direct_min_bytes": None}
+        return super()._parse_init_info(info)
+
     @property
     def direct_min_bytes(self) -> int | None:
         value = self.init_info["direct_min_bytes"]

@@ -32,6 +32,8 @@ from wtransfer.errors import TransferError, TransferTimeoutError, WTransferError
 if TYPE_CHECKING:
     from types import TracebackType
 
+    from wtransfer.engines.sharded import ParticipantTrainer
+
 logger = logging.getLogger("wtransfer")
 
 PROTOCOL_VERSION = 3
@@ -210,6 +212,7 @@ class TrainerWeightTransferEngine(ABC):
         init_info: Mapping[str, Any] | None = None,
         checksums: bool = False,
         is_checkpoint_format: bool = True,
+        sharded: bool = False,
     ) -> None:
         missing = [
             m for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
@@ -220,7 +223,13 @@ class TrainerWeightTransferEngine(ABC):
                 f"client {type(client).__name__} does not implement WeightSyncClient: missing {', '.join(missing)}"
             )
         self.client = client
-        self.source = as_source(source)
+        self.sharded = bool(sharded)
+        """Rank 0 of a sharded trainer: every round walks the whole source, even one that fails."""
+        self.source: WeightSource = as_source(source)
+        if self.sharded:
+            from wtransfer.engines.sharded import LockstepSource, walks_per_round
+
+            self.source = LockstepSource(self.source, walks_per_round(checksums))
         self.init_info = self._parse_init_info(dict(init_info or {}))
         self.world_size: int = self.init_info["world_size"]
         self.timeout_s: float = self.init_info["timeout_s"]
@@ -330,11 +339,32 @@ class TrainerWeightTransferEngine(ABC):
             )
         try:
             with gc_paused():
-                stats = self._run_round(weight_version)
+                stats = self._run_sharded_round(weight_version) if self.sharded else self._run_round(weight_version)
         except BaseException as exc:
             notify("wtransfer_update_failed", error=exc)
             raise
         notify("wtransfer_update_finished", stats=stats)
+        return stats
+
+    def _run_sharded_round(self, label: str | None) -> dict[str, Any]:
+        """A round whose source walk every other trainer rank mirrors: finish the walk, always."""
+        source = self.source
+        source.begin_round()  # type: ignore[attr-defined]
+        try:
+            stats = self._run_round(label)
+        except BaseException:
+            # The other ranks still wait in their next gather: walk on (sending nothing) so that
+            # they finish too. If that fails as well (a rank died), the round's own error is the
+            # one to report.
+            try:
+                drained = source.finish_round()  # type: ignore[attr-defined]
+                logger.info("%s trainer: walked %d more tensor(s) after a failed round so the other "
+                            "trainer ranks finish", self.backend, drained)
+            except Exception as drain_error:
+                logger.warning("%s trainer: finishing the walk after a failed round failed too: %s",
+                               self.backend, drain_error)
+            raise
+        source.finish_round()  # type: ignore[attr-defined]  # a complete round walked everything: no-op
         return stats
 
     def _run_round(self, label: str | None) -> dict[str, Any]:
@@ -449,16 +479,23 @@ class ManifestRejected(TransferError):
 def create_trainer(
     backend: str,
     *,
-    client: WeightSyncClient,
+    client: WeightSyncClient | None,
     source: WeightSource | Any,
     init_info: Mapping[str, Any] | None = None,
+    rank: int | None = None,
     **options: Any,
-) -> TrainerWeightTransferEngine:
+) -> TrainerWeightTransferEngine | ParticipantTrainer:
     """Create the trainer side of ``backend`` and rendezvous with the workers.
 
     ``backend`` is a bare or qualified engine name; its worker class's ``trainer_cls``
     is used. ``options`` are trainer options: ``checksums`` (per-tensor CRC32 in the
     manifest, verified by workers) and ``is_checkpoint_format``.
+
+    A sharded trainer (FSDP2 / DTensor parameters, one process per rank) calls this on every
+    rank with its ``rank`` and the same source: rank 0 is the sender (it needs the client and
+    the ``init_info``; it returns the usual trainer), every other rank gets a
+    :class:`~wtransfer.engines.sharded.ParticipantTrainer` that runs the gathers and sends
+    nothing (``client`` may be None there). Call ``send_weights()`` on every rank each round.
     """
     from wtransfer.registry.kinds import ENGINES
     from wtransfer.registry.manager import notify
@@ -479,7 +516,18 @@ def create_trainer(
             f"create_trainer() got unknown option(s) {', '.join(unknown)}; accepted: {', '.join(sorted(accepted))}. "
             f"Transport settings (world_size, bucket_bytes, ...) go in init_info."
         )
-    trainer = trainer_cls(client=client, source=source, init_info=init_info, **options)
+    if rank is not None:
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise ValueError(f"create_trainer(): 'rank' must be this process's trainer rank (an int >= 0), got {rank!r}")
+        if rank > 0:
+            from wtransfer.engines.sharded import ParticipantTrainer
+
+            participant = ParticipantTrainer(backend, rank, as_source(source), checksums=bool(options.get("checksums")))
+            logger.info("Trainer rank %d of a sharded %s trainer: gathers only, rank 0 sends", rank, backend)
+            return participant
+    if client is None:
+        raise TypeError("create_trainer(): the sender (rank 0, or an unsharded trainer) needs a client")
+    trainer = trainer_cls(client=client, source=source, init_info=init_info, sharded=rank is not None, **options)
     trainer.connect()
     logger.info("Created %s trainer for %d worker(s)", backend, trainer.num_workers)
     notify(ENGINES.created_hook, engine=trainer)

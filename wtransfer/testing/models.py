@@ -56,3 +56,35 @@ def matrix_model(seed: int = 0, variant: str = "default") -> torch.nn.Module:
     elif variant != "default":
         raise ValueError(f"unknown matrix_model variant {variant!r}")
     return module
+
+
+class TiedLM(torch.nn.Module):
+    """A tiny language model with tied input and output embeddings, as many LLMs have.
+
+    For sharded-trainer tests (FSDP2 shards each block and the root): the output head's
+    weight *is* the embedding, so a transport must send it once and a loader must tie it.
+    """
+
+    def __init__(self, vocab: int = 512, hidden: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden))
+            for _ in range(layers)
+        )
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(token_ids)
+        for block in self.blocks:
+            hidden = hidden + block(hidden)
+        return self.head(self.norm(hidden))
+
+
+def tied_lm(seed: int = 0, vocab: int = 512, hidden: int = 64, layers: int = 2) -> TiedLM:
+    """:class:`TiedLM` with weights that depend on ``seed`` only (same on every rank that asks)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return TiedLM(vocab, hidden, layers)

@@ -1,0 +1,230 @@
+"""Sharded trainers for real: FSDP2 (``fully_shard``) over a gloo default group, one process per
+trainer rank, every rank calling ``create_trainer(..., rank=R)``; rank 0 drives two workers.
+
+Every round follows a real optimizer step, and the workers must then hold the unsharded state
+(``full_tensor()`` of every parameter) bit for bit. A trainer rank that dies mid-round makes
+every other rank and every worker raise within ``timeout_s``, and no worker's version moves.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from wtransfer.engines.source import WeightSource
+
+TIMEOUT = 30.0
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class _DiesMidRound(WeightSource):
+    """A WeightSource proxy that SIGKILLs its own process half-way through walk ``round_to_die``."""
+
+    def __init__(self, source: Any, round_to_die: int) -> None:
+        self.source, self.round_to_die, self.walks = source, round_to_die, 0
+
+    def metadata(self) -> Any:
+        return self.source.metadata()
+
+    def __iter__(self) -> Iterator[Any]:
+        self.walks += 1
+        middle = len(self.source.metadata()) // 2
+        for index, item in enumerate(self.source):
+            if self.walks == self.round_to_die and index == middle:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield item
+
+
+def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, victim: int, conn: Any) -> None:
+    """One trainer rank: FSDP2 over gloo, optimizer steps, a round after each; reports JSON lines."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import wtransfer
+    from wtransfer.engines.manifest import tensor_checksum
+    from wtransfer.local import LocalWorkerPool
+    from wtransfer.testing.models import tied_lm
+
+    def say(**event: Any) -> None:
+        conn.send_bytes(json.dumps({"rank": rank, **event}).encode())
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    model = tied_lm(seed=0)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    pool = None
+    try:
+        if rank == 0:
+            pool = LocalWorkerPool(2, "wtransfer.testing.models:tied_lm", backend=backend,
+                                   factory_kwargs={"seed": 1}, timeout_s=TIMEOUT, torch_threads=1)
+        source: Any = wtransfer.ModuleSource(model)
+        if rank == victim:
+            source = _DiesMidRound(source, round_to_die=2)
+        trainer = wtransfer.create_trainer(
+            backend, client=pool, source=source, rank=rank,
+            init_info={"world_size": 3, "timeout_s": TIMEOUT} if rank == 0 else None,
+        )
+        for step in range(rounds):
+            ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(100 * step + rank))
+            model(ids).float().pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            started = time.monotonic()
+            try:
+                stats = trainer.send_weights()
+            except Exception as exc:
+                versions = [s["weight_version"] for s in pool.stats()] if pool is not None else None
+                say(event="error", type=type(exc).__name__, message=str(exc)[:2000],
+                    seconds=time.monotonic() - started, worker_versions=versions)
+                return
+            full = {name: p.full_tensor() for name, p in model.named_parameters()}  # a collective: every rank
+            if pool is not None:
+                expected = {name: tensor_checksum(t.detach()) for name, t in full.items()}
+                workers = pool.digests()
+                say(event="round", version=stats["version"], sender=True,
+                    wrong=[sorted(n for n in expected if d.get(n) != expected[n]) for d in workers],
+                    worker_versions=[s["weight_version"] for s in pool.stats()])
+            else:
+                say(event="round", version=stats["version"], sender=False, tensors=stats["tensors"])
+        trainer.shutdown()
+        say(event="done")
+    except Exception as exc:  # outside a round (set-up, a training step): still reported, as a failure
+        say(event="crash", type=type(exc).__name__, message=str(exc)[:2000])
+        raise
+    finally:
+        if pool is not None:
+            pool.shutdown()
+
+
+def run_ranks(world: int, backend: str, rounds: int, victim: int = -1, limit: float = 300) -> list[dict[str, Any]]:
+    """Start ``world`` trainer ranks; return every event they reported (each stamped on arrival)."""
+    context = multiprocessing.get_context("spawn")
+    port = _free_port()
+    pipes, processes = [], []
+    for rank in range(world):
+        mine, theirs = context.Pipe(duplex=False)
+        process = context.Process(target=_trainer_rank, args=(rank, world, port, backend, rounds, victim, theirs))
+        process.start()
+        theirs.close()
+        pipes.append(mine)
+        processes.append(process)
+    events: list[dict[str, Any]] = []
+    deadline = time.monotonic() + limit
+    open_pipes = list(pipes)
+    try:
+        while open_pipes and time.monotonic() < deadline:
+            for ready in multiprocessing.connection.wait(open_pipes, timeout=1.0):
+                try:
+                    event = json.loads(ready.recv_bytes())  # type: ignore[union-attr]
+                except EOFError:
+                    open_pipes.remove(ready)  # type: ignore[arg-type]
+                    continue
+                event["at"] = time.monotonic()
+                events.append(event)
+    finally:
+        for process in processes:
+            process.join(max(deadline - time.monotonic(), 1))
+            if process.is_alive():
+                process.kill()
+    assert not open_pipes, f"trainer ranks still running after {limit} s: {events}"
+    return events
+
+
+@pytest.mark.parametrize(("world", "backend"), [(2, "shm"), (2, "gloo"), (4, "shm")])
+def test_fsdp2_trainer_ranks_sync_the_unsharded_state_after_optimizer_steps(world: int, backend: str) -> None:
+    events = run_ranks(world, backend, rounds=3)
+    assert [e for e in events if e["event"] in ("error", "crash")] == []
+    sender = [e for e in events if e["event"] == "round" and e["sender"]]
+    assert [e["version"] for e in sender] == [1, 2, 3]
+    for event in sender:
+        assert event["wrong"] == [[], []], f"round {event['version']}: workers differ in {event['wrong']}"
+        assert event["worker_versions"] == [event["version"]] * 2
+    others = [e for e in events if e["event"] == "round" and not e["sender"]]
+    assert len(others) == 3 * (world - 1)  # every rank took part in every round
+    assert all(e["tensors"] == others[0]["tensors"] for e in others)
+    assert len([e for e in events if e["event"] == "done"]) == world
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_trainer_rank_dying_mid_round_fails_every_rank_and_worker_within_the_timeout(world: int) -> None:
+    events = run_ranks(world, "shm", rounds=3, victim=1)
+    assert [e for e in events if e["event"] == "crash"] == []
+    assert [e["version"] for e in events if e["event"] == "round" and e["rank"] == 0] == [1]
+    errors = {e["rank"]: e for e in events if e["event"] == "error"}
+    survivors = [rank for rank in range(world) if rank != 1]
+    assert sorted(errors) == survivors, events  # the victim says nothing: it was SIGKILLed
+    for rank, error in errors.items():
+        assert error["seconds"] < TIMEOUT, f"rank {rank} took {error['seconds']:.1f} s"
+        assert error["type"] in ("TransferError", "TransferTimeoutError", "RuntimeError", "DistBackendError"), error
+    assert errors[0]["worker_versions"] == [1, 1]  # the cut round counts nowhere
+
+
+def _gather_check(rank: int, world: int, port: int, conn: Any) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from wtransfer.engines.source import gather_rows_in_slices
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    module = torch.nn.Module()
+    generator = torch.Generator().manual_seed(5)
+    shapes = {"even": (12, 5), "uneven": (101, 7), "fewer_rows_than_ranks": (2, 3), "vector": (13,), "empty": (0, 4)}
+    for name, shape in shapes.items():
+        module.register_parameter(name, torch.nn.Parameter(torch.randn(shape, generator=generator)))
+    fully_shard(module)
+    results = {}
+    for name in shapes:
+        parameter = getattr(module, name)
+        sliced = gather_rows_in_slices(parameter, slice_bytes=64)  # many slices, a partial last one
+        with torch.no_grad():
+            whole = parameter.full_tensor()
+        results[name] = sliced is not None and torch.equal(sliced, whole)
+    conn.send_bytes(json.dumps(results).encode())
+
+
+def test_row_sharded_parameters_are_gathered_slice_by_slice_exactly() -> None:
+    # the slice-by-slice gather must equal full_tensor() for torch.chunk's layouts: uneven rows,
+    # ranks with no rows, 1-D tensors, empty tensors, and slices that do not divide a shard
+    context = multiprocessing.get_context("spawn")
+    port, pipes, processes = _free_port(), [], []
+    for rank in range(3):
+        mine, theirs = context.Pipe(duplex=False)
+        process = context.Process(target=_gather_check, args=(rank, 3, port, theirs))
+        process.start()
+        theirs.close()
+        pipes.append(mine)
+        processes.append(process)
+    try:
+        for rank, pipe in enumerate(pipes):
+            assert pipe.poll(120), f"rank {rank} sent nothing"
+            assert json.loads(pipe.recv_bytes()) == {
+                "even": True, "uneven": True, "fewer_rows_than_ranks": True, "vector": True, "empty": True}
+    finally:
+        for process in processes:
+            process.join(30)
+            if process.is_alive():
+                process.kill()

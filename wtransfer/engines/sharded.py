@@ -1,0 +1,130 @@
+"""Sharded trainers (FSDP2 / DTensor): every trainer rank walks the weights, rank 0 sends them.
+
+A sharded parameter becomes a whole tensor only through a collective (``full_tensor()``),
+which every rank of the trainer's group must enter, in the same order. So on every rank
+``create_trainer(..., rank=R)`` is called with the same source: rank 0 gets the usual
+trainer (client calls, rendezvous, transport); every other rank gets a
+:class:`ParticipantTrainer`, whose ``send_weights()`` walks the source in the same order,
+running each gather and dropping the result at once. Memory stays bounded on every rank:
+rank 0 gathers a parameter only when its bucket is packed (the packer pulls tensors as it
+fills buckets; in-place sends are off unless asked for), the others hold one at a time.
+
+The walk is a contract between ranks: every ``send_weights()`` walks the source exactly as
+many times on every rank, whether the round succeeds or fails. Rank 0 keeps it with a
+:class:`LockstepSource`: if its round fails part-way (a worker died, a manifest was
+rejected), it finishes the walk before raising, so no other rank is left waiting inside a
+gather for a rank that will never come. wtransfer never touches the trainer's own process
+groups: the gathers are the source's (FSDP's), wtransfer's side groups are its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from wtransfer.engines.manifest import TensorEntry
+from wtransfer.engines.source import WeightSource
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("wtransfer")
+
+
+def walks_per_round(checksums: bool) -> int:
+    """How many times a round reads the source: once, twice with manifest checksums."""
+    return 2 if checksums else 1
+
+
+class LockstepSource(WeightSource):
+    """Rank 0's view of a sharded source: counts the walks of a round and can finish them.
+
+    ``begin_round()`` starts the count; every ``__iter__`` is one walk; ``finish_round()``
+    runs what is left of the current walk and every walk not started, so the other ranks'
+    gathers complete even when the round stopped early.
+    """
+
+    def __init__(self, source: WeightSource, walks: int) -> None:
+        self.inner = source
+        self.walks = walks
+        self._started = 0
+        self._current: Iterator[tuple[str, torch.Tensor]] | None = None
+
+    def metadata(self) -> list[TensorEntry]:
+        return self.inner.metadata()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._started += 1
+        self._current = iter(self.inner)
+        return self._current
+
+    def begin_round(self) -> None:
+        self._started, self._current = 0, None
+
+    def finish_round(self) -> int:
+        """Walk whatever this round has not walked yet; returns how many tensors that took."""
+        drained = 0
+        if self._current is not None:
+            for _ in self._current:
+                drained += 1
+        for _ in range(self._started, self.walks):
+            for _ in self.inner:
+                drained += 1
+        self._current = None
+        self._started = self.walks
+        return drained
+
+
+class ParticipantTrainer:
+    """A trainer rank that is not the sender: it runs the gathers and sends nothing.
+
+    Its ``send_weights()`` returns once this rank's share of the round (the gathers) is done;
+    whether the workers took the round is rank 0's to report (its ``send_weights()`` raises if
+    they did not). A rank whose gather fails (another rank died) raises here.
+    """
+
+    def __init__(self, backend: str, rank: int, source: WeightSource, *, checksums: bool = False) -> None:
+        self.backend = backend
+        self.rank = rank
+        self.source = source
+        self.walks = walks_per_round(checksums)
+        self.weight_version = 0
+        self.is_sender = False
+        self._closed = False
+
+    def send_weights(self, weight_version: str | None = None) -> dict[str, Any]:
+        """Walk the source (``walks`` times) in the order rank 0 does, dropping every tensor."""
+        from wtransfer.errors import TransferError
+
+        if self._closed:
+            raise TransferError(f"this {self.backend} participant (rank {self.rank}) was shut down")
+        started = time.perf_counter()
+        tensors = nbytes = 0
+        try:
+            for _ in range(self.walks):
+                for _name, tensor in self.source:
+                    tensors += 1
+                    nbytes += tensor.numel() * tensor.element_size()
+                    del tensor  # gathered, not kept: one parameter at a time on this rank
+        except TransferError:
+            raise
+        except Exception as exc:
+            raise TransferError(
+                f"trainer rank {self.rank}: gathering the weights for round {self.weight_version + 1} failed: "
+                f"{type(exc).__name__}: {exc} (another trainer rank died or left the round)"
+            ) from exc
+        self.weight_version += 1
+        seconds = time.perf_counter() - started
+        return {"backend": self.backend, "rank": self.rank, "sender": False, "version": self.weight_version,
+                "tensors": tensors, "bytes": nbytes, "seconds": seconds}
+
+    def shutdown(self) -> None:
+        self._closed = True
+
+    def __enter__(self) -> ParticipantTrainer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
