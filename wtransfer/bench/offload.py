@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from wtransfer.bench.report import add_report_arguments, figures_report, table
+from wtransfer.bench.report import add_report_arguments, figures_report, ratio_rows, table
 
 TARGET_RATIO = 0.8
 
@@ -181,11 +181,7 @@ def manager_setup(ops: int, capacity: int) -> str:
 
 
 def markdown(figures: dict[str, Any]) -> list[str]:
-    moves = [
-        [direction, f"{f['plain_gb_per_s']:.2f}", f"{f['tier_gb_per_s']:.2f}", f"{f['ratio']:.2f}×",
-         f">= {f['target']}× {'ok' if f['ok'] else 'MISSED'}"]
-        for direction, f in ((d, figures[d]) for d in ("store", "load") if d in figures)
-    ]
+    moves = ratio_rows(figures, ("store", "load"), "plain_gb_per_s", "tier_gb_per_s")
     managers, setup = figures["managers"], figures["manager_setup"]
     return [
         figures["setup"] + ".", "",

@@ -134,6 +134,15 @@ def table(title: str, columns: list[str], rows: list[list[str]]) -> list[str]:
     return made.lines()
 
 
+def ratio_rows(figures: dict[str, Any], directions: tuple[str, ...], baseline: str, ours: str) -> list[list[str]]:
+    """One row per measured direction: the baseline's and our GB/s, the ratio, target and verdict."""
+    return [
+        [direction, f"{f[baseline]:.2f}", f"{f[ours]:.2f}", f"{f['ratio']:.2f}×",
+         f">= {f['target']}× {'ok' if f['ok'] else 'MISSED'}"]
+        for direction, f in ((d, figures[d]) for d in directions if d in figures)
+    ]
+
+
 def start_marker(name: str) -> str:
     return f"<!-- wtransfer bench block {name}: generated, do not edit by hand -->"
 

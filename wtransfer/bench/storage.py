@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from wtransfer.bench.report import add_report_arguments, figures_report, table
+from wtransfer.bench.report import add_report_arguments, figures_report, ratio_rows, table
 
 TARGET_RATIO = 0.8
 
@@ -201,11 +201,7 @@ def hash_line(per_block_us: float, block_size: int, blocks: int) -> str:
 
 
 def markdown(figures: dict[str, Any]) -> list[str]:
-    rows = [
-        [direction, f"{f['safetensors_gb_per_s']:.2f}", f"{f['storage_gb_per_s']:.2f}", f"{f['ratio']:.2f}×",
-         f">= {f['target']}× {'ok' if f['ok'] else 'MISSED'}"]
-        for direction, f in ((d, figures[d]) for d in ("save", "load") if d in figures)
-    ]
+    rows = ratio_rows(figures, ("save", "load"), "safetensors_gb_per_s", "storage_gb_per_s")
     return [
         figures["setup"] + ".", figures["baseline"] + ".", "",
         *table("storage connector vs safetensors", ["direction", "safetensors GB/s", "storage GB/s", "ratio", "target"],
