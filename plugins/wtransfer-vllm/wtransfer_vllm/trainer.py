@@ -29,6 +29,8 @@ class WTransferTrainerInitInfo(TrainerInitInfo):
     backend: ClassVar[str] = "wtransfer"
     init_info: dict[str, Any] = dataclasses.field(default_factory=dict)
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # create_trainer options
+    sharded: bool = False
+    """Every trainer rank calls ``trainer_init`` (FSDP2 / DTensor): rank 0 sends, the others gather."""
 
 
 @lru_cache(maxsize=None)
@@ -38,13 +40,17 @@ def _info_class(backend: str) -> type[WTransferTrainerInitInfo]:
     )
 
 
-def trainer_init_info(backend: str, *, rank: int = 0, checksums: bool = False, **init_info: Any) -> WTransferTrainerInitInfo:
+def trainer_init_info(
+    backend: str, *, rank: int = 0, checksums: bool = False, sharded: bool = False, **init_info: Any
+) -> WTransferTrainerInitInfo:
     """``TrainerInitInfo`` for ``WeightTransferTrainerFactory.trainer_init``.
 
     ``backend`` is the name as registered in vLLM (``"shm"``, ``"wtransfer:gloo"``...);
     ``init_info`` keys are the wtransfer trainer's (``world_size``, ``timeout_s``, ...).
+    A sharded trainer calls ``trainer_init`` on every rank with ``rank=R, sharded=True`` and
+    the same source; ``send_weights()`` then runs on every rank (rank 0 sends).
     """
-    return _info_class(backend)(rank=rank, init_info=init_info, options={"checksums": checksums})
+    return _info_class(backend)(rank=rank, init_info=init_info, options={"checksums": checksums}, sharded=sharded)
 
 
 class _VLLMSource(wtransfer.WeightSource):
@@ -61,25 +67,30 @@ class _VLLMSource(wtransfer.WeightSource):
 
 
 class WTransferTrainerAdapter(VLLMTrainerEngine):
-    """vLLM's trainer engine interface over a wtransfer trainer (rank 0 sends)."""
+    """vLLM's trainer engine interface over a wtransfer trainer (rank 0 sends; with a sharded
+    trainer every other rank holds a participant that runs the gathers)."""
 
     wtransfer_backend: ClassVar[str] = ""
     init_info_cls = WTransferTrainerInitInfo
 
     @classmethod
     def trainer_init(cls, init_info: Any, *, client: Any, source: Any = None) -> WTransferTrainerAdapter:
-        if not init_info.is_sender:
+        sharded = bool(getattr(init_info, "sharded", False))
+        if not init_info.is_sender and not sharded:
             raise ValueError(
-                "wtransfer engines send from one trainer process (rank 0); gather the weights "
-                "there (a sharded source is gathered with full_tensor()) and call trainer_init on it only"
+                f"trainer rank {init_info.rank} is not the sender: for a sharded trainer build every rank's "
+                f"init info with trainer_init_info(..., rank=R, sharded=True); otherwise call trainer_init "
+                f"on rank 0 only"
             )
         if source is None:
             raise ValueError(f"{cls.wtransfer_backend} needs a source: the weights sent every round")
         if not isinstance(source, wtransfer.WeightSource) and hasattr(source, "metadata"):
             source = _VLLMSource(source)
-        self = cls(client=client, source=source)
+        self = cls(client=client, source=source, is_sender=init_info.is_sender)
         self.trainer = wtransfer.create_trainer(
-            cls.wtransfer_backend, client=client, source=source, init_info=init_info.init_info, **init_info.options
+            cls.wtransfer_backend, client=client if init_info.is_sender else None, source=source,
+            init_info=init_info.init_info if init_info.is_sender else None,
+            rank=init_info.rank if sharded else None, **init_info.options,
         )
         return self
 

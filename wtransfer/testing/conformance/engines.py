@@ -176,6 +176,11 @@ class EngineConformance:
                         0, trainer.weight_version)
             finally:
                 trainer.shutdown()
+            # The client's call may still be winding down in its thread (a wait() holds an epoll
+            # descriptor for a moment): a leak is what is still open once everything settled.
+            settled = time.monotonic() + 10
+            while open_fd_count() > fds_before and time.monotonic() < settled:
+                time.sleep(0.1)
             require(open_fd_count() <= fds_before, "a trainer shut down after a failed round leaks no descriptors",
                     f"at most {fds_before} open", open_fd_count())
             require(_shm_names() <= shm_before, "a failed round leaves nothing in /dev/shm",
@@ -273,7 +278,10 @@ class EngineConformance:
 
 
 def _shm_names() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    """Names in /dev/shm, less Python multiprocessing's own semaphores (``sem.mp-*``): /dev/shm is
+    shared by every process on the host, and any of them may hold one for a moment."""
+    names = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    return {name for name in names if not name.startswith("sem.mp-")}
 
 
 def _trainer_killed_in_round_two(conn: Any, engine: str, init_info_json: str) -> None:

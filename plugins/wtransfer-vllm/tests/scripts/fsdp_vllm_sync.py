@@ -1,0 +1,74 @@
+"""A vLLM instance synced by an FSDP2-sharded trainer through vLLM's own trainer factory.
+
+usage: fsdp_vllm_sync.py BACKEND MODEL_DIR OUT_JSON ROUNDS
+
+Two trainer ranks (FSDP2 over a gloo default group, CPU). Rank 0 also holds the offline
+``LLM``. Both call ``WeightTransferTrainerFactory.trainer_init`` with
+``trainer_init_info(backend, rank=R, sharded=True)`` and vLLM's ``ModuleSource`` (which
+gathers with ``full_tensor()``), then ``send_weights()`` each round. The rounds take the same
+deterministic steps as the ``final_checkpoint`` fixture (``perturb`` of the unsharded weights,
+scattered into the shards), so vLLM must then compute exactly what a fresh vLLM loaded from that
+checkpoint computes.
+"""
+
+import datetime
+import socket
+import sys
+
+import torch
+
+
+def rank_main(rank: int, backend: str, model_dir: str, out: str, rounds: int, port: int) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+    from vllm.distributed.weight_transfer.base import ModuleSource as VLLMModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from wtransfer_vllm import LLMClient, trainer_init_info
+    from wtransfer_vllm.testing import checksums, greedy, llm_kwargs, load_trainer_model, perturb, write_json
+
+    llm = client = None
+    if rank == 0:  # before the process group: vLLM's engine process must not inherit it
+        from vllm import LLM
+
+        llm = LLM(**llm_kwargs(model_dir, weight_transfer_config={"backend": backend}))
+        client = LLMClient(llm)
+    import vllm.plugins
+
+    vllm.plugins.load_general_plugins()  # a trainer rank without an LLM loads vLLM's plugins itself
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=300))
+    unsharded = load_trainer_model(model_dir)  # the steps are taken here, then scattered into the shards
+    model = load_trainer_model(model_dir)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        trainer_init_info(backend, rank=rank, sharded=True, world_size=2), client=client,
+        source=VLLMModuleSource(model),
+    )
+    whole = dict(unsharded.named_parameters())
+    stats = []
+    for step in range(rounds):
+        perturb(unsharded, step)
+        with torch.no_grad():
+            for name, shard in model.named_parameters():
+                shard.to_local().copy_(distribute_tensor(whole[name].detach(), shard.device_mesh, shard.placements).to_local())
+        stats.append(trainer.send_weights())
+    if rank == 0:
+        write_json(out, {"after": greedy(llm), "checksums": checksums(llm), "weight_version": llm.get_weight_version(),
+                         "stats": stats})
+    trainer.shutdown()
+    if llm is not None:  # a spawned process joins its children at exit: stop vLLM's engine first
+        llm.llm_engine.engine_core.shutdown()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    backend, model_dir, out, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    torch.multiprocessing.spawn(rank_main, args=(backend, model_dir, out, rounds, port), nprocs=2)

@@ -1,0 +1,46 @@
+"""A sharded trainer with a real transformers model: FSDP2 ranks (gloo, CPU), a Llama with tied
+embeddings, real optimizer steps, workers bit-exact with the unsharded state after every round.
+
+Runs in the throwaway vLLM environment (it has transformers); no vLLM instance is started.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vllm_harness import ROUNDS, run_script
+
+
+@pytest.mark.parametrize(("world", "backend"), [(2, "shm"), (4, "gloo")])
+def test_fsdp2_llama_ranks_sync_the_unsharded_state(
+    world: int, backend: str, vllm_python: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "result.json"
+    run_script(vllm_python, "fsdp_sync.py", str(world), backend, str(tiny_llama), str(out))
+    rounds = json.loads(out.read_text())["rounds"]
+    assert [r["version"] for r in rounds] == [1, 2, 3]
+    for r in rounds:
+        assert r["worker_versions"] == [r["version"]] * 2
+        for worker in r["workers"]:
+            wrong = sorted(name for name in r["trainer"] if worker.get(name) != r["trainer"][name])
+            assert not wrong, f"round {r['version']}: a worker differs in {wrong}"
+    assert "model.embed_tokens.weight" in rounds[0]["trainer"]  # the tied embedding, sent once
+    assert rounds[0]["trainer"] != rounds[-1]["trainer"]  # the optimizer really changed the weights
+
+
+def test_a_vllm_llm_synced_by_fsdp2_ranks_through_vllms_trainer_factory(
+    vllm_python: Path, tiny_llama: Path, reference: dict, tmp_path: Path
+) -> None:
+    # vLLM 0.32 calls trainer_init and send_weights on every trainer rank; rank 0 holds the LLM.
+    # The ranks take the same deterministic steps as the reference checkpoint, so vLLM must
+    # compute exactly what a fresh vLLM loaded from it computes.
+    out = tmp_path / "result.json"
+    run_script(vllm_python, "fsdp_vllm_sync.py", "shm", str(tiny_llama), str(out), str(ROUNDS))
+    result = json.loads(out.read_text())
+    assert result["after"] == reference["outputs"]  # tokens and logprobs, exactly
+    assert result["checksums"] == reference["checksums"]
+    assert result["weight_version"] == str(ROUNDS)
+    assert [s["version"] for s in result["stats"]] == list(range(1, ROUNDS + 1))
