@@ -13,8 +13,8 @@ The walk is a contract between ranks: every ``send_weights()`` walks the source 
 many times on every rank, whether the round succeeds or fails. Rank 0 keeps it with a
 :class:`LockstepSource`: if its round fails part-way (a worker died, a manifest was
 rejected), it finishes the walk before raising, so no other rank is left waiting inside a
-gather for a rank that will never come. wtransfer never touches the trainer's own process
-groups: the gathers are the source's (FSDP's), wtransfer's side groups are its own.
+gather for a rank that will never come. The gathers run on the source's own (FSDP's) group, as
+``full_tensor()`` runs them; wtransfer's transport never uses that group, nor the default one.
 """
 
 from __future__ import annotations
