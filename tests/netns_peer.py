@@ -39,8 +39,8 @@ def listeners() -> list[str]:
 
 def worker(address: str, port: int, options: dict[str, Any]) -> None:
     import wtransfer
-    from wtransfer.bench.weights import digests, worker_model
-    from wtransfer.engines.control import ControlChannel
+    from wtransfer._bench.weights import digests, worker_model
+    from wtransfer.engines._control import ControlChannel
 
     model = worker_model(SHAPES, "float32")
     load = wtransfer.module_loader(model)
@@ -86,7 +86,7 @@ class TcpClient:
     """The user's own WeightSyncClient: each call is one JSON request to the worker over TCP."""
 
     def __init__(self, address: str, port: int) -> None:
-        from wtransfer.engines.control import ControlChannel
+        from wtransfer.engines._control import ControlChannel
 
         self.channel = ControlChannel(socket.create_connection((address, port), timeout=30), "the worker")
         self.last: dict[str, Any] = {}
@@ -115,7 +115,7 @@ class TcpClient:
 
 def trainer(master_address: str, worker_address: str, port: int, rounds: int, init_info: dict[str, Any]) -> None:
     import wtransfer
-    from wtransfer.bench.weights import build_model, digests, mutate
+    from wtransfer._bench.weights import build_model, digests, mutate
 
     model = build_model(SHAPES, "float32", random=True, seed=7)
     client = TcpClient(worker_address, port)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from wtransfer.bench.report import block_shape, end_marker, find_block, markdown_block, replace_block, start_marker
+from wtransfer._bench.report import block_shape, end_marker, find_block, markdown_block, replace_block, start_marker
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCK_NAME = re.compile(r"<!-- wtransfer bench block (\S+): generated")

@@ -8,10 +8,10 @@ import textwrap
 from pathlib import Path
 
 import wtransfer
-from wtransfer.registry.registry import registry_for
+from wtransfer._registry.registry import registry_for
 
 LEAKY_SPEC = '''
-from wtransfer.specs.base import OffloadingManager
+from wtransfer.specs._base import OffloadingManager
 from wtransfer.specs.cpu import CPUOffloadingSpec
 
 
@@ -179,7 +179,7 @@ def test_fixtures_isolate_registrations_and_distributions(tmp_path: Path):
         import subprocess, sys
         import wtransfer
         from wtransfer import WeightTransferEngineFactory
-        from wtransfer.registry.registry import registry_for
+        from wtransfer._registry.registry import registry_for
 
         ENGINE = "from wtransfer.engines.shm import SharedMemoryWeightTransferEngine as Probe"
 
@@ -192,10 +192,10 @@ def test_fixtures_isolate_registrations_and_distributions(tmp_path: Path):
 
         def test_fake_distribution_seen_here_and_in_children(fake_distribution):
             fake_distribution("acme-probe", {"wtransfer.engines": {"probe": "acme_probe:Probe"}},
-                              {"acme_probe": "from wtransfer.engines.base import WeightTransferEngine as Probe"})
+                              {"acme_probe": "from wtransfer.engines._base import WeightTransferEngine as Probe"})
             assert "probe" in registry_for("engines").names()
             child = subprocess.run([sys.executable, "-c",
-                "from wtransfer.registry.registry import registry_for; print('probe' in registry_for('engines').names())"],
+                "from wtransfer._registry.registry import registry_for; print('probe' in registry_for('engines').names())"],
                 capture_output=True, text=True, check=True)
             assert child.stdout.strip() == "True"
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from wtransfer.connectors.blockfile import (
+from wtransfer.connectors._blockfile import (
     BlockFileError,
     BlockLayout,
     block_checksum,

@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from wtransfer.connectors.hashing import block_hashes, hash_block, kv_namespace, request_block_hashes
+from wtransfer.connectors._hashing import block_hashes, hash_block, kv_namespace, request_block_hashes
 from wtransfer.kvcache import KVCacheSpec
 from wtransfer.testing.processes import run_python
 
@@ -82,7 +82,7 @@ def test_same_hashes_in_another_process_with_another_hash_seed() -> None:
     code = f"""
         import json
         from wtransfer.kvcache import KVCacheSpec
-        from wtransfer.connectors.hashing import request_block_hashes
+        from wtransfer.connectors._hashing import request_block_hashes
         spec = KVCacheSpec.from_dict({json.dumps(SPEC.to_dict())})
         print(json.dumps(request_block_hashes(spec, {TOKENS!r}, extra_keys={{"b": [1, 2], "a": "x"}})))
     """

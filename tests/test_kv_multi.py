@@ -109,7 +109,7 @@ def test_a_request_is_done_only_when_every_child_finished_saving(tmp_path: Path,
 def test_conflicting_kv_transfer_params_are_refused(isolated_registry: None) -> None:
     KVConnectorFactory.register_connector("params-a", __name__, "ParamsA")
     KVConnectorFactory.register_connector("params-b", __name__, "ParamsB")
-    from wtransfer.connectors.request import KVRequest
+    from wtransfer.connectors._request import KVRequest
 
     request = KVRequest("r", list(range(8)))
     agree = KVConnectorFactory.create_connector(
@@ -167,7 +167,7 @@ class ParamsB(ParamsA):
 def test_no_child_saves_kv_computed_on_top_of_another_childs_failed_load(tmp_path: Path) -> None:
     from safetensors import safe_open
 
-    from wtransfer.connectors.hashing import request_block_hashes
+    from wtransfer.connectors._hashing import request_block_hashes
 
     first, second = tmp_path / "first", tmp_path / "second"
     with PagedKVEngine(SPEC, 16, kv_transfer_config=_multi(_child(second))) as engine:

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from wtransfer import KVConnectorFactory, KVConnectorRole, KVTransferConfig
-from wtransfer.connectors.hashing import request_block_hashes
+from wtransfer.connectors._hashing import request_block_hashes
 from wtransfer.kvcache import KVCacheSpec
 from wtransfer.testing.conformance import ConnectorConformance
 from wtransfer.testing.paged_engine import PagedKVEngine, reference_kv

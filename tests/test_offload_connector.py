@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from wtransfer import KVCacheSpec, KVTransferConfig
-from wtransfer.connectors.hashing import request_block_hashes
-from wtransfer.registry.kinds import SPECS
-from wtransfer.registry.registry import registry_for
+from wtransfer.connectors._hashing import request_block_hashes
+from wtransfer._registry.kinds import SPECS
+from wtransfer._registry.registry import registry_for
 from wtransfer.specs.cpu import BlockCopyHandler, CPUOffloadingSpec
 from wtransfer.testing.conformance import ConnectorConformance
 from wtransfer.testing.paged_engine import PagedKVEngine, reference_kv
@@ -229,8 +229,8 @@ import threading
 
 import torch
 
-from wtransfer.specs.base import OffloadingHandler, OffloadingSpec, TransferResult
-from wtransfer.specs.manager import BlockTableManager
+from wtransfer.specs._base import OffloadingHandler, OffloadingSpec, TransferResult
+from wtransfer.specs._manager import BlockTableManager
 
 MEDIUM = "acme-dict"
 

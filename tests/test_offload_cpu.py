@@ -10,11 +10,11 @@ import torch
 
 import wtransfer
 from wtransfer import KVCacheSpec, KVTransferConfig, OffloadingSpecFactory
-from wtransfer.bench import offload as bench_offload
+from wtransfer._bench import offload as bench_offload
 from wtransfer.cli.bench import run_suite
-from wtransfer.specs.base import LoadStoreSpec, OffloadingHandler, OffloadingSpec
+from wtransfer.specs._base import LoadStoreSpec, OffloadingHandler, OffloadingSpec
 from wtransfer.specs.cpu import BlockCopyHandler, CPUOffloadingSpec
-from wtransfer.specs.manager import BlockTableManager
+from wtransfer.specs._manager import BlockTableManager
 
 LAYERS = ("model.layers.0.attn", "model.layers.1.attn", "model.layers.2.attn")
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from wtransfer.specs.base import LoadStoreSpec, OffloadingEvent
-from wtransfer.specs.manager import BlockTableManager
+from wtransfer.specs._base import LoadStoreSpec, OffloadingEvent
+from wtransfer.specs._manager import BlockTableManager
 from wtransfer.specs.policies import (
     ARCPolicy,
     EvictionPolicy,

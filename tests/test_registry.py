@@ -17,13 +17,13 @@ from wtransfer import (
     WeightTransferConfig,
     WeightTransferEngineFactory,
 )
-from wtransfer.registry.registry import registry_for
+from wtransfer._registry.registry import registry_for
 from wtransfer.testing.distributions import site_on_path, write_distribution
 from wtransfer.testing.processes import run_python
 
 ENGINE_SOURCE = '''
 from dataclasses import dataclass
-from wtransfer.engines.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+from wtransfer.engines._base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 @dataclass
 class Init(WeightTransferInitInfo):
@@ -148,7 +148,7 @@ def test_scanned_once_until_refresh(site: Path):
 
 CHILD_MODULE = """
 from wtransfer import get_class
-from wtransfer.registry.registry import registry_for
+from wtransfer._registry.registry import registry_for
 
 def child(path):
     cls = get_class("engines", "child")
@@ -305,8 +305,8 @@ def test_runtime_registration(site: Path):
 
 
 CONNECTOR_SOURCE = '''
-from wtransfer.connectors.base import KVConnectorBase
-from wtransfer.specs.base import OffloadingSpec
+from wtransfer.connectors._base import KVConnectorBase
+from wtransfer.specs._base import OffloadingSpec
 
 def _concrete(base):
     """Fill in whatever abstract methods the base declares, so the test only checks loading."""
@@ -329,7 +329,7 @@ def test_module_path_fallbacks_for_all_three_kinds(site: Path):
     engine = WeightTransferEngineFactory.create_engine(
         WeightTransferConfig(backend="PathEngine", module_path="acme_paths.engines"))
     assert type(engine).__name__ == "PathEngine"
-    from wtransfer.connectors.base import KVConnectorRole
+    from wtransfer.connectors._base import KVConnectorRole
 
     config = KVTransferConfig(kv_connector="PathConnector", kv_connector_module_path="acme_paths.kv")
     connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER)
@@ -348,7 +348,7 @@ def test_module_path_fallbacks_for_all_three_kinds(site: Path):
 
 HOOKS_SOURCE = '''
 import wtransfer
-from wtransfer.registry.component import ComponentRef
+from wtransfer._registry.component import ComponentRef
 
 SEEN = []
 
@@ -372,7 +372,7 @@ def test_hook_plugins_observe_and_contribute(site: Path):
     engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="from-hook"))
     hooks = sys.modules["acme_hooks.hooks"]
     assert hooks.SEEN == [type(engine).__name__]
-    from wtransfer.registry.manager import hook_plugins
+    from wtransfer._registry.manager import hook_plugins
 
     statuses = {p.record.distribution: (p.status, p.error) for p in hook_plugins()}
     assert statuses["acme-hooks"] == ("loaded", None)
@@ -385,7 +385,7 @@ def test_a_misspelled_hook_is_an_error_naming_plugin_and_hook(site: Path):
                        {"acme_typo_hooks": "import wtransfer\n"
                                            "@wtransfer.hookimpl\n"
                                            "def wtransfer_update_finishd(stats):\n    pass\n"})
-    from wtransfer.registry.manager import hook_plugins, plugin_manager
+    from wtransfer._registry.manager import hook_plugins, plugin_manager
 
     statuses = {p.record.distribution: (p.status, p.error) for p in hook_plugins()}
     status, error = statuses["acme-typo-hooks"]
@@ -490,7 +490,7 @@ def test_core_never_names_the_nccl_plugin_module():
     assert [name for name, text in sources.items() if "wtransfer_nccl" in text] == []
     in_code = sorted(name for name, text in sources.items()
                      if any("wtransfer-nccl" in value for value in _code_strings(text)))
-    assert in_code == ["registry/hints.py"]
+    assert in_code == ["_registry/hints.py"]
 
 
 def test_bench_help_reaches_the_suite():

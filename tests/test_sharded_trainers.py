@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from wtransfer.engines.source import WeightSource
+from wtransfer.engines._source import WeightSource
 
 TIMEOUT = 30.0
 
@@ -57,7 +57,7 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
     from torch.distributed.fsdp import fully_shard
 
     import wtransfer
-    from wtransfer.engines.manifest import tensor_checksum
+    from wtransfer.engines._manifest import tensor_checksum
     from wtransfer.local import LocalWorkerPool
     from wtransfer.testing.models import tied_lm
 
@@ -186,7 +186,7 @@ def _gather_check(rank: int, world: int, port: int, conn: Any) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from wtransfer.engines.source import gather_rows_in_slices
+    from wtransfer.engines._source import gather_rows_in_slices
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))

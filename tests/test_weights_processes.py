@@ -14,13 +14,13 @@ import pytest
 import torch
 
 import wtransfer
-from wtransfer.bench.weights import build_model, digests, mutate
-from wtransfer.engines.manifest import TensorEntry
-from wtransfer.engines.source import TensorSource, WeightSource
+from wtransfer._bench.weights import build_model, digests, mutate
+from wtransfer.engines._manifest import TensorEntry
+from wtransfer.engines._source import TensorSource, WeightSource
 from wtransfer.errors import ManifestMismatchError, TransferError
 from wtransfer.local import LocalWorkerPool, PeakRss, open_fd_count
 
-FACTORY = "wtransfer.bench.weights:worker_model"
+FACTORY = "wtransfer._bench.weights:worker_model"
 TIMEOUT = 30.0
 
 MIXED = [
@@ -108,7 +108,7 @@ class Recorder:
 
 @pytest.mark.parametrize("backend", ["shm", "gloo"])
 def test_a_mismatched_manifest_is_rejected_before_anything_is_written(backend: str) -> None:
-    from wtransfer.registry.manager import plugin_manager
+    from wtransfer._registry.manager import plugin_manager
 
     shapes = [["a.weight", [64, 8]], ["a.bias", [8]], ["b.weight", [4, 4]]]
     tensors = {"a.weight": torch.randn(64, 8), "a.bias": torch.randn(9), "b.weight": torch.randn(4, 4),
@@ -475,7 +475,7 @@ def test_the_gloo_rendezvous_answers_only_holders_of_the_round_token() -> None:
 
     from torch.distributed import TCPStore
 
-    from wtransfer.engines.rendezvous import RendezvousClient
+    from wtransfer.engines._rendezvous import RendezvousClient
 
     seen: dict[str, Any] = {}
 

@@ -81,7 +81,7 @@ def test_every_bench_suite_has_json_and_help_on_every_option() -> None:
     import argparse
     import importlib
 
-    from wtransfer.bench import SUITES
+    from wtransfer._bench import SUITES
 
     for suite, module_name in SUITES.items():
         parser = argparse.ArgumentParser()

@@ -9,11 +9,11 @@ import torch
 
 import wtransfer
 from wtransfer.engines.gloo import GlooWeightTransferEngine
-from wtransfer.engines.loader import module_loader
-from wtransfer.engines.manifest import Manifest, build_manifest, dtype_from_name, tensor_bytes, tensor_checksum
-from wtransfer.engines.packing import Packer, Unpacker, plan_buckets
+from wtransfer.engines._loader import module_loader
+from wtransfer.engines._manifest import Manifest, build_manifest, dtype_from_name, tensor_bytes, tensor_checksum
+from wtransfer.engines._packing import Packer, Unpacker, plan_buckets
 from wtransfer.engines.shm import SharedMemoryWeightTransferEngine
-from wtransfer.engines.source import ModuleSource, TensorSource
+from wtransfer.engines._source import ModuleSource, TensorSource
 from wtransfer.errors import ManifestMismatchError, TransferError
 
 DTYPES = [
@@ -52,8 +52,8 @@ def awkward_tensors() -> dict[str, torch.Tensor]:
 
 
 def _target_module(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
-    from wtransfer.bench.weights import build_model
-    from wtransfer.engines.manifest import dtype_name
+    from wtransfer._bench.weights import build_model
+    from wtransfer.engines._manifest import dtype_name
 
     return build_model([[n, list(t.shape), dtype_name(t.dtype)] for n, t in tensors.items()], "float32")
 
@@ -326,7 +326,7 @@ def test_create_trainer_validates_before_touching_any_worker() -> None:
 
 
 def test_an_engine_without_a_trainer_side_says_so() -> None:
-    from wtransfer.registry.registry import registry_for
+    from wtransfer._registry.registry import registry_for
 
     class WorkerOnly(SharedMemoryWeightTransferEngine):
         trainer_cls = None

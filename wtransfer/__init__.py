@@ -1,13 +1,14 @@
 """wtransfer: move model state between processes, with backends as entry-point plugins.
 
 This module stays thin: every public name is imported on first access (PEP 562),
-so ``import wtransfer`` loads neither torch nor pluggy nor importlib.metadata.
+so ``import wtransfer`` loads neither torch nor pluggy nor importlib.metadata, nor even
+``typing``. Plugin authors import their toolkit from ``wtransfer.engines``,
+``wtransfer.connectors`` and ``wtransfer.specs``; ``_``-modules are private.
 """
 
-from __future__ import annotations
+from wtransfer._lazy import lazy_exports
 
-import importlib
-from typing import TYPE_CHECKING, Any
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (type checkers read it the same)
 
 __version__ = "0.1.0"
 
@@ -18,58 +19,58 @@ _EXPORTS: dict[str, str] = {
     "ParallelConfig": "wtransfer.config",
     "KVTransferConfig": "wtransfer.config",
     # factories (the seed API)
-    "WeightTransferEngineFactory": "wtransfer.engines.factory",
-    "KVConnectorFactory": "wtransfer.connectors.factory",
-    "OffloadingSpecFactory": "wtransfer.specs.factory",
+    "WeightTransferEngineFactory": "wtransfer.engines._factory",
+    "KVConnectorFactory": "wtransfer.connectors._factory",
+    "OffloadingSpecFactory": "wtransfer.specs._factory",
     # weight transfer, worker side
-    "WeightTransferEngine": "wtransfer.engines.base",
-    "WeightTransferInitInfo": "wtransfer.engines.base",
-    "WeightTransferUpdateInfo": "wtransfer.engines.base",
-    "WeightTransferInitRequest": "wtransfer.engines.base",
-    "WeightTransferUpdateRequest": "wtransfer.engines.base",
-    "module_loader": "wtransfer.engines.loader",
+    "WeightTransferEngine": "wtransfer.engines._base",
+    "WeightTransferInitInfo": "wtransfer.engines._base",
+    "WeightTransferUpdateInfo": "wtransfer.engines._base",
+    "WeightTransferInitRequest": "wtransfer.engines._base",
+    "WeightTransferUpdateRequest": "wtransfer.engines._base",
+    "module_loader": "wtransfer.engines._loader",
     # weight transfer, trainer side
-    "create_trainer": "wtransfer.engines.trainer",
-    "TrainerWeightTransferEngine": "wtransfer.engines.trainer",
-    "NoTrainerSideError": "wtransfer.engines.trainer",
-    "WeightSyncClient": "wtransfer.engines.client",
-    "WeightSource": "wtransfer.engines.source",
-    "ModuleSource": "wtransfer.engines.source",
-    "TensorSource": "wtransfer.engines.source",
-    "TensorEntry": "wtransfer.engines.manifest",
-    "dtype_name": "wtransfer.dtypes",
+    "create_trainer": "wtransfer.engines._trainer",
+    "TrainerWeightTransferEngine": "wtransfer.engines._trainer",
+    "NoTrainerSideError": "wtransfer.engines._trainer",
+    "WeightSyncClient": "wtransfer.engines._client",
+    "WeightSource": "wtransfer.engines._source",
+    "ModuleSource": "wtransfer.engines._source",
+    "TensorSource": "wtransfer.engines._source",
+    "TensorEntry": "wtransfer.engines._manifest",
+    "dtype_name": "wtransfer._dtypes",
     # KV connectors and offloading
     "KVCacheSpec": "wtransfer.kvcache",
     "KV_LAYOUTS": "wtransfer.kvcache",
     "block_view": "wtransfer.kvcache",
-    "KVConnectorBase": "wtransfer.connectors.base",
-    "KVConnectorRole": "wtransfer.connectors.base",
-    "KVConnectorMetadata": "wtransfer.connectors.base",
-    "KVRequest": "wtransfer.connectors.request",
-    "block_hashes": "wtransfer.connectors.hashing",
-    "kv_namespace": "wtransfer.connectors.hashing",
-    "ScheduledRequest": "wtransfer.connectors.request",
-    "SchedulerStep": "wtransfer.connectors.request",
-    "KVConnectorOutput": "wtransfer.connectors.request",
-    "OffloadingSpec": "wtransfer.specs.base",
-    "OffloadingManager": "wtransfer.specs.base",
-    "OffloadingHandler": "wtransfer.specs.base",
-    "LoadStoreSpec": "wtransfer.specs.base",
-    "TransferResult": "wtransfer.specs.base",
-    "PrepareStoreOutput": "wtransfer.specs.base",
-    "OffloadingEvent": "wtransfer.specs.base",
+    "KVConnectorBase": "wtransfer.connectors._base",
+    "KVConnectorRole": "wtransfer.connectors._base",
+    "KVConnectorMetadata": "wtransfer.connectors._base",
+    "KVRequest": "wtransfer.connectors._request",
+    "block_hashes": "wtransfer.connectors._hashing",
+    "kv_namespace": "wtransfer.connectors._hashing",
+    "ScheduledRequest": "wtransfer.connectors._request",
+    "SchedulerStep": "wtransfer.connectors._request",
+    "KVConnectorOutput": "wtransfer.connectors._request",
+    "OffloadingSpec": "wtransfer.specs._base",
+    "OffloadingManager": "wtransfer.specs._base",
+    "OffloadingHandler": "wtransfer.specs._base",
+    "LoadStoreSpec": "wtransfer.specs._base",
+    "TransferResult": "wtransfer.specs._base",
+    "PrepareStoreOutput": "wtransfer.specs._base",
+    "OffloadingEvent": "wtransfer.specs._base",
     "EvictionPolicy": "wtransfer.specs.policies",
     "LRUPolicy": "wtransfer.specs.policies",
     "ARCPolicy": "wtransfer.specs.policies",
     "register_policy": "wtransfer.specs.policies",
     # registry, functional API and hooks
-    "get_class": "wtransfer.registry.registry",
-    "list_components": "wtransfer.registry.registry",
-    "refresh": "wtransfer.registry.registry",
-    "ComponentInfo": "wtransfer.registry.registry",
-    "ComponentRef": "wtransfer.registry.component",
-    "hookimpl": "wtransfer.registry.hooks",
-    "hookspec": "wtransfer.registry.hooks",
+    "get_class": "wtransfer._registry.registry",
+    "list_components": "wtransfer._registry.registry",
+    "refresh": "wtransfer._registry.registry",
+    "ComponentInfo": "wtransfer._registry.registry",
+    "ComponentRef": "wtransfer._registry.component",
+    "hookimpl": "wtransfer._registry.hooks",
+    "hookspec": "wtransfer._registry.hooks",
     # errors
     "WTransferError": "wtransfer.errors",
     "UnknownComponentError": "wtransfer.errors",
@@ -84,40 +85,28 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'wtransfer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 if TYPE_CHECKING:  # let type checkers and IDEs see the lazy names
     from wtransfer.config import KVTransferConfig, ParallelConfig, WeightTransferConfig
-    from wtransfer.connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
-    from wtransfer.connectors.request import KVConnectorOutput, KVRequest, ScheduledRequest, SchedulerStep
-    from wtransfer.connectors.factory import KVConnectorFactory
-    from wtransfer.engines.base import (
+    from wtransfer.connectors._base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+    from wtransfer.connectors._request import KVConnectorOutput, KVRequest, ScheduledRequest, SchedulerStep
+    from wtransfer.connectors._factory import KVConnectorFactory
+    from wtransfer.engines._base import (
         WeightTransferEngine,
         WeightTransferInitInfo,
         WeightTransferInitRequest,
         WeightTransferUpdateInfo,
         WeightTransferUpdateRequest,
     )
-    from wtransfer.engines.client import WeightSyncClient
-    from wtransfer.engines.factory import WeightTransferEngineFactory
-    from wtransfer.engines.loader import module_loader
-    from wtransfer.dtypes import dtype_name
-    from wtransfer.engines.manifest import TensorEntry
-    from wtransfer.engines.source import ModuleSource, TensorSource, WeightSource
-    from wtransfer.engines.trainer import NoTrainerSideError, TrainerWeightTransferEngine, create_trainer
+    from wtransfer.engines._client import WeightSyncClient
+    from wtransfer.engines._factory import WeightTransferEngineFactory
+    from wtransfer.engines._loader import module_loader
+    from wtransfer._dtypes import dtype_name
+    from wtransfer.engines._manifest import TensorEntry
+    from wtransfer.engines._source import ModuleSource, TensorSource, WeightSource
+    from wtransfer.engines._trainer import NoTrainerSideError, TrainerWeightTransferEngine, create_trainer
     from wtransfer.errors import (
         AmbiguousComponentError,
         ComponentLoadError,
@@ -130,12 +119,12 @@ if TYPE_CHECKING:  # let type checkers and IDEs see the lazy names
         UnknownComponentError,
         WTransferError,
     )
-    from wtransfer.connectors.hashing import block_hashes, kv_namespace
+    from wtransfer.connectors._hashing import block_hashes, kv_namespace
     from wtransfer.kvcache import KV_LAYOUTS, KVCacheSpec, block_view
-    from wtransfer.registry.component import ComponentRef
-    from wtransfer.registry.hooks import hookimpl, hookspec
-    from wtransfer.registry.registry import ComponentInfo, get_class, list_components, refresh
-    from wtransfer.specs.base import (
+    from wtransfer._registry.component import ComponentRef
+    from wtransfer._registry.hooks import hookimpl, hookspec
+    from wtransfer._registry.registry import ComponentInfo, get_class, list_components, refresh
+    from wtransfer.specs._base import (
         LoadStoreSpec,
         OffloadingEvent,
         OffloadingHandler,
@@ -144,5 +133,5 @@ if TYPE_CHECKING:  # let type checkers and IDEs see the lazy names
         PrepareStoreOutput,
         TransferResult,
     )
-    from wtransfer.specs.factory import OffloadingSpecFactory
+    from wtransfer.specs._factory import OffloadingSpecFactory
     from wtransfer.specs.policies import ARCPolicy, EvictionPolicy, LRUPolicy, register_policy

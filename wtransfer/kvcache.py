@@ -118,7 +118,7 @@ def block_view(spec: KVCacheSpec, name: str, cache: torch.Tensor, *, who: str, c
     what it got and what the layout expects. The cache must be contiguous, and on the
     CPU unless ``cpu_only`` is False (copies with a device's own kernels).
     """
-    from wtransfer.dtypes import dtype_name
+    from wtransfer._dtypes import dtype_name
 
     axis = 0 if spec.layout == "vllm-cpu" else 1
     num_blocks = cache.shape[axis] if cache.dim() > axis else 0

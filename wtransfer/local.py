@@ -170,9 +170,9 @@ def _worker_main(
     import torch
 
     from wtransfer.config import ParallelConfig, WeightTransferConfig
-    from wtransfer.engines.factory import WeightTransferEngineFactory
-    from wtransfer.engines.loader import module_loader
-    from wtransfer.engines.manifest import tensor_checksum
+    from wtransfer.engines._factory import WeightTransferEngineFactory
+    from wtransfer.engines._loader import module_loader
+    from wtransfer.engines._manifest import tensor_checksum
 
     if torch_threads > 0:
         torch.set_num_threads(torch_threads)

@@ -7,7 +7,7 @@ import importlib
 import shlex
 import sys
 
-from wtransfer.bench import DEFAULT_SUITE, SUITES
+from wtransfer._bench import DEFAULT_SUITE, SUITES
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

@@ -17,9 +17,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def collect() -> list[dict[str, Any]]:
     """One row per component and hook plugin: status ok / broken / conflict / disabled."""
     from wtransfer.errors import WTransferError
-    from wtransfer.registry.kinds import KINDS
-    from wtransfer.registry.manager import hook_plugins
-    from wtransfer.registry.registry import registry_for
+    from wtransfer._registry.kinds import KINDS
+    from wtransfer._registry.manager import hook_plugins
+    from wtransfer._registry.registry import registry_for
 
     rows: list[dict[str, Any]] = []
     for kind in KINDS.values():

@@ -15,7 +15,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wtransfer.registry.registry import list_components
+    from wtransfer._registry.registry import list_components
 
     infos = list_components(args.kind)
     if args.json:

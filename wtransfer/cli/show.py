@@ -34,7 +34,7 @@ def _dataclass_fields(cls: type) -> list[str]:
 
 
 def describe(kind: str, name: str) -> str:
-    from wtransfer.registry.registry import registry_for
+    from wtransfer._registry.registry import registry_for
 
     registry = registry_for(kind)
     ref = registry.resolve(name)

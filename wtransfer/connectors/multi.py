@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from wtransfer.config import KVTransferConfig
-from wtransfer.connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from wtransfer.connectors._base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 from wtransfer.kvcache import KV_LAYOUTS
 
 if TYPE_CHECKING:
     import torch
 
-    from wtransfer.connectors.request import KVConnectorOutput, KVRequest, SchedulerStep
+    from wtransfer.connectors._request import KVConnectorOutput, KVRequest, SchedulerStep
     from wtransfer.kvcache import KVCacheSpec
 
 logger = logging.getLogger("wtransfer")
@@ -87,7 +87,7 @@ class MultiConnector(KVConnectorBase):
         self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_spec: KVCacheSpec | None = None
     ) -> None:
         super().__init__(config, role, kv_cache_spec)
-        from wtransfer.connectors.factory import KVConnectorFactory
+        from wtransfer.connectors._factory import KVConnectorFactory
 
         self.children: list[KVConnectorBase] = []
         try:

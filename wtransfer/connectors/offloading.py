@@ -38,18 +38,18 @@ import itertools
 import logging
 from typing import TYPE_CHECKING, Any
 
-from wtransfer.connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from wtransfer.connectors._base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 from wtransfer.kvcache import KV_LAYOUTS
-from wtransfer.specs.base import DEVICE_MEDIUM, LoadStoreSpec
-from wtransfer.specs.factory import OffloadingSpecFactory
+from wtransfer.specs._base import DEVICE_MEDIUM, LoadStoreSpec
+from wtransfer.specs._factory import OffloadingSpecFactory
 
 if TYPE_CHECKING:
     import torch
 
     from wtransfer.config import KVTransferConfig
-    from wtransfer.connectors.request import KVConnectorOutput, KVRequest, SchedulerStep
+    from wtransfer.connectors._request import KVConnectorOutput, KVRequest, SchedulerStep
     from wtransfer.kvcache import KVCacheSpec
-    from wtransfer.specs.base import OffloadingHandler, OffloadingManager, OffloadingSpec
+    from wtransfer.specs._base import OffloadingHandler, OffloadingManager, OffloadingSpec
 
 logger = logging.getLogger("wtransfer")
 
@@ -76,7 +76,7 @@ def _store_key(step: int, request_id: str) -> str:
 
 
 class OffloadingConnector(KVConnectorBase):
-    """A KV connector driven by an :class:`~wtransfer.specs.base.OffloadingSpec`."""
+    """A KV connector driven by an :class:`~wtransfer.specs._base.OffloadingSpec`."""
 
     metadata_cls = OffloadingConnectorMetadata
     supported_layouts = tuple(KV_LAYOUTS)  # the spec copies the blocks; its factory checks the layout

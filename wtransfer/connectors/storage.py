@@ -4,7 +4,7 @@ Options (``kv_connector_extra_config``):
 
 ``path`` (required)
     Root directory. Blocks live at ``<path>/<namespace[:16]>/<hash>.safetensors``,
-    one safetensors file per block (see :mod:`wtransfer.connectors.blockfile`).
+    one safetensors file per block (see :mod:`wtransfer.connectors._blockfile`).
 ``io_threads`` (default 2)
     Worker threads that read and write block files; loads of a step run in
     parallel, saves run in the background while the engine keeps computing.
@@ -38,15 +38,15 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from wtransfer.connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
-from wtransfer.connectors.blockfile import (
+from wtransfer.connectors._base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from wtransfer.connectors._blockfile import (
     BlockFileError,
     BlockLayout,
     check_header,
     read_block_file,
     write_block_file,
 )
-from wtransfer.connectors.request import full_block_range
+from wtransfer.connectors._request import full_block_range
 from wtransfer.errors import TransferTimeoutError
 from wtransfer.kvcache import KV_LAYOUTS, block_view
 
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     import torch
 
     from wtransfer.config import KVTransferConfig
-    from wtransfer.connectors.request import KVRequest, SchedulerStep
+    from wtransfer.connectors._request import KVRequest, SchedulerStep
     from wtransfer.kvcache import KVCacheSpec
 
 logger = logging.getLogger("wtransfer")

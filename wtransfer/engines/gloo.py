@@ -1,6 +1,6 @@
 """``gloo``: weight sync across hosts over a private gloo process group (CPU tensors).
 
-All the logic lives in :mod:`wtransfer.engines.torch_distributed`; this module only names
+All the logic lives in :mod:`wtransfer.engines._torch_distributed`; this module only names
 the gloo flavour. Trainer ``init_info`` adds ``master_address`` (default ``127.0.0.1``; use
 an address of the trainer's host that the workers can reach: the authenticated rendezvous
 listens there only), ``master_port`` (default 0: a free port is picked), ``listen_address``,
@@ -10,7 +10,7 @@ listens there only), ``master_port`` (default 0: a free port is picked), ``liste
 
 from __future__ import annotations
 
-from wtransfer.engines.torch_distributed import TorchDistributedTrainer, TorchDistributedWeightTransferEngine
+from wtransfer.engines._torch_distributed import TorchDistributedTrainer, TorchDistributedWeightTransferEngine
 
 
 class GlooTrainer(TorchDistributedTrainer):

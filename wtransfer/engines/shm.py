@@ -25,28 +25,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from wtransfer.engines.base import LoadWeights, WeightTransferEngine, WeightTransferInitInfo
-from wtransfer.engines.control import ControlChannel, Listener, PeerClosedError, connect
-from wtransfer.engines.loader import validate_with_loader
-from wtransfer.engines.manifest import Manifest
-from wtransfer.engines.packing import Bucket, Packer, Unpacker, check_bucket_bytes, plan_buckets
-from wtransfer.engines.trainer import (
+from wtransfer.engines._base import LoadWeights, WeightTransferEngine, WeightTransferInitInfo
+from wtransfer.engines._control import ControlChannel, Listener, PeerClosedError, connect
+from wtransfer.engines._loader import validate_with_loader
+from wtransfer.engines._manifest import Manifest
+from wtransfer.engines._packing import Bucket, Packer, Unpacker, plan_buckets
+from wtransfer.engines._protocol import (
     MIB,
     PROTOCOL_VERSION,
-    BackgroundCall,
     ManifestRejected,
-    TrainerWeightTransferEngine,
-)
-from wtransfer.engines.worker import (
-    ManifestUpdateInfo,
-    RoundGuard,
-    check_buffer_budget,
+    check_bucket_bytes,
     check_int,
     check_protocol,
     check_timeout,
     gc_paused,
-    global_rank,
 )
+from wtransfer.engines._trainer import ClientCall, TrainerWeightTransferEngine
+from wtransfer.engines._worker import ManifestUpdateInfo, RoundGuard, check_buffer_budget, global_rank
 from wtransfer.errors import ManifestMismatchError, TransferError, TransferTimeoutError
 
 if TYPE_CHECKING:
@@ -250,7 +245,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
     default_bucket_bytes = 4 * MIB
     default_num_buffers = 4
 
-    def _prepare(self) -> dict[str, Any]:
+    def prepare_workers(self) -> dict[str, Any]:
         self._listener: Listener | None = Listener(f"wtransfer-shm-{os.getpid()}-{secrets.token_hex(8)}")
         self._channels: dict[int, ControlChannel] = {}
         self._token = secrets.token_hex(16)
@@ -270,7 +265,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         }
 
     # -- rendezvous ------------------------------------------------------------------------
-    def _rendezvous(self, call: BackgroundCall) -> None:
+    def wait_for_workers(self, call: ClientCall) -> None:
         assert self._listener is not None and self._fd is not None
         pending: dict[int, ControlChannel] = {}  # fileno -> channel not yet identified
         ready: set[int] = set()
@@ -345,7 +340,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             raise TransferError(f"unexpected message during shm rendezvous: {message!r}")
 
     # -- one round ----------------------------------------------------------------------------
-    def _pump(self, done: Callable[[], bool], call: BackgroundCall, what: str, handle: Callable[[int, dict[str, Any]], None]) -> None:
+    def _pump(self, done: Callable[[], bool], call: ClientCall, what: str, handle: Callable[[int, dict[str, Any]], None]) -> None:
         """Dispatch workers' messages until ``done()``; bounded by ``timeout_s``, aborted by client failure."""
         deadline = time.monotonic() + self.timeout_s
         for rank, channel in self._channels.items():  # messages that arrived together with earlier ones
@@ -365,7 +360,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                 for message in messages:
                     handle(rank, message)
 
-    def _send_round(self, manifest: Manifest, buckets: list[Bucket], call: BackgroundCall) -> None:
+    def send_round(self, manifest: Manifest, buckets: list[Bucket], call: ClientCall) -> None:
         try:
             self._send_buckets(manifest, buckets, call)
         except ManifestRejected:
@@ -374,7 +369,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             self._abort(f"{type(exc).__name__}: {exc}")
             raise
 
-    def _send_buckets(self, manifest: Manifest, buckets: list[Bucket], call: BackgroundCall) -> None:
+    def _send_buckets(self, manifest: Manifest, buckets: list[Bucket], call: ClientCall) -> None:
         assert self._ring is not None
         answers: dict[int, str | None] = {}  # rank -> None (accepted) or the rejection
         holders: list[set[int]] = [set() for _ in self._ring.slots]  # ranks still reading each slot
@@ -427,7 +422,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             except TransferError:
                 pass
 
-    def _release(self) -> None:
+    def release(self) -> None:
         for channel in getattr(self, "_channels", {}).values():
             channel.close()
         self._channels = {}

@@ -1,0 +1,41 @@
+"""The KV-offloading toolkit: everything a spec or eviction-policy author may import.
+
+Base and data types (vLLM's names)
+    ``OffloadingSpec``, ``OffloadingManager``, ``OffloadingHandler``, ``LoadStoreSpec``,
+    ``TransferResult``, ``PrepareStoreOutput``, ``OffloadingEvent``, ``KVCacheSpec``,
+    ``block_view``; the media names ``DEVICE_MEDIUM`` and ``CPU_MEDIUM``.
+Parts the built-in tier is made of
+    ``BlockTableManager`` (a manager over a fixed table of slots, with any eviction
+    policy), ``BlockCopyHandler`` (copies block rows between two tensors on a thread),
+    ``EvictionPolicy`` (the base of the fourth plugin kind, ``wtransfer.policies``),
+    ``LRUPolicy``, ``ARCPolicy``, ``create_policy``.
+Specs to derive from
+    ``CPUOffloadingSpec`` (``wtransfer.specs.cpu``).
+"""
+
+from wtransfer._lazy import lazy_exports
+
+_EXPORTS: dict[str, str] = {
+    "OffloadingSpec": "wtransfer.specs._base",
+    "OffloadingManager": "wtransfer.specs._base",
+    "OffloadingHandler": "wtransfer.specs._base",
+    "LoadStoreSpec": "wtransfer.specs._base",
+    "TransferResult": "wtransfer.specs._base",
+    "PrepareStoreOutput": "wtransfer.specs._base",
+    "OffloadingEvent": "wtransfer.specs._base",
+    "DEVICE_MEDIUM": "wtransfer.specs._base",
+    "CPU_MEDIUM": "wtransfer.specs._base",
+    "KVCacheSpec": "wtransfer.kvcache",
+    "block_view": "wtransfer.kvcache",
+    "BlockTableManager": "wtransfer.specs._manager",
+    "BlockCopyHandler": "wtransfer.specs.cpu",
+    "CPUOffloadingSpec": "wtransfer.specs.cpu",
+    "EvictionPolicy": "wtransfer.specs.policies",
+    "LRUPolicy": "wtransfer.specs.policies",
+    "ARCPolicy": "wtransfer.specs.policies",
+    "create_policy": "wtransfer.specs.policies",
+    "OffloadingSpecFactory": "wtransfer.specs._factory",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

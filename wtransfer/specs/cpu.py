@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from wtransfer.dtypes import dtype_from_name
+from wtransfer._dtypes import dtype_from_name
 from wtransfer.errors import TransferTimeoutError
 from wtransfer.kvcache import KV_LAYOUTS, block_view
-from wtransfer.specs.base import (
+from wtransfer.specs._base import (
     CPU_MEDIUM,
     DEVICE_MEDIUM,
     OffloadingHandler,
@@ -37,7 +37,7 @@ from wtransfer.specs.base import (
     TransferResult,
     TransferSpec,
 )
-from wtransfer.specs.manager import BlockTableManager
+from wtransfer.specs._manager import BlockTableManager
 from wtransfer.specs.policies import policy_class
 
 if TYPE_CHECKING:

@@ -252,7 +252,7 @@ def policy_class(name: str | type[EvictionPolicy]) -> type[EvictionPolicy]:
     if key in _POLICIES:
         return _POLICIES[key]
     if ":" in str(name):
-        from wtransfer.registry.loading import import_target
+        from wtransfer._registry.loading import import_target
 
         try:
             obj = import_target(str(name).strip())
@@ -261,7 +261,7 @@ def policy_class(name: str | type[EvictionPolicy]) -> type[EvictionPolicy]:
         if not isinstance(obj, type):
             raise TypeError(f"Eviction policy {name!r} is {obj!r}, not an EvictionPolicy subclass")
         return policy_class(obj)
-    from wtransfer.registry.names import suggest
+    from wtransfer._registry.names import suggest
 
     close = suggest(key, available_policies())
     hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""

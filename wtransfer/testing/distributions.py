@@ -22,7 +22,7 @@ EntryPoints = Mapping[str, Mapping[str, str]]  # group -> {name: "module:Class"}
 def site_on_path(site_dir: str | Path) -> Iterator[Path]:
     """Put ``site_dir`` first on ``sys.path`` (rescanning components) for the block; afterwards
     remove it, forget every module imported from it, and rescan again."""
-    from wtransfer.registry.registry import refresh
+    from wtransfer._registry.registry import refresh
 
     site = str(site_dir)
     sys.path.insert(0, site)

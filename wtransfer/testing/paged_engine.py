@@ -13,7 +13,7 @@ What is real here
   (0 = keys, 1 = values), in the spec's dtype. These exact tensors are given to
   the worker connector's ``register_kv_caches``; connectors read and write blocks in place.
 * **Block allocator with prefix caching.** Full blocks are identified by their
-  chained hash (:mod:`wtransfer.connectors.hashing`). A finished request's blocks
+  chained hash (:mod:`wtransfer.connectors._hashing`). A finished request's blocks
   keep their contents and stay findable until evicted; allocation takes never-used
   blocks first, then evicts the least recently freed cached block (tail blocks of
   a request before its head). A working set larger than the cache therefore
@@ -86,10 +86,10 @@ from typing import Any
 import torch
 
 from wtransfer.config import KVTransferConfig
-from wtransfer.connectors.base import KVConnectorBase, KVConnectorRole
-from wtransfer.connectors.blockfile import torch_dtype
-from wtransfer.connectors.hashing import block_hashes, kv_namespace
-from wtransfer.connectors.request import KVConnectorOutput, KVRequest, ScheduledRequest, SchedulerStep
+from wtransfer.connectors._base import KVConnectorBase, KVConnectorRole
+from wtransfer.connectors._blockfile import torch_dtype
+from wtransfer.connectors._hashing import block_hashes, kv_namespace
+from wtransfer.connectors._request import KVConnectorOutput, KVRequest, ScheduledRequest, SchedulerStep
 from wtransfer.errors import TransferError, TransferTimeoutError
 from wtransfer.kvcache import KVCacheSpec
 
@@ -297,7 +297,7 @@ class PagedKVEngine:
         if kv_transfer_config is not None and connectors is not None:
             raise ValueError("pass either kv_transfer_config or connectors, not both")
         if kv_transfer_config is not None:
-            from wtransfer.connectors.factory import KVConnectorFactory
+            from wtransfer.connectors._factory import KVConnectorFactory
 
             connectors = (
                 KVConnectorFactory.create_connector(kv_transfer_config, KVConnectorRole.SCHEDULER, spec),

@@ -36,8 +36,8 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture
 def isolated_registry() -> Iterator[None]:
     """Undo runtime registrations made by the test; rescan installed components around it."""
-    from wtransfer.registry.kinds import KINDS
-    from wtransfer.registry.registry import refresh, registry_for
+    from wtransfer._registry.kinds import KINDS
+    from wtransfer._registry.registry import refresh, registry_for
 
     snapshots = {name: registry_for(name).snapshot() for name in KINDS}
     refresh()
@@ -57,7 +57,7 @@ def fake_distribution(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, isolated_registry: None
 ) -> Iterator[FakeDistribution]:
     """Factory writing real installed distributions visible to this process and its children."""
-    from wtransfer.registry.registry import refresh
+    from wtransfer._registry.registry import refresh
 
     site = tmp_path_factory.mktemp("fake-site")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wtransfer.engines.torch_distributed import TorchDistributedTrainer, TorchDistributedWeightTransferEngine
+from wtransfer.engines import TorchDistributedTrainer, TorchDistributedWeightTransferEngine
 from wtransfer import WeightTransferConfig
 
 

@@ -62,7 +62,7 @@ def test_without_cuda_creation_fails_at_once_naming_the_cpu_engines(plugin_venv:
         pytest.skip("this machine has CUDA; the no-CUDA error cannot happen here")
     out = run(plugin_venv, """
 from wtransfer import WeightTransferConfig, WeightTransferEngineFactory
-from wtransfer.engines.trainer import create_trainer
+from wtransfer.engines import create_trainer
 errors = []
 try:
     WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="nccl"))

@@ -22,13 +22,13 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from wtransfer.engines.torch_distributed import (
+from wtransfer import WTransferError
+from wtransfer.engines import (
+    MIB,
     TorchDistributedBackend,
     TorchDistributedTrainer,
     TorchDistributedWeightTransferEngine,
 )
-from wtransfer.engines.trainer import MIB
-from wtransfer.errors import WTransferError
 
 logger = logging.getLogger("wtransfer")
 

@@ -7,9 +7,7 @@ timeouts are wtransfer's; the plugin only changes defaults, so it stays small.
 
 from __future__ import annotations
 
-from wtransfer.engines.shm import SharedMemoryTrainer, SharedMemoryWeightTransferEngine
-
-MIB = 1 << 20
+from wtransfer.engines import MIB, SharedMemoryTrainer, SharedMemoryWeightTransferEngine
 
 
 class SmallModelTrainer(SharedMemoryTrainer):

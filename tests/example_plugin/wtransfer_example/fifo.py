@@ -10,10 +10,8 @@ import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
-from wtransfer.config import KVTransferConfig
-from wtransfer.kvcache import KVCacheSpec
-from wtransfer.specs.cpu import CPUOffloadingSpec
-from wtransfer.specs.policies import EvictionPolicy
+from wtransfer import KVTransferConfig
+from wtransfer.specs import CPUOffloadingSpec, EvictionPolicy, KVCacheSpec
 
 
 class FIFOPolicy(EvictionPolicy):

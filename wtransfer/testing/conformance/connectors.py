@@ -129,7 +129,7 @@ class ConnectorConformance:
         # The same connector instance, the same tokens, hashed as another model's (as after a
         # weight update re-roots an engine's hashes): a plugin that keys blocks by tokens, or by
         # its own idea of the model instead of the request's block hashes, matches here.
-        from wtransfer.connectors.hashing import kv_namespace
+        from wtransfer.connectors._hashing import kv_namespace
 
         engine.namespace = kv_namespace(other_spec)
         out = engine.generate({"y": PROMPT + [3, 4]})["y"]

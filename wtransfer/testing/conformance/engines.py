@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from wtransfer.engines.source import ModuleSource
+from wtransfer.engines._source import ModuleSource
 from wtransfer.testing.conformance._contract import require
 
 MODEL_FACTORY = "wtransfer.testing.models:matrix_model"
@@ -65,7 +65,7 @@ class EngineConformance:
 
     def _trainer(self, pool: Any, source: Any, trainer_init_info: dict[str, Any]) -> Any:
         """``source``: the model or a WeightSource (``create_trainer`` takes either)."""
-        from wtransfer.engines.trainer import create_trainer
+        from wtransfer.engines._trainer import create_trainer
 
         init_info = {"world_size": pool.world_size, "bucket_bytes": BUCKET_BYTES, "timeout_s": self.timeout_s,
                      **trainer_init_info}
@@ -73,7 +73,7 @@ class EngineConformance:
 
     @staticmethod
     def _digests(model: Any) -> dict[str, int]:
-        from wtransfer.engines.manifest import tensor_checksum
+        from wtransfer.engines._manifest import tensor_checksum
 
         return {name: tensor_checksum(p.detach()) for name, p in model.named_parameters()}
 
@@ -287,7 +287,7 @@ def _shm_names() -> set[str]:
 def _trainer_killed_in_round_two(conn: Any, engine: str, init_info_json: str) -> None:
     """A trainer process whose client relays every call to the test process over ``conn``
     (JSON); one whole round, then its source SIGKILLs the process half-way through round two."""
-    from wtransfer.engines.trainer import create_trainer
+    from wtransfer.engines._trainer import create_trainer
     from wtransfer.errors import TransferError
     from wtransfer.testing.models import matrix_model
 

@@ -84,7 +84,7 @@ class SpecConformance:
 
     # -- the contract -------------------------------------------------------------------------
     def test_created_by_name_and_is_a_spec(self, offloading_spec: Any) -> None:
-        from wtransfer.specs.base import OffloadingManager, OffloadingSpec
+        from wtransfer.specs._base import OffloadingManager, OffloadingSpec
 
         require(isinstance(offloading_spec, OffloadingSpec), "specs subclass OffloadingSpec",
                 "an OffloadingSpec instance", type(offloading_spec))
@@ -191,7 +191,7 @@ class SpecConformance:
         import torch
 
         from wtransfer.kvcache import block_view
-        from wtransfer.specs.base import DEVICE_MEDIUM, LoadStoreSpec
+        from wtransfer.specs._base import DEVICE_MEDIUM, LoadStoreSpec
 
         factor = offloading_spec.block_size_factor
         num_engine_blocks = 8 * factor

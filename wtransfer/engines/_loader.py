@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from wtransfer.engines.manifest import Manifest, dtype_name
-from wtransfer.engines.packing import copy_tensor
+from wtransfer.engines._manifest import Manifest, dtype_name
+from wtransfer.engines._packing import copy_tensor
 from wtransfer.errors import ManifestMismatchError
 
 if TYPE_CHECKING:

@@ -24,8 +24,8 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from wtransfer.engines.manifest import TensorEntry
-from wtransfer.engines.source import WeightSource
+from wtransfer.engines._manifest import TensorEntry
+from wtransfer.engines._source import WeightSource
 
 if TYPE_CHECKING:
     import torch

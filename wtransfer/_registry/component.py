@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wtransfer.errors import ComponentLoadError, InvalidComponentError
-from wtransfer.registry.kinds import Kind, resolve_kind
-from wtransfer.registry.loading import import_target
-from wtransfer.registry.names import qualify
+from wtransfer._registry.kinds import Kind, resolve_kind
+from wtransfer._registry.loading import import_target
+from wtransfer._registry.names import qualify
 
 RUNTIME_ORIGIN = "runtime"
 

@@ -20,7 +20,7 @@ class KVRequest:
 
     ``token_ids`` holds every token known so far (prompt, then generated ones).
     ``block_hashes`` holds one hex chained hash per *full* block of ``token_ids``
-    (see :mod:`wtransfer.connectors.hashing`); the engine keeps it up to date.
+    (see :mod:`wtransfer.connectors._hashing`); the engine keeps it up to date.
     ``num_computed_tokens`` counts tokens whose KV is already in the engine's own
     cache (its local prefix cache hits plus whatever it computed).
     ``kv_transfer_params`` is the per-request connector dict from the API

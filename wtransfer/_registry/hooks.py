@@ -20,7 +20,7 @@ class WTransferHookSpecs:
 
     @hookspec
     def wtransfer_components(self, kind: str) -> list[Any]:
-        """Contribute lazy :class:`~wtransfer.registry.ComponentRef` objects of ``kind``
+        """Contribute lazy :class:`~wtransfer._registry.ComponentRef` objects of ``kind``
         (``"engines"``, ``"connectors"`` or ``"specs"``). The built-in implementation
         reads the entry-point groups; return an empty list for other kinds."""
 

@@ -13,8 +13,8 @@ import os
 import threading
 from dataclasses import dataclass
 
-from wtransfer.registry.kinds import HOOK_PLUGIN_GROUP, KINDS
-from wtransfer.registry.names import normalize_distribution
+from wtransfer._registry.kinds import HOOK_PLUGIN_GROUP, KINDS
+from wtransfer._registry.names import normalize_distribution
 
 GROUP_PREFIX = "wtransfer."
 GROUPS = frozenset({kind.group for kind in KINDS.values()} | {HOOK_PLUGIN_GROUP})
@@ -113,7 +113,7 @@ class DisabledSet:
 
 def parse_disabled(value: str | None) -> DisabledSet:
     """``"acme-wt, engines:shm, connector:storage"`` -> a :class:`DisabledSet`."""
-    from wtransfer.registry.kinds import resolve_kind
+    from wtransfer._registry.kinds import resolve_kind
 
     dists: set[str] = set()
     comps: set[tuple[str, str]] = set()

@@ -9,27 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from wtransfer.engines.base import WeightTransferEngine, WeightTransferUpdateInfo
-from wtransfer.engines.manifest import Manifest
-from wtransfer.engines.trainer import PROTOCOL_VERSION, gc_paused
-
-
-def check_int(owner: str, name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{owner}: {name!r} must be an int >= {minimum}, got {value!r}")
-
-
-def check_timeout(owner: str, value: Any) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{owner}: 'timeout_s' must be a positive number, got {value!r}")
-
-
-def check_protocol(owner: str, version: Any) -> None:
-    if version != PROTOCOL_VERSION:
-        raise ValueError(
-            f"{owner}: the trainer speaks protocol {version!r} but this worker speaks "
-            f"{PROTOCOL_VERSION}; install the same wtransfer version on both sides"
-        )
+from wtransfer.engines._base import WeightTransferEngine, WeightTransferUpdateInfo
+from wtransfer.engines._manifest import Manifest
 
 
 @dataclass
@@ -96,13 +77,4 @@ class RoundGuard:
         super().finish_weight_update()  # type: ignore[misc]
 
 
-__all__ = [
-    "ManifestUpdateInfo",
-    "RoundGuard",
-    "check_buffer_budget",
-    "check_int",
-    "check_protocol",
-    "check_timeout",
-    "gc_paused",
-    "global_rank",
-]
+__all__ = ["ManifestUpdateInfo", "RoundGuard", "check_buffer_budget", "global_rank"]

@@ -16,11 +16,11 @@ import statistics
 import time
 from typing import Any
 
-from wtransfer.bench.report import add_report_arguments, figures_report, table
+from wtransfer._bench.report import add_report_arguments, figures_report, table
 
 TARGET_RATIO = 0.8
 SLACK = 64 << 20
-MIB = 1 << 20
+from wtransfer.engines._protocol import MIB  # noqa: E402
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,9 +46,9 @@ def _rank_main(rank: int, ranks: int, port: int, options: str, conn: Any) -> Non
 
     import torch
 
-    from wtransfer.bench.weights import DTYPES, build_model, parse_model, worker_model
-    from wtransfer.engines.source import ModuleSource
-    from wtransfer.engines.trainer import create_trainer
+    from wtransfer._bench.weights import DTYPES, build_model, parse_model, worker_model
+    from wtransfer.engines._source import ModuleSource
+    from wtransfer.engines._trainer import create_trainer
     from wtransfer.local import LocalWorkerPool, PeakRss
 
     args = json.loads(options)
@@ -136,7 +136,7 @@ def mutate_tensor(tensor: Any, round_index: int) -> None:
 
 def unsharded_digests(model: Any) -> dict[str, int]:
     """CRC32 of every parameter's whole value; sharded ones gathered and dropped one by one."""
-    from wtransfer.engines.manifest import tensor_checksum
+    from wtransfer.engines._manifest import tensor_checksum
 
     digests = {}
     for name, parameter in model.named_parameters():

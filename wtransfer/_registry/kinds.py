@@ -16,7 +16,7 @@ class Kind:
     created_hook: str  # hook called with each new instance
 
     def base_class(self) -> type:
-        from wtransfer.registry.loading import import_target
+        from wtransfer._registry.loading import import_target
 
         return import_target(self.base)
 
@@ -25,21 +25,21 @@ ENGINES = Kind(
     "engines",
     "engine",
     "wtransfer.engines",
-    "wtransfer.engines.base:WeightTransferEngine",
+    "wtransfer.engines:WeightTransferEngine",
     "wtransfer_engine_created",
 )
 CONNECTORS = Kind(
     "connectors",
     "connector",
     "wtransfer.connectors",
-    "wtransfer.connectors.base:KVConnectorBase",
+    "wtransfer.connectors:KVConnectorBase",
     "wtransfer_connector_created",
 )
 SPECS = Kind(
     "specs",
     "spec",
     "wtransfer.specs",
-    "wtransfer.specs.base:OffloadingSpec",
+    "wtransfer.specs:OffloadingSpec",
     "wtransfer_spec_created",
 )
 KINDS: dict[str, Kind] = {kind.name: kind for kind in (ENGINES, CONNECTORS, SPECS)}

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from wtransfer.engines.manifest import TensorEntry, dtype_name
+from wtransfer.engines._manifest import TensorEntry, dtype_name
 
 if TYPE_CHECKING:
     import torch

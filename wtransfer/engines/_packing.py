@@ -14,17 +14,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from wtransfer.engines.manifest import Manifest, TensorEntry, entry_for, tensor_bytes, tensor_checksum
+from wtransfer.engines._manifest import Manifest, TensorEntry, entry_for, tensor_bytes, tensor_checksum
+from wtransfer.engines._protocol import ALIGN, check_bucket_bytes
 from wtransfer.errors import TransferError
 
 if TYPE_CHECKING:
     import torch
 
-    from wtransfer.engines.base import LoadWeights
+    from wtransfer.engines._base import LoadWeights
 
 logger = logging.getLogger("wtransfer")
 
-ALIGN = 64
 """Byte alignment of every whole tensor inside a bucket: enough for any dtype's in-place view."""
 
 
@@ -50,13 +50,6 @@ class Bucket:
 def _align(value: int) -> int:
     return (value + ALIGN - 1) // ALIGN * ALIGN
 
-
-def check_bucket_bytes(bucket_bytes: int) -> int:
-    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool):
-        raise ValueError(f"bucket_bytes must be an int, got {bucket_bytes!r}")
-    if bucket_bytes < 4096 or bucket_bytes % ALIGN:
-        raise ValueError(f"bucket_bytes must be a multiple of {ALIGN} and at least 4096, got {bucket_bytes}")
-    return bucket_bytes
 
 
 def plan_buckets(

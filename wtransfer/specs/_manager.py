@@ -14,7 +14,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from wtransfer.specs.base import (
+from wtransfer.specs._base import (
     CPU_MEDIUM,
     BlockHash,
     LoadStoreSpec,

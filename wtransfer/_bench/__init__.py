@@ -5,10 +5,10 @@ A suite is a module here with ``add_arguments(parser)`` and ``run(args) -> int``
 """
 
 SUITES: dict[str, str] = {
-    "weights": "wtransfer.bench.weights",
-    "discovery": "wtransfer.bench.discovery",
-    "storage": "wtransfer.bench.storage",
-    "offload": "wtransfer.bench.offload",
-    "sharded": "wtransfer.bench.sharded",
+    "weights": "wtransfer._bench.weights",
+    "discovery": "wtransfer._bench.discovery",
+    "storage": "wtransfer._bench.storage",
+    "offload": "wtransfer._bench.offload",
+    "sharded": "wtransfer._bench.sharded",
 }
 DEFAULT_SUITE = "weights"

@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING
 
 from wtransfer.config import KVTransferConfig
 from wtransfer.kvcache import check_layout
-from wtransfer.registry.kinds import SPECS
-from wtransfer.registry.manager import notify
-from wtransfer.registry.registry import registry_for
+from wtransfer._registry.kinds import SPECS
+from wtransfer._registry.manager import notify
+from wtransfer._registry.registry import registry_for
 
 if TYPE_CHECKING:
     from wtransfer.kvcache import KVCacheSpec
-    from wtransfer.specs.base import OffloadingSpec
+    from wtransfer.specs._base import OffloadingSpec
 
 logger = logging.getLogger("wtransfer")
 

@@ -6,58 +6,35 @@ A backend declares ONE entry point, naming its worker engine class; that class's
 
 The trainer owns the wire parameters (bucket size, number of buffers, protocol version):
 it derives the workers' init dict from its own ``init_info`` and sends it through the
-user's :class:`~wtransfer.engines.client.WeightSyncClient`. Client calls may block until
+user's :class:`~wtransfer.engines._client.WeightSyncClient`. Client calls may block until
 all workers are done, so each runs in a background thread while the engine does its own
 side; a client call that raises aborts the engine's side promptly.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from wtransfer.engines.client import WeightSyncClient
-from wtransfer.engines.manifest import Manifest, TensorEntry, build_manifest, tensor_checksum
-from wtransfer.engines.packing import Bucket, check_bucket_bytes, plan_buckets
-from wtransfer.engines.source import ModuleSource, TensorSource, WeightSource
+from wtransfer.engines._client import WeightSyncClient
+from wtransfer.engines._manifest import Manifest, TensorEntry, build_manifest, tensor_checksum
+from wtransfer.engines._packing import Bucket, plan_buckets
+from wtransfer.engines._protocol import MIB, ManifestRejected, check_bucket_bytes, gc_paused
+from wtransfer.engines._source import ModuleSource, TensorSource, WeightSource
 from wtransfer.errors import TransferError, TransferTimeoutError, WTransferError
 
 if TYPE_CHECKING:
     from types import TracebackType
 
-    from wtransfer.engines.sharded import ParticipantTrainer
+    from wtransfer.engines._sharded import ParticipantTrainer
 
 logger = logging.getLogger("wtransfer")
 
-PROTOCOL_VERSION = 3
-"""Bumped whenever the trainer/worker wire protocol changes; workers refuse other versions."""
-
-MIB = 1 << 20
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Keep the cyclic GC out of a round's critical path.
-
-    A round allocates many short-lived objects (manifest entries, pieces, tensor views);
-    a full collection triggered mid-round walks the whole heap (every module and parameter
-    of the model) and stalls the pipeline for tens of milliseconds. Collection simply
-    resumes after the round (it is re-enabled only if it was enabled before).
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 class NoTrainerSideError(WTransferError, ValueError):
@@ -98,7 +75,7 @@ class ClientThread:
         self._jobs.put(None)
 
 
-class BackgroundCall:
+class ClientCall:
     """Run one (possibly blocking) client call on another thread and watch it."""
 
     def __init__(
@@ -227,7 +204,7 @@ class TrainerWeightTransferEngine(ABC):
         """Rank 0 of a sharded trainer: every round walks the whole source, even one that fails."""
         self.source: WeightSource = as_source(source)
         if self.sharded:
-            from wtransfer.engines.sharded import LockstepSource, walks_per_round
+            from wtransfer.engines._sharded import LockstepSource, walks_per_round
 
             self.source = LockstepSource(self.source, walks_per_round(checksums))
         self.init_info = self._parse_init_info(dict(init_info or {}))
@@ -284,7 +261,7 @@ class TrainerWeightTransferEngine(ABC):
     SHORTFALL_GRACE_S: ClassVar[float] = 3.0
     """How long the rendezvous still waits for workers after the client's init call returned."""
 
-    def check_shortfall(self, call: BackgroundCall, joined: set[int]) -> None:
+    def check_shortfall(self, call: ClientCall, joined: set[int]) -> None:
         """Fail fast when ``world_size`` is larger than the workers the client really drives.
 
         The client's ``init_weight_transfer_engine`` returns once every worker it fans out to
@@ -309,10 +286,10 @@ class TrainerWeightTransferEngine(ABC):
         if self._connected:
             return
         try:
-            worker_info = self._prepare()
+            worker_info = self.prepare_workers()
             call = self._call("init_weight_transfer_engine", worker_info)
             try:
-                self._rendezvous(call)
+                self.wait_for_workers(call)
             except BaseException as exc:
                 self._raise_preferring_client(exc, call)
             call.result(self.timeout_s)
@@ -328,7 +305,7 @@ class TrainerWeightTransferEngine(ABC):
         takes one (vLLM's clients show it at ``/weight_info``); the default is the round's
         number, ``str(stats["version"])``.
         """
-        from wtransfer.registry.manager import notify
+        from wtransfer._registry.manager import notify
 
         if self._closed:
             raise TransferError(f"this {self.backend} trainer was shut down; create a new one")
@@ -373,12 +350,12 @@ class TrainerWeightTransferEngine(ABC):
         started = time.perf_counter()
         entries = self.source.metadata()
         manifest = self._manifest(entries)
-        buckets = self._plan(manifest)
+        buckets = self.plan(manifest)
         update_info = self._update_info(manifest)
         self._call("start_weight_update").result(self.timeout_s)
         call = self._call("update_weights", update_info)
         try:
-            self._send_round(manifest, buckets, call)
+            self.send_round(manifest, buckets, call)
         except BaseException as exc:
             self._raise_preferring_client(exc, call)
         call.result(self.timeout_s)
@@ -400,11 +377,11 @@ class TrainerWeightTransferEngine(ABC):
             "gb_per_s": total / seconds / 1e9 if seconds > 0 else 0.0,
         }
 
-    def _call(self, method: str, *args: Any) -> BackgroundCall:
+    def _call(self, method: str, *args: Any) -> ClientCall:
         """Start ``client.<method>(*args)`` on the client thread; the engine keeps working meanwhile."""
-        return BackgroundCall(method, getattr(self.client, method), *args, thread=self._client_thread)
+        return ClientCall(method, getattr(self.client, method), *args, thread=self._client_thread)
 
-    def _plan(self, manifest: Manifest) -> list[Bucket]:
+    def plan(self, manifest: Manifest) -> list[Bucket]:
         """The round's bucket layout; workers compute the same from the manifest and init info."""
         return plan_buckets(manifest.entries, self.bucket_bytes)
 
@@ -418,7 +395,7 @@ class TrainerWeightTransferEngine(ABC):
         """The JSON-safe dict every worker's ``parse_update_info`` receives."""
         return {"manifest": manifest.to_dict(), "is_checkpoint_format": self.is_checkpoint_format}
 
-    def _raise_preferring_client(self, exc: BaseException, call: BackgroundCall) -> None:
+    def _raise_preferring_client(self, exc: BaseException, call: ClientCall) -> None:
         """Re-raise a failure, preferring the client's own error: it carries the workers' reason."""
         if isinstance(exc, ManifestRejected):
             # A clean abort: every side stopped before any data moved; the engine stays usable.
@@ -442,7 +419,7 @@ class TrainerWeightTransferEngine(ABC):
         self._closed = True
         self._client_thread.close()
         try:
-            self._release()
+            self.release()
         except Exception:
             logger.exception("Error while releasing the %s trainer's resources", self.backend)
 
@@ -456,24 +433,21 @@ class TrainerWeightTransferEngine(ABC):
 
     # -- backend hooks -----------------------------------------------------------------------
     @abstractmethod
-    def _prepare(self) -> dict[str, Any]:
+    def prepare_workers(self) -> dict[str, Any]:
         """Allocate the transport; return the JSON-safe init dict for every worker."""
 
     @abstractmethod
-    def _rendezvous(self, call: BackgroundCall) -> None:
+    def wait_for_workers(self, call: ClientCall) -> None:
         """Wait (bounded by ``timeout_s``) until every worker joined; watch ``call`` for failure."""
 
     @abstractmethod
-    def _send_round(self, manifest: Manifest, buckets: list[Bucket], call: BackgroundCall) -> None:
+    def send_round(self, manifest: Manifest, buckets: list[Bucket], call: ClientCall) -> None:
         """Move one round's buckets; raise :class:`ManifestRejected` on a clean abort."""
 
     @abstractmethod
-    def _release(self) -> None:
+    def release(self) -> None:
         """Free buffers, sockets and groups."""
 
-
-class ManifestRejected(TransferError):
-    """A worker refused the round's manifest; every side stopped before data moved."""
 
 
 def create_trainer(
@@ -494,12 +468,12 @@ def create_trainer(
     A sharded trainer (FSDP2 / DTensor parameters, one process per rank) calls this on every
     rank with its ``rank`` and the same source: rank 0 is the sender (it needs the client and
     the ``init_info``; it returns the usual trainer), every other rank gets a
-    :class:`~wtransfer.engines.sharded.ParticipantTrainer` that runs the gathers and sends
+    :class:`~wtransfer.engines._sharded.ParticipantTrainer` that runs the gathers and sends
     nothing (``client`` may be None there). Call ``send_weights()`` on every rank each round.
     """
-    from wtransfer.registry.kinds import ENGINES
-    from wtransfer.registry.manager import notify
-    from wtransfer.registry.registry import registry_for
+    from wtransfer._registry.kinds import ENGINES
+    from wtransfer._registry.manager import notify
+    from wtransfer._registry.registry import registry_for
 
     engine_cls = registry_for(ENGINES).get_class(backend)
     trainer_cls = getattr(engine_cls, "trainer_cls", None)
@@ -520,7 +494,7 @@ def create_trainer(
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise ValueError(f"create_trainer(): 'rank' must be this process's trainer rank (an int >= 0), got {rank!r}")
         if rank > 0:
-            from wtransfer.engines.sharded import ParticipantTrainer
+            from wtransfer.engines._sharded import ParticipantTrainer
 
             participant = ParticipantTrainer(backend, rank, as_source(source), checksums=bool(options.get("checksums")))
             logger.info("Trainer rank %d of a sharded %s trainer: gathers only, rank 0 sends", rank, backend)

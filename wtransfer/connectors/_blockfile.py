@@ -87,7 +87,7 @@ class BlockLayout:
 
     @classmethod
     def for_spec(cls, spec: KVCacheSpec) -> BlockLayout:
-        from wtransfer.connectors.hashing import kv_namespace
+        from wtransfer.connectors._hashing import kv_namespace
 
         return cls(kv_namespace(spec), spec.model_fingerprint, tuple(spec.layer_names), spec.block_size,
                    spec.num_kv_heads, spec.head_size, spec.dtype, spec.layout)
@@ -145,7 +145,7 @@ class BlockLayout:
 
 def torch_dtype(name: str) -> torch.dtype:
     """A KV cache's dtype name (``"bfloat16"``) -> the torch dtype, from the shared table."""
-    from wtransfer.dtypes import dtype_from_name
+    from wtransfer._dtypes import dtype_from_name
 
     return dtype_from_name(name)
 

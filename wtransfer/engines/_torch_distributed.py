@@ -1,7 +1,7 @@
 """Packed broadcast over a private ``torch.distributed`` process group (gloo here, NCCL in its plugin).
 
 The group is built from the trainer's authenticated rendezvous store
-(:mod:`wtransfer.engines.rendezvous`: one listening address, a token-proving handshake;
+(:mod:`wtransfer.engines._rendezvous`: one listening address, a token-proving handshake;
 torch's ``TCPStore`` would answer anyone on every interface) + ``PrefixStore`` + the
 backend's ``ProcessGroup`` class directly: the default process group is never created,
 required or touched, so it coexists with whatever groups the trainer already runs. Ranks:
@@ -42,11 +42,21 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from wtransfer.engines.base import LoadWeights, WeightTransferEngine, WeightTransferInitInfo
-from wtransfer.engines.loader import validate_with_loader
-from wtransfer.engines.manifest import Manifest
-from wtransfer.engines.packing import Bucket, Packer, Unpacker, check_bucket_bytes, plan_buckets
-from wtransfer.engines.rendezvous import (
+from wtransfer.engines._base import LoadWeights, WeightTransferEngine, WeightTransferInitInfo
+from wtransfer.engines._loader import validate_with_loader
+from wtransfer.engines._manifest import Manifest
+from wtransfer.engines._packing import Bucket, Packer, Unpacker, plan_buckets
+from wtransfer.engines._protocol import (
+    MIB,
+    PROTOCOL_VERSION,
+    ManifestRejected,
+    check_bucket_bytes,
+    check_int,
+    check_protocol,
+    check_timeout,
+    gc_paused,
+)
+from wtransfer.engines._rendezvous import (
     WILDCARD_ADDRESSES,
     RendezvousClient,
     RendezvousServer,
@@ -54,23 +64,8 @@ from wtransfer.engines.rendezvous import (
     new_token,
     store,
 )
-from wtransfer.engines.trainer import (
-    MIB,
-    PROTOCOL_VERSION,
-    BackgroundCall,
-    ManifestRejected,
-    TrainerWeightTransferEngine,
-)
-from wtransfer.engines.worker import (
-    ManifestUpdateInfo,
-    RoundGuard,
-    check_buffer_budget,
-    check_int,
-    check_protocol,
-    check_timeout,
-    gc_paused,
-    global_rank,
-)
+from wtransfer.engines._trainer import ClientCall, TrainerWeightTransferEngine
+from wtransfer.engines._worker import ManifestUpdateInfo, RoundGuard, check_buffer_budget, global_rank
 from wtransfer.errors import ManifestMismatchError, TransferError, TransferTimeoutError
 
 if TYPE_CHECKING:
@@ -253,7 +248,7 @@ class TorchDistributedBackend:
         gc.collect()
 
 
-def _wait(work: Any, what: str, timeout_s: float, call: BackgroundCall | None = None) -> None:
+def _wait(work: Any, what: str, timeout_s: float, call: ClientCall | None = None) -> None:
     """Wait for an async collective, bounded by the group's timeout (``timeout_s``).
 
     With ``call`` (the manifest vote, before any worker is known to be in the round) the
@@ -446,7 +441,7 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
         "listen_address": None, "local_address": None, "interface": None,
     }  # fmt: skip
 
-    def _prepare(self) -> dict[str, Any]:
+    def prepare_workers(self) -> dict[str, Any]:
         from torch.distributed import PrefixStore
 
         address, port = self.init_info["master_address"], self.init_info["master_port"]
@@ -502,13 +497,13 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
         check_channels("init_info", value)
         return int(value)
 
-    def _plan(self, manifest: Manifest) -> list[Bucket]:
+    def plan(self, manifest: Manifest) -> list[Bucket]:
         return plan_buckets(manifest.entries, self.bucket_bytes, self.direct_min_bytes)
 
     STALL_GRACE_S: ClassVar[float] = 10.0
     """How long the rendezvous waits for one more worker once some joined and the rest went quiet."""
 
-    def _rendezvous(self, call: BackgroundCall) -> None:
+    def wait_for_workers(self, call: ClientCall) -> None:
         ranks = range(1, self.world_size)
         deadline = time.monotonic() + self.timeout_s
         joined: set[int] = set()
@@ -554,7 +549,7 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
                 f"client drives, and the client must start every worker's init_weight_transfer_engine at once"
             )
 
-    def _send_round(self, manifest: Manifest, buckets: list[Bucket], call: BackgroundCall) -> None:
+    def send_round(self, manifest: Manifest, buckets: list[Bucket], call: ClientCall) -> None:
         import torch
 
         verdict = torch.zeros(1, dtype=torch.int32, device=self.device())
@@ -569,7 +564,7 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
             works.clear()  # a failure's traceback must not keep the collectives (and the group) alive
 
     def _broadcast_buckets(
-        self, manifest: Manifest, buckets: list[Bucket], call: BackgroundCall, works: list[tuple[Any, Any] | None]
+        self, manifest: Manifest, buckets: list[Bucket], call: ClientCall, works: list[tuple[Any, Any] | None]
     ) -> None:
         packer = Packer(manifest, iter(self.source))
         device = self.device()
@@ -591,7 +586,7 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
                 _wait(works[slot][0], f"broadcasting the last buckets (buffer {slot})", self.timeout_s)
         self.synchronize()
 
-    def _release(self) -> None:
+    def release(self) -> None:
         had_group = bool(getattr(self, "_groups", None))
         self._groups = []
         self._prefixed = None

@@ -17,10 +17,10 @@ from typing import Any
 
 import pluggy
 
-from wtransfer.registry import discovery
-from wtransfer.registry.component import ComponentRef
-from wtransfer.registry.hooks import PROJECT, WTransferHookSpecs, hookimpl
-from wtransfer.registry.kinds import HOOK_PLUGIN_GROUP, resolve_kind
+from wtransfer._registry import discovery
+from wtransfer._registry.component import ComponentRef
+from wtransfer._registry.hooks import PROJECT, WTransferHookSpecs, hookimpl
+from wtransfer._registry.kinds import HOOK_PLUGIN_GROUP, resolve_kind
 
 logger = logging.getLogger("wtransfer")
 TRACE_ENV = "WTRANSFER_TRACE"
@@ -114,7 +114,7 @@ def _refuse_unknown_hooks(pm: pluggy.PluginManager, plugin: object) -> None:
             continue
         if all(impl.optionalhook for impl in caller.get_hookimpls() if impl.plugin is plugin):
             continue
-        from wtransfer.registry.names import suggest
+        from wtransfer._registry.names import suggest
 
         pm.unregister(plugin)
         known = sorted(n for n in dir(pm.hook) if not n.startswith("_") and getattr(pm.hook, n).has_spec())

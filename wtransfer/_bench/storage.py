@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from wtransfer.bench.report import add_report_arguments, figures_report, ratio_rows, table
+from wtransfer._bench.report import add_report_arguments, figures_report, ratio_rows, table
 
 TARGET_RATIO = 0.8
 
@@ -53,11 +53,11 @@ def bench_io(args: argparse.Namespace, root: str, figures: dict[str, Any]) -> bo
     from safetensors.torch import load_file, save_file
 
     from wtransfer.config import KVTransferConfig
-    from wtransfer.connectors.base import KVConnectorRole
-    from wtransfer.connectors.blockfile import torch_dtype
-    from wtransfer.connectors.factory import KVConnectorFactory
-    from wtransfer.connectors.hashing import request_block_hashes
-    from wtransfer.connectors.request import KVRequest, ScheduledRequest, SchedulerStep
+    from wtransfer.connectors._base import KVConnectorRole
+    from wtransfer.connectors._blockfile import torch_dtype
+    from wtransfer.connectors._factory import KVConnectorFactory
+    from wtransfer.connectors._hashing import request_block_hashes
+    from wtransfer.connectors._request import KVRequest, ScheduledRequest, SchedulerStep
     from wtransfer.kvcache import KVCacheSpec
 
     layers = tuple(f"layer.{i}" for i in range(args.layers))
@@ -185,7 +185,7 @@ def bench_io(args: argparse.Namespace, root: str, figures: dict[str, Any]) -> bo
 
 
 def bench_hashes(args: argparse.Namespace) -> float:
-    from wtransfer.connectors.hashing import block_hashes
+    from wtransfer.connectors._hashing import block_hashes
 
     namespace = "00" * 32
     tokens = [(31 * i) % 128_000 for i in range(args.hash_blocks * args.block_size)]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 
 from wtransfer.config import ParallelConfig, WeightTransferConfig
-from wtransfer.engines.base import WeightTransferEngine
-from wtransfer.registry.kinds import ENGINES
-from wtransfer.registry.manager import notify
-from wtransfer.registry.registry import registry_for
+from wtransfer.engines._base import WeightTransferEngine
+from wtransfer._registry.kinds import ENGINES
+from wtransfer._registry.manager import notify
+from wtransfer._registry.registry import registry_for
 
 logger = logging.getLogger("wtransfer")
 

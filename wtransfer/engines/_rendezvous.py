@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any
 
-from wtransfer.engines.control import ControlChannel
+from wtransfer.engines._control import ControlChannel
 from wtransfer.errors import TransferError, TransferTimeoutError
 
 logger = logging.getLogger("wtransfer")

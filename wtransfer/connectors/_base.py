@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     import torch
 
     from wtransfer.config import KVTransferConfig
-    from wtransfer.connectors.request import KVConnectorOutput, KVRequest, SchedulerStep
+    from wtransfer.connectors._request import KVConnectorOutput, KVRequest, SchedulerStep
     from wtransfer.kvcache import KVCacheSpec
 
 logger = logging.getLogger("wtransfer")
@@ -112,7 +112,7 @@ class KVConnectorBase(ABC):
 
     ``config.kv_connector_extra_config`` carries the connector's own options.
     ``kv_cache_spec`` describes the engine's cache; block hashes in requests are
-    rooted in it (see :mod:`wtransfer.connectors.hashing`).
+    rooted in it (see :mod:`wtransfer.connectors._hashing`).
     """
 
     metadata_cls: ClassVar[type[KVConnectorMetadata]] = KVConnectorMetadata

@@ -21,12 +21,12 @@ from wtransfer.errors import (
     DuplicateComponentError,
     UnknownComponentError,
 )
-from wtransfer.registry import discovery
-from wtransfer.registry.component import RUNTIME_ORIGIN, ComponentRef, check_subclass
-from wtransfer.registry.hints import install_hint
-from wtransfer.registry.kinds import KINDS, Kind, resolve_kind
-from wtransfer.registry.loading import import_target
-from wtransfer.registry.names import normalize_distribution, split_qualified, suggest
+from wtransfer._registry import discovery
+from wtransfer._registry.component import RUNTIME_ORIGIN, ComponentRef, check_subclass
+from wtransfer._registry.hints import install_hint
+from wtransfer._registry.kinds import KINDS, Kind, resolve_kind
+from wtransfer._registry.loading import import_target
+from wtransfer._registry.names import normalize_distribution, split_qualified, suggest
 
 logger = logging.getLogger("wtransfer")
 
@@ -73,7 +73,7 @@ class ComponentRegistry:
             return self._discovered
 
     def _discover(self) -> tuple[dict[str, list[ComponentRef]], discovery.DisabledSet]:
-        from wtransfer.registry.manager import plugin_manager
+        from wtransfer._registry.manager import plugin_manager
 
         by_name: dict[str, list[ComponentRef]] = {}
         for contributed in plugin_manager().hook.wtransfer_components(kind=self.kind.name):
@@ -272,7 +272,7 @@ def list_components(kind: str | None = None) -> list[ComponentInfo]:
 
 def refresh() -> None:
     """Rescan installed distributions (e.g. after ``pip install`` in a live process)."""
-    from wtransfer.registry import manager
+    from wtransfer._registry import manager
 
     discovery.clear_cache()
     manager.reset()

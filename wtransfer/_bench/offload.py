@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from wtransfer.bench.report import add_report_arguments, figures_report, ratio_rows, table
+from wtransfer._bench.report import add_report_arguments, figures_report, ratio_rows, table
 
 TARGET_RATIO = 0.8
 
@@ -48,8 +48,8 @@ def bench_tier(args: argparse.Namespace, figures: dict[str, Any]) -> bool:
 
     from wtransfer.config import KVTransferConfig
     from wtransfer.kvcache import KVCacheSpec
-    from wtransfer.specs.base import CPU_MEDIUM, DEVICE_MEDIUM, LoadStoreSpec
-    from wtransfer.specs.factory import OffloadingSpecFactory
+    from wtransfer.specs._base import CPU_MEDIUM, DEVICE_MEDIUM, LoadStoreSpec
+    from wtransfer.specs._factory import OffloadingSpecFactory
 
     rng = random.Random(args.seed)
     layers = [f"layer.{i}" for i in range(args.layers)]
@@ -160,7 +160,7 @@ def _timed(fn: Callable[[], None]) -> float:
 
 # -- bookkeeping ---------------------------------------------------------------------------------
 def bench_managers(args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    from wtransfer.specs.manager import BlockTableManager
+    from wtransfer.specs._manager import BlockTableManager
 
     print("\n" + manager_setup(args.manager_ops, args.manager_capacity))
     print(f"{'policy':<8} {'store us/block':>15} {'load us/block':>14} {'hit rate':>9}")

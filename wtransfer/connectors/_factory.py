@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING
 
 from wtransfer.config import KVTransferConfig
 from wtransfer.kvcache import check_layout
-from wtransfer.registry.kinds import CONNECTORS
-from wtransfer.registry.manager import notify
-from wtransfer.registry.registry import registry_for
+from wtransfer._registry.kinds import CONNECTORS
+from wtransfer._registry.manager import notify
+from wtransfer._registry.registry import registry_for
 
 if TYPE_CHECKING:
-    from wtransfer.connectors.base import KVConnectorBase, KVConnectorRole
+    from wtransfer.connectors._base import KVConnectorBase, KVConnectorRole
     from wtransfer.kvcache import KVCacheSpec
 
 logger = logging.getLogger("wtransfer")

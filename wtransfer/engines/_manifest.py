@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from wtransfer.dtypes import dtype_from_name, dtype_name, supported_dtype_names
+from wtransfer._dtypes import dtype_from_name, dtype_name, supported_dtype_names
 
 if TYPE_CHECKING:
     import torch

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wtransfer.bench.report import add_report_arguments, figures_report, table
+from wtransfer._bench.report import add_report_arguments, figures_report, table
 from wtransfer.testing.distributions import write_distribution
 
 RAW_SCAN = """
@@ -36,7 +36,7 @@ md.entry_points(); print(time.perf_counter() - t)
 # IMPORTS_INCLUDED below reports the cost with them.
 WTRANSFER_DISCOVERY = """
 import time, importlib.metadata, pluggy, wtransfer
-from wtransfer.registry import manager, registry
+from wtransfer._registry import manager, registry
 names = {names!r}
 t = time.perf_counter()
 for i in range({lookups}):
@@ -48,7 +48,7 @@ IMPORTS_INCLUDED = """
 import time
 t = time.perf_counter()
 import wtransfer
-from wtransfer.registry import registry
+from wtransfer._registry import registry
 names = {names!r}
 for i in range({lookups}):
     registry.registry_for("engines").resolve(names[i % len(names)])

@@ -17,14 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from wtransfer.bench.report import MarkdownLines, MarkdownTable, add_report_arguments, figures_report
+from wtransfer._bench.report import MarkdownLines, MarkdownTable, add_report_arguments, figures_report
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger("wtransfer")
 
-MIB = 1 << 20
+from wtransfer.engines._protocol import MIB  # noqa: E402
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64",
           "fp8": "float8_e4m3fn", "int8": "int8"}  # fmt: skip
 RSS_SLACK = 64 * MIB
@@ -96,7 +96,7 @@ def build_model(shapes: list[list[Any]], dtype: str, random: bool = False, seed:
     """
     import torch
 
-    from wtransfer.engines.manifest import dtype_from_name
+    from wtransfer.engines._manifest import dtype_from_name
 
     root = torch.nn.Module()
     pools: dict[Any, torch.Tensor] = {}
@@ -161,7 +161,7 @@ def mutate(model: torch.nn.Module, round_index: int) -> None:
 
 
 def digests(model: torch.nn.Module) -> dict[str, int]:
-    from wtransfer.engines.manifest import tensor_checksum
+    from wtransfer.engines._manifest import tensor_checksum
 
     return {name: tensor_checksum(p.data) for name, p in model.named_parameters()}
 
@@ -218,8 +218,8 @@ def run_engine(
     ``references`` (peer name -> GB/s of that peer on the same tensors) are measured right
     after each round, so a machine whose load changes during the run skews both alike.
     """
-    from wtransfer.engines.source import ModuleSource
-    from wtransfer.engines.trainer import create_trainer
+    from wtransfer.engines._source import ModuleSource
+    from wtransfer.engines._trainer import create_trainer
     from wtransfer.local import LocalWorkerPool, PeakRss
 
     result = EngineResult(engine)
@@ -278,7 +278,7 @@ def memcpy_reference(tensors: list[torch.Tensor]) -> Callable[[], float]:
     The destinations are allocated (and touched) here, once, before any engine runs, so
     they never count in an engine's peak RSS.
     """
-    from wtransfer.engines.packing import copy_tensor
+    from wtransfer.engines._packing import copy_tensor
 
     destinations = [t.clone() for t in tensors]
     total = sum(t.numel() * t.element_size() for t in tensors)
@@ -300,7 +300,7 @@ def safetensors_reference(tensors: list[torch.Tensor]) -> Callable[[], float]:
     """
     from safetensors.torch import load_file, save_file
 
-    from wtransfer.engines.packing import copy_tensor
+    from wtransfer.engines._packing import copy_tensor
 
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     path = os.path.join(folder, f"wtransfer-bench-{os.getpid()}.safetensors")
@@ -324,7 +324,7 @@ def safetensors_reference(tensors: list[torch.Tensor]) -> Callable[[], float]:
 
 def peer_share_memory(tensors: list[torch.Tensor], repeats: int) -> float:
     """``torch.multiprocessing`` style: a fresh ``share_memory_()`` copy per update, then loaded."""
-    from wtransfer.engines.packing import copy_tensor
+    from wtransfer.engines._packing import copy_tensor
 
     destinations = [t.clone() for t in tensors]
 
@@ -364,9 +364,9 @@ def _gloo_peer_receiver(port: int, spec: str, timeout_s: float, rank: int, size:
     import torch
     from torch.distributed import PrefixStore, TCPStore
 
-    from wtransfer.engines.manifest import dtype_from_name
-    from wtransfer.engines.packing import copy_tensor
-    from wtransfer.engines.torch_distributed import TorchDistributedBackend
+    from wtransfer.engines._manifest import dtype_from_name
+    from wtransfer.engines._packing import copy_tensor
+    from wtransfer.engines._torch_distributed import TorchDistributedBackend
 
     torch.set_num_threads(1)
     shapes, dtype = json.loads(spec)
@@ -421,7 +421,7 @@ class GlooPeer:
         import torch
         from torch.distributed import PrefixStore, TCPStore
 
-        from wtransfer.engines.torch_distributed import TorchDistributedBackend
+        from wtransfer.engines._torch_distributed import TorchDistributedBackend
 
         self.tensors = tensors
         self.total = sum(t.numel() * t.element_size() for t in tensors)
@@ -513,7 +513,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from wtransfer.errors import WTransferError
-    from wtransfer.registry.registry import get_class
+    from wtransfer._registry.registry import get_class
 
     quiet = args.json or args.markdown is not None  # tables go to stdout only for people
     console = Console(stderr=quiet)

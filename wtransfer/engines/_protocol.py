@@ -1,0 +1,80 @@
+"""The trainer/worker wire protocol shared by the built-in engines: one module both sides import.
+
+The trainer side (``_trainer``) and the worker side (``_worker``) never import each other;
+what they must agree on lives here: the protocol version, the limits on wire parameters,
+the checks a worker runs on the trainer's init dict, the rejection a worker can answer
+with, and how a round keeps the cyclic GC out of its way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+from typing import Any
+
+from wtransfer.errors import TransferError
+
+PROTOCOL_VERSION = 3
+"""Bumped whenever the trainer/worker wire protocol changes; workers refuse other versions."""
+
+MIB = 1 << 20
+"""One mebibyte: the unit of every buffer size in wtransfer."""
+
+ALIGN = 64
+"""Every tensor starts at a multiple of this many bytes inside a bucket."""
+
+MIN_BUCKET_BYTES = 4096
+
+
+def check_int(owner: str, name: str, value: Any, minimum: int) -> None:
+    """``value`` is a true int (not a bool) of at least ``minimum``; the message names ``owner``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{owner}: {name!r} must be an int >= {minimum}, got {value!r}")
+
+
+def check_timeout(owner: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{owner}: 'timeout_s' must be a positive number, got {value!r}")
+
+
+def check_protocol(owner: str, version: Any) -> None:
+    """Refuse a trainer that speaks another protocol version, naming both."""
+    if version != PROTOCOL_VERSION:
+        raise ValueError(
+            f"{owner}: the trainer speaks protocol {version!r} but this worker speaks "
+            f"{PROTOCOL_VERSION}; install the same wtransfer version on both sides"
+        )
+
+
+def check_bucket_bytes(bucket_bytes: Any) -> int:
+    """A bucket size both sides accept: an int, a multiple of :data:`ALIGN`, at least 4096."""
+    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool):
+        raise ValueError(f"bucket_bytes must be an int, got {bucket_bytes!r}")
+    if bucket_bytes < MIN_BUCKET_BYTES or bucket_bytes % ALIGN:
+        raise ValueError(
+            f"bucket_bytes must be a multiple of {ALIGN} and at least {MIN_BUCKET_BYTES}, got {bucket_bytes}"
+        )
+    return bucket_bytes
+
+
+class ManifestRejected(TransferError):
+    """A worker refused the round's manifest; every side stopped before data moved."""
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Keep the cyclic GC out of a round's critical path.
+
+    A round allocates many short-lived objects (manifest entries, pieces, tensor views);
+    a full collection triggered mid-round walks the whole heap (every module and parameter
+    of the model) and stalls the pipeline for tens of milliseconds. Collection simply
+    resumes after the round (it is re-enabled only if it was enabled before).
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
