@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
+from wtransfer._registry.create import create
+from wtransfer._registry.kinds import CONNECTORS
+from wtransfer._registry.registry import registry_for
 from wtransfer.config import KVTransferConfig
 from wtransfer.kvcache import check_layout
-from wtransfer._registry.kinds import CONNECTORS
-from wtransfer._registry.manager import notify
-from wtransfer._registry.registry import registry_for
 
 if TYPE_CHECKING:
     from wtransfer.connectors._base import KVConnectorBase, KVConnectorRole
     from wtransfer.kvcache import KVCacheSpec
-
-logger = logging.getLogger("wtransfer")
 
 
 class KVConnectorFactory:
@@ -34,14 +31,8 @@ class KVConnectorFactory:
         kv_cache_spec: KVCacheSpec | None = None,
     ) -> KVConnectorBase:
         """Instantiate ``config.kv_connector`` for ``role`` (fallback: ``kv_connector_module_path``)."""
-        connector_cls = registry_for(CONNECTORS).get_class(
-            config.kv_connector, config.kv_connector_module_path
+        return create(
+            CONNECTORS, config.kv_connector, config.kv_connector_module_path, config, role, kv_cache_spec,
+            check=lambda cls: check_layout(kv_cache_spec, cls, "KV connector"),
+            context=f" for role {getattr(role, 'name', role)}, engine_id {config.engine_id}",
         )
-        check_layout(kv_cache_spec, connector_cls, "KV connector")
-        logger.info(
-            "Creating KV connector %s (%s) for role %s, engine_id %s",
-            config.kv_connector, connector_cls.__name__, getattr(role, "name", role), config.engine_id,
-        )
-        connector = connector_cls(config, role, kv_cache_spec)
-        notify(CONNECTORS.created_hook, connector=connector)
-        return connector

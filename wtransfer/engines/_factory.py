@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import logging
-
+from wtransfer._registry.create import create
+from wtransfer._registry.kinds import ENGINES
+from wtransfer._registry.registry import registry_for
 from wtransfer.config import ParallelConfig, WeightTransferConfig
 from wtransfer.engines._base import WeightTransferEngine
-from wtransfer._registry.kinds import ENGINES
-from wtransfer._registry.manager import notify
-from wtransfer._registry.registry import registry_for
-
-logger = logging.getLogger("wtransfer")
 
 
 class WeightTransferEngineFactory:
@@ -35,8 +31,5 @@ class WeightTransferEngineFactory:
         cls, config: WeightTransferConfig, parallel_config: ParallelConfig | None = None
     ) -> WeightTransferEngine:
         """Instantiate ``config.backend`` (falling back to ``config.module_path``)."""
-        engine_cls = registry_for(ENGINES).get_class(config.backend, config.module_path)
-        logger.info("Creating weight transfer engine %s (%s)", config.backend, engine_cls.__name__)
-        engine = engine_cls(config, parallel_config if parallel_config is not None else ParallelConfig())
-        notify(ENGINES.created_hook, engine=engine)
-        return engine
+        parallel = parallel_config if parallel_config is not None else ParallelConfig()
+        return create(ENGINES, config.backend, config.module_path, config, parallel)

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
+from wtransfer._registry.create import create
+from wtransfer._registry.kinds import SPECS
+from wtransfer._registry.registry import registry_for
 from wtransfer.config import KVTransferConfig
 from wtransfer.kvcache import check_layout
-from wtransfer._registry.kinds import SPECS
-from wtransfer._registry.manager import notify
-from wtransfer._registry.registry import registry_for
 
 if TYPE_CHECKING:
     from wtransfer.kvcache import KVCacheSpec
     from wtransfer.specs._base import OffloadingSpec
-
-logger = logging.getLogger("wtransfer")
 
 DEFAULT_SPEC = "cpu"
 SEED_ALIASES = {"CPUOffloadingSpec": DEFAULT_SPEC}
@@ -40,9 +37,5 @@ class OffloadingSpecFactory:
         module_path = extra.get("spec_module_path")
         if not module_path:
             spec_name = SEED_ALIASES.get(spec_name, spec_name)
-        spec_cls = registry_for(SPECS).get_class(spec_name, module_path)
-        check_layout(kv_cache_spec, spec_cls, "offloading spec")
-        logger.info("Creating offloading spec %s (%s)", spec_name, spec_cls.__name__)
-        spec = spec_cls(config, kv_cache_spec)
-        notify(SPECS.created_hook, spec=spec)
-        return spec
+        return create(SPECS, spec_name, module_path, config, kv_cache_spec,
+                      check=lambda cls: check_layout(kv_cache_spec, cls, "offloading spec"))
