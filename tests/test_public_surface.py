@@ -23,6 +23,7 @@ PUBLIC_MODULES = {
     "wtransfer.errors",
     "wtransfer.kvcache",
     "wtransfer.local",
+    "wtransfer.options",
     # the three toolkits, and the built-ins that may be derived from
     "wtransfer.engines",
     "wtransfer.engines.shm",

@@ -82,6 +82,7 @@ _EXPORTS: dict[str, str] = {
     "TransferError": "wtransfer.errors",
     "TransferTimeoutError": "wtransfer.errors",
     "ManifestMismatchError": "wtransfer.errors",
+    "InvalidOptionError": "wtransfer.errors",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -113,6 +114,7 @@ if TYPE_CHECKING:  # let type checkers and IDEs see the lazy names
         DisabledComponentError,
         DuplicateComponentError,
         InvalidComponentError,
+        InvalidOptionError,
         ManifestMismatchError,
         TransferError,
         TransferTimeoutError,

@@ -61,3 +61,7 @@ __all__ = [
     "UnknownComponentError",
     "WTransferError",
 ]
+
+
+class InvalidOptionError(WTransferError, ValueError):
+    """A component's options are wrong: an unknown key, a missing one, or a value of the wrong type."""
