@@ -39,7 +39,7 @@ def listeners() -> list[str]:
 
 def worker(address: str, port: int, options: dict[str, Any]) -> None:
     import wtransfer
-    from wtransfer._bench.weights import digests, worker_model
+    from wtransfer.testing.models import digests, worker_model
     from wtransfer.engines._control import ControlChannel
 
     model = worker_model(SHAPES, "float32")
@@ -115,7 +115,7 @@ class TcpClient:
 
 def trainer(master_address: str, worker_address: str, port: int, rounds: int, init_info: dict[str, Any]) -> None:
     import wtransfer
-    from wtransfer._bench.weights import build_model, digests, mutate
+    from wtransfer.testing.models import build_model, digests, mutate
 
     model = build_model(SHAPES, "float32", random=True, seed=7)
     client = TcpClient(worker_address, port)

@@ -133,3 +133,13 @@ def test_trainer_extension_points_are_public():
     abstract = TrainerWeightTransferEngine.__abstractmethods__
     assert abstract == {"prepare_workers", "wait_for_workers", "send_round", "release"}
     assert not [name for name in abstract if name.startswith("_")]
+
+
+def test_tests_never_import_the_bench():
+    """Benchmarks sit on top; tests reach them only through the CLI, and models come from wtransfer.testing."""
+    offenders = {
+        str(path.relative_to(ROOT)): [m for m in wtransfer_imports(path.read_text()) if m.startswith("wtransfer._bench")]
+        for path in [*(ROOT / "tests").rglob("*.py"), *(ROOT / "plugins").rglob("tests/**/*.py")]
+        if "build" not in path.parts
+    }
+    assert {path: names for path, names in offenders.items() if names} == {}

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 import wtransfer
-from wtransfer._bench.weights import build_model, digests, mutate
+from wtransfer.testing.models import build_model, digests, mutate
 from wtransfer.engines._manifest import TensorEntry
 from wtransfer.engines._source import TensorSource, WeightSource
 from wtransfer.errors import ManifestMismatchError, TransferError
 from wtransfer.local import LocalWorkerPool, PeakRss, open_fd_count
 
-FACTORY = "wtransfer._bench.weights:worker_model"
+FACTORY = "wtransfer.testing.models:worker_model"
 TIMEOUT = 30.0
 
 MIXED = [

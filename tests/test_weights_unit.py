@@ -52,7 +52,7 @@ def awkward_tensors() -> dict[str, torch.Tensor]:
 
 
 def _target_module(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
-    from wtransfer._bench.weights import build_model
+    from wtransfer.testing.models import build_model
     from wtransfer.engines._manifest import dtype_name
 
     return build_model([[n, list(t.shape), dtype_name(t.dtype)] for n, t in tensors.items()], "float32")

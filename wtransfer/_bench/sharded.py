@@ -46,7 +46,8 @@ def _rank_main(rank: int, ranks: int, port: int, options: str, conn: Any) -> Non
 
     import torch
 
-    from wtransfer._bench.weights import DTYPES, build_model, parse_model, worker_model
+    from wtransfer._bench.weights import DTYPES
+    from wtransfer.testing.models import build_model, parse_model, worker_model
     from wtransfer.engines._source import ModuleSource
     from wtransfer.engines._trainer import create_trainer
     from wtransfer.local import LocalWorkerPool, PeakRss

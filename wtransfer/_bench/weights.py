@@ -18,152 +18,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from wtransfer._bench.report import MarkdownLines, MarkdownTable, add_report_arguments, figures_report
+from wtransfer.engines._protocol import MIB
+from wtransfer.testing.models import build_model, digests, mutate, parse_model, worker_model
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger("wtransfer")
 
-from wtransfer.engines._protocol import MIB  # noqa: E402
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64",
           "fp8": "float8_e4m3fn", "int8": "int8"}  # fmt: skip
 RSS_SLACK = 64 * MIB
-
-
-# -- the model ------------------------------------------------------------------------------------
-def decoder_shapes(
-    hidden: int, intermediate: int, layers: int, vocab: int, kv_dim: int
-) -> list[tuple[str, list[int]]]:
-    """Tensor shapes of a Qwen2-style decoder (tied embeddings: the LM head is not sent)."""
-    shapes: list[tuple[str, list[int]]] = [("model.embed_tokens.weight", [vocab, hidden])]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes += [
-            (p + "self_attn.q_proj.weight", [hidden, hidden]), (p + "self_attn.q_proj.bias", [hidden]),
-            (p + "self_attn.k_proj.weight", [kv_dim, hidden]), (p + "self_attn.k_proj.bias", [kv_dim]),
-            (p + "self_attn.v_proj.weight", [kv_dim, hidden]), (p + "self_attn.v_proj.bias", [kv_dim]),
-            (p + "self_attn.o_proj.weight", [hidden, hidden]),
-            (p + "mlp.gate_proj.weight", [intermediate, hidden]), (p + "mlp.up_proj.weight", [intermediate, hidden]),
-            (p + "mlp.down_proj.weight", [hidden, intermediate]),
-            (p + "input_layernorm.weight", [hidden]), (p + "post_attention_layernorm.weight", [hidden]),
-        ]  # fmt: skip
-    shapes.append(("model.norm.weight", [hidden]))
-    return shapes
-
-
-def _numel(shape: list[int]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
-
-
-def shapes_for_params(params: int) -> list[tuple[str, list[int]]]:
-    """A decoder of about ``params`` parameters: Qwen2-0.5B's geometry, scaled by depth."""
-    hidden, intermediate, kv_dim = (896, 4864, 128) if params >= 60_000_000 else (256, 1024, 64)
-    per_layer = sum(_numel(s) for _, s in decoder_shapes(hidden, intermediate, 1, 0, kv_dim)) - hidden
-    vocab = max(256, min(151_936, int(params * 0.275) // hidden))
-    layers = max(1, round((params - vocab * hidden) / per_layer))
-    return decoder_shapes(hidden, intermediate, layers, vocab, kv_dim)
-
-
-_SIZE = re.compile(r"^(\d+(?:\.\d+)?)([kKmMbB]?)$")
-
-
-def parse_model(spec: str) -> list[tuple[str, list[int]]]:
-    """``0.5B`` / ``100M`` (parameters) or explicit shapes ``4096x4096,896,16x16*100``."""
-    match = _SIZE.match(spec.strip())
-    if match:
-        scale = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9}[match.group(2).lower()]
-        return shapes_for_params(int(float(match.group(1)) * scale))
-    shapes: list[tuple[str, list[int]]] = []
-    for item in spec.split(","):
-        item = item.strip()
-        shape_text, _, repeat = item.partition("*")
-        try:
-            shape = [int(d) for d in shape_text.split("x")] if shape_text not in ("", "()") else []
-            count = int(repeat) if repeat else 1
-        except ValueError:
-            raise ValueError(f"--model: cannot parse {item!r}; use e.g. 0.5B, 100M or 4096x4096,896*24") from None
-        shapes += [(f"t{len(shapes) + i}.weight", shape) for i in range(count)]
-    return shapes
-
-
-def build_model(shapes: list[list[Any]], dtype: str, random: bool = False, seed: int = 0) -> torch.nn.Module:
-    """A module holding the given parameters under their dotted names (nested submodules).
-
-    Each item is ``[name, shape]`` or ``[name, shape, dtype_name]`` (overriding ``dtype``).
-    """
-    import torch
-
-    from wtransfer.engines._manifest import dtype_from_name
-
-    root = torch.nn.Module()
-    pools: dict[Any, torch.Tensor] = {}
-    for index, (name, shape, *override) in enumerate(shapes):
-        torch_dtype = dtype_from_name(override[0] if override else dtype)
-        *path, leaf = name.split(".")
-        module = root
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, torch.nn.Module())
-            module = getattr(module, part)
-        tensor = torch.zeros(shape, dtype=torch_dtype)
-        if random and tensor.numel():
-            if torch_dtype not in pools:
-                pools[torch_dtype] = _random_pool(torch_dtype, seed)
-            _fill_from_pool(tensor, pools[torch_dtype], index * 7919)
-        module.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=False))
-    return root
-
-
-def worker_model(shapes: list[list[Any]], dtype: str) -> torch.nn.Module:
-    """The worker's copy (zeros, resident): what the engine overwrites every round."""
-    return build_model(shapes, dtype)
-
-
-def _random_pool(dtype: torch.dtype, seed: int) -> torch.Tensor:
-    import torch
-
-    generator = torch.Generator().manual_seed(seed)
-    if dtype.is_floating_point and dtype.itemsize >= 2:
-        return torch.randn(1 << 22, generator=generator).to(dtype)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, (1 << 22,), generator=generator).bool()
-    size = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 256, ((1 << 22) * size,), dtype=torch.uint8, generator=generator)
-    return raw.view(dtype)
-
-
-def _fill_from_pool(tensor: torch.Tensor, pool: torch.Tensor, offset: int) -> None:
-    """Cheap distinct random content: the pool, rotated by ``offset``, tiled over the tensor."""
-    flat = tensor.view(-1)
-    done, size = 0, pool.numel()
-    start = offset % size
-    while done < flat.numel():
-        take = min(size - start, flat.numel() - done)
-        flat[done : done + take].copy_(pool[start : start + take])
-        done, start = done + take, 0
-
-
-def mutate(model: torch.nn.Module, round_index: int) -> None:
-    """Change every tensor a little (1 byte in 4093), so each round carries new weights."""
-    import torch
-
-    for parameter in model.parameters():
-        if parameter.numel() == 0:
-            continue
-        if parameter.dtype == torch.bool:
-            parameter.data.view(-1)[round_index % parameter.numel()].logical_not_()
-            continue
-        raw = parameter.data.view(-1).view(torch.uint8)
-        raw[(round_index * 131) % min(4093, raw.numel()) :: 4093].add_(1)
-
-
-def digests(model: torch.nn.Module) -> dict[str, int]:
-    from wtransfer.engines._manifest import tensor_checksum
-
-    return {name: tensor_checksum(p.data) for name, p in model.named_parameters()}
 
 
 # -- measurements --------------------------------------------------------------------------------
