@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -433,9 +434,12 @@ def test_pip_installed_plugin_is_discovered_everywhere(installed_example: Path, 
 def test_cli_show_and_check(installed_example: Path):
     shown = run_python("from wtransfer.cli import main; raise SystemExit(main(['show', 'engine', 'example']))",
                        path=[installed_example])
-    for fragment in ("ExampleEngine", "wtransfer-example 0.2.0", "bucket_bytes: int = (required)",
-                     "timeout_s: float = 300.0", "is_checkpoint_format", "Example engine shipped"):
-        assert fragment in shown.stdout, fragment
+    # the user's options with the plugin's own trainer defaults (4 MiB x 3), never wire fields
+    for fragment in ("ExampleEngine", "wtransfer-example 0.2.0", "max_buffer_bytes", "SmallModelTrainer",
+                     r"bucket_bytes +int +4194304 ", r"num_buffers +int +3 ", r"timeout_s +float +300\.0 ",
+                     "Example engine shipped"):
+        assert re.search(fragment, shown.stdout), fragment
+    assert "token" not in shown.stdout and "is_checkpoint_format" not in shown.stdout
     checked = run_python("from wtransfer.cli import main; raise SystemExit(main(['check', '--json']))",
                          path=[installed_example], check=False)
     rows = json.loads(checked.stdout)

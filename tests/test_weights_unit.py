@@ -281,7 +281,7 @@ def test_parse_info_errors_name_the_engine_and_the_field(engine_cls: type) -> No
     engine.shutdown()  # idempotent
 
 
-@pytest.mark.parametrize(("channels", "fragment"), [(0, "'channels' must be"), (99, "at most 8"), ("2", "'channels' must be")])
+@pytest.mark.parametrize(("channels", "fragment"), [(0, "'channels' must be"), (99, "at most 8"), ("2", r"'channels'.*must be (an )?int")])
 def test_gloo_refuses_channel_counts_it_cannot_build_at_init(channels: object, fragment: str) -> None:
     engine = GlooWeightTransferEngine(wtransfer.WeightTransferConfig(backend="gloo"), wtransfer.ParallelConfig())
     info = {"world_size": 2, "bucket_bytes": 4096, "num_buffers": 2, "master_address": "127.0.0.1",
@@ -312,9 +312,9 @@ def test_create_trainer_validates_before_touching_any_worker() -> None:
         update_weights = lambda self, info: None  # noqa: E731
 
     source = {"a": torch.zeros(2)}
-    with pytest.raises(ValueError, match="needs 'world_size'"):
+    with pytest.raises(ValueError, match="needs option.*'world_size'"):
         wtransfer.create_trainer("shm", client=Client(), source=source)
-    with pytest.raises(ValueError, match="unknown key.*colour"):
+    with pytest.raises(ValueError, match="unknown option.*'colour'"):
         wtransfer.create_trainer("shm", client=Client(), source=source, init_info={"world_size": 2, "colour": 1})
     with pytest.raises(TypeError, match="unknown option.*turbo"):
         wtransfer.create_trainer("shm", client=Client(), source=source, init_info={"world_size": 2}, turbo=True)

@@ -209,7 +209,7 @@ def raw_geometry() -> tuple[int, int, int]:
     """The gloo engine's default (channels, bucket bytes, buffers): the raw peer uses the same."""
     from wtransfer.engines.gloo import GlooTrainer
 
-    return GlooTrainer.backend_init_defaults["channels"], GlooTrainer.default_bucket_bytes, GlooTrainer.default_num_buffers
+    return GlooTrainer.init_defaults()["channels"], GlooTrainer.default_bucket_bytes, GlooTrainer.default_num_buffers
 
 
 def chunked_broadcast(backend: Any, groups: list[Any], flat: torch.Tensor, chunk: int, in_flight: int) -> None:

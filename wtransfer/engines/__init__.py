@@ -8,12 +8,15 @@ Worker side
     ``WeightTransferUpdateInfo``, ``ManifestUpdateInfo`` (per-round info carrying the
     manifest), ``RoundGuard`` (a mixin: ``finish_weight_update`` only after a whole
     round), ``global_rank`` (the seed's rank rule), ``check_buffer_budget``
-    (``max_buffer_bytes``), ``validate_with_loader``, ``module_loader``.
+    (``max_buffer_bytes``, declared by ``BufferBudgetOptions``), ``validate_with_loader``,
+    ``module_loader``. An engine declares its ``WeightTransferConfig.options`` as
+    ``options_cls`` (see :mod:`wtransfer.options`).
 Trainer side
     ``TrainerWeightTransferEngine`` with its public extension points ``prepare_workers``,
     ``wait_for_workers``, ``send_round``, ``release`` (and optionally ``plan``);
     ``ClientCall`` (a running client call the engine watches); ``WeightSource``,
-    ``ModuleSource``, ``TensorSource``, ``create_trainer``.
+    ``ModuleSource``, ``TensorSource``, ``create_trainer``; ``TrainerInitOptions`` (the
+    ``init_info`` every trainer takes: a backend extends it as its ``init_options_cls``).
 Wire protocol (both sides)
     ``PROTOCOL_VERSION``, ``MIB``, ``ALIGN``, ``check_int``, ``check_timeout``,
     ``check_protocol``, ``check_bucket_bytes``, ``ManifestRejected``, ``gc_paused``;
@@ -22,8 +25,10 @@ Wire protocol (both sides)
     a framed Unix/TCP control channel (``ControlChannel``, ``Listener``, ``connect``).
 Backends to derive from
     ``TorchDistributedBackend`` / ``TorchDistributedWeightTransferEngine`` /
-    ``TorchDistributedTrainer`` / ``TorchDistributedInitInfo`` (what gloo and NCCL share:
-    override ``device``, ``make_process_group``, ``allocate`` ... on the backend mixin),
+    ``TorchDistributedTrainer`` / ``TorchDistributedInitInfo`` / ``TorchDistributedOptions`` /
+    ``TorchDistributedInitOptions`` (what gloo and NCCL share: override ``device``,
+    ``make_process_group``, ``allocate`` ... on the backend mixin), ``GlooOptions`` /
+    ``GlooInitOptions``,
     ``GlooWeightTransferEngine`` / ``GlooTrainer``, ``SharedMemoryWeightTransferEngine`` /
     ``SharedMemoryTrainer`` / ``SharedMemoryInitInfo``.
 """
@@ -42,6 +47,7 @@ _EXPORTS: dict[str, str] = {
     "RoundGuard": "wtransfer.engines._worker",
     "global_rank": "wtransfer.engines._worker",
     "check_buffer_budget": "wtransfer.engines._worker",
+    "BufferBudgetOptions": "wtransfer.engines._worker",
     "validate_with_loader": "wtransfer.engines._loader",
     "module_loader": "wtransfer.engines._loader",
     "WeightTransferEngineFactory": "wtransfer.engines._factory",
@@ -50,6 +56,7 @@ _EXPORTS: dict[str, str] = {
     "ClientCall": "wtransfer.engines._trainer",
     "NoTrainerSideError": "wtransfer.engines._trainer",
     "create_trainer": "wtransfer.engines._trainer",
+    "TrainerInitOptions": "wtransfer.engines._trainer",
     "WeightSyncClient": "wtransfer.engines._client",
     "WeightSource": "wtransfer.engines._source",
     "ModuleSource": "wtransfer.engines._source",
@@ -81,6 +88,10 @@ _EXPORTS: dict[str, str] = {
     "TorchDistributedInitInfo": "wtransfer.engines._torch_distributed",
     "TorchDistributedWeightTransferEngine": "wtransfer.engines._torch_distributed",
     "TorchDistributedTrainer": "wtransfer.engines._torch_distributed",
+    "TorchDistributedOptions": "wtransfer.engines._torch_distributed",
+    "TorchDistributedInitOptions": "wtransfer.engines._torch_distributed",
+    "GlooOptions": "wtransfer.engines._torch_distributed",
+    "GlooInitOptions": "wtransfer.engines._torch_distributed",
     "GlooWeightTransferEngine": "wtransfer.engines.gloo",
     "GlooTrainer": "wtransfer.engines.gloo",
     "SharedMemoryWeightTransferEngine": "wtransfer.engines.shm",

@@ -23,6 +23,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from wtransfer.config import ParallelConfig, WeightTransferConfig
+from wtransfer import options as _options
 
 if TYPE_CHECKING:
     import torch
@@ -89,6 +90,18 @@ def parse_info(owner: str, info_cls: type, data: Any, what: str) -> Any:
         raise ValueError(f"Invalid {what} for {owner}: {exc}") from exc
 
 
+def engine_label(cls: type) -> str:
+    """How messages name an engine class: "shm engine (SharedMemoryWeightTransferEngine)".
+
+    The backend comes from the trainer side (the worker class does not know the name it was
+    registered under); the class name tells subclasses (a plugin's tuned shm) apart.
+    """
+    backend = getattr(getattr(cls, "trainer_cls", None), "backend", None)
+    if isinstance(backend, str) and backend != "?":
+        return f"{backend} engine ({cls.__name__})"
+    return f"engine {cls.__name__}"
+
+
 class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
     """Worker side of a weight-transfer backend.
 
@@ -102,6 +115,11 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
     """The trainer side (a ``TrainerWeightTransferEngine`` subclass) that ``create_trainer``
     uses for this backend; ``None`` for worker-only engines. One entry point per backend
     names the worker class, so the trainer side is found through it."""
+    options_cls: ClassVar[type | None] = None
+    """The dataclass (fields made with :func:`wtransfer.options.option`) declaring what this
+    engine accepts in ``WeightTransferConfig.options``. ``None`` (the default) means "not
+    declared": the dict is not checked, so engines written before options were declared, which
+    read ``config.options`` themselves, keep working; ``self.options`` is then that dict."""
 
     def __init__(
         self, config: WeightTransferConfig, parallel_config: ParallelConfig | None = None
@@ -109,6 +127,21 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         self.config = config
         self.parallel_config = parallel_config if parallel_config is not None else ParallelConfig()
         self._weight_version = 0
+        self.options: Any = self.parse_options(config.options)
+        """The parsed ``options_cls`` instance (or ``config.options`` as given, if undeclared)."""
+
+    @classmethod
+    def parse_options(cls, raw: Any) -> Any:
+        """Check ``WeightTransferConfig.options`` once, at creation, against ``options_cls``.
+
+        A typo (``max_buffer_byte``) must fail here, naming the valid keys, instead of being
+        ignored until it matters mid-transfer.
+        """
+        if cls.options_cls is None:
+            return dict(raw or {})
+        return _options.parse_options(
+            cls.options_cls, raw, owner=engine_label(cls), where="WeightTransferConfig.options"
+        )
 
     @property
     def weight_version(self) -> int:

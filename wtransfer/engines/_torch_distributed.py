@@ -64,8 +64,15 @@ from wtransfer.engines._rendezvous import (
     new_token,
     store,
 )
-from wtransfer.engines._trainer import ClientCall, TrainerWeightTransferEngine
-from wtransfer.engines._worker import ManifestUpdateInfo, RoundGuard, check_buffer_budget, global_rank
+from wtransfer.engines._trainer import ClientCall, TrainerInitOptions, TrainerWeightTransferEngine, at_least
+from wtransfer.engines._worker import (
+    BufferBudgetOptions,
+    ManifestUpdateInfo,
+    RoundGuard,
+    check_buffer_budget,
+    global_rank,
+)
+from wtransfer.options import option
 from wtransfer.errors import ManifestMismatchError, TransferError, TransferTimeoutError
 
 if TYPE_CHECKING:
@@ -130,6 +137,77 @@ def check_channels(owner: str, channels: Any) -> None:
         )
 
 
+def check_local_address(owner: str, local_address: Any, interface: Any) -> None:
+    """A user's ``local_address``/``interface``: non-empty strings, and not both."""
+    for key, value in (("local_address", local_address), ("interface", interface)):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ValueError(f"{owner}{key!r} must be a non-empty string, got {value!r}")
+    if local_address and interface:
+        raise ValueError(f"{owner}give 'local_address' or 'interface', not both")
+
+
+@dataclass(frozen=True)
+class TorchDistributedOptions(BufferBudgetOptions):
+    """Worker options shared by every torch.distributed backend (gloo, NCCL)."""
+
+
+@dataclass(frozen=True)
+class GlooOptions(TorchDistributedOptions):
+    """Worker options of ``gloo``: which local address this worker's gloo device uses."""
+
+    local_address: str | None = option(
+        None, doc="address this worker binds and advertises (default: its address on the route to the trainer)"
+    )
+    interface: str | None = option(None, doc="or a network interface name whose address is used (e.g. eth1)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_local_address("", self.local_address, self.interface)
+
+
+@dataclass(frozen=True)
+class TorchDistributedInitOptions(TrainerInitOptions):
+    """Trainer ``init_info`` shared by every torch.distributed backend (gloo, NCCL)."""
+
+    master_address: str = option(
+        "127.0.0.1", doc="trainer's address the workers reach; the rendezvous listens there only"
+    )
+    master_port: int = option(0, doc="rendezvous port; 0 picks a free one and tells the workers")
+    listen_address: str | None = option(
+        None, doc="address the rendezvous binds, if not master_address (e.g. behind NAT)"
+    )
+    direct_min_bytes: int | None = option(
+        2 * MIB, doc="tensors at least this large are sent in place, unpacked; None packs everything"
+    )
+    channels: int = option(2, doc=f"process groups the buckets are spread over (1..{MAX_CHANNELS})")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.master_address:
+            raise ValueError("'master_address' must be a host name or address, got ''")
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"'master_port' must be 0 (pick a free port) or a port number, got {self.master_port}")
+        if self.direct_min_bytes is not None:
+            at_least("direct_min_bytes", self.direct_min_bytes, 1)
+        at_least("channels", self.channels, 1)
+        if self.channels > MAX_CHANNELS:
+            raise ValueError(f"'channels' must be at most {MAX_CHANNELS} (each is a process group), got {self.channels}")
+
+
+@dataclass(frozen=True)
+class GlooInitOptions(TorchDistributedInitOptions):
+    """Trainer ``init_info`` of ``gloo``: adds the trainer's own gloo address."""
+
+    local_address: str | None = option(
+        None, doc="address the trainer's gloo device binds and advertises (default: where the rendezvous listens)"
+    )
+    interface: str | None = option(None, doc="or a network interface name whose address is used (e.g. eth1)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_local_address("", self.local_address, self.interface)
+
+
 class TorchDistributedBackend:
     """The per-backend pieces; gloo by default. Mixed into both the worker and trainer classes."""
 
@@ -169,14 +247,17 @@ class TorchDistributedBackend:
         """Whether ``GLOO_SOCKET_IFNAME`` decides (set, and the user named no address here)."""
         return bool(os.environ.get("GLOO_SOCKET_IFNAME")) and not self._address_chosen_by_user
 
-    def choose_local_address(self, options: Mapping[str, Any], automatic: Callable[[], str | None]) -> None:
-        """Apply a user's ``local_address``/``interface`` option, else ``automatic()``."""
-        address, interface = options.get("local_address"), options.get("interface")
-        for key, value in (("local_address", address), ("interface", interface)):
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"{type(self).__name__}: {key!r} must be a non-empty string, got {value!r}")
-        if address and interface:
-            raise ValueError(f"{type(self).__name__}: give 'local_address' or 'interface', not both")
+    def choose_local_address(self, options: Any, automatic: Callable[[], str | None]) -> None:
+        """Apply a user's ``local_address``/``interface`` option, else ``automatic()``.
+
+        ``options`` is parsed options (a backend that declares neither field, like NCCL,
+        reads as None) or, from older callers, a plain dict.
+        """
+        if isinstance(options, Mapping):
+            address, interface = options.get("local_address"), options.get("interface")
+        else:
+            address, interface = getattr(options, "local_address", None), getattr(options, "interface", None)
+        check_local_address(f"{type(self).__name__}: ", address, interface)
         self._address_chosen_by_user = bool(address or interface)
         self.local_interface = interface
         self.local_address = address or (None if interface or self._address_from_env() else automatic())
@@ -283,9 +364,11 @@ class TorchDistributedWeightTransferEngine(
 ):
     """Worker side: joins the trainer's side group and receives broadcast buckets.
 
-    ``WeightTransferConfig.options``: ``max_buffer_bytes`` refuses larger buffer rings at init.
+    ``WeightTransferConfig.options``: ``max_buffer_bytes`` refuses larger buffer rings at init;
+    ``local_address`` or ``interface`` choose this worker's gloo address (see :class:`GlooOptions`).
     """
 
+    options_cls: ClassVar[type | None] = GlooOptions
     init_info_cls = TorchDistributedInitInfo
     update_info_cls = ManifestUpdateInfo
 
@@ -307,7 +390,7 @@ class TorchDistributedWeightTransferEngine(
         check_buffer_budget(self, init_info.bucket_bytes, init_info.num_buffers)
         self.rank = global_rank(self, init_info.rank_offset, init_info.world_size)
         address, port = init_info.master_address, init_info.master_port
-        self.choose_local_address(self.config.options, lambda: local_address_for(address, port))
+        self.choose_local_address(self.options, lambda: local_address_for(address, port))
         client = RendezvousClient.connect(address, port, init_info.token, init_info.timeout_s)
         try:
             # keep the Python store referenced: torch calls into it while the groups live
@@ -436,26 +519,20 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
     # both channels busy (each gloo group runs its collectives on two threads).
     default_bucket_bytes = 16 * MIB
     default_num_buffers = 8
-    backend_init_defaults = {
-        "master_address": "127.0.0.1", "master_port": 0, "direct_min_bytes": 2 * MIB, "channels": 2,
-        "listen_address": None, "local_address": None, "interface": None,
-    }  # fmt: skip
+    init_options_cls: ClassVar[type[TrainerInitOptions]] = GlooInitOptions
 
     def prepare_workers(self) -> dict[str, Any]:
         from torch.distributed import PrefixStore
 
-        address, port = self.init_info["master_address"], self.init_info["master_port"]
-        if not isinstance(address, str) or not address:
-            raise ValueError(f"init_info 'master_address' must be a host name or address, got {address!r}")
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536:
-            raise ValueError(f"init_info 'master_port' must be 0 (pick a free port) or a port number, got {port!r}")
-        listen = self.init_info["listen_address"] or address
+        options: TorchDistributedInitOptions = self.init_options
+        address, port = options.master_address, options.master_port
+        listen = options.listen_address or address
         if listen in WILDCARD_ADDRESSES:
             logger.warning("%s trainer: the rendezvous listens on every interface (listen_address=%r)", self.backend, listen)
         # Port 0: the server binds a free port itself and we publish what it got (no race).
         self._server: Any = RendezvousServer(listen, port, new_token(), self.timeout_s)
         bound = self._server.address
-        self.choose_local_address(self.init_info, lambda: None if bound in WILDCARD_ADDRESSES else bound)
+        self.choose_local_address(self.init_options, lambda: None if bound in WILDCARD_ADDRESSES else bound)
         self._group_name = f"wtransfer/{self.backend}/"
         # keep the Python store referenced: torch calls into it while the groups live
         self._kv = store(self._server.table, self.timeout_s)
@@ -477,7 +554,7 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
             "protocol_version": PROTOCOL_VERSION,
         }
 
-    def _parse_init_info(self, info: dict[str, Any]) -> dict[str, Any]:
+    def _parse_init_info(self, info: dict[str, Any]) -> TrainerInitOptions:
         # A sharded source gathers a tensor when it is read: an in-place send would keep up to
         # num_buffers whole parameters alive while in flight. Pack everything unless asked.
         if self.sharded and "direct_min_bytes" not in info:
@@ -486,16 +563,11 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
 
     @property
     def direct_min_bytes(self) -> int | None:
-        value = self.init_info["direct_min_bytes"]
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"init_info 'direct_min_bytes' must be a positive int or None, got {value!r}")
-        return value
+        return self.init_options.direct_min_bytes
 
     @property
     def channels(self) -> int:
-        value = self.init_info["channels"]
-        check_channels("init_info", value)
-        return int(value)
+        return self.init_options.channels
 
     def plan(self, manifest: Manifest) -> list[Bucket]:
         return plan_buckets(manifest.entries, self.bucket_bytes, self.direct_min_bytes)

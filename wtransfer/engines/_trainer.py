@@ -13,6 +13,7 @@ side; a client call that raises aborts the engine's side promptly.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -27,6 +28,7 @@ from wtransfer.engines._packing import Bucket, plan_buckets
 from wtransfer.engines._protocol import MIB, ManifestRejected, check_bucket_bytes, gc_paused
 from wtransfer.engines._source import ModuleSource, TensorSource, WeightSource
 from wtransfer.errors import TransferError, TransferTimeoutError, WTransferError
+from wtransfer.options import describe_options, option, options_dict, parse_options
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -146,10 +148,50 @@ def accepts_weight_version(method: Callable[..., Any]) -> bool:
     return any(p.name == "weight_version" or p.kind is p.VAR_POSITIONAL for p in parameters)
 
 
-def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"init_info {name!r} must be an int >= {minimum}, got {value!r}")
-    return value
+def at_least(name: str, value: float, minimum: float) -> None:
+    """Range check for an option whose type ``parse_options`` already checked."""
+    if value < minimum:
+        raise ValueError(f"{name!r} must be >= {minimum:g}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerInitOptions:
+    """The ``init_info`` every trainer takes (a backend's own keys extend it).
+
+    ``bucket_bytes`` and ``num_buffers`` default to the trainer class's ``default_bucket_bytes``
+    and ``default_num_buffers`` (see :meth:`TrainerWeightTransferEngine.init_defaults`), so a
+    plugin that only tunes defaults sets two class attributes and declares nothing.
+    """
+
+    world_size: int = option(
+        doc="the trainer plus every worker process, e.g. 1 + number of workers (at least 2)"
+    )
+    timeout_s: float = option(300.0, doc="seconds any one wait (rendezvous, a round's step) may take")
+    bucket_bytes: int = option(
+        32 * MIB, doc="bytes per bucket and per buffer: a multiple of 64, at least 4096"
+    )
+    num_buffers: int = option(2, doc="buffers in flight: packing one overlaps moving the others")
+
+    def __post_init__(self) -> None:
+        at_least("world_size", self.world_size, 2)
+        if self.timeout_s <= 0:
+            raise ValueError(f"'timeout_s' must be a positive number, got {self.timeout_s!r}")
+        check_bucket_bytes(self.bucket_bytes)
+        at_least("num_buffers", self.num_buffers, 1)
+
+
+def _with_undeclared_defaults(options_cls: type, extra: dict[str, Any], owner: str) -> type:
+    """``options_cls`` plus untyped fields for ``backend_init_defaults`` keys it does not declare.
+
+    Trainers written before ``init_options_cls`` existed named their extra keys only there;
+    they keep being accepted (unchecked, as before) instead of failing as unknown.
+    """
+    fields = [
+        (name, Any, dataclasses.field(default_factory=lambda value=value: value,
+                                      metadata={"doc": f"(undeclared: from {owner}.backend_init_defaults)"}))
+        for name, value in extra.items()
+    ]
+    return dataclasses.make_dataclass(f"{owner}InitOptions", fields, bases=(options_cls,), frozen=True)
 
 
 def as_source(source: Any) -> WeightSource:
@@ -178,8 +220,11 @@ class TrainerWeightTransferEngine(ABC):
     backend: ClassVar[str] = "?"
     default_bucket_bytes: ClassVar[int] = 32 * MIB
     default_num_buffers: ClassVar[int] = 2
+    init_options_cls: ClassVar[type[TrainerInitOptions]] = TrainerInitOptions
+    """What ``init_info`` accepts: a :class:`TrainerInitOptions` subclass (fields made with
+    :func:`wtransfer.options.option`). A backend with its own keys declares them there."""
     backend_init_defaults: ClassVar[dict[str, Any]] = {}
-    """Backend-specific ``init_info`` keys and their defaults (e.g. gloo's ``master_port``)."""
+    """Per-class overrides of ``init_options_cls`` defaults (e.g. NCCL's ``channels``: 1)."""
 
     def __init__(
         self,
@@ -207,11 +252,14 @@ class TrainerWeightTransferEngine(ABC):
             from wtransfer.engines._sharded import LockstepSource, walks_per_round
 
             self.source = LockstepSource(self.source, walks_per_round(checksums))
-        self.init_info = self._parse_init_info(dict(init_info or {}))
-        self.world_size: int = self.init_info["world_size"]
-        self.timeout_s: float = self.init_info["timeout_s"]
-        self.bucket_bytes: int = self.init_info["bucket_bytes"]
-        self.num_buffers: int = self.init_info["num_buffers"]
+        self.init_options: Any = self._parse_init_info(dict(init_info or {}))
+        """The parsed ``init_info``: an instance of :meth:`resolved_init_options_cls`."""
+        self.init_info: dict[str, Any] = options_dict(self.init_options)
+        """The same as a dict (every key filled in), for code that reads ``init_info[...]``."""
+        self.world_size: int = self.init_options.world_size
+        self.timeout_s: float = self.init_options.timeout_s
+        self.bucket_bytes: int = self.init_options.bucket_bytes
+        self.num_buffers: int = self.init_options.num_buffers
         self.checksums = bool(checksums)
         self.is_checkpoint_format = bool(is_checkpoint_format)
         self.weight_version = 0
@@ -222,34 +270,47 @@ class TrainerWeightTransferEngine(ABC):
         self._finish_takes_version = accepts_weight_version(client.finish_weight_update)
 
     # -- configuration -----------------------------------------------------------------
-    def _parse_init_info(self, info: dict[str, Any]) -> dict[str, Any]:
-        defaults: dict[str, Any] = {
-            "timeout_s": 300.0,
-            "bucket_bytes": self.default_bucket_bytes,
-            "num_buffers": self.default_num_buffers,
-            **self.backend_init_defaults,
+    @classmethod
+    def init_defaults(cls) -> dict[str, Any]:
+        """Every optional ``init_info`` key with this class's default.
+
+        Class attributes win over the dataclass's own defaults, so a subclass that sets
+        ``default_bucket_bytes`` (or ``backend_init_defaults``) needs to declare nothing.
+        """
+        rows = describe_options(cls.resolved_init_options_cls())
+        return {
+            **{row["name"]: row["default"] for row in rows if not row["required"]},
+            "bucket_bytes": cls.default_bucket_bytes,
+            "num_buffers": cls.default_num_buffers,
+            **cls.backend_init_defaults,
         }
-        accepted = {"world_size", *defaults}
-        unknown = sorted(set(info) - accepted)
-        if unknown:
-            raise ValueError(
-                f"Invalid init_info for the {self.backend} trainer: unknown key(s) {', '.join(unknown)}. "
-                f"Accepted: {', '.join(sorted(accepted))}"
-            )
-        if "world_size" not in info:
-            raise ValueError(
-                f"init_info for the {self.backend} trainer needs 'world_size' "
-                f"(the trainer plus every worker process, e.g. 1 + number of workers)"
-            )
-        merged = {**defaults, **info}
-        _positive_int("world_size", merged["world_size"], minimum=2)
-        timeout = merged["timeout_s"]
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-            raise ValueError(f"init_info 'timeout_s' must be a positive number, got {timeout!r}")
-        merged["timeout_s"] = float(timeout)
-        check_bucket_bytes(merged["bucket_bytes"])
-        _positive_int("num_buffers", merged["num_buffers"])
-        return merged
+
+    @classmethod
+    def resolved_init_options_cls(cls) -> type[TrainerInitOptions]:
+        """``init_options_cls``, extended by any ``backend_init_defaults`` key it does not declare."""
+        declared = {f.name for f in dataclasses.fields(cls.init_options_cls)}
+        extra = {k: v for k, v in cls.backend_init_defaults.items() if k not in declared}
+        if not extra:
+            return cls.init_options_cls
+        return _with_undeclared_defaults(cls.init_options_cls, extra, cls.__name__)
+
+    @classmethod
+    def describe_init_options(cls) -> list[dict[str, Any]]:
+        """``describe_options`` rows for ``init_info``, with this class's own defaults."""
+        defaults = cls.init_defaults()
+        rows = describe_options(cls.resolved_init_options_cls())
+        for row in rows:
+            if not row["required"]:
+                row["default"] = defaults[row["name"]]
+        return rows
+
+    def _parse_init_info(self, info: dict[str, Any]) -> TrainerInitOptions:
+        """Check the user's ``init_info`` (unknown keys, types, ranges) before any worker is touched."""
+        options_cls = self.resolved_init_options_cls()
+        unknown = set(info) - {f.name for f in dataclasses.fields(options_cls)}
+        # With a typo, parse the user's keys alone: the error names only what the user wrote.
+        raw = info if unknown else {**self.init_defaults(), **info}
+        return parse_options(options_cls, raw, owner=f"the {self.backend} trainer", where="init_info")
 
     @property
     def num_workers(self) -> int:

@@ -6,11 +6,30 @@ and the checks that let a worker refuse wire parameters at init rather than mid-
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from wtransfer.engines._base import WeightTransferEngine, WeightTransferUpdateInfo
 from wtransfer.engines._manifest import Manifest
+from wtransfer.options import option
+
+
+def _check_max_buffer_bytes(value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"'max_buffer_bytes' must be a positive number of bytes (or None: no limit), got {value}")
+
+
+@dataclass(frozen=True)
+class BufferBudgetOptions:
+    """Worker options every built-in engine takes: the most buffer memory a trainer may ask for."""
+
+    max_buffer_bytes: int | None = option(
+        None, doc="refuse at init a trainer asking for more buffer bytes (bucket_bytes x num_buffers); None: no limit"
+    )
+
+    def __post_init__(self) -> None:
+        _check_max_buffer_bytes(self.max_buffer_bytes)
 
 
 @dataclass
@@ -39,8 +58,16 @@ def global_rank(engine: WeightTransferEngine, rank_offset: int, world_size: int)
 
 
 def check_buffer_budget(engine: WeightTransferEngine, bucket_bytes: int, num_buffers: int) -> None:
-    """Refuse at init (never mid-transfer) wire parameters this worker was told not to accept."""
-    limit = engine.config.options.get("max_buffer_bytes")
+    """Refuse at init (never mid-transfer) wire parameters this worker was told not to accept.
+
+    Reads the parsed ``max_buffer_bytes`` option; an engine that declares no ``options_cls``
+    still has it read from its raw ``config.options``.
+    """
+    options = getattr(engine, "options", None)
+    if options is None or isinstance(options, Mapping):
+        limit = engine.config.options.get("max_buffer_bytes")
+    else:
+        limit = getattr(options, "max_buffer_bytes", None)
     if limit is not None and bucket_bytes * num_buffers > int(limit):
         raise ValueError(
             f"{type(engine).__name__}: the trainer asks for {num_buffers} x {bucket_bytes} bytes of "
@@ -77,4 +104,4 @@ class RoundGuard:
         super().finish_weight_update()  # type: ignore[misc]
 
 
-__all__ = ["ManifestUpdateInfo", "RoundGuard", "check_buffer_budget", "global_rank"]
+__all__ = ["BufferBudgetOptions", "ManifestUpdateInfo", "RoundGuard", "check_buffer_budget", "global_rank"]

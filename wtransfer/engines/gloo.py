@@ -1,16 +1,23 @@
 """``gloo``: weight sync across hosts over a private gloo process group (CPU tensors).
 
 All the logic lives in :mod:`wtransfer.engines._torch_distributed`; this module only names
-the gloo flavour. Trainer ``init_info`` adds ``master_address`` (default ``127.0.0.1``; use
-an address of the trainer's host that the workers can reach: the authenticated rendezvous
-listens there only), ``master_port`` (default 0: a free port is picked), ``listen_address``,
-``local_address`` and ``interface``; workers take ``local_address`` or ``interface`` in
-``WeightTransferConfig.options`` (by default, their address on the route to the trainer).
+the gloo flavour. Trainer ``init_info`` (:class:`GlooInitOptions`) adds ``master_address``
+(default ``127.0.0.1``; use an address of the trainer's host that the workers can reach: the
+authenticated rendezvous listens there only), ``master_port`` (default 0: a free port is
+picked), ``listen_address``, ``direct_min_bytes``, ``channels``, ``local_address`` and
+``interface``; workers take ``max_buffer_bytes`` and ``local_address`` or ``interface`` in
+``WeightTransferConfig.options`` (:class:`GlooOptions`; by default, their address on the
+route to the trainer). ``wtransfer show engine gloo`` prints both tables.
 """
 
 from __future__ import annotations
 
-from wtransfer.engines._torch_distributed import TorchDistributedTrainer, TorchDistributedWeightTransferEngine
+from wtransfer.engines._torch_distributed import (
+    GlooInitOptions,
+    GlooOptions,
+    TorchDistributedTrainer,
+    TorchDistributedWeightTransferEngine,
+)
 
 
 class GlooTrainer(TorchDistributedTrainer):
@@ -18,10 +25,15 @@ class GlooTrainer(TorchDistributedTrainer):
 
     backend = "gloo"
     distributed_backend = "gloo"
+    init_options_cls = GlooInitOptions
 
 
 class GlooWeightTransferEngine(TorchDistributedWeightTransferEngine):
     """Worker side of ``gloo``: joins the trainer's side group and receives packed buckets."""
 
     distributed_backend = "gloo"
+    options_cls = GlooOptions
     trainer_cls = GlooTrainer
+
+
+__all__ = ["GlooInitOptions", "GlooOptions", "GlooTrainer", "GlooWeightTransferEngine"]

@@ -41,7 +41,13 @@ from wtransfer.engines._protocol import (
     gc_paused,
 )
 from wtransfer.engines._trainer import ClientCall, TrainerWeightTransferEngine
-from wtransfer.engines._worker import ManifestUpdateInfo, RoundGuard, check_buffer_budget, global_rank
+from wtransfer.engines._worker import (
+    BufferBudgetOptions,
+    ManifestUpdateInfo,
+    RoundGuard,
+    check_buffer_budget,
+    global_rank,
+)
 from wtransfer.errors import ManifestMismatchError, TransferError, TransferTimeoutError
 
 if TYPE_CHECKING:
@@ -136,6 +142,7 @@ class SharedMemoryWeightTransferEngine(RoundGuard, WeightTransferEngine[SharedMe
     ``WeightTransferConfig.options``: ``max_buffer_bytes`` refuses rings larger than that at init.
     """
 
+    options_cls = BufferBudgetOptions
     init_info_cls = SharedMemoryInitInfo
     update_info_cls = ManifestUpdateInfo
     trainer_cls: type[TrainerWeightTransferEngine]  # set below

@@ -20,15 +20,19 @@ import contextlib
 import datetime
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from wtransfer import WTransferError
 from wtransfer.engines import (
     MIB,
     TorchDistributedBackend,
+    TorchDistributedInitOptions,
+    TorchDistributedOptions,
     TorchDistributedTrainer,
     TorchDistributedWeightTransferEngine,
 )
+from wtransfer.options import option
 
 logger = logging.getLogger("wtransfer")
 
@@ -59,6 +63,18 @@ def require_nccl(side: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class NCCLOptions(TorchDistributedOptions):
+    """Worker options of ``nccl``: ``max_buffer_bytes`` and the CUDA device."""
+
+    device: int | None = option(None, doc="CUDA device index this worker uses (default: the current device)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.device is not None and self.device < 0:
+            raise ValueError(f"'device' must be a CUDA device index (>= 0), got {self.device}")
+
+
 class NCCLBackend(TorchDistributedBackend):
     """CUDA and NCCL specifics behind wtransfer's torch.distributed backend hooks."""
 
@@ -70,8 +86,9 @@ class NCCLBackend(TorchDistributedBackend):
         import torch
 
         if self._device_index is None:
-            options = getattr(getattr(self, "config", None), "options", None) or {}
-            self._device_index = int(options.get("device", torch.cuda.current_device()))
+            # the worker's parsed options; the trainer has none and uses the current device
+            device = getattr(getattr(self, "options", None), "device", None)
+            self._device_index = torch.cuda.current_device() if device is None else device
         return torch.device("cuda", self._device_index)
 
     def make_process_group(self, store: Any, rank: int, size: int, timeout_s: float) -> Any:
@@ -132,6 +149,8 @@ class NCCLWeightTransferEngine(NCCLBackend, TorchDistributedWeightTransferEngine
     a device synchronisation, so the weights are in place before ``finish_weight_update``.
     """
 
+    options_cls = NCCLOptions
+
     def __init__(self, config: Any, parallel_config: Any = None) -> None:
         require_nccl("worker")
         super().__init__(config, parallel_config)
@@ -143,13 +162,11 @@ class NCCLTrainer(NCCLBackend, TorchDistributedTrainer):
     backend = "nccl"
     default_bucket_bytes = 32 * MIB
     default_num_buffers = 4
-    # NCCL runs its own channels inside one communicator: one group is enough. gloo's
-    # local_address/interface choose a gloo device; NCCL picks its own (NCCL_SOCKET_IFNAME).
-    backend_init_defaults = {
-        key: value
-        for key, value in {**TorchDistributedTrainer.backend_init_defaults, "channels": 1}.items()
-        if key not in ("local_address", "interface")
-    }
+    # gloo's local_address/interface choose a gloo device; NCCL picks its own
+    # (NCCL_SOCKET_IFNAME), so its init_info has the shared keys only. NCCL runs its own
+    # channels inside one communicator: one group is enough.
+    init_options_cls = TorchDistributedInitOptions
+    backend_init_defaults = {"channels": 1}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         require_nccl("trainer")
