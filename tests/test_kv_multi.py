@@ -124,7 +124,7 @@ def test_conflicting_kv_transfer_params_are_refused(isolated_registry: None) -> 
 
 
 def test_bad_configs_say_what_to_do(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"kv_connector_extra_config\['connectors'\]"):
+    with pytest.raises(ValueError, match=r"needs option\(s\) 'connectors' in kv_connector_extra_config"):
         KVConnectorFactory.create_connector(KVTransferConfig("multi"), KVConnectorRole.WORKER, SPEC)
     with pytest.raises(ValueError, match="child #1"):
         KVConnectorFactory.create_connector(_multi(_child(tmp_path), {"path": "x"}), KVConnectorRole.WORKER, SPEC)

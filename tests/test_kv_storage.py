@@ -275,7 +275,7 @@ def test_a_working_set_larger_than_the_cache_comes_back_through_the_store(tmp_pa
 
 
 def test_bad_options_say_what_to_do(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"kv_connector_extra_config\['path'\]"):
+    with pytest.raises(ValueError, match=r"needs option\(s\) 'path' in kv_connector_extra_config"):
         KVConnectorFactory.create_connector(KVTransferConfig("storage"), KVConnectorRole.WORKER, SPEC)
     with pytest.raises(ValueError, match="unknown option"):
         KVConnectorFactory.create_connector(_config(tmp_path, pth="x"), KVConnectorRole.WORKER, SPEC)

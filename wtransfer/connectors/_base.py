@@ -54,7 +54,10 @@ import enum
 import json
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from wtransfer import options as _options
 
 if TYPE_CHECKING:
     import torch
@@ -110,7 +113,8 @@ class KVConnectorMetadata:
 class KVConnectorBase(ABC):
     """Base class of KV connectors (vLLM V1's ``KVConnectorBase_V1`` contract, engine-neutral).
 
-    ``config.kv_connector_extra_config`` carries the connector's own options.
+    ``config.kv_connector_extra_config`` carries the connector's own options; declare them
+    in ``options_cls`` and read the parsed ``self.options``.
     ``kv_cache_spec`` describes the engine's cache; block hashes in requests are
     rooted in it (see :mod:`wtransfer.connectors._hashing`).
     """
@@ -122,6 +126,15 @@ class KVConnectorBase(ABC):
     """KV cache layouts (:data:`wtransfer.kvcache.KV_LAYOUTS`) this connector reads and writes
     correctly; the factory refuses any other before creating it."""
 
+    options_cls: ClassVar[type | None] = None
+    """The dataclass (fields made with :func:`wtransfer.options.option`) declaring what this
+    connector accepts in ``kv_connector_extra_config``. ``None`` (the default) means "not
+    declared": the dict is not checked, so connectors written before options were declared,
+    which read ``extra_config`` themselves, keep working; ``self.options`` is then that dict."""
+
+    options_owner: ClassVar[str] = ""
+    """How option errors name this connector ("storage connector"); default: its class name."""
+
     def __init__(
         self,
         config: KVTransferConfig,
@@ -132,6 +145,22 @@ class KVConnectorBase(ABC):
         self.role = role
         self.kv_cache_spec = kv_cache_spec
         self._connector_metadata: KVConnectorMetadata | None = None
+        self.options: Any = self.parse_options(config.kv_connector_extra_config)
+        """The parsed ``options_cls`` instance (or a copy of the dict as given, if undeclared)."""
+
+    @classmethod
+    def parse_options(cls, raw: Mapping[str, Any] | None) -> Any:
+        """Check ``kv_connector_extra_config`` once, at creation (in both roles), against ``options_cls``.
+
+        A typo (``io_thread``) or a string where a number belongs must fail here, naming the
+        option and the valid ones, not be ignored or blow up in an ``int()`` deep inside.
+        Connectors that pass part of the dict on (``offloading``) override this to parse only
+        their own keys.
+        """
+        if cls.options_cls is None:
+            return dict(raw or {})
+        owner = cls.options_owner or f"KV connector {cls.__name__}"
+        return _options.parse_options(cls.options_cls, raw, owner=owner, where="kv_connector_extra_config")
 
     # ------------------------------------------------------------------ helpers
     @property

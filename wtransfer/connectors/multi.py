@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from wtransfer.config import KVTransferConfig
 from wtransfer.connectors._base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 from wtransfer.kvcache import KV_LAYOUTS
+from wtransfer.options import option
 
 if TYPE_CHECKING:
     import torch
@@ -48,18 +49,27 @@ class MultiConnectorMetadata(KVConnectorMetadata):
     which requests computed on top of a failed load)."""
 
 
-def _child_configs(parent: KVTransferConfig) -> list[KVTransferConfig]:
-    raw = parent.kv_connector_extra_config.get("connectors")
-    if not isinstance(raw, list) or not raw:
-        raise ValueError(
-            "multi connector needs kv_connector_extra_config['connectors']: a non-empty list of child "
-            "connector configs, e.g. [{'kv_connector': 'storage', 'kv_connector_extra_config': {'path': ...}}]"
-        )
-    unknown_top = set(parent.kv_connector_extra_config) - {"connectors"}
-    if unknown_top:
-        raise ValueError(f"multi connector: unknown option(s) {sorted(unknown_top)}; only 'connectors' is accepted")
+_CHILDREN_EXAMPLE = "[{'kv_connector': 'storage', 'kv_connector_extra_config': {'path': ...}}]"
+
+
+@dataclass(frozen=True)
+class MultiOptions:
+    """``kv_connector_extra_config`` of the multi connector: only its children."""
+
+    connectors: list[Any] = option(
+        doc=f"child connector configs in lookup order, dicts of KVTransferConfig fields, e.g. {_CHILDREN_EXAMPLE}"
+    )
+
+    def __post_init__(self) -> None:
+        if not self.connectors:
+            raise ValueError(
+                f"option 'connectors' must list at least one child connector config, e.g. {_CHILDREN_EXAMPLE}"
+            )
+
+
+def _child_configs(parent: KVTransferConfig, options: MultiOptions) -> list[KVTransferConfig]:
     configs: list[KVTransferConfig] = []
-    for position, child in enumerate(raw):
+    for position, child in enumerate(options.connectors):
         if isinstance(child, KVTransferConfig):
             configs.append(child)
             continue
@@ -82,16 +92,19 @@ class MultiConnector(KVConnectorBase):
 
     metadata_cls = MultiConnectorMetadata
     supported_layouts = tuple(KV_LAYOUTS)  # each child is checked against the layout when it is created
+    options_cls = MultiOptions
+    options_owner = "multi connector"
+    options: MultiOptions
 
     def __init__(
         self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_spec: KVCacheSpec | None = None
     ) -> None:
-        super().__init__(config, role, kv_cache_spec)
+        super().__init__(config, role, kv_cache_spec)  # checks the top level; each child checks its own options
         from wtransfer.connectors._factory import KVConnectorFactory
 
         self.children: list[KVConnectorBase] = []
         try:
-            for child_config in _child_configs(config):
+            for child_config in _child_configs(config, self.options):
                 self.children.append(KVConnectorFactory.create_connector(child_config, role, kv_cache_spec))
         except BaseException:
             for child in self.children:

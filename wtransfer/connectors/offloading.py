@@ -2,8 +2,10 @@
 and prefixes the engine's own cache has lost come back from it.
 
 Options (``kv_connector_extra_config``) are the spec's: ``spec_name`` (default ``cpu``),
-``spec_module_path``, and whatever the spec reads (``cpu_bytes_to_use``, ``block_size``,
-``eviction_policy``...).
+``spec_module_path``, and whatever the spec declares (``cpu_bytes_to_use``, ``block_size``,
+``eviction_policy``...). The connector checks only the first two (:class:`OffloadingConnectorOptions`);
+the spec checks the whole dict against its own ``options_cls``, so a misspelled spec key is
+reported by the spec, with the spec's valid keys.
 
 How the two halves agree
 ------------------------
@@ -36,10 +38,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from wtransfer.connectors._base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 from wtransfer.kvcache import KV_LAYOUTS
+from wtransfer.options import option
 from wtransfer.specs._base import DEVICE_MEDIUM, LoadStoreSpec
 from wtransfer.specs._factory import OffloadingSpecFactory
 
@@ -71,6 +75,20 @@ class _StoreJob:
     tier_block_ids: tuple[int, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class OffloadingConnectorOptions:
+    """The keys of ``kv_connector_extra_config`` the connector itself reads: which spec to create.
+
+    Every other key belongs to the spec, which checks it (see the module docstring).
+    """
+
+    spec_name: str = option("cpu", doc="which offloading spec to create (a registered name)")
+    spec_module_path: str | None = option(None, doc="module to import the spec_name class from, if not registered")
+
+
+_CONNECTOR_KEYS = frozenset(f.name for f in dataclasses.fields(OffloadingConnectorOptions))
+
+
 def _store_key(step: int, request_id: str) -> str:
     return f"{step}:{request_id}"
 
@@ -80,6 +98,15 @@ class OffloadingConnector(KVConnectorBase):
 
     metadata_cls = OffloadingConnectorMetadata
     supported_layouts = tuple(KV_LAYOUTS)  # the spec copies the blocks; its factory checks the layout
+    options_cls = OffloadingConnectorOptions
+    options_owner = "offloading connector"
+    options: OffloadingConnectorOptions
+
+    @classmethod
+    def parse_options(cls, raw: Mapping[str, Any] | None) -> Any:
+        """Only ``spec_name``/``spec_module_path``: the rest is the spec's, and the spec (created
+        next, from the same dict) reports its unknown keys with its own valid ones."""
+        return super().parse_options({k: v for k, v in (raw or {}).items() if k in _CONNECTOR_KEYS})
 
     def __init__(
         self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_spec: KVCacheSpec | None = None

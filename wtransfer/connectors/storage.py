@@ -1,6 +1,6 @@
 """``storage``: KV blocks saved to and loaded from a directory (local or shared filesystem).
 
-Options (``kv_connector_extra_config``):
+Options (``kv_connector_extra_config``, declared in :class:`StorageOptions`):
 
 ``path`` (required)
     Root directory. Blocks live at ``<path>/<namespace[:16]>/<hash>.safetensors``,
@@ -49,6 +49,7 @@ from wtransfer.connectors._blockfile import (
 from wtransfer.connectors._request import full_block_range
 from wtransfer.errors import TransferTimeoutError
 from wtransfer.kvcache import KV_LAYOUTS, block_view
+from wtransfer.options import option
 
 if TYPE_CHECKING:
     import numpy as np
@@ -60,7 +61,24 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("wtransfer")
 
-_OPTIONS = {"path", "io_threads", "fsync", "io_timeout_s"}
+
+
+@dataclass(frozen=True)
+class StorageOptions:
+    """``kv_connector_extra_config`` of the storage connector (see the module docstring)."""
+
+    path: str = option(doc="directory that holds the blocks (local or shared filesystem)")
+    io_threads: int = option(2, doc="threads that read and write block files")
+    fsync: bool = option(False, doc="fsync each block file before renaming it into place (survives power loss)")
+    io_timeout_s: float = option(60.0, doc="seconds the worker waits for a step's loads before raising")
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("option 'path' must name a directory, got ''")
+        if self.io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
+        if self.io_timeout_s <= 0:
+            raise ValueError(f"io_timeout_s must be > 0 seconds, got {self.io_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -179,31 +197,21 @@ class StorageConnector(KVConnectorBase):
 
     metadata_cls = StorageConnectorMetadata
     supported_layouts = tuple(KV_LAYOUTS)  # blocks are copied as opaque runs of bytes (block_view)
+    options_cls = StorageOptions
+    options_owner = "storage connector"
+    options: StorageOptions
 
     def __init__(
         self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_spec: KVCacheSpec | None = None
     ) -> None:
-        super().__init__(config, role, kv_cache_spec)
-        options = dict(self.extra_config)
-        unknown = set(options) - _OPTIONS
-        if unknown:
-            raise ValueError(
-                f"storage connector: unknown option(s) {sorted(unknown)} in kv_connector_extra_config; "
-                f"valid options: {sorted(_OPTIONS)}"
-            )
-        if not options.get("path"):
-            raise ValueError(
-                "storage connector needs kv_connector_extra_config['path']: the directory that holds the blocks"
-            )
-        self.io_threads = int(options.get("io_threads", 2))
-        if self.io_threads < 1:
-            raise ValueError(f"storage connector: io_threads must be >= 1, got {self.io_threads}")
-        self.fsync = bool(options.get("fsync", False))
-        self.io_timeout_s = float(options.get("io_timeout_s", 60.0))
+        super().__init__(config, role, kv_cache_spec)  # parses and checks self.options
+        self.io_threads = self.options.io_threads
+        self.fsync = self.options.fsync
+        self.io_timeout_s = self.options.io_timeout_s
         spec = self.require_spec()
         self.block_size = spec.block_size
         self.counters = _Counters()
-        self.store = BlockStore(str(options["path"]), BlockLayout.for_spec(spec), self.counters)
+        self.store = BlockStore(self.options.path, BlockLayout.for_spec(spec), self.counters)
         # scheduler state
         self._matches: dict[str, tuple[int, int]] = {}  # request -> (first block index, matched blocks)
         self._pending_loads: list[BlockTransfer] = []

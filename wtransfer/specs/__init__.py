@@ -1,7 +1,8 @@
 """The KV-offloading toolkit: everything a spec or eviction-policy author may import.
 
 Base and data types (vLLM's names)
-    ``OffloadingSpec``, ``OffloadingManager``, ``OffloadingHandler``, ``LoadStoreSpec``,
+    ``OffloadingSpec``, ``OffloadingSpecOptions`` (the keys every spec takes; extend it),
+    ``OffloadingManager``, ``OffloadingHandler``, ``LoadStoreSpec``,
     ``TransferResult``, ``PrepareStoreOutput``, ``OffloadingEvent``, ``KVCacheSpec``,
     ``block_view``; the media names ``DEVICE_MEDIUM`` and ``CPU_MEDIUM``.
 Parts the built-in tier is made of
@@ -17,6 +18,7 @@ from wtransfer._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "OffloadingSpec": "wtransfer.specs._base",
+    "OffloadingSpecOptions": "wtransfer.specs._base",
     "OffloadingManager": "wtransfer.specs._base",
     "OffloadingHandler": "wtransfer.specs._base",
     "LoadStoreSpec": "wtransfer.specs._base",

@@ -16,10 +16,14 @@ plugin subclasses :class:`OffloadingSpec`, and that must stay cheap.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from wtransfer import options as _options
+from wtransfer.options import option
 
 if TYPE_CHECKING:
     import torch
@@ -187,32 +191,89 @@ class OffloadingHandler(ABC):
         """Stop background work and release resources; the default has nothing to release."""
 
 
+@dataclass(frozen=True)
+class OffloadingSpecOptions:
+    """The ``kv_connector_extra_config`` keys every spec takes: which spec, and the offloaded block size.
+
+    A spec's own ``options_cls`` subclasses this, so one dict (the offloading connector's
+    extra config) is checked once, with every valid key in the error.
+    """
+
+    spec_name: str = option("cpu", doc="which offloading spec to create (a registered name)")
+    spec_module_path: str | None = option(None, doc="module to import the spec_name class from, if not registered")
+    block_size: int | None = option(
+        None, doc="tokens per offloaded block, a multiple of the engine's block size (default: the engine's)"
+    )
+
+    def __post_init__(self) -> None:
+        if self.block_size is not None and self.block_size <= 0:
+            raise ValueError(f"kv_connector_extra_config['block_size'] must be > 0, got {self.block_size!r}")
+
+
+_BASE_KEYS = frozenset(f.name for f in dataclasses.fields(OffloadingSpecOptions))
+
+
 class OffloadingSpec(ABC):
     """Base class of KV offloading specs: where evicted KV blocks go, and how.
 
-    Options come from ``config.kv_connector_extra_config``; ``block_size`` there is the
-    offloaded block size in tokens and must be a multiple of the engine's block size
-    (default: the engine's). ``kv_cache_spec`` describes the engine's paged cache.
+    Options come from ``config.kv_connector_extra_config``; declare them in ``options_cls``
+    (a subclass of :class:`OffloadingSpecOptions`) and read the parsed ``self.options``.
+    ``block_size`` there is the offloaded block size in tokens and must be a multiple of the
+    engine's block size (default: the engine's). ``kv_cache_spec`` describes the engine's
+    paged cache.
     """
 
     supported_layouts: ClassVar[tuple[str, ...]] = ("wtransfer",)
     """KV cache layouts (:data:`wtransfer.kvcache.KV_LAYOUTS`) whose blocks this spec copies
     correctly; the factory refuses any other before creating it."""
 
+    options_cls: ClassVar[type | None] = None
+    """The dataclass declaring this spec's ``kv_connector_extra_config`` (best: a subclass of
+    :class:`OffloadingSpecOptions`). ``None`` (the default) means "not declared": the dict is not
+    checked, so specs written before options were declared, which read ``extra_config``
+    themselves, keep working; ``self.options`` is then that dict."""
+
+    options_owner: ClassVar[str] = ""
+    """How option errors name this spec ("cpu offloading spec"); default: its class name."""
+
     def __init__(self, config: KVTransferConfig, kv_cache_spec: KVCacheSpec | None = None) -> None:
         self.config = config
         self.kv_cache_spec = kv_cache_spec
         self.extra_config: dict[str, Any] = dict(config.kv_connector_extra_config)
+        self.options: Any = self.parse_options(self.extra_config)
+        """The parsed ``options_cls`` instance (or a copy of the dict as given, if undeclared)."""
         self.engine_block_size: int | None = kv_cache_spec.block_size if kv_cache_spec else None
         self.offloaded_block_size: int | None = self._offloaded_block_size()
 
+    @classmethod
+    def _owner(cls) -> str:
+        return cls.options_owner or f"offloading spec {cls.__name__}"
+
+    @classmethod
+    def parse_options(cls, raw: Mapping[str, Any] | None) -> Any:
+        """Check ``kv_connector_extra_config`` once, at creation, against ``options_cls``.
+
+        A misspelled key (``num_cpu_block``) must fail as unknown, with a "did you mean",
+        rather than surface later as some other complaint ("needs a size"). The keys of
+        :class:`OffloadingSpecOptions` that ``options_cls`` does not declare are left to the
+        factory and this base class, not reported as unknown.
+        """
+        if cls.options_cls is None:
+            return dict(raw or {})
+        declared = {f.name for f in dataclasses.fields(cls.options_cls)}
+        own = {key: value for key, value in (raw or {}).items() if key in declared or key not in _BASE_KEYS}
+        return _options.parse_options(cls.options_cls, own, owner=cls._owner(), where="kv_connector_extra_config")
+
     def _offloaded_block_size(self) -> int | None:
-        requested = self.extra_config.get("block_size")
-        if requested is None:
+        base = self.options
+        if not isinstance(base, OffloadingSpecOptions):  # undeclared, or declared without the base keys
+            raw = {key: value for key, value in self.extra_config.items() if key in _BASE_KEYS}
+            base = _options.parse_options(
+                OffloadingSpecOptions, raw, owner=self._owner(), where="kv_connector_extra_config"
+            )
+        size = base.block_size
+        if size is None:
             return self.engine_block_size
-        size = int(requested)
-        if size <= 0:
-            raise ValueError(f"kv_connector_extra_config['block_size'] must be > 0, got {requested!r}")
         if self.engine_block_size is not None and size % self.engine_block_size:
             nearest = self.engine_block_size * max(1, size // self.engine_block_size)
             raise ValueError(

@@ -1,11 +1,12 @@
 """The built-in ``cpu`` spec: a host-memory tier for KV blocks evicted from the engine's cache.
 
 Works whether the engine's cache is on a GPU or is itself made of CPU tensors. Options
-(``kv_connector_extra_config``):
+(``kv_connector_extra_config``, declared in :class:`CPUSpecOptions`):
 
 * ``num_cpu_blocks`` or ``cpu_bytes_to_use``: the tier's size, in offloaded blocks or bytes;
 * ``block_size``: tokens per offloaded block, a multiple of the engine's block size;
-* ``eviction_policy``: ``"lru"`` (default), ``"arc"``, a registered name or ``"module:Class"``;
+* ``eviction_policy``: ``"lru"`` (default), ``"arc"`` or any ``wtransfer.policies`` entry point, bare or
+  ``"distribution:name"``;
 * ``transfer_timeout_s``: how long ``wait`` blocks before raising (default 60);
 * ``staging_blocks``: engine blocks per copy chunk (default 64), bounding the staging buffer.
 
@@ -21,7 +22,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,16 +30,18 @@ import torch
 from wtransfer._dtypes import dtype_from_name
 from wtransfer.errors import TransferTimeoutError
 from wtransfer.kvcache import KV_LAYOUTS, block_view
+from wtransfer.options import option
 from wtransfer.specs._base import (
     CPU_MEDIUM,
     DEVICE_MEDIUM,
     OffloadingHandler,
     OffloadingSpec,
+    OffloadingSpecOptions,
     TransferResult,
     TransferSpec,
 )
 from wtransfer.specs._manager import BlockTableManager
-from wtransfer.specs.policies import policy_class
+from wtransfer.specs.policies import create_policy, policy_class
 
 if TYPE_CHECKING:
     from wtransfer.config import KVTransferConfig
@@ -46,14 +49,25 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("wtransfer")
 
-CPU_SPEC_OPTIONS = (
-    "spec_name", "spec_module_path", "block_size", "num_cpu_blocks", "cpu_bytes_to_use",
-    "eviction_policy", "transfer_timeout_s", "staging_blocks",
-)
-"""Every ``kv_connector_extra_config`` key the cpu spec (and the offloading connector in front of it) reads."""
-
 DEFAULT_TRANSFER_TIMEOUT_S = 60.0
 DEFAULT_STAGING_BLOCKS = 64
+
+
+@dataclass(frozen=True)
+class CPUSpecOptions(OffloadingSpecOptions):
+    """``kv_connector_extra_config`` of the cpu spec (and of the offloading connector in front of it)."""
+
+    num_cpu_blocks: int | None = option(None, doc="tier size in offloaded blocks (or set cpu_bytes_to_use)")
+    cpu_bytes_to_use: int | float | None = option(None, doc="tier size in bytes, e.g. 8 << 30 (or set num_cpu_blocks)")
+    eviction_policy: str = option("lru", doc="eviction policy: 'lru', 'arc' or an installed wtransfer.policies name")
+    transfer_timeout_s: float = option(
+        DEFAULT_TRANSFER_TIMEOUT_S, doc="seconds a wait for transfers blocks before raising TransferTimeoutError"
+    )
+    staging_blocks: int = option(DEFAULT_STAGING_BLOCKS, doc="engine blocks per copy chunk (bounds the staging buffer)")
+
+
+CPU_SPEC_OPTIONS = tuple(f.name for f in fields(CPUSpecOptions))
+"""Every ``kv_connector_extra_config`` key the cpu spec (and the offloading connector in front of it) reads."""
 
 
 @dataclass(frozen=True)
@@ -260,23 +274,16 @@ class CPUOffloadingSpec(OffloadingSpec):
     supported_layouts = tuple(KV_LAYOUTS)  # blocks are copied as opaque rows (block_view)
 
     handler_cls: type[BlockCopyHandler] = BlockCopyHandler
+    options_cls = CPUSpecOptions
+    options_owner = "cpu offloading spec"
+    options: CPUSpecOptions
 
     def __init__(self, config: KVTransferConfig, kv_cache_spec: KVCacheSpec | None = None) -> None:
-        super().__init__(config, kv_cache_spec)
+        super().__init__(config, kv_cache_spec)  # parses and checks self.options (unknown keys, types)
         if kv_cache_spec is None:
             raise ValueError(
                 "The cpu offloading spec needs the engine's KVCacheSpec to size its tier: "
                 "OffloadingSpecFactory.create_spec(config, kv_cache_spec)"
-            )
-        unknown = sorted(set(self.extra_config) - set(CPU_SPEC_OPTIONS))
-        if unknown:
-            import difflib
-
-            hints = [f"{key!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(
-                key, CPU_SPEC_OPTIONS, n=1)) else repr(key) for key in unknown]
-            raise ValueError(
-                f"cpu offloading spec: unknown option(s) {', '.join(hints)} in kv_connector_extra_config; "
-                f"valid options: {', '.join(CPU_SPEC_OPTIONS)}"
             )
         self.dtype = dtype_from_name(kv_cache_spec.dtype)
         self.num_layers = len(kv_cache_spec.layer_names)
@@ -286,20 +293,20 @@ class CPUOffloadingSpec(OffloadingSpec):
             self.num_layers * self.segments * self.row_elems * self.block_size_factor * self.dtype.itemsize
         )
         self.num_blocks = self._num_blocks()
-        self.eviction_policy = str(self.extra_config.get("eviction_policy", "lru"))
-        policy_class(self.eviction_policy)  # fail at creation, not at the first eviction
-        self.timeout_s = float(self.extra_config.get("transfer_timeout_s", DEFAULT_TRANSFER_TIMEOUT_S))
-        self.staging_blocks = int(self.extra_config.get("staging_blocks", DEFAULT_STAGING_BLOCKS))
+        self.eviction_policy = self.options.eviction_policy
+        self.policy_cls = policy_class(self.eviction_policy)  # resolve once; fail now, not at the first eviction
+        self.timeout_s = self.options.transfer_timeout_s
+        self.staging_blocks = self.options.staging_blocks
         self._manager: BlockTableManager | None = None
         self._tier: torch.Tensor | None = None
         self._handlers: list[tuple[str, str, BlockCopyHandler]] = []
 
     def _num_blocks(self) -> int:
-        extra = self.extra_config
-        if extra.get("num_cpu_blocks") is not None:
-            count = int(extra["num_cpu_blocks"])
-        elif extra.get("cpu_bytes_to_use") is not None:
-            count = int(extra["cpu_bytes_to_use"]) // self.bytes_per_block
+        options = self.options
+        if options.num_cpu_blocks is not None:
+            count = options.num_cpu_blocks
+        elif options.cpu_bytes_to_use is not None:
+            count = int(options.cpu_bytes_to_use) // self.bytes_per_block
         else:
             raise ValueError(
                 "The cpu offloading spec needs a size: set kv_connector_extra_config['cpu_bytes_to_use'] "
@@ -320,7 +327,8 @@ class CPUOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> BlockTableManager:
         if self._manager is None:
             self._manager = BlockTableManager(
-                self.num_blocks, self.offloaded_block_size or 0, self.eviction_policy, medium=CPU_MEDIUM
+                self.num_blocks, self.offloaded_block_size or 0, create_policy(self.policy_cls, self.num_blocks),
+                medium=CPU_MEDIUM,
             )
         return self._manager
 

@@ -21,9 +21,10 @@ What the adapter translates, and nothing more:
   otherwise passes vLLM's calls straight through.
 
 Requests the hashes cannot describe (multimodal inputs, prompt embeddings) are neither
-looked up nor saved. Adapter options, taken out of ``kv_connector_extra_config`` before the
-rest goes to the wtransfer connector: ``model_fingerprint`` (a string that replaces the
-checkpoint fingerprint, e.g. one per weight version).
+looked up nor saved. Adapter options (:class:`AdapterOptions`), taken out of
+``kv_connector_extra_config`` before the rest goes to the wtransfer connector (which checks
+its own): ``model_fingerprint`` (a string that replaces the checkpoint fingerprint, e.g. one
+per weight version).
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import wtransfer
+from wtransfer.options import option, parse_options
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -51,8 +53,31 @@ from wtransfer_vllm.checkpoint import checkpoint_fingerprint
 
 logger = logging.getLogger("vllm.wtransfer_vllm")
 
-ADAPTER_OPTIONS = ("model_fingerprint",)
+
+@dataclass(frozen=True)
+class AdapterOptions:
+    """The ``kv_connector_extra_config`` keys the adapter itself reads (not passed to the connector)."""
+
+    model_fingerprint: str | None = option(
+        None, doc="replaces the checkpoint's fingerprint in block hashes (e.g. one per weight version)"
+    )
+
+
+ADAPTER_OPTIONS = tuple(f.name for f in fields(AdapterOptions))
 """``kv_connector_extra_config`` keys the adapter itself reads (not passed to the connector)."""
+
+
+def split_adapter_options(extra: dict[str, Any] | None) -> tuple[AdapterOptions, dict[str, Any]]:
+    """``(the adapter's parsed options, the rest for the wtransfer connector)``.
+
+    The adapter's keys are checked here (a fingerprint that is not a string would silently
+    name every block differently); unknown keys are left for the connector, which knows them.
+    """
+    rest = dict(extra or {})
+    own = {key: rest.pop(key) for key in ADAPTER_OPTIONS if key in rest}
+    parsed = parse_options(AdapterOptions, own, owner="wtransfer-vllm KV connector adapter",
+                           where="kv_connector_extra_config")
+    return parsed, rest
 
 
 @dataclass
@@ -126,10 +151,8 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
-        extra = dict(transfer.kv_connector_extra_config or {})
-        fingerprint = extra.pop("model_fingerprint", None)
-        if fingerprint is not None and not isinstance(fingerprint, str):
-            raise ValueError(f"kv_connector_extra_config['model_fingerprint'] must be a string, got {fingerprint!r}")
+        self.adapter_options, extra = split_adapter_options(transfer.kv_connector_extra_config)
+        fingerprint = self.adapter_options.model_fingerprint
         self.kv_cache_spec = kv_cache_spec_for(vllm_config, kv_cache_config, fingerprint)
         self._config = wtransfer.KVTransferConfig(
             kv_connector=self.wtransfer_backend,
