@@ -70,7 +70,7 @@ def test_tier_sized_by_bytes_with_a_larger_offloaded_block() -> None:
         ({}, "needs a size.*cpu_bytes_to_use.*num_cpu_blocks"),
         ({"cpu_bytes_to_use": 100}, "would hold 0 blocks"),
         ({"num_cpu_blocks": 4, "block_size": 6}, "multiple of the engine's block size"),
-        ({"num_cpu_blocks": 4, "eviction_policy": "lfu"}, "Unknown eviction policy 'lfu'"),
+        ({"num_cpu_blocks": 4, "eviction_policy": "lfu"}, "Unknown policy 'lfu'.*Available policies: arc, lru"),
         # a misspelled size is an unknown key (with a hint), not "needs a size"
         ({"num_cpu_block": 4}, "unknown option\\(s\\) 'num_cpu_block' \\(did you mean 'num_cpu_blocks'\\?\\).*valid options"),
     ],

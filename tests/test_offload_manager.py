@@ -226,10 +226,12 @@ def test_random_workload_keeps_every_invariant(policy: str) -> None:
         assert all(key in manager for key in pinned)
 
 
-def test_policy_lookup_by_name_module_path_and_registration() -> None:
-    assert policy_class("LRU") is LRUPolicy and policy_class("arc") is ARCPolicy
-    assert isinstance(create_policy("wtransfer.specs.policies:ARCPolicy", 4), ARCPolicy)
-    with pytest.raises(ValueError, match="Did you mean 'arc'.*Available: arc, lru"):
+def test_policy_lookup_by_name_module_path_and_registration(isolated_registry: None) -> None:
+    assert policy_class("lru") is LRUPolicy and policy_class("arc") is ARCPolicy
+    assert policy_class("wtransfer:arc") is ARCPolicy
+    with pytest.warns(DeprecationWarning, match="module path"):
+        assert isinstance(create_policy("wtransfer.specs.policies:ARCPolicy", 4), ARCPolicy)
+    with pytest.raises(ValueError, match="Did you mean 'arc'.*Available policies: arc, lru"):
         policy_class("arcc")
 
     class FIFOPolicy(LRUPolicy):
@@ -240,16 +242,18 @@ def test_policy_lookup_by_name_module_path_and_registration() -> None:
         def touch(self, key: object) -> None:
             pass
 
-    register_policy("fifo", FIFOPolicy)
+    with pytest.warns(DeprecationWarning, match="wtransfer.policies"):
+        register_policy("fifo", FIFOPolicy)
     try:
-        with pytest.raises(ValueError, match="already registered"):
+        with pytest.raises(ValueError, match="already registered"), pytest.warns(DeprecationWarning):
             register_policy("fifo", FIFOPolicy)
         manager = BlockTableManager(2, block_size=16, policy="fifo")
         store(manager, "a", "b")
         manager.touch(["a"])
         assert store(manager, "c").block_hashes_evicted == ("a",)
     finally:
-        unregister_policy("fifo")
-    with pytest.raises(TypeError):
+        with pytest.warns(DeprecationWarning):
+            unregister_policy("fifo")
+    with pytest.raises(TypeError), pytest.warns(DeprecationWarning):
         register_policy("bad", dict)  # type: ignore[arg-type]
     assert issubclass(FIFOPolicy, EvictionPolicy)

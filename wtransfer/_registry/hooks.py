@@ -21,8 +21,9 @@ class WTransferHookSpecs:
     @hookspec
     def wtransfer_components(self, kind: str) -> list[Any]:
         """Contribute lazy :class:`~wtransfer._registry.ComponentRef` objects of ``kind``
-        (``"engines"``, ``"connectors"`` or ``"specs"``). The built-in implementation
-        reads the entry-point groups; return an empty list for other kinds."""
+        (``"engines"``, ``"connectors"``, ``"specs"`` or ``"policies"``; more kinds may be
+        added, so return an empty list for any kind you do not contribute to). The
+        built-in implementation reads the entry-point groups."""
 
     @hookspec
     def wtransfer_engine_created(self, engine: Any) -> None:

@@ -1,4 +1,4 @@
-"""The three plugin kinds as data: one generic registry serves them all."""
+"""The four plugin kinds as data: one generic registry serves them all."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ class Kind:
     singular: str  # "engine"
     group: str  # entry-point group
     base: str  # "module:Class" of the base class every component must subclass
-    created_hook: str  # hook called with each new instance
+    created_hook: str | None = None
+    """Hook called with each new instance; ``None`` for kinds whose instances are small
+    internal parts of another component (a policy belongs to its spec, which is announced)."""
 
     def base_class(self) -> type:
         from wtransfer._registry.loading import import_target
@@ -42,7 +44,14 @@ SPECS = Kind(
     "wtransfer.specs:OffloadingSpec",
     "wtransfer_spec_created",
 )
-KINDS: dict[str, Kind] = {kind.name: kind for kind in (ENGINES, CONNECTORS, SPECS)}
+POLICIES = Kind(
+    "policies",
+    "policy",
+    "wtransfer.policies",
+    "wtransfer.specs:EvictionPolicy",
+)
+"""Eviction policies for offloading tiers, named by a spec's ``eviction_policy`` option."""
+KINDS: dict[str, Kind] = {kind.name: kind for kind in (ENGINES, CONNECTORS, SPECS, POLICIES)}
 
 HOOK_PLUGIN_GROUP = "wtransfer.plugins"
 """Entry-point group whose values are modules of ``@wtransfer.hookimpl`` functions."""

@@ -4,17 +4,24 @@ A policy only orders keys; the manager owns slots, pins and in-flight state and 
 the policy what happened. ``evict`` is asked for victims with a predicate that says which
 keys may go (not pinned, not in flight), so a policy never needs to know about pins.
 
-Third parties add a policy with :func:`register_policy`, or name it as
-``eviction_policy="package.module:Class"`` without registering.
+Policies are the fourth plugin kind: a distribution ships one as an entry point in the
+``wtransfer.policies`` group (``fifo = "acme.fifo:FIFOPolicy"``) and every process can
+then name it, bare (``"fifo"``) or qualified (``"acme:fifo"``), through the same registry
+as engines, connectors and specs. ``register_policy`` and ``"module:Class"`` names still
+work for one release, with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from wtransfer._registry.registry import ComponentRegistry
 
 logger = logging.getLogger("wtransfer")
 
@@ -215,64 +222,86 @@ class ARCPolicy(EvictionPolicy):
         return key in self.t1 or key in self.t2
 
 
-_POLICIES: dict[str, type[EvictionPolicy]] = {LRUPolicy.name: LRUPolicy, ARCPolicy.name: ARCPolicy}
+_ENTRY_POINT_ADVICE = (
+    "ship the policy as an entry point instead: in your pyproject.toml, "
+    '[project.entry-points."wtransfer.policies"] NAME = "package.module:Class"'
+)
+
+
+def _registry() -> ComponentRegistry:
+    """The process-wide registry of the ``policies`` kind (imported late: this module stays light)."""
+    from wtransfer._registry.kinds import POLICIES
+    from wtransfer._registry.registry import registry_for
+
+    return registry_for(POLICIES)
+
+
+def _deprecated(message: str) -> None:
+    # stacklevel 3: the caller of the public function that warns
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
 
 
 def available_policies() -> list[str]:
-    return sorted(_POLICIES)
+    """Deprecated: the policy names this process can use; use ``wtransfer.list_components("policies")``."""
+    _deprecated("available_policies() is deprecated; use wtransfer.list_components('policies')")
+    return sorted(_registry().names())
 
 
 def register_policy(name: str, policy_cls: type[EvictionPolicy]) -> None:
-    """Make ``eviction_policy=name`` select ``policy_cls`` in this process. ``ValueError`` if taken."""
-    if not (isinstance(policy_cls, type) and issubclass(policy_cls, EvictionPolicy)):
-        raise TypeError(f"Eviction policy {name!r} must be an EvictionPolicy subclass, got {policy_cls!r}")
-    key = name.strip().lower()
-    if key in _POLICIES:
-        raise ValueError(
-            f"Eviction policy {name!r} is already registered ({_POLICIES[key].__module__}."
-            f"{_POLICIES[key].__qualname__}); pick another name"
-        )
-    _POLICIES[key] = policy_cls
+    """Deprecated: make ``eviction_policy=name`` select ``policy_cls`` in this process only.
+
+    Kept one release for code written before policies were a plugin kind. A runtime
+    registration is invisible to other processes (the vLLM API server, spawned workers),
+    which is why an entry point is the supported way. ``ValueError`` if the name is taken,
+    ``TypeError`` if ``policy_cls`` is not an :class:`EvictionPolicy` subclass.
+    """
+    _deprecated(f"register_policy({name!r}, ...) is deprecated and only affects this process; "
+                f"{_ENTRY_POINT_ADVICE}")
+    _registry().register(name, policy_cls)
 
 
 def unregister_policy(name: str) -> None:
-    """Drop a policy added by :func:`register_policy` (the built-ins stay)."""
-    key = name.strip().lower()
-    if key not in (LRUPolicy.name, ARCPolicy.name):
-        _POLICIES.pop(key, None)
+    """Deprecated: drop a policy added by :func:`register_policy` (installed policies stay)."""
+    _deprecated(f"unregister_policy({name!r}) is deprecated, as is register_policy; {_ENTRY_POINT_ADVICE}")
+    _registry().unregister(name)
 
 
 def policy_class(name: str | type[EvictionPolicy]) -> type[EvictionPolicy]:
-    """A registered name (``"lru"``, ``"arc"``), ``"module:Class"``, or a class -> the class."""
+    """A policy name (bare ``"lru"`` or qualified ``"distribution:name"``) or a class -> the class.
+
+    Names resolve through the registry, so unknown names suggest close ones and an
+    ambiguous bare name lists the qualified names to use. A ``"package.module:Class"``
+    string that no registered name matches is imported directly, with a
+    ``DeprecationWarning`` (one release).
+    """
+    from wtransfer._registry.component import check_subclass
+    from wtransfer._registry.loading import import_target
+    from wtransfer.errors import UnknownComponentError
+
+    registry = _registry()
     if isinstance(name, type):
-        if not issubclass(name, EvictionPolicy):
-            raise TypeError(f"{name!r} is not an EvictionPolicy subclass")
-        return name
-    key = str(name).strip().lower()
-    if key in _POLICIES:
-        return _POLICIES[key]
-    if ":" in str(name):
-        from wtransfer._registry.loading import import_target
-
+        return check_subclass(registry.kind, name, f"eviction policy {name.__qualname__}")
+    text = str(name).strip()
+    try:
+        return registry.get_class(text)
+    except UnknownComponentError as unknown:
+        module, sep, _ = text.partition(":")
+        if not sep or not all(part.isidentifier() for part in module.split(".")):
+            raise  # a bare or "distribution:name" name: the registry's error says what exists
         try:
-            obj = import_target(str(name).strip())
-        except Exception as exc:
-            raise ValueError(f"Could not import eviction policy {name!r}: {type(exc).__name__}: {exc}") from exc
-        if not isinstance(obj, type):
-            raise TypeError(f"Eviction policy {name!r} is {obj!r}, not an EvictionPolicy subclass")
-        return policy_class(obj)
-    from wtransfer._registry.names import suggest
-
-    close = suggest(key, available_policies())
-    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    raise ValueError(
-        f"Unknown eviction policy {name!r}.{hint} Available: {', '.join(available_policies())}; "
-        f"a third-party policy can be named as 'package.module:Class' or added with register_policy()."
-    )
+            obj = import_target(text)
+        except Exception as exc:  # not a module path either: say both
+            raise UnknownComponentError(
+                f"{unknown} ({text!r} is not an importable 'module:Class' path either: {type(exc).__name__}: {exc})"
+            ) from exc
+    cls = check_subclass(registry.kind, obj, f"eviction policy {text!r}")
+    _deprecated(f"Naming an eviction policy by module path ({text!r}) is deprecated; {_ENTRY_POINT_ADVICE}, "
+                f"and name it by that entry-point name")
+    return cls
 
 
 def create_policy(name: str | type[EvictionPolicy], capacity: int) -> EvictionPolicy:
-    """Instantiate the policy ``name`` for a tier of ``capacity`` slots."""
+    """Instantiate the policy ``name`` (see :func:`policy_class`) for a tier of ``capacity`` slots."""
     policy = policy_class(name)(capacity)
     logger.debug("Eviction policy %s for %d blocks", type(policy).__name__, capacity)
     return policy

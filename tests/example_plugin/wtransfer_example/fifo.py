@@ -1,7 +1,9 @@
 """A CPU offloading tier that evicts in arrival order: a real, small third-party spec.
 
 It reuses wtransfer's CPU tier and contributes only an eviction policy, the way a
-plugin author adds behaviour without rewriting the data path.
+plugin author adds behaviour without rewriting the data path. The policy is its own
+entry point (``fifo`` in ``wtransfer.policies``), so any spec's ``eviction_policy`` can
+name it, in every process, without importing this module first.
 """
 
 from __future__ import annotations
@@ -51,5 +53,5 @@ class FIFOOffloadingSpec(CPUOffloadingSpec):
     """wtransfer's CPU tier with FIFO eviction (``eviction_policy`` may still override it)."""
 
     def __init__(self, config: KVTransferConfig, kv_cache_spec: KVCacheSpec | None = None) -> None:
-        extra = {"eviction_policy": f"{FIFOPolicy.__module__}:FIFOPolicy", **config.kv_connector_extra_config}
+        extra = {"eviction_policy": "fifo", **config.kv_connector_extra_config}
         super().__init__(dataclasses.replace(config, kv_connector_extra_config=extra), kv_cache_spec)
