@@ -3,7 +3,7 @@
 It holds the built-in ``wtransfer_components`` implementation (which turns the
 entry-point scan into component references) and every hook module named in the
 ``wtransfer.plugins`` group. A hook module that fails to import is logged and
-remembered for ``wtransfer check``; it never stops the others.
+remembered for ``wtransfer list`` and ``check``; it never stops the others.
 """
 
 from __future__ import annotations
@@ -50,20 +50,50 @@ class HookPluginStatus:
 
 
 _manager: pluggy.PluginManager | None = None
+_building: pluggy.PluginManager | None = None
+_builder: int | None = None  # the thread importing the hook plugins, while it does
 _hook_plugins: list[HookPluginStatus] = []
 _lock = threading.RLock()
 
 
 def plugin_manager() -> pluggy.PluginManager:
-    """The process-wide manager; built (and hook plugins imported) on first call."""
-    global _manager
-    with _lock:
-        if _manager is None:
-            _manager = _build_manager()
-        return _manager
+    """The process-wide manager; built (and hook plugins imported) on first call.
+
+    A hook module may use wtransfer while it is being imported (register an engine, look
+    one up): that call re-enters here from the same thread and gets the manager being
+    built, rather than building a second one that would import (and warn about) every
+    hook plugin again. See :func:`building`.
+    """
+    global _manager, _building, _builder
+    with _lock:  # an RLock: only the building thread itself gets past it while _building is set
+        if _manager is not None:
+            return _manager
+        if _building is not None:
+            return _building
+        pm = _building = _new_manager()
+        _builder = threading.get_ident()
+        statuses: list[HookPluginStatus] = []
+        try:
+            _load_hook_plugins(pm, statuses)
+        finally:
+            _building, _builder = None, None
+        _hook_plugins[:] = statuses
+        _manager = pm
+        return pm
+
+
+def building() -> bool:
+    """Whether this thread is importing hook plugins right now (other threads wait for it).
+
+    What the manager answers meanwhile may lack contributions of plugins not yet
+    registered, so callers must not cache it (the registries do not). Takes no lock.
+    """
+    return _builder == threading.get_ident()
 
 
 def hook_plugins() -> list[HookPluginStatus]:
+    """Every module of the ``wtransfer.plugins`` group and what became of it (imports them
+    on first use, as the manager does anyway; each broken one was warned about once)."""
     plugin_manager()
     return list(_hook_plugins)
 
@@ -76,16 +106,21 @@ def reset() -> None:
         _hook_plugins.clear()
 
 
-def _build_manager() -> pluggy.PluginManager:
+def _new_manager() -> pluggy.PluginManager:
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(WTransferHookSpecs)
     pm.register(EntryPointComponents(), name=BUILTIN_PLUGIN_NAME)
+    return pm
+
+
+def _load_hook_plugins(pm: pluggy.PluginManager, statuses: list[HookPluginStatus]) -> None:
+    """Import and register every hook module, recording each one's status in ``statuses``."""
     disabled = discovery.disabled_from_env()
     for record in discovery.cached_scan():
         if record.group != HOOK_PLUGIN_GROUP:
             continue
         if disabled.blocks_distribution(record.distribution):
-            _hook_plugins.append(HookPluginStatus(record, "disabled"))
+            statuses.append(HookPluginStatus(record, "disabled"))
             continue
         try:
             module = importlib.import_module(record.value.partition(":")[0])
@@ -96,13 +131,12 @@ def _build_manager() -> pluggy.PluginManager:
                 "Skipping hook plugin %s from distribution '%s' %s: %s: %s",
                 record.describe(), record.distribution, record.version, type(exc).__name__, exc,
             )
-            _hook_plugins.append(HookPluginStatus(record, "broken", f"{type(exc).__name__}: {exc}"))
+            statuses.append(HookPluginStatus(record, "broken", f"{type(exc).__name__}: {exc}"))
         else:
-            _hook_plugins.append(HookPluginStatus(record, "loaded"))
+            statuses.append(HookPluginStatus(record, "loaded"))
     if os.environ.get(TRACE_ENV, "").strip() not in ("", "0"):
         pm.trace.root.setwriter(lambda message: logger.info("%s", message.rstrip()))
         pm.enable_tracing()
-    return pm
 
 
 def _refuse_unknown_hooks(pm: pluggy.PluginManager, plugin: object) -> None:

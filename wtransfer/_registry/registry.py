@@ -1,4 +1,4 @@
-"""One generic lazy registry; each kind (engines, connectors, specs) gets an instance.
+"""One generic lazy registry; each kind (engines, connectors, specs, policies) gets an instance.
 
 Components come from two places: what the hook manager's ``wtransfer_components``
 contributes (installed entry points, plus anything hook plugins add), discovered once
@@ -69,7 +69,14 @@ class ComponentRegistry:
     def _by_name(self) -> dict[str, list[ComponentRef]]:
         with self._lock:
             if self._discovered is None:
-                self._discovered, self._disabled = self._discover()
+                from wtransfer._registry import manager
+
+                discovered, self._disabled = self._discover()
+                if manager.building():
+                    # Asked by a hook module while it is imported: plugins registered after
+                    # it may still contribute, so answer without keeping the answer.
+                    return discovered
+                self._discovered = discovered
             return self._discovered
 
     def _discover(self) -> tuple[dict[str, list[ComponentRef]], discovery.DisabledSet]:

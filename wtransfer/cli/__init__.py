@@ -18,7 +18,7 @@ SUBCOMMANDS = ("wtransfer.cli.listing", "wtransfer.cli.show", "wtransfer.cli.che
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="wtransfer",
-        description="Weight-transfer engines, KV connectors and KV offloading specs, as plugins.",
+        description="Weight-transfer engines, KV connectors, KV offloading specs and eviction policies, as plugins.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -18,37 +18,44 @@ def collect() -> list[dict[str, Any]]:
     """One row per component and hook plugin: status ok / broken / conflict / disabled."""
     from wtransfer.errors import WTransferError
     from wtransfer._registry.kinds import KINDS
-    from wtransfer._registry.manager import hook_plugins
     from wtransfer._registry.registry import registry_for
+    from wtransfer.cli.listing import hook_plugin_rows
 
     rows: list[dict[str, Any]] = []
     for kind in KINDS.values():
-        registry = registry_for(kind)
-        for info, ref in registry.entries():
+        entries = registry_for(kind).entries()
+        for info, ref in entries:
             row = info.to_dict()
             row["problem"] = None
             if info.status == "disabled":
-                row["problem"] = "disabled by WTRANSFER_DISABLE_PLUGINS"
+                row["problem"] = DISABLED
             else:
+                # A provider that cannot be loaded says why, whatever else shares its name;
+                # "conflict" is for rows that load and are ambiguous only.
                 try:
                     ref.load()
-                    row["status"] = "conflict" if info.status == "conflict" else "ok"
                 except WTransferError as exc:
                     row["status"], row["problem"] = "broken", str(exc)
-                if info.status == "conflict":
-                    row["problem"] = f"name {info.name!r} has several providers; use a qualified name"
+                else:
+                    row["status"] = "ok"
+                    if info.status == "conflict":
+                        row["status"], row["problem"] = "conflict", _conflict(info, entries)
             rows.append(row)
-    for plugin in hook_plugins():
-        rows.append({
-            "kind": "hook plugin",
-            "name": plugin.record.name,
-            "distribution": plugin.record.distribution,
-            "version": plugin.record.version,
-            "target": plugin.record.value,
-            "status": "ok" if plugin.status == "loaded" else plugin.status,
-            "problem": plugin.error,
-        })
+    for row in hook_plugin_rows():
+        if row["status"] == "loaded":
+            row["status"] = "ok"
+        elif row["status"] == "disabled":
+            row["problem"] = DISABLED
+        rows.append(row)
     return rows
+
+
+DISABLED = "disabled by WTRANSFER_DISABLE_PLUGINS"
+
+
+def _conflict(info: Any, entries: list[tuple[Any, Any]]) -> str:
+    rivals = [ref.qualified_name for other, ref in entries if other.name == info.name and other.status == "conflict"]
+    return f"name {info.name!r} has several providers; use a qualified name: {', '.join(rivals)}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,14 +64,18 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(rows)
     else:
+        from wtransfer._registry.names import qualify
+
         print_table(
             "wtransfer check",
-            ("kind", "name", "provider", "status", "problem"),
+            ("kind", "qualified name", "provider", "status", "problem"),
             [
-                (r["kind"], r["name"], f"{r['distribution']} {r['version']}" if r["distribution"] else "(runtime)",
+                (r["kind"], qualify(r["distribution"], r["name"]),
+                 f"{r['distribution']} {r['version']}" if r["distribution"] else "(runtime)",
                  r["status"], r["problem"] or "")
                 for r in rows
             ],
+            whole=("qualified name", "provider"),
         )
         print("FAILED: fix or disable the components above." if failed else "All components load.")
     return 1 if failed else 0
