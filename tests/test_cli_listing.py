@@ -20,32 +20,11 @@ from pathlib import Path
 
 import pytest
 
-ENGINE = '''
-from dataclasses import dataclass
-from wtransfer.engines import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
-
-{prefix}
-
-@dataclass
-class Init(WeightTransferInitInfo):
-    pass
-
-@dataclass
-class Update(WeightTransferUpdateInfo):
-    pass
-
-class DemoEngine(WeightTransferEngine):
-    """An engine that loads."""
-    init_info_cls = Init
-    update_info_cls = Update
-    def init_transfer_engine(self, init_info): pass
-    def receive_weights(self, update_info, load_weights): pass
-    def shutdown(self): pass
-'''
+from wtransfer.testing.distributions import demo_engine_module
 
 
 def engine_source(prefix: str = "") -> str:
-    return ENGINE.format(prefix=prefix)
+    return demo_engine_module(prefix=prefix)
 
 
 LONG_DIST = "acme-extremely-long-distribution-name-for-weight-transfer-backends"

@@ -19,35 +19,14 @@ from wtransfer import (
     WeightTransferEngineFactory,
 )
 from wtransfer._registry.registry import registry_for
-from wtransfer.testing.distributions import site_on_path, write_distribution
+from wtransfer.testing.distributions import demo_engine_module, site_on_path, write_distribution
 from wtransfer.testing.processes import run_python
-
-ENGINE_SOURCE = '''
-from dataclasses import dataclass
-from wtransfer.engines._base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
-
-@dataclass
-class Init(WeightTransferInitInfo):
-    pass
-
-@dataclass
-class Update(WeightTransferUpdateInfo):
-    pass
-
-class {cls}(WeightTransferEngine):
-    """Test engine {cls}."""
-    init_info_cls = Init
-    update_info_cls = Update
-    def init_transfer_engine(self, init_info): pass
-    def receive_weights(self, update_info, load_weights): pass
-    def shutdown(self): pass
-'''
 
 
 def engine_module(cls: str = "DemoEngine", marker: str | None = None) -> str:
     """Source of a module defining a concrete engine; ``marker`` is a file it appends to on import."""
-    prefix = f"open({marker!r}, 'a').write('imported\\n')\n" if marker else ""
-    return prefix + ENGINE_SOURCE.format(cls=cls)
+    prefix = f"open({marker!r}, 'a').write('imported\\n')" if marker else ""
+    return demo_engine_module(cls, prefix)
 
 
 @pytest.fixture
