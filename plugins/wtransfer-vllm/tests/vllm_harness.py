@@ -79,12 +79,42 @@ ROUNDS = 3
 
 def run_script(python: Path, script: str, *args: str, timeout: float = 600,
                env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run ``tests/scripts/<script>`` (or ``-c`` code) with the vLLM environment's python."""
+    """Run ``tests/scripts/<script>`` (or ``-c`` code) with the vLLM environment's python.
+
+    Output goes to files, not pipes, and the script runs in its own session: when it exits
+    (or times out), whatever it left behind (a vLLM engine process orphaned by a rank that
+    raised) is killed, so a failure reports the script's own error at once instead of
+    waiting out ``timeout`` on a pipe an orphan still holds.
+    """
+    import signal
+    import tempfile
+
     command = [str(python), "-c", args[0], *args[1:]] if script == "-c" else [str(python), str(SCRIPTS / script), *args]
     # The vLLM environment is self-contained: nothing from this session's PYTHONPATH leaks in.
     merged = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     merged.update({"PYTHONUNBUFFERED": "1", **(env or {})})
-    out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=merged)
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, env=merged,
+                                   start_new_session=True)
+        timed_out = False
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # the script's leftovers (and the script, on a timeout)
+            except ProcessLookupError:
+                pass
+            process.wait()
+        stdout.seek(0)
+        stderr.seek(0)
+        out = subprocess.CompletedProcess(command, process.returncode, stdout.read(), stderr.read())
+    if timed_out:
+        raise AssertionError(
+            f"{script} did not finish within {timeout:g} s\n--- stdout ---\n{out.stdout[-6000:]}\n"
+            f"--- stderr ---\n{out.stderr[-8000:]}"
+        )
     if check and out.returncode != 0:
         raise AssertionError(
             f"{script} exited {out.returncode}\n--- stdout ---\n{out.stdout[-6000:]}\n--- stderr ---\n{out.stderr[-8000:]}"
