@@ -165,6 +165,25 @@ def parse_options(options_cls: type[T], raw: Mapping[str, Any] | None, *, owner:
         raise InvalidOptionError(f"{owner}: {exc} (in {where})") from None
 
 
+def parse_declared(options_cls: type | None, raw: Mapping[str, Any] | None, *, owner: str, where: str) -> Any:
+    """:func:`parse_options` for a component's ``options_cls``, which may be ``None`` (undeclared).
+
+    An undeclared component gets a copy of its dict, unchecked: components written before
+    options were declared read their own keys and keep working. Every kind's base class
+    parses through here, so the rule is the same for engines, connectors and specs.
+    """
+    if options_cls is None:
+        return dict(raw or {})
+    return parse_options(options_cls, raw, owner=owner, where=where)
+
+
+def option_value(options: Any, name: str, default: Any = None) -> Any:
+    """One option from parsed options or, for an undeclared component, its plain dict."""
+    if isinstance(options, Mapping):
+        return options.get(name, default)
+    return getattr(options, name, default)
+
+
 def describe_options(options_cls: type) -> list[dict[str, Any]]:
     """One JSON-safe row per option: ``name``, ``type``, ``default`` (``None`` if required), ``required``, ``doc``."""
     hints = _hints(options_cls)
@@ -192,7 +211,9 @@ __all__ = [
     "NoOptions",
     "describe_options",
     "option",
+    "option_value",
     "options_dict",
+    "parse_declared",
     "parse_options",
     "type_name",
     "unknown_keys_message",

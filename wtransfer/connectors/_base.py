@@ -157,10 +157,8 @@ class KVConnectorBase(ABC):
         Connectors that pass part of the dict on (``offloading``) override this to parse only
         their own keys.
         """
-        if cls.options_cls is None:
-            return dict(raw or {})
         owner = cls.options_owner or f"KV connector {cls.__name__}"
-        return _options.parse_options(cls.options_cls, raw, owner=owner, where="kv_connector_extra_config")
+        return _options.parse_declared(cls.options_cls, raw, owner=owner, where="kv_connector_extra_config")
 
     # ------------------------------------------------------------------ helpers
     @property

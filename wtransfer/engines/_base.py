@@ -137,9 +137,7 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         A typo (``max_buffer_byte``) must fail here, naming the valid keys, instead of being
         ignored until it matters mid-transfer.
         """
-        if cls.options_cls is None:
-            return dict(raw or {})
-        return _options.parse_options(
+        return _options.parse_declared(
             cls.options_cls, raw, owner=engine_label(cls), where="WeightTransferConfig.options"
         )
 

@@ -38,7 +38,7 @@ import gc
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -72,7 +72,7 @@ from wtransfer.engines._worker import (
     check_buffer_budget,
     global_rank,
 )
-from wtransfer.options import option
+from wtransfer.options import option, option_value
 from wtransfer.errors import ManifestMismatchError, TransferError, TransferTimeoutError
 
 if TYPE_CHECKING:
@@ -253,10 +253,7 @@ class TorchDistributedBackend:
         ``options`` is parsed options (a backend that declares neither field, like NCCL,
         reads as None) or, from older callers, a plain dict.
         """
-        if isinstance(options, Mapping):
-            address, interface = options.get("local_address"), options.get("interface")
-        else:
-            address, interface = getattr(options, "local_address", None), getattr(options, "interface", None)
+        address, interface = option_value(options, "local_address"), option_value(options, "interface")
         check_local_address(f"{type(self).__name__}: ", address, interface)
         self._address_chosen_by_user = bool(address or interface)
         self.local_interface = interface

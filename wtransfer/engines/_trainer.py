@@ -14,6 +14,7 @@ side; a client call that raises aborts the engine's side promptly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -194,6 +195,16 @@ def _with_undeclared_defaults(options_cls: type, extra: dict[str, Any], owner: s
     return dataclasses.make_dataclass(f"{owner}InitOptions", fields, bases=(options_cls,), frozen=True)
 
 
+@functools.cache
+def _resolved_init_options(trainer_cls: type[TrainerWeightTransferEngine]) -> type:
+    """One options class per trainer class (built once: ``make_dataclass`` is not free)."""
+    declared = {f.name for f in dataclasses.fields(trainer_cls.init_options_cls)}
+    extra = {k: v for k, v in trainer_cls.backend_init_defaults.items() if k not in declared}
+    if not extra:
+        return trainer_cls.init_options_cls
+    return _with_undeclared_defaults(trainer_cls.init_options_cls, extra, trainer_cls.__name__)
+
+
 def as_source(source: Any) -> WeightSource:
     """Accept a WeightSource, a torch module or a name -> tensor mapping."""
     if isinstance(source, WeightSource):
@@ -288,11 +299,7 @@ class TrainerWeightTransferEngine(ABC):
     @classmethod
     def resolved_init_options_cls(cls) -> type[TrainerInitOptions]:
         """``init_options_cls``, extended by any ``backend_init_defaults`` key it does not declare."""
-        declared = {f.name for f in dataclasses.fields(cls.init_options_cls)}
-        extra = {k: v for k, v in cls.backend_init_defaults.items() if k not in declared}
-        if not extra:
-            return cls.init_options_cls
-        return _with_undeclared_defaults(cls.init_options_cls, extra, cls.__name__)
+        return _resolved_init_options(cls)
 
     @classmethod
     def describe_init_options(cls) -> list[dict[str, Any]]:
@@ -306,11 +313,9 @@ class TrainerWeightTransferEngine(ABC):
 
     def _parse_init_info(self, info: dict[str, Any]) -> TrainerInitOptions:
         """Check the user's ``init_info`` (unknown keys, types, ranges) before any worker is touched."""
-        options_cls = self.resolved_init_options_cls()
-        unknown = set(info) - {f.name for f in dataclasses.fields(options_cls)}
-        # With a typo, parse the user's keys alone: the error names only what the user wrote.
-        raw = info if unknown else {**self.init_defaults(), **info}
-        return parse_options(options_cls, raw, owner=f"the {self.backend} trainer", where="init_info")
+        # The defaults are declared keys, so an unknown-key error still names only what the user wrote.
+        return parse_options(self.resolved_init_options_cls(), {**self.init_defaults(), **info},
+                             owner=f"the {self.backend} trainer", where="init_info")
 
     @property
     def num_workers(self) -> int:

@@ -6,13 +6,12 @@ and the checks that let a worker refuse wire parameters at init rather than mid-
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from wtransfer.engines._base import WeightTransferEngine, WeightTransferUpdateInfo
 from wtransfer.engines._manifest import Manifest
-from wtransfer.options import option
+from wtransfer.options import option, option_value
 
 
 def _check_max_buffer_bytes(value: int | None) -> None:
@@ -63,11 +62,7 @@ def check_buffer_budget(engine: WeightTransferEngine, bucket_bytes: int, num_buf
     Reads the parsed ``max_buffer_bytes`` option; an engine that declares no ``options_cls``
     still has it read from its raw ``config.options``.
     """
-    options = getattr(engine, "options", None)
-    if options is None or isinstance(options, Mapping):
-        limit = engine.config.options.get("max_buffer_bytes")
-    else:
-        limit = getattr(options, "max_buffer_bytes", None)
+    limit = option_value(getattr(engine, "options", engine.config.options), "max_buffer_bytes")
     if limit is not None and bucket_bytes * num_buffers > int(limit):
         raise ValueError(
             f"{type(engine).__name__}: the trainer asks for {num_buffers} x {bucket_bytes} bytes of "
