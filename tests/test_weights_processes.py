@@ -17,7 +17,7 @@ import wtransfer
 from wtransfer.testing.models import build_model, digests, mutate
 from wtransfer.engines._manifest import TensorEntry
 from wtransfer.engines._source import TensorSource, WeightSource
-from wtransfer.errors import ManifestMismatchError, TransferError
+from wtransfer.errors import ManifestMismatchError, TransferError, WeightsTornError
 from wtransfer.local import LocalWorkerPool, PeakRss, open_fd_count
 
 FACTORY = "wtransfer.testing.models:worker_model"
@@ -354,31 +354,39 @@ class ThreadClient:
         self.engine.finish_weight_update()
 
 
+@pytest.mark.parametrize("commit", ["streaming", "atomic"])
 @pytest.mark.parametrize("backend", ["shm", "gloo"])
-def test_a_worker_whose_loader_fails_mid_round_stops_the_trainer_at_once(backend: str) -> None:
+def test_a_worker_whose_loader_fails_stops_the_round_at_once_and_says_torn(backend: str, commit: str) -> None:
+    """The loader raises at its third tensor: mid-round when streaming, during the commit when atomic.
+    Either way part of the model was written, so the worker must say it is torn."""
     tensors = _big_tensors(12)
     model = build_model([[name, list(t.shape)] for name, t in tensors.items()], "float32")
     loader = wtransfer.module_loader(model)
-    calls = []
+    loaded = []
 
     def failing_loader(batch: list) -> None:
-        calls.append(len(batch))
-        if len(calls) == 3:
-            raise RuntimeError("disk full while loading")
-        loader(batch)
+        for item in batch:
+            if len(loaded) == 2:
+                raise RuntimeError("disk full while loading")
+            loader([item])
+            loaded.append(item[0])
 
     failing_loader.validate_manifest = loader.validate_manifest  # type: ignore[attr-defined]
     client = ThreadClient(backend, model, failing_loader)
     trainer = wtransfer.create_trainer(
-        backend, client=client, source=tensors,
+        backend, client=client, source=tensors, commit=commit,
         init_info={"world_size": 2, "bucket_bytes": 256 * 1024, "num_buffers": 2, "timeout_s": TIMEOUT,
                    **({"direct_min_bytes": None} if backend == "gloo" else {})},
     )  # fmt: skip
     started = time.monotonic()
-    with pytest.raises((TransferError, RuntimeError), match="disk full"):
+    with pytest.raises(WeightsTornError, match="disk full") as info:
         trainer.send_weights()
+    assert "the model is torn" in str(info.value)
     assert time.monotonic() - started < 10
-    assert client.engine.weight_version == 0 and trainer.weight_version == 0
+    written = [name for name, p in model.named_parameters() if torch.equal(p, tensors[name])]
+    assert written == loaded and len(written) == 2  # exactly what the loader wrote before it failed
+    assert client.engine.weight_version is None and client.engine.weights_torn
+    assert trainer.weight_version == 0
     trainer.shutdown()
     client.engine.shutdown()
 

@@ -81,6 +81,7 @@ _EXPORTS: dict[str, str] = {
     "InvalidComponentError": "wtransfer.errors",
     "TransferError": "wtransfer.errors",
     "TransferTimeoutError": "wtransfer.errors",
+    "WeightsTornError": "wtransfer.errors",
     "ManifestMismatchError": "wtransfer.errors",
     "InvalidOptionError": "wtransfer.errors",
 }

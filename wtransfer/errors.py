@@ -45,6 +45,15 @@ class TransferTimeoutError(TransferError, TimeoutError):
     """A peer did not answer within the configured timeout."""
 
 
+class WeightsTornError(TransferError):
+    """A round failed after part of it reached the model: it holds two versions until a whole round lands.
+
+    Raised by a streamed round that failed after its first write, or by an atomic commit that
+    failed part-way; the worker's ``weight_version`` is ``None`` and ``weights_torn`` is True.
+    Send a complete round (a new trainer if this one broke) before serving from that model.
+    """
+
+
 class ManifestMismatchError(WTransferError, ValueError):
     """An update manifest does not match the receiving model; nothing was written."""
 
@@ -60,6 +69,7 @@ __all__ = [
     "TransferTimeoutError",
     "UnknownComponentError",
     "WTransferError",
+    "WeightsTornError",
 ]
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
-from wtransfer.errors import ManifestMismatchError, TransferError, TransferTimeoutError
+from wtransfer.errors import ManifestMismatchError, TransferError, TransferTimeoutError, WeightsTornError
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -36,6 +36,7 @@ logger = logging.getLogger("wtransfer")
 _ERROR_TYPES: dict[str, type[BaseException]] = {
     "ManifestMismatchError": ManifestMismatchError,
     "TransferTimeoutError": TransferTimeoutError,
+    "WeightsTornError": WeightsTornError,
     "TransferError": TransferError,
     "ValueError": ValueError,
     "TypeError": TypeError,
@@ -215,6 +216,7 @@ def _worker_main(
                 "peak_extra_rss": rss.extra(),
                 "fds": open_fd_count(),
                 "weight_version": engine.weight_version,
+                "weights_torn": engine.weights_torn,
             }
         elif op == "reset_peak":
             rss.reset()

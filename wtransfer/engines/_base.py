@@ -10,8 +10,12 @@ through the user's control plane; the worker's control-plane handler calls, in o
     ...
     engine.shutdown()                                                  # idempotent
 
-``weight_version`` only advances when a whole round completed, so a worker whose
-round failed half-way is never mistaken for an updated one.
+The framework wraps every subclass's ``receive_weights``, ``finish_weight_update`` and
+``shutdown`` (see ``_commit``): the trainer's commit mode decides whether a round is staged
+and loaded into the model at ``finish_weight_update`` (``atomic``, the default: a failed
+round leaves the model bit-identical) or written as it arrives (``streaming``: a failed
+round leaves it torn, and it says so). ``weight_version`` names a version only when every
+byte of the model is that version's; it is ``None`` while ``weights_torn``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from wtransfer.config import ParallelConfig, WeightTransferConfig
 from wtransfer import options as _options
+from wtransfer.engines._commit import round_state, wrap_round_methods
 
 if TYPE_CHECKING:
     import torch
@@ -126,9 +131,12 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
     ) -> None:
         self.config = config
         self.parallel_config = parallel_config if parallel_config is not None else ParallelConfig()
-        self._weight_version = 0
         self.options: Any = self.parse_options(config.options)
         """The parsed ``options_cls`` instance (or ``config.options`` as given, if undeclared)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        wrap_round_methods(cls)  # every engine gets commit modes and honest state, unasked
 
     @classmethod
     def parse_options(cls, raw: Any) -> Any:
@@ -142,9 +150,19 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         )
 
     @property
-    def weight_version(self) -> int:
-        """Number of update rounds this worker completed; unchanged by a failed round."""
-        return self._weight_version
+    def weight_version(self) -> int | None:
+        """Complete rounds loaded into the model; ``None`` while the model is torn.
+
+        Unchanged by a round that failed before commit (its model holds the previous version,
+        bit for bit); ``None`` after a streamed round or a commit failed part-way, until a
+        complete round lands.
+        """
+        return round_state(self).weight_version
+
+    @property
+    def weights_torn(self) -> bool:
+        """True while the model holds parts of two versions (see ``weight_version``)."""
+        return round_state(self).torn
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> TInitInfo:
         """Typed init info from the control plane's dict; ``ValueError`` names each bad field."""
@@ -163,12 +181,21 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
 
     @abstractmethod
     def receive_weights(self, update_info: TUpdateInfo, load_weights: LoadWeights) -> None:
-        """Receive one round's weights, calling ``load_weights`` incrementally."""
+        """Receive one round's weights, calling ``load_weights`` incrementally.
+
+        The ``load_weights`` an engine sees is the framework's: in atomic rounds it writes into
+        the node's staging copy (and ``destination(name)`` returns staging, so transports can
+        receive in place), in streaming rounds into the model. Call its ``validate_manifest``
+        (``validate_with_loader``) before writing anything, and raise if the round is not whole.
+        """
 
     def finish_weight_update(self) -> None:
-        """A round ended successfully: advance ``weight_version``."""
-        self._weight_version += 1
+        """A round ended on every worker. The framework has already loaded a staged round into the
+        model and counted it when this runs; engines override it for their own end-of-round work."""
 
     @abstractmethod
     def shutdown(self) -> None:
         """Release every resource. Must be idempotent."""
+
+
+wrap_round_methods(WeightTransferEngine)  # its own finish_weight_update too, for engines that keep it

@@ -8,7 +8,14 @@ Wire form::
 
     {"format": 1, "version": 7,
      "tensors": [["model.embed.weight", "bfloat16", [151936, 896]], ...],
-     "checksums": [3735928559, ...] | None}     # optional per-tensor CRC32 of the bytes
+     "checksums": [3735928559, ...] | None,     # optional per-tensor CRC32 of the bytes
+     "commit": {"mode": "atomic", "key": "9f0c...", "timeout_s": 300.0} | None}
+
+``commit`` says how workers apply the round (see ``_commit``): ``atomic`` stages it in
+host memory and loads it into the model only at ``finish_weight_update``, after every
+worker received it whole; ``streaming`` writes into the model as bytes arrive. ``key``
+names the trainer, so its workers on one node share one staged copy. A manifest without
+it (a trainer that predates commit modes) is streamed, as such trainers always were.
 """
 
 from __future__ import annotations
@@ -25,6 +32,36 @@ if TYPE_CHECKING:
     import torch
 
 MANIFEST_FORMAT = 1
+
+COMMIT_MODES = ("atomic", "streaming")
+"""How a round reaches the model: staged then committed everywhere, or written as it arrives."""
+
+
+@dataclass(frozen=True)
+class CommitPlan:
+    """How workers apply one round: the trainer's choice, the same for every worker."""
+
+    mode: str
+    key: str
+    """The trainer's staging key: its workers on one node share one staged copy under it."""
+    timeout_s: float
+    """How long a worker waits for its node's staged copy once its own receive ended."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "key": self.key, "timeout_s": self.timeout_s}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CommitPlan:
+        if not isinstance(data, dict):
+            raise ValueError(f"manifest 'commit' must be null or a dict, got {type(data).__name__}")
+        mode, key, timeout_s = data.get("mode"), data.get("key"), data.get("timeout_s")
+        if mode not in COMMIT_MODES:
+            raise ValueError(f"manifest commit mode {mode!r} is not one of {', '.join(COMMIT_MODES)}")
+        if not isinstance(key, str) or not key or not all(c.isalnum() or c in "-_" for c in key):
+            raise ValueError(f"manifest commit key {key!r} must be a non-empty [A-Za-z0-9_-] string")
+        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
+            raise ValueError(f"manifest commit timeout_s must be a positive number, got {timeout_s!r}")
+        return cls(mode, key, float(timeout_s))
 
 
 
@@ -65,6 +102,7 @@ class Manifest:
     entries: tuple[TensorEntry, ...]
     version: int
     checksums: tuple[int, ...] | None = None
+    commit: CommitPlan | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -76,6 +114,7 @@ class Manifest:
             "version": self.version,
             "tensors": [[e.name, e.dtype, list(e.shape)] for e in self.entries],
             "checksums": list(self.checksums) if self.checksums is not None else None,
+            "commit": self.commit.to_dict() if self.commit is not None else None,
         }
 
     @classmethod
@@ -106,7 +145,8 @@ class Manifest:
             ):
                 raise ValueError("manifest 'checksums' must be null or one int per tensor")
             checksums = tuple(checksums)
-        return cls(entries, version, checksums)
+        commit = data.get("commit")
+        return cls(entries, version, checksums, CommitPlan.from_dict(commit) if commit is not None else None)
 
 
 def _parse_entry(index: int, item: Any) -> TensorEntry:
@@ -129,9 +169,12 @@ def entry_for(name: str, tensor: torch.Tensor) -> TensorEntry:
 
 
 def build_manifest(
-    entries: Iterable[TensorEntry], version: int, checksums: Sequence[int] | None = None
+    entries: Iterable[TensorEntry],
+    version: int,
+    checksums: Sequence[int] | None = None,
+    commit: CommitPlan | None = None,
 ) -> Manifest:
-    return Manifest(tuple(entries), version, tuple(checksums) if checksums is not None else None)
+    return Manifest(tuple(entries), version, tuple(checksums) if checksums is not None else None, commit)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:

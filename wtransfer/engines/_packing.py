@@ -25,8 +25,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("wtransfer")
 
-"""Byte alignment of every whole tensor inside a bucket: enough for any dtype's in-place view."""
-
 
 @dataclass(frozen=True)
 class Piece:
@@ -251,7 +249,9 @@ class Unpacker:
 
     Whole tensors are passed as views of the bucket (valid during the call only). Split
     tensors go straight into ``load_weights.destination(name)`` when the loader offers a
-    contiguous destination; otherwise they are assembled in a temporary tensor first.
+    contiguous destination; otherwise they are assembled in a temporary tensor first. A
+    loader that ``discards`` (a node's follower in an atomic round: another worker keeps the
+    copy) is only told what arrived, so nothing is assembled for it.
     """
 
     def __init__(self, manifest: Manifest, load_weights: LoadWeights) -> None:
@@ -262,11 +262,12 @@ class Unpacker:
         )
         self._partial: dict[int, torch.Tensor] = {}  # index -> uint8 bytes being assembled
         self._direct: dict[int, torch.Tensor] = {}  # index -> destination written in place
+        self._discard = getattr(load_weights, "discards", False) is True
         self.delivered = 0
 
     def direct_target(self, bucket: Bucket) -> torch.Tensor | None:
         """Where a direct bucket can be received in place: its slice of the loader's destination."""
-        if not bucket.direct or self._destination is None:
+        if not bucket.direct or self._destination is None or self._discard:
             return None
         piece = bucket.pieces[0]
         entry = self._manifest.entries[piece.index]
@@ -286,6 +287,12 @@ class Unpacker:
             self.delivered += 1
 
     def unpack(self, bucket: Bucket, data: torch.Tensor) -> None:
+        if self._discard:
+            entries = self._manifest.entries
+            self.delivered += sum(
+                1 for p in bucket.pieces if p.whole or p.start + p.length == entries[p.index].nbytes
+            )
+            return
         batch: list[tuple[str, torch.Tensor]] = []
         for piece in bucket.pieces:
             entry = self._manifest.entries[piece.index]

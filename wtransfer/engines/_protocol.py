@@ -27,6 +27,11 @@ ALIGN = 64
 MIN_BUCKET_BYTES = 4096
 
 
+class RoundCalledOff(TransferError):
+    """Worker side: another worker rejected the round's manifest, so it was called off before any
+    byte moved. The engine stays joined (the trainer goes on with its next round)."""
+
+
 def check_int(owner: str, name: str, value: Any, minimum: int) -> None:
     """``value`` is a true int (not a bool) of at least ``minimum``; the message names ``owner``."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:

@@ -50,6 +50,7 @@ from wtransfer.engines._protocol import (
     MIB,
     PROTOCOL_VERSION,
     ManifestRejected,
+    RoundCalledOff,
     check_bucket_bytes,
     check_int,
     check_protocol,
@@ -68,7 +69,6 @@ from wtransfer.engines._trainer import ClientCall, TrainerInitOptions, TrainerWe
 from wtransfer.engines._worker import (
     BufferBudgetOptions,
     ManifestUpdateInfo,
-    RoundGuard,
     check_buffer_budget,
     global_rank,
 )
@@ -357,7 +357,7 @@ def _wait(work: Any, what: str, timeout_s: float, call: ClientCall | None = None
 
 
 class TorchDistributedWeightTransferEngine(
-    TorchDistributedBackend, RoundGuard, WeightTransferEngine[TorchDistributedInitInfo, ManifestUpdateInfo]
+    TorchDistributedBackend, WeightTransferEngine[TorchDistributedInitInfo, ManifestUpdateInfo]
 ):
     """Worker side: joins the trainer's side group and receives broadcast buckets.
 
@@ -439,13 +439,11 @@ class TorchDistributedWeightTransferEngine(
         if rejection is not None:
             raise rejection
         if int(verdict.item()):
-            raise TransferError(
-                f"round {manifest.version} aborted: another worker rejected the manifest "
-                f"(weight_version stays {self.weight_version})"
+            raise RoundCalledOff(
+                f"round {manifest.version} aborted before any byte moved: another worker rejected the manifest"
             )
         try:
             self._receive_buckets(manifest, load_weights)
-            self._mark_round_received()
         except BaseException as exc:
             self._leave_group(f"{type(exc).__name__}: {exc}")
             if isinstance(exc, TransferError):
@@ -629,8 +627,20 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
         works: list[tuple[Any, Any] | None] = [None] * len(self._buffers)
         try:
             self._broadcast_buckets(manifest, buckets, call, works)
+        except BaseException:
+            works.clear()
+            self._drop_groups()  # the workers' pending receives fail now, not at their timeout
+            raise
         finally:
             works.clear()  # a failure's traceback must not keep the collectives (and the group) alive
+
+    def _drop_groups(self) -> None:
+        """A round failed on this side: this trainer is done (it is marked broken), so close its
+        groups at once; every worker waiting in a collective fails with "connection closed"."""
+        had_group = bool(self._groups)
+        self._groups = []
+        if had_group:
+            self.release_group()
 
     def _broadcast_buckets(
         self, manifest: Manifest, buckets: list[Bucket], call: ClientCall, works: list[tuple[Any, Any] | None]

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import logging
 import queue
+import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -24,7 +25,8 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from wtransfer.engines._client import WeightSyncClient
-from wtransfer.engines._manifest import Manifest, TensorEntry, build_manifest, tensor_checksum
+from wtransfer.engines._commit import DEFAULT_COMMIT
+from wtransfer.engines._manifest import COMMIT_MODES, CommitPlan, Manifest, TensorEntry, build_manifest, tensor_checksum
 from wtransfer.engines._packing import Bucket, plan_buckets
 from wtransfer.engines._protocol import MIB, ManifestRejected, check_bucket_bytes, gc_paused
 from wtransfer.engines._source import ModuleSource, TensorSource, WeightSource
@@ -246,7 +248,14 @@ class TrainerWeightTransferEngine(ABC):
         checksums: bool = False,
         is_checkpoint_format: bool = True,
         sharded: bool = False,
+        commit: str = DEFAULT_COMMIT,
     ) -> None:
+        if commit not in COMMIT_MODES:
+            raise ValueError(
+                f"create_trainer(): commit={commit!r} is not a commit mode; use 'atomic' (the default: a failed "
+                f"round leaves every worker's model as it was, for one host copy of the model per node) or "
+                f"'streaming' (buffers only; a failed round leaves the workers' models torn, and they say so)"
+            )
         missing = [
             m for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
             if not callable(getattr(client, m, None))
@@ -255,6 +264,9 @@ class TrainerWeightTransferEngine(ABC):
             raise TypeError(
                 f"client {type(client).__name__} does not implement WeightSyncClient: missing {', '.join(missing)}"
             )
+        self.commit: str = commit
+        """How workers apply each round: ``atomic`` (staged, then committed everywhere) or ``streaming``."""
+        self._staging_key = secrets.token_hex(8)
         self.client = client
         self.sharded = bool(sharded)
         """Rank 0 of a sharded trainer: every round walks the whole source, even one that fails."""
@@ -433,6 +445,7 @@ class TrainerWeightTransferEngine(ABC):
         return {
             "backend": self.backend,
             "version": manifest.version,
+            "commit": self.commit,
             "workers": self.num_workers,
             "tensors": len(manifest.entries),
             "bytes": total,
@@ -455,7 +468,8 @@ class TrainerWeightTransferEngine(ABC):
         checksums = None
         if self.checksums:
             checksums = [tensor_checksum(tensor) for _, tensor in self.source]
-        return build_manifest(entries, self.weight_version + 1, checksums)
+        plan = CommitPlan(self.commit, self._staging_key, self.timeout_s)
+        return build_manifest(entries, self.weight_version + 1, checksums, plan)
 
     def _update_info(self, manifest: Manifest) -> dict[str, Any]:
         """The JSON-safe dict every worker's ``parse_update_info`` receives."""
@@ -529,7 +543,11 @@ def create_trainer(
 
     ``backend`` is a bare or qualified engine name; its worker class's ``trainer_cls``
     is used. ``options`` are trainer options: ``checksums`` (per-tensor CRC32 in the
-    manifest, verified by workers) and ``is_checkpoint_format``.
+    manifest, verified by workers), ``is_checkpoint_format`` and ``commit``: ``"atomic"``
+    (the default; each node's workers stage the round in one shared host copy and load it
+    into their models only after every worker received it whole, so a failed round leaves
+    every model bit-identical) or ``"streaming"`` (written as it arrives, buffers only; a
+    failed round leaves the models torn: ``weight_version`` None, ``weights_torn`` True).
 
     A sharded trainer (FSDP2 / DTensor parameters, one process per rank) calls this on every
     rank with its ``rank`` and the same source: rank 0 is the sender (it needs the client and
@@ -549,7 +567,7 @@ def create_trainer(
             f"side: its class sets no 'trainer_cls'. Use a backend that has one (shm, gloo, nccl) "
             f"or drive this engine's workers with the trainer code its plugin documents."
         )
-    accepted = {"checksums", "is_checkpoint_format"}
+    accepted = {"checksums", "is_checkpoint_format", "commit"}
     unknown = sorted(set(options) - accepted)
     if unknown:
         raise TypeError(

@@ -72,31 +72,11 @@ def check_buffer_budget(engine: WeightTransferEngine, bucket_bytes: int, num_buf
 
 
 class RoundGuard:
-    """Mixin for worker engines: ``finish_weight_update()`` only counts a round that was received whole.
-
-    A control plane that calls ``finish`` after a failed ``receive_weights`` (or without one)
-    gets an error instead of a silently advanced ``weight_version``.
-    """
-
-    _round_received: bool = False
-
-    def start_weight_update(self) -> None:
-        self._round_received = False
-        super().start_weight_update()  # type: ignore[misc]
+    """Kept for engines that list it: the framework itself now refuses ``finish_weight_update()``
+    without a completed ``receive_weights()`` (see ``wtransfer.engines._commit``)."""
 
     def _mark_round_received(self) -> None:
-        self._round_received = True
-
-    def finish_weight_update(self) -> None:
-        if not self._round_received:
-            from wtransfer.errors import TransferError
-
-            raise TransferError(
-                f"{type(self).__name__}.finish_weight_update() without a completed receive_weights() "
-                f"in this round; weight_version stays {self.weight_version}"  # type: ignore[attr-defined]
-            )
-        self._round_received = False
-        super().finish_weight_update()  # type: ignore[misc]
+        """No-op: a ``receive_weights`` that returns is what counts."""
 
 
 __all__ = ["BufferBudgetOptions", "ManifestUpdateInfo", "RoundGuard", "check_buffer_budget", "global_rank"]

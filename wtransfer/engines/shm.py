@@ -30,10 +30,12 @@ from wtransfer.engines._control import ControlChannel, Listener, PeerClosedError
 from wtransfer.engines._loader import validate_with_loader
 from wtransfer.engines._manifest import Manifest
 from wtransfer.engines._packing import Bucket, Packer, Unpacker, plan_buckets
+from wtransfer.engines._staging import create_memfd
 from wtransfer.engines._protocol import (
     MIB,
     PROTOCOL_VERSION,
     ManifestRejected,
+    RoundCalledOff,
     check_bucket_bytes,
     check_int,
     check_protocol,
@@ -44,7 +46,6 @@ from wtransfer.engines._trainer import ClientCall, TrainerWeightTransferEngine
 from wtransfer.engines._worker import (
     BufferBudgetOptions,
     ManifestUpdateInfo,
-    RoundGuard,
     check_buffer_budget,
     global_rank,
 )
@@ -86,25 +87,6 @@ class SharedMemoryInitInfo(WeightTransferInitInfo):
             raise ValueError(f"{owner}: {exc}") from None
 
 
-def _create_segment(size: int) -> int:
-    """An owner-only shared-memory file descriptor that has no name anywhere."""
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("wtransfer-shm", os.MFD_CLOEXEC)
-    else:  # pragma: no cover - non-Linux
-        import _posixshmem
-
-        name = f"/wtransfer-{secrets.token_hex(8)}"
-        fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
-        _posixshmem.shm_unlink(name)  # unlinked at once: the fd keeps it alive, nothing can leak
-    try:
-        os.fchmod(fd, 0o600)
-        os.ftruncate(fd, size)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 class _Ring:
     """A mapped segment viewed as ``num_buffers`` uint8 tensors of ``bucket_bytes`` each."""
 
@@ -136,7 +118,7 @@ class _TrainerAborted(TransferError):
     """The trainer called the round off (another worker failed or rejected it)."""
 
 
-class SharedMemoryWeightTransferEngine(RoundGuard, WeightTransferEngine[SharedMemoryInitInfo, ManifestUpdateInfo]):
+class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo, ManifestUpdateInfo]):
     """Worker side of ``shm``: maps the trainer's ring and loads buckets straight from it.
 
     ``WeightTransferConfig.options``: ``max_buffer_bytes`` refuses rings larger than that at init.
@@ -209,6 +191,11 @@ class SharedMemoryWeightTransferEngine(RoundGuard, WeightTransferEngine[SharedMe
         try:
             for bucket in buckets:
                 message = channel.recv(info.timeout_s)
+                if message.get("op") == "abort" and message.get("clean") and bucket.index == 0:
+                    # Another worker rejected the manifest: nothing moved, the trainer stays usable.
+                    raise RoundCalledOff(
+                        f"round {manifest.version} called off before any byte moved: {message.get('reason')}"
+                    )
                 if message.get("op") == "abort":
                     raise _TrainerAborted(f"the trainer aborted round {manifest.version}: {message.get('reason')}")
                 if message.get("op") != "bucket" or message.get("index") != bucket.index:
@@ -217,15 +204,13 @@ class SharedMemoryWeightTransferEngine(RoundGuard, WeightTransferEngine[SharedMe
                 unpacker.unpack(bucket, slot[: bucket.nbytes])
                 channel.send({"op": "release", "index": bucket.index}, timeout=info.timeout_s)
             unpacker.finish()
-            self._mark_round_received()
+        except RoundCalledOff:
+            raise  # the trainer knows; this worker stays connected for the next round
         except (PeerClosedError, _TrainerAborted) as exc:
             # That trainer will never send again: drop its socket and ring now (the mapping
             # would keep its shared memory alive) instead of at the next init or shutdown.
             self.shutdown()
-            raise TransferError(
-                f"round {manifest.version} failed on worker rank {self.rank}: {exc}; weight_version stays "
-                f"{self.weight_version}"
-            ) from exc
+            raise TransferError(f"round {manifest.version} failed on worker rank {self.rank}: {exc}") from exc
         except BaseException as exc:
             try:  # tell the trainer at once instead of letting it wait for the timeout
                 channel.send({"op": "fail", "error": f"{type(exc).__name__}: {exc}"}, timeout=1.0)
@@ -256,7 +241,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         self._listener: Listener | None = Listener(f"wtransfer-shm-{os.getpid()}-{secrets.token_hex(8)}")
         self._channels: dict[int, ControlChannel] = {}
         self._token = secrets.token_hex(16)
-        self._fd: int | None = _create_segment(self.bucket_bytes * self.num_buffers)
+        self._fd: int | None = create_memfd(self.bucket_bytes * self.num_buffers, "wtransfer-shm")
         self._ring: _Ring | None = _Ring(self._fd, self.bucket_bytes, self.num_buffers, populate=False)
         self._ring.touch()
         self._selector = selectors.DefaultSelector()
@@ -399,7 +384,8 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         rejected = {rank: reason for rank, reason in answers.items() if reason is not None}
         if rejected:
             reasons = "; ".join(f"rank {rank}: {reason}" for rank, reason in sorted(rejected.items()))
-            self._abort("a worker rejected the manifest", only=[r for r in answers if r not in rejected])
+            self._abort(f"a worker rejected the manifest ({reasons})",
+                        only=[r for r in answers if r not in rejected], clean=True)
             raise ManifestRejected(f"round {manifest.version} rejected: {reasons}")
         packer = Packer(manifest, iter(self.source))
         workers = set(self._channels)
@@ -419,13 +405,14 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         packer.drain()
         self._pump(lambda: not any(holders), call, "waiting for workers to load the last buckets", handle)
 
-    def _abort(self, reason: str, only: list[int] | None = None) -> None:
-        """Best effort: tell live workers to drop the round (they raise, keeping their version)."""
+    def _abort(self, reason: str, only: list[int] | None = None, clean: bool = False) -> None:
+        """Best effort: tell live workers to drop the round. ``clean``: before any byte moved (a
+        rejection), so they keep their connection for the next round."""
         for rank, channel in self._channels.items():
             if only is not None and rank not in only:
                 continue
             try:
-                channel.send({"op": "abort", "reason": reason}, timeout=1.0)
+                channel.send({"op": "abort", "reason": reason, "clean": clean}, timeout=1.0)
             except TransferError:
                 pass
 

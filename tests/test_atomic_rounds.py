@@ -1,0 +1,341 @@
+"""All-or-nothing rounds, checked on the weights: a failed round leaves every worker bit-identical to
+the previous version (atomic) or plainly torn (streaming), never mixed and labelled as the old one.
+
+Real worker processes, real shared memory and gloo groups; the in-process cases run real engines in
+threads (one trainer, several workers with different models) where a test needs per-worker models.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import wtransfer
+from wtransfer.engines import Manifest, TensorEntry, WeightSource
+from wtransfer.engines._source import TensorSource
+from wtransfer.errors import ManifestMismatchError, TransferError, WeightsTornError
+from wtransfer.local import LocalWorkerPool
+from wtransfer.testing.models import build_model, digests, mutate
+
+FACTORY = "wtransfer.testing.models:worker_model"
+TIMEOUT = 30.0
+# 28 tensors, ~3.6 MB: 14 layers of a 256x256 fp32 weight and a bias
+SHAPES = [[f"layer{i}.{kind}", shape] for i in range(14) for kind, shape in (("weight", [256, 256]), ("bias", [256]))]
+BUCKET = 64 * 1024
+
+
+class FailingSource(WeightSource):
+    """The trainer's weights, raising once ``fail_at`` of the round's bytes were read (then never again)."""
+
+    def __init__(self, model: torch.nn.Module, fail_at: float | None = None) -> None:
+        self.inner = TensorSource(dict(model.named_parameters()))
+        self.fail_at = fail_at
+
+    def metadata(self) -> list[TensorEntry]:
+        return self.inner.metadata()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        total = sum(e.nbytes for e in self.metadata())
+        read = 0
+        for name, tensor in self.inner:
+            if self.fail_at is not None and read >= self.fail_at * total:
+                self.fail_at = None
+                raise RuntimeError("the trainer's weight source failed mid-round")
+            read += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+
+def trainer_model() -> torch.nn.Module:
+    return build_model(SHAPES, "float32", random=True, seed=1)
+
+
+def send(backend: str, pool: Any, source: WeightSource, commit: str, extra: dict) -> Any:
+    return wtransfer.create_trainer(
+        backend, client=pool, source=source, commit=commit,
+        init_info={"world_size": pool.world_size, "bucket_bytes": BUCKET, "timeout_s": TIMEOUT, **extra},
+    )
+
+
+def classify(got: dict[str, int], old: dict[str, int], new: dict[str, int]) -> tuple[int, int]:
+    """(tensors equal to the new version, tensors equal to the old one); each differs between the two."""
+    assert all(old[n] != new[n] for n in old), "every tensor must change between the versions"
+    return sum(got[n] == new[n] for n in got), sum(got[n] == old[n] for n in got)
+
+
+BACKENDS = [("shm", {}), ("gloo", {}), ("gloo", {"direct_min_bytes": 16 * 1024})]
+BACKEND_IDS = ["shm", "gloo", "gloo-in-place"]
+
+
+@pytest.mark.parametrize("commit", ["atomic", "streaming"])
+@pytest.mark.parametrize(("backend", "extra"), BACKENDS, ids=BACKEND_IDS)
+def test_a_round_failing_at_60_percent_leaves_old_weights_or_says_torn(backend: str, extra: dict, commit: str) -> None:
+    model = trainer_model()
+    with LocalWorkerPool(2, FACTORY, backend=backend, factory_kwargs={"shapes": SHAPES, "dtype": "float32"},
+                         timeout_s=TIMEOUT, torch_threads=1) as pool:
+        source = FailingSource(model)
+        trainer = send(backend, pool, source, commit, extra)
+        trainer.send_weights()
+        v1 = digests(model)
+        assert pool.digests() == [v1, v1]
+        mutate(model, 2)
+        for parameter in model.parameters():
+            parameter.data.add_(1.0)  # every tensor differs from v1
+        v2 = digests(model)
+        source.fail_at = 0.6
+        with pytest.raises((TransferError, RuntimeError)):
+            trainer.send_weights()
+        got, stats = pool.digests(), pool.stats()
+        for rank in range(2):
+            fresh, old = classify(got[rank], v1, v2)
+            if commit == "atomic":
+                assert (fresh, old) == (0, len(SHAPES)), f"worker {rank}: {fresh} new, {old} old tensors"
+                assert stats[rank]["weight_version"] == 1 and stats[rank]["weights_torn"] is False
+            else:
+                assert fresh > 0 and old > 0, f"worker {rank}: the streamed round did not tear ({fresh} new, {old} old)"
+                assert stats[rank]["weight_version"] is None and stats[rank]["weights_torn"] is True
+        trainer.shutdown()
+        # A complete round from a new trainer lands bit-exact and clears the torn state.
+        retry = send(backend, pool, FailingSource(model), commit, extra)
+        retry.send_weights()
+        assert pool.digests() == [v2, v2]
+        assert [(s["weight_version"], s["weights_torn"]) for s in pool.stats()] == [(2, False)] * 2
+        retry.shutdown()
+
+
+def _memfd_inodes(pid: int, label: str) -> dict[int, int]:
+    """inode -> mapped bytes of this process's mappings of memfd ``label``."""
+    found: dict[int, int] = {}
+    with open(f"/proc/{pid}/maps") as handle:
+        for line in handle:
+            parts = line.split()
+            if len(parts) >= 6 and parts[5] == f"/memfd:{label}":
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                found[int(parts[4])] = found.get(int(parts[4]), 0) + end - start
+    return found
+
+
+@pytest.mark.parametrize(("backend", "extra"), BACKENDS[:2], ids=BACKEND_IDS[:2])
+def test_the_workers_of_a_node_share_one_staged_copy(backend: str, extra: dict) -> None:
+    model = trainer_model()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    with LocalWorkerPool(3, FACTORY, backend=backend, factory_kwargs={"shapes": SHAPES, "dtype": "float32"},
+                         timeout_s=TIMEOUT, torch_threads=1) as pool:
+        trainer = send(backend, pool, model, "atomic", extra)
+        for round_index in range(2):
+            mutate(model, round_index)
+            trainer.send_weights()
+            assert pool.digests() == [digests(model)] * 3
+        mapped = [_memfd_inodes(pid, "wtransfer-staging") for pid in pool.pids]
+        inodes = {inode for per_worker in mapped for inode in per_worker}
+        assert len(inodes) == 1, f"one staging segment per node, found {mapped}"
+        (size,) = {size for per_worker in mapped for size in per_worker.values()}
+        assert total <= size < total + len(SHAPES) * 64 + 4096
+        trainer.shutdown()
+
+
+# -- in-process workers with different models -------------------------------------------------------
+class ThreadedWorkers:
+    """A ``WeightSyncClient`` over real worker engines in this process, one thread per worker call."""
+
+    def __init__(self, backend: str, models: list[torch.nn.Module], strict: bool = True) -> None:
+        self.models = models
+        self.loaders = [wtransfer.module_loader(m, strict=strict) for m in models]
+        self.engines = [
+            wtransfer.WeightTransferEngineFactory.create_engine(
+                wtransfer.WeightTransferConfig(backend=backend),
+                wtransfer.ParallelConfig(rank=rank, world_size=len(models)),
+            )
+            for rank in range(len(models))
+        ]
+        self.errors: list[list[BaseException]] = [[] for _ in models]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.models) + 1
+
+    def _fan_out(self, call: Any) -> None:
+        failures: list[BaseException | None] = [None] * len(self.engines)
+
+        def run(rank: int) -> None:
+            try:
+                call(rank, self.engines[rank])
+            except BaseException as exc:
+                failures[rank] = exc
+                self.errors[rank].append(exc)
+
+        threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(self.engines))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        raised = [f for f in failures if f is not None]
+        if raised:  # the rejection, if any: it names the worker's reason
+            raise next((f for f in raised if isinstance(f, ManifestMismatchError)), raised[0])
+
+    def init_weight_transfer_engine(self, info: dict) -> None:
+        self._fan_out(lambda rank, e: e.init_transfer_engine(e.parse_init_info(info)))
+
+    def start_weight_update(self) -> None:
+        self._fan_out(lambda rank, e: e.start_weight_update())
+
+    def update_weights(self, info: dict) -> None:
+        self._fan_out(lambda rank, e: e.receive_weights(e.parse_update_info(info), self.loaders[rank]))
+
+    def finish_weight_update(self) -> None:
+        self._fan_out(lambda rank, e: e.finish_weight_update())
+
+    def shutdown(self) -> None:
+        for engine in self.engines:
+            engine.shutdown()
+
+
+@pytest.mark.parametrize("commit", ["atomic", "streaming"])
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_one_worker_rejecting_leaves_the_accepting_ones_unchanged_and_the_trainer_working(
+    backend: str, commit: str
+) -> None:
+    shapes = [["a.weight", [64, 64]], ["a.bias", [64]], ["b.weight", [300, 70]]]
+    accepting = build_model([*shapes, ["c.weight", [8]]], "float32")  # also holds c
+    rejecting = build_model(shapes, "float32")
+    workers = ThreadedWorkers(backend, [accepting, rejecting], strict=False)
+    tensors = {name: torch.randn(shape) for name, shape in shapes} | {"c.weight": torch.randn(8)}
+    before = [digests(accepting), digests(rejecting)]
+    trainer = wtransfer.create_trainer(
+        backend, client=workers, source=TensorSource(tensors), commit=commit,
+        init_info={"world_size": workers.world_size, "bucket_bytes": 4096, "timeout_s": TIMEOUT,
+                   **({"master_address": "127.0.0.1"} if backend == "gloo" else {})},
+    )
+    try:
+        with pytest.raises(ManifestMismatchError, match="unknown tensor 'c.weight'"):
+            trainer.send_weights()
+        assert [digests(accepting), digests(rejecting)] == before, "a rejected round wrote into a model"
+        assert [(e.weight_version, e.weights_torn) for e in workers.engines] == [(0, False), (0, False)]
+        del tensors["c.weight"]  # the round every worker accepts
+        trainer.send_weights()
+        for model in (accepting, rejecting):
+            assert all(torch.equal(getattr(model, n.split(".")[0]).get_parameter(n.split(".")[1]), t)
+                       for n, t in tensors.items())
+        assert [(e.weight_version, e.weights_torn) for e in workers.engines] == [(1, False), (1, False)]
+    finally:
+        trainer.shutdown()
+        workers.shutdown()
+
+
+# -- the framework layer, for an engine that knows nothing about it ------------------------------------
+class HandEngine(wtransfer.WeightTransferEngine):
+    """A third-party engine written against the seed API only: it calls ``load_weights`` per tensor and
+    raises after ``fail_after`` of them. It never heard of staging or commit modes."""
+
+    init_info_cls = dict  # type: ignore[assignment]
+    update_info_cls = wtransfer.engines.ManifestUpdateInfo
+    fail_after: int | None = None
+    tensors: dict[str, torch.Tensor] = {}
+
+    def init_transfer_engine(self, init_info: Any) -> None:
+        pass
+
+    def receive_weights(self, update_info: Any, load_weights: Any) -> None:
+        wtransfer.engines.validate_with_loader(load_weights, update_info.parsed)
+        for index, entry in enumerate(update_info.parsed.entries):
+            if self.fail_after is not None and index == self.fail_after:
+                raise TransferError("link lost")
+            load_weights([(entry.name, self.tensors[entry.name])])
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _update_dict(tensors: dict[str, torch.Tensor], version: int, mode: str) -> dict:
+    from wtransfer.engines._manifest import CommitPlan, build_manifest, entry_for
+
+    entries = [entry_for(n, t) for n, t in tensors.items()]
+    return {"manifest": build_manifest(entries, version, None, CommitPlan(mode, os.urandom(6).hex(), 10.0)).to_dict()}
+
+
+@pytest.mark.parametrize("commit", ["atomic", "streaming"])
+def test_a_third_party_engine_gets_commit_modes_and_honest_state_unasked(commit: str) -> None:
+    from wtransfer._registry.manager import plugin_manager
+
+    shapes = [[f"w{i}", [32]] for i in range(6)]
+    model = build_model(shapes, "float32")
+    load = wtransfer.module_loader(model)
+    engine = HandEngine(wtransfer.WeightTransferConfig(backend="hand"))
+    failures: list[BaseException] = []
+
+    class Recorder:
+        @wtransfer.hookimpl
+        def wtransfer_update_failed(self, error: BaseException) -> None:
+            failures.append(error)
+
+    recorder = Recorder()
+    plugin_manager().register(recorder)
+    try:
+        HandEngine.tensors = {f"w{i}": torch.full((32,), 1.0) for i in range(6)}
+        engine.receive_weights(engine.parse_update_info(_update_dict(HandEngine.tensors, 1, commit)), load)
+        if commit == "atomic":
+            assert all(float(p.sum()) == 0 for p in model.parameters()), "an atomic round wrote before commit"
+        engine.finish_weight_update()
+        assert engine.weight_version == 1 and all(float(p.sum()) == 32 for p in model.parameters())
+
+        HandEngine.tensors = {f"w{i}": torch.full((32,), 2.0) for i in range(6)}
+        HandEngine.fail_after = 3
+        expected = WeightsTornError if commit == "streaming" else TransferError
+        with pytest.raises(expected) as info:
+            engine.receive_weights(engine.parse_update_info(_update_dict(HandEngine.tensors, 2, commit)), load)
+        sums = [float(p.sum()) for p in model.parameters()]
+        if commit == "atomic":
+            assert sums == [32.0] * 6 and engine.weight_version == 1 and not engine.weights_torn
+            assert "torn" not in str(info.value) and "weight_version stays" not in str(info.value)
+            with pytest.raises(TransferError, match=r"without a completed receive_weights.*unchanged \(version 1\)"):
+                engine.finish_weight_update()
+        else:
+            assert sums == [64.0] * 3 + [32.0] * 3  # three new tensors, three old: torn
+            assert engine.weight_version is None and engine.weights_torn
+            assert "the model is torn" in str(info.value) and "link lost" in str(info.value)
+            with pytest.raises(TransferError, match="the model is torn"):
+                engine.finish_weight_update()
+        assert failures and failures[-1] is info.value
+        HandEngine.fail_after = None
+        engine.receive_weights(engine.parse_update_info(_update_dict(HandEngine.tensors, 3, commit)), load)
+        engine.finish_weight_update()
+        assert all(float(p.sum()) == 64 for p in model.parameters())
+        assert engine.weight_version == 2 and not engine.weights_torn
+    finally:
+        plugin_manager().unregister(recorder)
+        HandEngine.fail_after = None
+        engine.shutdown()
+
+
+def test_a_commit_that_fails_part_way_marks_the_worker_torn() -> None:
+    shapes = [[f"w{i}", [16]] for i in range(4)]
+    model = build_model(shapes, "float32")
+    real = wtransfer.module_loader(model)
+
+    class BreaksOnThird:
+        validate_manifest = staticmethod(real.validate_manifest)
+
+        def __call__(self, weights: list) -> None:
+            for index, item in enumerate(weights):
+                if index == 2:
+                    raise MemoryError("device out of memory")
+                real([item])
+
+    engine = HandEngine(wtransfer.WeightTransferConfig(backend="hand"))
+    HandEngine.tensors = {f"w{i}": torch.full((16,), 1.0) for i in range(4)}
+    engine.receive_weights(engine.parse_update_info(_update_dict(HandEngine.tensors, 1, "atomic")), BreaksOnThird())
+    with pytest.raises(WeightsTornError, match="from staging failed part-way"):
+        engine.finish_weight_update()
+    assert engine.weights_torn and engine.weight_version is None
+    engine.shutdown()
+
+
+def test_an_unknown_commit_mode_is_refused_naming_both() -> None:
+    with pytest.raises(ValueError, match="'atomic'.*'streaming'"):
+        wtransfer.create_trainer("shm", client=object(), source={"w": torch.zeros(1)}, commit="two-phase")
+    with pytest.raises(ValueError, match="commit mode 'eventual'"):
+        Manifest.from_dict({"format": 1, "version": 1, "tensors": [], "commit": {"mode": "eventual", "key": "k", "timeout_s": 1}})

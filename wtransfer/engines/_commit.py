@@ -1,0 +1,365 @@
+"""How a round reaches the model: the framework's job, the same for every engine.
+
+Every worker engine's ``receive_weights`` and ``finish_weight_update`` are wrapped (see
+:meth:`WeightTransferEngine.__init_subclass__`), so a third-party engine gets this without
+writing a line. The trainer picks the mode per round (it travels in the manifest):
+
+``atomic`` (the default)
+    ``receive_weights`` gives the engine a loader that writes into the node's staging copy
+    (:mod:`._staging`), never into the model, and returns only once the copy is whole on this
+    node. ``finish_weight_update`` — which the trainer calls only after *every* worker's
+    receive returned — loads the staged round into the model. A round that fails before that
+    leaves every model bit-identical to the previous version.
+``streaming``
+    The engine writes into the model as bytes arrive (bounded memory: its buffers only). A
+    round that fails after the first write leaves the model **torn**: it says so
+    (``weights_torn``, ``weight_version`` None, :class:`~wtransfer.errors.WeightsTornError`)
+    until a complete round lands.
+
+Either way ``weight_version`` names a version only when every byte of the model is that
+version's: it counts committed rounds, and is ``None`` while the model is torn (a streamed
+round or a commit that failed part-way).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from wtransfer.engines._manifest import Manifest
+from wtransfer.engines._packing import copy_tensor
+from wtransfer.engines._protocol import RoundCalledOff
+from wtransfer.errors import ManifestMismatchError, TransferError, WeightsTornError
+
+if TYPE_CHECKING:
+    import torch
+
+    from wtransfer.engines._staging import NodeStaging
+
+logger = logging.getLogger("wtransfer")
+
+DEFAULT_COMMIT = "atomic"
+
+
+class _Loader:
+    """Base of the loaders the framework hands an engine: the real loader's checks, kept."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def validate_manifest(self, manifest: Manifest) -> None:
+        check = getattr(self.real, "validate_manifest", None)
+        if callable(check):
+            check(manifest)
+
+
+class StreamingLoader(_Loader):
+    """Writes straight into the model, remembering whether anything may have been written."""
+
+    def __init__(self, real: Any) -> None:
+        super().__init__(real)
+        self.touched = False
+        real_destination = getattr(real, "destination", None)
+        if callable(real_destination):
+            self.destination = self._destination  # only offered where the real loader offers it
+        self._real_destination = real_destination
+
+    def _destination(self, name: str) -> torch.Tensor | None:
+        target = self._real_destination(name)  # type: ignore[misc]
+        if target is not None:
+            self.touched = True  # the engine may write into it from now on
+        return target
+
+    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        self.touched = True
+        self.real(weights)
+
+
+class StagingLoader(_Loader):
+    """The node's stager: every tensor goes into the staging segment, in place where it can."""
+
+    def __init__(self, real: Any, staging: NodeStaging, manifest: Manifest) -> None:
+        super().__init__(real)
+        self._staging = staging
+        self._manifest = manifest
+        self.views: dict[str, torch.Tensor] | None = None
+        self._delivered: set[str] = set()
+
+    def validate_manifest(self, manifest: Manifest) -> None:
+        super().validate_manifest(manifest)
+        self._open()
+
+    def _open(self) -> dict[str, torch.Tensor]:
+        if self.views is None:  # an engine that skips validation still stages
+            self.views = self._staging.begin(self._manifest)
+        return self.views
+
+    def destination(self, name: str) -> torch.Tensor | None:
+        target = self._open().get(name)
+        if target is not None:
+            self._delivered.add(name)  # written in place; the engine checks it got every byte
+        return target
+
+    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        views = self._open()
+        for name, tensor in weights:
+            target = views.get(name)
+            if target is None:
+                raise ManifestMismatchError(f"engine delivered {name!r}, which is not in round {self._manifest.version}")
+            if target.shape != tensor.shape or target.dtype != tensor.dtype:
+                raise ManifestMismatchError(
+                    f"{name!r}: engine delivered {tensor.dtype} {list(tensor.shape)}, the manifest says "
+                    f"{target.dtype} {list(target.shape)}"
+                )
+            if tensor.numel() and tensor.data_ptr() != target.data_ptr():
+                copy_tensor(target, tensor)
+            self._delivered.add(name)
+
+    def check_complete(self) -> dict[str, torch.Tensor]:
+        views = self._open()
+        missing = [name for name in views if name not in self._delivered]
+        if missing:
+            raise TransferError(
+                f"round {self._manifest.version} ended with {len(missing)} of {len(views)} tensors never "
+                f"delivered (first: {missing[:3]})"
+            )
+        return views
+
+
+class DiscardingLoader(_Loader):
+    """A follower: takes part in the transport, keeps nothing (the node's stager keeps the copy)."""
+
+    discards = True
+    """Read by :class:`~wtransfer.engines._packing.Unpacker`: do not assemble what is thrown away."""
+
+    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        return None
+
+
+@dataclass
+class _Received:
+    manifest: Manifest | None
+    staged: dict[str, torch.Tensor] | None  # None: already in the model (streamed)
+    real: Any
+
+
+class RoundState:
+    """One worker's rounds: what its model holds, and the round waiting for commit."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.committed = 0  # complete rounds loaded into the model
+        self.torn = False
+        self.depth = 0  # > 0 while a wrapped method runs (super() calls pass through)
+        self._loader: _Loader | None = None
+        self._manifest: Manifest | None = None
+        self._received: _Received | None = None
+        self._staging: NodeStaging | None = None
+        self._warned_no_manifest = False
+
+    @property
+    def weight_version(self) -> int | None:
+        return None if self.torn else self.committed
+
+    # -- receive ------------------------------------------------------------------------------
+    def begin(self, update_info: Any, real: Any) -> Any:
+        """A round starts: the loader the engine writes through."""
+        self._received = None  # an earlier round received but never committed is dropped
+        manifest = getattr(update_info, "parsed", None)
+        self._manifest = manifest if isinstance(manifest, Manifest) else None
+        plan = self._manifest.commit if self._manifest is not None else None
+        whole_round = getattr(real, "whole_round", False) is True
+        mode = plan.mode if plan is not None else "streaming"
+        if whole_round and plan is not None:
+            mode = "atomic"  # a loader that must see the whole round at once is always staged
+        elif whole_round:
+            raise TransferError(
+                f"{self.owner}: this loader needs the whole round staged, which needs a wtransfer manifest "
+                f"with a commit plan in the update info; send the round with create_trainer's trainer"
+            )
+        if mode == "streaming":
+            if plan is None and self._manifest is None and not self._warned_no_manifest:
+                self._warned_no_manifest = True
+                logger.warning("%s: its update info carries no wtransfer manifest, so rounds are streamed "
+                               "into the model (a failed one leaves it torn)", self.owner)
+            self._loader = StreamingLoader(real)
+            return self._loader
+        assert plan is not None and self._manifest is not None
+        staging = self._staging_for(plan.key)
+        staging.rejoin_if_orphaned()
+        if staging.is_stager:
+            self._loader = StagingLoader(real, staging, self._manifest)
+        else:
+            self._loader = DiscardingLoader(real)
+        return self._loader
+
+    def _staging_for(self, key: str) -> NodeStaging:
+        from wtransfer.engines._staging import NodeStaging
+
+        if self._staging is not None and self._staging.key != key:
+            self._staging.close()  # another trainer: its copy is of no use any more
+            self._staging = None
+        if self._staging is None:
+            self._staging = NodeStaging(key)
+        return self._staging
+
+    def received(self, real: Any) -> None:
+        """The engine's receive returned: the round is whole here (and, staged, on this node)."""
+        loader, manifest = self._loader, self._manifest
+        if isinstance(loader, StreamingLoader):
+            self._received = _Received(manifest, None, real)
+            return
+        assert manifest is not None and manifest.commit is not None and self._staging is not None
+        if isinstance(loader, StagingLoader):
+            staged = loader.check_complete()
+            self._staging.settle(manifest.version, None)
+        else:
+            staged = self._staging.await_staged(manifest, manifest.commit.timeout_s)
+        self._received = _Received(manifest, staged, real)
+
+    def failed(self, exc: BaseException) -> BaseException:
+        """The round failed on this worker: tell the node's followers, say what the model holds."""
+        loader, manifest = self._loader, self._manifest
+        version = manifest.version if manifest is not None else "?"
+        if isinstance(loader, StagingLoader) and self._staging is not None and manifest is not None:
+            self._staging.settle(manifest.version, f"the node's stager failed round {version}: {exc}")
+        if isinstance(loader, StreamingLoader) and loader.touched:
+            self.torn = True
+        if not isinstance(exc, (ManifestMismatchError, RoundCalledOff)) and self._staging is not None:
+            # A rejection keeps the trainer (and its next round); any other failure ends it, and a
+            # new trainer stages under a new key: free the copy and its sockets now.
+            self._staging.close()
+            self._staging = None
+        error: BaseException = exc
+        if self.torn and not isinstance(exc, WeightsTornError):
+            how = "this streamed round" if isinstance(loader, StreamingLoader) and loader.touched else "an earlier round"
+            error = WeightsTornError(
+                f"{self.owner}: round {version} failed and the model is torn (part of it was written by "
+                f"{how}); weight_version is None until a complete round lands. Cause: {type(exc).__name__}: {exc}"
+            )
+            error.__cause__ = exc
+        if self.torn:
+            logger.error("%s: round %s failed; the model is torn until a complete round lands: %s",
+                         self.owner, version, exc)
+        elif isinstance(loader, (StagingLoader, DiscardingLoader)):
+            logger.warning("%s: round %s failed before commit; the model still holds version %d: %s",
+                           self.owner, version, self.committed, exc)
+        self._loader = None
+        _notify_failed(error)
+        return error
+
+    # -- commit -------------------------------------------------------------------------------
+    def commit(self) -> None:
+        """``finish_weight_update``: load a staged round into the model, count the round."""
+        received, self._received = self._received, None
+        if received is None:
+            state = "torn" if self.torn else f"unchanged (version {self.committed})"
+            raise TransferError(
+                f"{self.owner}.finish_weight_update() without a completed receive_weights() in this round; "
+                f"the model is {state}"
+            )
+        if received.staged is not None:
+            try:
+                received.real(list(received.staged.items()))
+            except BaseException as exc:
+                self.torn = True
+                error = WeightsTornError(
+                    f"{self.owner}: loading round {received.manifest.version if received.manifest else '?'} "
+                    f"from staging failed part-way, so the model is torn; weight_version is None until a "
+                    f"complete round lands. Cause: {type(exc).__name__}: {exc}"
+                )
+                logger.error("%s", error)
+                _notify_failed(error)
+                raise error from exc
+        self.committed += 1
+        self.torn = False
+
+    def close(self) -> None:
+        self._received = None
+        self._loader = None
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
+
+
+def _notify_failed(error: BaseException) -> None:
+    from wtransfer._registry.manager import notify
+
+    try:
+        notify("wtransfer_update_failed", error=error)
+    except Exception:  # an observer must never change the round's outcome
+        logger.exception("a wtransfer_update_failed hook raised")
+
+
+def round_state(engine: Any) -> RoundState:
+    state = engine.__dict__.get("_wtransfer_round")
+    if state is None:
+        state = engine.__dict__["_wtransfer_round"] = RoundState(type(engine).__name__)
+    return state
+
+
+def wrap_round_methods(cls: type) -> None:
+    """Give ``cls``'s own ``receive_weights`` / ``finish_weight_update`` / ``shutdown`` the commit
+    protocol. Methods reached through ``super()`` from a wrapped one run unwrapped."""
+    for name, wrapper in (("receive_weights", _wrap_receive), ("finish_weight_update", _wrap_finish),
+                          ("shutdown", _wrap_shutdown)):
+        method = cls.__dict__.get(name)
+        if callable(method) and not getattr(method, "__wtransfer_round__", False):
+            wrapped = functools.wraps(method)(wrapper(method))
+            wrapped.__wtransfer_round__ = True  # type: ignore[attr-defined]
+            setattr(cls, name, wrapped)
+
+
+def _wrap_receive(method: Callable[..., None]) -> Callable[..., None]:
+    def receive_weights(self: Any, update_info: Any, load_weights: Any) -> None:
+        state = round_state(self)
+        if state.depth:
+            return method(self, update_info, load_weights)
+        state.depth += 1
+        try:
+            try:
+                loader = state.begin(update_info, load_weights)
+                method(self, update_info, loader)
+                state.received(load_weights)
+            except BaseException as exc:
+                error = state.failed(exc)
+                if error is exc:
+                    raise
+                raise error from exc
+        finally:
+            state.depth -= 1
+
+    return receive_weights
+
+
+def _wrap_finish(method: Callable[..., None]) -> Callable[..., None]:
+    def finish_weight_update(self: Any) -> None:
+        state = round_state(self)
+        if state.depth:
+            return method(self)
+        state.depth += 1
+        try:
+            state.commit()
+            method(self)
+        finally:
+            state.depth -= 1
+
+    return finish_weight_update
+
+
+def _wrap_shutdown(method: Callable[..., None]) -> Callable[..., None]:
+    def shutdown(self: Any) -> None:
+        state = round_state(self)
+        if state.depth:
+            return method(self)
+        state.depth += 1
+        try:
+            method(self)
+        finally:
+            state.depth -= 1
+            state.close()
+
+    return shutdown

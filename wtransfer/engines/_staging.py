@@ -1,0 +1,289 @@
+"""Node staging: one host copy of a round per node, shared by every worker of the node.
+
+An atomic round is received into host memory first and loaded into a model only once every
+worker has it whole. Holding that copy once per *worker* would cost TP x the model per node,
+so the workers of one trainer on one node share it:
+
+* the first of them to start a round binds a private abstract Unix socket named after the
+  trainer's staging key and becomes the node's **stager**: it owns one anonymous shared-memory
+  segment (``memfd``: never a name in ``/dev/shm``, gone with its last mapping) and writes the
+  round into it while its engine receives;
+* the others (**followers**) take part in the transport as usual but keep nothing; when their
+  own receive ends they ask the stager whether the round landed whole, and it answers with the
+  segment's descriptor (``SCM_RIGHTS``) or the reason it did not.
+
+At commit every worker copies from the same pages into its own model. A stager that dies
+closes the socket, so its followers fail the round at once instead of waiting. Where the
+kernel has no abstract sockets (not Linux) every worker stages for itself.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from wtransfer.engines._control import ControlChannel, PeerClosedError
+from wtransfer.engines._manifest import Manifest, TensorEntry
+from wtransfer.engines._protocol import ALIGN
+from wtransfer.errors import TransferError, TransferTimeoutError
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("wtransfer")
+
+
+def staging_offsets(entries: tuple[TensorEntry, ...]) -> tuple[list[int], int]:
+    """Each tensor's byte offset in the staging segment (``ALIGN``-aligned) and the total size."""
+    offsets, total = [], 0
+    for entry in entries:
+        offsets.append(total)
+        total += (entry.nbytes + ALIGN - 1) // ALIGN * ALIGN
+    return offsets, total
+
+
+def create_memfd(size: int, label: str) -> int:
+    """An owner-only shared-memory file descriptor of ``size`` bytes that has no name anywhere."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create(label, os.MFD_CLOEXEC)
+    else:  # pragma: no cover - non-Linux
+        import _posixshmem
+        import secrets
+
+        name = f"/{label}-{secrets.token_hex(8)}"
+        fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        _posixshmem.shm_unlink(name)  # unlinked at once: the fd keeps it alive, nothing can leak
+    try:
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class _Segment:
+    """A mapped ``memfd`` (the descriptor is kept so it can be handed to followers)."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        import torch
+
+        self.fd = fd
+        self.size = size
+        self.inode = os.fstat(fd).st_ino
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self._map: mmap.mmap | None = mmap.mmap(fd, max(size, 1), flags=flags)
+        self.data = torch.frombuffer(self._map, dtype=torch.uint8)[:size]
+
+    @classmethod
+    def create(cls, size: int) -> _Segment:
+        return cls(create_memfd(max(size, 1), "wtransfer-staging"), size)
+
+    def views(self, manifest: Manifest) -> dict[str, torch.Tensor]:
+        """Every tensor of the round as a typed view of this segment, in manifest order."""
+        offsets, total = staging_offsets(manifest.entries)
+        if total > self.size:
+            raise TransferError(f"staging segment of {self.size} bytes is too small for a {total}-byte round")
+        return {
+            entry.name: self.data[offset : offset + entry.nbytes].view(entry.torch_dtype()).view(entry.shape)
+            for entry, offset in zip(manifest.entries, offsets)
+        }
+
+    def close(self) -> None:
+        self.data = None  # type: ignore[assignment]
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # views still referenced somewhere: unmapped when they go
+                logger.debug("staging segment still referenced at close; unmapped when released")
+            self._map = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+@dataclass
+class _Outcome:
+    error: str | None = None  # None: staged whole
+
+
+class NodeStaging:
+    """This worker's handle on its node's staging for one trainer (one staging key)."""
+
+    KEEP_OUTCOMES = 4
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.segment: _Segment | None = None
+        self._server: socket.socket | None = None
+        self._channel: ControlChannel | None = None  # a follower's connection to the stager
+        self._lock = threading.Condition()
+        self._outcomes: dict[int, _Outcome] = {}
+        self._closed = False
+        self._elect()
+
+    @property
+    def is_stager(self) -> bool:
+        return self._channel is None
+
+    # -- who stages ---------------------------------------------------------------------------
+    def _elect(self) -> None:
+        if not sys.platform.startswith("linux"):
+            return  # no abstract sockets: stage privately
+        name = f"\0wtransfer-stage-{self.key}"
+        for _ in range(50):
+            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                server.bind(name)
+            except OSError as exc:
+                server.close()
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+            else:
+                server.listen(64)
+                self._server = server
+                threading.Thread(target=self._accept_loop, name="wtransfer-stager", daemon=True).start()
+                logger.debug("node staging %s: this worker stages for the node", self.key)
+                return
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                client.connect(name)
+            except OSError:  # the stager is going away: try to take its place
+                client.close()
+                continue
+            self._channel = ControlChannel(client, "this node's stager")
+            logger.debug("node staging %s: following this node's stager", self.key)
+            return
+        raise TransferError(f"node staging {self.key}: could neither stage nor reach this node's stager")
+
+    def rejoin_if_orphaned(self) -> None:
+        """A follower whose stager is gone (between rounds) elects again before the next round."""
+        if self._channel is None:
+            return
+        import select
+
+        readable, _, _ = select.select([self._channel.sock], [], [], 0)
+        if readable:
+            try:
+                self._channel.read_ready()
+                return  # a stray message: still connected
+            except TransferError:
+                pass
+            self._channel.close()
+            self._channel = None
+            self._elect()
+
+    # -- the stager ---------------------------------------------------------------------------
+    def begin(self, manifest: Manifest) -> dict[str, torch.Tensor]:
+        """Stager: a round starts; returns where each tensor goes (the segment grows if needed)."""
+        _, total = staging_offsets(manifest.entries)
+        with self._lock:
+            self._outcomes.pop(manifest.version, None)
+            if self.segment is None or self.segment.size < total:
+                old, self.segment = self.segment, None
+                if old is not None:
+                    old.close()
+                self.segment = _Segment.create(total)
+                logger.debug("node staging %s: %d-byte segment", self.key, total)
+            return self.segment.views(manifest)
+
+    def settle(self, version: int, error: str | None) -> None:
+        """Stager: round ``version`` landed whole (``error`` None) or failed; followers are told."""
+        with self._lock:
+            self._outcomes[version] = _Outcome(error)
+            for old in sorted(self._outcomes)[: -self.KEEP_OUTCOMES]:
+                del self._outcomes[old]
+            self._lock.notify_all()
+
+    def _accept_loop(self) -> None:
+        server = self._server
+        while server is not None and not self._closed:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            channel = ControlChannel(conn, "a follower")
+            threading.Thread(target=self._serve, args=(channel,), name="wtransfer-stager-peer", daemon=True).start()
+
+    def _serve(self, channel: ControlChannel) -> None:
+        try:
+            while not self._closed:
+                try:
+                    request = channel.recv(3600.0)
+                except TransferTimeoutError:
+                    continue
+                version, timeout_s = request.get("version"), float(request.get("timeout_s", 300.0))
+                with self._lock:
+                    settled = self._lock.wait_for(
+                        lambda: self._closed or version in self._outcomes
+                        or any(v > version for v in self._outcomes), timeout_s)
+                    outcome = self._outcomes.get(version)
+                    segment = self.segment
+                if outcome is None or segment is None:
+                    why = "the stager timed out waiting for it" if not settled else "the stager moved on or closed"
+                    channel.send({"ok": False, "error": f"round {version} was not staged on this node: {why}"})
+                elif outcome.error is not None:
+                    channel.send({"ok": False, "error": outcome.error})
+                else:
+                    channel.send({"ok": True, "size": segment.size}, fds=[segment.fd])
+        except (PeerClosedError, TransferError, OSError, ValueError):
+            pass
+        finally:
+            channel.close()
+
+    # -- a follower ---------------------------------------------------------------------------
+    def await_staged(self, manifest: Manifest, timeout_s: float) -> dict[str, torch.Tensor]:
+        """Follower: wait for the stager to have round ``manifest.version`` whole; its views."""
+        assert self._channel is not None
+        version = manifest.version
+        try:
+            self._channel.send({"op": "staged", "version": version, "timeout_s": timeout_s}, timeout=timeout_s)
+            reply: dict[str, Any] = self._channel.recv(timeout_s + 5.0)
+        except PeerClosedError as exc:
+            self._channel.close()
+            self._channel = None
+            self._elect()  # the next round gets a stager again
+            raise TransferError(f"this node's stager died during round {version}: {exc}") from exc
+        fds = self._channel.take_fds()
+        try:
+            if not reply.get("ok"):
+                raise TransferError(f"round {version} did not reach this node whole: {reply.get('error')}")
+            if len(fds) != 1:
+                raise TransferError(f"the node's stager sent {len(fds)} descriptors, expected one")
+            fd = fds.pop()
+            if self.segment is not None and self.segment.inode == os.fstat(fd).st_ino:
+                os.close(fd)
+            else:
+                if self.segment is not None:
+                    self.segment.close()
+                self.segment = None
+                self.segment = _Segment(fd, int(reply["size"]))
+            return self.segment.views(manifest)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            self._lock.notify_all()
+        if self._server is not None:
+            try:
+                self._server.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._server.close()
+            self._server = None
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
