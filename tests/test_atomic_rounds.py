@@ -18,6 +18,7 @@ import torch
 import wtransfer
 from wtransfer.engines import Manifest, TensorEntry, WeightSource
 from wtransfer.engines._source import TensorSource
+from wtransfer.engines._staging import staging_segments
 from wtransfer.errors import ManifestMismatchError, TransferError, WeightsTornError
 from wtransfer.local import LocalWorkerPool
 from wtransfer.testing.models import build_model, digests, mutate
@@ -107,18 +108,6 @@ def test_a_round_failing_at_60_percent_leaves_old_weights_or_says_torn(backend: 
         retry.shutdown()
 
 
-def _memfd_inodes(pid: int, label: str) -> dict[int, int]:
-    """inode -> mapped bytes of this process's mappings of memfd ``label``."""
-    found: dict[int, int] = {}
-    with open(f"/proc/{pid}/maps") as handle:
-        for line in handle:
-            parts = line.split()
-            if len(parts) >= 6 and parts[5] == f"/memfd:{label}":
-                start, end = (int(x, 16) for x in parts[0].split("-"))
-                found[int(parts[4])] = found.get(int(parts[4]), 0) + end - start
-    return found
-
-
 @pytest.mark.parametrize(("backend", "extra"), BACKENDS[:2], ids=BACKEND_IDS[:2])
 def test_the_workers_of_a_node_share_one_staged_copy(backend: str, extra: dict) -> None:
     model = trainer_model()
@@ -130,10 +119,10 @@ def test_the_workers_of_a_node_share_one_staged_copy(backend: str, extra: dict) 
             mutate(model, round_index)
             trainer.send_weights()
             assert pool.digests() == [digests(model)] * 3
-        mapped = [_memfd_inodes(pid, "wtransfer-staging") for pid in pool.pids]
-        inodes = {inode for per_worker in mapped for inode in per_worker}
-        assert len(inodes) == 1, f"one staging segment per node, found {mapped}"
-        (size,) = {size for per_worker in mapped for size in per_worker.values()}
+        mapped = [staging_segments([pid]) for pid in pool.pids]
+        assert all(len(m) == 1 for m in mapped) and len(staging_segments(pool.pids)) == 1, \
+            f"one staging segment per node, mapped by every worker: {mapped}"
+        ((_, size),) = staging_segments(pool.pids).items()
         assert total <= size < total + len(SHAPES) * 64 + 4096
         trainer.shutdown()
 
@@ -339,3 +328,35 @@ def test_an_unknown_commit_mode_is_refused_naming_both() -> None:
         wtransfer.create_trainer("shm", client=object(), source={"w": torch.zeros(1)}, commit="two-phase")
     with pytest.raises(ValueError, match="commit mode 'eventual'"):
         Manifest.from_dict({"format": 1, "version": 1, "tensors": [], "commit": {"mode": "eventual", "key": "k", "timeout_s": 1}})
+
+
+def test_a_control_plane_timeout_marks_the_trainer_broken_so_no_retry_overlaps_the_hung_call() -> None:
+    shapes = [["w", [64]]]
+    model = build_model(shapes, "float32")
+
+    class SlowStart(ThreadedWorkers):
+        """A control plane whose start call hangs past the trainer's timeout (then returns)."""
+
+        hang = 0.0
+
+        def start_weight_update(self) -> None:
+            import time
+
+            time.sleep(self.hang)
+            super().start_weight_update()
+
+    workers = SlowStart("shm", [model])
+    trainer = wtransfer.create_trainer("shm", client=workers, source={"w": torch.ones(64)},
+                                       init_info={"world_size": 2, "timeout_s": 1.0})
+    try:
+        trainer.send_weights()
+        SlowStart.hang = 3.0
+        with pytest.raises(wtransfer.TransferTimeoutError, match="start_weight_update"):
+            trainer.send_weights()
+        SlowStart.hang = 0.0
+        with pytest.raises(TransferError, match="unusable after an earlier failure.*start_weight_update"):
+            trainer.send_weights()
+        assert workers.engines[0].weight_version == 1 and torch.equal(model.w, torch.ones(64))
+    finally:
+        trainer.shutdown()
+        workers.shutdown()

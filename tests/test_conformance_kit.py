@@ -105,6 +105,22 @@ class Forgetful(SharedMemoryWeightTransferEngine):
         super().receive_weights(update_info, DropsNorm(load_weights))
 '''
 
+SWALLOWING_ENGINE = '''
+from wtransfer.engines.shm import SharedMemoryWeightTransferEngine
+from wtransfer.errors import TransferError
+
+
+class Swallower(SharedMemoryWeightTransferEngine):
+    """shm with one contract violation: a round cut short is reported as received (its error is
+    swallowed), so a streamed round that dies half-way leaves a torn model that claims a version."""
+
+    def receive_weights(self, update_info, load_weights):
+        try:
+            super().receive_weights(update_info, load_weights)
+        except TransferError:
+            pass
+'''
+
 TOKEN_KEYED_CONNECTOR = '''
 import dataclasses
 
@@ -147,9 +163,36 @@ def test_a_broken_engine_fails_exactly_its_point(fake_distribution, tmp_path: Pa
             engine = "forgetful"
     """)
     assert out.returncode == 1, out.stdout
+    # streamed, the round "completes" without 'norm' and the weights show it; atomic, the framework
+    # finds the tensor never delivered and fails the round before any model sees it
     assert "contract point: every worker holds the trainer's weights bit for bit after a round" in out.stdout
     assert "differs in ['norm']" in out.stdout
-    assert failed_tests(out.stdout) == ["test_rounds_are_bit_exact_on_the_dtype_shape_matrix"], out.stdout
+    assert "never delivered (first: ['norm'])" in out.stdout
+    # exactly the points whose rounds must complete; the failure paths (dead or silent peers) hold
+    assert failed_tests(out.stdout) == [
+        f"{test}[{commit}]" for test in (
+            "test_dead_trainer_fails_the_workers_within_the_timeout",
+            "test_one_worker_rejecting_leaves_every_worker_unchanged_and_the_trainer_usable",
+            "test_rounds_are_bit_exact_on_the_dtype_shape_matrix",
+        ) for commit in ("atomic", "streaming")
+    ], out.stdout
+
+
+def test_an_engine_that_tears_silently_fails_exactly_the_torn_round_point(fake_distribution, tmp_path: Path):
+    fake_distribution("acme-swallower", {"wtransfer.engines": {"swallower": "acme_swallower:Swallower"}},
+                      {"acme_swallower": SWALLOWING_ENGINE})
+    out = run_pytest(tmp_path, """
+        from wtransfer.testing.conformance import EngineConformance
+
+        class TestSwallower(EngineConformance):
+            engine = "swallower"
+    """)
+    assert out.returncode == 1, out.stdout
+    assert "contract point: the trainer died mid-round: a streamed round that failed part-way leaves the " \
+           "worker torn, and it says so" in out.stdout, out.stdout
+    # atomic rounds catch the lie themselves (the staged copy is incomplete): only streaming fails
+    assert failed_tests(out.stdout) == ["test_dead_trainer_fails_the_workers_within_the_timeout[streaming]"], \
+        out.stdout
 
 
 def test_a_broken_connector_fails_exactly_its_point(fake_distribution, tmp_path: Path):

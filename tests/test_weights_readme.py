@@ -43,17 +43,25 @@ def test_bench_verifies_rounds_and_reports_peers_as_json() -> None:
     )  # fmt: skip
     assert result.returncode in (0, 1), result.stderr  # 1 = a speed target missed on this tiny model
     document = json.loads(result.stdout)
-    assert [e["engine"] for e in document["engines"]] == ["shm", "gloo", "gloo (small tensors)"]
+    assert [e["engine"] for e in document["engines"]] == [
+        "shm streaming", "shm atomic", "gloo streaming", "gloo atomic", "gloo streaming (small tensors)"]
     for engine in document["engines"]:
         assert [r["verified_workers"] for r in engine["rounds"]] == [2, 2]
         assert [r["version"] for r in engine["rounds"]] == [1, 2]
+        assert [r["commit"] for r in engine["rounds"]] == [engine["engine"].split()[1]] * 2
         assert len(engine["worker_peak_extra_rss"]) == 2 and engine["median_gb_per_s"] > 0
+        # two workers on one node: atomic rounds share one staged copy, streaming ones stage nothing
+        assert engine["staging_segments"] == (1 if " atomic" in engine["engine"] else 0)
     assert set(document["peers_gb_per_s"]) == {
         "memcpy", "gloo per-tensor broadcast", "gloo one-tensor broadcast", "gloo raw, engine's groups/buckets/in-flight",
-        "gloo per-tensor, new tensor + load (vLLM loop)",
+        "gloo per-tensor, new tensor + load (vLLM loop)", "memcpy into staging, then into the model",
         "safetensors save+load (/dev/shm)", "share_memory_() per update", "gloo per-tensor broadcast (small tensors)",
     }  # fmt: skip
-    assert {t["what"] for t in document["targets"]} >= {"shm / memcpy", "gloo / gloo raw at its best"}
+    targets = {t["what"]: t for t in document["targets"]}
+    assert set(targets) >= {"shm streaming / memcpy", "gloo streaming / gloo raw at its best",
+                            "shm atomic / memcpy into staging, then into the model",
+                            "shm atomic host staging copies per node", "gloo atomic host staging copies per node"}
+    assert targets["shm atomic host staging copies per node"]["ok"]
 
 
 def test_bench_checks_engine_names_before_any_work() -> None:
@@ -72,7 +80,8 @@ def test_the_main_command_checks_shm_against_memcpy_and_its_exit_code_says_so() 
     document = json.loads(result.stdout)
     assert "memcpy" in document["peers_gb_per_s"]  # measured without --compare
     checks = {t["what"]: t for t in document["targets"]}
-    assert checks["shm / memcpy"]["applies"]
+    assert checks["shm streaming / memcpy"]["applies"]
+    assert checks["shm atomic / memcpy into staging, then into the model"]["applies"]
     missed = [t for t in document["targets"] if t["applies"] and not t["ok"]]
     assert result.returncode == (1 if missed else 0), (result.returncode, missed)
 

@@ -253,6 +253,8 @@ class LocalWorkerPool:
     ``world_size`` (trainer + workers) is what the trainer's ``init_info`` needs.
     ``engine_options`` become ``WeightTransferConfig.options`` in every worker;
     ``torch_threads`` > 0 pins each worker's intra-op threads (useful on small machines).
+    ``worker_factory_kwargs`` (one dict per worker) override ``factory_kwargs`` per worker, for
+    workers whose models differ (a test of one worker rejecting a round).
     """
 
     def __init__(
@@ -262,6 +264,7 @@ class LocalWorkerPool:
         *,
         backend: str = "shm",
         factory_kwargs: dict[str, Any] | None = None,
+        worker_factory_kwargs: list[dict[str, Any]] | None = None,
         engine_options: dict[str, Any] | None = None,
         strict: bool = True,
         timeout_s: float = 300.0,
@@ -270,6 +273,9 @@ class LocalWorkerPool:
     ) -> None:
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+        if worker_factory_kwargs is not None and len(worker_factory_kwargs) != num_workers:
+            raise ValueError(f"worker_factory_kwargs needs one dict per worker ({num_workers}), "
+                             f"got {len(worker_factory_kwargs)}")
         self.num_workers = num_workers
         self.backend = backend
         self.timeout_s = float(timeout_s)
@@ -284,7 +290,9 @@ class LocalWorkerPool:
                 parent, child = context.Pipe()
                 process = context.Process(
                     target=_worker_main,
-                    args=(child, reference, json.dumps(factory_kwargs or {}), backend,
+                    args=(child, reference,
+                          json.dumps({**(factory_kwargs or {}), **(worker_factory_kwargs or [{}] * num_workers)[rank]}),
+                          backend,
                           json.dumps(engine_options or {}), rank, num_workers, strict, torch_threads),
                     name=f"wtransfer-worker-{rank}",
                     daemon=True,

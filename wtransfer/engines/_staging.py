@@ -126,6 +126,7 @@ class NodeStaging:
         self._channel: ControlChannel | None = None  # a follower's connection to the stager
         self._lock = threading.Condition()
         self._outcomes: dict[int, _Outcome] = {}
+        self._followers: set[ControlChannel] = set()  # the stager's connections, closed with it
         self._closed = False
         self._elect()
 
@@ -210,6 +211,11 @@ class NodeStaging:
             except OSError:
                 return
             channel = ControlChannel(conn, "a follower")
+            with self._lock:
+                if self._closed:
+                    channel.close()
+                    return
+                self._followers.add(channel)
             threading.Thread(target=self._serve, args=(channel,), name="wtransfer-stager-peer", daemon=True).start()
 
     def _serve(self, channel: ControlChannel) -> None:
@@ -236,6 +242,8 @@ class NodeStaging:
         except (PeerClosedError, TransferError, OSError, ValueError):
             pass
         finally:
+            with self._lock:
+                self._followers.discard(channel)
             channel.close()
 
     # -- a follower ---------------------------------------------------------------------------
@@ -271,9 +279,17 @@ class NodeStaging:
                 os.close(fd)
 
     def close(self) -> None:
-        self._closed = True
+        """Release the copy and every socket. A stager's followers see their connection close, so
+        they elect a new stager before their next round instead of asking this one."""
         with self._lock:
+            self._closed = True
+            followers, self._followers = list(self._followers), set()
             self._lock.notify_all()
+        for channel in followers:
+            try:
+                channel.sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in recv()
+            except OSError:
+                pass
         if self._server is not None:
             try:
                 self._server.shutdown(socket.SHUT_RDWR)
@@ -287,3 +303,23 @@ class NodeStaging:
         if self.segment is not None:
             self.segment.close()
             self.segment = None
+
+
+def staging_segments(pids: list[int]) -> dict[int, int]:
+    """inode -> size of every node staging segment the processes ``pids`` map (Linux).
+
+    How a benchmark or a test sees that a node holds one staged copy however many workers it runs.
+    """
+    found: dict[int, int] = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as handle:
+                lines = handle.readlines()
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            if len(parts) >= 6 and parts[5] == "/memfd:wtransfer-staging":
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                found[int(parts[4])] = max(found.get(int(parts[4]), 0), end - start)
+    return found

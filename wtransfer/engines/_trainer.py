@@ -287,6 +287,7 @@ class TrainerWeightTransferEngine(ABC):
         self.is_checkpoint_format = bool(is_checkpoint_format)
         self.weight_version = 0
         self._broken: str | None = None
+        self._clean_rejection = False
         self._closed = False
         self._connected = False
         self._client_thread = ClientThread()
@@ -392,10 +393,15 @@ class TrainerWeightTransferEngine(ABC):
                 f"this {self.backend} trainer is unusable after an earlier failure ({self._broken}); "
                 f"shut it down and create a new one (and restart the workers' engines)"
             )
+        self._clean_rejection = False
         try:
             with gc_paused():
                 stats = self._run_sharded_round(weight_version) if self.sharded else self._run_round(weight_version)
         except BaseException as exc:
+            if self._broken is None and not self._clean_rejection and not isinstance(exc, KeyboardInterrupt):
+                # A client call that timed out may still be running: a retried round would overlap
+                # it (and its workers may hold half a round). Only a clean rejection keeps us usable.
+                self._broken = f"{type(exc).__name__}: {exc}"
             notify("wtransfer_update_failed", error=exc)
             raise
         notify("wtransfer_update_finished", stats=stats)
@@ -479,6 +485,7 @@ class TrainerWeightTransferEngine(ABC):
         """Re-raise a failure, preferring the client's own error: it carries the workers' reason."""
         if isinstance(exc, ManifestRejected):
             # A clean abort: every side stopped before any data moved; the engine stays usable.
+            self._clean_rejection = True
             call.wait(self.timeout_s)
             if call.error is not None:
                 raise call.error from None

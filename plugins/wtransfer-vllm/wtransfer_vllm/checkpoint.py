@@ -41,6 +41,25 @@ def _checkpoint_dir(model: str, revision: str | None) -> Path | None:
         return None
 
 
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files that make up the checkpoint, as vLLM picks them.
+
+    With an index (``model.safetensors.index.json``) exactly the files its ``weight_map``
+    names. Without one, every ``*.safetensors`` file but Mistral's ``consolidated*`` one when
+    others exist: it holds the same weights under other names, and reading both would make
+    every round look incomplete.
+    """
+    import json
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        return [folder / name for name in names if (folder / name).is_file()]
+    files = sorted(folder.glob("*.safetensors"))
+    others = [f for f in files if not f.name.startswith("consolidated")]
+    return others or files
+
+
 def checkpoint_tensors(model_config: Any) -> dict[str, CheckpointTensor] | None:
     """Name -> dtype/shape of every tensor in the checkpoint vLLM loaded; None if unknown
     (no safetensors files found, e.g. a dummy load or a ``.bin`` checkpoint)."""
@@ -50,7 +69,7 @@ def checkpoint_tensors(model_config: Any) -> dict[str, CheckpointTensor] | None:
     folder = _checkpoint_dir(str(model_config.model), getattr(model_config, "revision", None))
     if folder is None:
         return None
-    files = sorted(folder.glob("*.safetensors"))
+    files = checkpoint_files(folder)
     if not files:
         return None
     tensors: dict[str, CheckpointTensor] = {}
@@ -93,7 +112,7 @@ def checkpoint_fingerprint(model_config: Any) -> str:
     }
     digest.update(json.dumps(identity, sort_keys=True).encode())
     folder = _checkpoint_dir(str(model_config.model), getattr(model_config, "revision", None))
-    files = sorted(folder.glob("*.safetensors")) if folder is not None else []
+    files = checkpoint_files(folder) if folder is not None else []
     if folder is not None and (folder / "config.json").is_file():
         digest.update((folder / "config.json").read_bytes())
     for file in files:
@@ -127,14 +146,20 @@ def check_round(
     must be present: vLLM's layerwise reload processes a layer once all of its weights
     arrived, and a layer missing some would be rebuilt from uninitialised memory.
     """
+    if expected is None:
+        return [
+            "wtransfer-vllm cannot check this round: vLLM loaded the model without a local safetensors "
+            "checkpoint (a .bin checkpoint, a dummy load, or a hub model missing from the local cache), so "
+            "the names, shapes and completeness of a round cannot be verified, and a layer missing a tensor "
+            "would be rebuilt from uninitialised memory. Start vLLM from a local safetensors checkpoint "
+            "(save_pretrained(..., safe_serialization=True))"
+        ]
     problems: list[str] = []
     seen: set[str] = set()
     for name, dtype, shape in entries:
         if name in seen:
             problems.append(f"{name!r} appears twice")
         seen.add(name)
-        if expected is None:
-            continue
         want = expected.get(name)
         if want is None:
             problems.append(f"unknown tensor {name!r} (not in the checkpoint vLLM loaded)")
@@ -143,9 +168,8 @@ def check_round(
             problems.append(f"{name!r}: shape {list(shape)} != checkpoint {list(want.shape)}")
         if dtype not in (want.dtype, model_dtype):
             problems.append(f"{name!r}: dtype {dtype} is neither the checkpoint's {want.dtype} nor the model's {model_dtype}")
-    if expected is not None:
-        missing = sorted(set(expected) - seen)
-        if missing:
-            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-            problems.append(f"missing {len(missing)} checkpoint tensor(s): {shown}")
+    missing = sorted(set(expected) - seen)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        problems.append(f"missing {len(missing)} checkpoint tensor(s): {shown}")
     return problems

@@ -8,14 +8,17 @@ made on demand by this module's ``__getattr__`` (vLLM's lazy loader calls
 A round, as vLLM's worker drives it::
 
     start_weight_update()   -> the wtransfer engine's start (nothing touches the model)
-    update_weights(dict)    -> the wtransfer engine receives the whole round into staging,
-                               then the staged checkpoint is loaded through
-                               model.load_weights inside vLLM's layerwise reload
-    finish_weight_update()  -> the wtransfer engine counts the round (weight_version + 1)
+    update_weights(dict)    -> the wtransfer engine receives the whole round into the node's
+                               host staging copy (one per node, shared by its TP workers)
+    finish_weight_update()  -> called on every worker once all of them have the round whole:
+                               the staged checkpoint is loaded through model.load_weights
+                               inside vLLM's layerwise reload, and the round counts
 
 vLLM's own checkpoint-format engines open the layerwise reload in ``start`` and close it
-in ``finish``. Here it is opened and closed around the load, after the round arrived
-whole: a trainer that dies mid-round leaves the model untouched and serving.
+in ``finish``. Here it is opened and closed around the load, at commit: a trainer that dies
+mid-round, or before every TP worker received it, leaves every worker's model untouched and
+serving. Staging is wtransfer's (host memory, never the GPU); the loader below needs the
+whole round at once, so rounds are staged even when the trainer asks for ``streaming``.
 """
 
 from __future__ import annotations
@@ -29,8 +32,7 @@ import wtransfer
 from vllm.distributed.weight_transfer.base import WeightTransferEngine as VLLMWeightTransferEngine
 
 from wtransfer_vllm.adapters import adapter_classes
-from wtransfer_vllm.checkpoint import checkpoint_tensors
-from wtransfer_vllm.staging import StagingLoader
+from wtransfer_vllm.checkpoint import check_round, checkpoint_tensors
 
 # Under vLLM's logger tree, so the per-round line shows in vLLM's own log output.
 logger = logging.getLogger("vllm.wtransfer_vllm")
@@ -54,7 +56,7 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
                 data_parallel_index=getattr(parallel, "data_parallel_index", 0),
             ),
         )
-        self._loaders: dict[int, StagingLoader] = {}
+        self._loaders: dict[int, VllmModelLoader] = {}
 
     # -- the wire format belongs to the wtransfer engine --------------------------------
     def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
@@ -70,44 +72,71 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
         return info
 
     @property
-    def weight_version(self) -> int:
+    def weight_version(self) -> int | None:
         return self.inner.weight_version
+
+    @property
+    def weights_torn(self) -> bool:
+        return self.inner.weights_torn
 
     # -- life cycle ---------------------------------------------------------------------
     def init_transfer_engine(self, init_info: Any) -> None:
         self.inner.init_transfer_engine(init_info)
-        self._loader().reserve()  # off the first round's critical path
 
     def start_weight_update(self) -> None:
         self.inner.start_weight_update()
 
     def receive_weights(self, update_info: Any) -> None:
-        loader = self._loader()
         started = time.perf_counter()
-        self.inner.receive_weights(update_info, loader)  # validated, then the whole round staged
-        received = time.perf_counter()
-        load_into_model(self.model, self.model_config, loader.staged())
-        logger.info(
-            "wtransfer-vllm round: %s received %.1f MB in %.3f s, loaded into the model in %.3f s",
-            self.wtransfer_backend, loader.staged_bytes / 1e6, received - started, time.perf_counter() - received,
-        )
+        self.inner.receive_weights(update_info, self._loader())  # validated, then staged whole on the node
+        logger.info("wtransfer-vllm round: %s received and staged in %.3f s",
+                    self.wtransfer_backend, time.perf_counter() - started)
 
     def finish_weight_update(self) -> None:
-        self.inner.finish_weight_update()
+        self.inner.finish_weight_update()  # every worker has the round: load it from staging
 
     def shutdown(self) -> None:
         self.inner.shutdown()
-        for loader in self._loaders.values():
-            loader.release()
 
-    def _loader(self) -> StagingLoader:
+    def _loader(self) -> VllmModelLoader:
         # One per target model (vLLM may retarget a round at a speculative draft model).
         key = id(self.model)
         if key not in self._loaders:
-            self._loaders[key] = StagingLoader(
-                checkpoint_tensors(self.model_config), wtransfer.dtype_name(self.model_config.dtype), self.device
-            )
+            self._loaders[key] = VllmModelLoader(self.model, self.model_config)
         return self._loaders[key]
+
+
+class VllmModelLoader:
+    """The ``load_weights`` a wtransfer engine commits through: the whole round, at once.
+
+    ``validate_manifest`` refuses (before any byte moves) a round vLLM cannot load: names,
+    shapes and dtypes against the checkpoint vLLM loaded. ``whole_round`` tells wtransfer that
+    the round must be staged and handed over in one call, because vLLM's layerwise reload
+    keeps the tensors it is given until each layer is complete.
+    """
+
+    whole_round = True
+
+    def __init__(self, model: Any, model_config: Any) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.expected = checkpoint_tensors(model_config)
+        self.model_dtype = wtransfer.dtype_name(model_config.dtype)
+
+    def validate_manifest(self, manifest: Any) -> None:
+        entries = [(e.name, e.dtype, tuple(e.shape)) for e in manifest.entries]
+        problems = check_round(entries, self.expected, self.model_dtype)
+        if problems:
+            raise wtransfer.ManifestMismatchError(
+                f"update manifest (version {manifest.version}) cannot be loaded into this vLLM model; "
+                f"nothing was written. {len(problems)} problem(s): " + "; ".join(problems)
+            )
+
+    def __call__(self, weights: list[tuple[str, Any]]) -> None:
+        started = time.perf_counter()
+        load_into_model(self.model, self.model_config, weights)
+        logger.info("wtransfer-vllm round: %.1f MB loaded into the model in %.3f s",
+                    sum(t.numel() * t.element_size() for _, t in weights) / 1e6, time.perf_counter() - started)
 
 
 def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]]) -> None:

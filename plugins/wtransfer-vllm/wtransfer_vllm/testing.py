@@ -147,10 +147,12 @@ def served_greedy(base_url: str, model: str, prompts: list[list[int]] = PROMPTS,
 
 
 def checksums(llm: Any) -> dict[str, str]:
-    """vLLM's own per-parameter digests of the weights it holds (``compute_weight_checksums``)."""
+    """vLLM's own per-parameter digests of the weights it holds (``compute_weight_checksums``),
+    keyed ``"worker R/name"``: with tensor parallelism every worker holds its own shard under the
+    same name, and one must not overwrite another."""
     merged: dict[str, str] = {}
-    for worker in llm.collective_rpc("compute_weight_checksums"):
-        merged.update(worker)
+    for rank, worker in enumerate(llm.collective_rpc("compute_weight_checksums")):
+        merged.update({f"worker {rank}/{name}": digest for name, digest in worker.items()})
     return merged
 
 

@@ -41,16 +41,19 @@ def _info_class(backend: str) -> type[WTransferTrainerInitInfo]:
 
 
 def trainer_init_info(
-    backend: str, *, rank: int = 0, checksums: bool = False, sharded: bool = False, **init_info: Any
+    backend: str, *, rank: int = 0, checksums: bool = False, sharded: bool = False, commit: str = "atomic",
+    **init_info: Any,
 ) -> WTransferTrainerInitInfo:
     """``TrainerInitInfo`` for ``WeightTransferTrainerFactory.trainer_init``.
 
     ``backend`` is the name as registered in vLLM (``"shm"``, ``"wtransfer:gloo"``...);
     ``init_info`` keys are the wtransfer trainer's (``world_size``, ``timeout_s``, ...).
     A sharded trainer calls ``trainer_init`` on every rank with ``rank=R, sharded=True`` and
-    the same source; ``send_weights()`` then runs on every rank (rank 0 sends).
+    the same source; ``send_weights()`` then runs on every rank (rank 0 sends). ``commit`` is
+    ``create_trainer``'s (inside vLLM rounds are always staged on the host and loaded at commit).
     """
-    return _info_class(backend)(rank=rank, init_info=init_info, options={"checksums": checksums}, sharded=sharded)
+    return _info_class(backend)(rank=rank, init_info=init_info, options={"checksums": checksums, "commit": commit},
+                                sharded=sharded)
 
 
 class _VLLMSource(wtransfer.WeightSource):

@@ -13,6 +13,9 @@ Every round runs through ``create_trainer`` and ``WeightTransferEngineFactory.cr
 with a trainer in this process and workers in spawned processes (``LocalWorkerPool``),
 on :func:`wtransfer.testing.models.matrix_model` (bf16, fp8, bool, 0-dim, empty,
 non-contiguous, offset views, a tensor larger than a bucket) and checked bit for bit.
+Rounds run in both commit modes (``atomic`` and ``streaming``), and every failure point
+compares the workers' weights, never only their ``weight_version``: after a failed round a
+worker holds the previous version bit for bit (atomic), or says it is torn (streaming).
 """
 
 from __future__ import annotations
@@ -53,23 +56,49 @@ class EngineConformance:
         return {}
 
     # -- helpers ---------------------------------------------------------------------------------
+    @pytest.fixture(params=["atomic", "streaming"])
+    def commit(self, request: Any) -> str:
+        """The trainer's commit mode: the framework's job, so every engine must pass in both."""
+        return str(request.param)
+
     @contextmanager
-    def _pool(self, engine_options: dict[str, Any], variant: str = "default") -> Iterator[Any]:
+    def _pool(self, engine_options: dict[str, Any], variant: str = "default", **pool_options: Any) -> Iterator[Any]:
         from wtransfer.local import LocalWorkerPool
 
         require(self.engine, "EngineConformance subclasses name their engine", "engine = 'name'", "empty")
         with LocalWorkerPool(self.num_workers, MODEL_FACTORY, backend=self.engine,
                              factory_kwargs={"seed": 0, "variant": variant}, engine_options=engine_options,
-                             timeout_s=self.timeout_s, torch_threads=1) as pool:
+                             timeout_s=self.timeout_s, torch_threads=1, **pool_options) as pool:
             yield pool
 
-    def _trainer(self, pool: Any, source: Any, trainer_init_info: dict[str, Any]) -> Any:
+    def _trainer(
+        self, pool: Any, source: Any, trainer_init_info: dict[str, Any], commit: str = "atomic", **init: Any
+    ) -> Any:
         """``source``: the model or a WeightSource (``create_trainer`` takes either)."""
         from wtransfer.engines._trainer import create_trainer
 
         init_info = {"world_size": pool.world_size, "bucket_bytes": BUCKET_BYTES, "timeout_s": self.timeout_s,
-                     **trainer_init_info}
-        return create_trainer(self.engine, client=pool, source=source, init_info=init_info)
+                     **trainer_init_info, **init}
+        return create_trainer(self.engine, client=pool, source=source, init_info=init_info, commit=commit)
+
+    @staticmethod
+    def _require_honest(pool: Any, previous: dict[str, int], commit: str, what: str) -> None:
+        """After a failed round: atomic workers hold ``previous`` bit for bit; a streaming worker
+        either does too, or says it is torn. ``weight_version`` never names a version the weights are not."""
+        for rank, (digests, stats) in enumerate(zip(pool.digests(), pool.stats())):
+            changed = sorted(n for n in previous if digests.get(n) != previous[n])
+            if commit == "atomic":
+                require(not changed and stats["weight_version"] is not None and not stats["weights_torn"],
+                        f"{what}: an atomic round that failed leaves every worker's weights bit-identical to the "
+                        f"previous version", "unchanged weights, weight_version kept",
+                        f"worker {rank}: changed {changed[:5]}, weight_version {stats['weight_version']}, "
+                        f"torn {stats['weights_torn']}")
+            else:
+                require(not changed or (stats["weight_version"] is None and stats["weights_torn"]),
+                        f"{what}: a streamed round that failed part-way leaves the worker torn, and it says so",
+                        "unchanged weights, or weight_version None and weights_torn True",
+                        f"worker {rank}: changed {changed[:5]}, weight_version {stats['weight_version']}, "
+                        f"torn {stats['weights_torn']}")
 
     @staticmethod
     def _digests(model: Any) -> dict[str, int]:
@@ -95,7 +124,7 @@ class EngineConformance:
         engine.shutdown()  # idempotent, even before init
 
     def test_rounds_are_bit_exact_on_the_dtype_shape_matrix(
-        self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any]
+        self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any], commit: str
     ) -> None:
         import torch
 
@@ -103,7 +132,7 @@ class EngineConformance:
 
         model = matrix_model(seed=1)
         with self._pool(engine_options) as pool:
-            trainer = self._trainer(pool, model, trainer_init_info)
+            trainer = self._trainer(pool, model, trainer_init_info, commit)
             try:
                 for round_index in range(2):
                     if round_index:  # new weights, as after a training step
@@ -162,7 +191,7 @@ class EngineConformance:
             victim = pool.processes[-1]
             fds_before, shm_before = open_fd_count(), _shm_names()
             source = _KillsMidRound(matrix_model(seed=1), victim.pid)
-            trainer = self._trainer(pool, source, trainer_init_info)
+            trainer = self._trainer(pool, source, trainer_init_info, "atomic")
             try:
                 start = time.monotonic()
                 with pytest.raises(WTransferError) as info:
@@ -187,12 +216,13 @@ class EngineConformance:
                     "no new names", sorted(_shm_names() - shm_before))
 
     def test_dead_trainer_fails_the_workers_within_the_timeout(
-        self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any]
+        self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any], commit: str
     ) -> None:
-        """The trainer's process SIGKILLed mid-round, after half the tensors were handed to the
-        engine: every worker raises a TransferError within the timeout, keeps its
-        weight_version, holds no more file descriptors than before the trainer existed, leaves
-        nothing in /dev/shm, and takes a fresh trainer's round afterwards."""
+        """The trainer's process SIGKILLed mid-round (round two carries new weights), when the
+        engine asks for the last tensor (every bucket before it was sent): every worker raises a TransferError within the
+        timeout, holds round one's weights bit for bit (atomic) or says it is torn (streaming),
+        holds no more file descriptors than before the trainer existed, leaves nothing in
+        /dev/shm, and takes a fresh trainer's round afterwards."""
         import multiprocessing
 
         from wtransfer.errors import TransferError
@@ -206,7 +236,7 @@ class EngineConformance:
             context = multiprocessing.get_context("spawn")
             relay, child_end = context.Pipe()
             trainer = context.Process(target=_trainer_killed_in_round_two, daemon=True,
-                                      args=(child_end, self.engine, json.dumps(init_info)))
+                                      args=(child_end, self.engine, json.dumps(init_info), commit))
             trainer.start()
             child_end.close()
             failure: tuple[BaseException, float] | None = None
@@ -234,6 +264,8 @@ class EngineConformance:
                     trainer.kill()
             require(trainer.exitcode == -signal.SIGKILL, "the trainer died mid-round (killed by its own source)",
                     "exit by SIGKILL", f"exit code {trainer.exitcode}")
+            # The weights first: what a user would serve from.
+            self._require_honest(pool, self._digests(matrix_model(seed=1)), commit, "the trainer died mid-round")
             require(failure is not None and isinstance(failure[0], TransferError)
                     and "did not answer" not in str(failure[0]),
                     "workers whose trainer died mid-round raise a TransferError (the engine's own, not the "
@@ -243,23 +275,80 @@ class EngineConformance:
             require(failure[1] < self.timeout_s + 15, "a dead trainer fails the workers within the timeout",
                     f"an error within {self.timeout_s:g} s (+ slack)", f"{failure[1]:.1f} s")
             stats = pool.stats()
-            require([s["weight_version"] for s in stats] == [1] * self.num_workers,
-                    "a round cut by the trainer's death does not advance weight_version",
-                    [1] * self.num_workers, [s["weight_version"] for s in stats])
             require(all(s["fds"] <= before for s, before in zip(stats, fds_before)),
                     "a failed round leaks no file descriptors on the workers",
                     f"at most {fds_before}", [s["fds"] for s in stats])
             require(_shm_names() <= shm_before, "a failed round leaves nothing in /dev/shm",
                     "no new names", sorted(_shm_names() - shm_before))
             model = matrix_model(seed=5)
-            fresh = self._trainer(pool, model, trainer_init_info)
+            fresh = self._trainer(pool, model, trainer_init_info, commit)
             try:
                 fresh.send_weights()
             finally:
                 fresh.shutdown()
-            versions = [s["weight_version"] for s in pool.stats()]
-            require(versions == [2] * self.num_workers, "workers take a new trainer's round after a trainer died",
-                    [2] * self.num_workers, versions)
+            expected = self._digests(model)
+            require(all(d == expected for d in pool.digests()), "workers take a new trainer's round after a trainer "
+                    "died, bit for bit", "the new trainer's weights", "some worker differs")
+            states = [(s["weight_version"], s["weights_torn"]) for s in pool.stats()]
+            require(states == [(2, False)] * self.num_workers, "a complete round after a failed one counts and "
+                    "clears the torn state", [(2, False)] * self.num_workers, states)
+
+    def test_a_live_but_silent_worker_fails_the_round_within_the_timeout(
+        self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any]
+    ) -> None:
+        """A worker stopped (SIGSTOP) mid-round: its sockets stay open, nothing closes. The trainer
+        must raise within its ``timeout_s`` plus a little, never wait forever."""
+        from wtransfer.errors import WTransferError
+        from wtransfer.testing.models import matrix_model
+
+        timeout_s = 5.0
+        with self._pool(engine_options) as pool:
+            victim = pool.processes[-1]
+            source = _KillsMidRound(matrix_model(seed=1), victim.pid, sig=signal.SIGSTOP)
+            trainer = self._trainer(pool, source, trainer_init_info, timeout_s=timeout_s)
+            try:
+                start = time.monotonic()
+                with pytest.raises(WTransferError):
+                    trainer.send_weights()
+                elapsed = time.monotonic() - start
+            finally:
+                trainer.shutdown()
+                os.kill(victim.pid, signal.SIGCONT)
+            require(source.killed, "the worker was stopped mid-round", "the source reached its middle tensor",
+                    "it did not")
+            require(elapsed < timeout_s + 5, "a live but silent peer fails the round within timeout_s (+ 5 s)",
+                    f"an error within {timeout_s + 5:g} s", f"{elapsed:.1f} s")
+
+    def test_one_worker_rejecting_leaves_every_worker_unchanged_and_the_trainer_usable(
+        self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any], commit: str
+    ) -> None:
+        """The last worker's model has another shape for 'bf16', the others accept the round: no
+        worker may load it, and the trainer's next round (which they all accept) must land."""
+        from wtransfer.engines._source import TensorSource
+        from wtransfer.testing.models import matrix_model
+
+        variants = [{}] * (self.num_workers - 1) + [{"variant": "mismatch"}]
+        with self._pool(engine_options, strict=False, worker_factory_kwargs=variants) as pool:
+            before = pool.digests()
+            model = matrix_model(seed=1)
+            tensors = dict(model.named_parameters())
+            trainer = self._trainer(pool, TensorSource(tensors), trainer_init_info, commit)
+            try:
+                with pytest.raises(Exception) as info:
+                    trainer.send_weights()
+                require("bf16" in str(info.value), "the rejecting worker's reason reaches the trainer",
+                        "an error naming 'bf16'", f"{type(info.value).__name__}: {info.value}")
+                require(pool.digests() == before, "a round one worker rejected is loaded by no worker",
+                        "every worker unchanged", "some worker's weights changed")
+                del tensors["bf16"]  # a round every worker accepts (their loaders are not strict)
+                trainer.send_weights()
+            finally:
+                trainer.shutdown()
+            expected = self._digests(model)
+            for rank, digests in enumerate(pool.digests()):
+                wrong = sorted(n for n in tensors if digests.get(n) != expected[n])
+                require(not wrong, "after a rejected round the same trainer's next round lands on every worker",
+                        "the new weights", f"worker {rank} differs in {wrong}")
 
     def test_discovered_through_its_entry_point_in_a_fresh_interpreter(self) -> None:
         from wtransfer.testing.processes import run_python
@@ -284,9 +373,12 @@ def _shm_names() -> set[str]:
     return {name for name in names if not name.startswith("sem.mp-")}
 
 
-def _trainer_killed_in_round_two(conn: Any, engine: str, init_info_json: str) -> None:
+def _trainer_killed_in_round_two(conn: Any, engine: str, init_info_json: str, commit: str) -> None:
     """A trainer process whose client relays every call to the test process over ``conn``
-    (JSON); one whole round, then its source SIGKILLs the process half-way through round two."""
+    (JSON); one whole round of ``matrix_model(seed=1)``, then new weights (seed 7), and its
+    source SIGKILLs the process half-way through round two."""
+    import torch
+
     from wtransfer.engines._trainer import create_trainer
     from wtransfer.errors import TransferError
     from wtransfer.testing.models import matrix_model
@@ -310,26 +402,34 @@ def _trainer_killed_in_round_two(conn: Any, engine: str, init_info_json: str) ->
         def finish_weight_update(self) -> None:
             self._call("finish_weight_update")
 
-    source = _KillsMidRound(matrix_model(seed=1), os.getpid(), armed=False)
-    trainer = create_trainer(engine, client=RelayClient(), source=source, init_info=json.loads(init_info_json))
+    model = matrix_model(seed=1)
+    source = _KillsMidRound(model, os.getpid(), armed=False, last=True)  # the earlier buckets reached the workers
+    trainer = create_trainer(engine, client=RelayClient(), source=source, init_info=json.loads(init_info_json),
+                             commit=commit)
     trainer.send_weights()
+    with torch.no_grad():  # round two carries other weights, so a torn worker shows in its digests
+        for name, parameter in matrix_model(seed=7).named_parameters():
+            getattr(model, name).copy_(parameter)
     source.armed = True
     trainer.send_weights()  # never returns: the source kills this process
 
 
 class _KillsMidRound(ModuleSource):
-    """The model's weights; SIGKILLs ``pid`` when the engine asks for the middle tensor (once armed)."""
+    """The model's weights; signals ``pid`` (SIGKILL) when the engine asks for the middle tensor (once armed)."""
 
-    def __init__(self, module: Any, pid: int, armed: bool = True) -> None:
+    def __init__(self, module: Any, pid: int, armed: bool = True, sig: int = signal.SIGKILL, last: bool = False) -> None:
         super().__init__(module)
         self.pid = pid
         self.armed = armed
         self.killed = False
+        self.sig = sig
+        self.last = last
+        """Signal at the last tensor instead: every bucket before it has reached the workers."""
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
-        middle = len(self.metadata()) // 2
+        at = len(self.metadata()) - 1 if self.last else len(self.metadata()) // 2
         for index, item in enumerate(super().__iter__()):
-            if index == middle and self.armed and not self.killed:
-                os.kill(self.pid, signal.SIGKILL)
+            if index == at and self.armed and not self.killed:
+                os.kill(self.pid, self.sig)
                 self.killed = True
             yield item
