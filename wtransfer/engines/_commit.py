@@ -168,6 +168,7 @@ class RoundState:
     def begin(self, update_info: Any, real: Any) -> Any:
         """A round starts: the loader the engine writes through."""
         self._received = None  # an earlier round received but never committed is dropped
+        self._loader = None
         manifest = getattr(update_info, "parsed", None)
         self._manifest = manifest if isinstance(manifest, Manifest) else None
         plan = self._manifest.commit if self._manifest is not None else None
@@ -210,6 +211,8 @@ class RoundState:
         """The engine's receive returned: the round is whole here (and, staged, on this node)."""
         loader, manifest = self._loader, self._manifest
         if isinstance(loader, StreamingLoader):
+            if loader.touched:  # the new bytes are in, but the round counts only at finish: until then
+                self.torn = True  # the model is neither the old version nor (yet) a counted new one
             self._received = _Received(manifest, None, real)
             return
         assert manifest is not None and manifest.commit is not None and self._staging is not None
@@ -234,7 +237,8 @@ class RoundState:
             self._staging.close()
             self._staging = None
         error: BaseException = exc
-        if self.torn and not isinstance(exc, WeightsTornError):
+        rejected = isinstance(exc, (ManifestMismatchError, RoundCalledOff))
+        if self.torn and not rejected and isinstance(exc, Exception) and not isinstance(exc, WeightsTornError):
             how = "this streamed round" if isinstance(loader, StreamingLoader) and loader.touched else "an earlier round"
             error = WeightsTornError(
                 f"{self.owner}: round {version} failed and the model is torn (part of it was written by "
@@ -261,10 +265,11 @@ class RoundState:
                 f"{self.owner}.finish_weight_update() without a completed receive_weights() in this round; "
                 f"the model is {state}"
             )
+        self._loader = None
         if received.staged is not None:
             try:
                 received.real(list(received.staged.items()))
-            except BaseException as exc:
+            except Exception as exc:
                 self.torn = True
                 error = WeightsTornError(
                     f"{self.owner}: loading round {received.manifest.version if received.manifest else '?'} "

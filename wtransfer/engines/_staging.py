@@ -77,9 +77,13 @@ class _Segment:
 
         self.fd = fd
         self.size = size
-        self.inode = os.fstat(fd).st_ino
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        self._map: mmap.mmap | None = mmap.mmap(fd, max(size, 1), flags=flags)
+        try:
+            self.inode = os.fstat(fd).st_ino
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._map: mmap.mmap | None = mmap.mmap(fd, max(size, 1), flags=flags)
+        except BaseException:
+            os.close(fd)
+            raise
         self.data = torch.frombuffer(self._map, dtype=torch.uint8)[:size]
 
     @classmethod
@@ -174,6 +178,8 @@ class NodeStaging:
         if readable:
             try:
                 self._channel.read_ready()
+                for fd in self._channel.take_fds():  # a stray reply's descriptor
+                    os.close(fd)
                 return  # a stray message: still connected
             except TransferError:
                 pass
@@ -232,13 +238,19 @@ class NodeStaging:
                         or any(v > version for v in self._outcomes), timeout_s)
                     outcome = self._outcomes.get(version)
                     segment = self.segment
-                if outcome is None or segment is None:
-                    why = "the stager timed out waiting for it" if not settled else "the stager moved on or closed"
-                    channel.send({"ok": False, "error": f"round {version} was not staged on this node: {why}"})
-                elif outcome.error is not None:
-                    channel.send({"ok": False, "error": outcome.error})
-                else:
-                    channel.send({"ok": True, "size": segment.size}, fds=[segment.fd])
+                    fd = os.dup(segment.fd) if outcome is not None and outcome.error is None and segment else -1
+                try:
+                    if outcome is None or segment is None:
+                        why = "the stager timed out waiting for it" if not settled else "the stager moved on or closed"
+                        channel.send({"ok": False, "version": version,
+                                      "error": f"round {version} was not staged on this node: {why}"})
+                    elif outcome.error is not None:
+                        channel.send({"ok": False, "version": version, "error": outcome.error})
+                    else:
+                        channel.send({"ok": True, "version": version, "size": segment.size}, fds=[fd])
+                finally:
+                    if fd >= 0:
+                        os.close(fd)
         except (PeerClosedError, TransferError, OSError, ValueError):
             pass
         finally:
@@ -261,18 +273,17 @@ class NodeStaging:
             raise TransferError(f"this node's stager died during round {version}: {exc}") from exc
         fds = self._channel.take_fds()
         try:
+            if reply.get("version") != version:
+                raise TransferError(f"this node's stager answered for round {reply.get('version')!r}, not {version}")
             if not reply.get("ok"):
                 raise TransferError(f"round {version} did not reach this node whole: {reply.get('error')}")
             if len(fds) != 1:
                 raise TransferError(f"the node's stager sent {len(fds)} descriptors, expected one")
-            fd = fds.pop()
-            if self.segment is not None and self.segment.inode == os.fstat(fd).st_ino:
-                os.close(fd)
-            else:
+            if self.segment is None or self.segment.inode != os.fstat(fds[0]).st_ino:
                 if self.segment is not None:
                     self.segment.close()
                 self.segment = None
-                self.segment = _Segment(fd, int(reply["size"]))
+                self.segment = _Segment(fds.pop(), int(reply["size"]))
             return self.segment.views(manifest)
         finally:
             for fd in fds:

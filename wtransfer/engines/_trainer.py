@@ -485,8 +485,7 @@ class TrainerWeightTransferEngine(ABC):
         """Re-raise a failure, preferring the client's own error: it carries the workers' reason."""
         if isinstance(exc, ManifestRejected):
             # A clean abort: every side stopped before any data moved; the engine stays usable.
-            self._clean_rejection = True
-            call.wait(self.timeout_s)
+            self._clean_rejection = call.wait(self.timeout_s)  # a client still hanging is not clean
             if call.error is not None:
                 raise call.error from None
             raise TransferError(str(exc)) from exc
