@@ -147,13 +147,15 @@ def served_greedy(base_url: str, model: str, prompts: list[list[int]] = PROMPTS,
 
 
 def checksums(llm: Any) -> dict[str, str]:
-    """vLLM's own per-parameter digests of the weights it holds (``compute_weight_checksums``),
-    keyed ``"worker R/name"``: with tensor parallelism every worker holds its own shard under the
-    same name, and one must not overwrite another."""
-    merged: dict[str, str] = {}
-    for rank, worker in enumerate(llm.collective_rpc("compute_weight_checksums")):
-        merged.update({f"worker {rank}/{name}": digest for name, digest in worker.items()})
-    return merged
+    """vLLM's own per-parameter digests of the weights it holds (``compute_weight_checksums``).
+
+    One worker: keyed by parameter name, as vLLM's ``/weight_checker`` baseline takes them. Several
+    (tensor parallelism): keyed ``"worker R/name"``, since every worker holds its own shard under
+    the same name and one must not overwrite another."""
+    workers = llm.collective_rpc("compute_weight_checksums")
+    if len(workers) == 1:
+        return dict(workers[0])
+    return {f"worker {rank}/{name}": digest for rank, worker in enumerate(workers) for name, digest in worker.items()}
 
 
 def write_json(path: str | Path, data: Any) -> None:
