@@ -309,62 +309,48 @@ def round_state(engine: Any) -> RoundState:
 def wrap_round_methods(cls: type) -> None:
     """Give ``cls``'s own ``receive_weights`` / ``finish_weight_update`` / ``shutdown`` the commit
     protocol. Methods reached through ``super()`` from a wrapped one run unwrapped."""
-    for name, wrapper in (("receive_weights", _wrap_receive), ("finish_weight_update", _wrap_finish),
-                          ("shutdown", _wrap_shutdown)):
+    for name, body in (("receive_weights", _receive), ("finish_weight_update", _finish), ("shutdown", _shutdown)):
         method = cls.__dict__.get(name)
         if callable(method) and not getattr(method, "__wtransfer_round__", False):
-            wrapped = functools.wraps(method)(wrapper(method))
+            wrapped = functools.wraps(method)(_outermost(body, method))
             wrapped.__wtransfer_round__ = True  # type: ignore[attr-defined]
             setattr(cls, name, wrapped)
 
 
-def _wrap_receive(method: Callable[..., None]) -> Callable[..., None]:
-    def receive_weights(self: Any, update_info: Any, load_weights: Any) -> None:
+def _outermost(body: Callable[..., None], method: Callable[..., None]) -> Callable[..., None]:
+    """``body(state, method, self, *args)`` for the outermost call; nested (``super()``) calls run ``method``."""
+
+    def wrapper(self: Any, *args: Any) -> None:
         state = round_state(self)
         if state.depth:
-            return method(self, update_info, load_weights)
+            return method(self, *args)
         state.depth += 1
         try:
-            try:
-                loader = state.begin(update_info, load_weights)
-                method(self, update_info, loader)
-                state.received(load_weights)
-            except BaseException as exc:
-                error = state.failed(exc)
-                if error is exc:
-                    raise
-                raise error from exc
+            return body(state, method, self, *args)
         finally:
             state.depth -= 1
 
-    return receive_weights
+    return wrapper
 
 
-def _wrap_finish(method: Callable[..., None]) -> Callable[..., None]:
-    def finish_weight_update(self: Any) -> None:
-        state = round_state(self)
-        if state.depth:
-            return method(self)
-        state.depth += 1
-        try:
-            state.commit()
-            method(self)
-        finally:
-            state.depth -= 1
-
-    return finish_weight_update
+def _receive(state: RoundState, method: Callable[..., None], self: Any, update_info: Any, load_weights: Any) -> None:
+    try:
+        method(self, update_info, state.begin(update_info, load_weights))
+        state.received(load_weights)
+    except BaseException as exc:
+        error = state.failed(exc)
+        if error is exc:
+            raise
+        raise error from exc
 
 
-def _wrap_shutdown(method: Callable[..., None]) -> Callable[..., None]:
-    def shutdown(self: Any) -> None:
-        state = round_state(self)
-        if state.depth:
-            return method(self)
-        state.depth += 1
-        try:
-            method(self)
-        finally:
-            state.depth -= 1
-            state.close()
+def _finish(state: RoundState, method: Callable[..., None], self: Any) -> None:
+    state.commit()
+    method(self)
 
-    return shutdown
+
+def _shutdown(state: RoundState, method: Callable[..., None], self: Any) -> None:
+    try:
+        method(self)
+    finally:
+        state.close()

@@ -90,9 +90,10 @@ class _Segment:
     def create(cls, size: int) -> _Segment:
         return cls(create_memfd(max(size, 1), "wtransfer-staging"), size)
 
-    def views(self, manifest: Manifest) -> dict[str, torch.Tensor]:
-        """Every tensor of the round as a typed view of this segment, in manifest order."""
-        offsets, total = staging_offsets(manifest.entries)
+    def views(self, manifest: Manifest, layout: tuple[list[int], int] | None = None) -> dict[str, torch.Tensor]:
+        """Every tensor of the round as a typed view of this segment, in manifest order
+        (``layout``: ``staging_offsets`` of the manifest, when the caller has it already)."""
+        offsets, total = layout or staging_offsets(manifest.entries)
         if total > self.size:
             raise TransferError(f"staging segment of {self.size} bytes is too small for a {total}-byte round")
         return {
@@ -190,7 +191,8 @@ class NodeStaging:
     # -- the stager ---------------------------------------------------------------------------
     def begin(self, manifest: Manifest) -> dict[str, torch.Tensor]:
         """Stager: a round starts; returns where each tensor goes (the segment grows if needed)."""
-        _, total = staging_offsets(manifest.entries)
+        layout = staging_offsets(manifest.entries)
+        total = layout[1]
         with self._lock:
             self._outcomes.pop(manifest.version, None)
             if self.segment is None or self.segment.size < total:
@@ -199,7 +201,7 @@ class NodeStaging:
                     old.close()
                 self.segment = _Segment.create(total)
                 logger.debug("node staging %s: %d-byte segment", self.key, total)
-            return self.segment.views(manifest)
+            return self.segment.views(manifest, layout)
 
     def settle(self, version: int, error: str | None) -> None:
         """Stager: round ``version`` landed whole (``error`` None) or failed; followers are told."""
