@@ -4,6 +4,9 @@ trainer rank, every rank calling ``create_trainer(..., rank=R)``; rank 0 drives 
 Every round follows a real optimizer step, and the workers must then hold the unsharded state
 (``full_tensor()`` of every parameter) bit for bit. A trainer rank that dies mid-round makes
 every other rank and every worker raise within ``timeout_s``, and no worker's version moves.
+Rank 0 refusing a round (its trainer closed, its source failing) or failing its rendezvous makes
+every rank raise at once, none left waiting in a gather, and the workers keep the last round's
+weights (compared tensor by tensor, not by version).
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ import pytest
 from wtransfer.engines._source import WeightSource
 
 TIMEOUT = 30.0
+LINGER_S = 8.0
+"""Rank 0 lives on this long after its failure, as a trainer that goes on would: a rank still
+waiting in a gather then is not freed by rank 0's process exiting."""
 
 
 def _free_port() -> int:
@@ -48,8 +54,13 @@ class _DiesMidRound(WeightSource):
             yield item
 
 
-def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, victim: int, conn: Any) -> None:
-    """One trainer rank: FSDP2 over gloo, optimizer steps, a round after each; reports JSON lines."""
+def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, victim: int, conn: Any,
+                  fault: str = "") -> None:
+    """One trainer rank: FSDP2 over gloo, optimizer steps, a round after each; reports JSON lines.
+
+    ``fault`` (rank 0's): ``connect`` (its client refuses the rendezvous), ``closed`` (its trainer
+    is shut down before round 2), ``metadata`` (its source fails before round 2's walk).
+    """
     import datetime
 
     import torch
@@ -80,11 +91,27 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
         source: Any = wtransfer.ModuleSource(model)
         if rank == victim:
             source = _DiesMidRound(source, round_to_die=2)
-        trainer = wtransfer.create_trainer(
-            backend, client=pool, source=source, rank=rank,
-            init_info={"world_size": 3, "timeout_s": TIMEOUT} if rank == 0 else None,
-        )
+        if rank == 0 and fault == "metadata":
+            source = _MetadataFails(source)
+        client = _RefusingClient(pool) if rank == 0 and fault == "connect" else pool
+        started = time.monotonic()
+        try:
+            trainer = wtransfer.create_trainer(
+                backend, client=client, source=source, rank=rank,
+                init_info={"world_size": 3, "timeout_s": TIMEOUT} if rank == 0 else None,
+            )
+        except Exception as exc:
+            say(event="create_failed", type=type(exc).__name__, message=str(exc)[:2000],
+                seconds=time.monotonic() - started)
+            if rank == 0:
+                time.sleep(LINGER_S)
+            return
+        last: dict[str, int] = {}  # the digests of the last round the workers took
         for step in range(rounds):
+            if rank == 0 and step == 1 and fault == "closed":
+                trainer.shutdown()
+            if rank == 0 and step == 1 and fault == "metadata":
+                source.failing = True
             ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(100 * step + rank))
             model(ids).float().pow(2).mean().backward()
             optimizer.step()
@@ -94,12 +121,17 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
                 stats = trainer.send_weights()
             except Exception as exc:
                 versions = [s["weight_version"] for s in pool.stats()] if pool is not None else None
+                changed = ([sorted(n for n in last if d.get(n) != last[n]) for d in pool.digests()]
+                           if pool is not None and fault else None)
                 say(event="error", type=type(exc).__name__, message=str(exc)[:2000],
-                    seconds=time.monotonic() - started, worker_versions=versions)
+                    seconds=time.monotonic() - started, worker_versions=versions, changed=changed)
+                if rank == 0 and fault:
+                    time.sleep(LINGER_S)
                 return
             full = {name: p.full_tensor() for name, p in model.named_parameters()}  # a collective: every rank
             if pool is not None:
                 expected = {name: tensor_checksum(t.detach()) for name, t in full.items()}
+                last = expected
                 workers = pool.digests()
                 say(event="round", version=stats["version"], sender=True,
                     wrong=[sorted(n for n in expected if d.get(n) != expected[n]) for d in workers],
@@ -116,14 +148,44 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
             pool.shutdown()
 
 
-def run_ranks(world: int, backend: str, rounds: int, victim: int = -1, limit: float = 300) -> list[dict[str, Any]]:
+class _RefusingClient:
+    """Rank 0's control plane, refusing the rendezvous (the workers' server is down, say)."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pool, name)
+
+    def init_weight_transfer_engine(self, info: Any) -> None:
+        raise ConnectionRefusedError("the inference server refused the connection")
+
+
+class _MetadataFails(WeightSource):
+    """Rank 0's source whose ``metadata()`` raises once ``failing`` is set (before any gather)."""
+
+    def __init__(self, source: Any) -> None:
+        self.source, self.failing = source, False
+
+    def metadata(self) -> Any:
+        if self.failing:
+            raise OSError("reading the parameter list failed")
+        return self.source.metadata()
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.source)
+
+
+def run_ranks(world: int, backend: str, rounds: int, victim: int = -1, limit: float = 300,
+              fault: str = "") -> list[dict[str, Any]]:
     """Start ``world`` trainer ranks; return every event they reported (each stamped on arrival)."""
     context = multiprocessing.get_context("spawn")
     port = _free_port()
     pipes, processes = [], []
     for rank in range(world):
         mine, theirs = context.Pipe(duplex=False)
-        process = context.Process(target=_trainer_rank, args=(rank, world, port, backend, rounds, victim, theirs))
+        process = context.Process(target=_trainer_rank,
+                                  args=(rank, world, port, backend, rounds, victim, theirs, fault))
         process.start()
         theirs.close()
         pipes.append(mine)
@@ -228,3 +290,31 @@ def test_row_sharded_parameters_are_gathered_slice_by_slice_exactly() -> None:
             process.join(30)
             if process.is_alive():
                 process.kill()
+
+
+@pytest.mark.parametrize("fault", ["closed", "metadata"])
+def test_rank_0_refusing_a_round_fails_every_rank_at_once_and_the_workers_keep_their_weights(fault: str) -> None:
+    """No rank enters a gather rank 0 will not run: before the agreement, the other ranks waited in
+    their first gather until the training group's timeout (120 s here)."""
+    events = run_ranks(3, "shm", rounds=3, fault=fault, limit=180)
+    assert [e for e in events if e["event"] in ("crash", "create_failed")] == []
+    assert [e["version"] for e in events if e["event"] == "round"] == [1, 1, 1]
+    errors = {e["rank"]: e for e in events if e["event"] == "error"}
+    assert sorted(errors) == [0, 1, 2], events
+    for rank in (1, 2):
+        assert errors[rank]["type"] == "TransferError", errors[rank]
+        assert "trainer rank 0" in errors[rank]["message"], errors[rank]
+        assert errors[rank]["seconds"] < LINGER_S - 3, f"rank {rank} waited {errors[rank]['seconds']:.1f} s"
+    cause = "shut down" if fault == "closed" else "reading the parameter list failed"
+    assert all(cause in e["message"] for e in errors.values()), errors  # every rank names rank 0's cause
+    assert errors[0]["worker_versions"] == [1, 1]
+    assert errors[0]["changed"] == [[], []], "a refused round changed the workers' weights"
+
+
+def test_rank_0_failing_its_rendezvous_fails_every_rank_at_create_trainer() -> None:
+    events = run_ranks(3, "shm", rounds=1, fault="connect", limit=180)
+    failed = {e["rank"]: e for e in events if e["event"] == "create_failed"}
+    assert sorted(failed) == [0, 1, 2], events
+    assert all("refused the connection" in e["message"] for e in failed.values()), failed
+    assert all(e["seconds"] < LINGER_S - 3 for e in failed.values()), failed
+    assert [e for e in events if e["event"] in ("round", "crash")] == []

@@ -15,6 +15,13 @@ many times on every rank, whether the round succeeds or fails. Rank 0 keeps it w
 rejected), it finishes the walk before raising, so no other rank is left waiting inside a
 gather for a rank that will never come. The gathers run on the source's own (FSDP's) group, as
 ``full_tensor()`` runs them; wtransfer's transport never uses that group, nor the default one.
+
+Rank 0 also *tells* the other ranks (``_agreement.RankAgreement``, a gloo group of their own,
+every wait bounded): whether its trainer connected (if not, ``create_trainer`` raises on every
+rank), whether a round starts (a closed or broken trainer refuses it before any rank enters a
+gather) and whether the workers took it (if not, every rank's ``send_weights()`` raises). One
+case stays out of reach: a source that raises on rank 0 alone *inside* a walk (not in a gather)
+leaves the others in the gather it never enters, until the training group's own timeout.
 """
 
 from __future__ import annotations
@@ -24,11 +31,15 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from wtransfer.engines._agreement import CONNECT_WAIT_S
 from wtransfer.engines._manifest import TensorEntry
 from wtransfer.engines._source import WeightSource
+from wtransfer.errors import TransferError
 
 if TYPE_CHECKING:
     import torch
+
+    from wtransfer.engines._agreement import RankAgreement
 
 logger = logging.getLogger("wtransfer")
 
@@ -85,7 +96,8 @@ class ParticipantTrainer:
     they did not). A rank whose gather fails (another rank died) raises here.
     """
 
-    def __init__(self, backend: str, rank: int, source: WeightSource, *, checksums: bool = False) -> None:
+    def __init__(self, backend: str, rank: int, source: WeightSource, *, checksums: bool = False,
+                 agreement: RankAgreement) -> None:
         self.backend = backend
         self.rank = rank
         self.source = source
@@ -93,13 +105,27 @@ class ParticipantTrainer:
         self.weight_version = 0
         self.is_sender = False
         self._closed = False
+        self.agreement = agreement
+        heard = agreement.hear("connect", CONNECT_WAIT_S)
+        if not heard["ok"]:
+            raise TransferError(f"trainer rank {rank}: trainer rank 0 could not create its {backend} trainer, so "
+                                f"there is none to follow: {heard.get('reason')}")
+        self.timeout_s = float(heard["timeout_s"])
+        """Rank 0's ``timeout_s``: how long this rank waits to hear from it."""
 
     def send_weights(self, weight_version: str | None = None) -> dict[str, Any]:
-        """Walk the source (``walks`` times) in the order rank 0 does, dropping every tensor."""
-        from wtransfer.errors import TransferError
+        """Walk the source (``walks`` times) in the order rank 0 does, dropping every tensor.
 
+        Rank 0 says first whether the round runs (a closed or broken trainer refuses it: no
+        gather is entered) and last whether the workers took it; this raises unless they did.
+        """
         if self._closed:
             raise TransferError(f"this {self.backend} participant (rank {self.rank}) was shut down")
+        version = self.weight_version + 1
+        heard = self.agreement.hear("round", self.timeout_s)
+        if not heard["go"]:
+            raise TransferError(f"trainer rank {self.rank}: trainer rank 0 refused round {version}, so no rank "
+                                f"gathers: {heard.get('reason')}")
         started = time.perf_counter()
         tensors = nbytes = 0
         try:
@@ -108,14 +134,20 @@ class ParticipantTrainer:
                     tensors += 1
                     nbytes += tensor.numel() * tensor.element_size()
                     del tensor  # gathered, not kept: one parameter at a time on this rank
-        except TransferError:
-            raise
         except Exception as exc:
+            self.agreement.broken = f"the gathers of round {version} failed"  # rank 0's outcome is not awaited
+            if isinstance(exc, TransferError):
+                raise
             raise TransferError(
-                f"trainer rank {self.rank}: gathering the weights for round {self.weight_version + 1} failed: "
+                f"trainer rank {self.rank}: gathering the weights for round {version} failed: "
                 f"{type(exc).__name__}: {exc} (another trainer rank died or left the round)"
             ) from exc
-        self.weight_version += 1
+        # Rank 0 still sends the last buckets and waits for the workers (each wait <= timeout_s).
+        outcome = self.agreement.hear("outcome", 3 * self.timeout_s + 30)
+        if not outcome["ok"]:
+            raise TransferError(f"trainer rank {self.rank}: round {version} failed on trainer rank 0 (the sender), "
+                                f"so the workers did not take it: {outcome.get('reason')}")
+        self.weight_version = version
         seconds = time.perf_counter() - started
         return {"backend": self.backend, "rank": self.rank, "sender": False, "version": self.weight_version,
                 "tensors": tensors, "bytes": nbytes, "seconds": seconds}

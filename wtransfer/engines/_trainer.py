@@ -34,6 +34,7 @@ from wtransfer.errors import TransferError, TransferTimeoutError, WTransferError
 from wtransfer.options import describe_options, option, options_dict, parse_options
 
 if TYPE_CHECKING:
+    from wtransfer.engines._agreement import RankAgreement
     from types import TracebackType
 
     from wtransfer.engines._sharded import ParticipantTrainer
@@ -290,6 +291,8 @@ class TrainerWeightTransferEngine(ABC):
         self._clean_rejection = False
         self._closed = False
         self._connected = False
+        self.agreement: RankAgreement | None = None
+        """Sharded trainers: how rank 0 tells the other ranks what it decided (set by ``create_trainer``)."""
         self._client_thread = ClientThread()
         self._finish_takes_version = accepts_weight_version(client.finish_weight_update)
 
@@ -386,13 +389,18 @@ class TrainerWeightTransferEngine(ABC):
         """
         from wtransfer._registry.manager import notify
 
+        refusal = None
         if self._closed:
-            raise TransferError(f"this {self.backend} trainer was shut down; create a new one")
-        if self._broken is not None:
-            raise TransferError(
+            refusal = f"this {self.backend} trainer was shut down; create a new one"
+        elif self._broken is not None:
+            refusal = (
                 f"this {self.backend} trainer is unusable after an earlier failure ({self._broken}); "
                 f"shut it down and create a new one (and restart the workers' engines)"
             )
+        if self.agreement is not None:  # the other trainer ranks must not enter a gather we will not run
+            self.agreement.tell({"step": "round", "go": refusal is None, "reason": refusal}, self.timeout_s)
+        if refusal is not None:
+            raise TransferError(refusal)
         self._clean_rejection = False
         try:
             with gc_paused():
@@ -402,8 +410,13 @@ class TrainerWeightTransferEngine(ABC):
                 # A client call that timed out may still be running: a retried round would overlap
                 # it (and its workers may hold half a round). Only a clean rejection keeps us usable.
                 self._broken = f"{type(exc).__name__}: {exc}"
+            if self.agreement is not None:
+                self.agreement.tell({"step": "outcome", "ok": False, "reason": f"{type(exc).__name__}: {exc}"},
+                                    self.timeout_s)
             notify("wtransfer_update_failed", error=exc)
             raise
+        if self.agreement is not None:
+            self.agreement.tell({"step": "outcome", "ok": True, "version": stats["version"]}, self.timeout_s)
         notify("wtransfer_update_finished", stats=stats)
         return stats
 
@@ -560,6 +573,10 @@ def create_trainer(
     the ``init_info``; it returns the usual trainer), every other rank gets a
     :class:`~wtransfer.engines._sharded.ParticipantTrainer` that runs the gathers and sends
     nothing (``client`` may be None there). Call ``send_weights()`` on every rank each round.
+    Rank 0 tells the others what happened, on a small gloo group built here (a collective:
+    torch.distributed must be initialised): if its rendezvous fails, ``create_trainer`` raises on
+    every rank; if it refuses or fails a round, every rank's ``send_weights()`` raises, and no
+    rank waits in a gather that rank 0 will not run.
     """
     from wtransfer._registry.kinds import ENGINES
     from wtransfer._registry.manager import notify
@@ -580,19 +597,32 @@ def create_trainer(
             f"create_trainer() got unknown option(s) {', '.join(unknown)}; accepted: {', '.join(sorted(accepted))}. "
             f"Transport settings (world_size, bucket_bytes, ...) go in init_info."
         )
+    agreement = None
     if rank is not None:
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise ValueError(f"create_trainer(): 'rank' must be this process's trainer rank (an int >= 0), got {rank!r}")
+        from wtransfer.engines._agreement import TELL_WAIT_S, RankAgreement
+
+        agreement = RankAgreement(rank, source)  # a collective: every trainer rank builds it here
         if rank > 0:
             from wtransfer.engines._sharded import ParticipantTrainer
 
-            participant = ParticipantTrainer(backend, rank, as_source(source), checksums=bool(options.get("checksums")))
+            participant = ParticipantTrainer(backend, rank, as_source(source), checksums=bool(options.get("checksums")),
+                                             agreement=agreement)
             logger.info("Trainer rank %d of a sharded %s trainer: gathers only, rank 0 sends", rank, backend)
             return participant
-    if client is None:
-        raise TypeError("create_trainer(): the sender (rank 0, or an unsharded trainer) needs a client")
-    trainer = trainer_cls(client=client, source=source, init_info=init_info, sharded=rank is not None, **options)
-    trainer.connect()
+    try:
+        if client is None:
+            raise TypeError("create_trainer(): the sender (rank 0, or an unsharded trainer) needs a client")
+        trainer = trainer_cls(client=client, source=source, init_info=init_info, sharded=rank is not None, **options)
+        trainer.agreement = agreement
+        trainer.connect()
+    except BaseException as exc:
+        if agreement is not None:  # the other ranks wait to hear whether there is a trainer to follow
+            agreement.tell({"step": "connect", "ok": False, "reason": f"{type(exc).__name__}: {exc}"}, TELL_WAIT_S)
+        raise
+    if agreement is not None:
+        agreement.tell({"step": "connect", "ok": True, "timeout_s": trainer.timeout_s}, trainer.timeout_s)
     logger.info("Created %s trainer for %d worker(s)", backend, trainer.num_workers)
     notify(ENGINES.created_hook, engine=trainer)
     return trainer
