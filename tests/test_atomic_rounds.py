@@ -360,3 +360,49 @@ def test_a_control_plane_timeout_marks_the_trainer_broken_so_no_retry_overlaps_t
     finally:
         trainer.shutdown()
         workers.shutdown()
+
+
+def _as_another_user(key: str, pipe: Any) -> None:
+    """In a child process that dropped to user 'nobody': try both sides of a node's staging."""
+    import socket as socket_module
+
+    from wtransfer.engines._staging import NodeStaging
+
+    os.setuid(65534)
+    outcome = {}
+    try:
+        NodeStaging(key)  # the name is taken by root's stager: follow it?
+        outcome["follower"] = "followed a stager of another user"
+    except TransferError as exc:
+        outcome["follower"] = str(exc)
+    raw = socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM)
+    raw.connect(f"\0wtransfer-stage-{key}")  # straight to the stager, as a squatter's client would
+    raw.settimeout(10)
+    outcome["stager_closed"] = raw.recv(1) == b""
+    pipe.send(outcome)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/proc/net/unix"), reason="needs root to become another user")
+def test_node_staging_refuses_other_users_on_both_sides() -> None:
+    """Abstract socket names are visible host-wide: another user must neither map our staged
+    weights (the stager closes its connection) nor feed them to us (a follower refuses it)."""
+    import multiprocessing
+    import secrets
+
+    from wtransfer.engines._staging import NodeStaging
+
+    key = secrets.token_hex(8)
+    stager = NodeStaging(key)
+    try:
+        assert stager.is_stager
+        context = multiprocessing.get_context("fork")
+        ours, theirs = context.Pipe(duplex=False)
+        child = context.Process(target=_as_another_user, args=(key, theirs))
+        child.start()
+        assert ours.poll(60), "the other user's process reported nothing"
+        outcome = ours.recv()
+        child.join(10)
+    finally:
+        stager.close()
+    assert "held by a process of user id 0" in outcome["follower"], outcome
+    assert outcome["stager_closed"] is True, outcome

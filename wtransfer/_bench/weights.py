@@ -391,6 +391,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --compare and gloo: the many-small-tensors model for the per-tensor comparison "
                              "(8192*2048: 2048 tensors of 8192 elements)")
     parser.add_argument("--timeout", type=float, default=120.0, help="timeout_s of every wait")
+    parser.add_argument("--strict-targets", action="store_true",
+                        help="exit 1 when a speed or memory target is missed (for CI); without it a missed target "
+                             "is reported in words and the exit status says only whether every round was verified")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in the trainer process, for the engine and every peer alike (0 = torch's)")
     parser.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker (0 = torch's)")
     add_report_arguments(parser)
@@ -505,9 +508,12 @@ def run(args: argparse.Namespace) -> int:
         })
         if not quiet:
             _print_tables(console, results, peers, targets, Table)
-            for line in _verdicts(targets):
+            for line in _verdicts(targets, args.strict_targets):
                 console.print(line)
-    return 0 if all(t["ok"] for t in targets if t["applies"]) else 1
+    # Every round was verified bit-exact (run_engine raises otherwise): that is what the exit status
+    # says by default. Targets are ratios on a shared, noisy machine: fatal only when asked.
+    missed = [t for t in targets if t["applies"] and not t["ok"]]
+    return 1 if missed and args.strict_targets else 0
 
 
 def markdown(document: dict[str, Any]) -> list[str]:
@@ -577,7 +583,19 @@ def _ratio(result: EngineResult, peer: str, peers: dict[str, float]) -> float | 
     return result.gb_per_s / peers[peer] if peer in peers else None
 
 
-def _verdicts(targets: list[dict[str, Any]]) -> list[str]:
+def _machine_load() -> str:
+    """The machine's load, in words: a missed ratio on a busy machine is often the machine."""
+    import os
+
+    cores = os.cpu_count() or 1
+    try:
+        one_minute = os.getloadavg()[0]
+    except OSError:  # pragma: no cover - no load average on this platform
+        return f"{cores} cores"
+    return f"load average {one_minute:.2f} on {cores} cores ({one_minute / cores:.0%} busy)"
+
+
+def _verdicts(targets: list[dict[str, Any]], strict: bool = False) -> list[str]:
     """The result in words: each engine against each reference and target, and the exit status."""
     lines = []
     for t in targets:
@@ -596,7 +614,17 @@ def _verdicts(targets: list[dict[str, Any]]) -> list[str]:
             verdict = f"target {t['target']}x {'met' if t['ok'] else 'MISSED'}"
         lines.append(f"{engine} runs at {t['value']:.2f}x {peer} ({verdict})")
     missed = [t["what"] for t in targets if t["applies"] and not t["ok"]]
-    lines.append(f"exit 1: missed {', '.join(missed)}" if missed else "all targets that apply are met (exit 0)")
+    if not missed:
+        lines.append("every round verified bit-exact; all targets that apply are met (exit 0)")
+    elif strict:
+        lines.append(f"exit 1 (--strict-targets): missed {', '.join(missed)}; {_machine_load()}")
+    else:
+        lines.append(
+            f"every round verified bit-exact (exit 0), but missed {', '.join(missed)} while the machine ran at "
+            f"{_machine_load()}. Ratios are measured side by side in one run, so a busy or small machine can miss "
+            f"them without anything being wrong; rerun on an idle machine, and pass --strict-targets to make a "
+            f"miss fail the command"
+        )
     return lines
 
 

@@ -13,8 +13,9 @@ so the workers of one trainer on one node share it:
   segment's descriptor (``SCM_RIGHTS``) or the reason it did not.
 
 At commit every worker copies from the same pages into its own model. A stager that dies
-closes the socket, so its followers fail the round at once instead of waiting. Where the
-kernel has no abstract sockets (not Linux) every worker stages for itself.
+closes the socket, so its followers fail the round at once instead of waiting. Both sides check
+the other's user id (``SO_PEERCRED``): abstract names are visible to every user of the host.
+Where the kernel has no abstract sockets (not Linux) every worker stages for itself.
 """
 
 from __future__ import annotations
@@ -67,6 +68,21 @@ def create_memfd(size: int, label: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The user id of the process at the other end of a Unix socket (None where unknown).
+
+    Abstract socket names are visible to every user of the host (``/proc/net/unix``), so each
+    side checks the other's credentials: the staged weights are handed only to this user's
+    processes, and taken only from them.
+    """
+    import struct
+
+    if not hasattr(socket, "SO_PEERCRED"):  # pragma: no cover - not Linux
+        return None
+    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid
 
 
 class _Segment:
@@ -164,6 +180,14 @@ class NodeStaging:
             except OSError:  # the stager is going away: try to take its place
                 client.close()
                 continue
+            stranger = peer_uid(client)
+            if stranger is not None and stranger != os.getuid():
+                client.close()
+                raise TransferError(
+                    f"node staging {self.key}: this node's staging socket is held by a process of user id {stranger}, "
+                    f"not this user ({os.getuid()}); refusing to take weights from it. Another user on this host "
+                    f"may be squatting the trainer's staging name: use commit='streaming' or find that process"
+                )
             self._channel = ControlChannel(client, "this node's stager")
             logger.debug("node staging %s: following this node's stager", self.key)
             return
@@ -218,6 +242,12 @@ class NodeStaging:
                 conn, _ = server.accept()
             except OSError:
                 return
+            stranger = peer_uid(conn)
+            if stranger is not None and stranger != os.getuid():  # abstract names are visible host-wide
+                logger.warning("node staging %s: refused a connection from user id %d (only this user's "
+                               "workers may map the staged weights)", self.key, stranger)
+                conn.close()
+                continue
             channel = ControlChannel(conn, "a follower")
             with self._lock:
                 if self._closed:

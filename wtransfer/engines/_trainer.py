@@ -104,7 +104,7 @@ class ClientCall:
         try:
             self._result = function(*args)
         except BaseException as exc:  # re-raised in the trainer's thread
-            self._error = exc
+            self._error = with_server_reason(self.what, exc)
         finally:
             self.finished_at = time.monotonic()
             self._done.set()
@@ -135,6 +135,30 @@ class ClientCall:
         if self._error is not None:
             raise self._error
         return self._result
+
+
+def with_server_reason(what: str, exc: BaseException) -> BaseException:
+    """An HTTP client's error with the server's reason in it.
+
+    ``requests``' ``raise_for_status`` says "500 Server Error ... for url"; why the workers
+    refused (a backend other than the server's, an init_info it cannot parse) is in the
+    response body, which the error keeps but does not show. Errors without a body pass as is.
+    """
+    import json
+
+    text = getattr(getattr(exc, "response", None), "text", None)
+    if not isinstance(text, str) or not text.strip():
+        return exc
+    try:
+        body = json.loads(text)
+        inner = body.get("error") if isinstance(body, dict) else None
+        reason = (inner.get("message") if isinstance(inner, dict) else None) or body.get("message") or body.get(
+            "detail") or text
+    except (ValueError, AttributeError):
+        reason = text
+    error = TransferError(f"client.{what}() failed: {exc}. The server's reason: {str(reason)[:2000]}")
+    error.__cause__ = exc
+    return error
 
 
 def accepts_weight_version(method: Callable[..., Any]) -> bool:

@@ -2,8 +2,11 @@
 
 usage: python serve_trainer.py BASE_URL MODEL_DIR [--backend shm] [--rounds 3]
 
-The server must run with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config naming the
-same backend. Prints each round, then what the server reports at /weight_info.
+The server must run with VLLM_SERVER_DEV_MODE=1 (on loopback: --host 127.0.0.1, its dev
+endpoints must not face a network) and --weight-transfer-config naming the same backend.
+Waits for the server (it prints progress; a first start takes about a minute on a 2-core
+machine), prints each round and what the server reports at /weight_info; the last line is
+the result.
 """
 
 import argparse
@@ -22,15 +25,21 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    deadline = time.monotonic() + 300  # the server may still be starting
+    started = time.monotonic()  # the server may still be starting
+    said = 0.0
     while True:
         try:
             if requests.get(f"{args.base_url}/health", timeout=2).ok:
                 break
         except requests.ConnectionError:
             pass
-        if time.monotonic() > deadline:
-            raise SystemExit(f"no vLLM server answered at {args.base_url} within 300 s")
+        waited = time.monotonic() - started
+        if waited > 300:
+            raise SystemExit(f"no vLLM server answered at {args.base_url} within 300 s: is it running, on that port?")
+        if waited - said >= 10:
+            said = waited
+            print(f"waiting for the vLLM server at {args.base_url} ({waited:.0f} s; it loads the model first)",
+                  flush=True)
         time.sleep(1)
     before = served_greedy(args.base_url, args.model_dir)
     model = load_trainer_model(args.model_dir)
@@ -44,4 +53,5 @@ if __name__ == "__main__":
         print(f"round {stats['version']}: {stats['bytes'] / 1e6:.1f} MB in {stats['seconds']:.3f} s")
     trainer.shutdown()
     print("weight_info:", requests.get(f"{args.base_url}/weight_info", timeout=10).json())
-    print("outputs changed:", served_greedy(args.base_url, args.model_dir) != before)
+    changed = served_greedy(args.base_url, args.model_dir) != before
+    print(f"result: {args.rounds} rounds synced into vllm serve over {args.backend}; outputs changed: {changed}")

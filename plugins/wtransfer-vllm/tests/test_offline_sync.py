@@ -31,7 +31,11 @@ def test_offline_llm_computes_exactly_the_trainers_weights(
     assert ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in ours)
 
     assert result["before"] != result["after"], "the sync changed nothing vLLM computes"
+    # Before the sync, repeating a block-filling prompt hit vLLM's prefix cache: the condition is
+    # forced, not left to the host. After it, no request may read KV computed with the old weights.
+    assert all(cached >= 32 for cached in result["cached_before"]), result["cached_before"]
     assert result["after"] == reference["outputs"]  # tokens and logprobs, exactly
+    assert result["again"] == reference["outputs"]  # and again, from the cache refilled with new-weight KV
     assert result["checksums"] == reference["checksums"]  # vLLM's digests, for what they cover
     assert result["weight_version"] == str(ROUNDS)
     stats = result["stats"]

@@ -82,9 +82,10 @@ else:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def trainer(python: Path, mode: str, base_url: str, model: Path, tmp_path: Path) -> tuple[int, dict]:
-    out = tmp_path / f"{mode}.json"
-    done = run_script(python, "http_trainer.py", mode, base_url, BACKEND, str(model), str(out), timeout=600,
+def trainer(python: Path, mode: str, base_url: str, model: Path, tmp_path: Path,
+            backend: str = BACKEND) -> tuple[int, dict]:
+    out = tmp_path / f"{mode}-{backend}.json"
+    done = run_script(python, "http_trainer.py", mode, base_url, backend, str(model), str(out), timeout=600,
                       check=False, env={"ROUNDS": str(ROUNDS)})
     if done.returncode not in (0, -9):
         raise AssertionError(f"trainer {mode} exited {done.returncode}:\n{done.stderr[-6000:]}")
@@ -120,7 +121,13 @@ def test_serve_sync_kill_mismatch_and_resync(
     assert query(vllm_python, server, "outputs", model) == after
     assert query(vllm_python, server, "weight_info") == str(ROUNDS)
 
-    # 4. A new trainer syncs afterwards: the original weights again, so vLLM computes what it did at first.
+    # 4. A trainer of another backend: refused at init, and the trainer's error says why (not a bare 500).
+    code, result = trainer(vllm_python, "sync", server, final_checkpoint, tmp_path, backend="gloo")
+    assert code == 0 and result["stats"] == [], result
+    assert "500" in result["error"] and "The server's reason:" in result["error"], result["error"]
+    assert "master_address" in result["error"], result["error"]  # gloo's init_info, which shm's parser refuses
+    assert query(vllm_python, server, "outputs", model) == after
+    # 5. A new trainer syncs afterwards: the original weights again, so vLLM computes what it did at first.
     code, result = trainer(vllm_python, "resend", server, tiny_llama, tmp_path)
     assert code == 0 and result["error"] is None, result
     assert query(vllm_python, server, "outputs", model) == before

@@ -77,6 +77,16 @@ ROUNDS = 3
 """Update rounds every sync test runs (the reference checkpoint takes the same steps)."""
 
 
+def cpu_flags() -> str:
+    """The flags that choose vLLM-CPU's kernels on this host (printed by the tests that depend on them)."""
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8")
+    try:
+        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":")[1].split())
+    except (OSError, StopIteration):
+        return "unknown"
+    return " ".join(flag for flag in wanted if flag in flags) or "none of " + ",".join(wanted)
+
+
 def run_script(python: Path, script: str, *args: str, timeout: float = 600,
                env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run ``tests/scripts/<script>`` (or ``-c`` code) with the vLLM environment's python.

@@ -33,6 +33,8 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine as VLLMWe
 
 from wtransfer_vllm.adapters import adapter_classes
 from wtransfer_vllm.checkpoint import check_round, checkpoint_tensors
+from wtransfer_vllm.probe import CommitProbe
+from wtransfer_vllm.probe import enabled as probe_enabled
 
 # Under vLLM's logger tree, so the per-round line shows in vLLM's own log output.
 logger = logging.getLogger("vllm.wtransfer_vllm")
@@ -57,6 +59,7 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
             ),
         )
         self._loaders: dict[int, VllmModelLoader] = {}
+        end_sessions_whose_commit_failed()
 
     # -- the wire format belongs to the wtransfer engine --------------------------------
     def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
@@ -106,6 +109,34 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
         return self._loaders[key]
 
 
+def end_sessions_whose_commit_failed() -> None:
+    """Let a worker take a new round after its commit failed (once per process).
+
+    vLLM's worker ends its update session when ``update_weights`` raises, but not when
+    ``finish_weight_update`` does: every later ``start_weight_update`` then fails with "a weight
+    update is already active", so a worker whose commit failed (torn, or refused by the commit
+    probe) could never be healed by the next round. For wtransfer's engines a failed finish ends
+    the session the way a failed ``update_weights`` does; the error still reaches the trainer.
+    """
+    from vllm.v1.worker.gpu_worker import Worker  # the CPU worker's base too
+
+    original = Worker.finish_weight_update
+    if getattr(original, "_wtransfer_wrapped", False):
+        return
+
+    def finish_weight_update(self: Any) -> None:
+        try:
+            original(self)
+        except BaseException:
+            if isinstance(getattr(self, "weight_transfer_engine", None), WTransferEngineAdapter):
+                self._weight_update_active = False
+                self.weight_transfer_engine.reset_weight_update_target()
+            raise
+
+    finish_weight_update._wtransfer_wrapped = True  # type: ignore[attr-defined]
+    Worker.finish_weight_update = finish_weight_update  # type: ignore[method-assign]
+
+
 class VllmModelLoader:
     """The ``load_weights`` a wtransfer engine commits through: the whole round, at once.
 
@@ -145,7 +176,9 @@ def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]
     ``initialize_layerwise_reload`` puts each layer back in checkpoint form and defers its
     processing; ``model.load_weights`` maps the names (fusing q/k/v, gate/up); each layer is
     processed (on CPU: re-packed for the GEMM kernels) once complete and copied into the
-    tensors vLLM computes with; ``finalize_layerwise_reload`` closes it.
+    tensors vLLM computes with; ``finalize_layerwise_reload`` closes it. Then the commit probe
+    (:mod:`wtransfer_vllm.probe`) checks that every linear layer and LM head computes with the
+    round's weights, and raises naming the layers that do not.
     """
     from vllm.model_executor.model_loader.reload import (
         finalize_layerwise_reload,
@@ -157,13 +190,19 @@ def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]
     except ImportError:  # pragma: no cover - older vLLM
         disable_mtp_completeness_check = contextlib.nullcontext
 
-    initialize_layerwise_reload(model)
-    try:
-        with disable_mtp_completeness_check():
-            model.load_weights(iter(weights))
-    finally:
-        finalize_layerwise_reload(model, model_config)
-    refresh_tied_layers(model)
+    probe = CommitProbe(model) if probe_enabled() else None
+    with probe or contextlib.nullcontext():
+        initialize_layerwise_reload(model)
+        try:
+            with disable_mtp_completeness_check():
+                model.load_weights(iter(weights))
+        finally:
+            finalize_layerwise_reload(model, model_config)
+        refresh_tied_layers(model)
+    if probe is not None:
+        report = probe.check()  # raises, naming the layers, if vLLM would compute with anything else
+        logger.info("wtransfer-vllm round: %d layer(s) compute with the round's weights (probe: %.3f s to "
+                    "capture, %.3f s to check)", report["layers"], report["capture_s"], report["check_s"])
 
 
 def refresh_tied_layers(model: Any) -> list[str]:

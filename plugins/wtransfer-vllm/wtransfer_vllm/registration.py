@@ -5,7 +5,8 @@ each name is registered with vLLM's own lazy ``register_engine(name, module, att
 where the module is this package's adapter module and the attribute the wtransfer name, so
 no engine module is imported until vLLM creates that engine. KV connectors go the same way
 into ``KVConnectorFactory.register_connector`` (adapter module :mod:`wtransfer_vllm.connector`). Nothing here may break vLLM's
-start-up: any failure is logged and vLLM runs without wtransfer's engines.
+start-up: any failure is logged and vLLM runs without wtransfer's engines. It also arranges for
+vLLM's prefix cache to be reset after every wtransfer round (:mod:`wtransfer_vllm.stale_kv`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ def register() -> None:
         return
     _done = True
     try:
+        from wtransfer_vllm.amx import allow_amx
+
+        allow_amx()  # before any kernel of this process needs AMX (see wtransfer_vllm.amx)
+    except Exception:
+        logger.exception("wtransfer-vllm: could not ask Linux for AMX tile permission")
+    try:
         _register_engines()
     except Exception:  # a broken environment must not stop vLLM
         logger.exception("wtransfer-vllm: could not register wtransfer's engines; vLLM runs without them")
@@ -38,6 +45,14 @@ def register() -> None:
         _register_connectors()
     except Exception:
         logger.exception("wtransfer-vllm: could not register wtransfer's KV connectors; vLLM runs without them")
+    try:
+        from wtransfer_vllm.stale_kv import install
+
+        install(lambda backend: backend in {r.vllm_name for r in REGISTERED})
+    except Exception:
+        logger.exception("wtransfer-vllm: could not arrange for vLLM's prefix cache to be reset after each "
+                         "round; after a sync vLLM may serve KV computed with the old weights: call "
+                         "reset_prefix_cache(reset_running_requests=True) after every finish_weight_update")
 
 
 def _existing_names(factory: Any) -> set[str]:

@@ -10,7 +10,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-PROMPTS = [[1, 2, 3, 4, 5], [17, 99, 3, 250, 8, 40, 41], [300, 301, 302], [7] * 12]
+SHORT_PROMPTS = [[1, 2, 3, 4, 5], [17, 99, 3, 250, 8, 40, 41], [300, 301, 302], [7] * 12]
+BLOCK_FILLING_PROMPTS = [[(37 * i + 11) % 509 + 3 for i in range(n)] for n in (69, 40, 96)]
+"""Prompts that fill whole KV blocks (block_size 32: 2, 1 and 3 full blocks), so vLLM's prefix
+cache keeps them between two ``generate`` calls: an RL loop's generate -> sync -> generate then
+reads that cache after the sync, and must not be served KV computed with the old weights."""
+PROMPTS = SHORT_PROMPTS + BLOCK_FILLING_PROMPTS
 
 TINY_LLAMA = dict(
     vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,

@@ -294,10 +294,11 @@ class EngineConformance:
                     "clears the torn state", [(2, False)] * self.num_workers, states)
 
     def test_a_live_but_silent_worker_fails_the_round_within_the_timeout(
-        self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any]
+        self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any], commit: str
     ) -> None:
         """A worker stopped (SIGSTOP) mid-round: its sockets stay open, nothing closes. The trainer
-        must raise within its ``timeout_s`` plus a little, never wait forever."""
+        must raise within its ``timeout_s`` plus a little, never wait forever; once the worker runs
+        again, every worker holds its old weights bit for bit (atomic) or says it is torn."""
         from wtransfer.errors import WTransferError
         from wtransfer.testing.models import matrix_model
 
@@ -305,7 +306,7 @@ class EngineConformance:
         with self._pool(engine_options) as pool:
             victim = pool.processes[-1]
             source = _KillsMidRound(matrix_model(seed=1), victim.pid, sig=signal.SIGSTOP)
-            trainer = self._trainer(pool, source, trainer_init_info, timeout_s=timeout_s)
+            trainer = self._trainer(pool, source, trainer_init_info, commit, timeout_s=timeout_s)
             try:
                 start = time.monotonic()
                 with pytest.raises(WTransferError):
@@ -318,6 +319,8 @@ class EngineConformance:
                     "it did not")
             require(elapsed < timeout_s + 5, "a live but silent peer fails the round within timeout_s (+ 5 s)",
                     f"an error within {timeout_s + 5:g} s", f"{elapsed:.1f} s")
+            # The worker that woke up finds its trainer gone; then the weights are what a user would serve.
+            self._require_honest(pool, self._digests(matrix_model(seed=0)), commit, "a worker stalled mid-round")
 
     def test_one_worker_rejecting_leaves_every_worker_unchanged_and_the_trainer_usable(
         self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any], commit: str

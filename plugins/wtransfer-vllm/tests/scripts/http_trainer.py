@@ -5,6 +5,7 @@ usage: http_trainer.py MODE BASE_URL BACKEND MODEL_DIR OUT_JSON
   kill      send changed weights, but SIGKILL this process half-way through the round
   mismatch  send weights with one tensor renamed: vLLM must refuse the round
   resend    send MODEL_DIR's weights unchanged, labelled "resent"
+  BACKEND may differ from the server's: the trainer's error must then carry the server's reason
 """
 
 import os
@@ -44,8 +45,13 @@ if __name__ == "__main__":
         source = wtransfer.TensorSource(state)
     else:
         source = wtransfer.ModuleSource(model)
-    trainer = wtransfer.create_trainer(backend, client=client, source=source, init_info=init_info)
     result = {"stats": [], "error": None}
+    try:
+        trainer = wtransfer.create_trainer(backend, client=client, source=source, init_info=init_info)
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        write_json(out, result)
+        raise SystemExit(0)
     try:
         if mode == "sync":
             for step in range(rounds):

@@ -12,7 +12,8 @@ import sys
 
 import wtransfer
 from wtransfer_vllm import LLMClient
-from wtransfer_vllm.testing import checksums, greedy, llm_kwargs, load_trainer_model, perturb, write_json
+from wtransfer_vllm.testing import (BLOCK_FILLING_PROMPTS, checksums, generate_one_by_one, greedy, llm_kwargs,
+                                    load_trainer_model, perturb, write_json)
 
 if __name__ == "__main__":
     backend, model_dir, final_dir, out = sys.argv[1:5]
@@ -21,7 +22,9 @@ if __name__ == "__main__":
     from vllm import LLM
 
     llm = LLM(**llm_kwargs(model_dir, weight_transfer_config={"backend": backend}))
-    before = greedy(llm)
+    before = greedy(llm)  # the RL order: generate, then sync, then generate
+    # The block-filling prompts are in vLLM's prefix cache now: a repeat hits it (on every host).
+    cached_before = [r["num_cached_tokens"] for r in generate_one_by_one(llm, BLOCK_FILLING_PROMPTS)]
     model = load_trainer_model(model_dir)
     if via == "vllm-factory":
         from vllm.distributed.weight_transfer.base import ModuleSource as VLLMModuleSource
@@ -40,7 +43,9 @@ if __name__ == "__main__":
         perturb(model, step)
         stats.append(trainer.send_weights())
     after = greedy(llm)
-    result = {"before": before, "after": after, "checksums": checksums(llm),
+    again = greedy(llm)  # from the prefix cache refilled after the sync
+    result = {"before": before, "after": after, "again": again, "cached_before": cached_before,
+              "checksums": checksums(llm),
               "weight_version": llm.get_weight_version(), "stats": stats}
     trainer.shutdown()
     model.save_pretrained(final_dir)

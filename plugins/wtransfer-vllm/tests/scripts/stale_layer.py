@@ -1,0 +1,75 @@
+"""A layer made stale on purpose: the commit probe must fail the round and name it.
+
+usage: stale_layer.py MODEL_DIR OUT_JSON LAYER [LAYER ...]
+
+A test-only hook is put on one layer of vLLM's model (through vLLM's collective_rpc): when the
+layer's weights are processed after loading, the weight it is processed from is scaled first, so
+vLLM computes with something other than the round's weights, on every host (the way a packed
+GEMM weight or a tied head that was not rebuilt would), and a round is sent: once per LAYER with
+the probe on, once more for the first LAYER with it off (to show what goes unnoticed without it),
+then a round with no stale layer, which must land.
+"""
+
+import os
+import sys
+
+os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the test's hook travels to the worker as a callable
+
+import wtransfer
+from wtransfer_vllm import LLMClient
+from wtransfer_vllm.testing import greedy, llm_kwargs, load_trainer_model, perturb, write_json
+
+
+def make_stale(worker, layer_name):
+    module = dict(worker.model_runner.model.named_modules())[layer_name]
+    method = module.quant_method
+    process = type(method).process_weights_after_loading
+
+    def stale_process(layer, *args, **kwargs):
+        layer.weight.data.mul_(0.5)  # what the kernel gets is not what was loaded
+        return process(method, layer, *args, **kwargs)
+
+    method.process_weights_after_loading = stale_process
+    return type(method).__name__
+
+
+def heal(worker, layer_name):
+    module = dict(worker.model_runner.model.named_modules())[layer_name]
+    del module.quant_method.process_weights_after_loading
+
+
+def set_probe(worker, on):
+    os.environ["WTRANSFER_VLLM_PROBE"] = "1" if on else "0"
+
+
+def one_round(llm, model, step):
+    trainer = wtransfer.create_trainer("shm", client=LLMClient(llm), source=wtransfer.ModuleSource(model),
+                                       init_info={"world_size": 2, "timeout_s": 60})
+    perturb(model, step)
+    try:
+        trainer.send_weights()
+        return None
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        trainer.shutdown()
+
+
+if __name__ == "__main__":
+    model_dir, out = sys.argv[1:3]
+    layers = sys.argv[3:]
+    from vllm import LLM
+
+    llm = LLM(**llm_kwargs(model_dir, weight_transfer_config={"backend": "shm"}))
+    model = load_trainer_model(model_dir)
+    result = {"before": greedy(llm), "rounds": []}
+    for step, (layer, probe) in enumerate([(name, True) for name in layers] + [(layers[0], False)]):
+        llm.collective_rpc(set_probe, args=(probe,))
+        method = llm.collective_rpc(make_stale, args=(layer,))[0]
+        result["rounds"].append({"layer": layer, "method": method, "probe": probe,
+                                 "error": one_round(llm, model, step)})
+        llm.collective_rpc(heal, args=(layer,))
+    llm.collective_rpc(set_probe, args=(True,))
+    result["healed_error"] = one_round(llm, model, 10)
+    result["after_heal"] = greedy(llm)
+    write_json(out, result)

@@ -1,0 +1,132 @@
+"""An offline vLLM with tensor_parallel_size=2 synced by wtransfer, then a trainer killed before commit.
+
+usage: tp_sync.py MODEL_DIR OUT_JSON [ROUNDS]
+
+1. The RL order: generate, ROUNDS rounds through ``LLMClient`` (trainer world_size 3: this process
+   and vLLM's two TP workers, one host staging copy shared by both), generate twice.
+2. Trainers in another process, driving this LLM over a pipe (JSON requests: a control plane
+   as a user would write one), send changed weights and are SIGKILLed: one when the engine asks
+   for the round's last tensor, one the moment vLLM says every TP worker received the round
+   whole, before it can call finish_weight_update. No worker may commit, so vLLM must compute
+   exactly what it computed before.
+Writes outputs, vLLM's per-worker digests and versions at each point.
+"""
+
+import multiprocessing
+import os
+import signal
+import sys
+
+import wtransfer
+from wtransfer_vllm import LLMClient
+from wtransfer_vllm.testing import checksums, greedy, llm_kwargs, load_trainer_model, perturb, write_json
+
+TP = 2
+INIT_INFO = {"world_size": TP + 1, "timeout_s": 60, "bucket_bytes": 64 << 10}
+
+
+class PipeClient:
+    """The trainer's side of a pipe to the process that holds the ``LLM`` (JSON messages)."""
+
+    def __init__(self, conn, die_after=None):
+        self.conn, self.die_after = conn, die_after
+
+    def _call(self, method, *args):
+        self.conn.send({"method": method, "args": list(args)})
+        reply = self.conn.recv()
+        if reply.get("error"):
+            raise RuntimeError(reply["error"])
+        if method == self.die_after:
+            os.kill(os.getpid(), signal.SIGKILL)  # every TP worker has the round; finish never comes
+
+    def init_weight_transfer_engine(self, info):
+        self._call("init_weight_transfer_engine", info)
+
+    def start_weight_update(self):
+        self._call("start_weight_update")
+
+    def update_weights(self, info):
+        self._call("update_weights", info)
+
+    def finish_weight_update(self):
+        self._call("finish_weight_update")
+
+
+class DiesAtLastTensor(wtransfer.ModuleSource):
+    """Every bucket but the last is sent; the trainer dies when the engine asks for the last tensor
+    (one TP worker may have released more of the round than the other by then)."""
+
+    def __iter__(self):
+        last = len(self.metadata()) - 1
+        for index, item in enumerate(super().__iter__()):
+            if index == last:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield item
+
+
+def killed_trainer(conn, model_dir, when):
+    model = load_trainer_model(model_dir)
+    perturb(model, 99)
+    if when == "before-finish":
+        client, source = PipeClient(conn, die_after="update_weights"), wtransfer.ModuleSource(model)
+    else:
+        client, source = PipeClient(conn), DiesAtLastTensor(model)
+    trainer = wtransfer.create_trainer("shm", client=client, source=source, init_info=INIT_INFO)
+    trainer.send_weights()
+
+
+def serve_pipe(conn, client):
+    """Run the trainer's calls on the LLM until the trainer is gone; returns the calls' outcomes."""
+    calls = []
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:
+            return calls
+        try:
+            getattr(client, request["method"])(*request["args"])
+            calls.append(request["method"])
+            reply = {}
+        except Exception as exc:
+            calls.append(f"{request['method']}: {type(exc).__name__}")
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        try:
+            conn.send(reply)
+        except OSError:  # the trainer died while the call ran
+            return calls
+
+
+if __name__ == "__main__":
+    model_dir, out = sys.argv[1:3]
+    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+    from vllm import LLM
+
+    llm = LLM(**llm_kwargs(model_dir, tensor_parallel_size=TP, distributed_executor_backend="mp",
+                           weight_transfer_config={"backend": "shm"}))
+    result = {"before": greedy(llm)}
+    model = load_trainer_model(model_dir)
+    trainer = wtransfer.create_trainer("shm", client=LLMClient(llm), source=wtransfer.ModuleSource(model),
+                                       init_info=INIT_INFO)
+    result["stats"] = []
+    for step in range(rounds):
+        perturb(model, step)
+        result["stats"].append(trainer.send_weights())
+    trainer.shutdown()
+    llm.shutdown_weight_transfer_engine()
+    result.update(after=greedy(llm), again=greedy(llm), checksums=checksums(llm),
+                  weight_version=llm.get_weight_version())
+
+    context = multiprocessing.get_context("spawn")
+    result["kills"] = {}
+    for when in ("last-tensor", "before-finish"):
+        ours, theirs = context.Pipe()
+        child = context.Process(target=killed_trainer, args=(theirs, model_dir, when))
+        child.start()
+        theirs.close()
+        calls = serve_pipe(ours, LLMClient(llm))
+        child.join(60)
+        result["kills"][when] = {"calls": calls, "exitcode": child.exitcode, "outputs": greedy(llm),
+                                 "checksums": checksums(llm), "weight_version": llm.get_weight_version()}
+        if when == "last-tensor":  # the workers raised; their session ended with it (vLLM resets it)
+            llm.shutdown_weight_transfer_engine()
+    write_json(out, result)

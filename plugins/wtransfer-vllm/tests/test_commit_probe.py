@@ -1,0 +1,38 @@
+"""The commit probe: a layer that computes with anything but the round's weights fails the round, by name.
+
+A test hook (``scripts/stale_layer.py``) makes one layer stale on purpose, on every host: the
+weight it is processed from after loading is scaled, as a packed GEMM weight or a tied head that a
+reload did not rebuild would be. With the probe on, the round fails and names the layer; with it
+off, the same round "succeeds" while vLLM computes with the wrong weight.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from vllm_harness import cpu_flags, run_script
+
+LINEAR = "model.layers.0.mlp.down_proj"
+TIED_HEAD = "model.embed_tokens"  # the tiny Llama ties its LM head to the embedding: the logits path
+
+
+def test_a_stale_layer_fails_the_round_naming_it_and_goes_unnoticed_without_the_probe(
+    vllm_python: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
+    print(f"host CPU flags: {cpu_flags()}")
+    out = tmp_path / "stale.json"
+    run_script(vllm_python, "stale_layer.py", str(tiny_llama), str(out), LINEAR, TIED_HEAD, timeout=900)
+    result = json.loads(out.read_text())
+    linear, head, unprobed = result["rounds"]
+
+    assert linear["method"] == "UnquantizedLinearMethod" and head["method"] == "UnquantizedEmbeddingMethod"
+    for stale in (linear, head):
+        assert stale["error"] is not None, f"a stale {stale['layer']} went unnoticed"
+        assert "do not compute with the round's weights" in stale["error"], stale["error"]
+        assert stale["layer"] in stale["error"], stale["error"]
+    assert head["layer"] + " (" in head["error"] and LINEAR + " (" not in head["error"]  # only the stale one
+    assert unprobed["probe"] is False and unprobed["error"] is None  # what the probe is for
+
+    assert result["healed_error"] is None
+    assert result["after_heal"] != result["before"]

@@ -1,0 +1,58 @@
+"""vLLM with ``tensor_parallel_size=2`` (two worker processes, one host staging copy) synced by wtransfer.
+
+In the RL order (generate, sync, generate) vLLM must compute exactly what a fresh TP=2 load of the
+trainer's final checkpoint computes, tokens, logprobs and vLLM's own per-worker digests; and a
+trainer killed at the round's last tensor, or after every TP worker received the round whole but
+before it could commit, must leave vLLM computing exactly what it computed before (no worker
+commits alone).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vllm_harness import ROUNDS, cpu_flags, run_script
+
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # 'auto' refuses on one NUMA node
+
+
+@pytest.fixture(scope="module")
+def reference_tp2(vllm_python: Path, final_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("reference-tp2") / "reference.json"
+    run_script(vllm_python, "reference.py", str(final_checkpoint), str(out), json.dumps({"tensor_parallel_size": 2}),
+               env=TP_ENV)
+    return json.loads(out.read_text())
+
+
+def test_tp2_sync_equals_a_fresh_tp2_load_and_a_trainer_killed_before_commit_changes_nothing(
+    vllm_python: Path, tiny_llama: Path, reference_tp2: dict, tmp_path: Path
+) -> None:
+    print(f"host CPU flags: {cpu_flags()}")
+    out = tmp_path / "tp.json"
+    run_script(vllm_python, "tp_sync.py", str(tiny_llama), str(out), str(ROUNDS), env=TP_ENV, timeout=900)
+    result = json.loads(out.read_text())
+
+    assert result["before"] != result["after"], "the sync changed nothing vLLM computes"
+    assert result["after"] == reference_tp2["outputs"]  # tokens and logprobs, exactly
+    assert result["again"] == reference_tp2["outputs"]  # from the prefix cache refilled after the sync
+    assert any(key.startswith("worker 1/") for key in result["checksums"])  # both shards, neither overwritten
+    assert result["checksums"] == reference_tp2["checksums"]
+    assert [s["workers"] for s in result["stats"]] == [2] * ROUNDS
+    assert result["weight_version"] == str(ROUNDS)
+
+    # Killed at the last tensor: the round failed on the workers, nothing committed.
+    last = result["kills"]["last-tensor"]
+    assert last["exitcode"] == -9
+    assert last["calls"][:2] == ["init_weight_transfer_engine", "start_weight_update"]
+    assert last["calls"][2].startswith("update_weights: "), last["calls"]  # the workers raised
+    # Killed after both TP workers had the round whole, before finish: still nothing committed.
+    whole = result["kills"]["before-finish"]
+    assert whole["calls"] == ["init_weight_transfer_engine", "start_weight_update", "update_weights"]
+    assert whole["exitcode"] == -9
+    for kill in (last, whole):
+        assert kill["outputs"] == result["after"]
+        assert kill["checksums"] == result["checksums"]
+        assert kill["weight_version"] == str(ROUNDS)

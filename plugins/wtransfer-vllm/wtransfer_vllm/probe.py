@@ -1,0 +1,151 @@
+"""Proof, after every commit, that vLLM computes with the round's weights, layer by layer.
+
+A reload that copies the right bytes into ``layer.weight`` is not enough: vLLM keeps state
+derived from the weights (on CPU, GEMM weights packed at load time, oneDNN handles; tied heads
+that receive no weights of their own), and its digests read ``layer.weight``, which the packing
+may have emptied. So the probe looks at what vLLM will *compute*:
+
+- while the round is loaded, each layer's weight is seen in checkpoint form (fused and sharded by
+  vLLM's own loaders, before processing), and the product of a fixed probe row with a sample of
+  its output rows (up to ``SAMPLED_ROWS``, spread over the whole matrix) is kept: a few MiB read
+  per layer, not the weight;
+- after the commit, the same row goes through the layer's real forward path
+  (``quant_method.apply``: the packed kernel vLLM serves with, one read of every weight) and its
+  sampled outputs must equal the kept product within bf16 rounding. A kernel built from stale or
+  wrong weights differs in (nearly) every output, so a sample finds it.
+
+A layer that disagrees fails the round, by name, with its relative error. Set
+``WTRANSFER_VLLM_PROBE=0`` in vLLM's environment to skip it (the round is then trusted).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("vllm.wtransfer_vllm")
+
+TOLERANCE = 1e-2
+"""Largest relative error (norm of the difference / norm of the expected product) a layer may
+show. bf16 rounding of the output gives ~4e-3; a weight that moved by 1 % of its spread already
+gives about 1e-2, and an RL step's weights usually move more."""
+PROBED_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+"""Layers whose checkpoint-form weight ``W`` makes ``apply(layer, x) == x @ W.T``: every linear
+layer and every (tied or not) LM head of an unquantized model. Quantized layers are not probed."""
+SAMPLED_ROWS = 128
+"""Output rows per layer whose product is checked (all of them in smaller layers)."""
+
+
+def enabled() -> bool:
+    return os.environ.get("WTRANSFER_VLLM_PROBE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class ProbeMismatchError(RuntimeError):
+    """After a commit, a layer of vLLM's model computes something other than the round's weights."""
+
+
+@dataclass
+class _Expected:
+    module: Any
+    probe: Any
+    rows: Any
+    product: Any
+
+
+@dataclass
+class CommitProbe:
+    """Use as a context manager around the load; then :meth:`check` after the commit."""
+
+    model: Any
+    expected: dict[str, _Expected] = field(default_factory=dict)
+    capture_seconds: float = 0.0
+    _installed: list[tuple[Any, bool, Any]] = field(default_factory=list)
+
+    def __enter__(self) -> CommitProbe:
+        for name, module in self.model.named_modules():
+            method = getattr(module, "quant_method", None)
+            weight = getattr(module, "_parameters", {}).get("weight")
+            if type(method).__name__ not in PROBED_METHODS or weight is None:
+                continue
+            had_own = "process_weights_after_loading" in vars(method)
+            previous = method.process_weights_after_loading
+            method.process_weights_after_loading = self._capturing(name, previous)
+            self._installed.append((method, had_own, previous))
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for method, had_own, previous in self._installed:
+            if had_own:
+                method.process_weights_after_loading = previous
+            else:
+                del method.process_weights_after_loading
+        self._installed.clear()
+
+    def _capturing(self, name: str, process: Any) -> Any:
+        def process_weights_after_loading(layer: Any, *args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            weight = getattr(layer, "weight", None)
+            if weight is not None and weight.dim() == 2 and not weight.is_meta and weight.numel() > 0:
+                probe = probe_row(weight.shape[1], weight.dtype, weight.device)
+                rows = sampled_rows(weight.shape[0], weight.device)
+                self.expected[name] = _Expected(layer, probe, rows, product_of(probe, weight, rows))
+            self.capture_seconds += time.perf_counter() - started
+            return process(layer, *args, **kwargs)
+
+        return process_weights_after_loading
+
+    def check(self) -> dict[str, Any]:
+        """Run every captured layer's real forward on its probe row; raise on any mismatch."""
+        import torch
+
+        started = time.perf_counter()
+        failed: list[tuple[str, float]] = []
+        with torch.no_grad():
+            for name, item in self.expected.items():
+                actual = item.module.quant_method.apply(item.module, item.probe).float()[:, item.rows]
+                error = relative_error(actual, item.product)
+                if not error <= TOLERANCE:  # NaN fails too
+                    failed.append((name, error))
+        seconds = time.perf_counter() - started
+        report = {"layers": len(self.expected), "capture_s": self.capture_seconds, "check_s": seconds,
+                  "failed": [name for name, _ in failed]}
+        if failed:
+            shown = ", ".join(f"{name} (relative error {error:.3g})" for name, error in failed[:8])
+            more = f" and {len(failed) - 8} more" if len(failed) > 8 else ""
+            raise ProbeMismatchError(
+                f"after the commit, {len(failed)} of {len(self.expected)} layer(s) of vLLM's model do not compute "
+                f"with the round's weights: {shown}{more} (tolerance {TOLERANCE:g}). vLLM would serve stale or "
+                f"wrong weights there; this worker's model is torn. A fresh round or a restart rebuilds it; "
+                f"please report the model and the CPU (its flags) to wtransfer-vllm"
+            )
+        return report
+
+
+def probe_row(features: int, dtype: Any, device: Any) -> Any:
+    """One fixed pseudo-random input row (the same for every round and worker)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(features)
+    return torch.randn((1, features), generator=generator).to(dtype=dtype, device=device)
+
+
+def sampled_rows(count: int, device: Any) -> Any:
+    """Up to ``SAMPLED_ROWS`` output rows, evenly spread from the first to the last."""
+    import torch
+
+    if count <= SAMPLED_ROWS:
+        return torch.arange(count, device=device)
+    return torch.linspace(0, count - 1, SAMPLED_ROWS, device=device).round().long().unique()
+
+
+def product_of(probe: Any, weight: Any, rows: Any) -> Any:
+    """``probe @ weight[rows].T`` in float32: plain torch on the weight as loaded."""
+    return probe.float() @ weight.index_select(0, rows).float().T
+
+
+def relative_error(actual: Any, expected: Any) -> float:
+    scale = float(expected.norm())
+    return float((actual - expected).norm()) / (scale if scale > 0 else 1.0)

@@ -1,0 +1,68 @@
+"""After a wtransfer round commits, no request computes with KV made by the old weights.
+
+vLLM's prefix cache keeps the KV of every full block it computed and serves it to any later
+request with the same prefix. A weight update does not touch it (vLLM leaves the reset to the
+caller), so an RL loop's generate -> sync -> generate answers its repeated prompts from KV
+computed with the previous policy: tokens and logprobs then differ from a fresh load of the
+same weights, while vLLM's weight digests agree. Requests still running at the commit hold
+such KV too.
+
+Every client ends a round the same way: ``finish_weight_update`` reaches the engine core as
+``collective_rpc("finish_weight_update")`` (offline ``LLM``, ``vllm serve``'s HTTP endpoint,
+Ray, vLLM's trainer factory; once per data-parallel engine, once for all its TP workers). So
+the bridge wraps that one method of vLLM's ``EngineCore``: when the backend is a wtransfer one
+and the workers' commit returned, it resets the prefix cache with running requests restarted
+(they recompute their prompts with the new weights), the KV connector's cache, and a
+multimodal model's encoder cache. vLLM's own backends are left as vLLM made them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger("vllm.wtransfer_vllm")
+
+
+def install(is_ours: Any) -> bool:
+    """Wrap ``EngineCore.collective_rpc`` once per process; ``is_ours(backend)`` tells a
+    wtransfer backend name from vLLM's. Returns whether the wrap is in place."""
+    from vllm.v1.engine.core import EngineCore
+
+    original = EngineCore.collective_rpc
+    if getattr(original, "_wtransfer_wrapped", False):
+        return True
+
+    def collective_rpc(self: Any, method: Any, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> Any:
+        result = original(self, method, timeout, args, kwargs)
+        if method == "finish_weight_update":
+            config = getattr(self.vllm_config, "weight_transfer_config", None)
+            if config is not None and is_ours(getattr(config, "backend", None)):
+                drop_stale_kv(self)
+        return result
+
+    collective_rpc._wtransfer_wrapped = True  # type: ignore[attr-defined]
+    EngineCore.collective_rpc = collective_rpc  # type: ignore[method-assign]
+    return True
+
+
+def drop_stale_kv(engine_core: Any) -> None:
+    """Everything the engine core keeps that was computed with the old weights, gone.
+
+    Called on the engine core's own thread, between steps (utility calls run there), right
+    after every worker committed the round.
+    """
+    scheduler = engine_core.scheduler
+    running = len(getattr(scheduler, "running", ()))
+    # reset_running_requests: running requests are preempted (their blocks freed, their prompts
+    # recomputed with the new weights); without it vLLM skips the reset while any request runs.
+    if not engine_core.reset_prefix_cache(reset_running_requests=True, reset_connector=True):
+        raise RuntimeError(
+            "wtransfer-vllm: the round committed, but vLLM could not reset its prefix cache (a request is "
+            "waiting for remote KV); requests could be served KV computed with the old weights"
+        )
+    if getattr(engine_core.vllm_config.model_config, "is_multimodal_model", False):
+        engine_core.reset_encoder_cache()
+    logger.info("wtransfer-vllm round committed: prefix cache and KV connector cache reset "
+                "(%d running request(s) restarted with the new weights)", running)
