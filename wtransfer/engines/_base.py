@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from wtransfer.config import ParallelConfig, WeightTransferConfig
 from wtransfer import options as _options
 from wtransfer.engines._commit import round_state, wrap_round_methods
+from wtransfer.engines._packing import LoadWeights  # noqa: F401  (where engines import it from)
 
 if TYPE_CHECKING:
     import torch
@@ -36,8 +36,6 @@ if TYPE_CHECKING:
 TInitInfo = TypeVar("TInitInfo", bound="WeightTransferInitInfo")
 TUpdateInfo = TypeVar("TUpdateInfo", bound="WeightTransferUpdateInfo")
 
-LoadWeights = Callable[[list[tuple[str, "torch.Tensor"]]], None]
-"""Called incrementally with batches of ``(name, tensor)``; tensors are only valid during the call."""
 
 
 @dataclass

@@ -21,7 +21,8 @@ from wtransfer.errors import TransferError
 if TYPE_CHECKING:
     import torch
 
-    from wtransfer.engines._base import LoadWeights
+LoadWeights = Callable[[list[tuple[str, "torch.Tensor"]]], None]
+"""Called incrementally with batches of ``(name, tensor)``; tensors are only valid during the call."""
 
 logger = logging.getLogger("wtransfer")
 
