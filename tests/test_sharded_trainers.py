@@ -59,7 +59,8 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
     """One trainer rank: FSDP2 over gloo, optimizer steps, a round after each; reports JSON lines.
 
     ``fault`` (rank 0's): ``connect`` (its client refuses the rendezvous), ``closed`` (its trainer
-    is shut down before round 2), ``metadata`` (its source fails before round 2's walk).
+    is shut down before round 2), ``metadata`` (its source fails before round 2's walk), ``late``
+    (it reaches round 2 after the others stopped waiting for it).
     """
     import datetime
 
@@ -116,6 +117,8 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
             model(ids).float().pow(2).mean().backward()
             optimizer.step()
             optimizer.zero_grad()
+            if rank == 0 and step == 1 and fault == "late":
+                time.sleep(TIMEOUT + 5)  # rank-0-only work (an eval) longer than the others wait
             started = time.monotonic()
             try:
                 stats = trainer.send_weights()
@@ -318,3 +321,18 @@ def test_rank_0_failing_its_rendezvous_fails_every_rank_at_create_trainer() -> N
     assert all("refused the connection" in e["message"] for e in failed.values()), failed
     assert all(e["seconds"] < LINGER_S - 3 for e in failed.values()), failed
     assert [e for e in events if e["event"] in ("round", "crash")] == []
+
+
+def test_rank_0_arriving_after_the_others_stopped_waiting_starts_no_round_anywhere() -> None:
+    """The others give up after timeout_s and leave; rank 0, arriving later, must not enter a
+    gather alone (it would wait there until the training group's timeout): every rank raises."""
+    events = run_ranks(3, "shm", rounds=2, fault="late", limit=240)
+    assert [e for e in events if e["event"] in ("crash", "create_failed")] == []
+    assert [e["version"] for e in events if e["event"] == "round"] == [1, 1, 1]
+    errors = {e["rank"]: e for e in events if e["event"] == "error"}
+    assert sorted(errors) == [0, 1, 2], events
+    for rank in (1, 2):
+        assert TIMEOUT - 1 < errors[rank]["seconds"] < TIMEOUT + 10, errors[rank]
+    assert errors[0]["seconds"] < 10, errors[0]  # at once: the others' side of the group is gone
+    assert "did not start the round" in errors[0]["message"], errors[0]
+    assert errors[0]["worker_versions"] == [1, 1] and errors[0]["changed"] == [[], []]

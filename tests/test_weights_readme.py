@@ -74,8 +74,12 @@ def test_bench_checks_engine_names_before_any_work() -> None:
     assert time.monotonic() - started < 30
 
 
-def test_the_main_command_checks_shm_against_memcpy_and_its_exit_code_says_so() -> None:
-    result = subprocess.run([sys.executable, "-m", "wtransfer", "bench", "--model", "3M", "--rounds", "2", "--json"],
+@pytest.mark.parametrize("strict", [False, True])
+def test_the_main_command_checks_shm_against_memcpy_and_its_exit_code_says_so(strict: bool) -> None:
+    """Every round verified: exit 0, a missed ratio reported in words (a newcomer's first command
+    must not fail on machine noise); with --strict-targets a miss exits 1."""
+    command = [sys.executable, "-m", "wtransfer", "bench", "--model", "3M", "--rounds", "2"]
+    result = subprocess.run([*command, "--json", *(["--strict-targets"] if strict else [])],
                             capture_output=True, text=True, timeout=240)
     document = json.loads(result.stdout)
     assert "memcpy" in document["peers_gb_per_s"]  # measured without --compare
@@ -83,7 +87,12 @@ def test_the_main_command_checks_shm_against_memcpy_and_its_exit_code_says_so() 
     assert checks["shm streaming / memcpy"]["applies"]
     assert checks["shm atomic / memcpy into staging, then into the model"]["applies"]
     missed = [t for t in document["targets"] if t["applies"] and not t["ok"]]
-    assert result.returncode == (1 if missed else 0), (result.returncode, missed)
+    assert result.returncode == (1 if missed and strict else 0), (result.returncode, missed)
+    if not strict:  # and what a person reads: the verdict in words, last
+        words = subprocess.run(command, capture_output=True, text=True, timeout=240)
+        assert words.returncode == 0, words.stdout[-2000:]
+        assert any(line.startswith("every round verified bit-exact") for line in words.stdout.splitlines()), \
+            words.stdout[-2000:]
 
 
 def bench_suites() -> list[str]:

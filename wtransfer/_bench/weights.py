@@ -505,10 +505,12 @@ def run(args: argparse.Namespace) -> int:
             "engines": [r.to_dict() for r in results],
             "peers_gb_per_s": peers,
             "targets": targets,
+            "strict_targets": args.strict_targets,
+            "machine_load": _machine_load(),  # read as the run ends, for the verdict in words
         })
         if not quiet:
             _print_tables(console, results, peers, targets, Table)
-            for line in _verdicts(targets, args.strict_targets):
+            for line in _verdicts(targets, args.strict_targets, document["machine_load"]):
                 console.print(line)
     # Every round was verified bit-exact (run_engine raises otherwise): that is what the exit status
     # says by default. Targets are ratios on a shared, noisy machine: fatal only when asked.
@@ -527,7 +529,8 @@ def markdown(document: dict[str, Any]) -> list[str]:
     )
     results = [EngineResult.from_dict(engine) for engine in document["engines"]]
     _print_tables(out, results, document["peers_gb_per_s"], document["targets"], MarkdownTable)
-    out.print("\n".join(f"- {line}" for line in _verdicts(document["targets"])))
+    out.print("\n".join(f"- {line}" for line in _verdicts(document["targets"], document.get("strict_targets", False),
+                                                            document.get("machine_load"))))
     return out.lines
 
 
@@ -595,7 +598,7 @@ def _machine_load() -> str:
     return f"load average {one_minute:.2f} on {cores} cores ({one_minute / cores:.0%} busy)"
 
 
-def _verdicts(targets: list[dict[str, Any]], strict: bool = False) -> list[str]:
+def _verdicts(targets: list[dict[str, Any]], strict: bool = False, load: str | None = None) -> list[str]:
     """The result in words: each engine against each reference and target, and the exit status."""
     lines = []
     for t in targets:
@@ -617,11 +620,11 @@ def _verdicts(targets: list[dict[str, Any]], strict: bool = False) -> list[str]:
     if not missed:
         lines.append("every round verified bit-exact; all targets that apply are met (exit 0)")
     elif strict:
-        lines.append(f"exit 1 (--strict-targets): missed {', '.join(missed)}; {_machine_load()}")
+        lines.append(f"exit 1 (--strict-targets): missed {', '.join(missed)}; {load or _machine_load()}")
     else:
         lines.append(
             f"every round verified bit-exact (exit 0), but missed {', '.join(missed)} while the machine ran at "
-            f"{_machine_load()}. Ratios are measured side by side in one run, so a busy or small machine can miss "
+            f"{load or _machine_load()}. Ratios are measured side by side in one run, so a busy or small machine can miss "
             f"them without anything being wrong; rerun on an idle machine, and pass --strict-targets to make a "
             f"miss fail the command"
         )

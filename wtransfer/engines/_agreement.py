@@ -1,15 +1,23 @@
-"""Sharded trainer ranks agree on every round: rank 0 decides, every rank hears it, with a timeout.
+"""Sharded trainer ranks agree on every round, through the trainer group's key-value store.
 
 The gathers of a sharded round are collectives on the training group (FSDP's). A rank that
-enters one while rank 0 never will (its trainer is closed or broken, its rendezvous failed)
-waits there until the training group's own timeout, often half an hour, or worse: it
-mismatches the next training collective. And a rank whose gathers completed cannot tell
-whether the workers took the round. So rank 0 tells the others, on a small gloo group of
-their own (never the training group, never the default group's operations), three things:
-whether its trainer connected, whether a round starts, and how the round ended. Every
-wait here has a timeout; a rank that hears nothing in time raises instead of waiting on.
+enters one while rank 0 never will (its trainer is closed or broken, its rendezvous failed, it
+is still busy with rank-0-only work after the others stopped waiting) waits there until the
+training group's own timeout, often half an hour, or worse: it mismatches the next training
+collective. And a rank whose gathers completed cannot tell whether the workers took the round.
+So at three steps (rank 0 connected; a round starts; a round ended) the ranks agree:
 
-Messages are one fixed-size byte tensor holding a JSON object: nothing is pickled.
+* every other rank announces itself under the step's key and waits for rank 0's decision;
+* rank 0 waits for every announcement, **claims** each one, and publishes its decision;
+* a rank that waited ``timeout_s`` in vain withdraws its announcement and raises. Claiming and
+  withdrawing are both compare-and-set on the same key, so exactly one wins: a rank is either
+  claimed (it will hear the decision and follow it) or gone (rank 0 sees that, refuses the round
+  and raises). Nobody is left in a gather that another rank will not enter.
+
+The store is ``torch.distributed``'s own (the default group's), under a prefix unique to this
+trainer; collectives with timeouts are not used for this, because a gloo operation whose wait
+timed out stays pending and would later complete against a peer that has already given up.
+Values are JSON text: nothing is pickled.
 """
 
 from __future__ import annotations
@@ -17,40 +25,49 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import time
 from typing import Any
 
 from wtransfer.errors import TransferError
 
 logger = logging.getLogger("wtransfer")
 
-MESSAGE_BYTES = 4096
-"""One decision: a JSON object, NUL-padded (reasons are cut to fit)."""
 CONNECT_WAIT_S = 600.0
 """How long the other ranks wait for rank 0's rendezvous (they do not know its timeout yet)."""
 TELL_WAIT_S = 30.0
-"""How long rank 0 spends telling the others that it failed before it knew its own timeout."""
+"""How long rank 0 waits for the others when it only has a failure to tell, and how long a rank
+that was claimed just as it gave up waits for the decision."""
+GONE = "gone"
+TAKEN = "taken"
 
 
 def trainer_group_ranks(source: Any) -> list[int]:
     """The global ranks of the trainer's group: the device mesh of the source's first DTensor,
-    else the whole default group."""
+    else the whole default group (every rank must see the same)."""
     import torch.distributed as dist
 
-    module = getattr(getattr(source, "inner", source), "module", None)
-    if module is not None:
+    seen = 0
+    while source is not None and not hasattr(source, "module") and seen < 8:  # through wrappers
+        source = getattr(source, "inner", None) or getattr(source, "source", None)
+        seen += 1
+    module = getattr(source, "module", source)
+    parameters = getattr(module, "parameters", None)
+    if callable(parameters):
         from torch.distributed.tensor import DTensor
 
-        for parameter in module.parameters():
+        for parameter in parameters():
             if isinstance(parameter, DTensor):
                 return sorted(int(r) for r in parameter.device_mesh.mesh.flatten().tolist())
     return list(range(dist.get_world_size()))
 
 
 class RankAgreement:
-    """Rank 0's word, heard by every trainer rank of a sharded trainer (a collective to build:
-    every rank creates one, in ``create_trainer``)."""
+    """The trainer ranks' agreement (a collective to build: every rank creates one, in
+    ``create_trainer``, before rank 0 connects)."""
 
     def __init__(self, trainer_rank: int, source: Any) -> None:
+        import secrets
+
         import torch
         import torch.distributed as dist
 
@@ -61,65 +78,79 @@ class RankAgreement:
             )
         self.trainer_rank = trainer_rank
         ranks = trainer_group_ranks(source)
-        self.group = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=CONNECT_WAIT_S),
-                                    use_local_synchronization=True)
-        mine = torch.tensor([trainer_rank], dtype=torch.int64)
-        everyone = [torch.zeros(1, dtype=torch.int64) for _ in ranks]
-        dist.all_gather(everyone, mine, group=self.group)
-        claimed = [int(t.item()) for t in everyone]
-        senders = [ranks[i] for i, r in enumerate(claimed) if r == 0]
-        if len(senders) != 1 or sorted(claimed) != list(range(len(ranks))):
+        # One collective, at creation, to check the ranks and share a name for this trainer's keys.
+        group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        try:
+            mine = torch.tensor([trainer_rank, secrets.randbits(62) if trainer_rank == 0 else 0], dtype=torch.int64)
+            everyone = [torch.zeros(2, dtype=torch.int64) for _ in ranks]
+            dist.all_gather(everyone, mine, group=group)
+        finally:
+            dist.destroy_process_group(group)
+        claimed = [int(t[0]) for t in everyone]
+        if claimed.count(0) != 1 or sorted(claimed) != list(range(len(ranks))):
             raise ValueError(
                 f"create_trainer(..., rank=R): the {len(ranks)} processes of the trainer group (global ranks {ranks}) "
                 f"passed rank={claimed}; each must pass a different rank from 0 to {len(ranks) - 1}, and exactly one 0"
             )
-        self.sender = senders[0]
-        self.broken: str | None = None
+        name = int(everyone[claimed.index(0)][1])
+        self.others = [r for r in range(1, len(ranks))]
+        self.store = dist.PrefixStore(f"wtransfer/agreement/{name:x}/", dist.distributed_c10d._get_default_store())
 
-    def tell(self, message: dict[str, Any], timeout_s: float) -> None:
-        """Rank 0: say ``message`` to every other rank. Never raises (a rank that died cannot
-        hear it; its own failure is reported elsewhere); never waits longer than ``timeout_s``."""
-        if self.broken is not None:
+    # -- rank 0 -------------------------------------------------------------------------------
+    def decide(self, step: str, decision: dict[str, Any], wait_s: float) -> None:
+        """Rank 0: publish ``decision`` (``{"ok": ...}``) for ``step``. A decision to go ahead
+        first waits (at most ``wait_s``) for every other rank and claims it; if one is missing or
+        gone, ``ok`` becomes False for everyone and :class:`TransferError` is raised here. A
+        refusal or a failure is published at once: nobody needs to be there for it."""
+        if not decision.get("ok"):
+            self.store.set(f"{step}/decision", json.dumps(decision))
             return
-        try:
-            self._broadcast(message, timeout_s)
-        except Exception as exc:  # a participant died: rank 0's own round reports the failure
-            self.broken = f"{type(exc).__name__}: {exc}"
-            logger.warning("sharded trainer: could not tell the other ranks %s: %s", message.get("step"), exc)
+        missing = self._claim_all(step, wait_s)
+        if missing and decision.get("ok"):
+            decision = {"ok": False, "reason": f"trainer rank(s) {', '.join(map(str, missing))} did not take part in "
+                                               f"'{step}' within {wait_s:g} s (died, hung, or stopped waiting)"}
+        self.store.set(f"{step}/decision", json.dumps(decision))
+        if missing:
+            raise TransferError(f"trainer rank 0: {decision['reason']}")
 
-    def hear(self, step: str, timeout_s: float) -> dict[str, Any]:
-        """Another rank: wait (at most ``timeout_s``) for rank 0's ``step`` message."""
-        if self.broken is not None:
-            raise TransferError(f"trainer rank {self.trainer_rank}: rank 0 can no longer be heard ({self.broken}); "
-                                f"create the trainer again on every rank")
+    def _claim_all(self, step: str, wait_s: float) -> list[int]:
+        deadline = time.monotonic() + wait_s
+        missing = []
+        for rank in self.others:
+            key = f"{step}/r{rank}"
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            except Exception:  # not there in time: mark it gone (unless it arrives at this instant)
+                pass
+            value = self.store.compare_set(key, "", GONE).decode()  # sets GONE only where absent
+            if value == GONE or self.store.compare_set(key, value, TAKEN).decode() != TAKEN:
+                missing.append(rank)
+        return missing
+
+    # -- every other rank ------------------------------------------------------------------------
+    def follow(self, step: str, wait_s: float) -> dict[str, Any]:
+        """Another rank: announce this rank at ``step`` and return rank 0's decision; raises
+        :class:`TransferError` if none came within ``wait_s`` (this rank is then withdrawn, so
+        rank 0 cannot count on it) or rank 0 gave up on this rank first."""
+        key, announcement = f"{step}/r{self.trainer_rank}", "here"
+        if self.store.compare_set(key, "", announcement).decode() != announcement:
+            raise TransferError(f"trainer rank {self.trainer_rank}: trainer rank 0 stopped waiting for this rank "
+                                f"at '{step}' before it arrived; create the trainer again on every rank")
         try:
-            message = self._broadcast(None, timeout_s)
+            self.store.wait([f"{step}/decision"], datetime.timedelta(seconds=wait_s))
         except Exception as exc:
-            self.broken = f"{type(exc).__name__}: {exc}"
-            raise TransferError(
-                f"trainer rank {self.trainer_rank}: heard nothing from trainer rank 0 about '{step}' within "
-                f"{timeout_s:g} s ({exc}); it died, hangs, or stopped calling send_weights()"
-            ) from exc
-        if message.get("step") != step:
-            self.broken = f"expected {step!r}, heard {message.get('step')!r}"
-            raise TransferError(f"trainer rank {self.trainer_rank}: trainer ranks are out of step ({self.broken}); "
-                                f"every rank must call send_weights() the same number of times")
-        return message
+            if self.store.compare_set(key, announcement, GONE).decode() == GONE:  # withdrawn: not claimed
+                raise TransferError(
+                    f"trainer rank {self.trainer_rank}: heard nothing from trainer rank 0 about '{step}' within "
+                    f"{wait_s:g} s; it died, hangs, or has not called send_weights() (raise timeout_s if rank 0 "
+                    f"does long work of its own between rounds)"
+                ) from exc
+            self.store.wait([f"{step}/decision"], datetime.timedelta(seconds=TELL_WAIT_S))  # claimed just now
+        return json.loads(self.store.get(f"{step}/decision").decode())
 
-    def _broadcast(self, message: dict[str, Any] | None, timeout_s: float) -> dict[str, Any]:
-        import torch
-        import torch.distributed as dist
-
-        buffer = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
-        if message is not None:
-            encoded = json.dumps(message).encode()
-            if len(encoded) > MESSAGE_BYTES:
-                message = {**message, "reason": str(message.get("reason", ""))[: MESSAGE_BYTES // 2] + " ..."}
-                encoded = json.dumps(message).encode()[:MESSAGE_BYTES]
-            buffer[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-        work = dist.broadcast(buffer, src=self.sender, group=self.group, async_op=True)
-        work.wait(datetime.timedelta(seconds=timeout_s))
-        if message is not None:
-            return message
-        raw = bytes(buffer.numpy()).rstrip(b"\0")
-        return json.loads(raw.decode())
+    def leave(self, step: str) -> None:
+        """Another rank that will not take part in ``step`` (its gathers failed): rank 0 sees it at once."""
+        try:
+            self.store.compare_set(f"{step}/r{self.trainer_rank}", "", GONE)
+        except Exception:  # pragma: no cover - the store itself is gone
+            logger.debug("could not withdraw from %s", step, exc_info=True)

@@ -16,12 +16,13 @@ rejected), it finishes the walk before raising, so no other rank is left waiting
 gather for a rank that will never come. The gathers run on the source's own (FSDP's) group, as
 ``full_tensor()`` runs them; wtransfer's transport never uses that group, nor the default one.
 
-Rank 0 also *tells* the other ranks (``_agreement.RankAgreement``, a gloo group of their own,
-every wait bounded): whether its trainer connected (if not, ``create_trainer`` raises on every
-rank), whether a round starts (a closed or broken trainer refuses it before any rank enters a
-gather) and whether the workers took it (if not, every rank's ``send_weights()`` raises). One
-case stays out of reach: a source that raises on rank 0 alone *inside* a walk (not in a gather)
-leaves the others in the gather it never enters, until the training group's own timeout.
+The ranks also agree (``_agreement.RankAgreement``: through torch.distributed's key-value
+store, every wait bounded) on whether rank 0 connected (if not, ``create_trainer`` raises on every
+rank), whether a round starts (a closed or broken trainer refuses it, and rank 0 gathers only
+once every rank said it will too) and whether the workers took it (if not, every rank's
+``send_weights()`` raises). One case stays out of reach: a source that raises on rank 0 alone
+*inside* a walk (not in a gather) leaves the others in the gather it never enters, until the
+training group's own timeout.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ class ParticipantTrainer:
         self.is_sender = False
         self._closed = False
         self.agreement = agreement
-        heard = agreement.hear("connect", CONNECT_WAIT_S)
+        self._attempt = 0  # send_weights() calls, counted as rank 0 counts its own
+        heard = agreement.follow("connect", CONNECT_WAIT_S)
         if not heard["ok"]:
             raise TransferError(f"trainer rank {rank}: trainer rank 0 could not create its {backend} trainer, so "
                                 f"there is none to follow: {heard.get('reason')}")
@@ -119,11 +121,14 @@ class ParticipantTrainer:
         Rank 0 says first whether the round runs (a closed or broken trainer refuses it: no
         gather is entered) and last whether the workers took it; this raises unless they did.
         """
+        self._attempt += 1
+        step = self._attempt
         if self._closed:
+            self.agreement.leave(f"round/{step}")
             raise TransferError(f"this {self.backend} participant (rank {self.rank}) was shut down")
         version = self.weight_version + 1
-        heard = self.agreement.hear("round", self.timeout_s)
-        if not heard["go"]:
+        heard = self.agreement.follow(f"round/{step}", self.timeout_s)
+        if not heard["ok"]:
             raise TransferError(f"trainer rank {self.rank}: trainer rank 0 refused round {version}, so no rank "
                                 f"gathers: {heard.get('reason')}")
         started = time.perf_counter()
@@ -134,16 +139,16 @@ class ParticipantTrainer:
                     tensors += 1
                     nbytes += tensor.numel() * tensor.element_size()
                     del tensor  # gathered, not kept: one parameter at a time on this rank
-        except Exception as exc:
-            self.agreement.broken = f"the gathers of round {version} failed"  # rank 0's outcome is not awaited
-            if isinstance(exc, TransferError):
+        except BaseException as exc:
+            self.agreement.leave(f"outcome/{step}")  # rank 0 need not wait for this rank's outcome
+            if isinstance(exc, (TransferError, KeyboardInterrupt)):
                 raise
             raise TransferError(
                 f"trainer rank {self.rank}: gathering the weights for round {version} failed: "
                 f"{type(exc).__name__}: {exc} (another trainer rank died or left the round)"
             ) from exc
         # Rank 0 still sends the last buckets and waits for the workers (each wait <= timeout_s).
-        outcome = self.agreement.hear("outcome", 3 * self.timeout_s + 30)
+        outcome = self.agreement.follow(f"outcome/{step}", 3 * self.timeout_s + 30)
         if not outcome["ok"]:
             raise TransferError(f"trainer rank {self.rank}: round {version} failed on trainer rank 0 (the sender), "
                                 f"so the workers did not take it: {outcome.get('reason')}")

@@ -315,6 +315,7 @@ class TrainerWeightTransferEngine(ABC):
         self._clean_rejection = False
         self._closed = False
         self._connected = False
+        self._attempt = 0  # send_weights() calls: every sharded rank counts them alike
         self.agreement: RankAgreement | None = None
         """Sharded trainers: how rank 0 tells the other ranks what it decided (set by ``create_trainer``)."""
         self._client_thread = ClientThread()
@@ -421,8 +422,15 @@ class TrainerWeightTransferEngine(ABC):
                 f"this {self.backend} trainer is unusable after an earlier failure ({self._broken}); "
                 f"shut it down and create a new one (and restart the workers' engines)"
             )
-        if self.agreement is not None:  # the other trainer ranks must not enter a gather we will not run
-            self.agreement.tell({"step": "round", "go": refusal is None, "reason": refusal}, self.timeout_s)
+        self._attempt += 1
+        if self.agreement is not None:  # no rank enters a gather unless every rank will
+            try:
+                self.agreement.decide(f"round/{self._attempt}", {"ok": refusal is None, "reason": refusal},
+                                      self.timeout_s)
+            except TransferError as exc:
+                if refusal is None:
+                    self._broken = f"the trainer ranks could not agree on a round: {exc}"
+                    refusal = f"this {self.backend} trainer did not start the round: {exc}"
         if refusal is not None:
             raise TransferError(refusal)
         self._clean_rejection = False
@@ -434,15 +442,23 @@ class TrainerWeightTransferEngine(ABC):
                 # A client call that timed out may still be running: a retried round would overlap
                 # it (and its workers may hold half a round). Only a clean rejection keeps us usable.
                 self._broken = f"{type(exc).__name__}: {exc}"
-            if self.agreement is not None:
-                self.agreement.tell({"step": "outcome", "ok": False, "reason": f"{type(exc).__name__}: {exc}"},
-                                    self.timeout_s)
+            self._tell_outcome({"ok": False, "reason": f"{type(exc).__name__}: {exc}"})
             notify("wtransfer_update_failed", error=exc)
             raise
-        if self.agreement is not None:
-            self.agreement.tell({"step": "outcome", "ok": True, "version": stats["version"]}, self.timeout_s)
+        self._tell_outcome({"ok": True, "version": stats["version"]})
         notify("wtransfer_update_finished", stats=stats)
         return stats
+
+    def _tell_outcome(self, outcome: dict[str, Any]) -> None:
+        """Sharded: the other ranks learn how the round ended (a rank that left is only logged:
+        the workers' side of the round is what it is, and the next round's agreement fails)."""
+        if self.agreement is None:
+            return
+        try:  # a success waits for the others (they are at their outcome step already); a failure does not
+            self.agreement.decide(f"outcome/{self._attempt}", outcome, self.timeout_s)
+        except TransferError as exc:
+            logger.warning("%s trainer: could not tell the other trainer ranks how round %d ended: %s",
+                           self.backend, self.weight_version + (0 if outcome["ok"] else 1), exc)
 
     def _run_sharded_round(self, label: str | None) -> dict[str, Any]:
         """A round whose source walk every other trainer rank mirrors: finish the walk, always."""
@@ -643,10 +659,17 @@ def create_trainer(
         trainer.connect()
     except BaseException as exc:
         if agreement is not None:  # the other ranks wait to hear whether there is a trainer to follow
-            agreement.tell({"step": "connect", "ok": False, "reason": f"{type(exc).__name__}: {exc}"}, TELL_WAIT_S)
+            try:
+                agreement.decide("connect", {"ok": False, "reason": f"{type(exc).__name__}: {exc}"}, TELL_WAIT_S)
+            except TransferError:
+                pass  # some left already; this rank's own error is the one to raise
         raise
     if agreement is not None:
-        agreement.tell({"step": "connect", "ok": True, "timeout_s": trainer.timeout_s}, trainer.timeout_s)
+        try:
+            agreement.decide("connect", {"ok": True, "timeout_s": trainer.timeout_s}, trainer.timeout_s)
+        except BaseException:
+            trainer.shutdown()
+            raise
     logger.info("Created %s trainer for %d worker(s)", backend, trainer.num_workers)
     notify(ENGINES.created_hook, engine=trainer)
     return trainer

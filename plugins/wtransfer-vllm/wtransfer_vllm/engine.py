@@ -33,6 +33,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine as VLLMWe
 
 from wtransfer_vllm.adapters import adapter_classes
 from wtransfer_vllm.checkpoint import check_round, checkpoint_tensors
+from wtransfer_vllm.probe import TOLERANCE as PROBE_TOLERANCE
 from wtransfer_vllm.probe import CommitProbe
 from wtransfer_vllm.probe import enabled as probe_enabled
 
@@ -202,7 +203,10 @@ def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]
     if probe is not None:
         report = probe.check()  # raises, naming the layers, if vLLM would compute with anything else
         logger.info("wtransfer-vllm round: %d layer(s) compute with the round's weights (probe: %.3f s to "
-                    "capture, %.3f s to check)", report["layers"], report["capture_s"], report["check_s"])
+                    "capture, %.3f s to check; worst relative error %.1e, tolerance %.0e)%s", report["layers"],
+                    report["capture_s"], report["check_s"], report["worst_passing_error"], PROBE_TOLERANCE,
+                    f"; not checked (no weight to compare): {', '.join(report['unchecked'])}"
+                    if report["unchecked"] else "")
 
 
 def refresh_tied_layers(model: Any) -> list[str]:

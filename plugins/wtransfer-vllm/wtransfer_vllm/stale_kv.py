@@ -10,10 +10,13 @@ such KV too.
 Every client ends a round the same way: ``finish_weight_update`` reaches the engine core as
 ``collective_rpc("finish_weight_update")`` (offline ``LLM``, ``vllm serve``'s HTTP endpoint,
 Ray, vLLM's trainer factory; once per data-parallel engine, once for all its TP workers). So
-the bridge wraps that one method of vLLM's ``EngineCore``: when the backend is a wtransfer one
-and the workers' commit returned, it resets the prefix cache with running requests restarted
-(they recompute their prompts with the new weights), the KV connector's cache, and a
-multimodal model's encoder cache. vLLM's own backends are left as vLLM made them.
+the bridge wraps that one method of vLLM's ``EngineCore``: when the backend is a wtransfer one,
+once the workers' commit returned (or failed: a TP worker may have committed while another did
+not), it resets the prefix cache, the KV connector's cache, and a multimodal model's encoder
+cache. Requests running at that moment are preempted: their KV is recomputed with the new
+weights, but the tokens they already generated with the old weights stay in their output (a
+request that spans a sync is mixed; pause generation around a sync if that matters). vLLM's
+own backends are left as vLLM made them.
 """
 
 from __future__ import annotations
@@ -35,11 +38,20 @@ def install(is_ours: Any) -> bool:
 
     def collective_rpc(self: Any, method: Any, timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> Any:
-        result = original(self, method, timeout, args, kwargs)
-        if method == "finish_weight_update":
-            config = getattr(self.vllm_config, "weight_transfer_config", None)
-            if config is not None and is_ours(getattr(config, "backend", None)):
+        if method != "finish_weight_update":
+            return original(self, method, timeout, args, kwargs)
+        config = getattr(self.vllm_config, "weight_transfer_config", None)
+        if config is None or not is_ours(getattr(config, "backend", None)):
+            return original(self, method, timeout, args, kwargs)
+        try:
+            result = original(self, method, timeout, args, kwargs)
+        except BaseException:  # a commit that failed on one worker may have landed on another (TP)
+            try:
                 drop_stale_kv(self)
+            except Exception:
+                logger.exception("wtransfer-vllm: resetting vLLM's caches after a failed commit failed too")
+            raise
+        drop_stale_kv(self)
         return result
 
     collective_rpc._wtransfer_wrapped = True  # type: ignore[attr-defined]
@@ -55,8 +67,9 @@ def drop_stale_kv(engine_core: Any) -> None:
     """
     scheduler = engine_core.scheduler
     running = len(getattr(scheduler, "running", ()))
-    # reset_running_requests: running requests are preempted (their blocks freed, their prompts
-    # recomputed with the new weights); without it vLLM skips the reset while any request runs.
+    # reset_running_requests: running requests are preempted (their blocks freed, their KV
+    # recomputed with the new weights; tokens already generated stay); without it vLLM skips the
+    # reset while any request runs.
     if not engine_core.reset_prefix_cache(reset_running_requests=True, reset_connector=True):
         raise RuntimeError(
             "wtransfer-vllm: the round committed, but vLLM could not reset its prefix cache (a request is "
@@ -64,5 +77,5 @@ def drop_stale_kv(engine_core: Any) -> None:
         )
     if getattr(engine_core.vllm_config.model_config, "is_multimodal_model", False):
         engine_core.reset_encoder_cache()
-    logger.info("wtransfer-vllm round committed: prefix cache and KV connector cache reset "
-                "(%d running request(s) restarted with the new weights)", running)
+    logger.info("wtransfer-vllm round ended: prefix cache and KV connector cache reset "
+                "(%d running request(s) preempted; their KV is recomputed with the new weights)", running)

@@ -12,6 +12,7 @@ usage: tp_sync.py MODEL_DIR OUT_JSON [ROUNDS]
 Writes outputs, vLLM's per-worker digests and versions at each point.
 """
 
+import json
 import multiprocessing
 import os
 import signal
@@ -32,8 +33,8 @@ class PipeClient:
         self.conn, self.die_after = conn, die_after
 
     def _call(self, method, *args):
-        self.conn.send({"method": method, "args": list(args)})
-        reply = self.conn.recv()
+        self.conn.send_bytes(json.dumps({"method": method, "args": list(args)}).encode())
+        reply = json.loads(self.conn.recv_bytes())
         if reply.get("error"):
             raise RuntimeError(reply["error"])
         if method == self.die_after:
@@ -80,7 +81,7 @@ def serve_pipe(conn, client):
     calls = []
     while True:
         try:
-            request = conn.recv()
+            request = json.loads(conn.recv_bytes())
         except EOFError:
             return calls
         try:
@@ -91,7 +92,7 @@ def serve_pipe(conn, client):
             calls.append(f"{request['method']}: {type(exc).__name__}")
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         try:
-            conn.send(reply)
+            conn.send_bytes(json.dumps(reply).encode())
         except OSError:  # the trainer died while the call ran
             return calls
 
