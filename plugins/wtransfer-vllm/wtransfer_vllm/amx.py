@@ -20,15 +20,20 @@ ARCH_REQ_XCOMP_PERM = 0x1023
 XFEATURE_XTILEDATA = 18
 
 
-def cpu_has_amx() -> bool:
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as Linux lists them (empty where it does not)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
                 if line.startswith("flags"):
-                    return "amx_tile" in line.split()
+                    return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return set()
+
+
+def cpu_has_amx() -> bool:
+    return "amx_tile" in cpu_flags()
 
 
 def allow_amx() -> bool:

@@ -76,17 +76,22 @@ class CommitProbe:
             if type(method).__name__ in PROBED_METHODS and getattr(module, "_parameters", {}).get("weight") is not None:
                 yield name, module, method
 
+    def _expect(self, name: str, module: Any) -> bool:
+        """Keep what ``module`` must compute from its weight as it is now; False if it has none."""
+        weight = getattr(module, "weight", None)
+        if weight is None or weight.dim() != 2 or weight.is_meta or weight.numel() == 0:
+            return False
+        probe = probe_row(weight.shape[1], weight.dtype, weight.device)
+        rows = sampled_rows(weight.shape[0], weight.device)
+        self.expected[name] = _Expected(module, probe, rows, product_of(probe, weight, rows))
+        return True
+
     def _expect_unprocessed_layers(self) -> None:
+        expected = {id(item.module) for item in self.expected.values()}
         for name, module, _method in self._probed_layers():
-            if name in self.expected or any(item.module is module for item in self.expected.values()):
-                continue
-            weight = module.weight
-            if weight.dim() == 2 and not weight.is_meta and weight.numel() > 0:
-                probe = probe_row(weight.shape[1], weight.dtype, weight.device)
-                rows = sampled_rows(weight.shape[0], weight.device)
-                self.expected[name] = _Expected(module, probe, rows, product_of(probe, weight, rows))
-            else:
+            if id(module) not in expected and not self._expect(name, module):
                 self.unchecked.append(name)
+            expected.add(id(module))
 
     def __enter__(self) -> CommitProbe:
         seen: set[int] = set()
@@ -111,11 +116,7 @@ class CommitProbe:
     def _capturing(self, name: str, process: Any) -> Any:
         def process_weights_after_loading(layer: Any, *args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
-            weight = getattr(layer, "weight", None)
-            if weight is not None and weight.dim() == 2 and not weight.is_meta and weight.numel() > 0:
-                probe = probe_row(weight.shape[1], weight.dtype, weight.device)
-                rows = sampled_rows(weight.shape[0], weight.device)
-                self.expected[name] = _Expected(layer, probe, rows, product_of(probe, weight, rows))
+            self._expect(name, layer)  # the weight as loaded, before processing packs it
             self.capture_seconds += time.perf_counter() - started
             return process(layer, *args, **kwargs)
 

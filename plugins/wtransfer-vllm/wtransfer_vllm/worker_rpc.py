@@ -42,22 +42,27 @@ def _replying(name: str, original: Any, is_ours: Any) -> Any:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not is_ours(getattr(self, "weight_transfer_engine", None)):
             return original(self, *args, **kwargs)
-        if name == "start_weight_update" and getattr(self, "_weight_update_active", False):
+        if name == "start_weight_update":
             # A new round from the trainer supersedes one it abandoned (another TP worker failed, so
             # this one was never asked to finish); the engine starts afresh and commits nothing old.
-            self._weight_update_active = False
-            self.weight_transfer_engine.reset_weight_update_target()
+            _end_session(self)
         try:
             return original(self, *args, **kwargs)
         except Exception as exc:
-            if name == "finish_weight_update" and getattr(self, "_weight_update_active", False):
-                self._weight_update_active = False  # as vLLM's update_weights does on failure
-                self.weight_transfer_engine.reset_weight_update_target()
+            if name == "finish_weight_update":
+                _end_session(self)  # as vLLM's update_weights does on failure
             return {FAILED: f"{type(exc).__name__}: {exc}", "rank": getattr(self, "rank", None)}
 
     method._wtransfer_wrapped = True  # type: ignore[attr-defined]
     method.__name__ = name
     return method
+
+
+def _end_session(worker: Any) -> None:
+    """End the worker's update session, if one is open, the way vLLM ends a failed one."""
+    if getattr(worker, "_weight_update_active", False):
+        worker._weight_update_active = False
+        worker.weight_transfer_engine.reset_weight_update_target()
 
 
 def raise_worker_failures(method: str, replies: Any) -> None:
