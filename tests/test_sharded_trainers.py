@@ -60,7 +60,9 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
 
     ``fault`` (rank 0's): ``connect`` (its client refuses the rendezvous), ``closed`` (its trainer
     is shut down before round 2), ``metadata`` (its source fails before round 2's walk), ``late``
-    (it reaches round 2 after the others stopped waiting for it).
+    (it reaches round 2 after the others stopped waiting for it), ``mid-walk`` (its source raises
+    half-way through round 2's walk, on rank 0 alone); ``second`` (every rank's): a
+    new trainer replaces the first on the same training group before round 2.
     """
     import datetime
 
@@ -94,6 +96,8 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
             source = _DiesMidRound(source, round_to_die=2)
         if rank == 0 and fault == "metadata":
             source = _MetadataFails(source)
+        if rank == 0 and fault == "mid-walk":
+            source = _RaisesMidWalk(source, round_to_fail=2)
         client = _RefusingClient(pool) if rank == 0 and fault == "connect" else pool
         started = time.monotonic()
         try:
@@ -111,6 +115,12 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
         for step in range(rounds):
             if rank == 0 and step == 1 and fault == "closed":
                 trainer.shutdown()
+            if step == 1 and fault == "second":  # every rank replaces its trainer: a new agreement
+                trainer.shutdown()
+                trainer = wtransfer.create_trainer(
+                    backend, client=client, source=source, rank=rank,
+                    init_info={"world_size": 3, "timeout_s": TIMEOUT} if rank == 0 else None,
+                )
             if rank == 0 and step == 1 and fault == "metadata":
                 source.failing = True
             ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(100 * step + rank))
@@ -149,6 +159,25 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
     finally:
         if pool is not None:
             pool.shutdown()
+
+
+class _RaisesMidWalk(WeightSource):
+    """Rank 0's source wrapper that raises half-way through the walk of round ``round_to_fail``
+    (on rank 0 alone: the other ranks' gathers go on)."""
+
+    def __init__(self, source: Any, round_to_fail: int) -> None:
+        self.source, self.round_to_fail, self.walks = source, round_to_fail, 0
+
+    def metadata(self) -> Any:
+        return self.source.metadata()
+
+    def __iter__(self) -> Iterator[Any]:
+        self.walks += 1
+        middle = len(self.source.metadata()) // 2
+        for index, item in enumerate(self.source):
+            if self.walks == self.round_to_fail and index == middle:
+                raise ValueError("converting a tensor failed on rank 0")
+            yield item
 
 
 class _RefusingClient:
@@ -295,10 +324,11 @@ def test_row_sharded_parameters_are_gathered_slice_by_slice_exactly() -> None:
                 process.kill()
 
 
-@pytest.mark.parametrize("fault", ["closed", "metadata"])
+@pytest.mark.parametrize("fault", ["closed", "metadata", "mid-walk"])
 def test_rank_0_refusing_a_round_fails_every_rank_at_once_and_the_workers_keep_their_weights(fault: str) -> None:
-    """No rank enters a gather rank 0 will not run: before the agreement, the other ranks waited in
-    their first gather until the training group's timeout (120 s here)."""
+    """No rank is left in a gather rank 0 will not run: before the agreement, the other ranks waited
+    in their first gather until the training group's timeout (120 s here). ``mid-walk``: rank 0's
+    walk died inside the round, and rank 0 runs the remaining gathers itself."""
     events = run_ranks(3, "shm", rounds=3, fault=fault, limit=180)
     assert [e for e in events if e["event"] in ("crash", "create_failed")] == []
     assert [e["version"] for e in events if e["event"] == "round"] == [1, 1, 1]
@@ -308,7 +338,8 @@ def test_rank_0_refusing_a_round_fails_every_rank_at_once_and_the_workers_keep_t
         assert errors[rank]["type"] == "TransferError", errors[rank]
         assert "trainer rank 0" in errors[rank]["message"], errors[rank]
         assert errors[rank]["seconds"] < LINGER_S - 3, f"rank {rank} waited {errors[rank]['seconds']:.1f} s"
-    cause = "shut down" if fault == "closed" else "reading the parameter list failed"
+    cause = {"closed": "shut down", "metadata": "reading the parameter list failed",
+             "mid-walk": "converting a tensor failed on rank 0"}[fault]
     assert all(cause in e["message"] for e in errors.values()), errors  # every rank names rank 0's cause
     assert errors[0]["worker_versions"] == [1, 1]
     assert errors[0]["changed"] == [[], []], "a refused round changed the workers' weights"
@@ -336,3 +367,16 @@ def test_rank_0_arriving_after_the_others_stopped_waiting_starts_no_round_anywhe
     assert errors[0]["seconds"] < 10, errors[0]  # at once: the others' side of the group is gone
     assert "did not start the round" in errors[0]["message"], errors[0]
     assert errors[0]["worker_versions"] == [1, 1] and errors[0]["changed"] == [[], []]
+
+
+def test_a_second_sharded_trainer_on_the_same_group_takes_over() -> None:
+    """Every rank replaces its trainer between rounds (a new rendezvous, a new agreement on the
+    same training group and store): the new trainer's rounds land whole on the workers."""
+    events = run_ranks(3, "shm", rounds=3, fault="second", limit=240)
+    assert [e for e in events if e["event"] in ("error", "crash", "create_failed")] == [], events
+    sender = [e for e in events if e["event"] == "round" and e["sender"]]
+    assert len(sender) == 3 and [e["version"] for e in sender][0] == 1, sender
+    for event in sender:
+        assert event["wrong"] == [[], []], f"round {event['version']}: workers differ in {event['wrong']}"
+    assert len([e for e in events if e["event"] == "round" and not e["sender"]]) == 3 * 2
+    assert len([e for e in events if e["event"] == "done"]) == 3

@@ -15,14 +15,19 @@ many times on every rank, whether the round succeeds or fails. Rank 0 keeps it w
 rejected), it finishes the walk before raising, so no other rank is left waiting inside a
 gather for a rank that will never come. The gathers run on the source's own (FSDP's) group, as
 ``full_tensor()`` runs them; wtransfer's transport never uses that group, nor the default one.
+If rank 0's walk itself died (a source wrapper raised on rank 0 alone, an allocation failed
+before a gather), the walk cannot be resumed through the dead iterator: a :class:`ModuleSource`
+underneath then runs the remaining gathers itself (``finish_walk``), from the first one rank 0
+did not complete.
 
 The ranks also agree (``_agreement.RankAgreement``: through torch.distributed's key-value
 store, every wait bounded) on whether rank 0 connected (if not, ``create_trainer`` raises on every
 rank), whether a round starts (a closed or broken trainer refuses it, and rank 0 gathers only
 once every rank said it will too) and whether the workers took it (if not, every rank's
-``send_weights()`` raises). One case stays out of reach: a source that raises on rank 0 alone
-*inside* a walk (not in a gather) leaves the others in the gather it never enters, until the
-training group's own timeout.
+``send_weights()`` raises). One case stays out of reach: a source of the user's own making
+(no ``ModuleSource`` underneath) that raises on rank 0 alone inside a walk leaves the others in
+the gather it never enters, until the training group's own timeout; rank 0 logs an error
+saying so.
 """
 
 from __future__ import annotations
@@ -63,14 +68,22 @@ class LockstepSource(WeightSource):
         self.walks = walks
         self._started = 0
         self._current: Iterator[tuple[str, torch.Tensor]] | None = None
+        self._yielded, self._complete = 0, False
 
     def metadata(self) -> list[TensorEntry]:
         return self.inner.metadata()
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         self._started += 1
-        self._current = iter(self.inner)
+        self._current = self._counted(iter(self.inner))
         return self._current
+
+    def _counted(self, walk: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        self._yielded, self._complete = 0, False
+        for item in walk:
+            self._yielded += 1
+            yield item
+        self._complete = True
 
     def begin_round(self) -> None:
         self._started, self._current = 0, None
@@ -79,14 +92,44 @@ class LockstepSource(WeightSource):
         """Walk whatever this round has not walked yet; returns how many tensors that took."""
         drained = 0
         if self._current is not None:
-            for _ in self._current:
-                drained += 1
+            drained += self._finish(self._current)
         for _ in range(self._started, self.walks):
-            for _ in self.inner:
-                drained += 1
+            drained += self._finish(self._counted(iter(self.inner)))
         self._current = None
         self._started = self.walks
         return drained
+
+    def _finish(self, walk: Iterator[tuple[str, torch.Tensor]]) -> int:
+        """Finish one walk; if its iterator died before the end, finish it in the module source."""
+        drained = 0
+        error: Exception | None = None
+        try:
+            for _ in walk:
+                drained += 1
+        except Exception as exc:
+            error = exc
+        if self._complete:
+            return drained
+        module_source = _module_source_under(self.inner)
+        if module_source is None:
+            logger.error(
+                "trainer rank 0: the weight source died after %d tensor(s)%s and cannot be walked on, so the "
+                "other trainer ranks stay in their next gather until the training group's timeout; do not run "
+                "collectives on that group before it ends (pass a ModuleSource, or a wrapper over one, and "
+                "wtransfer finishes the gathers itself)",
+                self._yielded, f" ({type(error).__name__}: {error})" if error else "",
+            )
+            return drained
+        return drained + module_source.finish_walk()
+
+
+def _module_source_under(source: Any) -> Any:
+    """The ``ModuleSource`` a (wrapped) source reads from, found through ``inner``/``source``."""
+    for _ in range(8):
+        if source is None or callable(getattr(source, "finish_walk", None)):
+            return source
+        source = getattr(source, "inner", None) or getattr(source, "source", None)
+    return None
 
 
 class ParticipantTrainer:

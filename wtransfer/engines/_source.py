@@ -56,9 +56,12 @@ def _unwrap(tensor: torch.Tensor) -> torch.Tensor:
     return value.detach()
 
 
-def gather_rows_in_slices(tensor: Any, slice_bytes: int = GATHER_SLICE_BYTES) -> torch.Tensor | None:
+def gather_rows_in_slices(
+    tensor: Any, slice_bytes: int = GATHER_SLICE_BYTES, keep: bool = True
+) -> torch.Tensor | None:
     """The whole value of a DTensor sharded on dim 0 of a 1-D mesh (``torch.chunk`` layout), or
-    None for any other layout. A collective: every rank of the mesh calls it, in the same order."""
+    None for any other layout. A collective: every rank of the mesh calls it, in the same order.
+    With ``keep=False`` this rank only takes part (an empty tensor is returned, nothing assembled)."""
     import math
 
     import torch
@@ -75,7 +78,7 @@ def gather_rows_in_slices(tensor: Any, slice_bytes: int = GATHER_SLICE_BYTES) ->
     row_shape = tuple(tensor.shape[1:])
     with torch.no_grad():
         local = tensor.to_local().detach()
-        out = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device=local.device)
+        out = torch.empty(tuple(tensor.shape) if keep else (0,), dtype=tensor.dtype, device=local.device)
         row_bytes = max(math.prod(row_shape) * tensor.element_size(), 1)
         step = max(1, min(per_rank, slice_bytes // (row_bytes * world)))
         mine = torch.zeros((step, *row_shape), dtype=tensor.dtype, device=local.device)
@@ -86,7 +89,7 @@ def gather_rows_in_slices(tensor: Any, slice_bytes: int = GATHER_SLICE_BYTES) ->
             if have:
                 mine[:have].copy_(local[start : start + have])
             dist.all_gather_into_tensor(everyone[: world * count], mine[:count], group=group)
-            for rank in range(world):
+            for rank in range(world if keep else 0):
                 first = rank * per_rank + start
                 valid = max(0, min(count, rows - first))
                 if valid:
@@ -104,6 +107,7 @@ class ModuleSource(WeightSource):
     def __init__(self, module: torch.nn.Module, *, include_buffers: bool = False) -> None:
         self.module = module
         self.include_buffers = include_buffers
+        self._gathered = 0  # tensors of the current walk whose collectives are done
 
     def _named(self) -> Iterator[tuple[str, torch.Tensor]]:
         # named_parameters() skips the aliases of a tied parameter: each storage is sent once.
@@ -122,8 +126,27 @@ class ModuleSource(WeightSource):
         return [TensorEntry(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in self._named()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._gathered = 0
         for name, tensor in self._named():
-            yield name, _unwrap(tensor)
+            value = _unwrap(tensor)
+            self._gathered += 1
+            yield name, value
+
+    def finish_walk(self) -> int:
+        """Run the collectives of the current walk's remaining tensors, keeping none of them.
+
+        For a sharded trainer's rank 0 whose walk stopped with an error raised by code of its
+        own (a wrapper around this source, an allocation failing before a gather): the other
+        ranks are in the next gather, and only taking part in every remaining one frees them.
+        Row-sharded parameters are taken part in without assembling them (a few MiB), so an
+        out-of-memory error does not simply recur. Returns how many tensors that took.
+        """
+        remaining = list(self._named())[self._gathered :]
+        for _name, tensor in remaining:
+            if getattr(tensor, "placements", None) is None or gather_rows_in_slices(tensor, keep=False) is None:
+                _unwrap(tensor)
+            self._gathered += 1
+        return len(remaining)
 
 
 class TensorSource(WeightSource):

@@ -27,7 +27,8 @@ so no extra message is needed.
 
 Backend specifics sit behind the small methods of :class:`TorchDistributedBackend`
 (``device``, ``make_process_group``, ``allocate``, ``slot_stream``, ``packed_from``,
-``accepts_in_place``, ``synchronize``) so a plugin for another backend only overrides those.
+``accepts_in_place``, ``synchronize``, ``release_groups``, ``host_waits`` and
+``transport_timeout_s``) so a plugin for another backend only overrides those.
 """
 
 from __future__ import annotations
@@ -217,10 +218,22 @@ class TorchDistributedBackend:
     local_interface: str | None = None
     """Or a network interface name, when the user named one."""
 
+    host_waits: ClassVar[bool] = True
+    """Whether ``Work.wait()`` blocks this host until the collective is done, bounded by the
+    group's own timeout (gloo). NCCL's only orders CUDA streams and its timeout is enforced by a
+    watchdog that kills the process: such a backend sets this to False, and wtransfer then polls
+    ``is_completed()`` against its own deadline and aborts the group when it passes."""
+
     def device(self) -> torch.device:
         import torch
 
         return torch.device("cpu")
+
+    def transport_timeout_s(self, timeout_s: float) -> float:
+        """The timeout the process group itself gets. Where the transport's timeout is what ends
+        a wait (gloo), ``timeout_s``; a backend with ``host_waits = False`` returns more, so that
+        wtransfer's own deadline always comes first."""
+        return timeout_s
 
     def make_process_group(self, store: Any, rank: int, size: int, timeout_s: float) -> Any:
         from torch._C._distributed_c10d import ProcessGroupGloo
@@ -263,8 +276,9 @@ class TorchDistributedBackend:
         """One group per channel, each under its own key prefix; every member builds them in order."""
         from torch.distributed import PrefixStore
 
+        transport_timeout_s = self.transport_timeout_s(timeout_s)
         return [
-            self.make_process_group(PrefixStore(f"channel{index}/", store), rank, size, timeout_s)
+            self.make_process_group(PrefixStore(f"channel{index}/", store), rank, size, transport_timeout_s)
             for index in range(channels)
         ]
 
@@ -274,8 +288,9 @@ class TorchDistributedBackend:
 
         return [torch.zeros(nbytes, dtype=torch.uint8, device=self.device()) for _ in range(count)]
 
-    def synchronize(self) -> None:
-        """End of a round's data movement: wait for the device (a GPU sync; nothing on CPU)."""
+    def synchronize(self, timeout_s: float) -> None:
+        """End of a round's data movement: wait, at most ``timeout_s``, for the device (a GPU
+        sync; nothing on CPU). Raises :class:`TransferTimeoutError` when the device is not done."""
 
     def slot_stream(self, slot: int) -> contextlib.AbstractContextManager[None]:
         """Where packing/unpacking of buffer ``slot`` runs. On CPU, inline; a GPU backend runs
@@ -315,45 +330,49 @@ class TorchDistributedBackend:
         options.reduceOp = ReduceOp.MAX
         return group.allreduce([tensor], options)
 
-    @staticmethod
-    def release_group() -> None:
-        """Called once the last reference to a group is dropped.
+    def release_groups(self, groups: list[Any], failed: bool) -> None:
+        """Let go of this side's groups (the caller has dropped every other reference).
 
         Destroying a gloo group closes its connections, so peers still waiting in a
         collective fail at once ("connection closed") instead of at their timeout;
         ``abort()``/``shutdown()`` do not do that. Collect now so it happens immediately.
+        A GPU backend aborts its communicators first when ``failed``: a collective still
+        queued on the device would otherwise never end.
         """
+        groups.clear()
         gc.collect()
 
+    def wait(self, work: Any, what: str, timeout_s: float, call: ClientCall | None = None) -> None:
+        """Wait for an async collective, at most ``timeout_s``.
 
-def _wait(work: Any, what: str, timeout_s: float, call: ClientCall | None = None) -> None:
-    """Wait for an async collective, bounded by the group's timeout (``timeout_s``).
-
-    With ``call`` (the manifest vote, before any worker is known to be in the round) the
-    wait polls, so a failed client call stops it at once. Data waits block: by then every
-    worker is in the round, and a worker that fails drops its group, which fails our
-    pending collectives immediately ("connection closed").
-    """
-    deadline = time.monotonic() + timeout_s
-    try:
-        if call is None:
+        With ``call`` (the manifest vote, before any worker is known to be in the round) the
+        wait polls, so a failed client call stops it at once. Data waits block where the
+        transport's wait blocks the host and ends at the group's timeout (gloo): by then every
+        worker is in the round, and a worker that fails drops its group, which fails our
+        pending collectives immediately ("connection closed"). Where it does not
+        (``host_waits = False``), they poll against ``timeout_s`` too.
+        """
+        deadline = time.monotonic() + timeout_s
+        try:
+            if call is None and self.host_waits:
+                work.wait()
+                return
+            while not work.is_completed():
+                if call is not None:
+                    call.raise_if_failed()
+                if time.monotonic() > deadline:
+                    raise TransferTimeoutError(f"{what} did not complete within {timeout_s:g} s")
+                time.sleep(_POLL_S)
             work.wait()
-            return
-        while not work.is_completed():
-            call.raise_if_failed()
-            if time.monotonic() > deadline:
-                raise TransferTimeoutError(f"{what} did not complete within {timeout_s:g} s")
-            time.sleep(_POLL_S)
-        work.wait()
-    except TransferError:
-        work = None  # noqa: F841 - the traceback keeps this frame: let the group go
-        raise
-    except RuntimeError as exc:  # gloo reports dead peers and its own timeouts as RuntimeError
-        work = None  # noqa: F841
-        # gloo words its timeouts both "Timed out ..." and "Application timeout caused pair closure"
-        message = str(exc).lower()
-        kind = TransferTimeoutError if "timed out" in message or "timeout" in message else TransferError
-        raise kind(f"{what} failed: {exc} (a peer died, stalled or disconnected)") from exc
+        except TransferError:
+            work = None  # noqa: F841 - the traceback keeps this frame: let the group go
+            raise
+        except RuntimeError as exc:  # gloo reports dead peers and its own timeouts as RuntimeError
+            work = None  # noqa: F841
+            # gloo words its timeouts both "Timed out ..." and "Application timeout caused pair closure"
+            message = str(exc).lower()
+            kind = TransferTimeoutError if "timed out" in message or "timeout" in message else TransferError
+            raise kind(f"{what} failed: {exc} (a peer died, stalled or disconnected)") from exc
 
 
 class TorchDistributedWeightTransferEngine(
@@ -432,7 +451,7 @@ class TorchDistributedWeightTransferEngine(
             rejection = exc
         verdict = torch.tensor([1 if rejection else 0], dtype=torch.int32, device=self.device())
         try:
-            _wait(self.allreduce_max(self._groups[0], verdict), "the manifest vote", info.timeout_s)
+            self.wait(self.allreduce_max(self._groups[0], verdict), "the manifest vote", info.timeout_s)
         except TransferError as exc:
             self._leave_group(str(exc))
             raise
@@ -453,7 +472,7 @@ class TorchDistributedWeightTransferEngine(
     def _leave_group(self, reason: str) -> None:
         """After a failed round: drop the group now, so the trainer's pending collectives fail
         at once instead of at their timeout. A new ``init_transfer_engine()`` joins a fresh one."""
-        self.shutdown()  # the group, its rendezvous connection and the buffers: nothing outlives the round
+        self._close(failed=True)  # the group, its rendezvous connection and the buffers: nothing outlives the round
         self._broken = reason
 
     def _receive_buckets(self, manifest: Manifest, load_weights: LoadWeights) -> None:
@@ -465,7 +484,7 @@ class TorchDistributedWeightTransferEngine(
             self._receive_into(buckets, unpacker, works)
         finally:
             works.clear()  # a failure's traceback must not keep the collectives (and the group) alive
-        self.synchronize()
+        self.synchronize(self._info.timeout_s)
         unpacker.finish()
 
     def _receive_into(self, buckets: list[Bucket], unpacker: Unpacker, works: dict[int, tuple[Any, bool]]) -> None:
@@ -485,7 +504,7 @@ class TorchDistributedWeightTransferEngine(
         for index in range(min(count, len(buckets))):
             post(index)
         for bucket in buckets:
-            _wait(works[bucket.index][0], f"receiving bucket {bucket.index}", self._info.timeout_s)
+            self.wait(works[bucket.index][0], f"receiving bucket {bucket.index}", self._info.timeout_s)
             in_place = works.pop(bucket.index)[1]
             if in_place:
                 unpacker.received_in_place(bucket)
@@ -495,15 +514,17 @@ class TorchDistributedWeightTransferEngine(
             post(bucket.index + count)
 
     def shutdown(self) -> None:
-        had_group = bool(self._groups)
-        self._groups = []
+        self._close(failed=False)
+
+    def _close(self, failed: bool) -> None:
+        groups, self._groups = self._groups, []
         if self._store is not None:
             self._store.close()
         self._store = self._kv = None
         self._buffers = []
         self._info = None
-        if had_group:
-            self.release_group()
+        if groups:
+            self.release_groups(groups, failed)
 
 
 class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngine):
@@ -620,7 +641,7 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
         import torch
 
         verdict = torch.zeros(1, dtype=torch.int32, device=self.device())
-        _wait(self.allreduce_max(self._groups[0], verdict), "the manifest vote", self.timeout_s, call)
+        self.wait(self.allreduce_max(self._groups[0], verdict), "the manifest vote", self.timeout_s, call)
         if int(verdict.item()):
             raise ManifestRejected(f"round {manifest.version} rejected by a worker's loader")
         # slot -> (work, tensor it reads); holding the tensor keeps an in-place source alive
@@ -637,10 +658,9 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
     def _drop_groups(self) -> None:
         """A round failed on this side: this trainer is done (it is marked broken), so close its
         groups at once; every worker waiting in a collective fails with "connection closed"."""
-        had_group = bool(self._groups)
-        self._groups = []
-        if had_group:
-            self.release_group()
+        groups, self._groups = self._groups, []
+        if groups:
+            self.release_groups(groups, failed=True)
 
     def _broadcast_buckets(
         self, manifest: Manifest, buckets: list[Bucket], call: ClientCall, works: list[tuple[Any, Any] | None]
@@ -650,7 +670,7 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
         for bucket in buckets:
             slot = bucket.index % len(self._buffers)
             if works[slot] is not None:  # no local names for works: a traceback would keep them
-                _wait(works[slot][0], f"broadcasting bucket {bucket.index - len(works)}", self.timeout_s)
+                self.wait(works[slot][0], f"broadcasting bucket {bucket.index - len(works)}", self.timeout_s)
                 works[slot] = None
             view = packer.direct_bytes(bucket, device)
             if view is None:
@@ -662,16 +682,15 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
         packer.drain()
         for slot in range(len(works)):
             if works[slot] is not None:
-                _wait(works[slot][0], f"broadcasting the last buckets (buffer {slot})", self.timeout_s)
-        self.synchronize()
+                self.wait(works[slot][0], f"broadcasting the last buckets (buffer {slot})", self.timeout_s)
+        self.synchronize(self.timeout_s)
 
     def release(self) -> None:
-        had_group = bool(getattr(self, "_groups", None))
-        self._groups = []
+        groups, self._groups = getattr(self, "_groups", None) or [], []
         self._prefixed = None
         if getattr(self, "_server", None) is not None:
             self._server.close()
         self._server = self._kv = None
         self._buffers = []
-        if had_group:
-            self.release_group()
+        if groups:
+            self.release_groups(groups, failed=False)

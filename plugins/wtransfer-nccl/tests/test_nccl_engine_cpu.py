@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
-from wtransfer.engines import TorchDistributedTrainer, TorchDistributedWeightTransferEngine
+from wtransfer.engines import TorchDistributedTrainer, TorchDistributedWeightTransferEngine, WeightSource
 from wtransfer import WeightTransferConfig
 
 
@@ -21,3 +24,112 @@ def test_unavailable_reason_without_cuda(engine_module) -> None:
     assert "no CUDA device" in engine_module.nccl_unavailable_reason()
     with pytest.raises(engine_module.NCCLUnavailableError, match="'shm'.*'gloo'"):
         engine_module.NCCLWeightTransferEngine(WeightTransferConfig(backend="nccl"))
+
+
+class _StallingSource(WeightSource):
+    """A trainer that is alive but stops sending: its source blocks after ``after`` tensors."""
+
+    def __init__(self, source, after: int) -> None:
+        self.source, self.after = source, after
+        self.stalled, self.resume = threading.Event(), threading.Event()
+
+    def metadata(self):
+        return self.source.metadata()
+
+    def __iter__(self):
+        for index, item in enumerate(self.source):
+            if index == self.after:
+                self.stalled.set()
+                self.resume.wait(120)
+            yield item
+
+
+class _InProcessClient:
+    """The worker side called directly from the trainer's client-call thread."""
+
+    def __init__(self, engine, model) -> None:
+        from wtransfer import module_loader
+
+        self.engine, self.load = engine, module_loader(model)
+
+    def init_weight_transfer_engine(self, init_info):
+        self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))
+
+    def start_weight_update(self):
+        self.engine.start_weight_update()
+
+    def update_weights(self, update_info):
+        self.engine.receive_weights(self.engine.parse_update_info(update_info), self.load)
+
+    def finish_weight_update(self):
+        self.engine.finish_weight_update()
+
+
+def test_polled_waits_end_at_wtransfers_deadline_before_the_transports(engine_module) -> None:
+    """The NCCL engine's wait discipline, run over gloo (the part of it a CPU can run).
+
+    NCCL's ``Work.wait()`` does not block the host, so the NCCL backend sets ``host_waits =
+    False`` and gives its group a timeout past wtransfer's (``transport_timeout_s``). A worker
+    built with exactly those two choices on gloo must raise ``TransferTimeoutError`` when a live
+    trainer goes silent, at ``timeout_s``, not at the group's timeout a minute later (where a
+    blocking wait would end, and where NCCL's watchdog would kill the process).
+    """
+    from wtransfer import ParallelConfig, TransferTimeoutError
+    from wtransfer.engines import ModuleSource, create_trainer
+    from wtransfer.testing.models import matrix_model
+
+    timed_out: list[tuple[float, BaseException]] = []
+
+    class PolledGlooEngine(TorchDistributedWeightTransferEngine):
+        host_waits = engine_module.NCCLBackend.host_waits
+        transport_timeout_s = engine_module.NCCLBackend.transport_timeout_s
+
+        def wait(self, *args, **kwargs):
+            try:
+                return super().wait(*args, **kwargs)
+            except BaseException as exc:
+                timed_out.append((time.monotonic(), exc))
+                raise
+
+    timeout_s = 3.0
+    assert PolledGlooEngine.host_waits is False
+    engine = PolledGlooEngine(WeightTransferConfig(backend="gloo"), ParallelConfig())
+    assert engine.transport_timeout_s(timeout_s) >= timeout_s + 60
+    target, trained = matrix_model(seed=0), matrix_model(seed=1)
+    client = _InProcessClient(engine, target)
+    source = _StallingSource(ModuleSource(trained), after=2)
+    trainer = create_trainer(
+        "gloo", client=client, source=source, commit="streaming",
+        init_info={"world_size": 2, "timeout_s": timeout_s, "bucket_bytes": 64 * 1024},
+    )
+    outcome: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            trainer.send_weights()
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            outcome.append(exc)
+
+    sender = threading.Thread(target=send, daemon=True)
+    try:
+        sender.start()
+        assert source.stalled.wait(30), "the trainer never reached the stall"
+        stalled_at = time.monotonic()
+        deadline = stalled_at + timeout_s + 30
+        while not timed_out and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # Unblock the trainer now: a gloo group, unlike an aborted NCCL one, is destroyed only once
+        # its pending broadcast ends, and the worker's call returns after that.
+        source.resume.set()
+        assert timed_out, "the worker still waits: its wait is bounded by the transport, not by timeout_s"
+        failed_at, error = timed_out[0]
+        assert isinstance(error, TransferTimeoutError), error
+        assert failed_at - stalled_at < timeout_s + 10
+        sender.join(60)
+        assert engine.weights_torn  # streaming: some tensors landed before the stall
+    finally:
+        source.resume.set()
+        sender.join(60)
+        trainer.shutdown()
+        engine.shutdown()
+    assert outcome, "the trainer's round must fail too"

@@ -57,7 +57,7 @@ def test_packing_and_unpacking_on_per_buffer_streams_is_bit_exact(engine_module)
             unpacker.unpack(bucket, view)
     packer.drain()
     unpacker.finish()
-    engine.synchronize()
+    engine.synchronize(30.0)
     for (name, a), (_, b) in zip(source_model.named_parameters(), target_model.named_parameters()):
         assert tensor_checksum(a.detach()) == tensor_checksum(b.detach()), name
     engine.shutdown()

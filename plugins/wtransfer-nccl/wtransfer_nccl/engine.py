@@ -11,7 +11,14 @@ the same the ``gloo`` engine runs. This module only supplies what differs on a G
   in vllm#52950);
 * packing and unpacking of a buffer run on that buffer's stream, the transport waits for
   it, and the buffer is not reused until its stream is done; a final device
-  synchronisation happens before a round is reported finished.
+  synchronisation happens before a round is reported finished;
+* every wait is bounded by the round's ``timeout_s`` and none blocks in CUDA: NCCL's
+  ``Work.wait()`` only orders streams, and ``torch.cuda.synchronize()`` or ``.item()`` would
+  block forever on a collective whose peer died. wtransfer polls ``Work.is_completed()`` and a
+  CUDA event instead, and when the deadline passes it aborts the communicators and raises
+  :class:`~wtransfer.TransferTimeoutError`. The group's own timeout is set well past that
+  deadline, and its asynchronous error handling off, so NCCL's watchdog never tears the
+  (vLLM) worker process down first: a dead trainer costs one failed round, not the server.
 """
 
 from __future__ import annotations
@@ -19,11 +26,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from wtransfer import WTransferError
+from wtransfer import TransferTimeoutError, WTransferError
 from wtransfer.engines import (
     MIB,
     TorchDistributedBackend,
@@ -35,6 +44,31 @@ from wtransfer.engines import (
 from wtransfer.options import option
 
 logger = logging.getLogger("wtransfer")
+
+WATCHDOG_MARGIN_S = 60.0
+"""The group's own timeout exceeds ``timeout_s`` by at least this much (or by ``timeout_s``)."""
+SYNC_POLL_S = 0.0002
+
+
+@contextlib.contextmanager
+def _async_error_handling_off() -> Iterator[None]:
+    """Build a group whose NCCL errors and timeouts are reported to its waiters, not acted on.
+
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is read when a ``ProcessGroupNCCL`` is constructed; its
+    default makes the watchdog kill the whole process on a remote error or timeout. wtransfer
+    handles both itself (polled waits, abort, ``TransferError``), so only its own groups are
+    built with 0; the variable is restored at once and the process's other groups keep theirs.
+    """
+    name = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    before = os.environ.get(name)
+    os.environ[name] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
 
 class NCCLUnavailableError(WTransferError, RuntimeError):
@@ -79,6 +113,7 @@ class NCCLBackend(TorchDistributedBackend):
     """CUDA and NCCL specifics behind wtransfer's torch.distributed backend hooks."""
 
     distributed_backend = "nccl"
+    host_waits = False  # NCCL's Work.wait() returns at once: poll against our own deadline
     _device_index: int | None = None
     _streams: list[Any] | None = None
 
@@ -99,10 +134,26 @@ class NCCLBackend(TorchDistributedBackend):
         torch.cuda.set_device(device)
         options = ProcessGroupNCCL.Options()
         options._timeout = datetime.timedelta(seconds=timeout_s)
-        group = ProcessGroupNCCL(store, rank, size, options)
+        with _async_error_handling_off():
+            group = ProcessGroupNCCL(store, rank, size, options)
         if hasattr(group, "bound_device_id"):
             group.bound_device_id = device  # eager init on this device, no guessing
         return group
+
+    def transport_timeout_s(self, timeout_s: float) -> float:
+        """Past wtransfer's own deadline (which aborts the group first): the watchdog never acts."""
+        return timeout_s + max(WATCHDOG_MARGIN_S, timeout_s)
+
+    def release_groups(self, groups: list[Any], failed: bool) -> None:
+        """After a failed round, abort the communicators: a broadcast whose peer is gone would
+        otherwise stay queued on the device, and the group's destructor would wait for it."""
+        if failed:
+            for group in groups:
+                try:
+                    group.abort()
+                except Exception as exc:  # the round already failed; say so, do not mask it
+                    logger.warning("aborting an NCCL group after a failed round raised: %s", exc)
+        super().release_groups(groups, failed)
 
     def allocate(self, nbytes: int, count: int) -> list[Any]:
         """Device buffers, plus one stream per buffer; both live as long as the engine."""
@@ -134,11 +185,23 @@ class NCCLBackend(TorchDistributedBackend):
             if tensor.is_cuda:
                 tensor.record_stream(self._streams[slot])
 
-    def synchronize(self) -> None:
-        """Once per round, after the last bucket: nothing of the round is still in flight."""
+    def synchronize(self, timeout_s: float) -> None:
+        """Once per round, after the last bucket: nothing of the round is still in flight.
+
+        Every buffer's stream was joined into the current one, so one event recorded there
+        covers the round. Polled, never ``torch.cuda.synchronize()``: that has no timeout."""
         import torch
 
-        torch.cuda.synchronize(self.device())
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device()))
+        deadline = time.monotonic() + timeout_s
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise TransferTimeoutError(
+                    f"the device did not finish the round's transfers within {timeout_s:g} s "
+                    f"(a peer died or stalled mid-collective)"
+                )
+            time.sleep(SYNC_POLL_S)
 
 
 class NCCLWeightTransferEngine(NCCLBackend, TorchDistributedWeightTransferEngine):
