@@ -59,7 +59,7 @@ def test_storage_unknown_key_suggests_the_close_one_and_lists_the_valid_ones(tmp
         _storage(tmp_path, io_thread=2)
     assert str(raised.value) == (
         "storage connector: unknown option(s) 'io_thread' (did you mean 'io_threads'?) in "
-        "kv_connector_extra_config; valid options: fsync, io_threads, io_timeout_s, path"
+        "kv_connector_extra_config; valid options: capacity_bytes, fsync, io_threads, io_timeout_s, max_pending_save_bytes, path"
     )
 
 
@@ -210,7 +210,7 @@ def test_tables_match_what_users_could_write() -> None:
         "eviction_policy", "transfer_timeout_s", "staging_blocks",
     }
     assert {row["name"]: row["required"] for row in describe_options(StorageOptions)} == {
-        "path": True, "io_threads": False, "fsync": False, "io_timeout_s": False,
+        "path": True, "io_threads": False, "fsync": False, "io_timeout_s": False, "max_pending_save_bytes": False, "capacity_bytes": False,
     }
     assert [row["name"] for row in describe_options(MultiOptions) if row["required"]] == ["connectors"]
 

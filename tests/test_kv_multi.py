@@ -77,32 +77,43 @@ def test_each_child_hears_its_own_workers_reports(tmp_path: Path) -> None:
     assert all(torch.equal(out.kv[n][:, :16], reference[n][:, :16]) for n in reference)
 
 
-class SlowStorage(StorageConnector):
-    """A storage child whose saves wait for the test to open a gate."""
+class SlowSender(StorageConnector):
+    """A child that, like an asynchronous sender (``offloading``), keeps a finished request's
+    blocks until its transfer is done: here, until the test opens a gate."""
 
     GATE = threading.Event()
 
-    def _save_block(self, transfer: Any) -> None:
-        assert self.GATE.wait(timeout=20), "test never opened the gate"
-        super()._save_block(transfer)
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        super().request_finished(request, block_ids)
+        return True, None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        waiting = self.__dict__.setdefault("waiting", set())
+        waiting |= finished_req_ids
+        if not self.GATE.is_set():
+            return None, None
+        done = set(waiting)
+        waiting.clear()
+        return done or None, None
 
 
-def test_a_request_is_done_only_when_every_child_finished_saving(tmp_path: Path, isolated_registry: None) -> None:
-    KVConnectorFactory.register_connector("slow-storage", __name__, "SlowStorage")
-    SlowStorage.GATE.clear()
-    slow = {"kv_connector": "slow-storage", "kv_connector_extra_config": {"path": str(tmp_path / "slow")}}
+def test_a_request_is_done_only_when_every_child_finished_sending(tmp_path: Path, isolated_registry: None) -> None:
+    KVConnectorFactory.register_connector("slow-sender", __name__, "SlowSender")
+    SlowSender.GATE.clear()
+    slow = {"kv_connector": "slow-sender", "kv_connector_extra_config": {"path": str(tmp_path / "slow")}}
     with PagedKVEngine(SPEC, 16, kv_transfer_config=_multi(_child(tmp_path / "fast"), slow)) as engine:
         engine.add_request("a", PROMPT)
-        deadline = time.monotonic() + 10  # the fast child saves on an I/O thread: give it time on a busy machine
+        deadline = time.monotonic() + 10  # the fast child writes on an I/O thread: give it time on a busy machine
         for _ in range(5):
             engine.step()
         while not _files(tmp_path / "fast") and time.monotonic() < deadline:
             engine.step()
             time.sleep(0.01)
-        assert engine.has_unfinished()  # blocks held: the slow child has not saved yet
-        assert _files(tmp_path / "fast") and not _files(tmp_path / "slow")
-        SlowStorage.GATE.set()
+        assert engine.has_unfinished()  # blocks held: the slow child has not reported its request
+        assert _files(tmp_path / "fast")
+        SlowSender.GATE.set()
         engine.run(timeout_s=20)
+        assert not engine.has_unfinished()
     assert _files(tmp_path / "slow") == _files(tmp_path / "fast")
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+import wtransfer
 from wtransfer import KVConnectorFactory, KVConnectorRole, KVTransferConfig
 from wtransfer.connectors._hashing import request_block_hashes
 from wtransfer.kvcache import KVCacheSpec
@@ -342,3 +343,97 @@ def test_fsync_and_single_io_thread_options(tmp_path: Path) -> None:
         out = engine.generate({"c": PROMPT + SUFFIX})["c"]
     assert out.num_external_tokens == 16
     _assert_bit_exact(SPEC, out)
+
+
+class _GatedLoads:
+    """Storage whose reads wait for the test (a filesystem that stalls)."""
+
+    GATE: Any = None
+
+    def _load_block(self, transfer: Any) -> bool:
+        assert self.GATE.wait(timeout=20), "test never opened the gate"
+        return super()._load_block(transfer)  # type: ignore[misc]
+
+
+def test_a_load_its_step_gave_up_on_never_writes_into_the_cache_later(tmp_path: Path) -> None:
+    """REVIEW §2.9: a load past ``io_timeout_s`` used to be abandoned while still running, and
+    wrote into a cache block the engine had since given to another request."""
+    import threading
+
+    from wtransfer.connectors.storage import BlockTransfer, StorageConnector, StorageConnectorMetadata
+
+    class GatedStorage(_GatedLoads, StorageConnector):
+        GATE = threading.Event()
+
+    _save_prompt(tmp_path)
+    config = _config(tmp_path, io_timeout_s=0.3)
+    worker = GatedStorage(config, KVConnectorRole.WORKER, SPEC)
+    caches = {name: torch.zeros(SPEC.cache_shape(8), dtype=torch.bfloat16) for name in SPEC.layer_names}
+    worker.register_kv_caches(caches)
+    hashes = request_block_hashes(SPEC, PROMPT)
+    worker.bind_connector_metadata(StorageConnectorMetadata(
+        loads=[BlockTransfer("late", index, 2 + index, hashes[index]) for index in range(2)], saves=[]))
+    worker.start_load_kv()
+    with pytest.raises(wtransfer.TransferTimeoutError, match="none of them will write into the cache"):
+        worker.wait_for_layer_load("layer.0")
+    GatedStorage.GATE.set()  # the stalled reads finish now, after their step moved on
+    worker.shutdown()  # waits for the I/O threads
+    assert all(not cache.any() for cache in caches.values()), "an abandoned load wrote into the cache"
+    stats = worker.get_kv_connector_stats()
+    assert stats.get("loads_abandoned", 0) + stats.get("loaded_blocks", 0) <= 2
+    assert "loaded_blocks" not in stats
+
+
+def _store_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def test_a_hundred_rl_cycles_keep_the_store_under_its_capacity(tmp_path: Path) -> None:
+    """Each cycle is what an RL loop does: new weights (a new model fingerprint: a new namespace
+    nobody will read again once the next cycle starts), then prompts. Unbounded, the store grows
+    by every cycle; with ``capacity_bytes`` it stays flat, the newest blocks are kept, and the
+    blocks of the current weights keep being reused."""
+    capacity = 64 * 1024
+    prompts = {f"p{k}": [(k * 29 + 5 * i) % 500 for i in range(17)] for k in range(3)}  # 4 blocks each
+    sizes, evicted = [], 0
+    for cycle in range(100):
+        spec = dataclasses.replace(SPEC, model_fingerprint=f"weights-after-update-{cycle}")
+        with _engine(_config(tmp_path, capacity_bytes=capacity), spec) as engine:
+            engine.generate(dict(prompts))
+            again = engine.generate({f"{k}-again": v for k, v in prompts.items()})
+            stats = engine.worker_connector.get_kv_connector_stats()
+        if cycle % 10 == 0:
+            # within a cycle the store serves what it just saved
+            assert all(out.num_external_tokens + out.num_local_hit_tokens == 16 for out in again.values())
+        sizes.append(_store_bytes(tmp_path))
+        evicted += stats.get("evicted_blocks", 0)
+    per_cycle = sizes[0]  # the first cycles stay below the capacity: what one cycle writes
+    assert per_cycle > 0 and per_cycle * 100 > 20 * capacity  # unbounded, 100 cycles would take 20x the cap
+    assert max(sizes) <= capacity, f"the store reached {max(sizes)} bytes, capacity {capacity}"
+    assert sizes[-1] >= per_cycle  # eviction keeps the newest blocks, it does not wipe the store
+    namespaces = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert len(namespaces) < 20, "namespaces of old weights were not reclaimed"
+    assert evicted > 0  # counted in the stats (those of evictions at a cycle's shutdown come after them)
+
+
+def test_eviction_goes_by_last_use_across_processes_sharing_the_store(tmp_path: Path) -> None:
+    """A block loaded recently survives an eviction that removes blocks saved at the same time
+    but never read since."""
+    import time as clock
+
+    capacity = 28 * 1024  # 22 block files of 1288 bytes: the filler's last ones push out 3 or 4
+    old_prompt, kept_prompt = PROMPT, [(5 * i + 1) % 500 for i in range(17)]
+    with _engine(_config(tmp_path, capacity_bytes=capacity)) as engine:
+        engine.generate({"old": old_prompt, "kept": kept_prompt})
+    clock.sleep(0.05)
+    with _engine(_config(tmp_path, capacity_bytes=capacity)) as engine:  # another process's turn: it reads "kept"
+        assert engine.generate({"kept-again": kept_prompt})["kept-again"].num_external_tokens == 16
+    clock.sleep(0.05)
+    filler = dataclasses.replace(SPEC, model_fingerprint="other-weights")
+    with _engine(_config(tmp_path, capacity_bytes=capacity), filler) as engine:
+        engine.generate({f"f{k}": [(k * 31 + 3 * i) % 500 for i in range(17)] for k in range(4)})
+    assert _store_bytes(tmp_path) <= capacity
+    with _engine(_config(tmp_path)) as engine:
+        outs = engine.generate({"kept-3": kept_prompt, "old-3": old_prompt})
+    assert outs["kept-3"].num_external_tokens == 16  # read last: kept
+    assert outs["old-3"].num_external_tokens < 16  # saved as long ago, never read: evicted first

@@ -225,11 +225,25 @@ class KVConnectorBase(ABC):
         May return before the data is saved; must not modify ``kv_layer``.
         """
 
+    def handle_preemptions(self, connector_metadata: KVConnectorMetadata) -> None:  # noqa: B027 - optional hook
+        """Engine, worker, before the step's forward pass (before ``bind_connector_metadata``),
+        with the step's metadata: the scheduler preempted requests while scheduling it
+        (``SchedulerStep.preempted_req_ids``; the scheduler side puts what its worker needs in
+        the metadata). Their blocks are already free and this step's forward may overwrite
+        them, and the engine does not wait for ``get_finished`` for a preempted request. A
+        connector still reading such blocks (an asynchronous save of an earlier step) must
+        finish those reads here. Connectors whose ``wait_for_save`` copies everything out
+        before returning have nothing to do (vLLM's ``handle_preemptions``).
+        """
+
     @abstractmethod
     def wait_for_save(self) -> None:
-        """Engine, worker, after the forward pass: the step's saves may no longer read blocks the
-        engine could overwrite. Asynchronous connectors that keep reading return at once and
-        report completion through :meth:`get_finished` (the engine keeps those blocks)."""
+        """Engine, worker, after the forward pass: when this returns, the engine may hand any
+        block of the step to another request at once (a request preempted in the next step is
+        not waited for). So either every read of the step's blocks is done, or the connector
+        keeps reading only blocks the engine keeps for it: those of finished requests whose free
+        it delayed (``request_finished``) until :meth:`get_finished` reports them, and those of
+        preempted requests until :meth:`handle_preemptions` returns."""
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Engine, worker, after each step: ``(done_sending, done_receiving)`` request ids.

@@ -99,17 +99,22 @@ class SchedulerStep:
 
     ``finished_req_ids`` are requests the scheduler finished (or aborted) since the
     previous step; the engine also passes them to the worker side's ``get_finished``.
+    ``preempted_req_ids`` are requests it preempted while scheduling this step: their blocks
+    are already free, and other requests of this very step may write into them (see
+    :meth:`~wtransfer.connectors.KVConnectorBase.handle_preemptions`).
     """
 
     step: int
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "step": self.step,
             "scheduled": [s.to_dict() for s in self.scheduled],
             "finished_req_ids": list(self.finished_req_ids),
+            "preempted_req_ids": list(self.preempted_req_ids),
         }
 
     @classmethod
@@ -118,6 +123,7 @@ class SchedulerStep:
             step=int(data["step"]),
             scheduled=[ScheduledRequest.from_dict(s) for s in data.get("scheduled", [])],
             finished_req_ids=[str(r) for r in data.get("finished_req_ids", [])],
+            preempted_req_ids=[str(r) for r in data.get("preempted_req_ids", [])],
         )
 
 

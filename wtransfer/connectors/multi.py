@@ -202,6 +202,14 @@ class MultiConnector(KVConnectorBase):
         for child in self.children:
             child.clear_connector_metadata()
 
+    def handle_preemptions(self, connector_metadata: KVConnectorMetadata) -> None:
+        if not isinstance(connector_metadata, MultiConnectorMetadata):
+            raise TypeError(
+                f"multi connector: expected MultiConnectorMetadata, got {type(connector_metadata).__name__}"
+            )
+        for child, data in zip(self.children, connector_metadata.children, strict=True):
+            child.handle_preemptions(type(child).metadata_cls.from_dict(data))
+
     def start_load_kv(self, **kwargs: Any) -> None:
         for child in self.children:
             child.start_load_kv(**kwargs)

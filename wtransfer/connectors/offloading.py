@@ -66,6 +66,7 @@ class OffloadingConnectorMetadata(KVConnectorMetadata):
     step: int = 0
     loads: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     stores: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    preempted: list[str] = dataclasses.field(default_factory=list)  # requests whose stores must land first
 
 
 @dataclasses.dataclass
@@ -188,7 +189,8 @@ class OffloadingConnector(KVConnectorBase):
         for entry in stores:
             self._stores_in_flight[_store_key(step.step, entry["request_id"])] = entry.pop("hashes")
         self._collect_events()
-        return OffloadingConnectorMetadata(step.step, loads, stores)
+        preempted = sorted(set(step.preempted_req_ids) & self._with_stores)
+        return OffloadingConnectorMetadata(step.step, loads, stores, preempted)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Complete the stores the worker saw land; free the slots of those that failed."""
@@ -272,7 +274,7 @@ class OffloadingConnector(KVConnectorBase):
         self._bad_tier_blocks: set[int] = set()
         self._worker_stats = {
             "load_jobs": 0, "store_jobs": 0, "bytes_loaded": 0, "bytes_stored": 0,
-            "failed_loads": 0, "failed_stores": 0,
+            "failed_loads": 0, "failed_stores": 0, "preemption_waits": 0,
         }
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -331,6 +333,18 @@ class OffloadingConnector(KVConnectorBase):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None, **kwargs: Any) -> None:
         """Nothing per layer: a store copies every layer of a block, so it starts in ``wait_for_save``."""
+
+    def handle_preemptions(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Stores still copying blocks of requests the scheduler just preempted must finish now,
+        before this step's forward writes other requests' KV into those blocks."""
+        preempted = getattr(connector_metadata, "preempted", None)
+        if not preempted or self._store_handler is None:
+            return
+        jobs = sorted({job for request_id in preempted for job in self._store_jobs_of.get(request_id, ())})
+        if jobs:
+            self._store_handler.wait(jobs)
+            self._worker_stats["preemption_waits"] += 1
+            self._collect()
 
     def wait_for_save(self) -> None:
         meta = self._meta()

@@ -8,6 +8,15 @@ Options (``kv_connector_extra_config``, declared in :class:`StorageOptions`):
 ``io_threads`` (default 2)
     Worker threads that read and write block files; loads of a step run in
     parallel, saves run in the background while the engine keeps computing.
+``capacity_bytes`` (default None: unbounded)
+    The most the store's block files may take, all namespaces together. Past it, the least
+    recently used files (saved or loaded longest ago) are deleted, by whichever process
+    sharing the store notices (see :mod:`wtransfer.connectors._budget`): namespaces of
+    earlier weights, never read again, go first.
+``max_pending_save_bytes`` (default 256 MiB)
+    Host memory for block copies waiting to be written. A save that would exceed
+    it is dropped (counted as ``saves_dropped_backlog``): a later request
+    recomputes that block, nothing waits on slow storage.
 ``fsync`` (default False)
     fsync each file before renaming it into place. Renaming already guarantees
     readers never see a partial file; fsync adds durability across power loss.
@@ -25,6 +34,14 @@ fails its checksum at load time is reported through
 ``get_block_ids_with_load_errors`` and the engine recomputes it.
 
 ``kv_role``: ``kv_producer`` only saves, ``kv_consumer`` only loads, ``kv_both`` does both.
+
+A stored block is always the KV its hash names. ``wait_for_save`` copies each new block out
+of the cache before it returns (vLLM may give a block to another request as soon as it
+returns: a preempted request's blocks are freed without the connector being told) and only
+the file write runs in the background, from that copy. A finished request is reported done
+(``get_finished``) once its files are written, so the next request finds them. A load whose step gave up waiting
+(``io_timeout_s``) never writes into the cache afterwards: the block is reported as a load
+error and recomputed.
 """
 
 from __future__ import annotations
@@ -39,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from wtransfer.connectors._base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from wtransfer.connectors._budget import StoreBudget
 from wtransfer.connectors._blockfile import (
     BlockFileError,
     BlockLayout,
@@ -71,6 +89,12 @@ class StorageOptions:
     io_threads: int = option(2, doc="threads that read and write block files")
     fsync: bool = option(False, doc="fsync each block file before renaming it into place (survives power loss)")
     io_timeout_s: float = option(60.0, doc="seconds the worker waits for a step's loads before raising")
+    capacity_bytes: int | None = option(
+        None, doc="most bytes the store's block files may take; least recently used are evicted (default: unbounded)"
+    )
+    max_pending_save_bytes: int = option(
+        256 << 20, doc="host bytes of block copies waiting to be written; saves beyond it are dropped"
+    )
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -79,6 +103,10 @@ class StorageOptions:
             raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
         if self.io_timeout_s <= 0:
             raise ValueError(f"io_timeout_s must be > 0 seconds, got {self.io_timeout_s}")
+        if self.capacity_bytes is not None and self.capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0 (or null for unbounded), got {self.capacity_bytes}")
+        if self.max_pending_save_bytes < 0:
+            raise ValueError(f"max_pending_save_bytes must be >= 0, got {self.max_pending_save_bytes}")
 
 
 @dataclass(frozen=True)
@@ -212,6 +240,8 @@ class StorageConnector(KVConnectorBase):
         self.block_size = spec.block_size
         self.counters = _Counters()
         self.store = BlockStore(self.options.path, BlockLayout.for_spec(spec), self.counters)
+        capacity = self.options.capacity_bytes
+        self.budget = StoreBudget(self.store.root, capacity, self.counters.add) if capacity is not None else None
         # scheduler state
         self._matches: dict[str, tuple[int, int]] = {}  # request -> (first block index, matched blocks)
         self._pending_loads: list[BlockTransfer] = []
@@ -224,11 +254,14 @@ class StorageConnector(KVConnectorBase):
         self._load_futures: list[tuple[BlockTransfer, Future[bool]]] = []
         self._failed_from: dict[str, int] = {}  # request -> first block index that failed to load this step
         self._load_errors: set[int] = set()
+        self._cache_writes = threading.Lock()  # a load copies into the cache only while it holds this
+        self._abandoned_loads: set[int] = set()  # ids of loads this step stopped waiting for
         self._inflight_lock = threading.Lock()
-        self._inflight: dict[str, int] = defaultdict(int)
+        self._inflight: dict[str, int] = defaultdict(int)  # request -> its file writes not yet done
         self._inflight_futures: set[Future[None]] = set()
         self._saw_saves: set[str] = set()
         self._finished_waiting: set[str] = set()
+        self._pending_save_bytes = 0
         self._closed = False
 
     # ================================================================ scheduler side
@@ -241,6 +274,8 @@ class StorageConnector(KVConnectorBase):
         for index in range(start, limit):
             if not self.store.contains(request.block_hashes[index]):
                 break
+            if self.budget is not None:  # about to be loaded: the last a capacity would evict
+                self.budget.touch(self.store.path_for(request.block_hashes[index]))
             matched += 1
         self.counters.add("lookup_hit_blocks", matched)
         self.counters.add("lookup_miss_blocks", max(0, limit - start - matched))
@@ -280,6 +315,9 @@ class StorageConnector(KVConnectorBase):
         return meta
 
     def request_finished(self, request: KVRequest, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """A request with saves is reported done (and its blocks freed) once its files are written:
+        what a finished request stored is then in the store for the next one. Its blocks are no
+        longer read by then (``wait_for_save`` copied them); the delay buys read-your-writes."""
         self._matches.pop(request.request_id, None)
         delay = request.request_id in self._requests_with_saves
         self._requests_with_saves.discard(request.request_id)
@@ -316,8 +354,14 @@ class StorageConnector(KVConnectorBase):
             self._failed_from[request_id] = 0
 
     def wait_for_save(self) -> None:
-        """Queue this step's saves and return: they run in the background, and the engine keeps
-        the blocks (``request_finished`` delayed their free) until :meth:`get_finished` reports them."""
+        """Copy this step's new blocks out of the cache, then return; files are written in the
+        background from those copies.
+
+        The copy must finish before this returns: from then on vLLM may hand any of these
+        blocks to another request (a request preempted in the next step loses its blocks at
+        once, and the connector is not told). Copying later is how another request's KV ends
+        up stored under this request's hash, with a valid checksum.
+        """
         meta = self._meta()
         self._await_loads()
         queued: set[str] = set()
@@ -329,12 +373,22 @@ class StorageConnector(KVConnectorBase):
             if transfer.block_hash in queued:
                 continue
             queued.add(transfer.block_hash)
+            path = self.store.path_for(transfer.block_hash)
+            if os.path.exists(path):
+                self.counters.add("save_skipped_existing")
+                continue
+            nbytes = self.store.layout.data_bytes
             with self._inflight_lock:
+                if self._pending_save_bytes + nbytes > self.options.max_pending_save_bytes:
+                    self.counters.add("saves_dropped_backlog")
+                    continue
+                self._pending_save_bytes += nbytes
                 self._inflight[transfer.request_id] += 1
-            future = self._pool().submit(self._save_block, transfer)
+            data = self._copy_out(transfer.block_id)
+            future = self._pool().submit(self._write_block, transfer, path, data)
             with self._inflight_lock:
                 self._inflight_futures.add(future)
-            future.add_done_callback(lambda f, rid=transfer.request_id: self._save_done(rid, f))
+            future.add_done_callback(lambda f, rid=transfer.request_id, n=nbytes: self._save_done(rid, n, f))
         self._failed_from.clear()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -413,9 +467,16 @@ class StorageConnector(KVConnectorBase):
         pending, self._load_futures = self._load_futures, []
         _, not_done = wait_futures([f for _, f in pending], timeout=self.io_timeout_s)
         if not_done:
+            # Those loads may still finish later, into blocks the engine will by then use for
+            # something else: forbid their copy into the cache (the lock makes "copied" and
+            # "abandoned" exclusive), and cancel the ones that have not started.
+            with self._cache_writes:
+                for transfer, future in pending:
+                    if future in not_done and not future.cancel():  # running: it checks the mark
+                        self._abandoned_loads.add(id(transfer))
             raise TransferTimeoutError(
                 f"storage connector: {len(not_done)} block loads did not finish within {self.io_timeout_s}s "
-                f"(io_timeout_s) from {self.store.root}"
+                f"(io_timeout_s) from {self.store.root}; none of them will write into the cache"
             )
         for transfer, future in pending:
             if not future.result():
@@ -436,20 +497,30 @@ class StorageConnector(KVConnectorBase):
             else:
                 logger.warning("storage connector: %s", exc)
             return False
-        for layer, view in enumerate(self._views()):  # only now, with every check passed
-            view[:, transfer.block_id] = staging[layer]
+        with self._cache_writes:
+            if id(transfer) in self._abandoned_loads:  # its step gave up on it: the block is someone else's now
+                self._abandoned_loads.discard(id(transfer))
+                self.counters.add("loads_abandoned")
+                return False
+            for layer, view in enumerate(self._views()):  # only now, with every check passed
+                view[:, transfer.block_id] = staging[layer]
+        if self.budget is not None:
+            self.budget.touch(path)  # recently used: evicted last
         self.counters.add("loaded_blocks")
         self.counters.add("loaded_bytes", self.store.layout.data_bytes)
         return True
 
-    def _save_block(self, transfer: BlockTransfer) -> None:
-        path = self.store.path_for(transfer.block_hash)
-        if os.path.exists(path):
-            self.counters.add("save_skipped_existing")
-            return
-        staging, raw = self._staging()
-        for layer, view in enumerate(self._views()):
-            staging[layer] = view[:, transfer.block_id]
+    def _copy_out(self, block_id: int) -> memoryview:
+        """Block ``block_id`` of every layer, copied into new host memory (the file's data)."""
+        import numpy as np
+
+        views = self._views()
+        copy = np.empty((len(views), views[0].shape[0], views[0].shape[2]), dtype=views[0].dtype)
+        for layer, view in enumerate(views):
+            copy[layer] = view[:, block_id]
+        return memoryview(copy).cast("B")
+
+    def _write_block(self, transfer: BlockTransfer, path: str, raw: memoryview) -> None:
         try:
             self.store.ensure_parent(path)
             try:
@@ -463,13 +534,23 @@ class StorageConnector(KVConnectorBase):
             return
         self.counters.add("saved_blocks")
         self.counters.add("saved_bytes", self.store.layout.data_bytes)
+        if self.budget is not None and self.budget.added(self._file_bytes(path)):
+            self.budget.evict()  # on this I/O thread, after the write: the engine never waits for it
 
-    def _save_done(self, request_id: str, future: Future[None]) -> None:
+    @staticmethod
+    def _file_bytes(path: str) -> int:
+        try:
+            return os.stat(path).st_size
+        except OSError:
+            return 0
+
+    def _save_done(self, request_id: str, nbytes: int, future: Future[None]) -> None:
         error = future.exception() if not future.cancelled() else None
         if error is not None:
             self.counters.add("save_errors")
             logger.error("storage connector: a save for request %s failed: %r", request_id, error)
         with self._inflight_lock:
+            self._pending_save_bytes -= nbytes
             self._inflight[request_id] -= 1
             if self._inflight[request_id] <= 0:
                 del self._inflight[request_id]

@@ -34,3 +34,16 @@ def test_a_missed_target_or_a_different_first_token_exits_1(capsys) -> None:
     wrong["storage"]["first"] = {"token": 7, "logprob": -1.2500001}
     assert report(wrong, ARGS) == 1
     assert "differ from ExampleConnector's" in capsys.readouterr().out
+
+
+def test_saving_is_judged_against_the_same_prompts_without_a_connector(capsys) -> None:
+    rows = copy.deepcopy(ROWS)
+    plain = {"ttft_s": 10.0, "all_ttft_s": [10.0], "cached_tokens": 0}
+    rows["saving"] = {"method": "saving", "ttft_s": 10.3, "all_ttft_s": [10.3], "cached_tokens": 0,
+                      "without_connector": plain}
+    assert report(copy.deepcopy(rows), ARGS) == 0
+    assert "without a connector 10.000 s (10.000): 1.030x (target <= 1.05x)" in capsys.readouterr().out
+    rows["saving"]["ttft_s"] = 10.8
+    assert report(rows, ARGS) == 1
+    assert "takes 1.080x the time to first token it takes without a connector, target <= 1.05x" in (
+        capsys.readouterr().out)

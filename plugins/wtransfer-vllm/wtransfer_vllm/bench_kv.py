@@ -8,7 +8,11 @@ tokens. Each method then runs in its own processes, on a directory in /dev/shm:
 
 * ``storage`` and ``ExampleConnector``: a first ``vllm.LLM`` computes the prompt and stores
   its KV; a *restarted* ``LLM`` (a new process: empty prefix cache) is timed;
-* ``recompute``: a restarted ``LLM`` with no connector is timed.
+* ``recompute``: a restarted ``LLM`` with no connector is timed;
+* saving: an ``LLM`` with ``storage`` computes prompts it has never seen (each repeat shifts
+  every token) and saves their KV, and so does an ``LLM`` with no connector on the same
+  prompts; the ratio of their times to first token is what saving costs a request (the block
+  copies out of the cache happen before the step ends, the file writes in the background).
 
 In the timed process the prompt is generated once to warm vLLM up on the timed path; then
 each repeat resets vLLM's own prefix cache and times ``llm.generate(prompt, max_tokens=1)``
@@ -39,6 +43,9 @@ from wtransfer_vllm.bench import _machine
 METHODS = ("recompute", "storage", "ExampleConnector")
 TARGETS = {"recompute": 5.0, "ExampleConnector": 1.5}
 """Required TTFT speed-up of ``storage`` over each peer."""
+SAVING_TARGET = 1.05
+"""A request whose KV is saved may take at most this times the same request's time to first
+token without a connector."""
 
 
 def _kv_config(method: str, store: str) -> Any:
@@ -83,6 +90,14 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     if args.role == "prime":
         _, first = _generate(llm, prompt)
         return {"first": first}
+    if args.role == "saving":
+        _generate(llm, prompt)  # warm-up, as the timed runs do
+        modulus = max(prompt) + 1
+        runs = []
+        for repeat in range(args.repeats):  # a prompt never seen: all of it is computed and saved
+            seconds, first = _generate(llm, [(token + repeat + 1) % modulus for token in prompt])
+            runs.append({"seconds": seconds, **first})
+        return {"runs": runs}
     _generate(llm, prompt)  # warm-up on the very path that is timed (first-call costs are vLLM's, not ours)
     runs = []
     for _ in range(args.repeats):
@@ -149,12 +164,23 @@ def run(args: argparse.Namespace) -> int:
                 "primed_first": primed.get("first"), "store_bytes": stored,
                 "bytes_per_token": stored / reused if stored and reused else None,
             }
+        saving = {}
+        for method in ("recompute", "storage"):
+            store = root / f"store-saving-{method}"
+            store.mkdir()
+            runs = _run_child("saving", method, args, model_dir, prompt_file, store)["runs"]
+            seconds = [r["seconds"] for r in runs]
+            saving[method] = {"ttft_s": statistics.median(seconds), "all_ttft_s": seconds,
+                              "cached_tokens": max(r["cached"] for r in runs)}
+        rows["saving"] = {"method": "saving", **saving["storage"], "without_connector": saving["recompute"]}
     if args.save_rows:
         Path(args.save_rows).write_text(json.dumps(rows))
     return report(rows, args)
 
 
 def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> int:
+    rows = dict(rows)
+    saving = rows.pop("saving", None)
     ours = rows["storage"]
     reference = rows["ExampleConnector"]["first"]
     failures = []
@@ -169,8 +195,16 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> int:
             failures.append(f"storage is {row['storage_speedup']:.2f}x faster than {method}, target >= {target}x")
     if ours["cached_tokens"] < args.tokens - 64:
         failures.append(f"storage reused only {ours['cached_tokens']} of {args.tokens} tokens")
+    if saving is not None:
+        plain = saving["without_connector"]
+        saving["vs_no_connector"] = saving["ttft_s"] / plain["ttft_s"]
+        if saving["cached_tokens"] or plain["cached_tokens"]:
+            failures.append("saving: tokens were reused; the prompts were meant to be new")
+        if saving["vs_no_connector"] > SAVING_TARGET:
+            failures.append(f"a request whose KV is saved takes {saving['vs_no_connector']:.3f}x the time to first "
+                            f"token it takes without a connector, target <= {SAVING_TARGET}x")
     document = {"machine": _machine(), "model": args.model, "tokens": args.tokens, "repeats": args.repeats,
-                "rows": list(rows.values()), "failures": failures}
+                "rows": list(rows.values()), "saving": saving, "failures": failures}
     if args.json:
         print(json.dumps(document, indent=1))
         return 1 if failures else 0
@@ -189,6 +223,13 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> int:
           f"prefix cache ({hit['cached']} tokens reused): token {hit['token']}, logprob {hit['logprob']:.7f}")
     for method, target in TARGETS.items():
         print(f"storage is {rows[method]['storage_speedup']:.2f}x faster than {method} (target >= {target}x)")
+    if saving is not None:
+        plain = saving["without_connector"]
+        each = ", ".join(f"{t:.3f}" for t in saving["all_ttft_s"])
+        each_plain = ", ".join(f"{t:.3f}" for t in plain["all_ttft_s"])
+        print(f"prompts never seen: TTFT saving with storage {saving['ttft_s']:.3f} s ({each}), without a "
+              f"connector {plain['ttft_s']:.3f} s ({each_plain}): {saving['vs_no_connector']:.3f}x "
+              f"(target <= {SAVING_TARGET}x)")
     print("targets met" if not failures else "targets MISSED:\n  " + "\n  ".join(failures))
     return 1 if failures else 0
 
@@ -205,7 +246,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "written); --report-rows FILE prints a saved run again")
     parser.add_argument("--report-rows", metavar="FILE", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--role", choices=["prime", "timed"], help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=["prime", "timed", "saving"], help=argparse.SUPPRESS)
     parser.add_argument("--method", choices=METHODS, help=argparse.SUPPRESS)
     for hidden in ("--model-dir", "--prompt", "--store", "--out"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)

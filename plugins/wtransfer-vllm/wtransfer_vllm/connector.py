@@ -224,22 +224,42 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
             step=next(self._steps),
             scheduled=scheduled,
             finished_req_ids=sorted(scheduler_output.finished_req_ids),
+            preempted_req_ids=sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()),
         )
         with self._timed("build_meta"):
             return WTransferKVMetadata(self.inner.build_connector_meta(step).to_json(),
                                        self.kv_cache_spec.model_fingerprint)
 
+    def weights_committed(self, weights: str) -> None:
+        """A wtransfer round named ``weights`` (a digest of what it delivered) was committed on
+        every worker; the cache reset that follows keys blocks to the new weights."""
+        self._committed_weights = weights
+
     def reset_cache(self) -> bool:
         """vLLM's cache reset (``reset_prefix_cache(reset_connector=True)``, ``pause_generation``
-        with ``clear_cache``), which vLLM's RL flow runs after a weight update: from now on
-        blocks are named under a new fingerprint, unique to this reset, so nothing stored
-        before (by this process or any other) matches again. The store itself is left alone:
-        other engines may share it. The workers follow with the next step's metadata.
+        with ``clear_cache``), which vLLM's RL flow runs after a weight update. From now on
+        blocks are named under a new fingerprint, so nothing stored before matches again:
+
+        * after a wtransfer round (``weights_committed``), the fingerprint names the weights:
+          a digest of the previous fingerprint and the round's, so every instance that started
+          from the same checkpoint and took the same rounds computes the same one and shares
+          blocks, and KV of any other weights cannot match;
+        * after any other reset (vLLM's own weight updates, a reset by hand) the new weights are
+          unknown: the fingerprint is unique to this reset.
+
+        The store itself is left alone: other engines may share it. The workers follow with the
+        next step's metadata.
         """
+        import hashlib
         import uuid
 
-        base = self.kv_cache_spec.model_fingerprint.split("#reset-")[0]
-        self._switch_fingerprint(f"{base}#reset-{uuid.uuid4().hex}")
+        weights, self._committed_weights = getattr(self, "_committed_weights", None), None
+        before = self.kv_cache_spec.model_fingerprint
+        if weights is not None:
+            fingerprint = hashlib.sha256(f"{before}|weights:{weights}".encode()).hexdigest()
+        else:
+            fingerprint = hashlib.sha256(f"{before}|reset:{uuid.uuid4().hex}".encode()).hexdigest()
+        self._switch_fingerprint(fingerprint)
         for tracked in self._tracked.values():
             tracked.hashes = []
         logger.info("wtransfer-vllm: KV connector %s reset: stored blocks no longer match (fingerprint %s)",
@@ -298,6 +318,11 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
         self.inner.clear_connector_metadata()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM calls this before each forward: stores still reading preempted requests' blocks finish."""
+        if isinstance(kv_connector_metadata, WTransferKVMetadata):
+            self.inner.handle_preemptions(self.inner.metadata_cls.from_json(kv_connector_metadata.text))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         with self._timed("start_load"):

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 import wtransfer
 from vllm.distributed.weight_transfer.base import WeightTransferEngine as VLLMWeightTransferEngine
+from wtransfer.engines import Manifest
 
 from wtransfer_vllm.adapters import adapter_classes
 from wtransfer_vllm.checkpoint import check_round, checkpoint_tensors
@@ -61,6 +62,9 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
             ),
         )
         self._loaders: dict[int, VllmModelLoader] = {}
+        self._receiving_round: str | None = None
+        self.committed_round: str | None = None
+        """What the last committed round delivered (:func:`round_identity`), for the KV namespace."""
         report_failures_as_replies(lambda engine: isinstance(engine, WTransferEngineAdapter))
 
     # -- the wire format belongs to the wtransfer engine --------------------------------
@@ -93,12 +97,17 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
 
     def receive_weights(self, update_info: Any) -> None:
         started = time.perf_counter()
+        self._receiving_round = None
         self.inner.receive_weights(update_info, self._loader())  # validated, then staged whole on the node
+        manifest = getattr(update_info, "parsed", None)
+        self._receiving_round = round_identity(manifest) if isinstance(manifest, Manifest) else None
         logger.info("wtransfer-vllm round: %s received and staged in %.3f s",
                     self.wtransfer_backend, time.perf_counter() - started)
 
     def finish_weight_update(self) -> None:
+        self.committed_round = None
         self.inner.finish_weight_update()  # every worker has the round: load it from staging
+        self.committed_round, self._receiving_round = self._receiving_round, None
 
     def shutdown(self) -> None:
         self.inner.shutdown()
@@ -109,6 +118,27 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
         if key not in self._loaders:
             self._loaders[key] = VllmModelLoader(self.model, self.model_config)
         return self._loaders[key]
+
+
+def round_identity(manifest: Any) -> str | None:
+    """A digest naming the weights a round delivered, or None where the round does not say.
+
+    With per-tensor checksums the round is named by its content (names, dtypes, shapes,
+    checksums): two trainers sending the same weights name them the same. Without, by the
+    trainer that sent it and the round's number (a trainer's key is random per trainer): every
+    worker of that round agrees, nobody else can produce the same name by accident.
+    """
+    import hashlib
+    import json
+
+    entries = [[e.name, e.dtype, list(e.shape)] for e in manifest.entries]
+    if manifest.checksums is not None:
+        named = {"entries": entries, "checksums": list(manifest.checksums)}
+    elif manifest.commit is not None:
+        named = {"entries": entries, "trainer": manifest.commit.key, "version": manifest.version}
+    else:
+        return None
+    return hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()
 
 
 class VllmModelLoader:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from wtransfer_vllm.worker_rpc import WORKER_METHODS, raise_worker_failures
+from wtransfer_vllm.worker_rpc import WORKER_METHODS, committed_round, raise_worker_failures
 
 logger = logging.getLogger("vllm.wtransfer_vllm")
 
@@ -58,7 +58,8 @@ def install(is_ours: Any) -> bool:
                     logger.exception("wtransfer-vllm: resetting vLLM's caches after a failed commit failed too")
             raise
         if method == "finish_weight_update":
-            drop_stale_kv(self)
+            replies, weights = committed_round(replies)
+            drop_stale_kv(self, weights)
         return replies
 
     collective_rpc._wtransfer_wrapped = True  # type: ignore[attr-defined]
@@ -66,13 +67,19 @@ def install(is_ours: Any) -> bool:
     return True
 
 
-def drop_stale_kv(engine_core: Any) -> None:
+def drop_stale_kv(engine_core: Any, weights: str | None = None) -> None:
     """Everything the engine core keeps that was computed with the old weights, gone.
 
     Called on the engine core's own thread, between steps (utility calls run there), right
-    after every worker committed the round.
+    after every worker committed the round. ``weights`` names what they committed (see
+    ``engine.round_identity``): a wtransfer KV connector then keys its blocks to those weights,
+    so other instances at the same weights share them; without it the connector's new
+    namespace is one nobody else can match.
     """
     scheduler = engine_core.scheduler
+    connector = scheduler.get_kv_connector() if hasattr(scheduler, "get_kv_connector") else None
+    if weights is not None and hasattr(connector, "weights_committed"):
+        connector.weights_committed(weights)
     running = len(getattr(scheduler, "running", ()))
     # reset_running_requests: running requests are preempted (their blocks freed, their KV
     # recomputed with the new weights; tokens already generated stay); without it vLLM skips the

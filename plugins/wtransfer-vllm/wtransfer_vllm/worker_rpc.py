@@ -26,6 +26,8 @@ from typing import Any
 WORKER_METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
 FAILED = "wtransfer_worker_failed"
 """The key of a worker's reply that carries its failure (a JSON-safe dict)."""
+COMMITTED = "wtransfer_committed_round"
+"""The key of a worker's ``finish_weight_update`` reply naming the weights it committed."""
 
 
 def report_failures_as_replies(is_ours: Any) -> None:
@@ -47,11 +49,14 @@ def _replying(name: str, original: Any, is_ours: Any) -> Any:
             # this one was never asked to finish); the engine starts afresh and commits nothing old.
             _end_session(self)
         try:
-            return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
         except Exception as exc:
             if name == "finish_weight_update":
                 _end_session(self)  # as vLLM's update_weights does on failure
             return {FAILED: f"{type(exc).__name__}: {exc}", "rank": getattr(self, "rank", None)}
+        if name == "finish_weight_update":
+            return {COMMITTED: getattr(self.weight_transfer_engine, "committed_round", None)}
+        return result
 
     method._wtransfer_wrapped = True  # type: ignore[attr-defined]
     method.__name__ = name
@@ -63,6 +68,16 @@ def _end_session(worker: Any) -> None:
     if getattr(worker, "_weight_update_active", False):
         worker._weight_update_active = False
         worker.weight_transfer_engine.reset_weight_update_target()
+
+
+def committed_round(replies: Any) -> tuple[Any, str | None]:
+    """Engine-core side, after a successful ``finish_weight_update``: the replies as vLLM's own
+    workers give them (``None``), and the weights every worker committed (None unless all agree)."""
+    listed = replies if isinstance(replies, list) else [replies]
+    named = {r.get(COMMITTED) for r in listed if isinstance(r, dict) and COMMITTED in r}
+    plain = [None if isinstance(r, dict) and COMMITTED in r else r for r in listed]
+    agreed = named.pop() if len(named) == 1 else None
+    return (plain if isinstance(replies, list) else plain[0]), agreed
 
 
 def raise_worker_failures(method: str, replies: Any) -> None:

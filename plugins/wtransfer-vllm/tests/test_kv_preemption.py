@@ -1,0 +1,167 @@
+"""A stored or offloaded KV block is always the KV its hash names, also while vLLM preempts.
+
+vLLM frees a preempted request's blocks at once and may hand them to other requests in the
+same step; the connector is not told (only ``handle_preemptions`` runs, before the forward).
+A connector that still reads such a block afterwards stores another request's KV under this
+request's hash, with a valid checksum, and every later hit serves it.
+
+Each test drives an instance under memory pressure (a 128-block cache, 3 waves of 40
+concurrent 96-token prompts with 64 generated tokens each: vLLM preempts dozens of times),
+then reads every prompt back through the connector and compares greedy tokens and logprobs
+with a run that has no connector. Measured on main before the fix (Intel Xeon with AMX,
+2 cores): the fresh ``storage`` reader differed on 8 of 40 prompts; ``offloading`` over a
+tier whose device reads take 50 ms differed as below (see the CHANGELOG).
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_harness import cpu_flags, pip_install_into, run_script
+
+PROMPTS = [[(k * 37 + 13 * i + (i * i) % 7) % 500 for i in range(96)] for k in range(40)]
+PRESSURE = {"num_gpu_blocks_override": 128, "enable_prefix_caching": False}
+STORED_TOKENS = 64  # 96 tokens: two whole blocks of 32 may come from a connector (the last token is computed)
+
+
+def waves(python: Path, model: Path, out_dir: Path, connector: str, extra: dict[str, Any], *,
+          replay: bool, site: Path | None = None) -> dict[str, Any]:
+    out = out_dir / f"waves-{connector}-{len(list(out_dir.glob('waves-*.json')))}.json"
+    env = {"PYTHONPATH": str(site)} if site else None
+    run_script(python, "kv_waves.py", str(model), str(out), connector, json.dumps(extra), json.dumps(PROMPTS), "3",
+               json.dumps({**PRESSURE, "replay": replay}), env=env, timeout=600)
+    return json.loads(out.read_text())
+
+
+def one_by_one(python: Path, model: Path, out_dir: Path, connector: str, extra: dict[str, Any]) -> list[dict]:
+    out = out_dir / f"run-{connector}-{len(list(out_dir.glob('run-*.json')))}.json"
+    run_script(python, "kv_run.py", str(model), str(out), connector, json.dumps(extra), json.dumps(PROMPTS),
+               json.dumps({"enable_prefix_caching": False}), timeout=600)
+    return json.loads(out.read_text())["results"]
+
+
+def differing(results: list[dict], reference: list[dict]) -> list[int]:
+    assert len(results) == len(reference) == len(PROMPTS)
+    return [i for i, (ours, theirs) in enumerate(zip(results, reference))
+            if ours["tokens"] != theirs["tokens"] or ours["logprobs"] != theirs["logprobs"]]
+
+
+@pytest.fixture(scope="module")
+def reference(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Every prompt computed by vLLM alone: no connector, no pressure."""
+    print(f"\nCPU flags: {cpu_flags()}")
+    return one_by_one(vllm_python, tiny_llama, tmp_path_factory.mktemp("reference"), "none", {})
+
+
+def test_a_store_written_while_vllm_preempts_gives_a_fresh_reader_exactly_the_reference(
+    vllm_python: Path, tiny_llama: Path, reference: list[dict], tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    # fsync and one I/O thread: slow storage, as a shared filesystem is
+    writer = waves(vllm_python, tiny_llama, tmp_path, "storage",
+                   {"path": str(store), "fsync": True, "io_threads": 1}, replay=False)
+    assert writer["preemptions"] >= 10, writer["preemptions"]  # the condition under test happened
+    reader = one_by_one(vllm_python, tiny_llama, tmp_path, "storage", {"path": str(store)})
+    assert [r["num_cached_tokens"] for r in reader] == [STORED_TOKENS] * len(PROMPTS)  # every hit came from the store
+    assert differing(reader, reference) == []
+
+
+SLOW_TIER = '''
+import time
+
+from wtransfer.specs import DEVICE_MEDIUM, BlockCopyHandler, CPUOffloadingSpec
+
+
+class SlowDeviceReads(BlockCopyHandler):
+    """Copies out of the engine's cache take 50 ms longer, as a remote or disk tier's would."""
+
+    def _copy(self, src_rows, dst_rows):
+        if self.src.medium == DEVICE_MEDIUM:
+            time.sleep(0.05)
+        super()._copy(src_rows, dst_rows)
+
+
+class SlowTier(CPUOffloadingSpec):
+    handler_cls = SlowDeviceReads
+'''
+
+
+@pytest.fixture(scope="module")
+def slow_tier_site(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``slow-tier`` pip-installed: an offloading spec (entry point) whose stores are slow."""
+    source = tmp_path_factory.mktemp("slow-tier")
+    (source / "slow_tier").mkdir()
+    (source / "slow_tier" / "__init__.py").write_text(SLOW_TIER)
+    (source / "pyproject.toml").write_text(textwrap.dedent("""
+        [build-system]
+        requires = ["setuptools>=68"]
+        build-backend = "setuptools.build_meta"
+        [project]
+        name = "slow-tier"
+        version = "1.0"
+        [project.entry-points."wtransfer.specs"]
+        slow-cpu = "slow_tier:SlowTier"
+        [tool.setuptools]
+        packages = ["slow_tier"]
+    """))
+    return pip_install_into(vllm_python, tmp_path_factory.mktemp("site"), source)
+
+
+def test_blocks_offloaded_while_vllm_preempts_come_back_exactly(
+    vllm_python: Path, tiny_llama: Path, reference: list[dict], slow_tier_site: Path, tmp_path: Path
+) -> None:
+    run = waves(vllm_python, tiny_llama, tmp_path, "offloading", {"spec_name": "slow-cpu", "num_cpu_blocks": 1024},
+                replay=True, site=slow_tier_site)
+    assert run["preemptions"] >= 10, run["preemptions"]
+    assert [r["num_cached_tokens"] for r in run["results"]] == [STORED_TOKENS] * len(PROMPTS)  # from the tier
+    assert differing(run["results"], reference) == []
+
+
+# -- KV keyed to the weights it was computed with ---------------------------------------------
+WEIGHT_PROMPTS = PROMPTS[:4]
+
+
+def synced(python: Path, model: Path, store: Path, out_dir: Path, rounds: int) -> dict[str, Any]:
+    out = out_dir / f"synced-{len(list(out_dir.glob('synced-*.json')))}.json"
+    run_script(python, "kv_weights.py", str(model), str(store), str(out), str(rounds), json.dumps(WEIGHT_PROMPTS),
+               timeout=600)
+    return json.loads(out.read_text())
+
+
+def same_outputs(ours: list[dict], theirs: list[dict]) -> bool:
+    return all(a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"] for a, b in zip(ours, theirs, strict=True))
+
+
+def test_kv_is_keyed_to_the_weights_shared_at_the_same_weights_and_never_matched_at_others(
+    vllm_python: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """Two instances each load A and take the same two rounds to B (checksummed), on one store.
+
+    The first computes at A (stored under A), then at B: nothing of A matches after the sync,
+    and what it computes at B is stored under B. The second, a new process, reuses A's blocks
+    at A and the first one's B blocks at B, with outputs equal to those the first computed.
+    A third stays at A: it reuses A's blocks and its outputs are A's, never B's.
+    """
+    store = tmp_path / "store"
+    first = synced(vllm_python, tiny_llama, store, tmp_path, rounds=2)
+    assert [r["num_cached_tokens"] for r in first["before"]] == [0] * len(WEIGHT_PROMPTS)
+    assert [r["num_cached_tokens"] for r in first["after"]] == [0] * len(WEIGHT_PROMPTS), "KV of A matched at B"
+    assert [r["num_cached_tokens"] for r in first["again"]] == [STORED_TOKENS] * len(WEIGHT_PROMPTS)
+    assert same_outputs(first["again"], first["after"])
+    assert not same_outputs(first["after"], first["before"])  # the rounds changed what the model computes
+
+    second = synced(vllm_python, tiny_llama, store, tmp_path, rounds=2)
+    assert [r["num_cached_tokens"] for r in second["before"]] == [STORED_TOKENS] * len(WEIGHT_PROMPTS)
+    assert same_outputs(second["before"], first["before"])
+    assert [r["num_cached_tokens"] for r in second["after"]] == [STORED_TOKENS] * len(WEIGHT_PROMPTS), (
+        "an instance at the same weights did not find the blocks computed at them")
+    assert same_outputs(second["after"], first["after"])
+
+    at_a = synced(vllm_python, tiny_llama, store, tmp_path, rounds=0)
+    assert [r["num_cached_tokens"] for r in at_a["before"]] == [STORED_TOKENS] * len(WEIGHT_PROMPTS)
+    assert same_outputs(at_a["before"], first["before"])
