@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Callable
@@ -221,6 +222,62 @@ def test_blocks_are_held_while_their_stores_are_in_flight(paged_engine: Engine, 
     assert out.num_local_hit_tokens + out.num_external_tokens == 16
 
 
+def test_handle_preemptions_waits_for_stores_still_reading_a_preempted_requests_blocks(
+    paged_engine: Engine, isolated_registry: None
+) -> None:
+    """The engine may overwrite a preempted request's blocks in the very next forward; a store
+    still copying them must finish first (vLLM calls handle_preemptions before that forward).
+    Stores of other requests are not waited for."""
+    from wtransfer.connectors.offloading import OffloadingConnectorMetadata
+
+    registry_for(SPECS).register("gated-store", GatedStoreSpec)
+    GatedStoreHandler.gate.clear()
+    engine = paged_engine(SPEC, 8, kv_transfer_config=offloading(spec_name="gated-store", num_cpu_blocks=8))
+    worker = engine.worker_connector
+    try:
+        engine.add_request("a", prompt(6), max_new_tokens=4)
+        engine.step()
+        assert worker._store_jobs_of.get("a"), "the prefill's store should be in flight (the gate is closed)"
+        worker.handle_preemptions(OffloadingConnectorMetadata(step=1, preempted=["someone-else"]))  # returns at once
+        done = threading.Event()
+        waiter = threading.Thread(
+            target=lambda: (worker.handle_preemptions(OffloadingConnectorMetadata(step=1, preempted=["a"])), done.set()))
+        waiter.start()
+        assert not done.wait(0.5), "returned while the store still reads the preempted request's blocks"
+    finally:
+        GatedStoreHandler.gate.set()
+    assert done.wait(10)
+    waiter.join(10)
+    assert not worker._store_jobs_of.get("a")
+    assert worker.get_kv_connector_stats()["preemption_waits"] == 1
+
+
+class RefusingStoreHandler(BlockCopyHandler):
+    """A tier that refuses every store at submission (full, or its queue closed)."""
+
+    def transfer_async(self, job_id: int, spec: Any) -> bool:
+        if self.src.medium == "device":
+            return False
+        return super().transfer_async(job_id, spec)
+
+
+class RefusingStoreSpec(CPUOffloadingSpec):
+    handler_cls = RefusingStoreHandler
+
+
+def test_a_store_refused_at_submission_still_frees_its_requests_blocks(
+    paged_engine: Engine, isolated_registry: None
+) -> None:
+    """The scheduler delays the free of a request with planned stores; a store the tier refused
+    has no job to finish, and its request must still be reported done (its blocks used to stay
+    allocated for ever)."""
+    registry_for(SPECS).register("refusing-store", RefusingStoreSpec)
+    engine = paged_engine(SPEC, 8, kv_transfer_config=offloading(spec_name="refusing-store", num_cpu_blocks=8))
+    engine.generate({"a": prompt(6)})
+    assert not engine.has_unfinished() and engine.allocator.num_free == 8
+    assert engine.worker_connector.get_kv_connector_stats()["failed_stores"] >= 1
+
+
 # -- third-party specs -----------------------------------------------------------------------------
 DICT_TIER = '''
 """A third-party tier: blocks kept as separate tensors in a dict, moved by its own thread."""
@@ -308,6 +365,7 @@ class DictTierSpec(OffloadingSpec):
 '''
 
 ROUND_TRIP = '''
+import dataclasses
 import json
 import torch
 import wtransfer
@@ -349,3 +407,19 @@ def test_third_party_spec_through_spec_module_path(
     assert type(engine.scheduler_connector.spec).__name__ == "DictTierSpec"
     assert out.num_external_tokens == 16
     assert_bit_exact(out)
+
+
+def test_with_tensor_parallel_parts_a_store_completes_only_when_every_worker_reported(paged_engine: Engine) -> None:
+    """With two TP workers each storing its part, one worker's "stored" is not the block."""
+    from wtransfer.connectors._request import KVConnectorOutput
+
+    spec = dataclasses.replace(SPEC, num_shards=2)
+    engine = paged_engine(spec, 16, kv_transfer_config=offloading(num_cpu_blocks=8))
+    engine.generate({"a": prompt(6)})  # the one worker here is part 0: its reports count once
+    scheduler = engine.scheduler_connector
+    hashes = request_block_hashes(spec, prompt(6))
+    assert scheduler.manager.lookup(hashes) == 0, "offered with only one of two parts stored"
+    pending = list(scheduler._stores_in_flight)
+    assert pending, "the stores wait for the other part"
+    scheduler.update_connector_output(KVConnectorOutput(worker_meta=[{"stored": pending}]))  # part 1 reports
+    assert scheduler.manager.lookup(hashes) == len(hashes)

@@ -61,7 +61,8 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
     ``fault`` (rank 0's): ``connect`` (its client refuses the rendezvous), ``closed`` (its trainer
     is shut down before round 2), ``metadata`` (its source fails before round 2's walk), ``late``
     (it reaches round 2 after the others stopped waiting for it), ``mid-walk`` (its source raises
-    half-way through round 2's walk, on rank 0 alone); ``second`` (every rank's): a
+    half-way through round 2's walk, on rank 0 alone; ``walk-start``: before reading any of it);
+    ``second`` (every rank's): a
     new trainer replaces the first on the same training group before round 2.
     """
     import datetime
@@ -96,8 +97,8 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
             source = _DiesMidRound(source, round_to_die=2)
         if rank == 0 and fault == "metadata":
             source = _MetadataFails(source)
-        if rank == 0 and fault == "mid-walk":
-            source = _RaisesMidWalk(source, round_to_fail=2)
+        if rank == 0 and fault in ("mid-walk", "walk-start"):
+            source = _RaisesMidWalk(source, round_to_fail=2, at_start=fault == "walk-start")
         client = _RefusingClient(pool) if rank == 0 and fault == "connect" else pool
         started = time.monotonic()
         try:
@@ -165,14 +166,16 @@ class _RaisesMidWalk(WeightSource):
     """Rank 0's source wrapper that raises half-way through the walk of round ``round_to_fail``
     (on rank 0 alone: the other ranks' gathers go on)."""
 
-    def __init__(self, source: Any, round_to_fail: int) -> None:
-        self.source, self.round_to_fail, self.walks = source, round_to_fail, 0
+    def __init__(self, source: Any, round_to_fail: int, at_start: bool = False) -> None:
+        self.source, self.round_to_fail, self.walks, self.at_start = source, round_to_fail, 0, at_start
 
     def metadata(self) -> Any:
         return self.source.metadata()
 
     def __iter__(self) -> Iterator[Any]:
         self.walks += 1
+        if self.at_start and self.walks == self.round_to_fail:  # before reading the module at all
+            raise ValueError("converting a tensor failed on rank 0")
         middle = len(self.source.metadata()) // 2
         for index, item in enumerate(self.source):
             if self.walks == self.round_to_fail and index == middle:
@@ -324,7 +327,7 @@ def test_row_sharded_parameters_are_gathered_slice_by_slice_exactly() -> None:
                 process.kill()
 
 
-@pytest.mark.parametrize("fault", ["closed", "metadata", "mid-walk"])
+@pytest.mark.parametrize("fault", ["closed", "metadata", "mid-walk", "walk-start"])
 def test_rank_0_refusing_a_round_fails_every_rank_at_once_and_the_workers_keep_their_weights(fault: str) -> None:
     """No rank is left in a gather rank 0 will not run: before the agreement, the other ranks waited
     in their first gather until the training group's timeout (120 s here). ``mid-walk``: rank 0's
@@ -339,7 +342,8 @@ def test_rank_0_refusing_a_round_fails_every_rank_at_once_and_the_workers_keep_t
         assert "trainer rank 0" in errors[rank]["message"], errors[rank]
         assert errors[rank]["seconds"] < LINGER_S - 3, f"rank {rank} waited {errors[rank]['seconds']:.1f} s"
     cause = {"closed": "shut down", "metadata": "reading the parameter list failed",
-             "mid-walk": "converting a tensor failed on rank 0"}[fault]
+             "mid-walk": "converting a tensor failed on rank 0",
+             "walk-start": "converting a tensor failed on rank 0"}[fault]
     assert all(cause in e["message"] for e in errors.values()), errors  # every rank names rank 0's cause
     assert errors[0]["worker_versions"] == [1, 1]
     assert errors[0]["changed"] == [[], []], "a refused round changed the workers' weights"

@@ -44,6 +44,9 @@ class KVCacheSpec:
     ``dtype`` is a torch dtype name (``"bfloat16"``, ``"float32"``). ``model_fingerprint``
     identifies the weights: KV produced under another fingerprint or layout never matches.
     ``layout`` names the per-layer tensor layout (a key of :data:`KV_LAYOUTS`).
+    ``shard`` of ``num_shards``: with tensor parallelism every worker holds part of each block
+    (``num_kv_heads`` is its own share); a block is whole only when every part is there. The
+    scheduler side, which holds no part, uses shard 0.
     """
 
     layer_names: tuple[str, ...]
@@ -53,14 +56,18 @@ class KVCacheSpec:
     dtype: str
     model_fingerprint: str
     layout: str = DEFAULT_LAYOUT
+    shard: int = 0
+    num_shards: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_names", tuple(self.layer_names))
         if not self.layer_names:
             raise ValueError("KVCacheSpec.layer_names must not be empty")
-        for name in ("block_size", "num_kv_heads", "head_size"):
+        for name in ("block_size", "num_kv_heads", "head_size", "num_shards"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"KVCacheSpec.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.shard < self.num_shards:
+            raise ValueError(f"KVCacheSpec.shard must be in 0..{self.num_shards - 1}, got {self.shard}")
         if self.dtype.startswith("torch."):
             object.__setattr__(self, "dtype", self.dtype.removeprefix("torch."))
         if self.layout not in KV_LAYOUTS:

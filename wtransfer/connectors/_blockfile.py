@@ -84,13 +84,20 @@ class BlockLayout:
     dtype: str
     layout: str = "wtransfer"
     """The cache layout's name (:data:`wtransfer.kvcache.KV_LAYOUTS`): fixes the block's shape."""
+    shard: int = 0
+    num_shards: int = 1
+    """Which part of each block this file holds (tensor-parallel workers each hold some heads)."""
 
     @classmethod
     def for_spec(cls, spec: KVCacheSpec) -> BlockLayout:
         from wtransfer.connectors._hashing import kv_namespace
 
         return cls(kv_namespace(spec), spec.model_fingerprint, tuple(spec.layer_names), spec.block_size,
-                   spec.num_kv_heads, spec.head_size, spec.dtype, spec.layout)
+                   spec.num_kv_heads, spec.head_size, spec.dtype, spec.layout, spec.shard, spec.num_shards)
+
+    def file_suffix(self) -> str:
+        """``.safetensors``, or ``.<shard>of<num_shards>.safetensors`` for one part of a block."""
+        return ".safetensors" if self.num_shards == 1 else f".{self.shard}of{self.num_shards}.safetensors"
 
     @cached_property
     def shape(self) -> list[int]:
@@ -131,6 +138,7 @@ class BlockLayout:
             "head_size": str(self.head_size),
             "dtype": self.dtype,
             "layout": self.layout,
+            **({"shard": f"{self.shard}/{self.num_shards}"} if self.num_shards != 1 else {}),
             "checksum": checksum,
         }
 

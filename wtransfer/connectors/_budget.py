@@ -95,7 +95,7 @@ class StoreBudget:
         files = self._scan()
         total = sum(size for _, _, size in files)
         target = int(self.capacity_bytes * LOW_WATER)
-        freed = removed = 0
+        freed = removed = removed_bytes = 0
         if total > self.capacity_bytes:
             # corrupt leftovers first, then by last use
             files.sort(key=lambda entry: (not entry[0].endswith(CORRUPT_SUFFIX), entry[1]))
@@ -105,18 +105,20 @@ class StoreBudget:
                 try:
                     os.unlink(path)
                 except FileNotFoundError:
-                    pass  # another process evicted it first: it is gone either way
+                    freed += size  # another process evicted it first: gone, but not counted here
+                    continue
                 except OSError as exc:
                     logger.warning("storage connector: could not evict %s: %s", path, exc)
                     continue
                 freed += size
                 removed += 1
+                removed_bytes += size
             self._remove_empty_namespaces()
         with self._lock:
             self._estimate = total - freed + self._added_since_scan  # never less than the truth
         if removed:
             self._count("evicted_blocks", removed)
-            self._count("evicted_bytes", freed)
+            self._count("evicted_bytes", removed_bytes)
             logger.debug("storage connector: evicted %d files (%d bytes) from %s in %.3f s",
                          removed, freed, self.root, time.perf_counter() - started)
         return freed

@@ -54,6 +54,8 @@ def kv_namespace(spec: KVCacheSpec) -> str:
         "dtype": spec.dtype,
         "layout": spec.layout,
     }
+    if spec.num_shards != 1:  # (absent for one shard: those namespaces stay what they were)
+        layout["num_shards"] = spec.num_shards
     return hashlib.sha256(_canonical_json(layout)).hexdigest()
 
 

@@ -132,7 +132,8 @@ class OffloadingConnector(KVConnectorBase):
         self._loads_this_step: list[dict[str, Any]] = []
         self._pinned_this_step: list[list[str]] = []
         self._pinned_last_step: list[list[str]] = []
-        self._stores_in_flight: dict[str, list[str]] = {}  # store key -> hashes, until the worker reports it
+        self._stores_in_flight: dict[str, list[str]] = {}  # store key -> hashes, until the workers report it
+        self._landed_parts: dict[str, int] = {}  # store key -> workers that reported their part landed
         self._events: list[dict[str, Any]] = []
         self._stats = {
             "lookup_blocks": 0, "hit_blocks": 0, "loaded_blocks": 0,
@@ -193,14 +194,20 @@ class OffloadingConnector(KVConnectorBase):
         return OffloadingConnectorMetadata(step.step, loads, stores, preempted)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """Complete the stores the worker saw land; free the slots of those that failed."""
+        """Complete the stores every worker saw land (with tensor parallelism each worker stores
+        its own part of the blocks: one report is not the block); free the slots of failed ones."""
+        parts = self.kv_cache_spec.num_shards if self.kv_cache_spec is not None else 1
         for report in output.worker_meta:
             for key in report.get("stored", []):
-                hashes = self._stores_in_flight.pop(key, None)
-                if hashes is not None:
-                    self.manager.complete_store(hashes)
+                if key not in self._stores_in_flight:
+                    continue
+                self._landed_parts[key] = self._landed_parts.get(key, 0) + 1
+                if self._landed_parts[key] >= parts:
+                    del self._landed_parts[key]
+                    self.manager.complete_store(self._stores_in_flight.pop(key))
             for key in report.get("failed", []):
                 hashes = self._stores_in_flight.pop(key, None)
+                self._landed_parts.pop(key, None)
                 if hashes is not None:
                     self.manager.complete_store(hashes, success=False)
                     self._stats["failed_store_blocks"] += len(hashes)
@@ -357,6 +364,9 @@ class OffloadingConnector(KVConnectorBase):
         request_ids: list[str] = []
         keys: list[str] = []
         for entry in meta.stores:
+            # Known from now on, even if its store is refused below: the scheduler delays the
+            # request's free for it, so get_finished must report it (with no job left) to free it.
+            self._store_jobs_of.setdefault(entry["request_id"], set())
             tier_ids = entry["dst"]["block_ids"]
             key = _store_key(meta.step, entry["request_id"])
             if entry["request_id"] in self._failed_requests:

@@ -21,8 +21,9 @@ Options (``kv_connector_extra_config``, declared in :class:`StorageOptions`):
     fsync each file before renaming it into place. Renaming already guarantees
     readers never see a partial file; fsync adds durability across power loss.
 ``io_timeout_s`` (default 60)
-    How long the worker waits for a step's loads before raising
-    :class:`~wtransfer.errors.TransferTimeoutError` instead of hanging.
+    How long the worker waits for a step's loads. Loads still running then count as failed
+    (reported through ``get_block_ids_with_load_errors``: vLLM recomputes them or fails the
+    request, per its ``kv_load_failure_policy``) and never write into the cache afterwards.
 
 Matching is per block: if the first ``k`` blocks of a request (after its local
 hits) are stored and valid, the request gets ``k * block_size`` tokens; the
@@ -39,9 +40,9 @@ A stored block is always the KV its hash names. ``wait_for_save`` copies each ne
 of the cache before it returns (vLLM may give a block to another request as soon as it
 returns: a preempted request's blocks are freed without the connector being told) and only
 the file write runs in the background, from that copy. A finished request is reported done
-(``get_finished``) once its files are written, so the next request finds them. A load whose step gave up waiting
-(``io_timeout_s``) never writes into the cache afterwards: the block is reported as a load
-error and recomputed.
+(``get_finished``) once its files are written, so the next request finds them. A load whose
+step gave up waiting (``io_timeout_s``) is a failed load and never writes into the cache
+afterwards.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ import threading
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -88,7 +90,7 @@ class StorageOptions:
     path: str = option(doc="directory that holds the blocks (local or shared filesystem)")
     io_threads: int = option(2, doc="threads that read and write block files")
     fsync: bool = option(False, doc="fsync each block file before renaming it into place (survives power loss)")
-    io_timeout_s: float = option(60.0, doc="seconds the worker waits for a step's loads before raising")
+    io_timeout_s: float = option(60.0, doc="seconds the worker waits for a step's loads; later ones count as failed")
     capacity_bytes: int | None = option(
         None, doc="most bytes the store's block files may take; least recently used are evicted (default: unbounded)"
     )
@@ -175,8 +177,10 @@ class BlockStore:
         self.namespace_dir = os.path.join(self.root, layout.namespace[:16])
         self._made_dirs: set[str] = set()
 
-    def path_for(self, block_hash: str) -> str:
-        return os.path.join(self.namespace_dir, f"{block_hash}.safetensors")
+    def path_for(self, block_hash: str, shard: int | None = None) -> str:
+        """This engine's part of the block (or part ``shard``)."""
+        layout = self.layout if shard is None else dataclasses.replace(self.layout, shard=shard)
+        return os.path.join(self.namespace_dir, f"{block_hash}{layout.file_suffix()}")
 
     def ensure_parent(self, path: str, *, recheck: bool = False) -> None:
         """Create the block's directory once per process (``recheck`` after someone removed it)."""
@@ -186,16 +190,23 @@ class BlockStore:
             self._made_dirs.add(parent)
 
     def contains(self, block_hash: str) -> bool:
-        """True if a valid-looking file (size and header checked, data not read) holds the block."""
-        path = self.path_for(block_hash)
-        try:
-            check_header(path, self.layout, block_hash)
-        except FileNotFoundError:
-            return False
-        except BlockFileError as exc:
-            self.report_corrupt(path, exc)
-            return False
+        """True if valid-looking files (size and header checked, data not read) hold every part of
+        the block: with tensor parallelism a block is stored only once every worker's part is."""
+        for shard in range(self.layout.num_shards):
+            layout = self.layout if shard == self.layout.shard else dataclasses.replace(self.layout, shard=shard)
+            path = self.path_for(block_hash, shard)
+            try:
+                check_header(path, layout, block_hash)
+            except FileNotFoundError:
+                return False
+            except BlockFileError as exc:
+                self.report_corrupt(path, exc)
+                return False
         return True
+
+    def touch_paths(self, block_hash: str) -> list[str]:
+        """Every part's file of a block (for last-use bookkeeping)."""
+        return [self.path_for(block_hash, shard) for shard in range(self.layout.num_shards)]
 
     def report_corrupt(self, path: str, error: Exception) -> None:
         """Count and log a bad entry, and move it aside so it is never read again and a save can replace it."""
@@ -220,6 +231,15 @@ def _raw_view(spec: KVCacheSpec, name: str, cache: torch.Tensor) -> np.ndarray:
     return view.view(as_int).numpy()
 
 
+class _LoadTicket:
+    """One load's mark, set (under the connector's cache-write lock) when its step gave up on it."""
+
+    __slots__ = ("abandoned",)
+
+    def __init__(self) -> None:
+        self.abandoned = False
+
+
 class StorageConnector(KVConnectorBase):
     """Per-block prefix store in a directory; asynchronous saves, parallel checked loads."""
 
@@ -240,6 +260,11 @@ class StorageConnector(KVConnectorBase):
         self.block_size = spec.block_size
         self.counters = _Counters()
         self.store = BlockStore(self.options.path, BlockLayout.for_spec(spec), self.counters)
+        if self.options.max_pending_save_bytes < self.store.layout.data_bytes:
+            raise ValueError(
+                f"max_pending_save_bytes={self.options.max_pending_save_bytes} is less than one block "
+                f"({self.store.layout.data_bytes} bytes here): no block could ever be saved; raise it"
+            )
         capacity = self.options.capacity_bytes
         self.budget = StoreBudget(self.store.root, capacity, self.counters.add) if capacity is not None else None
         # scheduler state
@@ -251,11 +276,10 @@ class StorageConnector(KVConnectorBase):
         self._block_views: list[np.ndarray] = []  # per layer, [segments, num_blocks, block elements]
         self._executor: ThreadPoolExecutor | None = None
         self._buffers = threading.local()
-        self._load_futures: list[tuple[BlockTransfer, Future[bool]]] = []
+        self._load_futures: list[tuple[BlockTransfer, _LoadTicket, Future[bool]]] = []
         self._failed_from: dict[str, int] = {}  # request -> first block index that failed to load this step
         self._load_errors: set[int] = set()
         self._cache_writes = threading.Lock()  # a load copies into the cache only while it holds this
-        self._abandoned_loads: set[int] = set()  # ids of loads this step stopped waiting for
         self._inflight_lock = threading.Lock()
         self._inflight: dict[str, int] = defaultdict(int)  # request -> its file writes not yet done
         self._inflight_futures: set[Future[None]] = set()
@@ -275,7 +299,8 @@ class StorageConnector(KVConnectorBase):
             if not self.store.contains(request.block_hashes[index]):
                 break
             if self.budget is not None:  # about to be loaded: the last a capacity would evict
-                self.budget.touch(self.store.path_for(request.block_hashes[index]))
+                for path in self.store.touch_paths(request.block_hashes[index]):
+                    self.budget.touch(path)
             matched += 1
         self.counters.add("lookup_hit_blocks", matched)
         self.counters.add("lookup_miss_blocks", max(0, limit - start - matched))
@@ -340,7 +365,8 @@ class StorageConnector(KVConnectorBase):
         if meta.loads and not self.config.is_kv_consumer:
             raise ValueError("storage connector: got loads but kv_role is kv_producer")
         for transfer in meta.loads:
-            self._load_futures.append((transfer, self._pool().submit(self._load_block, transfer)))
+            ticket = _LoadTicket()
+            self._load_futures.append((transfer, ticket, self._pool().submit(self._load_block, transfer, ticket)))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Each file holds every layer of its block, so the first layer waits for all of this step's loads."""
@@ -425,7 +451,7 @@ class StorageConnector(KVConnectorBase):
                 self.wait_for_pending_saves()
             except TransferTimeoutError as exc:
                 logger.error("%s; abandoning them", exc)
-            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor.shutdown(wait=True)  # evictions the last saves queued run too
             self._executor = None
 
     # ---------------------------------------------------------------- internals
@@ -465,26 +491,30 @@ class StorageConnector(KVConnectorBase):
         if not self._load_futures:
             return
         pending, self._load_futures = self._load_futures, []
-        _, not_done = wait_futures([f for _, f in pending], timeout=self.io_timeout_s)
+        _, not_done = wait_futures([f for _, _, f in pending], timeout=self.io_timeout_s)
+        late = 0
         if not_done:
             # Those loads may still finish later, into blocks the engine will by then use for
-            # something else: forbid their copy into the cache (the lock makes "copied" and
-            # "abandoned" exclusive), and cancel the ones that have not started.
+            # something else: under the lock, a load either copied already (its future is done)
+            # or is marked and never will; the ones not started are cancelled.
             with self._cache_writes:
-                for transfer, future in pending:
-                    if future in not_done and not future.cancel():  # running: it checks the mark
-                        self._abandoned_loads.add(id(transfer))
-            raise TransferTimeoutError(
-                f"storage connector: {len(not_done)} block loads did not finish within {self.io_timeout_s}s "
-                f"(io_timeout_s) from {self.store.root}; none of them will write into the cache"
-            )
-        for transfer, future in pending:
-            if not future.result():
+                for _, ticket, future in pending:
+                    if not future.done():
+                        ticket.abandoned = True
+                        future.cancel()
+                        late += 1
+        for transfer, ticket, future in pending:
+            if ticket.abandoned or not future.result():
                 self._load_errors.add(transfer.block_id)
                 previous = self._failed_from.get(transfer.request_id, transfer.block_index)
                 self._failed_from[transfer.request_id] = min(previous, transfer.block_index)
+        if late:
+            self.counters.add("loads_abandoned", late)
+            logger.warning("storage connector: %d block loads did not finish within %gs (io_timeout_s) from %s; "
+                           "they count as failed and never write into the cache", late, self.io_timeout_s,
+                           self.store.root)
 
-    def _load_block(self, transfer: BlockTransfer) -> bool:
+    def _load_block(self, transfer: BlockTransfer, ticket: _LoadTicket) -> bool:
         """Read, check, then copy into the cache; False (and nothing copied) on any problem."""
         path = self.store.path_for(transfer.block_hash)
         staging, raw = self._staging()
@@ -498,9 +528,7 @@ class StorageConnector(KVConnectorBase):
                 logger.warning("storage connector: %s", exc)
             return False
         with self._cache_writes:
-            if id(transfer) in self._abandoned_loads:  # its step gave up on it: the block is someone else's now
-                self._abandoned_loads.discard(id(transfer))
-                self.counters.add("loads_abandoned")
+            if ticket.abandoned:  # its step gave up on it: the block may be someone else's now
                 return False
             for layer, view in enumerate(self._views()):  # only now, with every check passed
                 view[:, transfer.block_id] = staging[layer]
@@ -535,7 +563,11 @@ class StorageConnector(KVConnectorBase):
         self.counters.add("saved_blocks")
         self.counters.add("saved_bytes", self.store.layout.data_bytes)
         if self.budget is not None and self.budget.added(self._file_bytes(path)):
-            self.budget.evict()  # on this I/O thread, after the write: the engine never waits for it
+            # A task of its own: this write (and its request's delayed free) completes now.
+            try:
+                self._pool().submit(self.budget.evict)
+            except RuntimeError:  # shutting down: the next process to write evicts
+                pass
 
     @staticmethod
     def _file_bytes(path: str) -> int:

@@ -80,6 +80,9 @@ class LockstepSource(WeightSource):
 
     def _counted(self, walk: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         self._yielded, self._complete = 0, False
+        module_source = _module_source_under(self.inner)
+        if module_source is not None:
+            module_source.begin_walk()  # the wrapper over it may fail before it reads it
         for item in walk:
             self._yielded += 1
             yield item
@@ -90,17 +93,21 @@ class LockstepSource(WeightSource):
 
     def finish_round(self) -> int:
         """Walk whatever this round has not walked yet; returns how many tensors that took."""
-        drained = 0
+        drained, finished = 0, True
         if self._current is not None:
-            drained += self._finish(self._current)
+            drained, finished = self._finish(self._current)
         for _ in range(self._started, self.walks):
-            drained += self._finish(self._counted(iter(self.inner)))
+            if not finished:  # the other ranks are stuck in the walk before: a new one would pair wrongly
+                break
+            more, finished = self._finish(self._counted(iter(self.inner)))
+            drained += more
         self._current = None
         self._started = self.walks
         return drained
 
-    def _finish(self, walk: Iterator[tuple[str, torch.Tensor]]) -> int:
-        """Finish one walk; if its iterator died before the end, finish it in the module source."""
+    def _finish(self, walk: Iterator[tuple[str, torch.Tensor]]) -> tuple[int, bool]:
+        """Finish one walk; if its iterator died before the end, finish it in the module source.
+        Returns the tensors that took, and whether the walk is now whole."""
         drained = 0
         error: Exception | None = None
         try:
@@ -109,7 +116,7 @@ class LockstepSource(WeightSource):
         except Exception as exc:
             error = exc
         if self._complete:
-            return drained
+            return drained, True
         module_source = _module_source_under(self.inner)
         if module_source is None:
             logger.error(
@@ -119,14 +126,15 @@ class LockstepSource(WeightSource):
                 "wtransfer finishes the gathers itself)",
                 self._yielded, f" ({type(error).__name__}: {error})" if error else "",
             )
-            return drained
-        return drained + module_source.finish_walk()
+            return drained, False
+        return drained + module_source.finish_walk(), True
 
 
 def _module_source_under(source: Any) -> Any:
     """The ``ModuleSource`` a (wrapped) source reads from, found through ``inner``/``source``."""
     for _ in range(8):
-        if source is None or callable(getattr(source, "finish_walk", None)):
+        if source is None or (callable(getattr(source, "finish_walk", None))
+                              and callable(getattr(source, "begin_walk", None))):
             return source
         source = getattr(source, "inner", None) or getattr(source, "source", None)
     return None

@@ -132,6 +132,10 @@ class ModuleSource(WeightSource):
             self._gathered += 1
             yield name, value
 
+    def begin_walk(self) -> None:
+        """A walk starts now, before this source is read (its reader may fail before it reads)."""
+        self._gathered = 0
+
     def finish_walk(self) -> int:
         """Run the collectives of the current walk's remaining tensors, keeping none of them.
 

@@ -363,6 +363,12 @@ class TorchDistributedBackend:
                 if time.monotonic() > deadline:
                     raise TransferTimeoutError(f"{what} did not complete within {timeout_s:g} s")
                 time.sleep(_POLL_S)
+            # "Completed" includes failed, and a group that does not tear the process down on
+            # errors (NCCL with async error handling off) returns from wait() without raising.
+            # (gloo's wait() raises: it is not asked, Work.exception() warns of its deprecation.)
+            error = None if self.host_waits else work.exception()
+            if error is not None:
+                raise TransferError(f"{what} failed: {error} (a peer died, stalled or disconnected)")
             work.wait()
         except TransferError:
             work = None  # noqa: F841 - the traceback keeps this frame: let the group go

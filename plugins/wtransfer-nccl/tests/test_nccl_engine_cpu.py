@@ -133,3 +133,29 @@ def test_polled_waits_end_at_wtransfers_deadline_before_the_transports(engine_mo
         trainer.shutdown()
         engine.shutdown()
     assert outcome, "the trainer's round must fail too"
+
+
+class _FailedQuietly:
+    """What NCCL's Work is after a peer died, with async error handling off (as this engine
+    builds its groups): completed, carrying the error, and ``wait()`` returns without raising.
+    A stand-in: NCCL itself cannot run on a machine without GPUs."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def exception(self) -> BaseException:
+        return RuntimeError("NCCL error: remote process exited or there was a network error")
+
+    def wait(self) -> bool:
+        return True
+
+
+def test_a_collective_that_completed_with_an_error_is_never_taken_for_a_received_bucket(engine_module) -> None:
+    from wtransfer import TransferError
+
+    class PolledGlooEngine(TorchDistributedWeightTransferEngine):
+        host_waits = engine_module.NCCLBackend.host_waits
+
+    engine = PolledGlooEngine(WeightTransferConfig(backend="gloo"))
+    with pytest.raises(TransferError, match="receiving bucket 3 failed: NCCL error: remote process exited"):
+        engine.wait(_FailedQuietly(), "receiving bucket 3", 5.0)

@@ -58,6 +58,8 @@ def _async_error_handling_off() -> Iterator[None]:
     default makes the watchdog kill the whole process on a remote error or timeout. wtransfer
     handles both itself (polled waits, abort, ``TransferError``), so only its own groups are
     built with 0; the variable is restored at once and the process's other groups keep theirs.
+    (Another thread constructing an NCCL group at this very moment would see 0 too: the
+    environment is the only knob torch offers.)
     """
     name = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
     before = os.environ.get(name)

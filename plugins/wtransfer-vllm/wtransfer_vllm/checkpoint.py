@@ -100,21 +100,11 @@ def checkpoint_fingerprint(model_config: Any) -> str:
     config are covered, and a warning says to set ``model_fingerprint`` explicitly.
     """
     import hashlib
-    import json
     import struct
 
     digest = hashlib.sha256()
-    identity = {
-        "model": str(model_config.model),
-        "revision": getattr(model_config, "revision", None),
-        "dtype": str(getattr(model_config, "dtype", "")),
-        "quantization": getattr(model_config, "quantization", None),
-    }
-    digest.update(json.dumps(identity, sort_keys=True).encode())
-    folder = _checkpoint_dir(str(model_config.model), getattr(model_config, "revision", None))
+    folder = _update_with_identity(digest, model_config)
     files = checkpoint_files(folder) if folder is not None else []
-    if folder is not None and (folder / "config.json").is_file():
-        digest.update((folder / "config.json").read_bytes())
     for file in files:
         with open(file, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
@@ -132,6 +122,34 @@ def checkpoint_fingerprint(model_config: Any) -> str:
             model_config.model,
         )
     return digest.hexdigest()
+
+
+def model_identity(model_config: Any) -> str:
+    """A hex digest of what vLLM serves besides the weights: the model's name, revision, dtype,
+    quantization and ``config.json``. Weights delivered whole by a round (every checkpoint
+    tensor, with checksums) are named on top of it, whatever was loaded before."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    _update_with_identity(digest, model_config)
+    return digest.hexdigest()
+
+
+def _update_with_identity(digest: Any, model_config: Any) -> Any:
+    """Feed the model's identity and config to ``digest``; returns the checkpoint folder (or None)."""
+    import json
+
+    identity = {
+        "model": str(model_config.model),
+        "revision": getattr(model_config, "revision", None),
+        "dtype": str(getattr(model_config, "dtype", "")),
+        "quantization": getattr(model_config, "quantization", None),
+    }
+    digest.update(json.dumps(identity, sort_keys=True).encode())
+    folder = _checkpoint_dir(str(model_config.model), getattr(model_config, "revision", None))
+    if folder is not None and (folder / "config.json").is_file():
+        digest.update((folder / "config.json").read_bytes())
+    return folder
 
 
 def check_round(

@@ -49,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from wtransfer_vllm.adapters import adapter_classes
-from wtransfer_vllm.checkpoint import checkpoint_fingerprint
+from wtransfer_vllm.checkpoint import checkpoint_fingerprint, model_identity
 
 logger = logging.getLogger("vllm.wtransfer_vllm")
 
@@ -109,9 +109,21 @@ class _Tracked:
     hashes: list[str] = field(default_factory=list)
 
 
-def kv_cache_spec_for(vllm_config: Any, kv_cache_config: Any, fingerprint: str | None = None) -> wtransfer.KVCacheSpec:
-    """vLLM's KV cache description as a wtransfer ``KVCacheSpec``; a clear error where none fits."""
+def kv_cache_spec_for(vllm_config: Any, kv_cache_config: Any, fingerprint: str | None = None,
+                      worker: bool = False) -> wtransfer.KVCacheSpec:
+    """vLLM's KV cache description as a wtransfer ``KVCacheSpec``; a clear error where none fits.
+
+    With tensor parallelism each worker holds its share of the heads of every block: its spec
+    says which part (``shard``) of how many; the scheduler's says how many parts make a block.
+    """
     from vllm.platforms import current_platform
+
+    parallel = vllm_config.parallel_config
+    if int(getattr(parallel, "pipeline_parallel_size", 1)) > 1:
+        raise ValueError("wtransfer connectors do not support pipeline parallelism yet (each stage holds other "
+                         "layers); run with pipeline_parallel_size=1")
+    num_shards = int(getattr(parallel, "tensor_parallel_size", 1))
+    shard = _tensor_parallel_rank(parallel, num_shards) if worker else 0
 
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     if len(groups) != 1:
@@ -140,7 +152,19 @@ def kv_cache_spec_for(vllm_config: Any, kv_cache_config: Any, fingerprint: str |
         dtype=wtransfer.dtype_name(spec.dtype),
         model_fingerprint=fingerprint or checkpoint_fingerprint(vllm_config.model_config),
         layout="vllm-cpu",
+        shard=shard,
+        num_shards=num_shards,
     )
+
+
+def _tensor_parallel_rank(parallel: Any, num_shards: int) -> int:
+    """This worker's tensor-parallel rank (vLLM's group once it exists, else from its global rank)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # the group is not up (it is, where vLLM creates a worker's connector)
+        return int(getattr(parallel, "rank", 0)) % num_shards
 
 
 class WTransferKVConnectorAdapter(KVConnectorBase_V1):
@@ -153,7 +177,9 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
         transfer = self._kv_transfer_config
         self.adapter_options, extra = split_adapter_options(transfer.kv_connector_extra_config)
         fingerprint = self.adapter_options.model_fingerprint
-        self.kv_cache_spec = kv_cache_spec_for(vllm_config, kv_cache_config, fingerprint)
+        self.kv_cache_spec = kv_cache_spec_for(vllm_config, kv_cache_config, fingerprint,
+                                               worker=role != KVConnectorRole.SCHEDULER)
+        self._model_identity = fingerprint or model_identity(vllm_config.model_config)
         self._config = wtransfer.KVTransferConfig(
             kv_connector=self.wtransfer_backend,
             kv_role=transfer.kv_role or "kv_both",
@@ -240,12 +266,15 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
         with ``clear_cache``), which vLLM's RL flow runs after a weight update. From now on
         blocks are named under a new fingerprint, so nothing stored before matches again:
 
-        * after a wtransfer round (``weights_committed``), the fingerprint names the weights:
-          a digest of the previous fingerprint and the round's, so every instance that started
-          from the same checkpoint and took the same rounds computes the same one and shares
-          blocks, and KV of any other weights cannot match;
-        * after any other reset (vLLM's own weight updates, a reset by hand) the new weights are
-          unknown: the fingerprint is unique to this reset.
+        * after a wtransfer round that delivered every checkpoint tensor with checksums, the
+          fingerprint names the model (name, config, dtype) and the round's content: every
+          instance at those weights computes the same one, whatever it held before;
+        * after another wtransfer round, a digest of the previous fingerprint and the round's
+          name: instances that started from the same checkpoint and took the same rounds share;
+        * after any other reset (vLLM's own weight updates, a reset by hand, ``pause_generation``
+          clearing caches) the weights are unknown: the fingerprint is unique to this reset.
+
+        KV of any other weights never matches.
 
         The store itself is left alone: other engines may share it. The workers follow with the
         next step's metadata.
@@ -255,8 +284,10 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
 
         weights, self._committed_weights = getattr(self, "_committed_weights", None), None
         before = self.kv_cache_spec.model_fingerprint
-        if weights is not None:
-            fingerprint = hashlib.sha256(f"{before}|weights:{weights}".encode()).hexdigest()
+        if weights is not None and weights.startswith("weights:"):  # the round is the whole model
+            fingerprint = hashlib.sha256(f"{self._model_identity}|{weights}".encode()).hexdigest()
+        elif weights is not None:  # a part of it, on top of what the model held
+            fingerprint = hashlib.sha256(f"{before}|{weights}".encode()).hexdigest()
         else:
             fingerprint = hashlib.sha256(f"{before}|reset:{uuid.uuid4().hex}".encode()).hexdigest()
         self._switch_fingerprint(fingerprint)
@@ -323,6 +354,11 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
         """vLLM calls this before each forward: stores still reading preempted requests' blocks finish."""
         if isinstance(kv_connector_metadata, WTransferKVMetadata):
             self.inner.handle_preemptions(self.inner.metadata_cls.from_json(kv_connector_metadata.text))
+        elif "handle_preemptions" not in self._skipped_kinds:  # a vLLM that passes something else
+            self._skipped_kinds.add("handle_preemptions")
+            logger.warning("wtransfer-vllm: handle_preemptions got %s, not this connector's metadata; stores of "
+                           "preempted requests are not waited for (a vLLM version this bridge does not know?)",
+                           type(kv_connector_metadata).__name__)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         with self._timed("start_load"):

