@@ -109,6 +109,13 @@ def check_layout(spec: KVCacheSpec | None, component: type, what: str) -> None:
     Components declare ``supported_layouts`` (default: only ``"wtransfer"``, so a plugin
     written before layouts existed is never handed bytes it would misread).
     """
+    if spec is not None and spec.num_shards > 1 and not getattr(component, "handles_parts", False):
+        raise ValueError(
+            f"{what} {component.__name__} has not declared that it handles one part of each block "
+            f"(this engine runs {spec.num_shards} tensor-parallel workers, each holding some of every block's "
+            "heads): it would store or load every worker's part under one name. Declare handles_parts = True "
+            "once it keeps the parts apart (KVCacheSpec.shard), or run it with tensor_parallel_size=1"
+        )
     supported = tuple(getattr(component, "supported_layouts", (DEFAULT_LAYOUT,)))
     if spec is not None and spec.layout not in supported:
         raise ValueError(

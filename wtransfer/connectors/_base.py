@@ -123,6 +123,9 @@ class KVConnectorBase(ABC):
     """The metadata class the worker rebuilds from the scheduler's dict."""
 
     supported_layouts: ClassVar[tuple[str, ...]] = ("wtransfer",)
+    handles_parts: ClassVar[bool] = False
+    """Whether it keeps tensor-parallel workers' parts of a block apart (``KVCacheSpec.shard``);
+    the factories refuse an engine with ``num_shards > 1`` otherwise."""
     """KV cache layouts (:data:`wtransfer.kvcache.KV_LAYOUTS`) this connector reads and writes
     correctly; the factory refuses any other before creating it."""
 

@@ -44,17 +44,27 @@ class StoreBudget:
         self._estimate: int | None = None
         self._evicting = threading.Lock()
         self._wanted = False  # an eviction was asked for since the running pass began
+        self._queued = False  # added() asked its caller for an eviction that has not begun
         self._added_since_scan = 0
 
     def added(self, nbytes: int) -> bool:
-        """A file of ``nbytes`` was published; True if the store is (estimated) over its capacity."""
+        """A file of ``nbytes`` was published; True if the store is (estimated) over its capacity
+        and no eviction was asked for since the last one began (the caller then runs :meth:`evict`)."""
         with self._lock:
             self._added_since_scan += nbytes
             if self._estimate is None:
                 self._estimate = self._scan_total()
             else:
                 self._estimate += nbytes
-            return self._estimate > self.capacity_bytes
+            if self._estimate <= self.capacity_bytes or self._queued:
+                return False
+            self._queued = True
+            return True
+
+    def over_capacity(self) -> bool:
+        """Whether the store is (estimated) over its capacity."""
+        with self._lock:
+            return self._estimate is not None and self._estimate > self.capacity_bytes
 
     def touch(self, path: str) -> None:
         """A load hit ``path``: it is recently used now (a read-only store is left as it is)."""
@@ -69,7 +79,7 @@ class StoreBudget:
         returns at once and the running one makes another pass, so a file published during a
         pass is never left over the capacity."""
         with self._lock:
-            self._wanted = True
+            self._wanted, self._queued = True, False
         freed = 0
         while True:
             if not self._evicting.acquire(blocking=False):
@@ -120,7 +130,7 @@ class StoreBudget:
             self._count("evicted_blocks", removed)
             self._count("evicted_bytes", removed_bytes)
             logger.debug("storage connector: evicted %d files (%d bytes) from %s in %.3f s",
-                         removed, freed, self.root, time.perf_counter() - started)
+                         removed, removed_bytes, self.root, time.perf_counter() - started)
         return freed
 
     # ---------------------------------------------------------------- internals

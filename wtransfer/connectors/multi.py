@@ -92,6 +92,7 @@ class MultiConnector(KVConnectorBase):
 
     metadata_cls = MultiConnectorMetadata
     supported_layouts = tuple(KV_LAYOUTS)  # each child is checked against the layout when it is created
+    handles_parts = True  # each child is checked too
     options_cls = MultiOptions
     options_owner = "multi connector"
     options: MultiOptions

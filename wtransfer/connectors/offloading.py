@@ -99,6 +99,7 @@ class OffloadingConnector(KVConnectorBase):
 
     metadata_cls = OffloadingConnectorMetadata
     supported_layouts = tuple(KV_LAYOUTS)  # the spec copies the blocks; its factory checks the layout
+    handles_parts = True  # each worker's tier holds its part; a store completes when every worker reported
     options_cls = OffloadingConnectorOptions
     options_owner = "offloading connector"
     options: OffloadingConnectorOptions

@@ -4,7 +4,9 @@ Options (``kv_connector_extra_config``, declared in :class:`StorageOptions`):
 
 ``path`` (required)
     Root directory. Blocks live at ``<path>/<namespace[:16]>/<hash>.safetensors``,
-    one safetensors file per block (see :mod:`wtransfer.connectors._blockfile`).
+    one safetensors file per block (see :mod:`wtransfer.connectors._blockfile`); with tensor
+    parallelism one file per worker's part, ``<hash>.<part>of<parts>.safetensors``, and a
+    block is stored only when every part is.
 ``io_threads`` (default 2)
     Worker threads that read and write block files; loads of a step run in
     parallel, saves run in the background while the engine keeps computing.
@@ -176,10 +178,13 @@ class BlockStore:
         self.counters = counters
         self.namespace_dir = os.path.join(self.root, layout.namespace[:16])
         self._made_dirs: set[str] = set()
+        # every part's layout (tensor parallelism: one file per worker's part of a block)
+        self._parts = [layout if shard == layout.shard else dataclasses.replace(layout, shard=shard)
+                       for shard in range(layout.num_shards)]
 
     def path_for(self, block_hash: str, shard: int | None = None) -> str:
         """This engine's part of the block (or part ``shard``)."""
-        layout = self.layout if shard is None else dataclasses.replace(self.layout, shard=shard)
+        layout = self.layout if shard is None else self._parts[shard]
         return os.path.join(self.namespace_dir, f"{block_hash}{layout.file_suffix()}")
 
     def ensure_parent(self, path: str, *, recheck: bool = False) -> None:
@@ -192,8 +197,7 @@ class BlockStore:
     def contains(self, block_hash: str) -> bool:
         """True if valid-looking files (size and header checked, data not read) hold every part of
         the block: with tensor parallelism a block is stored only once every worker's part is."""
-        for shard in range(self.layout.num_shards):
-            layout = self.layout if shard == self.layout.shard else dataclasses.replace(self.layout, shard=shard)
+        for shard, layout in enumerate(self._parts):
             path = self.path_for(block_hash, shard)
             try:
                 check_header(path, layout, block_hash)
@@ -232,12 +236,20 @@ def _raw_view(spec: KVCacheSpec, name: str, cache: torch.Tensor) -> np.ndarray:
 
 
 class _LoadTicket:
-    """One load's mark, set (under the connector's cache-write lock) when its step gave up on it."""
+    """One load's state, read and set under the connector's cache-write lock: copied into the
+    cache, or abandoned by its step (then it never will be)."""
 
-    __slots__ = ("abandoned",)
+    __slots__ = ("abandoned", "copied")
 
     def __init__(self) -> None:
         self.abandoned = False
+        self.copied = False
+
+
+def _log_eviction_failure(future: Future[int]) -> None:
+    error = future.exception() if not future.cancelled() else None
+    if error is not None:
+        logger.error("storage connector: evicting from the store failed: %r", error)
 
 
 class StorageConnector(KVConnectorBase):
@@ -245,6 +257,7 @@ class StorageConnector(KVConnectorBase):
 
     metadata_cls = StorageConnectorMetadata
     supported_layouts = tuple(KV_LAYOUTS)  # blocks are copied as opaque runs of bytes (block_view)
+    handles_parts = True  # one file per worker's part; a block counts when all are there
     options_cls = StorageOptions
     options_owner = "storage connector"
     options: StorageOptions
@@ -260,7 +273,7 @@ class StorageConnector(KVConnectorBase):
         self.block_size = spec.block_size
         self.counters = _Counters()
         self.store = BlockStore(self.options.path, BlockLayout.for_spec(spec), self.counters)
-        if self.options.max_pending_save_bytes < self.store.layout.data_bytes:
+        if self.config.is_kv_producer and self.options.max_pending_save_bytes < self.store.layout.data_bytes:
             raise ValueError(
                 f"max_pending_save_bytes={self.options.max_pending_save_bytes} is less than one block "
                 f"({self.store.layout.data_bytes} bytes here): no block could ever be saved; raise it"
@@ -402,6 +415,8 @@ class StorageConnector(KVConnectorBase):
             path = self.store.path_for(transfer.block_hash)
             if os.path.exists(path):
                 self.counters.add("save_skipped_existing")
+                if self.budget is not None:
+                    self.budget.touch(path)  # computed again: in use, like a hit
                 continue
             nbytes = self.store.layout.data_bytes
             with self._inflight_lock:
@@ -451,8 +466,10 @@ class StorageConnector(KVConnectorBase):
                 self.wait_for_pending_saves()
             except TransferTimeoutError as exc:
                 logger.error("%s; abandoning them", exc)
-            self._executor.shutdown(wait=True)  # evictions the last saves queued run too
+            self._executor.shutdown(wait=True, cancel_futures=True)  # abandoned saves do not run on
             self._executor = None
+        if self.budget is not None and self.budget.over_capacity():
+            self.budget.evict()  # the last saves' eviction may have been cancelled: leave the store in bounds
 
     # ---------------------------------------------------------------- internals
     def _meta(self) -> StorageConnectorMetadata:
@@ -495,16 +512,16 @@ class StorageConnector(KVConnectorBase):
         late = 0
         if not_done:
             # Those loads may still finish later, into blocks the engine will by then use for
-            # something else: under the lock, a load either copied already (its future is done)
-            # or is marked and never will; the ones not started are cancelled.
+            # something else: under the lock, a load either copied already or is marked and
+            # never will; the ones not started are cancelled.
             with self._cache_writes:
                 for _, ticket, future in pending:
-                    if not future.done():
+                    if not future.done() and not ticket.copied:
                         ticket.abandoned = True
                         future.cancel()
                         late += 1
         for transfer, ticket, future in pending:
-            if ticket.abandoned or not future.result():
+            if ticket.abandoned or not (ticket.copied or future.result()):
                 self._load_errors.add(transfer.block_id)
                 previous = self._failed_from.get(transfer.request_id, transfer.block_index)
                 self._failed_from[transfer.request_id] = min(previous, transfer.block_index)
@@ -532,6 +549,7 @@ class StorageConnector(KVConnectorBase):
                 return False
             for layer, view in enumerate(self._views()):  # only now, with every check passed
                 view[:, transfer.block_id] = staging[layer]
+            ticket.copied = True
         if self.budget is not None:
             self.budget.touch(path)  # recently used: evicted last
         self.counters.add("loaded_blocks")
@@ -565,8 +583,8 @@ class StorageConnector(KVConnectorBase):
         if self.budget is not None and self.budget.added(self._file_bytes(path)):
             # A task of its own: this write (and its request's delayed free) completes now.
             try:
-                self._pool().submit(self.budget.evict)
-            except RuntimeError:  # shutting down: the next process to write evicts
+                self._pool().submit(self.budget.evict).add_done_callback(_log_eviction_failure)
+            except RuntimeError:  # shutting down: shutdown() evicts once more if needed
                 pass
 
     @staticmethod

@@ -75,15 +75,18 @@ class LockstepSource(WeightSource):
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         self._started += 1
-        self._current = self._counted(iter(self.inner))
+        self._current = self._counted()
         return self._current
 
-    def _counted(self, walk: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _counted(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """One walk of the inner source, counted. Everything that can fail (even ``iter()`` of an
+        eager wrapper) happens in here, after the module source was told a walk starts."""
         self._yielded, self._complete = 0, False
         module_source = _module_source_under(self.inner)
-        if module_source is not None:
-            module_source.begin_walk()  # the wrapper over it may fail before it reads it
-        for item in walk:
+        begin = getattr(module_source, "begin_walk", None)
+        if callable(begin):
+            begin()  # the wrapper over it may fail before it reads it
+        for item in iter(self.inner):
             self._yielded += 1
             yield item
         self._complete = True
@@ -99,7 +102,7 @@ class LockstepSource(WeightSource):
         for _ in range(self._started, self.walks):
             if not finished:  # the other ranks are stuck in the walk before: a new one would pair wrongly
                 break
-            more, finished = self._finish(self._counted(iter(self.inner)))
+            more, finished = self._finish(self._counted())
             drained += more
         self._current = None
         self._started = self.walks
@@ -133,8 +136,7 @@ class LockstepSource(WeightSource):
 def _module_source_under(source: Any) -> Any:
     """The ``ModuleSource`` a (wrapped) source reads from, found through ``inner``/``source``."""
     for _ in range(8):
-        if source is None or (callable(getattr(source, "finish_walk", None))
-                              and callable(getattr(source, "begin_walk", None))):
+        if source is None or callable(getattr(source, "finish_walk", None)):
             return source
         source = getattr(source, "inner", None) or getattr(source, "source", None)
     return None

@@ -366,7 +366,8 @@ class TorchDistributedBackend:
             # "Completed" includes failed, and a group that does not tear the process down on
             # errors (NCCL with async error handling off) returns from wait() without raising.
             # (gloo's wait() raises: it is not asked, Work.exception() warns of its deprecation.)
-            error = None if self.host_waits else work.exception()
+            exception = None if self.host_waits else getattr(work, "exception", None)
+            error = exception() if callable(exception) else None
             if error is not None:
                 raise TransferError(f"{what} failed: {error} (a peer died, stalled or disconnected)")
             work.wait()

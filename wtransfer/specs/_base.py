@@ -224,6 +224,8 @@ class OffloadingSpec(ABC):
     """
 
     supported_layouts: ClassVar[tuple[str, ...]] = ("wtransfer",)
+    handles_parts: ClassVar[bool] = False
+    """Whether its tier keeps tensor-parallel workers' parts of a block apart (``KVCacheSpec.shard``)."""
     """KV cache layouts (:data:`wtransfer.kvcache.KV_LAYOUTS`) whose blocks this spec copies
     correctly; the factory refuses any other before creating it."""
 

@@ -272,6 +272,7 @@ class CPUOffloadingSpec(OffloadingSpec):
     """KV blocks evicted from the engine's cache go to host memory, chosen by an eviction policy."""
 
     supported_layouts = tuple(KV_LAYOUTS)  # blocks are copied as opaque rows (block_view)
+    handles_parts = True  # a worker's tier holds that worker's part only
 
     handler_cls: type[BlockCopyHandler] = BlockCopyHandler
     options_cls = CPUSpecOptions

@@ -122,6 +122,10 @@ def kv_cache_spec_for(vllm_config: Any, kv_cache_config: Any, fingerprint: str |
     if int(getattr(parallel, "pipeline_parallel_size", 1)) > 1:
         raise ValueError("wtransfer connectors do not support pipeline parallelism yet (each stage holds other "
                          "layers); run with pipeline_parallel_size=1")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(parallel, name, 1) or 1) > 1:
+            raise ValueError(f"wtransfer connectors do not support context parallelism yet ({name} > 1 splits each "
+                             "block's tokens across workers); run without it")
     num_shards = int(getattr(parallel, "tensor_parallel_size", 1))
     shard = _tensor_parallel_rank(parallel, num_shards) if worker else 0
 
@@ -163,8 +167,11 @@ def _tensor_parallel_rank(parallel: Any, num_shards: int) -> int:
         from vllm.distributed import get_tensor_model_parallel_rank
 
         return int(get_tensor_model_parallel_rank())
-    except Exception:  # the group is not up (it is, where vLLM creates a worker's connector)
-        return int(getattr(parallel, "rank", 0)) % num_shards
+    except Exception as exc:  # the group is not up (it is, where vLLM creates a worker's connector)
+        rank = int(getattr(parallel, "rank", 0)) % num_shards
+        logger.warning("wtransfer-vllm: vLLM's tensor-parallel rank is unknown here (%s); taking part %d of %d from "
+                       "the worker's global rank", exc, rank, num_shards)
+        return rank
 
 
 class WTransferKVConnectorAdapter(KVConnectorBase_V1):
@@ -256,9 +263,10 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
             return WTransferKVMetadata(self.inner.build_connector_meta(step).to_json(),
                                        self.kv_cache_spec.model_fingerprint)
 
-    def weights_committed(self, weights: str) -> None:
+    def weights_committed(self, weights: str | None) -> None:
         """A wtransfer round named ``weights`` (a digest of what it delivered) was committed on
-        every worker; the cache reset that follows keys blocks to the new weights."""
+        every worker; the cache reset that follows keys blocks to the new weights. ``None``
+        forgets a name whose reset did not happen."""
         self._committed_weights = weights
 
     def reset_cache(self) -> bool:

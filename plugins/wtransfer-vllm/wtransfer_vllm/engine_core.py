@@ -85,6 +85,8 @@ def drop_stale_kv(engine_core: Any, weights: str | None = None) -> None:
     # recomputed with the new weights; tokens already generated stay); without it vLLM skips the
     # reset while any request runs.
     if not engine_core.reset_prefix_cache(reset_running_requests=True, reset_connector=True):
+        if weights is not None and hasattr(connector, "weights_committed"):
+            connector.weights_committed(None)  # a later reset must not name blocks after this round
         raise RuntimeError(
             "wtransfer-vllm: the round committed, but vLLM could not reset its prefix cache (a request is "
             "waiting for remote KV); requests could be served KV computed with the old weights"
