@@ -30,7 +30,6 @@ from typing import Any, ClassVar
 
 import wtransfer
 from vllm.distributed.weight_transfer.base import WeightTransferEngine as VLLMWeightTransferEngine
-from wtransfer.engines import Manifest
 
 from wtransfer_vllm.adapters import adapter_classes
 from wtransfer_vllm.checkpoint import check_round, checkpoint_tensors
@@ -99,6 +98,8 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
         started = time.perf_counter()
         self._receiving_round = None
         self.inner.receive_weights(update_info, self._loader())  # validated, then staged whole on the node
+        from wtransfer.engines import Manifest  # here: looking the class up imports no engine module
+
         manifest = getattr(update_info, "parsed", None)
         if isinstance(manifest, Manifest):
             expected = self._loader().expected
