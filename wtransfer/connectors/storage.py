@@ -404,6 +404,8 @@ class StorageConnector(KVConnectorBase):
         meta = self._meta()
         self._await_loads()
         queued: set[str] = set()
+        accepted: list[tuple[BlockTransfer, str]] = []
+        nbytes = self.store.layout.data_bytes
         for transfer in meta.saves:
             self._saw_saves.add(transfer.request_id)
             failed_from = self._failed_from.get(transfer.request_id)
@@ -418,19 +420,22 @@ class StorageConnector(KVConnectorBase):
                 if self.budget is not None:
                     self.budget.touch(path)  # computed again: in use, like a hit
                 continue
-            nbytes = self.store.layout.data_bytes
             with self._inflight_lock:
                 if self._pending_save_bytes + nbytes > self.options.max_pending_save_bytes:
                     self.counters.add("saves_dropped_backlog")
                     continue
                 self._pending_save_bytes += nbytes
                 self._inflight[transfer.request_id] += 1
-            data = self._copy_out(transfer.block_id)
-            future = self._pool().submit(self._write_block, transfer, path, data)
+            accepted.append((transfer, path))
+        self._failed_from.clear()
+        if not accepted:
+            return
+        copies = self._copy_out([transfer.block_id for transfer, _ in accepted])  # before returning
+        for (transfer, path), copy in zip(accepted, copies):
+            future = self._pool().submit(self._write_block, transfer, path, memoryview(copy).cast("B"))
             with self._inflight_lock:
                 self._inflight_futures.add(future)
             future.add_done_callback(lambda f, rid=transfer.request_id, n=nbytes: self._save_done(rid, n, f))
-        self._failed_from.clear()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._finished_waiting |= {r for r in finished_req_ids if r in self._saw_saves}
@@ -556,15 +561,17 @@ class StorageConnector(KVConnectorBase):
         self.counters.add("loaded_bytes", self.store.layout.data_bytes)
         return True
 
-    def _copy_out(self, block_id: int) -> memoryview:
-        """Block ``block_id`` of every layer, copied into new host memory (the file's data)."""
+    def _copy_out(self, block_ids: list[int]) -> np.ndarray:
+        """The blocks ``block_ids`` of every layer, copied into new host memory: one gather per
+        layer for the whole step; ``result[i]`` is block ``block_ids[i]``'s file data, contiguous."""
         import numpy as np
 
         views = self._views()
-        copy = np.empty((len(views), views[0].shape[0], views[0].shape[2]), dtype=views[0].dtype)
-        for layer, view in enumerate(views):
-            copy[layer] = view[:, block_id]
-        return memoryview(copy).cast("B")
+        ids = np.asarray(block_ids)
+        copies = np.empty((len(ids), len(views), views[0].shape[0], views[0].shape[2]), dtype=views[0].dtype)
+        for layer, view in enumerate(views):  # view: [segments, num_blocks, block elements]
+            copies[:, layer] = view[:, ids].swapaxes(0, 1)
+        return copies
 
     def _write_block(self, transfer: BlockTransfer, path: str, raw: memoryview) -> None:
         try:

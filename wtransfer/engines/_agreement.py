@@ -28,6 +28,7 @@ import logging
 import time
 from typing import Any
 
+from wtransfer.engines._source import wrapped_sources
 from wtransfer.errors import TransferError
 
 logger = logging.getLogger("wtransfer")
@@ -46,11 +47,8 @@ def trainer_group_ranks(source: Any) -> list[int]:
     else the whole default group (every rank must see the same)."""
     import torch.distributed as dist
 
-    seen = 0
-    while source is not None and not hasattr(source, "module") and seen < 8:  # through wrappers
-        source = getattr(source, "inner", None) or getattr(source, "source", None)
-        seen += 1
-    module = getattr(source, "module", source)
+    source = next((s for s in wrapped_sources(source) if hasattr(s, "module")), None)
+    module = getattr(source, "module", None)
     parameters = getattr(module, "parameters", None)
     if callable(parameters):
         from torch.distributed.tensor import DTensor

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from wtransfer.engines._agreement import CONNECT_WAIT_S
 from wtransfer.engines._manifest import TensorEntry
-from wtransfer.engines._source import WeightSource
+from wtransfer.engines._source import WeightSource, wrapped_sources
 from wtransfer.errors import TransferError
 
 if TYPE_CHECKING:
@@ -82,8 +82,7 @@ class LockstepSource(WeightSource):
         """One walk of the inner source, counted. Everything that can fail (even ``iter()`` of an
         eager wrapper) happens in here, after the module source was told a walk starts."""
         self._yielded, self._complete = 0, False
-        module_source = _module_source_under(self.inner)
-        begin = getattr(module_source, "begin_walk", None)
+        begin = getattr(_module_source_under(self.inner), "begin_walk", None)
         if callable(begin):
             begin()  # the wrapper over it may fail before it reads it
         for item in iter(self.inner):
@@ -134,12 +133,8 @@ class LockstepSource(WeightSource):
 
 
 def _module_source_under(source: Any) -> Any:
-    """The ``ModuleSource`` a (wrapped) source reads from, found through ``inner``/``source``."""
-    for _ in range(8):
-        if source is None or callable(getattr(source, "finish_walk", None)):
-            return source
-        source = getattr(source, "inner", None) or getattr(source, "source", None)
-    return None
+    """The ``ModuleSource`` (or any source that can finish a walk) a wrapped source reads from."""
+    return next((s for s in wrapped_sources(source) if callable(getattr(s, "finish_walk", None))), None)
 
 
 class ParticipantTrainer:

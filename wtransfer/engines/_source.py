@@ -7,6 +7,7 @@ one at a time, in the same order, while they are packed.
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,16 @@ class WeightSource(ABC):
         later ones were yielded (in-place broadcasts still in flight, small tensors held for
         a bucket they share). Yield a new tensor each time, never one reused scratch buffer.
         """
+
+
+def wrapped_sources(source: Any) -> Iterator[Any]:
+    """``source`` and the sources it wraps, outermost first, found through ``inner`` or ``source``
+    attributes (at most 8 deep): how sharded trainers find the module a user's wrapper reads."""
+    for _ in range(8):
+        if source is None:
+            return
+        yield source
+        source = getattr(source, "inner", None) or getattr(source, "source", None)
 
 
 GATHER_SLICE_BYTES = 4 << 20
@@ -126,7 +137,7 @@ class ModuleSource(WeightSource):
         return [TensorEntry(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in self._named()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        self._gathered = 0
+        self.begin_walk()
         for name, tensor in self._named():
             value = _unwrap(tensor)
             self._gathered += 1
@@ -145,12 +156,13 @@ class ModuleSource(WeightSource):
         Row-sharded parameters are taken part in without assembling them (a few MiB), so an
         out-of-memory error does not simply recur. Returns how many tensors that took.
         """
-        remaining = list(self._named())[self._gathered :]
-        for _name, tensor in remaining:
+        finished = 0
+        for _name, tensor in itertools.islice(self._named(), self._gathered, None):
             if getattr(tensor, "placements", None) is None or gather_rows_in_slices(tensor, keep=False) is None:
                 _unwrap(tensor)
             self._gathered += 1
-        return len(remaining)
+            finished += 1
+        return finished
 
 
 class TensorSource(WeightSource):

@@ -16,13 +16,12 @@ tier whose device reads take 50 ms differed as below (see the CHANGELOG).
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from vllm_harness import cpu_flags, pip_install_into, run_script
+from vllm_harness import cpu_flags, install_package, run_script
 
 PROMPTS = [[(k * 37 + 13 * i + (i * i) % 7) % 500 for i in range(96)] for k in range(40)]
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # vLLM-CPU's 'auto' refuses TP=2 on one NUMA node
@@ -97,22 +96,8 @@ class SlowTier(CPUOffloadingSpec):
 @pytest.fixture(scope="module")
 def slow_tier_site(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``slow-tier`` pip-installed: an offloading spec (entry point) whose stores are slow."""
-    source = tmp_path_factory.mktemp("slow-tier")
-    (source / "slow_tier").mkdir()
-    (source / "slow_tier" / "__init__.py").write_text(SLOW_TIER)
-    (source / "pyproject.toml").write_text(textwrap.dedent("""
-        [build-system]
-        requires = ["setuptools>=68"]
-        build-backend = "setuptools.build_meta"
-        [project]
-        name = "slow-tier"
-        version = "1.0"
-        [project.entry-points."wtransfer.specs"]
-        slow-cpu = "slow_tier:SlowTier"
-        [tool.setuptools]
-        packages = ["slow_tier"]
-    """))
-    return pip_install_into(vllm_python, tmp_path_factory.mktemp("site"), source)
+    return install_package(vllm_python, tmp_path_factory.mktemp("slow-tier"), tmp_path_factory.mktemp("site"),
+                           "slow-tier", "slow_tier", SLOW_TIER, {"wtransfer.specs": {"slow-cpu": "slow_tier:SlowTier"}})
 
 
 def test_blocks_offloaded_while_vllm_preempts_come_back_exactly(

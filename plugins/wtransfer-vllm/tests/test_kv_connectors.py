@@ -10,13 +10,12 @@ vLLM's ``num_cached_tokens`` for what it reused. The tiny Llama has 2 layers, 2 
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from vllm_harness import pip_install_into, run_script
+from vllm_harness import install_package, run_script
 
 BLOCK = 32  # testing.llm_kwargs' block_size
 PROMPT = [(7 * i + 3) % 500 for i in range(129)]  # 4 full blocks + 1 token
@@ -205,23 +204,9 @@ class NamespacedDirectory(StorageConnector):
 @pytest.fixture(scope="module")
 def acme_site(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``acme-kv`` pip-installed (a real distribution with a ``wtransfer.connectors`` entry point)."""
-    source = tmp_path_factory.mktemp("acme-kv")
-    (source / "acme_kv").mkdir()
-    (source / "acme_kv" / "__init__.py").write_text(ACME_CONNECTOR)
-    (source / "pyproject.toml").write_text(textwrap.dedent("""
-        [build-system]
-        requires = ["setuptools>=68"]
-        build-backend = "setuptools.build_meta"
-        [project]
-        name = "acme-kv"
-        version = "1.0"
-        [project.entry-points."wtransfer.connectors"]
-        team-store = "acme_kv:NamespacedDirectory"
-        [tool.setuptools]
-        packages = ["acme_kv"]
-    """))
-    site = tmp_path_factory.mktemp("site")
-    return pip_install_into(vllm_python, site, source)
+    return install_package(vllm_python, tmp_path_factory.mktemp("acme-kv"), tmp_path_factory.mktemp("site"),
+                           "acme-kv", "acme_kv", ACME_CONNECTOR,
+                           {"wtransfer.connectors": {"team-store": "acme_kv:NamespacedDirectory"}})
 
 
 def test_a_pip_installed_third_party_connector_runs_in_vllm_by_name(

@@ -73,6 +73,22 @@ def pip_install_into(python: Path, target: Path, *sources: Path) -> Path:
     return target
 
 
+def install_package(python: Path, source_dir: Path, site: Path, name: str, package: str, code: str,
+                    entry_points: dict[str, dict[str, str]]) -> Path:
+    """Really pip-install into ``site`` a distribution ``name`` of one package (``code`` is its
+    ``__init__.py``) declaring ``entry_points`` ({group: {name: target}}); returns ``site``."""
+    (source_dir / package).mkdir(parents=True)
+    (source_dir / package / "__init__.py").write_text(code)
+    lines = ["[build-system]", 'requires = ["setuptools>=68"]', 'build-backend = "setuptools.build_meta"',
+             "[project]", f'name = "{name}"', 'version = "1.0"']
+    for group, items in entry_points.items():
+        lines.append(f'[project.entry-points."{group}"]')
+        lines.extend(f'{key} = "{target}"' for key, target in items.items())
+    lines += ["[tool.setuptools]", f'packages = ["{package}"]']
+    (source_dir / "pyproject.toml").write_text("\n".join(lines) + "\n")
+    return pip_install_into(python, site, source_dir)
+
+
 ROUNDS = 3
 """Update rounds every sync test runs (the reference checkpoint takes the same steps)."""
 

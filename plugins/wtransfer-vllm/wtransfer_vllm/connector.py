@@ -187,6 +187,7 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
         self.kv_cache_spec = kv_cache_spec_for(vllm_config, kv_cache_config, fingerprint,
                                                worker=role != KVConnectorRole.SCHEDULER)
         self._model_identity = fingerprint or model_identity(vllm_config.model_config)
+        self._committed_weights: str | None = None  # named by the engine core just before its reset
         self._config = wtransfer.KVTransferConfig(
             kv_connector=self.wtransfer_backend,
             kv_role=transfer.kv_role or "kv_both",
@@ -290,15 +291,12 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
         import hashlib
         import uuid
 
-        weights, self._committed_weights = getattr(self, "_committed_weights", None), None
-        before = self.kv_cache_spec.model_fingerprint
-        if weights is not None and weights.startswith("weights:"):  # the round is the whole model
-            fingerprint = hashlib.sha256(f"{self._model_identity}|{weights}".encode()).hexdigest()
-        elif weights is not None:  # a part of it, on top of what the model held
-            fingerprint = hashlib.sha256(f"{before}|{weights}".encode()).hexdigest()
-        else:
-            fingerprint = hashlib.sha256(f"{before}|reset:{uuid.uuid4().hex}".encode()).hexdigest()
-        self._switch_fingerprint(fingerprint)
+        weights, self._committed_weights = self._committed_weights, None
+        # a whole round names the weights alone; anything else is on top of what the model held
+        whole = weights is not None and weights.startswith("weights:")
+        base = self._model_identity if whole else self.kv_cache_spec.model_fingerprint
+        name = weights or f"reset:{uuid.uuid4().hex}"
+        self._switch_fingerprint(hashlib.sha256(f"{base}|{name}".encode()).hexdigest())
         for tracked in self._tracked.values():
             tracked.hashes = []
         logger.info("wtransfer-vllm: KV connector %s reset: stored blocks no longer match (fingerprint %s)",

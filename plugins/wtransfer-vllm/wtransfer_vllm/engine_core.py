@@ -78,15 +78,16 @@ def drop_stale_kv(engine_core: Any, weights: str | None = None) -> None:
     """
     scheduler = engine_core.scheduler
     connector = scheduler.get_kv_connector() if hasattr(scheduler, "get_kv_connector") else None
-    if weights is not None and hasattr(connector, "weights_committed"):
-        connector.weights_committed(weights)
+    named = connector if weights is not None and hasattr(connector, "weights_committed") else None
+    if named is not None:
+        named.weights_committed(weights)
     running = len(getattr(scheduler, "running", ()))
     # reset_running_requests: running requests are preempted (their blocks freed, their KV
     # recomputed with the new weights; tokens already generated stay); without it vLLM skips the
     # reset while any request runs.
     if not engine_core.reset_prefix_cache(reset_running_requests=True, reset_connector=True):
-        if weights is not None and hasattr(connector, "weights_committed"):
-            connector.weights_committed(None)  # a later reset must not name blocks after this round
+        if named is not None:
+            named.weights_committed(None)  # a later reset must not name blocks after this round
         raise RuntimeError(
             "wtransfer-vllm: the round committed, but vLLM could not reset its prefix cache (a request is "
             "waiting for remote KV); requests could be served KV computed with the old weights"
