@@ -25,6 +25,8 @@ import pytest
 from wtransfer.engines._source import WeightSource
 
 TIMEOUT = 30.0
+INIT_INFO = {"world_size": 3, "timeout_s": TIMEOUT, "bucket_bytes": 16384, "num_buffers": 2}
+"""Small buckets: tensors split mid-row across buckets, and every buffer is reused many times a round."""
 LINGER_S = 8.0
 """Rank 0 lives on this long after its failure, as a trainer that goes on would: a rank still
 waiting in a gather then is not freed by rank 0's process exiting."""
@@ -93,8 +95,12 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
             pool = LocalWorkerPool(2, "wtransfer.testing.models:tied_lm", backend=backend,
                                    factory_kwargs={"seed": 1}, timeout_s=TIMEOUT, torch_threads=1)
         source: Any = wtransfer.ModuleSource(model)
-        if rank == victim:
+        if fault == "gathered":  # a wrapper of the user's: rank 0 gathers and sends every tensor
+            source = _PassThrough(source)
+        if rank == victim and fault == "gathered":
             source = _DiesMidRound(source, round_to_die=2)
+        elif rank == victim:
+            _die_writing_round(2)
         if rank == 0 and fault == "metadata":
             source = _MetadataFails(source)
         if rank == 0 and fault in ("mid-walk", "walk-start"):
@@ -104,7 +110,7 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
         try:
             trainer = wtransfer.create_trainer(
                 backend, client=client, source=source, rank=rank,
-                init_info={"world_size": 3, "timeout_s": TIMEOUT} if rank == 0 else None,
+                init_info=INIT_INFO if rank == 0 else None,
             )
         except Exception as exc:
             say(event="create_failed", type=type(exc).__name__, message=str(exc)[:2000],
@@ -120,7 +126,7 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
                 trainer.shutdown()
                 trainer = wtransfer.create_trainer(
                     backend, client=client, source=source, rank=rank,
-                    init_info={"world_size": 3, "timeout_s": TIMEOUT} if rank == 0 else None,
+                    init_info=INIT_INFO if rank == 0 else None,
                 )
             if rank == 0 and step == 1 and fault == "metadata":
                 source.failing = True
@@ -136,7 +142,7 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
             except Exception as exc:
                 versions = [s["weight_version"] for s in pool.stats()] if pool is not None else None
                 changed = ([sorted(n for n in last if d.get(n) != last[n]) for d in pool.digests()]
-                           if pool is not None and fault else None)
+                           if pool is not None else None)
                 say(event="error", type=type(exc).__name__, message=str(exc)[:2000],
                     seconds=time.monotonic() - started, worker_versions=versions, changed=changed)
                 if rank == 0 and fault:
@@ -151,7 +157,8 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
                     wrong=[sorted(n for n in expected if d.get(n) != expected[n]) for d in workers],
                     worker_versions=[s["weight_version"] for s in pool.stats()])
             else:
-                say(event="round", version=stats["version"], sender=False, tensors=stats["tensors"])
+                say(event="round", version=stats["version"], sender=False, tensors=stats["tensors"],
+                    wrote_shards=stats["wrote_shards"])
         trainer.shutdown()
         say(event="done")
     except Exception as exc:  # outside a round (set-up, a training step): still reported, as a failure
@@ -160,6 +167,35 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
     finally:
         if pool is not None:
             pool.shutdown()
+
+
+class _PassThrough(WeightSource):
+    """A user's wrapper that changes nothing (it could rename or convert: wtransfer cannot tell)."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+    def metadata(self) -> Any:
+        return self.source.metadata()
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.source)
+
+
+def _die_writing_round(round_to_die: int) -> None:
+    """SIGKILL this trainer rank while it writes its shards into the first bucket of that round."""
+    from wtransfer.engines import _shm_ring
+
+    write, rounds = _shm_ring.write_bucket, {"seen": set()}
+
+    def dying_write(bucket: Any, *args: Any) -> None:
+        if bucket.index == 0:
+            rounds["seen"].add(len(rounds["seen"]) + 1)
+        if len(rounds["seen"]) == round_to_die:
+            os.kill(os.getpid(), signal.SIGKILL)
+        write(bucket, *args)
+
+    _shm_ring.write_bucket = dying_write
 
 
 class _RaisesMidWalk(WeightSource):
@@ -247,9 +283,13 @@ def run_ranks(world: int, backend: str, rounds: int, victim: int = -1, limit: fl
     return events
 
 
-@pytest.mark.parametrize(("world", "backend"), [(2, "shm"), (2, "gloo"), (4, "shm")])
-def test_fsdp2_trainer_ranks_sync_the_unsharded_state_after_optimizer_steps(world: int, backend: str) -> None:
-    events = run_ranks(world, backend, rounds=3)
+@pytest.mark.parametrize(("world", "backend", "mode"), [(2, "shm", "writes"), (4, "shm", "writes"),
+                                                       (2, "shm", "gathers"), (2, "gloo", "gathers")])
+def test_fsdp2_trainer_ranks_sync_the_unsharded_state_after_optimizer_steps(world: int, backend: str,
+                                                                            mode: str) -> None:
+    """``writes``: every rank writes its own shards into shm's buffers (a ModuleSource on every rank);
+    ``gathers``: rank 0 gathers and sends (a wrapper of the user's, or a backend without senders)."""
+    events = run_ranks(world, backend, rounds=3, fault="gathered" if mode == "gathers" and backend == "shm" else "")
     assert [e for e in events if e["event"] in ("error", "crash")] == []
     sender = [e for e in events if e["event"] == "round" and e["sender"]]
     assert [e["version"] for e in sender] == [1, 2, 3]
@@ -258,13 +298,15 @@ def test_fsdp2_trainer_ranks_sync_the_unsharded_state_after_optimizer_steps(worl
         assert event["worker_versions"] == [event["version"]] * 2
     others = [e for e in events if e["event"] == "round" and not e["sender"]]
     assert len(others) == 3 * (world - 1)  # every rank took part in every round
-    assert all(e["tensors"] == others[0]["tensors"] for e in others)
+    assert all(e["wrote_shards"] == (mode == "writes") for e in others), others
+    if mode == "gathers":
+        assert all(e["tensors"] == others[0]["tensors"] for e in others)
     assert len([e for e in events if e["event"] == "done"]) == world
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_a_trainer_rank_dying_mid_round_fails_every_rank_and_worker_within_the_timeout(world: int) -> None:
-    events = run_ranks(world, "shm", rounds=3, victim=1)
+@pytest.mark.parametrize(("world", "mode"), [(2, "writes"), (4, "writes"), (2, "gathers"), (4, "gathers")])
+def test_a_trainer_rank_dying_mid_round_fails_every_rank_and_worker_within_the_timeout(world: int, mode: str) -> None:
+    events = run_ranks(world, "shm", rounds=3, victim=1, fault="gathered" if mode == "gathers" else "")
     assert [e for e in events if e["event"] == "crash"] == []
     assert [e["version"] for e in events if e["event"] == "round" and e["rank"] == 0] == [1]
     errors = {e["rank"]: e for e in events if e["event"] == "error"}
@@ -274,6 +316,7 @@ def test_a_trainer_rank_dying_mid_round_fails_every_rank_and_worker_within_the_t
         assert error["seconds"] < TIMEOUT, f"rank {rank} took {error['seconds']:.1f} s"
         assert error["type"] in ("TransferError", "TransferTimeoutError", "RuntimeError", "DistBackendError"), error
     assert errors[0]["worker_versions"] == [1, 1]  # the cut round counts nowhere
+    assert errors[0]["changed"] == [[], []], "a cut round changed the workers' weights"
 
 
 def _gather_check(rank: int, world: int, port: int, conn: Any) -> None:

@@ -1,9 +1,13 @@
-"""Sharded trainer vs unsharded, side by side: the same model synced from one trainer process,
-then from N FSDP2 ranks (``fully_shard`` over a gloo default group, CPU), to the same number of
+"""Sharded trainers vs unsharded, side by side: the same model synced from one trainer process,
+then from FSDP2 ranks (``fully_shard`` over a gloo default group, CPU), to the same number of
 local workers; GB/s of the whole round as rank 0 waits for it, and peak extra RSS of every
-trainer rank. Target: sharded >= 0.8x unsharded throughput, and every rank's peak extra RSS
-<= buffers x bucket + the largest parameter + 64 MiB, whatever the model size. Every round is
-verified bit-exactly on every worker against the trainer's unsharded state.
+trainer rank. Two sharded designs are measured: every rank writing its own shards (``writes``:
+what a ``ModuleSource`` gets on a backend with senders) and rank 0 gathering and sending every
+tensor (``gathers``: a source wrapper, or a backend without senders), with the FSDP gathers alone
+as that design's floor. Targets: writers >= 1.0x unsharded throughput, every writer rank's peak
+extra RSS <= buffers x bucket + 64 MiB; gathers >= 0.8x, <= buffers x bucket + the largest
+parameter + 64 MiB. Every round is verified bit-exactly on every worker against the trainer's
+unsharded state.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 
 from wtransfer._bench.report import add_report_arguments, figures_report, table
 
-TARGET_RATIO = 0.8
+TARGET_RATIO = {"writes": 1.0, "gathers": 0.8}
 SLACK = 64 << 20
 from wtransfer.engines._protocol import MIB  # noqa: E402
 
@@ -27,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", default="shm", help="engine to measure")
     parser.add_argument("--model", default="0.5B", help="parameter count (0.5B, 100M) or shapes (4096x4096,896*24)")
     parser.add_argument("--dtype", default="bf16", help="tensor dtype (bf16, fp16, fp32)")
-    parser.add_argument("--ranks", type=int, default=2, help="trainer ranks of the sharded run")
+    parser.add_argument("--ranks", default="2,4", help="trainer ranks of the sharded runs (writers; comma-separated)")
+    parser.add_argument("--gathers", type=int, default=2, help="trainer ranks of the run where rank 0 gathers (0: none)")
     parser.add_argument("--workers", type=int, default=1, help="local worker processes")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per run (the median is reported)")
     parser.add_argument("--timeout", type=float, default=300.0, help="timeout_s of every wait")
@@ -38,6 +43,19 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+class _Wrapped:
+    """A source wrapper that changes nothing; wtransfer cannot tell, so rank 0 gathers and sends."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+    def metadata(self) -> Any:
+        return self.source.metadata()
+
+    def __iter__(self) -> Any:
+        return iter(self.source)
 
 
 def _rank_main(rank: int, ranks: int, port: int, options: str, conn: Any) -> None:
@@ -74,12 +92,19 @@ def _rank_main(rank: int, ranks: int, port: int, options: str, conn: Any) -> Non
                                    torch_threads=1)
         _return_free_memory()  # set-up's freed memory must not hide the rounds' own peaks
         rss, peak_extra = PeakRss(), 0
+        source: Any = ModuleSource(model)
+        if args["mode"] == "gathers":
+            from wtransfer.engines._source import WeightSource
+
+            source = type("Wrapped", (_Wrapped, WeightSource), {})(source)
         trainer = create_trainer(
-            args["engine"], client=pool, source=ModuleSource(model), rank=rank if ranks > 1 else None,
+            args["engine"], client=pool, source=source, rank=rank if ranks > 1 else None,
             init_info={"world_size": args["workers"] + 1, "timeout_s": args["timeout"]} if rank == 0 else None,
         )
         if rank == 0:
-            report["budget"] = trainer.num_buffers * trainer.bucket_bytes + largest + SLACK  # type: ignore[union-attr]
+            buffers = trainer.num_buffers * trainer.bucket_bytes  # type: ignore[union-attr]
+            report["budget"] = buffers + SLACK + (largest if args["mode"] == "gathers" else 0)
+            report["wrote_shards"] = bool(getattr(trainer, "parallel_senders", False))
         for index in range(args["rounds"]):
             with torch.no_grad():
                 for parameter in model.parameters():  # new weights, shard by shard
@@ -98,7 +123,7 @@ def _rank_main(rank: int, ranks: int, port: int, options: str, conn: Any) -> Non
                                          "bytes": stats["bytes"]})
             _return_free_memory()
         report["peak_extra_rss"] = peak_extra
-        if ranks > 1:  # the floor: the same gathers with nothing sent, timed the same way on rank 0
+        if args["mode"] == "gathers":  # the floor: the same gathers with nothing sent, timed the same way
             walks = []
             for _ in range(args["rounds"]):
                 started = time.perf_counter()
@@ -147,11 +172,11 @@ def unsharded_digests(model: Any) -> dict[str, int]:
     return digests
 
 
-def run_trainer(ranks: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+def run_trainer(ranks: int, args: argparse.Namespace, mode: str = "writes") -> list[dict[str, Any]]:
     """Run one configuration (1 = unsharded) in fresh processes; every rank's report."""
     context = multiprocessing.get_context("spawn")
     port = _free_port()
-    options = json.dumps({"model": args.model, "dtype": args.dtype, "workers": args.workers,
+    options = json.dumps({"model": args.model, "dtype": args.dtype, "workers": args.workers, "mode": mode,
                           "rounds": args.rounds, "engine": args.engine, "timeout": args.timeout})
     pipes, processes = [], []
     for rank in range(ranks):
@@ -175,60 +200,81 @@ def run_trainer(ranks: int, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.ranks < 2:
-        raise SystemExit("--ranks must be >= 2 (the sharded run is compared with one unsharded trainer)")
+    writers = [int(r) for r in str(args.ranks).split(",") if r.strip()]
+    if any(r < 2 for r in writers) or (args.gathers and args.gathers < 2):
+        raise SystemExit("--ranks and --gathers take rank counts >= 2 (each is compared with one unsharded trainer)")
     with figures_report(args, "sharded", markdown) as figures:
         print(f"unsharded: one trainer process, {args.workers} worker(s), {args.rounds} rounds of {args.model} "
               f"{args.dtype} over {args.engine}")
-        unsharded = run_trainer(1, args)
-        print(f"sharded: {args.ranks} FSDP2 trainer ranks (gloo default group)")
-        sharded = run_trainer(args.ranks, args)
-        figures.update(summarize(args, unsharded, sharded))
+        runs = [("unsharded", 1, run_trainer(1, args))]
+        for ranks in writers:
+            print(f"sharded, every rank writes its shards: {ranks} FSDP2 trainer ranks (gloo default group)")
+            runs.append(("writes", ranks, run_trainer(ranks, args, "writes")))
+        if args.gathers:
+            print(f"sharded, rank 0 gathers and sends: {args.gathers} FSDP2 trainer ranks")
+            runs.append(("gathers", args.gathers, run_trainer(args.gathers, args, "gathers")))
+        figures.update(summarize(args, runs))
         if not args.json and args.markdown is None:
             for line in markdown(figures):
                 print(line)
     return 0 if figures["ok"] else 1
 
 
-def summarize(args: argparse.Namespace, unsharded: list[dict[str, Any]], sharded: list[dict[str, Any]]) -> dict[str, Any]:
-    plain_rate = statistics.median(r["gb_per_s"] for r in unsharded[0]["rounds"])
-    sharded_rate = statistics.median(r["gb_per_s"] for r in sharded[0]["rounds"])
-    gather_rate = sharded[0]["rounds"][0]["bytes"] / sharded[0]["gather_only_seconds"] / 1e9
-    budget = sharded[0]["budget"]
-    def row(run: str, report: dict[str, Any]) -> dict[str, Any]:
-        later = report["round_peaks"][1:] or report["round_peaks"]
-        return {"run": run, "rank": report["rank"], "peak_extra_rss": report["peak_extra_rss"],
-                "first_round": report["round_peaks"][0], "later_rounds": max(later)}
+def summarize(args: argparse.Namespace, runs: list[tuple[str, int, list[dict[str, Any]]]]) -> dict[str, Any]:
+    def rate(reports: list[dict[str, Any]]) -> float:
+        return statistics.median(r["gb_per_s"] for r in reports[0]["rounds"])
 
-    ranks = [row("unsharded", unsharded[0])] + [row("sharded", r) for r in sharded]
-    ratio = sharded_rate / plain_rate
-    memory_ok = all(r["peak_extra_rss"] <= budget for r in ranks)
+    plain_rate = rate(runs[0][2])
+    rows, memory = [], []
+    for mode, ranks, reports in runs:
+        first = reports[0]
+        ratio = rate(reports) / plain_rate
+        target = TARGET_RATIO.get(mode)
+        if mode == "writes" and not first.get("wrote_shards"):
+            raise SystemExit(f"the {args.engine} engine has no senders: its sharded ranks gathered (use --ranks '' "
+                             f"and --gathers N to measure it)")
+        rows.append({"mode": mode, "ranks": ranks, "gb_per_s": rate(reports), "ratio": ratio, "target": target,
+                     "ok": target is None or ratio >= target})
+        if mode == "gathers":
+            gather_rate = first["rounds"][0]["bytes"] / first["gather_only_seconds"] / 1e9
+            rows.append({"mode": "gather-only", "ranks": ranks, "gb_per_s": gather_rate,
+                         "ratio": gather_rate / plain_rate, "target": None, "ok": True})
+        for report in reports:
+            later = report["round_peaks"][1:] or report["round_peaks"]
+            memory.append({"mode": mode, "ranks": ranks, "rank": report["rank"], "budget": first["budget"],
+                           "peak_extra_rss": report["peak_extra_rss"], "first_round": report["round_peaks"][0],
+                           "later_rounds": max(later), "ok": report["peak_extra_rss"] <= first["budget"]})
+    first = runs[0][2][0]
     return {
-        "setup": (f"{args.model} parameters, {args.dtype}, {sharded[0]['rounds'][0]['bytes'] / 1e9:.2f} GB, "
-                  f"{args.engine}, {args.workers} worker(s), {args.rounds} rounds, {args.ranks} sharded ranks; "
-                  f"largest parameter {sharded[0]['largest_parameter'] / MIB:.0f} MiB"),
-        "unsharded_gb_per_s": plain_rate, "sharded_gb_per_s": sharded_rate, "ratio": ratio,
-        "gather_only_gb_per_s": gather_rate, "ratio_to_gather_only": sharded_rate / gather_rate,
-        "ratio_target": TARGET_RATIO, "budget": budget, "ranks": ranks,
-        "ok": ratio >= TARGET_RATIO and memory_ok,
-        "ratio_ok": ratio >= TARGET_RATIO, "memory_ok": memory_ok,
+        "setup": (f"{args.model} parameters, {args.dtype}, {first['rounds'][0]['bytes'] / 1e9:.2f} GB, "
+                  f"{args.engine}, {args.workers} worker(s), {args.rounds} rounds; "
+                  f"largest parameter {first['largest_parameter'] / MIB:.0f} MiB"),
+        "unsharded_gb_per_s": plain_rate, "rows": rows, "memory": memory,
+        "ratio_ok": all(r["ok"] for r in rows), "memory_ok": all(m["ok"] for m in memory),
+        "ok": all(r["ok"] for r in rows) and all(m["ok"] for m in memory),
     }
 
 
+_LABELS = {"unsharded": "unsharded (one process)", "writes": "sharded, every rank writes its shards",
+           "gathers": "sharded, rank 0 gathers and sends", "gather-only": "FSDP gathers alone, nothing sent"}
+
+
 def markdown(figures: dict[str, Any]) -> list[str]:
+    def target(row: dict[str, Any]) -> str:
+        if row["target"] is None:
+            return ""
+        return f">= {row['target']}× {'ok' if row['ok'] else 'MISSED'}"
+
     return [
         figures["setup"] + ".", "",
-        *table("throughput (whole rounds as rank 0 waits for them, medians)", ["trainer", "GB/s", "vs unsharded", "target"],
-               [["unsharded (one process)", f"{figures['unsharded_gb_per_s']:.2f}", "1.00×", ""],
-                ["sharded (FSDP2 ranks)", f"{figures['sharded_gb_per_s']:.2f}", f"{figures['ratio']:.2f}×",
-                 f">= {figures['ratio_target']}× {'ok' if figures['ratio_ok'] else 'MISSED'}"],
-                ["FSDP gathers alone, nothing sent (the sharded floor)", f"{figures['gather_only_gb_per_s']:.2f}",
-                 f"{figures['gather_only_gb_per_s'] / figures['unsharded_gb_per_s']:.2f}×",
-                 f"sharded runs at {figures['ratio_to_gather_only']:.2f}× this"]]),
+        *table("throughput (whole rounds as rank 0 waits for them, medians)",
+               ["trainer", "ranks", "GB/s", "vs unsharded", "target"],
+               [[_LABELS[r["mode"]], str(r["ranks"]), f"{r['gb_per_s']:.2f}", f"{r['ratio']:.2f}×", target(r)]
+                for r in figures["rows"]]),
         "",
         *table("peak extra RSS per trainer rank (MiB; round 1 counts the trainer's buffers and one-time set-up)",
-               ["run", "rank", "round 1", "later rounds", "budget"],
-               [[r["run"], str(r["rank"]), f"{r['first_round'] / MIB:.0f}", f"{r['later_rounds'] / MIB:.0f}",
-                 f"{figures['budget'] / MIB:.0f} {'ok' if r['peak_extra_rss'] <= figures['budget'] else 'OVER'}"]
-                for r in figures["ranks"]]),
+               ["trainer", "ranks", "rank", "round 1", "later rounds", "budget"],
+               [[_LABELS[m["mode"]], str(m["ranks"]), str(m["rank"]), f"{m['first_round'] / MIB:.0f}",
+                 f"{m['later_rounds'] / MIB:.0f}", f"{m['budget'] / MIB:.0f} {'ok' if m['ok'] else 'OVER'}"]
+                for m in figures["memory"]]),
     ]

@@ -1,4 +1,9 @@
-"""Sharded trainers (FSDP2 / DTensor): every trainer rank walks the weights, rank 0 sends them.
+"""Sharded trainers (FSDP2 / DTensor): every rank writes its own shards, or rank 0 gathers and sends.
+
+Where the backend has a ``sender_cls`` (``shm``) and every rank's source is a plain
+``ModuleSource``, each rank writes the shards it holds straight into the transport's buffers
+(:mod:`wtransfer.engines._shards`); nothing is gathered, and a :class:`ParticipantTrainer` is
+that rank's side of the transport (``sender``). Otherwise, as follows, rank 0 gathers.
 
 A sharded parameter becomes a whole tensor only through a collective (``full_tensor()``),
 which every rank of the trainer's group must enter, in the same order. So on every rank
@@ -40,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from wtransfer.engines._agreement import CONNECT_WAIT_S
 from wtransfer.engines._manifest import TensorEntry
 from wtransfer.engines._source import WeightSource, wrapped_sources
-from wtransfer.errors import TransferError
+from wtransfer.errors import TransferError, TransferTimeoutError
 
 if TYPE_CHECKING:
     import torch
@@ -138,15 +143,15 @@ def _module_source_under(source: Any) -> Any:
 
 
 class ParticipantTrainer:
-    """A trainer rank that is not the sender: it runs the gathers and sends nothing.
+    """A trainer rank other than rank 0: it writes its own shards (``sender``), or runs the gathers.
 
-    Its ``send_weights()`` returns once this rank's share of the round (the gathers) is done;
+    Its ``send_weights()`` returns once this rank's share of the round (its writes, or the gathers) is done;
     whether the workers took the round is rank 0's to report (its ``send_weights()`` raises if
     they did not). A rank whose gather fails (another rank died) raises here.
     """
 
     def __init__(self, backend: str, rank: int, source: WeightSource, *, checksums: bool = False,
-                 agreement: RankAgreement) -> None:
+                 agreement: RankAgreement, sender_cls: type | None = None) -> None:
         self.backend = backend
         self.rank = rank
         self.source = source
@@ -162,6 +167,33 @@ class ParticipantTrainer:
                                 f"there is none to follow: {heard.get('reason')}")
         self.timeout_s = float(heard["timeout_s"])
         """Rank 0's ``timeout_s``: how long this rank waits to hear from it."""
+        self.sender: Any = None
+        """With parallel senders (rank 0 says so): this rank's side of the transport."""
+        if heard.get("senders") is not None:
+            self.sender = self._join(sender_cls, heard["senders"])
+
+    def _join(self, sender_cls: type | None, info: dict[str, Any]) -> Any:
+        """Join rank 0's transport as a sender; every rank raises if one could not."""
+        sender = None
+        try:
+            if sender_cls is None:
+                raise TransferError(f"trainer rank 0 sends {self.backend} rounds from every rank, but this "
+                                    f"rank's {self.backend} trainer class has no sender_cls (another version?)")
+            sender = sender_cls(info, self.rank, self.source, self.timeout_s)
+        except BaseException as exc:
+            self.agreement.leave("senders")  # rank 0's decision then names this rank as missing
+            raise TransferError(f"trainer rank {self.rank}: could not join trainer rank 0's {self.backend} "
+                                f"transport: {type(exc).__name__}: {exc}") from exc
+        try:
+            heard = self.agreement.follow("senders", self.timeout_s + 30)
+        except BaseException:
+            sender.close()
+            raise
+        if not heard["ok"]:
+            sender.close()
+            raise TransferError(f"trainer rank {self.rank}: not every trainer rank could join trainer rank 0's "
+                                f"{self.backend} transport: {heard.get('reason')}")
+        return sender
 
     def send_weights(self, weight_version: str | None = None) -> dict[str, Any]:
         """Walk the source (``walks`` times) in the order rank 0 does, dropping every tensor.
@@ -182,17 +214,22 @@ class ParticipantTrainer:
         started = time.perf_counter()
         tensors = nbytes = 0
         try:
-            for _ in range(self.walks):
+            if self.sender is not None:  # this rank writes its own shards: no gather anywhere
+                tensors, nbytes = self.sender.serve_round(step)
+            for _ in range(self.walks if self.sender is None else 0):
                 for _name, tensor in self.source:
                     tensors += 1
                     nbytes += tensor.numel() * tensor.element_size()
                     del tensor  # gathered, not kept: one parameter at a time on this rank
         except BaseException as exc:
             self.agreement.leave(f"outcome/{step}")  # rank 0 need not wait for this rank's outcome
-            if isinstance(exc, (TransferError, KeyboardInterrupt)):
+            if isinstance(exc, KeyboardInterrupt) or type(exc) in (TransferError, TransferTimeoutError):
                 raise
+            if isinstance(exc, TransferError):  # a transport's own subclass: the public type, with its words
+                raise TransferError(f"trainer rank {self.rank}: round {version} failed: {exc}") from exc
+            doing = "writing its shards of" if self.sender is not None else "gathering the weights for"
             raise TransferError(
-                f"trainer rank {self.rank}: gathering the weights for round {version} failed: "
+                f"trainer rank {self.rank}: {doing} round {version} failed: "
                 f"{type(exc).__name__}: {exc} (another trainer rank died or left the round)"
             ) from exc
         # Rank 0 still sends the last buckets and waits for the workers (each wait <= timeout_s).
@@ -203,10 +240,12 @@ class ParticipantTrainer:
         self.weight_version = version
         seconds = time.perf_counter() - started
         return {"backend": self.backend, "rank": self.rank, "sender": False, "version": self.weight_version,
-                "tensors": tensors, "bytes": nbytes, "seconds": seconds}
+                "wrote_shards": self.sender is not None, "tensors": tensors, "bytes": nbytes, "seconds": seconds}
 
     def shutdown(self) -> None:
         self._closed = True
+        if self.sender is not None:
+            self.sender.close()
 
     def __enter__(self) -> ParticipantTrainer:
         return self

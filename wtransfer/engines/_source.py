@@ -120,7 +120,8 @@ class ModuleSource(WeightSource):
         self.include_buffers = include_buffers
         self._gathered = 0  # tensors of the current walk whose collectives are done
 
-    def _named(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors a walk sends, as the module holds them (sharded ones not gathered)."""
         # named_parameters() skips the aliases of a tied parameter: each storage is sent once.
         yield from self.module.named_parameters()
         if self.include_buffers:
@@ -134,11 +135,11 @@ class ModuleSource(WeightSource):
                     yield name, buffer
 
     def metadata(self) -> list[TensorEntry]:
-        return [TensorEntry(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in self._named()]
+        return [TensorEntry(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in self.named_tensors()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         self.begin_walk()
-        for name, tensor in self._named():
+        for name, tensor in self.named_tensors():
             value = _unwrap(tensor)
             self._gathered += 1
             yield name, value
@@ -157,7 +158,7 @@ class ModuleSource(WeightSource):
         out-of-memory error does not simply recur. Returns how many tensors that took.
         """
         finished = 0
-        for _name, tensor in itertools.islice(self._named(), self._gathered, None):
+        for _name, tensor in itertools.islice(self.named_tensors(), self._gathered, None):
             if getattr(tensor, "placements", None) is None or gather_rows_in_slices(tensor, keep=False) is None:
                 _unwrap(tensor)
             self._gathered += 1

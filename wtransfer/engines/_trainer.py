@@ -263,6 +263,9 @@ class TrainerWeightTransferEngine(ABC):
     :func:`wtransfer.options.option`). A backend with its own keys declares them there."""
     backend_init_defaults: ClassVar[dict[str, Any]] = {}
     """Per-class overrides of ``init_options_cls`` defaults (e.g. NCCL's ``channels``: 1)."""
+    sender_cls: ClassVar[type | None] = None
+    """Sharded trainers: the class with which every other trainer rank writes its own shards into
+    this backend's buffers (``shm``). None: rank 0 gathers every tensor and sends it alone."""
 
     def __init__(
         self,
@@ -296,7 +299,9 @@ class TrainerWeightTransferEngine(ABC):
         self.sharded = bool(sharded)
         """Rank 0 of a sharded trainer: every round walks the whole source, even one that fails."""
         self.source: WeightSource = as_source(source)
-        if self.sharded:
+        self.parallel_senders = self.sharded and _ranks_can_send(self.sender_cls, self.source, checksums)
+        """Sharded: every trainer rank writes its own shards (no gathers); else rank 0 gathers and sends."""
+        if self.sharded and not self.parallel_senders:
             from wtransfer.engines._sharded import LockstepSource, walks_per_round
 
             self.source = LockstepSource(self.source, walks_per_round(checksums))
@@ -436,12 +441,15 @@ class TrainerWeightTransferEngine(ABC):
         self._clean_rejection = False
         try:
             with gc_paused():
-                stats = self._run_sharded_round(weight_version) if self.sharded else self._run_round(weight_version)
+                gathered = self.sharded and not self.parallel_senders
+                stats = self._run_sharded_round(weight_version) if gathered else self._run_round(weight_version)
         except BaseException as exc:
             if self._broken is None and not self._clean_rejection and not isinstance(exc, KeyboardInterrupt):
                 # A client call that timed out may still be running: a retried round would overlap
                 # it (and its workers may hold half a round). Only a clean rejection keeps us usable.
                 self._broken = f"{type(exc).__name__}: {exc}"
+            if self.parallel_senders:  # the other ranks wait for this round's next step: there is none
+                self.stop_senders(f"{type(exc).__name__}: {exc}")
             self._tell_outcome({"ok": False, "reason": f"{type(exc).__name__}: {exc}"})
             notify("wtransfer_update_failed", error=exc)
             raise
@@ -501,7 +509,9 @@ class TrainerWeightTransferEngine(ABC):
         seconds = time.perf_counter() - started
         self.weight_version = manifest.version
         total = manifest.total_bytes
+        sharded = {"wrote_shards": self.parallel_senders} if self.sharded else {}
         return {
+            **sharded,
             "backend": self.backend,
             "version": manifest.version,
             "commit": self.commit,
@@ -587,6 +597,34 @@ class TrainerWeightTransferEngine(ABC):
     def release(self) -> None:
         """Free buffers, sockets and groups."""
 
+    def open_senders(self) -> dict[str, Any]:
+        """Backends with a ``sender_cls``: the JSON-safe dict the other trainer ranks join with."""
+        raise NotImplementedError(f"the {self.backend} trainer has no sender_cls")
+
+    def wait_for_senders(self, ranks: list[int]) -> None:
+        """Backends with a ``sender_cls``: wait (bounded by ``timeout_s``) until ``ranks`` joined."""
+        raise NotImplementedError(f"the {self.backend} trainer has no sender_cls")
+
+    def stop_senders(self, reason: str) -> None:
+        """Backends with a ``sender_cls``: tell the other ranks the current round failed (best effort)."""
+
+
+def _ranks_can_send(sender_cls: type | None, source: WeightSource, checksums: bool) -> bool:
+    """Whether a sharded trainer's ranks write their own shards: the backend can, the source is a
+    module's (a wrapper of the user's may rename or convert, so it is gathered and sent as it
+    yields), and no rank needs whole tensors (manifest checksums are computed from them)."""
+    from wtransfer.engines._shards import UnsupportedPlacement, rank_parts, writes_shards_as_is
+
+    if sender_cls is None or checksums or not writes_shards_as_is(source):
+        return False
+
+    try:
+        rank_parts(source.named_tensors(), 0)
+    except UnsupportedPlacement as exc:
+        logger.info("sharded trainer: rank 0 gathers and sends every tensor, because %s", exc)
+        return False
+    return True
+
 
 
 def create_trainer(
@@ -611,8 +649,10 @@ def create_trainer(
     A sharded trainer (FSDP2 / DTensor parameters, one process per rank) calls this on every
     rank with its ``rank`` and the same source: rank 0 is the sender (it needs the client and
     the ``init_info``; it returns the usual trainer), every other rank gets a
-    :class:`~wtransfer.engines._sharded.ParticipantTrainer` that runs the gathers and sends
-    nothing (``client`` may be None there). Call ``send_weights()`` on every rank each round.
+    :class:`~wtransfer.engines._sharded.ParticipantTrainer` (``client`` may be None there). On a
+    backend with a ``sender_cls`` (``shm``) and a plain ``ModuleSource``, every rank writes its
+    own shards into the transport (no gathers); otherwise the participants run the gathers and
+    rank 0 sends every tensor. Call ``send_weights()`` on every rank each round.
     Rank 0 tells the others what happened, on a small gloo group built here (a collective:
     torch.distributed must be initialised): if its rendezvous fails, ``create_trainer`` raises on
     every rank; if it refuses or fails a round, every rank's ``send_weights()`` raises, and no
@@ -648,8 +688,9 @@ def create_trainer(
             from wtransfer.engines._sharded import ParticipantTrainer
 
             participant = ParticipantTrainer(backend, rank, as_source(source), checksums=bool(options.get("checksums")),
-                                             agreement=agreement)
-            logger.info("Trainer rank %d of a sharded %s trainer: gathers only, rank 0 sends", rank, backend)
+                                             agreement=agreement, sender_cls=trainer_cls.sender_cls)
+            logger.info("Trainer rank %d of a sharded %s trainer: %s", rank, backend,
+                        "writes its own shards" if participant.sender is not None else "gathers only, rank 0 sends")
             return participant
     try:
         if client is None:
@@ -666,10 +707,26 @@ def create_trainer(
         raise
     if agreement is not None:
         try:
-            agreement.decide("connect", {"ok": True, "timeout_s": trainer.timeout_s}, trainer.timeout_s)
+            _connect_ranks(trainer, agreement)
         except BaseException:
             trainer.shutdown()
             raise
     logger.info("Created %s trainer for %d worker(s)", backend, trainer.num_workers)
     notify(ENGINES.created_hook, engine=trainer)
     return trainer
+
+
+def _connect_ranks(trainer: TrainerWeightTransferEngine, agreement: RankAgreement) -> None:
+    """Rank 0 of a sharded trainer, connected: tell the other ranks, and with parallel senders
+    wait until every rank joined the transport (if one cannot, every rank raises)."""
+    senders = trainer.open_senders() if trainer.parallel_senders else None
+    agreement.decide("connect", {"ok": True, "timeout_s": trainer.timeout_s, "senders": senders}, trainer.timeout_s)
+    if senders is None:
+        return
+    try:
+        trainer.wait_for_senders(agreement.others)
+    except BaseException as exc:
+        agreement.decide("senders", {"ok": False, "reason": f"{type(exc).__name__}: {exc}"}, trainer.timeout_s)
+        raise
+    agreement.decide("senders", {"ok": True}, trainer.timeout_s)
+

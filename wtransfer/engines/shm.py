@@ -16,20 +16,22 @@ that dies is noticed at once (its socket closes).
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import secrets
+import select
 import selectors
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from wtransfer.engines._base import LoadWeights, WeightTransferEngine, WeightTransferInitInfo
 from wtransfer.engines._control import ControlChannel, Listener, PeerClosedError, connect
 from wtransfer.engines._loader import validate_with_loader
 from wtransfer.engines._manifest import Manifest
 from wtransfer.engines._packing import Bucket, Packer, Unpacker, plan_buckets
+from wtransfer.engines._shards import entries_digest, rank_parts, write_bucket
+from wtransfer.engines._shm_ring import SharedMemorySender, SharedRing, TrainerAborted
 from wtransfer.engines._staging import create_memfd
 from wtransfer.engines._protocol import (
     MIB,
@@ -50,9 +52,6 @@ from wtransfer.engines._worker import (
     global_rank,
 )
 from wtransfer.errors import ManifestMismatchError, TransferError, TransferTimeoutError
-
-if TYPE_CHECKING:
-    import torch
 
 logger = logging.getLogger("wtransfer")
 
@@ -87,37 +86,6 @@ class SharedMemoryInitInfo(WeightTransferInitInfo):
             raise ValueError(f"{owner}: {exc}") from None
 
 
-class _Ring:
-    """A mapped segment viewed as ``num_buffers`` uint8 tensors of ``bucket_bytes`` each."""
-
-    def __init__(self, fd: int, bucket_bytes: int, num_buffers: int, populate: bool) -> None:
-        import torch
-
-        size = bucket_bytes * num_buffers
-        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-        self._map: mmap.mmap | None = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        whole = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.slots: list[torch.Tensor] = [whole[i * bucket_bytes : (i + 1) * bucket_bytes] for i in range(num_buffers)]
-
-    def touch(self) -> None:
-        """Fault every page in now, so no round ever pays first-touch page faults."""
-        for slot in self.slots:
-            slot.fill_(0)
-
-    def close(self) -> None:
-        self.slots = []
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # a caller still holds a view; the GC unmaps it later
-                logger.debug("shm ring still referenced at shutdown; unmapped when released")
-            self._map = None
-
-
-class _TrainerAborted(TransferError):
-    """The trainer called the round off (another worker failed or rejected it)."""
-
-
 class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo, ManifestUpdateInfo]):
     """Worker side of ``shm``: maps the trainer's ring and loads buckets straight from it.
 
@@ -132,7 +100,7 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
     def __init__(self, config: Any, parallel_config: Any = None) -> None:
         super().__init__(config, parallel_config)
         self._channel: ControlChannel | None = None
-        self._ring: _Ring | None = None
+        self._ring: SharedRing | None = None
         self._info: SharedMemoryInitInfo | None = None
         self.rank: int | None = None
 
@@ -156,7 +124,7 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
             if len(fds) != 1:
                 raise TransferError(f"expected one shared-memory descriptor from the trainer, got {len(fds)}")
             try:
-                self._ring = _Ring(fds[0], init_info.bucket_bytes, init_info.num_buffers, populate=True)
+                self._ring = SharedRing(fds[0], init_info.bucket_bytes, init_info.num_buffers, populate=True)
             finally:
                 os.close(fds[0])
             channel.send({"op": "ready"}, timeout=init_info.timeout_s)
@@ -197,7 +165,7 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
                         f"round {manifest.version} called off before any byte moved: {message.get('reason')}"
                     )
                 if message.get("op") == "abort":
-                    raise _TrainerAborted(f"the trainer aborted round {manifest.version}: {message.get('reason')}")
+                    raise TrainerAborted(f"the trainer aborted round {manifest.version}: {message.get('reason')}")
                 if message.get("op") != "bucket" or message.get("index") != bucket.index:
                     raise TransferError(f"protocol violation: expected bucket {bucket.index}, got {message!r}")
                 slot = self._ring.slots[message["slot"]]
@@ -206,7 +174,7 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
             unpacker.finish()
         except RoundCalledOff:
             raise  # the trainer knows; this worker stays connected for the next round
-        except (PeerClosedError, _TrainerAborted) as exc:
+        except (PeerClosedError, TrainerAborted) as exc:
             # That trainer will never send again: drop its socket and ring now (the mapping
             # would keep its shared memory alive) instead of at the next init or shutdown.
             self.shutdown()
@@ -242,9 +210,11 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         self._channels: dict[int, ControlChannel] = {}
         self._token = secrets.token_hex(16)
         self._fd: int | None = create_memfd(self.bucket_bytes * self.num_buffers, "wtransfer-shm")
-        self._ring: _Ring | None = _Ring(self._fd, self.bucket_bytes, self.num_buffers, populate=False)
+        self._ring: SharedRing | None = SharedRing(self._fd, self.bucket_bytes, self.num_buffers, populate=False)
         self._ring.touch()
         self._selector = selectors.DefaultSelector()
+        self._senders: dict[int, ControlChannel] = {}  # the other trainer ranks (parallel senders)
+        self._stopped = 0  # the last round the senders were told to drop
         return {
             "address": self._listener.address,
             "token": self._token,
@@ -297,11 +267,65 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                 channel.close()
         for rank, channel in self._channels.items():  # from now on, events carry the rank
             self._selector.register(channel, selectors.EVENT_READ, rank)
-        # Everyone has mapped the segment: drop the listener and our descriptor.
-        self._listener.close()
-        self._listener = None
-        os.close(self._fd)
-        self._fd = None
+        if not self.parallel_senders:  # the other trainer ranks map the segment next
+            self._close_listener()
+
+    def _close_listener(self) -> None:
+        """Everyone has mapped the segment: drop the listener and our descriptor."""
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    # -- the other trainer ranks of a sharded trainer ----------------------------------------------
+    def open_senders(self) -> dict[str, Any]:
+        assert self._listener is not None
+        self._sender_token = secrets.token_hex(16)
+        return {"address": self._listener.address, "token": self._sender_token, "bucket_bytes": self.bucket_bytes,
+                "num_buffers": self.num_buffers, "protocol_version": PROTOCOL_VERSION}
+
+    def wait_for_senders(self, ranks: list[int]) -> None:
+        """Hand the ring to every other trainer rank; they write their shards into it from now on."""
+        assert self._listener is not None and self._fd is not None
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while len(self._senders) < len(ranks):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = sorted(set(ranks) - set(self._senders))
+                    raise TransferTimeoutError(f"shm trainer: trainer rank(s) {missing} did not join within "
+                                               f"{self.timeout_s:g} s")
+                readable, _, _ = select.select([self._listener], [], [], min(remaining, 0.5))
+                if not readable:
+                    continue
+                channel = ControlChannel(self._listener.accept(), "a trainer rank")
+                try:
+                    hello = channel.recv(min(max(deadline - time.monotonic(), 0.1), 30.0))
+                    rank = hello.get("rank")
+                    if hello.get("error"):
+                        raise TransferError(f"trainer rank {rank} cannot write its shards: {hello['error']}")
+                    if hello.get("op") != "sender" or hello.get("token") != self._sender_token:
+                        raise TransferError("a process without this trainer's sender token tried to join")
+                    if rank not in ranks or rank in self._senders:
+                        raise TransferError(f"trainer rank {rank!r} is not expected (or joined twice)")
+                    channel.peer = f"trainer rank {rank}"
+                    channel.send({"ok": True}, fds=[self._fd], timeout=self.timeout_s)
+                    if channel.recv(max(deadline - time.monotonic(), 0.1)).get("op") != "ready":
+                        raise TransferError(f"trainer rank {rank} could not map the shared buffers")
+                except BaseException as exc:
+                    try:
+                        channel.send({"ok": False, "error": str(exc)}, timeout=1.0)
+                    except TransferError:
+                        pass
+                    channel.close()
+                    raise
+                self._senders[rank] = channel
+        finally:
+            self._close_listener()
+        for rank, channel in self._senders.items():
+            self._selector.register(channel, selectors.EVENT_READ, -rank)  # negative: a trainer rank
 
     def _handshake(
         self, channel: ControlChannel, message: dict[str, Any], pending: dict[int, ControlChannel], ready: set[int]
@@ -333,22 +357,26 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
 
     # -- one round ----------------------------------------------------------------------------
     def _pump(self, done: Callable[[], bool], call: ClientCall, what: str, handle: Callable[[int, dict[str, Any]], None]) -> None:
-        """Dispatch workers' messages until ``done()``; bounded by ``timeout_s``, aborted by client failure."""
+        """Dispatch workers' messages until ``done()``; bounded by ``timeout_s``, aborted by client failure.
+        ``done`` always true: handle what has arrived already, without waiting."""
         deadline = time.monotonic() + self.timeout_s
-        for rank, channel in self._channels.items():  # messages that arrived together with earlier ones
-            for message in channel.pending():
+        for rank, channel in [*self._channels.items(), *((-r, c) for r, c in self._senders.items())]:
+            for message in channel.pending():  # messages that arrived together with earlier ones
                 handle(rank, message)
-        while not done():
+        polled = False
+        while not polled or not done():
             call.raise_if_failed()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TransferTimeoutError(f"shm trainer: {what} took longer than {self.timeout_s:g} s")
-            for key, _ in self._selector.select(min(remaining, 0.05)):
+            wait, polled = (0.0 if not polled else min(remaining, 0.05)), True
+            for key, _ in self._selector.select(wait):
                 rank = key.data
                 try:
                     messages = key.fileobj.read_ready()  # type: ignore[union-attr]
                 except PeerClosedError as exc:
-                    raise TransferError(f"shm worker rank {rank} died or disconnected while {what}: {exc}") from exc
+                    peer = f"shm worker rank {rank}" if rank > 0 else f"trainer rank {-rank}"
+                    raise TransferError(f"{peer} died or disconnected while {what}: {exc}") from exc
                 for message in messages:
                     handle(rank, message)
 
@@ -366,10 +394,42 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         answers: dict[int, str | None] = {}  # rank -> None (accepted) or the rejection
         holders: list[set[int]] = [set() for _ in self._ring.slots]  # ranks still reading each slot
         slot_of: dict[int, int] = {}
+        writing: dict[int, set[int]] = {}  # bucket index -> trainer ranks still writing their shards into it
+        workers = set(self._channels)
+        senders = dict(self._senders)
+        if senders:  # they plan the round while the workers check the manifest
+            self._tell_senders({"op": "round", "version": manifest.version, "digest": entries_digest(manifest.entries)})
+
+        def announce(index: int) -> None:
+            slot = slot_of[index]
+            holders[slot] = set(workers)
+            message = {"op": "bucket", "index": index, "slot": slot}
+            for rank, channel in self._channels.items():
+                try:
+                    channel.send(message, timeout=self.timeout_s)
+                except PeerClosedError as exc:
+                    raise TransferError(f"shm worker rank {rank} died during round {manifest.version}: {exc}") from exc
+
+        def written(index: int, rank: int) -> None:
+            left = writing[index]
+            left.discard(rank)
+            if not left:
+                del writing[index]
+                announce(index)
 
         def handle(rank: int, message: dict[str, Any]) -> None:
             op = message.get("op")
-            if op == "accept":
+            if rank < 0:  # another trainer rank
+                if message.get("attempt") != self._attempt:
+                    return  # left over from an earlier round that ended before this rank's answer was read
+                if op == "written" and message.get("index") in writing:
+                    written(message["index"], -rank)
+                elif op == "fail":
+                    raise TransferError(f"trainer rank {-rank} failed writing its shards of round "
+                                        f"{manifest.version}: {message.get('error')}")
+                else:
+                    raise TransferError(f"unexpected message from trainer rank {-rank}: {message!r}")
+            elif op == "accept":
                 answers[rank] = None
             elif op == "reject":
                 answers[rank] = str(message.get("error"))
@@ -387,27 +447,56 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             self._abort(f"a worker rejected the manifest ({reasons})",
                         only=[r for r in answers if r not in rejected], clean=True)
             raise ManifestRejected(f"round {manifest.version} rejected: {reasons}")
-        packer = Packer(manifest, iter(self.source))
-        workers = set(self._channels)
+        if senders:
+            parts = rank_parts(self.source.named_tensors(), 0, manifest.entries)  # type: ignore[attr-defined]
+        else:
+            packer = Packer(manifest, iter(self.source))
         for bucket in buckets:
             slot = bucket.index % len(self._ring.slots)
-            if holders[slot]:
-                self._pump(lambda: not holders[slot], call, f"waiting for workers to release buffer {slot}", handle)
-            packer.pack(bucket, self._ring.slots[slot])
+            previous = bucket.index - len(self._ring.slots)  # the bucket this buffer held last
+            if holders[slot] or previous in writing:
+                self._pump(lambda: not holders[slot] and previous not in writing, call,
+                           f"waiting for workers to release buffer {slot}", handle)
             slot_of[bucket.index] = slot
-            holders[slot] = set(workers)
-            message = {"op": "bucket", "index": bucket.index, "slot": slot}
-            for rank, channel in self._channels.items():
-                try:
-                    channel.send(message, timeout=self.timeout_s)
-                except PeerClosedError as exc:
-                    raise TransferError(f"shm worker rank {rank} died during round {manifest.version}: {exc}") from exc
-        packer.drain()
-        self._pump(lambda: not any(holders), call, "waiting for workers to load the last buckets", handle)
+            data = self._ring.slots[slot]
+            if not senders:
+                packer.pack(bucket, data)
+                announce(bucket.index)
+                continue
+            writing[bucket.index] = {0, *senders}
+            self._tell_senders({"op": "write", "index": bucket.index, "slot": slot})
+            write_bucket(bucket, data, manifest.entries, parts)
+            written(bucket.index, 0)
+            self._pump(lambda: True, call, "writing", handle)  # announce what the others finished meanwhile
+        if not senders:
+            packer.drain()
+        self._pump(lambda: not any(holders) and not writing, call, "waiting for workers to load the last buckets",
+                   handle)
+        self._tell_senders({"op": "end"})
+
+    def stop_senders(self, reason: str) -> None:
+        """Best effort: the other trainer ranks drop this round (sent once per failed round)."""
+        if self._stopped == self._attempt:
+            return
+        self._stopped = self._attempt
+        for channel in self._senders.values():
+            try:
+                channel.send({"op": "abort", "reason": reason, "attempt": self._attempt}, timeout=1.0)
+            except TransferError:
+                pass
+
+    def _tell_senders(self, message: dict[str, Any]) -> None:
+        message["attempt"] = self._attempt  # a sender skips what an earlier, failed round left behind
+        for rank, channel in self._senders.items():
+            try:
+                channel.send(message, timeout=self.timeout_s)
+            except PeerClosedError as exc:
+                raise TransferError(f"trainer rank {rank} died during the round: {exc}") from exc
 
     def _abort(self, reason: str, only: list[int] | None = None, clean: bool = False) -> None:
-        """Best effort: tell live workers to drop the round. ``clean``: before any byte moved (a
-        rejection), so they keep their connection for the next round."""
+        """Best effort: tell live workers (and the other trainer ranks) to drop the round. ``clean``:
+        before any byte moved (a rejection), so they keep their connection for the next round."""
+        self.stop_senders(reason)
         for rank, channel in self._channels.items():
             if only is not None and rank not in only:
                 continue
@@ -417,9 +506,9 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                 pass
 
     def release(self) -> None:
-        for channel in getattr(self, "_channels", {}).values():
+        for channel in [*getattr(self, "_channels", {}).values(), *getattr(self, "_senders", {}).values()]:
             channel.close()
-        self._channels = {}
+        self._channels, self._senders = {}, {}
         if getattr(self, "_listener", None) is not None:
             self._listener.close()
             self._listener = None
@@ -435,3 +524,4 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
 
 
 SharedMemoryWeightTransferEngine.trainer_cls = SharedMemoryTrainer
+SharedMemoryTrainer.sender_cls = SharedMemorySender

@@ -44,3 +44,4 @@ def test_a_vllm_llm_synced_by_fsdp2_ranks_through_vllms_trainer_factory(
     assert result["checksums"] == reference["checksums"]
     assert result["weight_version"] == str(ROUNDS)
     assert [s["version"] for s in result["stats"]] == list(range(1, ROUNDS + 1))
+    assert all(s["wrote_shards"] for s in result["stats"]), "vLLM's ModuleSource: every rank writes its shards"

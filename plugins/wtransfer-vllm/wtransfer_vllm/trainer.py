@@ -69,9 +69,22 @@ class _VLLMSource(wtransfer.WeightSource):
         return iter(self.source)
 
 
+def _as_wtransfer_source(source: Any) -> wtransfer.WeightSource:
+    """vLLM's own ``ModuleSource`` sends a module's named parameters as they are, as wtransfer's
+    does: that one is used instead, so the ranks of a sharded trainer write their own shards (no
+    gathers). Any other vLLM source (it may rename or convert) is wrapped, and rank 0 gathers."""
+    cls = type(source)
+    module = getattr(source, "_module", None)  # vLLM 0.32's attribute; anything else is wrapped
+    if (cls.__name__, cls.__module__) == ("ModuleSource", "vllm.distributed.weight_transfer.base") and callable(
+            getattr(module, "named_parameters", None)):
+        return wtransfer.ModuleSource(module)
+    return _VLLMSource(source)
+
+
 class WTransferTrainerAdapter(VLLMTrainerEngine):
-    """vLLM's trainer engine interface over a wtransfer trainer (rank 0 sends; with a sharded
-    trainer every other rank holds a participant that runs the gathers)."""
+    """vLLM's trainer engine interface over a wtransfer trainer (rank 0 drives the round; with a
+    sharded trainer every other rank holds a participant, which writes its own shards on ``shm``
+    with vLLM's ``ModuleSource``, and runs the gathers otherwise)."""
 
     wtransfer_backend: ClassVar[str] = ""
     init_info_cls = WTransferTrainerInitInfo
@@ -88,7 +101,7 @@ class WTransferTrainerAdapter(VLLMTrainerEngine):
         if source is None:
             raise ValueError(f"{cls.wtransfer_backend} needs a source: the weights sent every round")
         if not isinstance(source, wtransfer.WeightSource) and hasattr(source, "metadata"):
-            source = _VLLMSource(source)
+            source = _as_wtransfer_source(source)
         self = cls(client=client, source=source, is_sender=init_info.is_sender)
         self.trainer = wtransfer.create_trainer(
             cls.wtransfer_backend, client=client if init_info.is_sender else None, source=source,

@@ -1,0 +1,173 @@
+"""Trainer ranks writing their own shards produce exactly the buckets one unsharded sender packs.
+
+Real DTensors over a real gloo group of 4 processes: row and column shards, uneven and empty
+shards, 3-D tensors sharded along the middle dimension, a 2 x 2 HSDP mesh (only the first
+replica writes), and plain tensors (rank 0 writes). Every rank writes its parts into zeroed
+buckets of a plan with small buckets (so tensors split across buckets mid-row); the buckets are
+summed over the ranks (each byte written by exactly one rank) and must equal what ``Packer``
+packs from the whole tensors, byte for byte. A layout sharded along two tensor dimensions is
+refused with its placements named.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import socket
+import traceback
+from typing import Any
+
+import pytest
+
+WORLD = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _layouts_rank(rank: int, port: int, conn: Any) -> None:
+    try:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        from wtransfer.engines._manifest import build_manifest, entry_for
+        from wtransfer.engines._packing import Packer, plan_buckets
+        from wtransfer.engines._shards import UnsupportedPlacement, rank_parts, write_bucket
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                                timeout=datetime.timedelta(seconds=60))
+        flat = init_device_mesh("cpu", (WORLD,))
+        hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        generator = torch.Generator().manual_seed(7)
+
+        def value(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+            return torch.randn(shape, generator=generator).to(dtype)
+
+        whole = {
+            "rows": value(37, 24),              # uneven rows: 10, 10, 10, 7
+            "few_rows": value(2, 300),          # two ranks hold nothing
+            "columns": value(40, 19, dtype=torch.float32),  # column shards 5, 5, 5, 4
+            "middle": value(3, 11, 6),          # Shard(1) of a 3-D tensor
+            "vector": value(1000),
+            "scalar": value(),
+            "plain": value(64, 8),              # not a DTensor: rank 0 writes it
+            "hsdp_rows": value(50, 16),         # (Replicate, Shard(0)) on 2 x 2
+            "hsdp_cols": value(9, 33),          # (Replicate, Shard(1)) on 2 x 2
+            "one_row": value(1, 8),             # (Shard(0), Shard(1)) on 2 x 2: half the ranks hold nothing
+        }
+        placed = {
+            "rows": distribute_tensor(whole["rows"], flat, [Shard(0)]),
+            "few_rows": distribute_tensor(whole["few_rows"], flat, [Shard(0)]),
+            "columns": distribute_tensor(whole["columns"], flat, [Shard(1)]),
+            "middle": distribute_tensor(whole["middle"], flat, [Shard(1)]),
+            "vector": distribute_tensor(whole["vector"], flat, [Shard(0)]),
+            "scalar": distribute_tensor(whole["scalar"], flat, [Replicate()]),
+            "plain": whole["plain"],
+            "hsdp_rows": distribute_tensor(whole["hsdp_rows"], hsdp, [Replicate(), Shard(0)]),
+            "hsdp_cols": distribute_tensor(whole["hsdp_cols"], hsdp, [Replicate(), Shard(1)]),
+            "one_row": distribute_tensor(whole["one_row"], hsdp, [Shard(0), Shard(1)]),
+        }
+        manifest = build_manifest([entry_for(n, t) for n, t in whole.items()], 1)
+        for bucket_bytes in (4096, 1 << 20):  # split mid-row across buckets, and all in one
+            buckets = plan_buckets(manifest.entries, bucket_bytes)
+            mine = torch.zeros(len(buckets), bucket_bytes, dtype=torch.uint8)
+            parts = rank_parts(placed.items(), rank, manifest.entries)
+            for bucket in buckets:
+                write_bucket(bucket, mine[bucket.index], manifest.entries, parts)
+            summed = mine.to(torch.int32)
+            dist.all_reduce(summed)
+            expected = torch.zeros(len(buckets), bucket_bytes, dtype=torch.uint8)
+            packer = Packer(manifest, iter(whole.items()))
+            for bucket in buckets:
+                packer.pack(bucket, expected[bucket.index])
+            for bucket in buckets:
+                got = summed[bucket.index, : bucket.nbytes]
+                if not torch.equal(got, expected[bucket.index, : bucket.nbytes].to(torch.int32)):
+                    raise AssertionError(f"bucket_bytes {bucket_bytes}: bucket {bucket.index} differs "
+                                         f"(max {int(got.max())}: a byte written twice?)")
+        two_dims = distribute_tensor(value(8, 8), hsdp, [Shard(0), Shard(1)])
+        try:
+            rank_parts([("two_dims", two_dims)], rank)
+        except UnsupportedPlacement as exc:
+            conn.send_bytes(json.dumps(["ok", str(exc)]).encode())
+        else:
+            conn.send_bytes(json.dumps(["error", "a box sharded along two dimensions was accepted"]).encode())
+        dist.destroy_process_group()
+    except BaseException:
+        conn.send_bytes(json.dumps(["error", traceback.format_exc()]).encode())
+
+
+def test_every_rank_writing_its_shards_gives_the_unsharded_buckets_byte_for_byte() -> None:
+    context = multiprocessing.get_context("spawn")
+    port = _free_port()
+    pipes, processes = [], []
+    for rank in range(WORLD):
+        mine, theirs = context.Pipe(duplex=False)
+        process = context.Process(target=_layouts_rank, args=(rank, port, theirs))
+        process.start()
+        pipes.append(mine)
+        processes.append(process)
+    results = []
+    for pipe in pipes:
+        assert pipe.poll(120), "a rank sent nothing"
+        results.append(json.loads(pipe.recv_bytes()))
+    for process in processes:
+        process.join(30)
+    for status, text in results:
+        assert status == "ok", text
+        assert "Shard(dim=0), Shard(dim=1)" in text and "two_dims" in text, text
+
+
+def test_a_plain_tensor_is_written_by_rank_0_only() -> None:
+    import torch
+
+    from wtransfer.engines._shards import local_part
+
+    tensor = torch.arange(12, dtype=torch.float32).view(3, 4)
+    part = local_part("w", tensor, 0)
+    assert part is not None and (part.rows, part.width, part.first, part.end) == (1, 12, 0, 12)
+    assert local_part("w", tensor, 1) is None
+
+
+def test_only_a_module_source_that_yields_its_module_as_is_is_written_by_the_ranks() -> None:
+    """A subclass that changes what it yields (renames, casts, dies mid-walk) is read as it yields:
+    rank 0 gathers. One that only adds behaviour keeps the ranks writing."""
+    import torch
+
+    from wtransfer.engines._shards import writes_shards_as_is
+    from wtransfer.engines._source import ModuleSource
+
+    class Logged(ModuleSource):
+        note = "adds nothing to what is sent"
+
+    class Renamed(ModuleSource):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            for name, tensor in super().__iter__():
+                yield f"model.{name}", tensor
+
+    module = torch.nn.Linear(2, 2)
+    assert writes_shards_as_is(ModuleSource(module)) and writes_shards_as_is(Logged(module))
+    assert not writes_shards_as_is(Renamed(module))
+    assert not writes_shards_as_is({"w": torch.zeros(2)})
+
+
+def test_a_part_that_is_not_the_rounds_tensor_is_refused() -> None:
+    import torch
+
+    from wtransfer.engines._manifest import TensorEntry
+    from wtransfer.errors import TransferError
+    from wtransfer.engines._shards import rank_parts
+
+    named = [("w", torch.zeros(4, 2, dtype=torch.bfloat16))]
+    assert rank_parts(named, 0, (TensorEntry("w", "bfloat16", (4, 2)),))[0] is not None
+    for entries in [(TensorEntry("w", "float32", (4, 2)),), (TensorEntry("v", "bfloat16", (4, 2)),),
+                    (TensorEntry("w", "bfloat16", (4, 3)),)]:
+        with pytest.raises(TransferError):
+            rank_parts(named, 0, entries)

@@ -1,0 +1,187 @@
+"""Which bytes of a round each trainer rank holds, and writing them straight into a bucket.
+
+A sharded trainer's ranks can send a round without a single gather: each writes the part of
+every tensor it holds at that part's place in the round's bucket layout, and the buckets the
+workers receive are byte for byte what one unsharded sender would have packed. This module
+says, for one rank, what its part of each tensor is (:func:`rank_parts`) and writes it into any
+byte range of the tensor (:func:`write_part`).
+
+Every placement wtransfer writes this way reduces to one picture: the tensor seen as a
+``(rows, width)`` matrix, of which the rank holds the columns ``first:end``. ``Shard(d)`` of a
+tensor of shape ``(A0, .., An)`` is ``rows = A0*..*A(d-1)``, ``width = Ad*..*An``, and a column
+range in multiples of ``A(d+1)*..*An``; ``Shard(0)`` is one row, so its part is one contiguous
+run of bytes. ``Replicate`` mesh dimensions are sent by the ranks at coordinate 0 only (HSDP:
+one replica sends). Boxes sharded along two tensor dimensions, ``Partial`` sums and strided
+shards (FSDP over tensor parallelism) are refused with the placement named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from wtransfer.engines._manifest import TensorEntry
+from wtransfer.engines._packing import Bucket, copy_tensor
+from wtransfer.errors import TransferError
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class LocalPart:
+    """The columns ``first:end`` of a tensor seen as ``(rows, width)``, held here as ``local``
+    (a ``(rows, end - first)`` view of this rank's shard)."""
+
+    rows: int
+    width: int
+    first: int
+    end: int
+    local: torch.Tensor
+
+
+class UnsupportedPlacement(TransferError, ValueError):
+    """A DTensor layout that ranks cannot write in place (the source's rank 0 can still gather it)."""
+
+
+def _chunk(length: int, parts: int, index: int) -> tuple[int, int]:
+    """``torch.chunk``'s split of ``length`` into ``parts``: (start, size) of part ``index``."""
+    per = -(-length // parts) if length else 0
+    start = min(index * per, length)
+    return start, max(0, min(per, length - start))
+
+
+def local_part(name: str, tensor: Any, trainer_rank: int) -> LocalPart | None:
+    """This rank's part of ``tensor``, or None when another rank sends it.
+
+    A plain tensor is every rank's: trainer rank 0 sends it. A DTensor is sent by the ranks that
+    hold its shards in the first replica (coordinate 0 along every ``Replicate`` mesh dimension).
+    """
+    placements = getattr(tensor, "placements", None)
+    if placements is None:
+        if trainer_rank != 0:
+            return None
+        value = tensor.detach()
+        return LocalPart(1, value.numel(), 0, value.numel(), value.reshape(1, -1))
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # this process is not in the tensor's mesh
+        return None
+    shape = list(tensor.shape)
+    start, size = [0] * len(shape), list(shape)
+    for mesh_dim, placement in enumerate(placements):
+        if type(placement) is Replicate:
+            if coordinate[mesh_dim] != 0:
+                return None
+            continue
+        if type(placement) is not Shard:  # Partial, _StridedShard, anything newer
+            raise UnsupportedPlacement(
+                f"{name!r} has placements {tuple(placements)}: trainer ranks write only Shard(d) and Replicate "
+                f"placements in place ({placement} is not one); wrap the ModuleSource in a WeightSource of "
+                f"your own to have rank 0 gather and send every tensor instead"
+            )
+        dim = placement.dim % len(shape)
+        offset, size[dim] = _chunk(size[dim], mesh.size(mesh_dim), coordinate[mesh_dim])
+        start[dim] += offset
+    if 0 in size:  # an empty shard: nothing to write (and its "cut" says nothing about the layout)
+        return None
+    cut = [d for d in range(len(shape)) if size[d] != shape[d]]
+    if len(cut) > 1:
+        raise UnsupportedPlacement(
+            f"{name!r} has placements {tuple(placements)}, which shard tensor dimensions {cut}: trainer ranks "
+            f"write parts sharded along one dimension only; wrap the ModuleSource in a WeightSource of your own "
+            f"to have rank 0 gather and send every tensor instead"
+        )
+    local = tensor.to_local().detach()
+    if list(local.shape) != size:
+        raise TransferError(f"{name!r}: the local shard has shape {tuple(local.shape)}, but placements "
+                            f"{tuple(placements)} of a {tuple(shape)} tensor give {tuple(size)} (uneven padding?)")
+    dim = cut[0] if cut else 0
+    rows = 1
+    for extent in shape[:dim]:
+        rows *= extent
+    inner = 1
+    for extent in shape[dim + 1 :]:
+        inner *= extent
+    width = (shape[dim] if shape else 1) * inner
+    first = (start[dim] if shape else 0) * inner
+    end = first + (size[dim] if shape else 1) * inner
+    if not local.is_contiguous():
+        local = local.contiguous()
+    return LocalPart(rows, width, first, end, local.reshape(rows, end - first))
+
+
+def rank_parts(named: Iterable[tuple[str, Any]], trainer_rank: int,
+               entries: tuple[TensorEntry, ...] | None = None) -> list[LocalPart | None]:
+    """This rank's part of every tensor, in the source's order (nothing gathered; a shard is copied
+    only if it is not contiguous). With ``entries`` (the round's manifest), each part is checked
+    against its entry: name, dtype and size, so no byte can land at another tensor's offsets."""
+    named = list(named)
+    parts = [local_part(name, tensor, trainer_rank) for name, tensor in named]
+    if entries is not None:
+        if [name for name, _ in named] != [entry.name for entry in entries]:
+            raise TransferError("the module's tensors are not the round's (names or order differ); pass the "
+                                "same model on every trainer rank, and change nothing during a round")
+        for entry, part in zip(entries, parts):
+            if part is not None and (part.local.dtype != entry.torch_dtype() or part.rows * part.width != entry.numel):
+                raise TransferError(f"{entry.name!r}: this rank holds {part.local.dtype} of a "
+                                    f"{part.rows * part.width}-element tensor, the round sends {entry}")
+    return parts
+
+
+def writes_shards_as_is(source: Any) -> bool:
+    """Whether ranks may read ``source``'s shards themselves: a ``ModuleSource`` whose class changes
+    neither what it describes nor what it yields (a subclass or wrapper that does is read as it yields)."""
+    from wtransfer.engines._source import ModuleSource
+
+    cls = type(source)
+    return isinstance(source, ModuleSource) and all(
+        getattr(cls, name) is getattr(ModuleSource, name) for name in ("metadata", "__iter__", "named_tensors"))
+
+
+def write_part(dst: torch.Tensor, first_element: int, part: LocalPart) -> None:
+    """Write the part's elements that fall in ``dst``: the tensor's flat elements
+    ``first_element : first_element + dst.numel()``, as a typed 1-D view of a bucket."""
+    start, stop = first_element, first_element + dst.numel()
+    width, first, end = part.width, part.first, part.end
+    if end <= first or stop <= start:
+        return
+
+    def in_row(row: int) -> None:
+        low, high = max(row * width + first, start), min(row * width + end, stop)
+        if low < high:
+            offset = row * width + first
+            copy_tensor(dst[low - start : high - start], part.local[row, low - offset : high - offset])
+
+    first_row, last_row = start // width, (stop - 1) // width
+    in_row(first_row)
+    if last_row > first_row + 1:  # the rows in between are whole: one strided copy
+        rows = slice(first_row + 1, last_row)
+        block = dst[(first_row + 1) * width - start : last_row * width - start].view(last_row - first_row - 1, width)
+        block[:, first:end].copy_(part.local[rows])
+    if last_row > first_row:
+        in_row(last_row)
+
+
+def write_bucket(bucket: Bucket, data: torch.Tensor, entries: tuple[TensorEntry, ...],
+                 parts: list[LocalPart | None]) -> None:
+    """Write this rank's parts of ``bucket`` into ``data`` (the bucket's bytes)."""
+    for piece in bucket.pieces:
+        part = parts[piece.index]
+        if part is None or piece.length == 0:
+            continue
+        entry = entries[piece.index]
+        itemsize = part.local.element_size()
+        dst = data[piece.offset : piece.offset + piece.length].view(entry.torch_dtype())
+        write_part(dst, piece.start // itemsize, part)
+
+
+def entries_digest(entries: Iterable[TensorEntry]) -> str:
+    """A short name for a round's tensor list: every rank must plan the same buckets."""
+    text = json.dumps([[e.name, e.dtype, list(e.shape)] for e in entries], separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -1,0 +1,154 @@
+"""The ``shm`` ring as every process maps it, and the other trainer ranks' side of a sharded round.
+
+The ring is one anonymous shared-memory segment seen as ``num_buffers`` buffers of
+``bucket_bytes``: the trainer writes buckets into it, workers read them in place, and the other
+ranks of a sharded trainer write their own shards into it at their offsets
+(:class:`SharedMemorySender`). Rank 0 (:mod:`wtransfer.engines.shm`) runs every round.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from typing import TYPE_CHECKING, Any
+
+from wtransfer.engines._control import ControlChannel, PeerClosedError, connect
+from wtransfer.engines._packing import plan_buckets
+from wtransfer.engines._protocol import PROTOCOL_VERSION
+from wtransfer.engines._shards import entries_digest, rank_parts, write_bucket, writes_shards_as_is
+from wtransfer.errors import TransferError
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("wtransfer")
+
+
+class SharedRing:
+    """A mapped segment viewed as ``num_buffers`` uint8 tensors of ``bucket_bytes`` each."""
+
+    def __init__(self, fd: int, bucket_bytes: int, num_buffers: int, populate: bool) -> None:
+        import torch
+
+        size = bucket_bytes * num_buffers
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        self._map: mmap.mmap | None = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        whole = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.slots: list[torch.Tensor] = [whole[i * bucket_bytes : (i + 1) * bucket_bytes] for i in range(num_buffers)]
+
+    def touch(self) -> None:
+        """Fault every page in now, so no round ever pays first-touch page faults."""
+        for slot in self.slots:
+            slot.fill_(0)
+
+    def close(self) -> None:
+        self.slots = []
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a caller still holds a view; the GC unmaps it later
+                logger.debug("shm ring still referenced at shutdown; unmapped when released")
+            self._map = None
+
+
+class TrainerAborted(TransferError):
+    """The trainer called the round off (another worker failed or rejected it)."""
+
+
+class SharedMemorySender:
+    """Another rank of a sharded ``shm`` trainer: maps rank 0's ring and writes its own shards into it.
+
+    Rank 0 keeps the control plane: it says when a round starts, which bucket goes in which
+    buffer (once the workers released it), and announces a bucket to the workers once every rank
+    wrote its part. Nothing is gathered; every byte is written once, by the rank that holds it.
+    """
+
+    def __init__(self, info: dict[str, Any], trainer_rank: int, source: Any, timeout_s: float) -> None:
+        self.rank = trainer_rank
+        self.source = source
+        self.timeout_s = timeout_s
+        self.bucket_bytes = int(info["bucket_bytes"])
+        self._ring: SharedRing | None = None
+        channel = connect(str(info["address"]), timeout_s, "trainer rank 0")
+        try:
+            problem = None
+            if not writes_shards_as_is(source):
+                problem = (f"its source is a {type(source).__name__}, not a ModuleSource (rank 0's is): pass the "
+                           f"same kind of source on every trainer rank")
+            elif info.get("protocol_version") != PROTOCOL_VERSION:
+                problem = f"protocol {info.get('protocol_version')!r} != {PROTOCOL_VERSION} (another wtransfer version)"
+            channel.send({"op": "sender", "rank": trainer_rank, "token": info["token"], "error": problem},
+                         timeout=timeout_s)
+            if problem:
+                raise TransferError(problem)
+            reply = channel.recv(timeout_s)
+            fds = channel.take_fds()
+            if not reply.get("ok") or len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
+                raise TransferError(f"trainer rank 0 refused this rank: {reply.get('error')}")
+            try:
+                self._ring = SharedRing(fds[0], self.bucket_bytes, int(info["num_buffers"]), populate=True)
+            finally:
+                os.close(fds[0])
+            channel.send({"op": "ready"}, timeout=timeout_s)
+        except BaseException:
+            channel.close()
+            self.close()
+            raise
+        self._channel: ControlChannel | None = channel
+
+    def _next(self, attempt: int, wait: float) -> dict[str, Any]:
+        """Rank 0's next message about round ``attempt``; what an earlier, failed round left in the
+        socket (requests sent before rank 0 saw this rank fail, an abort) is skipped."""
+        assert self._channel is not None
+        while (message := self._channel.recv(wait)).get("attempt") != attempt:
+            pass
+        if message.get("op") == "abort":
+            raise TrainerAborted(f"trainer rank 0 aborted the round: {message.get('reason')}")
+        return message
+
+    def serve_round(self, attempt: int) -> tuple[int, int]:
+        """Write this rank's shards into every bucket rank 0 asks for; returns (tensors, bytes) held here.
+
+        Each wait is bounded: rank 0 waits at most ``timeout_s`` for the workers between two
+        requests. A closed socket (rank 0 died) or an abort raises at once.
+        """
+        if self._channel is None or self._ring is None:
+            raise TransferError(f"trainer rank {self.rank}: this sender was closed")
+        channel, wait = self._channel, 2 * self.timeout_s + 30
+        try:
+            message = self._next(attempt, wait)
+            if message.get("op") != "round":
+                raise TransferError(f"protocol violation: expected a round from trainer rank 0, got {message!r}")
+            entries = tuple(self.source.metadata())
+            if entries_digest(entries) != message.get("digest"):
+                raise TransferError("this rank's model lists other tensors (names, dtypes or shapes) than trainer "
+                                    "rank 0's; every rank must pass the same model")
+            buckets = plan_buckets(entries, self.bucket_bytes)
+            parts = rank_parts(self.source.named_tensors(), self.rank, entries)
+            while (message := self._next(attempt, wait)).get("op") == "write":
+                bucket = buckets[message["index"]]
+                write_bucket(bucket, self._ring.slots[message["slot"]], entries, parts)
+                channel.send({"op": "written", "index": bucket.index, "attempt": attempt}, timeout=self.timeout_s)
+            if message.get("op") != "end":
+                raise TransferError(f"protocol violation: unexpected message from trainer rank 0: {message!r}")
+        except (PeerClosedError, TrainerAborted):
+            raise
+        except BaseException as exc:
+            try:  # rank 0 learns at once instead of waiting for this rank's next answer
+                channel.send({"op": "fail", "error": f"{type(exc).__name__}: {exc}", "attempt": attempt}, timeout=1.0)
+            except TransferError:
+                pass
+            raise
+        held = [p for p in parts if p is not None]
+        return len(held), sum(p.local.numel() * p.local.element_size() for p in held)
+
+    def close(self) -> None:
+        if getattr(self, "_channel", None) is not None:
+            self._channel.close()
+            self._channel = None
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
