@@ -182,16 +182,21 @@ class _PassThrough(WeightSource):
         return iter(self.source)
 
 
+DIE_AT_BUCKET = 6
+"""The bucket a writing rank dies in: with INIT_INFO's 16 KiB buckets and 2 buffers, the workers
+have by then received and loaded buckets 0-4 of the round (the round is half-received)."""
+
+
 def _die_writing_round(round_to_die: int) -> None:
-    """SIGKILL this trainer rank while it writes its shards into the first bucket of that round."""
+    """SIGKILL this trainer rank as it writes its shards of bucket DIE_AT_BUCKET in that round."""
     from wtransfer.engines import _shm_ring
 
-    write, rounds = _shm_ring.write_bucket, {"seen": set()}
+    write, rounds = _shm_ring.write_bucket, {"started": 0}
 
     def dying_write(bucket: Any, *args: Any) -> None:
         if bucket.index == 0:
-            rounds["seen"].add(len(rounds["seen"]) + 1)
-        if len(rounds["seen"]) == round_to_die:
+            rounds["started"] += 1
+        if rounds["started"] == round_to_die and bucket.index == DIE_AT_BUCKET:
             os.kill(os.getpid(), signal.SIGKILL)
         write(bucket, *args)
 

@@ -152,10 +152,32 @@ def test_only_a_module_source_that_yields_its_module_as_is_is_written_by_the_ran
             for name, tensor in super().__iter__():
                 yield f"model.{name}", tensor
 
+    class Described(ModuleSource):
+        def metadata(self):  # type: ignore[no-untyped-def]
+            return super().metadata()[:1]
+
+    class Selected(ModuleSource):
+        def named_tensors(self):  # type: ignore[no-untyped-def]
+            yield from list(super().named_tensors())[:1]
+
     module = torch.nn.Linear(2, 2)
     assert writes_shards_as_is(ModuleSource(module)) and writes_shards_as_is(Logged(module))
-    assert not writes_shards_as_is(Renamed(module))
+    for changed in (Renamed, Described, Selected):
+        assert not writes_shards_as_is(changed(module)), changed.__name__
     assert not writes_shards_as_is({"w": torch.zeros(2)})
+
+
+def test_ranks_write_their_shards_only_where_the_backend_and_the_options_allow() -> None:
+    """No sender class (gloo, nccl) or manifest checksums (computed from whole tensors): rank 0 gathers."""
+    import torch
+
+    from wtransfer.engines._source import ModuleSource
+    from wtransfer.engines._trainer import _ranks_can_send
+
+    source = ModuleSource(torch.nn.Linear(2, 2))
+    assert _ranks_can_send(object, source, checksums=False)
+    assert not _ranks_can_send(object, source, checksums=True)
+    assert not _ranks_can_send(None, source, checksums=False)
 
 
 def test_a_part_that_is_not_the_rounds_tensor_is_refused() -> None:
