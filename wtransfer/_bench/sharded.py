@@ -25,6 +25,7 @@ from wtransfer._bench.report import add_report_arguments, figures_report, table
 TARGET_RATIO = {"writes": 1.0, "gathers": 0.8}
 SLACK = 64 << 20
 from wtransfer.engines._protocol import MIB  # noqa: E402
+from wtransfer.engines._source import WeightSource  # noqa: E402  (imports no torch)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +46,7 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-class _Wrapped:
+class _Wrapped(WeightSource):
     """A source wrapper that changes nothing; wtransfer cannot tell, so rank 0 gathers and sends."""
 
     def __init__(self, source: Any) -> None:
@@ -94,9 +95,7 @@ def _rank_main(rank: int, ranks: int, port: int, options: str, conn: Any) -> Non
         rss, peak_extra = PeakRss(), 0
         source: Any = ModuleSource(model)
         if args["mode"] == "gathers":
-            from wtransfer.engines._source import WeightSource
-
-            source = type("Wrapped", (_Wrapped, WeightSource), {})(source)
+            source = _Wrapped(source)
         trainer = create_trainer(
             args["engine"], client=pool, source=source, rank=rank if ranks > 1 else None,
             init_info={"world_size": args["workers"] + 1, "timeout_s": args["timeout"]} if rank == 0 else None,
@@ -104,7 +103,7 @@ def _rank_main(rank: int, ranks: int, port: int, options: str, conn: Any) -> Non
         if rank == 0:
             buffers = trainer.num_buffers * trainer.bucket_bytes  # type: ignore[union-attr]
             report["budget"] = buffers + SLACK + (largest if args["mode"] == "gathers" else 0)
-            report["wrote_shards"] = bool(getattr(trainer, "parallel_senders", False))
+            report["wrote_shards"] = trainer.parallel_senders  # type: ignore[union-attr]
         for index in range(args["rounds"]):
             with torch.no_grad():
                 for parameter in model.parameters():  # new weights, shard by shard

@@ -123,11 +123,11 @@ class KVConnectorBase(ABC):
     """The metadata class the worker rebuilds from the scheduler's dict."""
 
     supported_layouts: ClassVar[tuple[str, ...]] = ("wtransfer",)
+    """KV cache layouts (:data:`wtransfer.kvcache.KV_LAYOUTS`) this connector reads and writes
+    correctly; the factory refuses any other before creating it."""
     handles_parts: ClassVar[bool] = False
     """Whether it keeps tensor-parallel workers' parts of a block apart (``KVCacheSpec.shard``);
     the factories refuse an engine with ``num_shards > 1`` otherwise."""
-    """KV cache layouts (:data:`wtransfer.kvcache.KV_LAYOUTS`) this connector reads and writes
-    correctly; the factory refuses any other before creating it."""
 
     options_cls: ClassVar[type | None] = None
     """The dataclass (fields made with :func:`wtransfer.options.option`) declaring what this

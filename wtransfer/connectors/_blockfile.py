@@ -67,6 +67,12 @@ SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
 }
 
 
+BLOCK_SUFFIX = ".safetensors"
+"""Every block file's name ends so (one part of a block: ``.<part>of<parts>.safetensors``)."""
+CORRUPT_SUFFIX = ".corrupt"
+"""Appended to a block file found corrupt: moved aside, never read again, evicted first."""
+
+
 class BlockFileError(Exception):
     """A block file is missing, truncated, corrupt or from another layout; the message says which."""
 
@@ -97,7 +103,7 @@ class BlockLayout:
 
     def file_suffix(self) -> str:
         """``.safetensors``, or ``.<shard>of<num_shards>.safetensors`` for one part of a block."""
-        return ".safetensors" if self.num_shards == 1 else f".{self.shard}of{self.num_shards}.safetensors"
+        return BLOCK_SUFFIX if self.num_shards == 1 else f".{self.shard}of{self.num_shards}{BLOCK_SUFFIX}"
 
     @cached_property
     def shape(self) -> list[int]:

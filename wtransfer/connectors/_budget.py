@@ -24,10 +24,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from wtransfer.connectors._blockfile import BLOCK_SUFFIX, CORRUPT_SUFFIX
+
 logger = logging.getLogger("wtransfer")
 
-BLOCK_SUFFIX = ".safetensors"
-CORRUPT_SUFFIX = ".corrupt"
 LOW_WATER = 0.9
 """An eviction stops once the store is under this fraction of its capacity (not at the brim:
 every save would otherwise pay for a scan)."""

@@ -183,7 +183,8 @@ class MultiConnector(KVConnectorBase):
         for child in self.children:
             child.register_kv_caches(kv_caches)
 
-    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+    def _children_metadata(self, connector_metadata: KVConnectorMetadata) -> list[KVConnectorMetadata]:
+        """Each child's own metadata, rebuilt from the step's (which must be a multi connector's)."""
         if not isinstance(connector_metadata, MultiConnectorMetadata):
             raise TypeError(
                 f"multi connector: expected MultiConnectorMetadata, got {type(connector_metadata).__name__}"
@@ -193,10 +194,15 @@ class MultiConnector(KVConnectorBase):
                 f"multi connector: metadata has {len(connector_metadata.children)} children, this worker has "
                 f"{len(self.children)} ({self._child_names()}); scheduler and worker configs differ"
             )
+        return [type(child).metadata_cls.from_dict(data)
+                for child, data in zip(self.children, connector_metadata.children, strict=True)]
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        children = self._children_metadata(connector_metadata)
         super().bind_connector_metadata(connector_metadata)
-        self._expected_on_worker.update(connector_metadata.expected_senders)
-        for child, data in zip(self.children, connector_metadata.children, strict=True):
-            child.bind_connector_metadata(type(child).metadata_cls.from_dict(data))
+        self._expected_on_worker.update(connector_metadata.expected_senders)  # type: ignore[attr-defined]
+        for child, metadata in zip(self.children, children):
+            child.bind_connector_metadata(metadata)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
@@ -204,12 +210,8 @@ class MultiConnector(KVConnectorBase):
             child.clear_connector_metadata()
 
     def handle_preemptions(self, connector_metadata: KVConnectorMetadata) -> None:
-        if not isinstance(connector_metadata, MultiConnectorMetadata):
-            raise TypeError(
-                f"multi connector: expected MultiConnectorMetadata, got {type(connector_metadata).__name__}"
-            )
-        for child, data in zip(self.children, connector_metadata.children, strict=True):
-            child.handle_preemptions(type(child).metadata_cls.from_dict(data))
+        for child, metadata in zip(self.children, self._children_metadata(connector_metadata)):
+            child.handle_preemptions(metadata)
 
     def start_load_kv(self, **kwargs: Any) -> None:
         for child in self.children:

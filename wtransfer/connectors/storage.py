@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 from wtransfer.connectors._base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 from wtransfer.connectors._budget import StoreBudget
 from wtransfer.connectors._blockfile import (
+    CORRUPT_SUFFIX,
     BlockFileError,
     BlockLayout,
     check_header,
@@ -217,7 +218,7 @@ class BlockStore:
         self.counters.add("corrupt_blocks")
         logger.warning("storage connector: treating %s as a miss: %s", path, error)
         try:
-            os.replace(path, f"{path}.corrupt")
+            os.replace(path, path + CORRUPT_SUFFIX)
         except OSError:
             pass  # already moved or removed by another process
 
@@ -435,7 +436,7 @@ class StorageConnector(KVConnectorBase):
             future = self._pool().submit(self._write_block, transfer, path, memoryview(copy).cast("B"))
             with self._inflight_lock:
                 self._inflight_futures.add(future)
-            future.add_done_callback(lambda f, rid=transfer.request_id, n=nbytes: self._save_done(rid, n, f))
+            future.add_done_callback(lambda f, rid=transfer.request_id: self._save_done(rid, f))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._finished_waiting |= {r for r in finished_req_ids if r in self._saw_saves}
@@ -577,37 +578,30 @@ class StorageConnector(KVConnectorBase):
         try:
             self.store.ensure_parent(path)
             try:
-                write_block_file(path, self.store.layout, transfer.block_hash, raw, fsync=self.fsync)
+                written = write_block_file(path, self.store.layout, transfer.block_hash, raw, fsync=self.fsync)
             except FileNotFoundError:  # the directory was removed under us (a cache clean-up): recreate once
                 self.store.ensure_parent(path, recheck=True)
-                write_block_file(path, self.store.layout, transfer.block_hash, raw, fsync=self.fsync)
+                written = write_block_file(path, self.store.layout, transfer.block_hash, raw, fsync=self.fsync)
         except OSError as exc:
             self.counters.add("save_errors")
             logger.error("storage connector: could not save block %s to %s: %s", transfer.block_hash[:16], path, exc)
             return
         self.counters.add("saved_blocks")
         self.counters.add("saved_bytes", self.store.layout.data_bytes)
-        if self.budget is not None and self.budget.added(self._file_bytes(path)):
+        if self.budget is not None and self.budget.added(written):
             # A task of its own: this write (and its request's delayed free) completes now.
             try:
                 self._pool().submit(self.budget.evict).add_done_callback(_log_eviction_failure)
             except RuntimeError:  # shutting down: shutdown() evicts once more if needed
                 pass
 
-    @staticmethod
-    def _file_bytes(path: str) -> int:
-        try:
-            return os.stat(path).st_size
-        except OSError:
-            return 0
-
-    def _save_done(self, request_id: str, nbytes: int, future: Future[None]) -> None:
+    def _save_done(self, request_id: str, future: Future[None]) -> None:
         error = future.exception() if not future.cancelled() else None
         if error is not None:
             self.counters.add("save_errors")
             logger.error("storage connector: a save for request %s failed: %r", request_id, error)
         with self._inflight_lock:
-            self._pending_save_bytes -= nbytes
+            self._pending_save_bytes -= self.store.layout.data_bytes
             self._inflight[request_id] -= 1
             if self._inflight[request_id] <= 0:
                 del self._inflight[request_id]

@@ -47,8 +47,7 @@ def trainer_group_ranks(source: Any) -> list[int]:
     else the whole default group (every rank must see the same)."""
     import torch.distributed as dist
 
-    source = next((s for s in wrapped_sources(source) if hasattr(s, "module")), None)
-    module = getattr(source, "module", None)
+    module = next((s.module for s in wrapped_sources(source) if hasattr(s, "module")), None)
     parameters = getattr(module, "parameters", None)
     if callable(parameters):
         from torch.distributed.tensor import DTensor

@@ -71,6 +71,7 @@ class LockstepSource(WeightSource):
     def __init__(self, source: WeightSource, walks: int) -> None:
         self.inner = source
         self.walks = walks
+        self._module_source = _module_source_under(source)  # the wrapper chain is fixed once built
         self._started = 0
         self._current: Iterator[tuple[str, torch.Tensor]] | None = None
         self._yielded, self._complete = 0, False
@@ -87,7 +88,7 @@ class LockstepSource(WeightSource):
         """One walk of the inner source, counted. Everything that can fail (even ``iter()`` of an
         eager wrapper) happens in here, after the module source was told a walk starts."""
         self._yielded, self._complete = 0, False
-        begin = getattr(_module_source_under(self.inner), "begin_walk", None)
+        begin = getattr(self._module_source, "begin_walk", None)
         if callable(begin):
             begin()  # the wrapper over it may fail before it reads it
         for item in iter(self.inner):
@@ -124,7 +125,7 @@ class LockstepSource(WeightSource):
             error = exc
         if self._complete:
             return drained, True
-        module_source = _module_source_under(self.inner)
+        module_source = self._module_source
         if module_source is None:
             logger.error(
                 "trainer rank 0: the weight source died after %d tensor(s)%s and cannot be walked on, so the "
@@ -174,7 +175,6 @@ class ParticipantTrainer:
 
     def _join(self, sender_cls: type | None, info: dict[str, Any]) -> Any:
         """Join rank 0's transport as a sender; every rank raises if one could not."""
-        sender = None
         try:
             if sender_cls is None:
                 raise TransferError(f"trainer rank 0 sends {self.backend} rounds from every rank, but this "
@@ -216,11 +216,12 @@ class ParticipantTrainer:
         try:
             if self.sender is not None:  # this rank writes its own shards: no gather anywhere
                 tensors, nbytes = self.sender.serve_round(step)
-            for _ in range(self.walks if self.sender is None else 0):
-                for _name, tensor in self.source:
-                    tensors += 1
-                    nbytes += tensor.numel() * tensor.element_size()
-                    del tensor  # gathered, not kept: one parameter at a time on this rank
+            else:
+                for _ in range(self.walks):
+                    for _name, tensor in self.source:
+                        tensors += 1
+                        nbytes += tensor.numel() * tensor.element_size()
+                        del tensor  # gathered, not kept: one parameter at a time on this rank
         except BaseException as exc:
             self.agreement.leave(f"outcome/{step}")  # rank 0 need not wait for this rank's outcome
             if isinstance(exc, KeyboardInterrupt) or type(exc) in (TransferError, TransferTimeoutError):

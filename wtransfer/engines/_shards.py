@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -101,19 +102,12 @@ def local_part(name: str, tensor: Any, trainer_rank: int) -> LocalPart | None:
     if list(local.shape) != size:
         raise TransferError(f"{name!r}: the local shard has shape {tuple(local.shape)}, but placements "
                             f"{tuple(placements)} of a {tuple(shape)} tensor give {tuple(size)} (uneven padding?)")
+    if not shape:  # a 0-d tensor: one element
+        return LocalPart(1, 1, 0, 1, local.reshape(1, 1))
     dim = cut[0] if cut else 0
-    rows = 1
-    for extent in shape[:dim]:
-        rows *= extent
-    inner = 1
-    for extent in shape[dim + 1 :]:
-        inner *= extent
-    width = (shape[dim] if shape else 1) * inner
-    first = (start[dim] if shape else 0) * inner
-    end = first + (size[dim] if shape else 1) * inner
-    if not local.is_contiguous():
-        local = local.contiguous()
-    return LocalPart(rows, width, first, end, local.reshape(rows, end - first))
+    rows, inner = math.prod(shape[:dim]), math.prod(shape[dim + 1 :])
+    first, end = start[dim] * inner, (start[dim] + size[dim]) * inner
+    return LocalPart(rows, shape[dim] * inner, first, end, local.contiguous().reshape(rows, end - first))
 
 
 def rank_parts(named: Iterable[tuple[str, Any]], trainer_rank: int,

@@ -52,6 +52,42 @@ class SharedRing:
             self._map = None
 
 
+def join_ring(address: str, hello: dict[str, Any], bucket_bytes: int, num_buffers: int, timeout_s: float,
+              who: str) -> tuple[ControlChannel, SharedRing]:
+    """Join rank 0's ring: say ``hello``, map the descriptor it answers with, say ``ready``.
+
+    How a worker and another trainer rank both join. A ``hello`` carrying an ``error`` tells rank 0
+    why this process cannot join (so it stops waiting for it) and raises that error here.
+    """
+    channel = connect(address, timeout_s, "the shm trainer")
+    ring = None
+    try:
+        channel.send(hello, timeout=timeout_s)
+        if hello.get("error"):
+            raise TransferError(str(hello["error"]))
+        reply = channel.recv(timeout_s)
+        fds = channel.take_fds()
+        if not reply.get("ok"):
+            for fd in fds:
+                os.close(fd)
+            raise TransferError(f"the shm trainer refused {who}: {reply.get('error')}")
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise TransferError(f"expected one shared-memory descriptor from the trainer, got {len(fds)}")
+        try:
+            ring = SharedRing(fds[0], bucket_bytes, num_buffers, populate=True)
+        finally:
+            os.close(fds[0])
+        channel.send({"op": "ready"}, timeout=timeout_s)
+    except BaseException:
+        channel.close()
+        if ring is not None:
+            ring.close()
+        raise
+    return channel, ring
+
+
 class TrainerAborted(TransferError):
     """The trainer called the round off (another worker failed or rejected it)."""
 
@@ -69,35 +105,17 @@ class SharedMemorySender:
         self.source = source
         self.timeout_s = timeout_s
         self.bucket_bytes = int(info["bucket_bytes"])
-        self._ring: SharedRing | None = None
-        channel = connect(str(info["address"]), timeout_s, "trainer rank 0")
-        try:
-            problem = None
-            if not writes_shards_as_is(source):
-                problem = (f"its source is a {type(source).__name__}, not a ModuleSource (rank 0's is): pass the "
-                           f"same kind of source on every trainer rank")
-            elif info.get("protocol_version") != PROTOCOL_VERSION:
-                problem = f"protocol {info.get('protocol_version')!r} != {PROTOCOL_VERSION} (another wtransfer version)"
-            channel.send({"op": "sender", "rank": trainer_rank, "token": info["token"], "error": problem},
-                         timeout=timeout_s)
-            if problem:
-                raise TransferError(problem)
-            reply = channel.recv(timeout_s)
-            fds = channel.take_fds()
-            if not reply.get("ok") or len(fds) != 1:
-                for fd in fds:
-                    os.close(fd)
-                raise TransferError(f"trainer rank 0 refused this rank: {reply.get('error')}")
-            try:
-                self._ring = SharedRing(fds[0], self.bucket_bytes, int(info["num_buffers"]), populate=True)
-            finally:
-                os.close(fds[0])
-            channel.send({"op": "ready"}, timeout=timeout_s)
-        except BaseException:
-            channel.close()
-            self.close()
-            raise
-        self._channel: ControlChannel | None = channel
+        problem = None
+        if not writes_shards_as_is(source):
+            problem = (f"its source is a {type(source).__name__}, not a ModuleSource (rank 0's is): pass the "
+                       f"same kind of source on every trainer rank")
+        elif info.get("protocol_version") != PROTOCOL_VERSION:
+            problem = f"protocol {info.get('protocol_version')!r} != {PROTOCOL_VERSION} (another wtransfer version)"
+        hello = {"op": "sender", "rank": trainer_rank, "token": info["token"], "error": problem}
+        self._channel: ControlChannel | None
+        self._ring: SharedRing | None
+        self._channel, self._ring = join_ring(str(info["address"]), hello, self.bucket_bytes, int(info["num_buffers"]),
+                                              timeout_s, f"trainer rank {trainer_rank}")
 
     def _next(self, attempt: int, wait: float) -> dict[str, Any]:
         """Rank 0's next message about round ``attempt``; what an earlier, failed round left in the
@@ -146,7 +164,7 @@ class SharedMemorySender:
         return len(held), sum(p.local.numel() * p.local.element_size() for p in held)
 
     def close(self) -> None:
-        if getattr(self, "_channel", None) is not None:
+        if self._channel is not None:
             self._channel.close()
             self._channel = None
         if self._ring is not None:

@@ -49,17 +49,18 @@ GATHER_SLICE_BYTES = 4 << 20
 """Bytes gathered per collective when a row-sharded DTensor is assembled slice by slice."""
 
 
-def _unwrap(tensor: torch.Tensor) -> torch.Tensor:
+def _unwrap(tensor: torch.Tensor, keep: bool = True) -> torch.Tensor:
     """A plain local tensor: DTensor-style sharded tensors are gathered (``full_tensor()``).
 
     The common FSDP2 layout (rows sharded over a 1-D mesh) is gathered slice by slice into one
     new tensor, so the gather costs the tensor plus a few MiB: ``full_tensor()`` over gloo
     briefly holds two copies of the whole parameter on some ranks (measured: 519 MiB extra for
-    a 260 MiB embedding), which would double what a sharded trainer must keep free.
+    a 260 MiB embedding), which would double what a sharded trainer must keep free. With
+    ``keep=False`` a row-sharded tensor is only taken part in (see :func:`gather_rows_in_slices`).
     """
     placements = getattr(tensor, "placements", None)
     if placements is not None:
-        gathered = gather_rows_in_slices(tensor)
+        gathered = gather_rows_in_slices(tensor, keep=keep)
         if gathered is not None:
             return gathered
     full = getattr(tensor, "full_tensor", None)
@@ -159,8 +160,7 @@ class ModuleSource(WeightSource):
         """
         finished = 0
         for _name, tensor in itertools.islice(self.named_tensors(), self._gathered, None):
-            if getattr(tensor, "placements", None) is None or gather_rows_in_slices(tensor, keep=False) is None:
-                _unwrap(tensor)
+            _unwrap(tensor, keep=False)
             self._gathered += 1
             finished += 1
         return finished

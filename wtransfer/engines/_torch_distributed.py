@@ -82,6 +82,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("wtransfer")
 
 _POLL_S = 0.0005
+WATCHDOG_MARGIN_S = 60.0
+"""Without ``host_waits``, a group's own timeout exceeds ``timeout_s`` by this much at least
+(or by ``timeout_s``): wtransfer's deadline, which aborts the group, always comes first."""
 
 
 @dataclass
@@ -231,9 +234,9 @@ class TorchDistributedBackend:
 
     def transport_timeout_s(self, timeout_s: float) -> float:
         """The timeout the process group itself gets. Where the transport's timeout is what ends
-        a wait (gloo), ``timeout_s``; a backend with ``host_waits = False`` returns more, so that
-        wtransfer's own deadline always comes first."""
-        return timeout_s
+        a wait (``host_waits``: gloo), ``timeout_s``; otherwise past wtransfer's own deadline (which
+        aborts the group first), so a watchdog acting on the group's timeout never acts."""
+        return timeout_s if self.host_waits else timeout_s + max(WATCHDOG_MARGIN_S, timeout_s)
 
     def make_process_group(self, store: Any, rank: int, size: int, timeout_s: float) -> Any:
         from torch._C._distributed_c10d import ProcessGroupGloo
@@ -329,6 +332,13 @@ class TorchDistributedBackend:
         options = AllreduceOptions()
         options.reduceOp = ReduceOp.MAX
         return group.allreduce([tensor], options)
+
+    def release_own_groups(self, failed: bool) -> None:
+        """Drop this side's groups (``_groups``) and release them: after a failed round at once, so
+        every peer waiting in a collective fails with "connection closed"."""
+        groups, self._groups = getattr(self, "_groups", None) or [], []
+        if groups:
+            self.release_groups(groups, failed)
 
     def release_groups(self, groups: list[Any], failed: bool) -> None:
         """Let go of this side's groups (the caller has dropped every other reference).
@@ -524,14 +534,12 @@ class TorchDistributedWeightTransferEngine(
         self._close(failed=False)
 
     def _close(self, failed: bool) -> None:
-        groups, self._groups = self._groups, []
         if self._store is not None:
             self._store.close()
         self._store = self._kv = None
         self._buffers = []
         self._info = None
-        if groups:
-            self.release_groups(groups, failed)
+        self.release_own_groups(failed)
 
 
 class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngine):
@@ -657,17 +665,11 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
             self._broadcast_buckets(manifest, buckets, call, works)
         except BaseException:
             works.clear()
-            self._drop_groups()  # the workers' pending receives fail now, not at their timeout
+            self.release_own_groups(failed=True)  # the workers' pending receives fail now, not at their timeout
             raise
         finally:
             works.clear()  # a failure's traceback must not keep the collectives (and the group) alive
 
-    def _drop_groups(self) -> None:
-        """A round failed on this side: this trainer is done (it is marked broken), so close its
-        groups at once; every worker waiting in a collective fails with "connection closed"."""
-        groups, self._groups = self._groups, []
-        if groups:
-            self.release_groups(groups, failed=True)
 
     def _broadcast_buckets(
         self, manifest: Manifest, buckets: list[Bucket], call: ClientCall, works: list[tuple[Any, Any] | None]
@@ -693,11 +695,9 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
         self.synchronize(self.timeout_s)
 
     def release(self) -> None:
-        groups, self._groups = getattr(self, "_groups", None) or [], []
         self._prefixed = None
         if getattr(self, "_server", None) is not None:
             self._server.close()
         self._server = self._kv = None
         self._buffers = []
-        if groups:
-            self.release_groups(groups, failed=False)
+        self.release_own_groups(failed=False)

@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from wtransfer.engines._base import LoadWeights, WeightTransferEngine, WeightTransferInitInfo
-from wtransfer.engines._control import ControlChannel, Listener, PeerClosedError, connect
+from wtransfer.engines._control import ControlChannel, Listener, PeerClosedError
 from wtransfer.engines._loader import validate_with_loader
 from wtransfer.engines._manifest import Manifest
 from wtransfer.engines._packing import Bucket, Packer, Unpacker, plan_buckets
 from wtransfer.engines._shards import entries_digest, rank_parts, write_bucket
-from wtransfer.engines._shm_ring import SharedMemorySender, SharedRing, TrainerAborted
+from wtransfer.engines._shm_ring import SharedMemorySender, SharedRing, TrainerAborted, join_ring
 from wtransfer.engines._staging import create_memfd
 from wtransfer.engines._protocol import (
     MIB,
@@ -109,32 +109,10 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
             self.shutdown()
         check_buffer_budget(self, init_info.bucket_bytes, init_info.num_buffers)
         self.rank = global_rank(self, init_info.rank_offset, init_info.world_size)
-        channel = connect(init_info.address, init_info.timeout_s, "the shm trainer")
-        try:
-            channel.send(
-                {"op": "hello", "rank": self.rank, "token": init_info.token, "protocol_version": PROTOCOL_VERSION},
-                timeout=init_info.timeout_s,
-            )
-            reply = channel.recv(init_info.timeout_s)
-            fds = channel.take_fds()
-            if not reply.get("ok"):
-                for fd in fds:
-                    os.close(fd)
-                raise TransferError(f"the shm trainer refused worker rank {self.rank}: {reply.get('error')}")
-            if len(fds) != 1:
-                raise TransferError(f"expected one shared-memory descriptor from the trainer, got {len(fds)}")
-            try:
-                self._ring = SharedRing(fds[0], init_info.bucket_bytes, init_info.num_buffers, populate=True)
-            finally:
-                os.close(fds[0])
-            channel.send({"op": "ready"}, timeout=init_info.timeout_s)
-        except BaseException:
-            channel.close()
-            if self._ring is not None:
-                self._ring.close()
-                self._ring = None
-            raise
-        self._channel, self._info = channel, init_info
+        hello = {"op": "hello", "rank": self.rank, "token": init_info.token, "protocol_version": PROTOCOL_VERSION}
+        self._channel, self._ring = join_ring(init_info.address, hello, init_info.bucket_bytes, init_info.num_buffers,
+                                              init_info.timeout_s, f"worker rank {self.rank}")
+        self._info = init_info
         logger.debug("shm worker rank %d joined (%d x %d bytes)", self.rank, init_info.num_buffers, init_info.bucket_bytes)
 
     def receive_weights(self, update_info: ManifestUpdateInfo, load_weights: LoadWeights) -> None:
@@ -214,7 +192,6 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         self._ring.touch()
         self._selector = selectors.DefaultSelector()
         self._senders: dict[int, ControlChannel] = {}  # the other trainer ranks (parallel senders)
-        self._stopped = 0  # the last round the senders were told to drop
         return {
             "address": self._listener.address,
             "token": self._token,
@@ -357,28 +334,29 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
 
     # -- one round ----------------------------------------------------------------------------
     def _pump(self, done: Callable[[], bool], call: ClientCall, what: str, handle: Callable[[int, dict[str, Any]], None]) -> None:
-        """Dispatch workers' messages until ``done()``; bounded by ``timeout_s``, aborted by client failure.
-        ``done`` always true: handle what has arrived already, without waiting."""
+        """Dispatch workers' messages until ``done()``; bounded by ``timeout_s``, aborted by client failure."""
         deadline = time.monotonic() + self.timeout_s
         for rank, channel in [*self._channels.items(), *((-r, c) for r, c in self._senders.items())]:
             for message in channel.pending():  # messages that arrived together with earlier ones
                 handle(rank, message)
-        polled = False
-        while not polled or not done():
+        while not done():
             call.raise_if_failed()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TransferTimeoutError(f"shm trainer: {what} took longer than {self.timeout_s:g} s")
-            wait, polled = (0.0 if not polled else min(remaining, 0.05)), True
-            for key, _ in self._selector.select(wait):
-                rank = key.data
-                try:
-                    messages = key.fileobj.read_ready()  # type: ignore[union-attr]
-                except PeerClosedError as exc:
-                    peer = f"shm worker rank {rank}" if rank > 0 else f"trainer rank {-rank}"
-                    raise TransferError(f"{peer} died or disconnected while {what}: {exc}") from exc
-                for message in messages:
-                    handle(rank, message)
+            self._dispatch(min(remaining, 0.05), what, handle)
+
+    def _dispatch(self, wait: float, what: str, handle: Callable[[int, dict[str, Any]], None]) -> None:
+        """Handle every message that arrives within ``wait`` seconds (0: only those already here)."""
+        for key, _ in self._selector.select(wait):
+            rank = key.data
+            try:
+                messages = key.fileobj.read_ready()  # type: ignore[union-attr]
+            except PeerClosedError as exc:
+                peer = f"shm worker rank {rank}" if rank > 0 else f"trainer rank {-rank}"
+                raise TransferError(f"{peer} died or disconnected while {what}: {exc}") from exc
+            for message in messages:
+                handle(rank, message)
 
     def send_round(self, manifest: Manifest, buckets: list[Bucket], call: ClientCall) -> None:
         try:
@@ -395,10 +373,9 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         holders: list[set[int]] = [set() for _ in self._ring.slots]  # ranks still reading each slot
         slot_of: dict[int, int] = {}
         writing: dict[int, set[int]] = {}  # bucket index -> trainer ranks still writing their shards into it
-        workers = set(self._channels)
-        senders = dict(self._senders)
+        workers, senders = set(self._channels), self._senders
         if senders:  # they plan the round while the workers check the manifest
-            self._tell_senders({"op": "round", "version": manifest.version, "digest": entries_digest(manifest.entries)})
+            self._tell_senders({"op": "round", "digest": entries_digest(manifest.entries)})
 
         def announce(index: int) -> None:
             slot = slot_of[index]
@@ -467,7 +444,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             self._tell_senders({"op": "write", "index": bucket.index, "slot": slot})
             write_bucket(bucket, data, manifest.entries, parts)
             written(bucket.index, 0)
-            self._pump(lambda: True, call, "writing", handle)  # announce what the others finished meanwhile
+            self._dispatch(0.0, "writing", handle)  # announce what the others finished meanwhile
         if not senders:
             packer.drain()
         self._pump(lambda: not any(holders) and not writing, call, "waiting for workers to load the last buckets",
@@ -475,10 +452,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         self._tell_senders({"op": "end"})
 
     def stop_senders(self, reason: str) -> None:
-        """Best effort: the other trainer ranks drop this round (sent once per failed round)."""
-        if self._stopped == self._attempt:
-            return
-        self._stopped = self._attempt
+        """Best effort: the other trainer ranks drop this round."""
         for channel in self._senders.values():
             try:
                 channel.send({"op": "abort", "reason": reason, "attempt": self._attempt}, timeout=1.0)
@@ -494,9 +468,9 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                 raise TransferError(f"trainer rank {rank} died during the round: {exc}") from exc
 
     def _abort(self, reason: str, only: list[int] | None = None, clean: bool = False) -> None:
-        """Best effort: tell live workers (and the other trainer ranks) to drop the round. ``clean``:
-        before any byte moved (a rejection), so they keep their connection for the next round."""
-        self.stop_senders(reason)
+        """Best effort: tell live workers to drop the round. ``clean``: before any byte moved (a
+        rejection), so they keep their connection for the next round. (The other trainer ranks are
+        told by ``send_weights``, which every failed round reaches: ``stop_senders``.)"""
         for rank, channel in self._channels.items():
             if only is not None and rank not in only:
                 continue

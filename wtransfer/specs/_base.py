@@ -224,10 +224,10 @@ class OffloadingSpec(ABC):
     """
 
     supported_layouts: ClassVar[tuple[str, ...]] = ("wtransfer",)
-    handles_parts: ClassVar[bool] = False
-    """Whether its tier keeps tensor-parallel workers' parts of a block apart (``KVCacheSpec.shard``)."""
     """KV cache layouts (:data:`wtransfer.kvcache.KV_LAYOUTS`) whose blocks this spec copies
     correctly; the factory refuses any other before creating it."""
+    handles_parts: ClassVar[bool] = False
+    """Whether its tier keeps tensor-parallel workers' parts of a block apart (``KVCacheSpec.shard``)."""
 
     options_cls: ClassVar[type | None] = None
     """The dataclass declaring this spec's ``kv_connector_extra_config`` (best: a subclass of

@@ -45,8 +45,6 @@ from wtransfer.options import option
 
 logger = logging.getLogger("wtransfer")
 
-WATCHDOG_MARGIN_S = 60.0
-"""The group's own timeout exceeds ``timeout_s`` by at least this much (or by ``timeout_s``)."""
 SYNC_POLL_S = 0.0002
 
 
@@ -115,7 +113,8 @@ class NCCLBackend(TorchDistributedBackend):
     """CUDA and NCCL specifics behind wtransfer's torch.distributed backend hooks."""
 
     distributed_backend = "nccl"
-    host_waits = False  # NCCL's Work.wait() returns at once: poll against our own deadline
+    host_waits = False  # NCCL's Work.wait() returns at once: poll against our own deadline; the
+    # group's own timeout (transport_timeout_s) then lies past that deadline, so the watchdog never acts
     _device_index: int | None = None
     _streams: list[Any] | None = None
 
@@ -141,10 +140,6 @@ class NCCLBackend(TorchDistributedBackend):
         if hasattr(group, "bound_device_id"):
             group.bound_device_id = device  # eager init on this device, no guessing
         return group
-
-    def transport_timeout_s(self, timeout_s: float) -> float:
-        """Past wtransfer's own deadline (which aborts the group first): the watchdog never acts."""
-        return timeout_s + max(WATCHDOG_MARGIN_S, timeout_s)
 
     def release_groups(self, groups: list[Any], failed: bool) -> None:
         """After a failed round, abort the communicators: a broadcast whose peer is gone would

@@ -358,6 +358,8 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """vLLM calls this before each forward: stores still reading preempted requests' blocks finish."""
+        if type(self.inner).handle_preemptions is wtransfer.KVConnectorBase.handle_preemptions:
+            return  # the base hook does nothing: no need to parse the step's metadata twice
         if isinstance(kv_connector_metadata, WTransferKVMetadata):
             self.inner.handle_preemptions(self.inner.metadata_cls.from_json(kv_connector_metadata.text))
         elif "handle_preemptions" not in self._skipped_kinds:  # a vLLM that passes something else
