@@ -71,7 +71,6 @@ class LockstepSource(WeightSource):
     def __init__(self, source: WeightSource, walks: int) -> None:
         self.inner = source
         self.walks = walks
-        self._module_source = _module_source_under(source)  # the wrapper chain is fixed once built
         self._started = 0
         self._current: Iterator[tuple[str, torch.Tensor]] | None = None
         self._yielded, self._complete = 0, False
@@ -88,7 +87,7 @@ class LockstepSource(WeightSource):
         """One walk of the inner source, counted. Everything that can fail (even ``iter()`` of an
         eager wrapper) happens in here, after the module source was told a walk starts."""
         self._yielded, self._complete = 0, False
-        begin = getattr(self._module_source, "begin_walk", None)
+        begin = getattr(_module_source_under(self.inner), "begin_walk", None)
         if callable(begin):
             begin()  # the wrapper over it may fail before it reads it
         for item in iter(self.inner):
@@ -125,7 +124,7 @@ class LockstepSource(WeightSource):
             error = exc
         if self._complete:
             return drained, True
-        module_source = self._module_source
+        module_source = _module_source_under(self.inner)
         if module_source is None:
             logger.error(
                 "trainer rank 0: the weight source died after %d tensor(s)%s and cannot be walked on, so the "

@@ -53,13 +53,13 @@ class SharedRing:
 
 
 def join_ring(address: str, hello: dict[str, Any], bucket_bytes: int, num_buffers: int, timeout_s: float,
-              who: str) -> tuple[ControlChannel, SharedRing]:
+              who: str, peer: str = "the shm trainer") -> tuple[ControlChannel, SharedRing]:
     """Join rank 0's ring: say ``hello``, map the descriptor it answers with, say ``ready``.
 
     How a worker and another trainer rank both join. A ``hello`` carrying an ``error`` tells rank 0
     why this process cannot join (so it stops waiting for it) and raises that error here.
     """
-    channel = connect(address, timeout_s, "the shm trainer")
+    channel = connect(address, timeout_s, peer)
     ring = None
     try:
         channel.send(hello, timeout=timeout_s)
@@ -70,7 +70,7 @@ def join_ring(address: str, hello: dict[str, Any], bucket_bytes: int, num_buffer
         if not reply.get("ok"):
             for fd in fds:
                 os.close(fd)
-            raise TransferError(f"the shm trainer refused {who}: {reply.get('error')}")
+            raise TransferError(f"{peer} refused {who}: {reply.get('error')}")
         if len(fds) != 1:
             for fd in fds:
                 os.close(fd)
@@ -115,7 +115,7 @@ class SharedMemorySender:
         self._channel: ControlChannel | None
         self._ring: SharedRing | None
         self._channel, self._ring = join_ring(str(info["address"]), hello, self.bucket_bytes, int(info["num_buffers"]),
-                                              timeout_s, f"trainer rank {trainer_rank}")
+                                              timeout_s, "this rank", peer="trainer rank 0")
 
     def _next(self, attempt: int, wait: float) -> dict[str, Any]:
         """Rank 0's next message about round ``attempt``; what an earlier, failed round left in the

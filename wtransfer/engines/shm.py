@@ -468,9 +468,11 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                 raise TransferError(f"trainer rank {rank} died during the round: {exc}") from exc
 
     def _abort(self, reason: str, only: list[int] | None = None, clean: bool = False) -> None:
-        """Best effort: tell live workers to drop the round. ``clean``: before any byte moved (a
-        rejection), so they keep their connection for the next round. (The other trainer ranks are
-        told by ``send_weights``, which every failed round reaches: ``stop_senders``.)"""
+        """Best effort: tell live workers (and the other trainer ranks, first) to drop the round.
+        ``clean``: before any byte moved (a rejection), so they keep their connection for the next
+        round. ``send_weights`` tells the other ranks again for failures outside the transport; a
+        sender skips the second abort (it names a round that already ended there)."""
+        self.stop_senders(reason)
         for rank, channel in self._channels.items():
             if only is not None and rank not in only:
                 continue
