@@ -100,7 +100,7 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
         if rank == victim and fault == "gathered":
             source = _DiesMidRound(source, round_to_die=2)
         elif rank == victim:
-            _die_writing_round(2)
+            _die_writing_round(2, backend)
         if rank == 0 and fault == "metadata":
             source = _MetadataFails(source)
         if rank == 0 and fault in ("mid-walk", "walk-start"):
@@ -187,20 +187,27 @@ DIE_AT_BUCKET = 6
 have by then received and loaded buckets 0-4 of the round (the round is half-received)."""
 
 
-def _die_writing_round(round_to_die: int) -> None:
-    """SIGKILL this trainer rank as it writes its shards of bucket DIE_AT_BUCKET in that round."""
-    from wtransfer.engines import _shm_ring
+def _die_writing_round(round_to_die: int, backend: str) -> None:
+    """SIGKILL this trainer rank as it writes (shm) or sends (gloo) its shards of bucket
+    DIE_AT_BUCKET in that round."""
+    from wtransfer.engines import _part_streams, _shm_ring
 
-    write, rounds = _shm_ring.write_bucket, {"started": 0}
+    rounds = {"started": 0}
 
-    def dying_write(bucket: Any, *args: Any) -> None:
-        if bucket.index == 0:
-            rounds["started"] += 1
-        if rounds["started"] == round_to_die and bucket.index == DIE_AT_BUCKET:
-            os.kill(os.getpid(), signal.SIGKILL)
-        write(bucket, *args)
+    def dying(step: Any) -> Any:
+        def wrapped(*args: Any) -> Any:
+            bucket = next(a for a in args if hasattr(a, "pieces"))
+            if bucket.index == 0:
+                rounds["started"] += 1
+            if rounds["started"] == round_to_die and bucket.index == DIE_AT_BUCKET:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return step(*args)
+        return wrapped
 
-    _shm_ring.write_bucket = dying_write
+    if backend == "shm":
+        _shm_ring.write_bucket = dying(_shm_ring.write_bucket)
+    else:  # the sending loop asks which of its bytes each bucket holds, bucket by bucket
+        _part_streams.RankLayout.runs = dying(_part_streams.RankLayout.runs)
 
 
 class _RaisesMidWalk(WeightSource):
@@ -289,12 +296,14 @@ def run_ranks(world: int, backend: str, rounds: int, victim: int = -1, limit: fl
 
 
 @pytest.mark.parametrize(("world", "backend", "mode"), [(2, "shm", "writes"), (4, "shm", "writes"),
+                                                       (2, "gloo", "writes"), (4, "gloo", "writes"),
                                                        (2, "shm", "gathers"), (2, "gloo", "gathers")])
 def test_fsdp2_trainer_ranks_sync_the_unsharded_state_after_optimizer_steps(world: int, backend: str,
                                                                             mode: str) -> None:
-    """``writes``: every rank writes its own shards into shm's buffers (a ModuleSource on every rank);
-    ``gathers``: rank 0 gathers and sends (a wrapper of the user's, or a backend without senders)."""
-    events = run_ranks(world, backend, rounds=3, fault="gathered" if mode == "gathers" and backend == "shm" else "")
+    """``writes``: every rank sends its own shards (a ModuleSource on every rank): into shm's buffers,
+    or on gloo groups of its own with the workers; ``gathers``: rank 0 gathers and sends (a wrapper
+    of the user's)."""
+    events = run_ranks(world, backend, rounds=3, fault="gathered" if mode == "gathers" else "")
     assert [e for e in events if e["event"] in ("error", "crash")] == []
     sender = [e for e in events if e["event"] == "round" and e["sender"]]
     assert [e["version"] for e in sender] == [1, 2, 3]
@@ -309,9 +318,12 @@ def test_fsdp2_trainer_ranks_sync_the_unsharded_state_after_optimizer_steps(worl
     assert len([e for e in events if e["event"] == "done"]) == world
 
 
-@pytest.mark.parametrize(("world", "mode"), [(2, "writes"), (4, "writes"), (2, "gathers"), (4, "gathers")])
-def test_a_trainer_rank_dying_mid_round_fails_every_rank_and_worker_within_the_timeout(world: int, mode: str) -> None:
-    events = run_ranks(world, "shm", rounds=3, victim=1, fault="gathered" if mode == "gathers" else "")
+@pytest.mark.parametrize(("world", "backend", "mode"), [(2, "shm", "writes"), (4, "shm", "writes"),
+                                                       (2, "gloo", "writes"), (4, "gloo", "writes"),
+                                                       (2, "shm", "gathers"), (4, "shm", "gathers")])
+def test_a_trainer_rank_dying_mid_round_fails_every_rank_and_worker_within_the_timeout(world: int, backend: str,
+                                                                                       mode: str) -> None:
+    events = run_ranks(world, backend, rounds=3, victim=1, fault="gathered" if mode == "gathers" else "")
     assert [e for e in events if e["event"] == "crash"] == []
     assert [e["version"] for e in events if e["event"] == "round" and e["rank"] == 0] == [1]
     errors = {e["rank"]: e for e in events if e["event"] == "error"}
@@ -397,8 +409,11 @@ def test_rank_0_refusing_a_round_fails_every_rank_at_once_and_the_workers_keep_t
     assert errors[0]["changed"] == [[], []], "a refused round changed the workers' weights"
 
 
-def test_rank_0_failing_its_rendezvous_fails_every_rank_at_create_trainer() -> None:
-    events = run_ranks(3, "shm", rounds=1, fault="connect", limit=180)
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_rank_0_failing_its_rendezvous_fails_every_rank_at_create_trainer(backend: str) -> None:
+    """On gloo the other ranks are told before the workers' init (they join the workers' groups
+    meanwhile): they must still fail at once, with rank 0's reason."""
+    events = run_ranks(3, backend, rounds=1, fault="connect", limit=180)
     failed = {e["rank"]: e for e in events if e["event"] == "create_failed"}
     assert sorted(failed) == [0, 1, 2], events
     assert all("refused the connection" in e["message"] for e in failed.values()), failed

@@ -4,7 +4,8 @@ local workers; GB/s of the whole round as rank 0 waits for it, and peak extra RS
 trainer rank. Two sharded designs are measured: every rank writing its own shards (``writes``:
 what a ``ModuleSource`` gets on a backend with senders) and rank 0 gathering and sending every
 tensor (``gathers``: a source wrapper, or a backend without senders), with the FSDP gathers alone
-as that design's floor. Targets: writers >= 1.0x unsharded throughput, every writer rank's peak
+as that design's floor. Targets: writers >= 1.0x unsharded throughput on shm (more writers, same
+bytes), >= 0.8x on other engines (each rank streams its own bytes), every writer rank's peak
 extra RSS <= buffers x bucket + 64 MiB; gathers >= 0.8x, <= buffers x bucket + the largest
 parameter + 64 MiB. Every round is verified bit-exactly on every worker against the trainer's
 unsharded state.
@@ -22,7 +23,9 @@ from typing import Any
 
 from wtransfer._bench.report import add_report_arguments, figures_report, table
 
-TARGET_RATIO = {"writes": 1.0, "gathers": 0.8}
+TARGET_RATIO = {"writes": 0.8, "gathers": 0.8}
+WRITES_TARGET_ON_SHM = 1.0
+"""shm's ranks write into the buffers the workers read: more writers of the same bytes."""
 SLACK = 64 << 20
 from wtransfer.engines._protocol import MIB  # noqa: E402
 from wtransfer.engines._source import WeightSource  # noqa: E402  (imports no torch)
@@ -207,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
               f"{args.dtype} over {args.engine}")
         runs = [("unsharded", 1, run_trainer(1, args))]
         for ranks in writers:
-            print(f"sharded, every rank writes its shards: {ranks} FSDP2 trainer ranks (gloo default group)")
+            print(f"sharded, every rank sends its own shards: {ranks} FSDP2 trainer ranks (gloo default group)")
             runs.append(("writes", ranks, run_trainer(ranks, args, "writes")))
         if args.gathers:
             print(f"sharded, rank 0 gathers and sends: {args.gathers} FSDP2 trainer ranks")
@@ -228,7 +231,7 @@ def summarize(args: argparse.Namespace, runs: list[tuple[str, int, list[dict[str
     for mode, ranks, reports in runs:
         first = reports[0]
         ratio = rate(reports) / plain_rate
-        target = TARGET_RATIO.get(mode)
+        target = WRITES_TARGET_ON_SHM if mode == "writes" and args.engine == "shm" else TARGET_RATIO.get(mode)
         if mode == "writes" and not first.get("wrote_shards"):
             raise SystemExit(f"the {args.engine} engine has no senders: its sharded ranks gathered (use --ranks '' "
                              f"and --gathers N to measure it)")
@@ -254,7 +257,7 @@ def summarize(args: argparse.Namespace, runs: list[tuple[str, int, list[dict[str
     }
 
 
-_LABELS = {"unsharded": "unsharded (one process)", "writes": "sharded, every rank writes its shards",
+_LABELS = {"unsharded": "unsharded (one process)", "writes": "sharded, every rank sends its own shards",
            "gathers": "sharded, rank 0 gathers and sends", "gather-only": "FSDP gathers alone, nothing sent"}
 
 

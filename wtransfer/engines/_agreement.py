@@ -167,6 +167,15 @@ class RankAgreement:
             raise TransferError(f"trainer rank {self.trainer_rank}: lost the trainer ranks' store at '{step}': "
                                 f"{type(exc).__name__}: {exc}") from exc
 
+    def decided(self, step: str, wait_s: float) -> dict[str, Any] | None:
+        """Rank 0's decision for ``step`` if it comes within ``wait_s``, without taking part in it
+        (a rank that failed on its own looks for rank 0's reason: often the cause of its own failure)."""
+        try:
+            self.store.wait([f"{step}/decision"], datetime.timedelta(seconds=wait_s))
+            return json.loads(self.store.get(f"{step}/decision").decode())
+        except Exception:  # none in time, or the store is gone
+            return None
+
     def leave(self, step: str) -> None:
         """Another rank that will not take part in ``step`` (its gathers failed): rank 0 sees it at once."""
         try:

@@ -54,6 +54,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("wtransfer")
 
+TOLD_FAILURE_WAIT_S = 3.0
+"""A rank that could not join rank 0's transport waits this long for rank 0's own reason (rank 0
+failing its rendezvous, with the other ranks already joining, closes the transport under them)."""
+
 
 def walks_per_round(checksums: bool) -> int:
     """How many times a round reads the source: once, twice with manifest checksums."""
@@ -181,8 +185,10 @@ class ParticipantTrainer:
             sender = sender_cls(info, self.rank, self.source, self.timeout_s)
         except BaseException as exc:
             self.agreement.leave("senders")  # rank 0's decision then names this rank as missing
+            heard = self.agreement.decided("senders", TOLD_FAILURE_WAIT_S)
+            cause = f"; trainer rank 0 failed first: {heard.get('reason')}" if heard and not heard["ok"] else ""
             raise TransferError(f"trainer rank {self.rank}: could not join trainer rank 0's {self.backend} "
-                                f"transport: {type(exc).__name__}: {exc}") from exc
+                                f"transport: {type(exc).__name__}: {exc}{cause}") from exc
         try:
             heard = self.agreement.follow("senders", self.timeout_s + 30)
         except BaseException:

@@ -138,28 +138,69 @@ def writes_shards_as_is(source: Any) -> bool:
         getattr(cls, name) is getattr(ModuleSource, name) for name in ("metadata", "__iter__", "named_tensors"))
 
 
-def write_part(dst: torch.Tensor, first_element: int, part: LocalPart) -> None:
-    """Write the part's elements that fall in ``dst``: the tensor's flat elements
-    ``first_element : first_element + dst.numel()``, as a typed 1-D view of a bucket."""
-    start, stop = first_element, first_element + dst.numel()
-    width, first, end = part.width, part.first, part.end
+def part_span(start: int, stop: int, width: int, first: int, end: int) -> tuple[int, int]:
+    """Where a range of a tensor lies in one rank's part of it, in bytes.
+
+    The tensor's bytes ``start:stop`` hold the part's bytes ``low:high`` (the part as this rank
+    keeps it: rows of ``end - first`` bytes, one after the other). ``width``, ``first`` and
+    ``end`` are the part's byte geometry: each of its rows covers ``first:end`` of ``width``.
+    """
+    held = end - first
+
+    def before(position: int) -> int:  # the part's bytes that come before this tensor byte
+        row, column = divmod(position, width)
+        return row * held + min(max(column - first, 0), held)
+
+    return before(start), before(stop)
+
+
+def place_part(dst: torch.Tensor, start: int, width: int, first: int, end: int, src: torch.Tensor) -> None:
+    """Copy part bytes ``src`` to where they belong in ``dst``, the tensor's bytes ``start:`` (a
+    uint8 view of a bucket). ``src`` is exactly the part's bytes that fall there (see
+    :func:`part_span`): one run per row, and whole rows in between as one strided copy."""
+    stop = start + dst.numel()
     if end <= first or stop <= start:
         return
+    held = end - first
+    low_in_part = part_span(start, stop, width, first, end)[0]
 
     def in_row(row: int) -> None:
         low, high = max(row * width + first, start), min(row * width + end, stop)
         if low < high:
-            offset = row * width + first
-            copy_tensor(dst[low - start : high - start], part.local[row, low - offset : high - offset])
+            at = row * held + (low - row * width - first) - low_in_part
+            copy_tensor(dst[low - start : high - start], src[at : at + high - low])
 
     first_row, last_row = start // width, (stop - 1) // width
     in_row(first_row)
     if last_row > first_row + 1:  # the rows in between are whole: one strided copy
-        rows = slice(first_row + 1, last_row)
-        block = dst[(first_row + 1) * width - start : last_row * width - start].view(last_row - first_row - 1, width)
-        block[:, first:end].copy_(part.local[rows])
+        rows = last_row - first_row - 1
+        block = dst[(first_row + 1) * width - start : last_row * width - start].view(rows, width)
+        at = (first_row + 1) * held - low_in_part
+        block[:, first:end].copy_(src[at : at + rows * held].view(rows, held))
     if last_row > first_row:
         in_row(last_row)
+
+
+def byte_geometry(part: LocalPart) -> tuple[int, int, int]:
+    """``(width, first, end)`` of a part in bytes."""
+    size = part.local.element_size()
+    return part.width * size, part.first * size, part.end * size
+
+
+def part_bytes(part: LocalPart) -> torch.Tensor:
+    """The part as this rank holds it, as flat bytes (a view: ``local`` is contiguous)."""
+    import torch
+
+    return part.local.reshape(-1).view(torch.uint8)
+
+
+def write_part(dst: torch.Tensor, start: int, part: LocalPart) -> None:
+    """Write the part's bytes that fall in ``dst``: the tensor's bytes ``start : start + dst.numel()``,
+    as a uint8 view of a bucket."""
+    width, first, end = byte_geometry(part)
+    low, high = part_span(start, start + dst.numel(), width, first, end)
+    if low < high:
+        place_part(dst, start, width, first, end, part_bytes(part)[low:high])
 
 
 def write_bucket(bucket: Bucket, data: torch.Tensor, entries: tuple[TensorEntry, ...],
@@ -167,12 +208,8 @@ def write_bucket(bucket: Bucket, data: torch.Tensor, entries: tuple[TensorEntry,
     """Write this rank's parts of ``bucket`` into ``data`` (the bucket's bytes)."""
     for piece in bucket.pieces:
         part = parts[piece.index]
-        if part is None or piece.length == 0:
-            continue
-        entry = entries[piece.index]
-        itemsize = part.local.element_size()
-        dst = data[piece.offset : piece.offset + piece.length].view(entry.torch_dtype())
-        write_part(dst, piece.start // itemsize, part)
+        if part is not None and piece.length:
+            write_part(data[piece.offset : piece.offset + piece.length], piece.start, part)
 
 
 def entries_digest(entries: Iterable[TensorEntry]) -> str:

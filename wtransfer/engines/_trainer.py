@@ -264,8 +264,12 @@ class TrainerWeightTransferEngine(ABC):
     backend_init_defaults: ClassVar[dict[str, Any]] = {}
     """Per-class overrides of ``init_options_cls`` defaults (e.g. NCCL's ``channels``: 1)."""
     sender_cls: ClassVar[type | None] = None
-    """Sharded trainers: the class with which every other trainer rank writes its own shards into
-    this backend's buffers (``shm``). None: rank 0 gathers every tensor and sends it alone."""
+    """Sharded trainers: the class with which every other trainer rank sends its own shards: into
+    this backend's buffers (``shm``), or on groups of its own with the workers (``gloo``). None:
+    rank 0 gathers every tensor and sends it alone."""
+    senders_join_with_workers: ClassVar[bool] = False
+    """Whether the other ranks join while the workers do (their groups include the workers, who
+    build them at init), so they are told before the workers' init call, not after it."""
 
     def __init__(
         self,
@@ -321,6 +325,8 @@ class TrainerWeightTransferEngine(ABC):
         self._closed = False
         self._connected = False
         self._attempt = 0  # send_weights() calls: every sharded rank counts them alike
+        self.told_ranks = False
+        """Sharded: the other ranks heard that rank 0 connected (they may be joining the transport)."""
         self.agreement: RankAgreement | None = None
         """Sharded trainers: how rank 0 tells the other ranks what it decided (set by ``create_trainer``)."""
         self._client_thread = ClientThread()
@@ -399,6 +405,8 @@ class TrainerWeightTransferEngine(ABC):
             return
         try:
             worker_info = self.prepare_workers()
+            if self.agreement is not None and self.parallel_senders and self.senders_join_with_workers:
+                self.tell_ranks_connected()
             call = self._call("init_weight_transfer_engine", worker_info)
             try:
                 self.wait_for_workers(call)
@@ -608,6 +616,15 @@ class TrainerWeightTransferEngine(ABC):
     def stop_senders(self, reason: str) -> None:
         """Backends with a ``sender_cls``: tell the other ranks the current round failed (best effort)."""
 
+    def tell_ranks_connected(self) -> None:
+        """Sharded: tell the other ranks there is a trainer to follow (and, with parallel senders,
+        how to join the transport)."""
+        assert self.agreement is not None
+        senders = self.open_senders() if self.parallel_senders else None
+        self.agreement.decide("connect", {"ok": True, "timeout_s": self.timeout_s, "senders": senders},
+                              self.timeout_s)
+        self.told_ranks = True
+
 
 def _ranks_can_send(sender_cls: type | None, source: WeightSource, checksums: bool) -> bool:
     """Whether a sharded trainer's ranks write their own shards: the backend can, the source is a
@@ -692,6 +709,7 @@ def create_trainer(
             logger.info("Trainer rank %d of a sharded %s trainer: %s", rank, backend,
                         "writes its own shards" if participant.sender is not None else "gathers only, rank 0 sends")
             return participant
+    trainer: TrainerWeightTransferEngine | None = None
     try:
         if client is None:
             raise TypeError("create_trainer(): the sender (rank 0, or an unsharded trainer) needs a client")
@@ -700,8 +718,10 @@ def create_trainer(
         trainer.connect()
     except BaseException as exc:
         if agreement is not None:  # the other ranks wait to hear whether there is a trainer to follow
+            told = trainer is not None and trainer.told_ranks  # then they wait to hear whether all joined
             try:
-                agreement.decide("connect", {"ok": False, "reason": f"{type(exc).__name__}: {exc}"}, TELL_WAIT_S)
+                agreement.decide("senders" if told else "connect",
+                                 {"ok": False, "reason": f"{type(exc).__name__}: {exc}"}, TELL_WAIT_S)
             except Exception:
                 pass  # some left already; this rank's own error is the one to raise
         raise
@@ -717,11 +737,12 @@ def create_trainer(
 
 
 def _connect_ranks(trainer: TrainerWeightTransferEngine, agreement: RankAgreement) -> None:
-    """Rank 0 of a sharded trainer, connected: tell the other ranks, and with parallel senders
-    wait until every rank joined the transport (if one cannot, every rank raises)."""
-    senders = trainer.open_senders() if trainer.parallel_senders else None
-    agreement.decide("connect", {"ok": True, "timeout_s": trainer.timeout_s, "senders": senders}, trainer.timeout_s)
-    if senders is None:
+    """Rank 0 of a sharded trainer, connected: tell the other ranks (unless they were told before the
+    workers' init), and with parallel senders wait until every rank joined the transport (if one
+    cannot, every rank raises)."""
+    if not trainer.told_ranks:
+        trainer.tell_ranks_connected()
+    if not trainer.parallel_senders:
         return
     try:
         trainer.wait_for_senders(agreement.others)

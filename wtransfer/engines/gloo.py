@@ -8,6 +8,10 @@ picked), ``listen_address``, ``direct_min_bytes``, ``channels``, ``local_address
 ``interface``; workers take ``max_buffer_bytes`` and ``local_address`` or ``interface`` in
 ``WeightTransferConfig.options`` (:class:`GlooOptions`; by default, their address on the
 route to the trainer). ``wtransfer show engine gloo`` prints both tables.
+
+A sharded trainer (``create_trainer(..., rank=R)`` on every rank, a ``ModuleSource``) has every
+rank send its own shards on process groups of its own with the workers; nothing is gathered
+(:mod:`wtransfer.engines._part_streams`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 from wtransfer.engines._torch_distributed import (
     GlooInitOptions,
     GlooOptions,
+    TorchDistributedSender,
     TorchDistributedTrainer,
     TorchDistributedWeightTransferEngine,
 )
@@ -26,6 +31,7 @@ class GlooTrainer(TorchDistributedTrainer):
     backend = "gloo"
     distributed_backend = "gloo"
     init_options_cls = GlooInitOptions
+    sender_cls = TorchDistributedSender  # a sharded trainer's every rank sends its own shards
 
 
 class GlooWeightTransferEngine(TorchDistributedWeightTransferEngine):
