@@ -327,7 +327,7 @@ def test_an_unknown_commit_mode_is_refused_naming_both() -> None:
     with pytest.raises(ValueError, match="'atomic'.*'streaming'"):
         wtransfer.create_trainer("shm", client=object(), source={"w": torch.zeros(1)}, commit="two-phase")
     with pytest.raises(ValueError, match="commit mode 'eventual'"):
-        Manifest.from_dict({"format": 1, "version": 1, "tensors": [], "commit": {"mode": "eventual", "key": "k", "timeout_s": 1}})
+        Manifest.from_dict({"format": 2, "version": 1, "tensors": [], "commit": {"mode": "eventual", "key": "k", "timeout_s": 1}})
 
 
 def test_a_control_plane_timeout_marks_the_trainer_broken_so_no_retry_overlaps_the_hung_call() -> None:

@@ -110,7 +110,7 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
         try:
             trainer = wtransfer.create_trainer(
                 backend, client=client, source=source, rank=rank,
-                init_info=INIT_INFO if rank == 0 else None,
+                init_info=INIT_INFO if rank == 0 else None, checksums=fault == "checksums",
             )
         except Exception as exc:
             say(event="create_failed", type=type(exc).__name__, message=str(exc)[:2000],
@@ -297,13 +297,15 @@ def run_ranks(world: int, backend: str, rounds: int, victim: int = -1, limit: fl
 
 @pytest.mark.parametrize(("world", "backend", "mode"), [(2, "shm", "writes"), (4, "shm", "writes"),
                                                        (2, "gloo", "writes"), (4, "gloo", "writes"),
+                                                       (2, "shm", "checksums"), (4, "gloo", "checksums"),
                                                        (2, "shm", "gathers"), (2, "gloo", "gathers")])
 def test_fsdp2_trainer_ranks_sync_the_unsharded_state_after_optimizer_steps(world: int, backend: str,
                                                                             mode: str) -> None:
     """``writes``: every rank sends its own shards (a ModuleSource on every rank): into shm's buffers,
     or on gloo groups of its own with the workers; ``gathers``: rank 0 gathers and sends (a wrapper
-    of the user's)."""
-    events = run_ranks(world, backend, rounds=3, fault="gathered" if mode == "gathers" else "")
+    of the user's); ``checksums``: every rank writes or sends its own shards, and the workers verify
+    digests computed as the bytes moved."""
+    events = run_ranks(world, backend, rounds=3, fault={"gathers": "gathered", "checksums": "checksums"}.get(mode, ""))
     assert [e for e in events if e["event"] in ("error", "crash")] == []
     sender = [e for e in events if e["event"] == "round" and e["sender"]]
     assert [e["version"] for e in sender] == [1, 2, 3]
@@ -312,7 +314,7 @@ def test_fsdp2_trainer_ranks_sync_the_unsharded_state_after_optimizer_steps(worl
         assert event["worker_versions"] == [event["version"]] * 2
     others = [e for e in events if e["event"] == "round" and not e["sender"]]
     assert len(others) == 3 * (world - 1)  # every rank took part in every round
-    assert all(e["wrote_shards"] == (mode == "writes") for e in others), others
+    assert all(e["wrote_shards"] == (mode != "gathers") for e in others), others
     if mode == "gathers":
         assert all(e["tensors"] == others[0]["tensors"] for e in others)
     assert len([e for e in events if e["event"] == "done"]) == world

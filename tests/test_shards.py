@@ -167,17 +167,18 @@ def test_only_a_module_source_that_yields_its_module_as_is_is_written_by_the_ran
     assert not writes_shards_as_is({"w": torch.zeros(2)})
 
 
-def test_ranks_write_their_shards_only_where_the_backend_and_the_options_allow() -> None:
-    """No sender class (gloo, nccl) or manifest checksums (computed from whole tensors): rank 0 gathers."""
+def test_ranks_send_their_shards_only_where_the_backend_has_senders() -> None:
+    """No sender class (nccl): rank 0 gathers. Checksums no longer force gathers (each rank hashes its part)."""
     import torch
 
+    from wtransfer.engines import gloo, shm
     from wtransfer.engines._source import ModuleSource
     from wtransfer.engines._trainer import _ranks_can_send
 
     source = ModuleSource(torch.nn.Linear(2, 2))
-    assert _ranks_can_send(object, source, checksums=False)
-    assert not _ranks_can_send(object, source, checksums=True)
-    assert not _ranks_can_send(None, source, checksums=False)
+    assert _ranks_can_send(shm.SharedMemoryTrainer.sender_cls, source)
+    assert _ranks_can_send(gloo.GlooTrainer.sender_cls, source)
+    assert not _ranks_can_send(None, source)
 
 
 def test_a_part_that_is_not_the_rounds_tensor_is_refused() -> None:

@@ -87,6 +87,47 @@ def test_two_workers_receive_every_round_bit_exactly(backend: str, extra: dict) 
     assert shm_names() <= before
 
 
+@pytest.mark.parametrize(("backend", "extra"), [("shm", {}), ("gloo", {}), ("gloo", {"direct_min_bytes": 1024})],
+                         ids=["shm", "gloo", "gloo-in-place"])
+def test_a_digest_mismatch_fails_the_round_and_every_worker_keeps_its_weights(
+    backend: str, extra: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The workers hash what they received and compare with the trainer's digests before the round
+    commits: one wrong digest (what corruption in transit looks like to them) fails the round, and
+    every worker still holds the last round's weights, compared value by value. (The trainer runs in
+    this process, the workers in their own: only the trainer's digests are made wrong.)"""
+    from wtransfer.engines._digests import RoundDigests
+
+    model = build_model(MIXED, "float32", random=True)
+    with pool_for(backend, MIXED) as pool:
+        init_info = {"world_size": pool.world_size, "bucket_bytes": 8192, "num_buffers": 2, "timeout_s": TIMEOUT}
+        trainer = wtransfer.create_trainer(backend, client=pool, source=model, init_info={**init_info, **extra},
+                                           checksums=True)  # fmt: skip
+        try:
+            trainer.send_weights()
+            kept = {name: p.detach().clone() for name, p in model.named_parameters()}
+            mutate(model, 2)
+            honest = RoundDigests.digests
+
+            def one_wrong(self: RoundDigests) -> list[int]:
+                values = honest(self)
+                values[0] ^= 1  # embed.weight: split over many buckets
+                return values
+
+            monkeypatch.setattr(RoundDigests, "digests", one_wrong)
+            with pytest.raises(TransferError, match="checksum mismatch for 'embed.weight'"):
+                trainer.send_weights()
+            from wtransfer.engines import tensor_checksum
+
+            expected = {name: tensor_checksum(tensor) for name, tensor in kept.items()}
+            assert expected != digests(model)  # round 2 carried new values
+            for rank, got in enumerate(pool.digests()):
+                assert got == expected, f"worker {rank} changed"
+            assert [s["weight_version"] for s in pool.stats()] == [1, 1]
+        finally:
+            trainer.shutdown()
+
+
 class Recorder:
     def __init__(self) -> None:
         self.created: list[Any] = []

@@ -177,7 +177,7 @@ def test_module_loader_rejects_mismatches_listing_all_and_writes_nothing() -> No
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     bad = Manifest.from_dict(
-        {"format": 1, "version": 3, "checksums": None,
+        {"format": 2, "version": 3, "digests": None,
          "tensors": [["0.weight", "float32", [3, 4]], ["0.bias", "float32", [4]],
                      ["1.weight", "float16", [3]], ["nope", "float32", [1]]]}
     )  # fmt: skip
@@ -223,16 +223,37 @@ def test_dtensor_style_parameters_are_materialised_at_send_time() -> None:
     assert Sharded.calls == 1 and torch.equal(tensor, torch.full((2, 2), 2.0))
 
 
-def test_checksums_detect_corruption() -> None:
-    tensors = {"a": torch.arange(4096, dtype=torch.float32)}
+def test_digests_computed_while_packing_and_unpacking_agree_and_catch_one_flipped_bit() -> None:
+    from wtransfer.engines._digests import RoundDigests, check
+
+    tensors = {"a": torch.arange(4096, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16),
+               "big": torch.randn(5000)}  # split over buckets
     source = TensorSource(tensors)
-    manifest = build_manifest(source.metadata(), 1, [tensor_checksum(tensors["a"])])
-    (bucket,) = plan_buckets(manifest.entries, 1 << 16)
-    buffer = torch.zeros(1 << 16, dtype=torch.uint8)
-    Packer(manifest, iter(source)).pack(bucket, buffer)
-    buffer[100] ^= 1
-    with pytest.raises(TransferError, match="checksum mismatch for 'a'"):
-        Unpacker(manifest, lambda batch: None).unpack(bucket, buffer)
+    manifest = build_manifest(source.metadata(), 1, "xxh3_64")
+    buckets = plan_buckets(manifest.entries, 1 << 14)
+    names = [e.name for e in manifest.entries]
+    sent, received = RoundDigests(3), RoundDigests(3)
+    packer, unpacker = Packer(manifest, iter(source), sent), Unpacker(manifest, lambda batch: None, received)
+    copies = []
+    for bucket in buckets:
+        buffer = torch.zeros(1 << 14, dtype=torch.uint8)
+        packer.pack(bucket, buffer, 0)
+        sent.fence(0)
+        copies.append(buffer.clone())
+        unpacker.unpack(bucket, copies[-1][: bucket.nbytes], 1)
+    theirs, ours = sent.digests(), received.digests()
+    check(names, theirs, ours)  # the same bytes: the same digests
+    assert len(set(theirs)) == 3
+    import xxhash
+
+    assert theirs[0] == xxhash.xxh3_64_intdigest(tensors["a"].numpy().tobytes())  # the tensor's bytes, whole
+    flipped = RoundDigests(3)
+    unpacker = Unpacker(manifest, lambda batch: None, flipped)
+    copies[-1][7] ^= 1  # one bit of the last bucket
+    for bucket, copy in zip(buckets, copies):
+        unpacker.unpack(bucket, copy[: bucket.nbytes])
+    with pytest.raises(TransferError, match="checksum mismatch for 'big'"):
+        check(names, theirs, flipped.digests())
 
 
 def test_a_source_that_changes_under_the_trainer_is_an_error() -> None:
@@ -247,11 +268,12 @@ def test_a_source_that_changes_under_the_trainer_is_an_error() -> None:
 @pytest.mark.parametrize(
     ("data", "fragment"),
     [
-        ({"format": 2, "version": 1, "tensors": []}, "format 2 is not supported"),
-        ({"format": 1, "version": -1, "tensors": []}, "'version' must be"),
-        ({"format": 1, "version": 1, "tensors": [["a", "float99", [1]]]}, "unsupported dtype 'float99'"),
-        ({"format": 1, "version": 1, "tensors": [["a", "float32", [1]], ["a", "float32", [1]]]}, "more than once: a"),
-        ({"format": 1, "version": 1, "tensors": [["a", "float32", [-1]]]}, "invalid shape"),
+        ({"format": 1, "version": 1, "tensors": [], "checksums": [1]}, "format 1 is not supported"),
+        ({"format": 2, "version": -1, "tensors": []}, "'version' must be"),
+        ({"format": 2, "version": 1, "tensors": [], "digests": "crc32"}, "'digests' must be null or one of"),
+        ({"format": 2, "version": 1, "tensors": [["a", "float99", [1]]]}, "unsupported dtype 'float99'"),
+        ({"format": 2, "version": 1, "tensors": [["a", "float32", [1]], ["a", "float32", [1]]]}, "more than once: a"),
+        ({"format": 2, "version": 1, "tensors": [["a", "float32", [-1]]]}, "invalid shape"),
     ],
 )
 def test_bad_manifests_are_rejected_with_the_reason(data: dict, fragment: str) -> None:
@@ -275,7 +297,7 @@ def test_parse_info_errors_name_the_engine_and_the_field(engine_cls: type) -> No
         engine.parse_update_info({})
     with pytest.raises(ValueError, match="format"):
         engine.parse_update_info({"manifest": {"format": 0}})
-    info = engine.parse_update_info({"manifest": {"format": 1, "version": 2, "tensors": []}, "is_checkpoint_format": False})
+    info = engine.parse_update_info({"manifest": {"format": 2, "version": 2, "tensors": []}, "is_checkpoint_format": False})
     assert info.parsed.version == 2 and info.is_checkpoint_format is False
     engine.shutdown()
     engine.shutdown()  # idempotent

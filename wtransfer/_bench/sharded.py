@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import multiprocessing
 import socket
 import statistics
@@ -38,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", default="2,4", help="trainer ranks of the sharded runs (writers; comma-separated)")
     parser.add_argument("--gathers", type=int, default=2, help="trainer ranks of the run where rank 0 gathers (0: none)")
     parser.add_argument("--workers", type=int, default=1, help="local worker processes")
+    parser.add_argument("--no-checksums", dest="checksums", action="store_false",
+                        help="skip the rows with checksums=True (unsharded, and the first --ranks count)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per run (the median is reported)")
     parser.add_argument("--timeout", type=float, default=300.0, help="timeout_s of every wait")
     add_report_arguments(parser)
@@ -102,6 +105,7 @@ def _rank_main(rank: int, ranks: int, port: int, options: str, conn: Any) -> Non
         trainer = create_trainer(
             args["engine"], client=pool, source=source, rank=rank if ranks > 1 else None,
             init_info={"world_size": args["workers"] + 1, "timeout_s": args["timeout"]} if rank == 0 else None,
+            checksums=args["checksums"],
         )
         if rank == 0:
             buffers = trainer.num_buffers * trainer.bucket_bytes  # type: ignore[union-attr]
@@ -114,7 +118,10 @@ def _rank_main(rank: int, ranks: int, port: int, options: str, conn: Any) -> Non
                     mutate_tensor(local, index)
             if index:  # round 1 counts from before the trainer existed (its buffers included);
                 rss.reset()  # later ones from the memory held between rounds (checks left out)
+            cpu, workers_cpu = time.process_time(), _cpu_seconds(pool)
             stats = trainer.send_weights()
+            # CPU seconds this round took here (every thread), and on rank 0 in the workers too
+            report.setdefault("round_cpu", []).append(time.process_time() - cpu + _cpu_seconds(pool) - workers_cpu)
             report.setdefault("round_peaks", []).append(rss.extra())
             peak_extra = max(peak_extra, rss.extra())
             expected = unsharded_digests(model)  # a collective on every rank, one parameter at a time
@@ -138,6 +145,15 @@ def _rank_main(rank: int, ranks: int, port: int, options: str, conn: Any) -> Non
         if pool is not None:
             pool.shutdown()
     conn.send_bytes(json.dumps(report).encode())
+
+
+def _cpu_seconds(pool: Any) -> float:
+    """User + system CPU seconds the pool's worker processes used so far (0 without a pool)."""
+    if pool is None:
+        return 0.0
+    import psutil
+
+    return sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in pool.pids)
 
 
 def _return_free_memory() -> None:
@@ -174,11 +190,12 @@ def unsharded_digests(model: Any) -> dict[str, int]:
     return digests
 
 
-def run_trainer(ranks: int, args: argparse.Namespace, mode: str = "writes") -> list[dict[str, Any]]:
+def run_trainer(ranks: int, args: argparse.Namespace, mode: str = "writes", checksums: bool = False) -> list[dict[str, Any]]:
     """Run one configuration (1 = unsharded) in fresh processes; every rank's report."""
     context = multiprocessing.get_context("spawn")
     port = _free_port()
     options = json.dumps({"model": args.model, "dtype": args.dtype, "workers": args.workers, "mode": mode,
+                          "checksums": checksums,
                           "rounds": args.rounds, "engine": args.engine, "timeout": args.timeout})
     pipes, processes = [], []
     for rank in range(ranks):
@@ -215,6 +232,12 @@ def run(args: argparse.Namespace) -> int:
         if args.gathers:
             print(f"sharded, rank 0 gathers and sends: {args.gathers} FSDP2 trainer ranks")
             runs.append(("gathers", args.gathers, run_trainer(args.gathers, args, "gathers")))
+        if args.checksums:  # digests computed as the bytes move, verified by the workers before commit
+            print("unsharded, checksums=True")
+            runs.append(("unsharded+checksums", 1, run_trainer(1, args, checksums=True)))
+            if writers:
+                print(f"sharded, every rank sends its own shards, checksums=True: {writers[0]} FSDP2 trainer ranks")
+                runs.append(("writes+checksums", writers[0], run_trainer(writers[0], args, "writes", checksums=True)))
         figures.update(summarize(args, runs))
         if not args.json and args.markdown is None:
             for line in markdown(figures):
@@ -226,21 +249,27 @@ def summarize(args: argparse.Namespace, runs: list[tuple[str, int, list[dict[str
     def rate(reports: list[dict[str, Any]]) -> float:
         return statistics.median(r["gb_per_s"] for r in reports[0]["rounds"])
 
+    def cores_busy(reports: list[dict[str, Any]]) -> float:
+        """CPU seconds of every process of a round (trainer ranks, workers) per second of the round."""
+        rounds = reports[0]["rounds"]
+        return statistics.median(sum(r["round_cpu"][i] for r in reports) / rounds[i]["seconds"]
+                                 for i in range(len(rounds)))
+
     plain_rate = rate(runs[0][2])
     rows, memory = [], []
     for mode, ranks, reports in runs:
         first = reports[0]
         ratio = rate(reports) / plain_rate
         target = WRITES_TARGET_ON_SHM if mode == "writes" and args.engine == "shm" else TARGET_RATIO.get(mode)
-        if mode == "writes" and not first.get("wrote_shards"):
+        if mode.startswith("writes") and not first.get("wrote_shards"):
             raise SystemExit(f"the {args.engine} engine has no senders: its sharded ranks gathered (use --ranks '' "
                              f"and --gathers N to measure it)")
         rows.append({"mode": mode, "ranks": ranks, "gb_per_s": rate(reports), "ratio": ratio, "target": target,
-                     "ok": target is None or ratio >= target})
+                     "cores_busy": cores_busy(reports), "ok": target is None or ratio >= target})
         if mode == "gathers":
             gather_rate = first["rounds"][0]["bytes"] / first["gather_only_seconds"] / 1e9
             rows.append({"mode": "gather-only", "ranks": ranks, "gb_per_s": gather_rate,
-                         "ratio": gather_rate / plain_rate, "target": None, "ok": True})
+                         "ratio": gather_rate / plain_rate, "target": None, "cores_busy": None, "ok": True})
         for report in reports:
             later = report["round_peaks"][1:] or report["round_peaks"]
             memory.append({"mode": mode, "ranks": ranks, "rank": report["rank"], "budget": first["budget"],
@@ -258,7 +287,9 @@ def summarize(args: argparse.Namespace, runs: list[tuple[str, int, list[dict[str
 
 
 _LABELS = {"unsharded": "unsharded (one process)", "writes": "sharded, every rank sends its own shards",
-           "gathers": "sharded, rank 0 gathers and sends", "gather-only": "FSDP gathers alone, nothing sent"}
+           "gathers": "sharded, rank 0 gathers and sends", "gather-only": "FSDP gathers alone, nothing sent",
+           "unsharded+checksums": "unsharded, checksums=True",
+           "writes+checksums": "sharded, every rank sends its own shards, checksums=True"}
 
 
 def markdown(figures: dict[str, Any]) -> list[str]:
@@ -269,9 +300,11 @@ def markdown(figures: dict[str, Any]) -> list[str]:
 
     return [
         figures["setup"] + ".", "",
-        *table("throughput (whole rounds as rank 0 waits for them, medians)",
-               ["trainer", "ranks", "GB/s", "vs unsharded", "target"],
-               [[_LABELS[r["mode"]], str(r["ranks"]), f"{r['gb_per_s']:.2f}", f"{r['ratio']:.2f}×", target(r)]
+        *table("throughput (whole rounds as rank 0 waits for them, medians; cores busy: CPU seconds of every "
+               "trainer rank and worker per second of the round)",
+               ["trainer", "ranks", "GB/s", "vs unsharded", "target", "cores busy"],
+               [[_LABELS[r["mode"]], str(r["ranks"]), f"{r['gb_per_s']:.2f}", f"{r['ratio']:.2f}×", target(r),
+                 "" if r["cores_busy"] is None else f"{r['cores_busy']:.2f} of {os.cpu_count()}"]
                 for r in figures["rows"]]),
         "",
         *table("peak extra RSS per trainer rank (MiB; round 1 counts the trainer's buffers and one-time set-up)",

@@ -8,8 +8,13 @@ Wire form::
 
     {"format": 1, "version": 7,
      "tensors": [["model.embed.weight", "bfloat16", [151936, 896]], ...],
-     "checksums": [3735928559, ...] | None,     # optional per-tensor CRC32 of the bytes
+     "digests": "xxh3_64" | None,
      "commit": {"mode": "atomic", "key": "9f0c...", "timeout_s": 300.0} | None}
+
+``digests`` says the trainer hashes every tensor as it sends it and sends the digests after
+the data (see ``_digests``): workers hash what they receive and compare before the round can
+commit. A worker that verified a round keeps the digests on its parsed manifest (``checksums``):
+the round's content, by value.
 
 ``commit`` says how workers apply the round (see ``_commit``): ``atomic`` stages it in
 host memory and loads it into the model only at ``finish_weight_update``, after every
@@ -21,7 +26,7 @@ it (a trainer that predates commit modes) is streamed, as such trainers always w
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -31,7 +36,9 @@ from wtransfer._dtypes import dtype_from_name, dtype_name, supported_dtype_names
 if TYPE_CHECKING:
     import torch
 
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2
+"""2: per-tensor digests travel after the data (``digests``), no longer CRC32s in the manifest."""
+DIGEST_ALGORITHMS = ("xxh3_64",)
 
 COMMIT_MODES = ("atomic", "streaming")
 """How a round reaches the model: staged then committed everywhere, or written as it arrives."""
@@ -102,7 +109,11 @@ class Manifest:
     entries: tuple[TensorEntry, ...]
     version: int
     checksums: tuple[int, ...] | None = None
+    """On a worker, after the round: every tensor's digest, sent by the trainer and verified here.
+    Never on the wire (the trainer computes them while sending)."""
     commit: CommitPlan | None = None
+    digests: str | None = None
+    """The algorithm of the digests the trainer sends after the data, or None (no checksums)."""
 
     @property
     def total_bytes(self) -> int:
@@ -113,7 +124,7 @@ class Manifest:
             "format": MANIFEST_FORMAT,
             "version": self.version,
             "tensors": [[e.name, e.dtype, list(e.shape)] for e in self.entries],
-            "checksums": list(self.checksums) if self.checksums is not None else None,
+            "digests": self.digests,
             "commit": self.commit.to_dict() if self.commit is not None else None,
         }
 
@@ -138,15 +149,11 @@ class Manifest:
         if len(set(names)) != len(names):
             dupes = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"manifest names tensors more than once: {', '.join(dupes)}")
-        checksums = data.get("checksums")
-        if checksums is not None:
-            if not isinstance(checksums, list) or len(checksums) != len(entries) or not all(
-                isinstance(c, int) and not isinstance(c, bool) for c in checksums
-            ):
-                raise ValueError("manifest 'checksums' must be null or one int per tensor")
-            checksums = tuple(checksums)
+        digests = data.get("digests")
+        if digests is not None and digests not in DIGEST_ALGORITHMS:
+            raise ValueError(f"manifest 'digests' must be null or one of {DIGEST_ALGORITHMS}, got {digests!r}")
         commit = data.get("commit")
-        return cls(entries, version, checksums, CommitPlan.from_dict(commit) if commit is not None else None)
+        return cls(entries, version, None, CommitPlan.from_dict(commit) if commit is not None else None, digests)
 
 
 def _parse_entry(index: int, item: Any) -> TensorEntry:
@@ -171,10 +178,10 @@ def entry_for(name: str, tensor: torch.Tensor) -> TensorEntry:
 def build_manifest(
     entries: Iterable[TensorEntry],
     version: int,
-    checksums: Sequence[int] | None = None,
+    digests: str | None = None,
     commit: CommitPlan | None = None,
 ) -> Manifest:
-    return Manifest(tuple(entries), version, tuple(checksums) if checksums is not None else None, commit)
+    return Manifest(tuple(entries), version, None, commit, digests)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -14,12 +14,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from wtransfer.engines._manifest import Manifest, TensorEntry, entry_for, tensor_bytes, tensor_checksum
+from wtransfer.engines._manifest import Manifest, TensorEntry, entry_for, tensor_bytes
 from wtransfer.engines._protocol import ALIGN, check_bucket_bytes
 from wtransfer.errors import TransferError
 
 if TYPE_CHECKING:
     import torch
+
+    from wtransfer.engines._digests import RoundDigests
 
 LoadWeights = Callable[[list[tuple[str, "torch.Tensor"]]], None]
 """Called incrementally with batches of ``(name, tensor)``; tensors are only valid during the call."""
@@ -155,8 +157,11 @@ class Packer:
     they are held until that bucket is packed.
     """
 
-    def __init__(self, manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor]],
+                 digests: RoundDigests | None = None) -> None:
         self._entries = manifest.entries
+        self.digests = digests
+        """With checksums: every byte packed is hashed into its tensor's digest (on a helper thread)."""
         self._tensors = tensors
         self._index = -1
         self._tensor: torch.Tensor | None = None
@@ -197,11 +202,12 @@ class Packer:
         self._target = index
         return self._tensor
 
-    def pack(self, bucket: Bucket, data: torch.Tensor) -> list[torch.Tensor]:
+    def pack(self, bucket: Bucket, data: torch.Tensor, buffer: int = -1) -> list[torch.Tensor]:
         """Fill ``data`` (a uint8 buffer of at least ``bucket.nbytes``) with the bucket's bytes.
 
         Returns the source tensors read, for a transport whose copies are still in flight
-        (a GPU stream) and must keep them alive until done.
+        (a GPU stream) and must keep them alive until done. With digests, the packed bytes are
+        hashed later from ``data``: fence ``buffer`` before writing into it again.
         """
         read: list[torch.Tensor] = []
         for piece in bucket.pieces:
@@ -212,14 +218,16 @@ class Packer:
                 # copy_ reads any strides/storage offset directly: no temporary for views.
                 copy_tensor(_typed_view(data, piece, self._entries[piece.index]), tensor)
                 read.append(tensor)
-                continue
-            if self._flat is None:
-                self._flat = tensor_bytes(tensor)  # a contiguous copy if the tensor is not
-            copy_tensor(
-                data[piece.offset : piece.offset + piece.length],
-                self._flat[piece.start : piece.start + piece.length],
-            )
-            read.append(self._flat)
+            else:
+                if self._flat is None:
+                    self._flat = tensor_bytes(tensor)  # a contiguous copy if the tensor is not
+                copy_tensor(
+                    data[piece.offset : piece.offset + piece.length],
+                    self._flat[piece.start : piece.start + piece.length],
+                )
+                read.append(self._flat)
+            if self.digests is not None:
+                self.digests.update(piece.index, data[piece.offset : piece.offset + piece.length], buffer)
         return read
 
     def direct_bytes(self, bucket: Bucket, device: torch.device) -> torch.Tensor | None:
@@ -230,7 +238,10 @@ class Packer:
         tensor = self._advance_to(piece.index)
         if not tensor.is_contiguous() or tensor.device != device:
             return None
-        return tensor_bytes(tensor)[piece.start : piece.start + piece.length]
+        view = tensor_bytes(tensor)[piece.start : piece.start + piece.length]
+        if self.digests is not None:
+            self.digests.update(piece.index, view)
+        return view
 
     def drain(self) -> None:
         """After the last bucket: the source must not hold more tensors than announced."""
@@ -255,8 +266,10 @@ class Unpacker:
     copy) is only told what arrived, so nothing is assembled for it.
     """
 
-    def __init__(self, manifest: Manifest, load_weights: LoadWeights) -> None:
+    def __init__(self, manifest: Manifest, load_weights: LoadWeights, digests: RoundDigests | None = None) -> None:
         self._manifest = manifest
+        self.digests = digests
+        """With checksums: every byte received is hashed into its tensor's digest (see :meth:`verify`)."""
         self._load = load_weights
         self._destination: Callable[[str], torch.Tensor | None] | None = getattr(
             load_weights, "destination", None
@@ -278,16 +291,22 @@ class Unpacker:
         return tensor_bytes(target)[piece.start : piece.start + piece.length]
 
     def received_in_place(self, bucket: Bucket) -> None:
-        """A direct bucket landed in its destination: account for it (and verify when complete)."""
+        """A direct bucket landed in its destination: account for it (and hash it)."""
         piece = bucket.pieces[0]
-        if piece.start + piece.length == self._manifest.entries[piece.index].nbytes:
-            entry = self._manifest.entries[piece.index]
-            target = self._destination(entry.name) if self._destination is not None else None
+        entry = self._manifest.entries[piece.index]
+        if self.digests is not None and self._destination is not None:
+            target = self._destination(entry.name)
             if target is not None:
-                self._verify(piece.index, target)
+                self.digests.update(piece.index, tensor_bytes(target)[piece.start : piece.start + piece.length])
+        if piece.start + piece.length == entry.nbytes:
             self.delivered += 1
 
-    def unpack(self, bucket: Bucket, data: torch.Tensor) -> None:
+    def unpack(self, bucket: Bucket, data: torch.Tensor, buffer: int = -1) -> None:
+        """Hand the bucket's tensors on. With digests, ``data`` is hashed later: fence ``buffer``
+        before it is written again."""
+        if self.digests is not None:  # a discarding follower hashes too: every worker verifies
+            for piece in bucket.pieces:
+                self.digests.update(piece.index, data[piece.offset : piece.offset + piece.length], buffer)
         if self._discard:
             entries = self._manifest.entries
             self.delivered += sum(
@@ -304,7 +323,6 @@ class Unpacker:
                     tensor = torch.empty(entry.shape, dtype=entry.torch_dtype(), device=data.device)
                 else:
                     tensor = _typed_view(data, piece, entry)
-                self._verify(piece.index, tensor)
                 batch.append((entry.name, tensor))
                 continue
             finished = self._unpack_split(piece, entry, data)
@@ -331,7 +349,6 @@ class Unpacker:
             copy_tensor(tensor_bytes(target)[piece.start : piece.start + piece.length], chunk)
             if last:
                 del self._direct[piece.index]
-                self._verify(piece.index, target)
                 self.delivered += 1
             return None
         buffer = self._partial.get(piece.index)
@@ -341,20 +358,7 @@ class Unpacker:
         if not last:
             return None
         del self._partial[piece.index]
-        tensor = buffer.view(entry.torch_dtype()).view(entry.shape)
-        self._verify(piece.index, tensor)
-        return tensor
-
-    def _verify(self, index: int, tensor: torch.Tensor) -> None:
-        checksums = self._manifest.checksums
-        if checksums is None:
-            return
-        got = tensor_checksum(tensor)
-        if got != checksums[index]:
-            raise TransferError(
-                f"checksum mismatch for {self._manifest.entries[index].name!r}: "
-                f"expected {checksums[index]:#010x}, received {got:#010x}; the data was corrupted in transit"
-            )
+        return buffer.view(entry.torch_dtype()).view(entry.shape)
 
     def finish(self) -> None:
         """After the last bucket: every tensor of the manifest must have been delivered."""

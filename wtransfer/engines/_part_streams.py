@@ -35,6 +35,8 @@ from wtransfer.errors import TransferError
 if TYPE_CHECKING:
     import torch
 
+    from wtransfer.engines._digests import RoundDigests
+
 HEADER_WORDS = 4
 """int64 words of a layout's header: protocol version, tensors, and the tensor list's digest."""
 
@@ -176,3 +178,11 @@ def scratch_bytes(layouts: list[RankLayout], buckets: list[Bucket]) -> int:
 
 def as_words(tensor: Any) -> list[int]:
     return [int(word) for word in tensor.tolist()]
+
+
+def hash_runs(digests: RoundDigests, runs: list[Run], sent: torch.Tensor, buffer: int, first_key: int = 0) -> None:
+    """Hash one rank's bytes of a bucket (as sent) into each tensor's digest: keys ``first_key + index``."""
+    at = 0
+    for run in runs:
+        digests.update(first_key + run.piece.index, sent[at : at + run.nbytes], buffer)
+        at += run.nbytes

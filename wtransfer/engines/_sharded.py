@@ -1,9 +1,10 @@
-"""Sharded trainers (FSDP2 / DTensor): every rank writes its own shards, or rank 0 gathers and sends.
+"""Sharded trainers (FSDP2 / DTensor): every rank sends its own shards, or rank 0 gathers and sends.
 
-Where the backend has a ``sender_cls`` (``shm``) and every rank's source is a plain
-``ModuleSource``, each rank writes the shards it holds straight into the transport's buffers
-(:mod:`wtransfer.engines._shards`); nothing is gathered, and a :class:`ParticipantTrainer` is
-that rank's side of the transport (``sender``). Otherwise, as follows, rank 0 gathers.
+Where the backend has a ``sender_cls`` (``shm``, ``gloo``) and every rank's source is a plain
+``ModuleSource``, each rank sends the shards it holds: straight into the shared buffers
+(``shm``, :mod:`wtransfer.engines._shards`) or on groups of its own with the workers (``gloo``,
+:mod:`wtransfer.engines._part_streams`); nothing is gathered, and a :class:`ParticipantTrainer`
+is that rank's side of the transport (``sender``). Otherwise, as follows, rank 0 gathers.
 
 A sharded parameter becomes a whole tensor only through a collective (``full_tensor()``),
 which every rank of the trainer's group must enter, in the same order. So on every rank
@@ -59,11 +60,6 @@ TOLD_FAILURE_WAIT_S = 3.0
 failing its rendezvous, with the other ranks already joining, closes the transport under them)."""
 
 
-def walks_per_round(checksums: bool) -> int:
-    """How many times a round reads the source: once, twice with manifest checksums."""
-    return 2 if checksums else 1
-
-
 class LockstepSource(WeightSource):
     """Rank 0's view of a sharded source: counts the walks of a round and can finish them.
 
@@ -72,7 +68,7 @@ class LockstepSource(WeightSource):
     gathers complete even when the round stopped early.
     """
 
-    def __init__(self, source: WeightSource, walks: int) -> None:
+    def __init__(self, source: WeightSource, walks: int = 1) -> None:
         self.inner = source
         self.walks = walks
         self._started = 0
@@ -154,12 +150,12 @@ class ParticipantTrainer:
     they did not). A rank whose gather fails (another rank died) raises here.
     """
 
-    def __init__(self, backend: str, rank: int, source: WeightSource, *, checksums: bool = False,
-                 agreement: RankAgreement, sender_cls: type | None = None) -> None:
+    def __init__(self, backend: str, rank: int, source: WeightSource, *, agreement: RankAgreement,
+                 sender_cls: type | None = None) -> None:
         self.backend = backend
         self.rank = rank
         self.source = source
-        self.walks = walks_per_round(checksums)
+        self.walks = 1  # a round reads the source once (checksums are computed as bytes are sent)
         self.weight_version = 0
         self.is_sender = False
         self._closed = False

@@ -34,6 +34,7 @@ Backend specifics sit behind the small methods of :class:`TorchDistributedBacken
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import gc
 import logging
@@ -46,6 +47,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from wtransfer.engines._base import LoadWeights, WeightTransferEngine, WeightTransferInitInfo
 from wtransfer.engines._loader import validate_with_loader
 from wtransfer.engines._manifest import Manifest, TensorEntry
+from wtransfer.engines._digests import RoundDigests, as_words, check, from_words
 from wtransfer.engines._packing import Bucket, Packer, Unpacker, plan_buckets
 from wtransfer.engines._shards import LocalPart, rank_parts, writes_shards_as_is
 from wtransfer.engines._protocol import (
@@ -138,6 +140,9 @@ class TorchDistributedInitInfo(WeightTransferInitInfo):
 
 
 MAX_CHANNELS = 8
+REJECTED, DIGESTS = 1, 2
+"""The manifest vote's bits: a worker refuses the round; the round is hashed (the other sending
+trainer ranks learn it here: they do not see the manifest)."""
 MAX_TENSORS = 10_000_000
 """More tensors than this in a sending rank's layout header is not a layout (a worker refuses to size one)."""
 
@@ -348,7 +353,8 @@ class TorchDistributedBackend:
     # -- a sharded trainer's ranks each sending their own parts (see _part_streams) --------------
     def send_layout(self, entries: tuple[TensorEntry, ...], parts: list[LocalPart | None], timeout_s: float,
                     call: ClientCall | None = None) -> int:
-        """Tell the workers what this trainer rank holds, then vote: returns the verdict (0: the round goes on).
+        """Tell the workers what this trainer rank holds, then vote: returns the verdict (``REJECTED``
+        and ``DIGESTS`` bits).
 
         On this rank's first channel: its header, its layout (one extra word, so never empty), and
         the manifest vote, in which it learns whether every worker accepted the round."""
@@ -366,9 +372,10 @@ class TorchDistributedBackend:
         return int(verdict.item())
 
     def stream_parts(self, buckets: list[Bucket], entries: tuple[TensorEntry, ...], parts: list[LocalPart | None],
-                     works: list[tuple[Any, Any] | None], timeout_s: float) -> None:
-        """Broadcast this rank's bytes of every bucket, in bucket order, from ``num_buffers`` buffers."""
-        from wtransfer.engines._part_streams import RankLayout, layout_rows, pack_runs
+                     works: list[tuple[Any, Any] | None], timeout_s: float, digests: RoundDigests | None) -> None:
+        """Broadcast this rank's bytes of every bucket, in bucket order, from ``num_buffers`` buffers;
+        with ``digests``, hash each tensor's part as it goes and send the digests last."""
+        from wtransfer.engines._part_streams import RankLayout, hash_runs, layout_rows, pack_runs
 
         layout = RankLayout(entries, layout_rows(parts))
         sent = 0
@@ -381,16 +388,27 @@ class TorchDistributedBackend:
             if works[slot] is not None:  # no local names for works: a traceback would keep them
                 self.wait(works[slot][0], f"sending bucket {bucket.index}'s predecessor in buffer {slot}", timeout_s)
                 works[slot] = None
+            if digests is not None:
+                digests.fence(slot)
             view = pack_runs(runs, parts, self._buffers[slot])
+            if digests is not None:
+                hash_runs(digests, runs, view, slot)
             works[slot] = (self.broadcast(self.group_for(bucket.index), view), view)
-        self.finish_sends(works, timeout_s)
+        self.finish_sends(works, timeout_s, digests)
 
-    def finish_sends(self, works: list[tuple[Any, Any] | None], timeout_s: float) -> None:
+    def finish_sends(self, works: list[tuple[Any, Any] | None], timeout_s: float,
+                     digests: RoundDigests | None = None) -> None:
+        """Wait for the last buckets; then, with digests, send them (on the first channel)."""
         for slot in range(len(works)):
             if works[slot] is not None:
                 self.wait(works[slot][0], f"sending the last buckets (buffer {slot})", timeout_s)
                 works[slot] = None
         self.synchronize(timeout_s)
+        if digests is not None:
+            import torch
+
+            words = torch.tensor(as_words(digests.digests()), dtype=torch.int64, device=self.device())
+            self.wait(self.broadcast(self._groups[0], words), "sending the round's digests", timeout_s)
 
     def release_own_groups(self, failed: bool) -> None:
         """Drop this side's groups (``_groups``) and release them: after a failed round at once, so
@@ -536,13 +554,15 @@ class TorchDistributedWeightTransferEngine(
         except ManifestMismatchError as exc:
             rejection = exc
         layouts = None
-        verdict = torch.tensor([1 if rejection else 0], dtype=torch.int32, device=self.device())
+        # the vote's MAX: whether any worker refuses, and (every worker alike) whether the round is hashed
+        verdict = torch.tensor([(REJECTED if rejection else 0) | (DIGESTS if manifest.digests else 0)],
+                               dtype=torch.int32, device=self.device())
         try:
             if info.senders > 1:
                 layouts, problem = self._receive_layouts(manifest)
                 if problem is not None and rejection is None:
                     rejection = TransferError(f"round {manifest.version} refused: {problem}")
-                    verdict.fill_(1)
+                    verdict.bitwise_or_(REJECTED)
             self.wait(self.allreduce_max(self._groups[0], verdict), "the manifest vote", info.timeout_s)
             for sender in range(1, info.senders):  # every other sender learns the verdict too
                 self.wait(self.allreduce_max(self.group_for(0, sender), verdict), "the manifest vote", info.timeout_s)
@@ -551,17 +571,19 @@ class TorchDistributedWeightTransferEngine(
             raise
         if rejection is not None:
             raise rejection
-        if int(verdict.item()):
+        if int(verdict.item()) & REJECTED:
             raise RoundCalledOff(
                 f"round {manifest.version} aborted before any byte moved: another worker rejected the manifest"
             )
         try:
-            self._receive_buckets(manifest, load_weights, layouts)
+            verified = self._receive_buckets(manifest, load_weights, layouts)
         except BaseException as exc:
             self._leave_group(f"{type(exc).__name__}: {exc}")
             if isinstance(exc, TransferError):
                 raise
             raise TransferError(f"round {manifest.version} failed on worker rank {self.rank}: {exc}") from exc
+        if verified is not None:  # the round's content, verified here: for whoever names the weights
+            update_info.parsed = dataclasses.replace(manifest, checksums=verified)
 
     def _leave_group(self, reason: str) -> None:
         """After a failed round: drop the group now, so the trainer's pending collectives fail
@@ -602,22 +624,57 @@ class TorchDistributedWeightTransferEngine(
         return layouts, None
 
     def _receive_buckets(self, manifest: Manifest, load_weights: LoadWeights,
-                         layouts: list[RankLayout] | None = None) -> None:
+                         layouts: list[RankLayout] | None = None) -> tuple[int, ...] | None:
+        """Receive and unpack every bucket; with digests, verify them and return every tensor's."""
         assert self._info is not None
         buckets = plan_buckets(manifest.entries, self._info.bucket_bytes, self._info.direct_min_bytes)
-        unpacker = Unpacker(manifest, load_weights)
+        senders = 1 if layouts is None else len(layouts)
+        # parts: one digest per (sending rank, tensor); else the Unpacker hashes whole tensors
+        digests = RoundDigests(senders * len(manifest.entries)) if manifest.digests else None
+        unpacker = Unpacker(manifest, load_weights, digests if layouts is None else None)
         works: dict[int, Any] = {}  # bucket -> (work, received in place), or its senders' works
         try:
             if layouts is None:
-                self._receive_into(buckets, unpacker, works)
+                self._receive_into(buckets, unpacker, works, digests)
             else:
-                self._receive_parts(buckets, unpacker, layouts, works)
+                self._receive_parts(buckets, unpacker, layouts, works, digests)
+            self.synchronize(self._info.timeout_s)
+            verified = None if digests is None else self._verify_digests(manifest, digests, layouts)
         finally:
             works.clear()  # a failure's traceback must not keep the collectives (and the group) alive
-        self.synchronize(self._info.timeout_s)
+            if digests is not None:
+                digests.close()
         unpacker.finish()
+        return verified
 
-    def _receive_into(self, buckets: list[Bucket], unpacker: Unpacker, works: dict[int, tuple[Any, bool]]) -> None:
+    def _verify_digests(self, manifest: Manifest, digests: RoundDigests,
+                        layouts: list[RankLayout] | None) -> tuple[int, ...]:
+        """Each sending rank's digests (sent after its data) against ours; every tensor's digest."""
+        import torch
+
+        from wtransfer.engines._digests import combine
+
+        assert self._info is not None
+        count, names = len(manifest.entries), [entry.name for entry in manifest.entries]
+        sent: list[int] = []
+        for sender in range(1 if layouts is None else len(layouts)):
+            words = torch.zeros(count, dtype=torch.int64, device=self.device())
+            self.wait(self.broadcast(self.group_for(0, sender), words), f"trainer rank {sender}'s digests",
+                      self._info.timeout_s)
+            sent += from_words([int(w) for w in words.tolist()])
+        received = digests.digests()
+        check(names * (len(sent) // max(count, 1)), sent, received)
+        if layouts is None:
+            return tuple(received)
+        combined = []
+        for index in range(count):  # a tensor sent in parts: its ranks' digests, in rank order
+            held = [received[rank * count + index] for rank, layout in enumerate(layouts)
+                    if layout.geometry[index] is not None]
+            combined.append(combine(held) if held else received[index])
+        return tuple(combined)
+
+    def _receive_into(self, buckets: list[Bucket], unpacker: Unpacker, works: dict[int, tuple[Any, bool]],
+                      digests: RoundDigests | None) -> None:
         assert self._info is not None
         count = len(self._buffers)
 
@@ -628,6 +685,8 @@ class TorchDistributedWeightTransferEngine(
                     target = None
                 in_place = target is not None
                 if target is None:
+                    if digests is not None:
+                        digests.fence(index % count)  # the last bucket of this buffer is hashed
                     target = self._buffers[index % count][: buckets[index].nbytes]
                 works[index] = (self.broadcast(self.group_for(index), target), in_place)
 
@@ -639,18 +698,19 @@ class TorchDistributedWeightTransferEngine(
             if in_place:
                 unpacker.received_in_place(bucket)
             else:
-                with self.slot_stream(bucket.index % count):
-                    unpacker.unpack(bucket, self._buffers[bucket.index % count][: bucket.nbytes])
+                slot = bucket.index % count
+                with self.slot_stream(slot):
+                    unpacker.unpack(bucket, self._buffers[slot][: bucket.nbytes], slot)
             post(bucket.index + count)
 
     def _receive_parts(self, buckets: list[Bucket], unpacker: Unpacker, layouts: list[RankLayout],
-                       works: dict[int, Any]) -> None:
+                       works: dict[int, Any], digests: RoundDigests | None) -> None:
         """Every sending rank's bytes of each bucket: in place where they are contiguous there,
         else through this buffer's scratch, placed row by row; then the bucket unpacks as usual."""
-        from wtransfer.engines._part_streams import place_runs, receive_plan, scratch_bytes
+        from wtransfer.engines._part_streams import hash_runs, place_runs, receive_plan, scratch_bytes
 
         assert self._info is not None
-        count, timeout_s = len(self._buffers), self._info.timeout_s
+        count, timeout_s, tensors = len(self._buffers), self._info.timeout_s, len(layouts[0].entries)
         needed = scratch_bytes(layouts, buckets)
         if needed and (not self._scratch or self._scratch[0].numel() < needed):
             self._scratch = self.allocate(needed, count)
@@ -658,28 +718,34 @@ class TorchDistributedWeightTransferEngine(
         def post(index: int) -> None:
             if index >= len(buckets):
                 return
+            if digests is not None:
+                digests.fence(index % count)  # the last bucket of this buffer (and its scratch) is hashed
             data, at, pending = self._buffers[index % count], 0, []
             for sender, runs, offset in receive_plan(layouts, buckets[index]):
                 nbytes = sum(run.nbytes for run in runs)
                 if offset is not None:
-                    target, placed = data[offset : offset + nbytes], None
+                    target = data[offset : offset + nbytes]
                 else:
                     target = self._scratch[index % count][at : at + nbytes]
-                    at, placed = at + nbytes, runs
-                pending.append((self.broadcast(self.group_for(index, sender), target), target, placed, sender))
+                    at += nbytes
+                pending.append((self.broadcast(self.group_for(index, sender), target), target, runs,
+                                offset is None, sender))
             works[index] = pending
 
         for index in range(min(count, len(buckets))):
             post(index)
         for bucket in buckets:
-            data = self._buffers[bucket.index % count]
+            slot = bucket.index % count
+            data = self._buffers[slot]
             for at in range(len(works[bucket.index])):  # no local names for works: a traceback would keep them
                 self.wait(works[bucket.index][at][0],
-                          f"receiving trainer rank {works[bucket.index][at][3]}'s part of bucket {bucket.index}",
+                          f"receiving trainer rank {works[bucket.index][at][4]}'s part of bucket {bucket.index}",
                           timeout_s)
-            for _work, received, placed, _sender in works.pop(bucket.index):
-                if placed is not None:
-                    place_runs(placed, received, data)
+            for _work, received, runs, scattered, sender in works.pop(bucket.index):
+                if digests is not None:
+                    hash_runs(digests, runs, received, slot, sender * tensors)
+                if scattered:
+                    place_runs(runs, received, data)
             _work = None
             unpacker.unpack(bucket, data[: bucket.nbytes])
             post(bucket.index + count)
@@ -813,6 +879,7 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
 
         # slot -> (work, tensor it reads); holding the tensor keeps an in-place source alive
         works: list[tuple[Any, Any] | None] = [None] * len(self._buffers)
+        digests = None
         try:
             if self.parallel_senders:  # every trainer rank sends its own parts, rank 0 too
                 parts = rank_parts(self.source.named_tensors(), 0, manifest.entries)  # type: ignore[attr-defined]
@@ -821,15 +888,19 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
                 verdict = torch.zeros(1, dtype=torch.int32, device=self.device())
                 self.wait(self.allreduce_max(self._groups[0], verdict), "the manifest vote", self.timeout_s, call)
                 rejected = int(verdict.item())
+            rejected &= REJECTED
             if rejected:
                 raise ManifestRejected(f"round {manifest.version} rejected by a worker")
+            digests = RoundDigests(len(manifest.entries)) if manifest.digests else None
             if self.parallel_senders:
-                self.stream_parts(buckets, manifest.entries, parts, works, self.timeout_s)
+                self.stream_parts(buckets, manifest.entries, parts, works, self.timeout_s, digests)
             else:
-                self._broadcast_buckets(manifest, buckets, call, works)
+                self._broadcast_buckets(manifest, buckets, call, works, digests)
         except ManifestRejected:
             raise  # a clean stop: every side is past the vote, and the groups stay usable
         except BaseException:
+            if digests is not None:
+                digests.close()
             works.clear()
             self.release_own_groups(failed=True)  # the workers' pending receives fail now, not at their timeout
             raise
@@ -837,10 +908,9 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
             works.clear()  # a failure's traceback must not keep the collectives (and the group) alive
 
 
-    def _broadcast_buckets(
-        self, manifest: Manifest, buckets: list[Bucket], call: ClientCall, works: list[tuple[Any, Any] | None]
-    ) -> None:
-        packer = Packer(manifest, iter(self.source))
+    def _broadcast_buckets(self, manifest: Manifest, buckets: list[Bucket], call: ClientCall,
+                           works: list[tuple[Any, Any] | None], digests: RoundDigests | None) -> None:
+        packer = Packer(manifest, iter(self.source), digests)
         device = self.device()
         for bucket in buckets:
             slot = bucket.index % len(self._buffers)
@@ -850,12 +920,14 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
             view = packer.direct_bytes(bucket, device)
             if view is None:
                 view = self._buffers[slot][: bucket.nbytes]
+                if digests is not None:
+                    digests.fence(slot)
                 with self.slot_stream(slot):
-                    read = packer.pack(bucket, view)
+                    read = packer.pack(bucket, view, slot)
                 self.packed_from(slot, read)
             works[slot] = (self.broadcast(self.group_for(bucket.index), view), view)
         packer.drain()
-        self.finish_sends(works, self.timeout_s)
+        self.finish_sends(works, self.timeout_s, digests)
 
     # -- the other trainer ranks of a sharded trainer (TorchDistributedSender) ----------------------
     senders_join_with_workers = True  # their groups include the workers, who build them at init
@@ -911,18 +983,23 @@ class TorchDistributedSender(TorchDistributedBackend):
         if not self._groups:
             raise TransferError(f"trainer rank {self.rank}: this sender was closed (or failed a round)")
         works: list[tuple[Any, Any] | None] = [None] * len(self._buffers)
+        digests = None
         try:
             entries = tuple(self.source.metadata())
             parts = rank_parts(self.source.named_tensors(), self.rank, entries)
-            if self.send_layout(entries, parts, self.timeout_s):
+            verdict = self.send_layout(entries, parts, self.timeout_s)
+            if verdict & REJECTED:
                 raise RoundCalledOff("the workers refused the round before any byte moved (trainer rank 0 "
                                      "says why)")  # every side is past the vote: the groups stay in step
             buckets = plan_buckets(entries, self.info.bucket_bytes, self.info.direct_min_bytes)
-            self.stream_parts(buckets, entries, parts, works, self.timeout_s)
+            digests = RoundDigests(len(entries)) if verdict & DIGESTS else None
+            self.stream_parts(buckets, entries, parts, works, self.timeout_s, digests)
         except RoundCalledOff:
             raise
         except BaseException:
             works.clear()
+            if digests is not None:
+                digests.close()
             self.release_own_groups(failed=True)  # the workers' receives fail now, not at their timeout
             raise
         finally:

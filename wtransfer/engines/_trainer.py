@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from wtransfer.engines._client import WeightSyncClient
 from wtransfer.engines._commit import DEFAULT_COMMIT
-from wtransfer.engines._manifest import COMMIT_MODES, CommitPlan, Manifest, TensorEntry, build_manifest, tensor_checksum
+from wtransfer.engines._manifest import COMMIT_MODES, CommitPlan, Manifest, TensorEntry, build_manifest
 from wtransfer.engines._packing import Bucket, plan_buckets
 from wtransfer.engines._protocol import MIB, ManifestRejected, check_bucket_bytes, gc_paused
 from wtransfer.engines._source import ModuleSource, TensorSource, WeightSource
@@ -303,12 +303,12 @@ class TrainerWeightTransferEngine(ABC):
         self.sharded = bool(sharded)
         """Rank 0 of a sharded trainer: every round walks the whole source, even one that fails."""
         self.source: WeightSource = as_source(source)
-        self.parallel_senders = self.sharded and _ranks_can_send(self.sender_cls, self.source, checksums)
+        self.parallel_senders = self.sharded and _ranks_can_send(self.sender_cls, self.source)
         """Sharded: every trainer rank writes its own shards (no gathers); else rank 0 gathers and sends."""
         if self.sharded and not self.parallel_senders:
-            from wtransfer.engines._sharded import LockstepSource, walks_per_round
+            from wtransfer.engines._sharded import LockstepSource
 
-            self.source = LockstepSource(self.source, walks_per_round(checksums))
+            self.source = LockstepSource(self.source)
         self.init_options: Any = self._parse_init_info(dict(init_info or {}))
         """The parsed ``init_info``: an instance of :meth:`resolved_init_options_cls`."""
         self.init_info: dict[str, Any] = options_dict(self.init_options)
@@ -542,11 +542,10 @@ class TrainerWeightTransferEngine(ABC):
         return plan_buckets(manifest.entries, self.bucket_bytes)
 
     def _manifest(self, entries: list[TensorEntry]) -> Manifest:
-        checksums = None
-        if self.checksums:
-            checksums = [tensor_checksum(tensor) for _, tensor in self.source]
+        from wtransfer.engines._digests import ALGORITHM
+
         plan = CommitPlan(self.commit, self._staging_key, self.timeout_s)
-        return build_manifest(entries, self.weight_version + 1, checksums, plan)
+        return build_manifest(entries, self.weight_version + 1, ALGORITHM if self.checksums else None, plan)
 
     def _update_info(self, manifest: Manifest) -> dict[str, Any]:
         """The JSON-safe dict every worker's ``parse_update_info`` receives."""
@@ -626,13 +625,12 @@ class TrainerWeightTransferEngine(ABC):
         self.told_ranks = True
 
 
-def _ranks_can_send(sender_cls: type | None, source: WeightSource, checksums: bool) -> bool:
-    """Whether a sharded trainer's ranks write their own shards: the backend can, the source is a
-    module's (a wrapper of the user's may rename or convert, so it is gathered and sent as it
-    yields), and no rank needs whole tensors (manifest checksums are computed from them)."""
+def _ranks_can_send(sender_cls: type | None, source: WeightSource) -> bool:
+    """Whether a sharded trainer's ranks send their own shards: the backend can, and the source is a
+    module's (a wrapper of the user's may rename or convert, so it is gathered and sent as it yields)."""
     from wtransfer.engines._shards import UnsupportedPlacement, rank_parts, writes_shards_as_is
 
-    if sender_cls is None or checksums or not writes_shards_as_is(source):
+    if sender_cls is None or not writes_shards_as_is(source):
         return False
 
     try:
@@ -656,8 +654,9 @@ def create_trainer(
     """Create the trainer side of ``backend`` and rendezvous with the workers.
 
     ``backend`` is a bare or qualified engine name; its worker class's ``trainer_cls``
-    is used. ``options`` are trainer options: ``checksums`` (per-tensor CRC32 in the
-    manifest, verified by workers), ``is_checkpoint_format`` and ``commit``: ``"atomic"``
+    is used. ``options`` are trainer options: ``checksums`` (every tensor hashed as it is sent,
+    the digests verified by every worker before the round commits), ``is_checkpoint_format`` and
+    ``commit``: ``"atomic"``
     (the default; each node's workers stage the round in one shared host copy and load it
     into their models only after every worker received it whole, so a failed round leaves
     every model bit-identical) or ``"streaming"`` (written as it arrives, buffers only; a
@@ -667,8 +666,8 @@ def create_trainer(
     rank with its ``rank`` and the same source: rank 0 is the sender (it needs the client and
     the ``init_info``; it returns the usual trainer), every other rank gets a
     :class:`~wtransfer.engines._sharded.ParticipantTrainer` (``client`` may be None there). On a
-    backend with a ``sender_cls`` (``shm``) and a plain ``ModuleSource``, every rank writes its
-    own shards into the transport (no gathers); otherwise the participants run the gathers and
+    backend with a ``sender_cls`` (``shm``, ``gloo``) and a plain ``ModuleSource``, every rank sends
+    its own shards (no gathers); otherwise the participants run the gathers and
     rank 0 sends every tensor. Call ``send_weights()`` on every rank each round.
     Rank 0 tells the others what happened, on a small gloo group built here (a collective:
     torch.distributed must be initialised): if its rendezvous fails, ``create_trainer`` raises on
@@ -704,8 +703,8 @@ def create_trainer(
         if rank > 0:
             from wtransfer.engines._sharded import ParticipantTrainer
 
-            participant = ParticipantTrainer(backend, rank, as_source(source), checksums=bool(options.get("checksums")),
-                                             agreement=agreement, sender_cls=trainer_cls.sender_cls)
+            participant = ParticipantTrainer(backend, rank, as_source(source), agreement=agreement,
+                                             sender_cls=trainer_cls.sender_cls)
             logger.info("Trainer rank %d of a sharded %s trainer: %s", rank, backend,
                         "writes its own shards" if participant.sender is not None else "gathers only, rank 0 sends")
             return participant

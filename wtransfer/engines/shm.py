@@ -20,6 +20,7 @@ import os
 import secrets
 import select
 import selectors
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from typing import Any
 
 from wtransfer.engines._base import LoadWeights, WeightTransferEngine, WeightTransferInitInfo
 from wtransfer.engines._control import ControlChannel, Listener, PeerClosedError
+from wtransfer.engines._digests import RoundDigests, check
 from wtransfer.engines._loader import validate_with_loader
 from wtransfer.engines._manifest import Manifest
 from wtransfer.engines._packing import Bucket, Packer, Unpacker, plan_buckets
@@ -133,7 +135,8 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
             raise
         channel.send({"op": "accept", "version": manifest.version}, timeout=info.timeout_s)
         buckets = plan_buckets(manifest.entries, info.bucket_bytes)
-        unpacker = Unpacker(manifest, load_weights)
+        digests = RoundDigests(len(manifest.entries)) if manifest.digests else None
+        unpacker = Unpacker(manifest, load_weights, digests)
         try:
             for bucket in buckets:
                 message = channel.recv(info.timeout_s)
@@ -147,8 +150,19 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
                 if message.get("op") != "bucket" or message.get("index") != bucket.index:
                     raise TransferError(f"protocol violation: expected bucket {bucket.index}, got {message!r}")
                 slot = self._ring.slots[message["slot"]]
-                unpacker.unpack(bucket, slot[: bucket.nbytes])
+                unpacker.unpack(bucket, slot[: bucket.nbytes], message["slot"])
+                if digests is not None:
+                    digests.fence(message["slot"])  # hashed before the trainer may write there again
                 channel.send({"op": "release", "index": bucket.index}, timeout=info.timeout_s)
+            if digests is not None:
+                message = channel.recv(info.timeout_s)
+                if message.get("op") == "abort":
+                    raise TrainerAborted(f"the trainer aborted round {manifest.version}: {message.get('reason')}")
+                if message.get("op") != "digests" or not isinstance(message.get("values"), list):
+                    raise TransferError(f"protocol violation: expected the round's digests, got {message!r}")
+                verified = digests.digests()
+                check([entry.name for entry in manifest.entries], message["values"], verified)
+                update_info.parsed = dataclasses.replace(manifest, checksums=tuple(verified))
             unpacker.finish()
         except RoundCalledOff:
             raise  # the trainer knows; this worker stays connected for the next round
@@ -163,6 +177,9 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
             except TransferError:
                 pass
             raise
+        finally:
+            if digests is not None:
+                digests.close()
 
     def shutdown(self) -> None:
         if self._channel is not None:
@@ -359,15 +376,20 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                 handle(rank, message)
 
     def send_round(self, manifest: Manifest, buckets: list[Bucket], call: ClientCall) -> None:
+        digests = RoundDigests(len(manifest.entries)) if manifest.digests else None
         try:
-            self._send_buckets(manifest, buckets, call)
+            self._send_buckets(manifest, buckets, call, digests)
         except ManifestRejected:
             raise  # the workers that accepted were already told
         except BaseException as exc:
             self._abort(f"{type(exc).__name__}: {exc}")
             raise
+        finally:
+            if digests is not None:
+                digests.close()
 
-    def _send_buckets(self, manifest: Manifest, buckets: list[Bucket], call: ClientCall) -> None:
+    def _send_buckets(self, manifest: Manifest, buckets: list[Bucket], call: ClientCall,
+                      digests: RoundDigests | None) -> None:
         assert self._ring is not None
         answers: dict[int, str | None] = {}  # rank -> None (accepted) or the rejection
         holders: list[set[int]] = [set() for _ in self._ring.slots]  # ranks still reading each slot
@@ -392,6 +414,10 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             left.discard(rank)
             if not left:
                 del writing[index]
+                if digests is not None:  # the bucket is what one sender would have packed: hash it as Packer does
+                    data = self._ring.slots[slot_of[index]]  # type: ignore[union-attr]
+                    for piece in buckets[index].pieces:
+                        digests.update(piece.index, data[piece.offset : piece.offset + piece.length], slot_of[index])
                 announce(index)
 
         def handle(rank: int, message: dict[str, Any]) -> None:
@@ -427,7 +453,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         if senders:
             parts = rank_parts(self.source.named_tensors(), 0, manifest.entries)  # type: ignore[attr-defined]
         else:
-            packer = Packer(manifest, iter(self.source))
+            packer = Packer(manifest, iter(self.source), digests)
         for bucket in buckets:
             slot = bucket.index % len(self._ring.slots)
             previous = bucket.index - len(self._ring.slots)  # the bucket this buffer held last
@@ -436,8 +462,10 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                            f"waiting for workers to release buffer {slot}", handle)
             slot_of[bucket.index] = slot
             data = self._ring.slots[slot]
+            if digests is not None:
+                digests.fence(slot)  # the bucket this buffer held last is hashed
             if not senders:
-                packer.pack(bucket, data)
+                packer.pack(bucket, data, slot)
                 announce(bucket.index)
                 continue
             writing[bucket.index] = {0, *senders}
@@ -450,6 +478,13 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         self._pump(lambda: not any(holders) and not writing, call, "waiting for workers to load the last buckets",
                    handle)
         self._tell_senders({"op": "end"})
+        if digests is not None:  # the workers compare them with their own before the round can commit
+            message = {"op": "digests", "values": digests.digests()}
+            for rank, channel in self._channels.items():
+                try:
+                    channel.send(message, timeout=self.timeout_s)
+                except PeerClosedError as exc:
+                    raise TransferError(f"shm worker rank {rank} died during round {manifest.version}: {exc}") from exc
 
     def stop_senders(self, reason: str) -> None:
         """Best effort: the other trainer ranks drop this round."""
