@@ -31,14 +31,16 @@ def test_fsdp2_llama_ranks_sync_the_unsharded_state(
     assert rounds[0]["trainer"] != rounds[-1]["trainer"]  # the optimizer really changed the weights
 
 
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
 def test_a_vllm_llm_synced_by_fsdp2_ranks_through_vllms_trainer_factory(
-    vllm_python: Path, tiny_llama: Path, reference: dict, tmp_path: Path
+    backend: str, vllm_python: Path, tiny_llama: Path, reference: dict, tmp_path: Path
 ) -> None:
     # vLLM 0.32 calls trainer_init and send_weights on every trainer rank; rank 0 holds the LLM.
     # The ranks take the same deterministic steps as the reference checkpoint, so vLLM must
-    # compute exactly what a fresh vLLM loaded from it computes.
+    # compute exactly what a fresh vLLM loaded from it computes. Every rank sends its own shards:
+    # into shm's buffers, or on gloo groups of its own with vLLM's worker.
     out = tmp_path / "result.json"
-    run_script(vllm_python, "fsdp_vllm_sync.py", "shm", str(tiny_llama), str(out), str(ROUNDS))
+    run_script(vllm_python, "fsdp_vllm_sync.py", backend, str(tiny_llama), str(out), str(ROUNDS))
     result = json.loads(out.read_text())
     assert result["after"] == reference["outputs"]  # tokens and logprobs, exactly
     assert result["checksums"] == reference["checksums"]
