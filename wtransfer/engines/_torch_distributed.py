@@ -407,7 +407,8 @@ class TorchDistributedBackend:
         if digests is not None:
             import torch
 
-            words = torch.tensor(as_words(digests.digests()), dtype=torch.int64, device=self.device())
+            # one word more than the digests: a round of no tensors still broadcasts a non-empty tensor
+            words = torch.tensor([*as_words(digests.digests()), 0], dtype=torch.int64, device=self.device())
             self.wait(self.broadcast(self._groups[0], words), "sending the round's digests", timeout_s)
 
     def release_own_groups(self, failed: bool) -> None:
@@ -658,10 +659,10 @@ class TorchDistributedWeightTransferEngine(
         count, names = len(manifest.entries), [entry.name for entry in manifest.entries]
         sent: list[int] = []
         for sender in range(1 if layouts is None else len(layouts)):
-            words = torch.zeros(count, dtype=torch.int64, device=self.device())
+            words = torch.zeros(count + 1, dtype=torch.int64, device=self.device())
             self.wait(self.broadcast(self.group_for(0, sender), words), f"trainer rank {sender}'s digests",
                       self._info.timeout_s)
-            sent += from_words([int(w) for w in words.tolist()])
+            sent += from_words([int(w) for w in words.tolist()[:count]])
         received = digests.digests()
         check(names * (len(sent) // max(count, 1)), sent, received)
         if layouts is None:
