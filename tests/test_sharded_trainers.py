@@ -136,10 +136,18 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
             optimizer.zero_grad()
             if rank == 0 and step == 1 and fault == "late":
                 time.sleep(TIMEOUT + 5)  # rank-0-only work (an eval) longer than the others wait
+            if step == 1 and fault == "reject":  # every rank: a tensor the workers' models do not have
+                model.extra = torch.nn.Parameter(torch.zeros(4))
             started = time.monotonic()
             try:
                 stats = trainer.send_weights()
             except Exception as exc:
+                if fault == "reject" and step == 1:  # refused before any byte moved: the next round goes on
+                    say(event="refused", type=type(exc).__name__, message=str(exc)[:2000])
+                    del model.extra
+                    stats = trainer.send_weights()
+                    say(event="retried", version=stats["version"])
+                    continue
                 versions = [s["weight_version"] for s in pool.stats()] if pool is not None else None
                 changed = ([sorted(n for n in last if d.get(n) != last[n]) for d in pool.digests()]
                            if pool is not None else None)
@@ -421,6 +429,23 @@ def test_rank_0_failing_its_rendezvous_fails_every_rank_at_create_trainer(backen
     assert all("refused the connection" in e["message"] for e in failed.values()), failed
     assert all(e["seconds"] < LINGER_S - 3 for e in failed.values()), failed
     assert [e for e in events if e["event"] in ("round", "crash")] == []
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_a_round_the_workers_refuse_stops_every_rank_cleanly_and_the_next_round_goes_on(backend: str) -> None:
+    """Every rank sends its own shards; the workers refuse a round whose tensor list they do not
+    have: every rank raises with the workers' reason, nothing moved, and the same trainers (on
+    gloo: the same process groups) carry the next rounds bit-exactly."""
+    events = run_ranks(2, backend, rounds=3, fault="reject", limit=180)
+    assert [e for e in events if e["event"] in ("crash", "create_failed", "error")] == [], events
+    refused = {e["rank"]: e for e in events if e["event"] == "refused"}
+    assert sorted(refused) == [0, 1], events
+    assert all("extra" in e["message"] for e in refused.values()), refused  # the workers' reason, everywhere
+    sender = [e for e in events if e["event"] == "round" and e["sender"]]
+    assert [e["version"] for e in sender] == [1, 3]  # round 2 ran as the retry of the refused one
+    for event in sender:
+        assert event["wrong"] == [[], []], f"round {event['version']}: workers differ in {event['wrong']}"
+    assert [e["version"] for e in events if e["event"] == "retried"] == [2, 2]
 
 
 def test_rank_0_arriving_after_the_others_stopped_waiting_starts_no_round_anywhere() -> None:

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from wtransfer.engines._agreement import CONNECT_WAIT_S
 from wtransfer.engines._manifest import TensorEntry
+from wtransfer.engines._protocol import RoundCalledOff
 from wtransfer.engines._source import WeightSource, wrapped_sources
 from wtransfer.errors import TransferError, TransferTimeoutError
 
@@ -223,6 +224,10 @@ class ParticipantTrainer:
                         tensors += 1
                         nbytes += tensor.numel() * tensor.element_size()
                         del tensor  # gathered, not kept: one parameter at a time on this rank
+        except RoundCalledOff as exc:  # the workers refused the round before any byte moved: rank 0 has why
+            outcome = self.agreement.follow(f"outcome/{step}", self.timeout_s + 30)
+            raise TransferError(f"trainer rank {self.rank}: round {version} was refused before any byte moved: "
+                                f"{outcome.get('reason')}") from exc
         except BaseException as exc:
             self.agreement.leave(f"outcome/{step}")  # rank 0 need not wait for this rank's outcome
             if isinstance(exc, KeyboardInterrupt) or type(exc) in (TransferError, TransferTimeoutError):
