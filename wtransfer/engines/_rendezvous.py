@@ -250,9 +250,11 @@ class RendezvousClient:
         self.timeout_s = timeout_s
 
     @classmethod
-    def connect(cls, address: str, port: int, token: str, timeout_s: float) -> RendezvousClient:
-        """Connect (retrying while the trainer is not listening yet) and authenticate both ways."""
-        deadline = time.monotonic() + timeout_s
+    def connect(cls, address: str, port: int, token: str, timeout_s: float,
+                retry_s: float | None = None) -> RendezvousClient:
+        """Connect (retrying while the trainer is not listening yet: at most ``retry_s``, by default
+        ``timeout_s``) and authenticate both ways."""
+        deadline = time.monotonic() + (timeout_s if retry_s is None else retry_s)
         where = f"{address}:{port}"
         while True:
             left = deadline - time.monotonic()
@@ -262,7 +264,8 @@ class RendezvousClient:
             except OSError as exc:
                 if time.monotonic() + 0.1 >= deadline:
                     raise TransferTimeoutError(
-                        f"cannot reach the trainer's rendezvous at {where} within {timeout_s:g} s ({exc}); "
+                        f"cannot reach the trainer's rendezvous at {where} within "
+                        f"{timeout_s if retry_s is None else retry_s:g} s ({exc}); "
                         f"is the trainer running, and is 'master_address' an address of the trainer's host "
                         f"that this host can reach?"
                     ) from exc

@@ -140,6 +140,8 @@ class TorchDistributedInitInfo(WeightTransferInitInfo):
 
 
 MAX_CHANNELS = 8
+SENDER_CONNECT_RETRY_S = 2.0
+"""How long another trainer rank retries reaching rank 0's rendezvous, which already listens."""
 REJECTED, DIGESTS = 1, 2
 """The manifest vote's bits: a worker refuses the round; the round is hashed (the other sending
 trainer ranks learn it here: they do not see the manifest)."""
@@ -969,7 +971,9 @@ class TorchDistributedSender(TorchDistributedBackend):
         self.rank, self.source, self.timeout_s = trainer_rank, source, self.info.timeout_s
         address, port = self.info.master_address, self.info.master_port
         self.choose_local_address(None, lambda: local_address_for(address, port))
-        self._client: Any = RendezvousClient.connect(address, port, self.info.token, self.info.timeout_s)
+        # rank 0 listened before it told this rank to join: a refused connection means it closed
+        self._client: Any = RendezvousClient.connect(address, port, self.info.token, self.info.timeout_s,
+                                                     retry_s=SENDER_CONNECT_RETRY_S)
         try:
             self._kv = store(self._client, self.info.timeout_s)  # torch calls into it while the groups live
             prefixed = PrefixStore(f"sender{trainer_rank}/", PrefixStore(self.info.group_name, self._kv))

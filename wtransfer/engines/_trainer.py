@@ -413,7 +413,13 @@ class TrainerWeightTransferEngine(ABC):
             except BaseException as exc:
                 self._raise_preferring_client(exc, call)
             call.result(self.timeout_s)
-        except BaseException:
+        except BaseException as exc:
+            if self.told_ranks and self.agreement is not None:
+                # The other ranks are joining the transport this closes: they hear why first.
+                try:
+                    self.agreement.decide("senders", {"ok": False, "reason": f"{type(exc).__name__}: {exc}"}, 0.0)
+                except Exception:  # the store is gone: this rank's own error is the one to raise
+                    pass
             self.shutdown()
             raise
         self._connected = True
