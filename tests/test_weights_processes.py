@@ -57,6 +57,13 @@ def assert_workers_hold(pool: LocalWorkerPool, model: torch.nn.Module) -> None:
         assert got == expected, f"worker {rank} differs"
 
 
+def checksummed_trainer(backend: str, pool: LocalWorkerPool, model: torch.nn.Module, extra: dict) -> Any:
+    """A trainer with small buckets (tensors split across them) and checksums, for ``pool``'s workers."""
+    init_info = {"world_size": pool.world_size, "bucket_bytes": 8192, "num_buffers": 2, "timeout_s": TIMEOUT}
+    return wtransfer.create_trainer(backend, client=pool, source=model, init_info={**init_info, **extra},
+                                    checksums=True)
+
+
 CONFIGS = [
     ("shm", {}),
     ("gloo", {}),
@@ -70,9 +77,7 @@ def test_two_workers_receive_every_round_bit_exactly(backend: str, extra: dict) 
     before = shm_names()
     model = build_model(MIXED, "float32", random=True)
     with pool_for(backend, MIXED) as pool:
-        init_info = {"world_size": pool.world_size, "bucket_bytes": 8192, "num_buffers": 2, "timeout_s": TIMEOUT}
-        trainer = wtransfer.create_trainer(backend, client=pool, source=model, init_info={**init_info, **extra},
-                                           checksums=True)  # fmt: skip
+        trainer = checksummed_trainer(backend, pool, model, extra)
         try:
             for round_index in range(1, 4):
                 mutate(model, round_index)
@@ -100,9 +105,7 @@ def test_a_digest_mismatch_fails_the_round_and_every_worker_keeps_its_weights(
 
     model = build_model(MIXED, "float32", random=True)
     with pool_for(backend, MIXED) as pool:
-        init_info = {"world_size": pool.world_size, "bucket_bytes": 8192, "num_buffers": 2, "timeout_s": TIMEOUT}
-        trainer = wtransfer.create_trainer(backend, client=pool, source=model, init_info={**init_info, **extra},
-                                           checksums=True)  # fmt: skip
+        trainer = checksummed_trainer(backend, pool, model, extra)
         try:
             trainer.send_weights()
             kept = {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -22,6 +22,8 @@ from wtransfer.errors import TransferError
 if TYPE_CHECKING:
     import torch
 
+    from wtransfer.engines._packing import Bucket
+
 ALGORITHM = "xxh3_64"
 
 
@@ -63,6 +65,11 @@ class RoundDigests:
         with self._done:
             self._pending[buffer] = self._pending.get(buffer, 0) + 1
         self._jobs.put((key, data, buffer))
+
+    def update_bucket(self, bucket: Bucket, data: torch.Tensor, buffer: int = -1) -> None:
+        """Hash every piece of a bucket (its bytes in ``data``) into its tensor's digest."""
+        for piece in bucket.pieces:
+            self.update(piece.index, data[piece.offset : piece.offset + piece.length], buffer)
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:

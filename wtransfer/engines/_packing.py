@@ -226,8 +226,8 @@ class Packer:
                     self._flat[piece.start : piece.start + piece.length],
                 )
                 read.append(self._flat)
-            if self.digests is not None:
-                self.digests.update(piece.index, data[piece.offset : piece.offset + piece.length], buffer)
+        if self.digests is not None:
+            self.digests.update_bucket(bucket, data, buffer)
         return read
 
     def direct_bytes(self, bucket: Bucket, device: torch.device) -> torch.Tensor | None:
@@ -305,8 +305,7 @@ class Unpacker:
         """Hand the bucket's tensors on. With digests, ``data`` is hashed later: fence ``buffer``
         before it is written again."""
         if self.digests is not None:  # a discarding follower hashes too: every worker verifies
-            for piece in bucket.pieces:
-                self.digests.update(piece.index, data[piece.offset : piece.offset + piece.length], buffer)
+            self.digests.update_bucket(bucket, data, buffer)
         if self._discard:
             entries = self._manifest.entries
             self.delivered += sum(

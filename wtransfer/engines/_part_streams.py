@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from wtransfer.engines._manifest import TensorEntry
 from wtransfer.engines._packing import Bucket, Piece, copy_tensor
@@ -167,17 +167,10 @@ def receive_plan(layouts: list[RankLayout], bucket: Bucket) -> list[tuple[int, l
     return plan
 
 
-def scratch_bytes(layouts: list[RankLayout], buckets: list[Bucket]) -> int:
-    """The scratch a worker needs per buffer: the most bytes of one bucket not received in place."""
-    most = 0
-    for bucket in buckets:
-        most = max(most, sum(sum(r.nbytes for r in runs) for _, runs, at in receive_plan(layouts, bucket)
-                             if at is None))
-    return most
-
-
-def as_words(tensor: Any) -> list[int]:
-    return [int(word) for word in tensor.tolist()]
+def scratch_bytes(plans: list[list[tuple[int, list[Run], int | None]]]) -> int:
+    """The scratch a worker needs per buffer: the most bytes of one bucket not received in place
+    (``plans``: :func:`receive_plan` of every bucket)."""
+    return max((sum(run.nbytes for _, runs, at in plan if at is None for run in runs) for plan in plans), default=0)
 
 
 def hash_runs(digests: RoundDigests, runs: list[Run], sent: torch.Tensor, buffer: int, first_key: int = 0) -> None:

@@ -62,17 +62,16 @@ failing its rendezvous, with the other ranks already joining, closes the transpo
 
 
 class LockstepSource(WeightSource):
-    """Rank 0's view of a sharded source: counts the walks of a round and can finish them.
+    """Rank 0's view of a sharded source: a round walks it once, and the walk can be finished.
 
-    ``begin_round()`` starts the count; every ``__iter__`` is one walk; ``finish_round()``
-    runs what is left of the current walk and every walk not started, so the other ranks'
+    ``begin_round()`` starts a round; ``__iter__`` is its walk; ``finish_round()`` runs what is
+    left of that walk (all of it, if the round stopped before walking), so the other ranks'
     gathers complete even when the round stopped early.
     """
 
-    def __init__(self, source: WeightSource, walks: int = 1) -> None:
+    def __init__(self, source: WeightSource) -> None:
         self.inner = source
-        self.walks = walks
-        self._started = 0
+        self._walked = False
         self._current: Iterator[tuple[str, torch.Tensor]] | None = None
         self._yielded, self._complete = 0, False
 
@@ -80,7 +79,7 @@ class LockstepSource(WeightSource):
         return self.inner.metadata()
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        self._started += 1
+        self._walked = True
         self._current = self._counted()
         return self._current
 
@@ -97,25 +96,17 @@ class LockstepSource(WeightSource):
         self._complete = True
 
     def begin_round(self) -> None:
-        self._started, self._current = 0, None
+        self._walked, self._current = False, None
 
     def finish_round(self) -> int:
         """Walk whatever this round has not walked yet; returns how many tensors that took."""
-        drained, finished = 0, True
-        if self._current is not None:
-            drained, finished = self._finish(self._current)
-        for _ in range(self._started, self.walks):
-            if not finished:  # the other ranks are stuck in the walk before: a new one would pair wrongly
-                break
-            more, finished = self._finish(self._counted())
-            drained += more
-        self._current = None
-        self._started = self.walks
-        return drained
+        walk = self._current if self._current is not None else None if self._walked else self._counted()
+        self._walked, self._current = True, None
+        return 0 if walk is None else self._finish(walk)
 
-    def _finish(self, walk: Iterator[tuple[str, torch.Tensor]]) -> tuple[int, bool]:
-        """Finish one walk; if its iterator died before the end, finish it in the module source.
-        Returns the tensors that took, and whether the walk is now whole."""
+    def _finish(self, walk: Iterator[tuple[str, torch.Tensor]]) -> int:
+        """Finish a walk; if its iterator died before the end, finish it in the module source.
+        Returns the tensors that took."""
         drained = 0
         error: Exception | None = None
         try:
@@ -124,7 +115,7 @@ class LockstepSource(WeightSource):
         except Exception as exc:
             error = exc
         if self._complete:
-            return drained, True
+            return drained
         module_source = _module_source_under(self.inner)
         if module_source is None:
             logger.error(
@@ -134,8 +125,8 @@ class LockstepSource(WeightSource):
                 "wtransfer finishes the gathers itself)",
                 self._yielded, f" ({type(error).__name__}: {error})" if error else "",
             )
-            return drained, False
-        return drained + module_source.finish_walk(), True
+            return drained
+        return drained + module_source.finish_walk()
 
 
 def _module_source_under(source: Any) -> Any:
@@ -156,7 +147,6 @@ class ParticipantTrainer:
         self.backend = backend
         self.rank = rank
         self.source = source
-        self.walks = 1  # a round reads the source once (checksums are computed as bytes are sent)
         self.weight_version = 0
         self.is_sender = False
         self._closed = False
@@ -198,7 +188,7 @@ class ParticipantTrainer:
         return sender
 
     def send_weights(self, weight_version: str | None = None) -> dict[str, Any]:
-        """Walk the source (``walks`` times) in the order rank 0 does, dropping every tensor.
+        """Send this rank's shards, or walk the source in the order rank 0 does, dropping every tensor.
 
         Rank 0 says first whether the round runs (a closed or broken trainer refuses it: no
         gather is entered) and last whether the workers took it; this raises unless they did.
@@ -219,11 +209,10 @@ class ParticipantTrainer:
             if self.sender is not None:  # this rank writes its own shards: no gather anywhere
                 tensors, nbytes = self.sender.serve_round(step)
             else:
-                for _ in range(self.walks):
-                    for _name, tensor in self.source:
-                        tensors += 1
-                        nbytes += tensor.numel() * tensor.element_size()
-                        del tensor  # gathered, not kept: one parameter at a time on this rank
+                for _name, tensor in self.source:
+                    tensors += 1
+                    nbytes += tensor.numel() * tensor.element_size()
+                    del tensor  # gathered, not kept: one parameter at a time on this rank
         except RoundCalledOff as exc:  # the workers refused the round before any byte moved: rank 0 has why
             outcome = self.agreement.follow(f"outcome/{step}", self.timeout_s + 30)
             raise TransferError(f"trainer rank {self.rank}: round {version} was refused before any byte moved: "

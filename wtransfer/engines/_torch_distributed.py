@@ -353,33 +353,40 @@ class TorchDistributedBackend:
         return group.allreduce([tensor], options)
 
     # -- a sharded trainer's ranks each sending their own parts (see _part_streams) --------------
-    def send_layout(self, entries: tuple[TensorEntry, ...], parts: list[LocalPart | None], timeout_s: float,
-                    call: ClientCall | None = None) -> int:
-        """Tell the workers what this trainer rank holds, then vote: returns the verdict (``REJECTED``
-        and ``DIGESTS`` bits).
+    def send_own_parts(self, entries: tuple[TensorEntry, ...], parts: list[LocalPart | None], buckets: list[Bucket],
+                       works: list[tuple[Any, Any] | None], timeout_s: float, call: ClientCall | None = None) -> bool:
+        """This trainer rank's side of a round: its layout, the manifest vote, then its bytes of every
+        bucket (hashed when the workers say the round is). False: the workers refused it, nothing moved.
 
-        On this rank's first channel: its header, its layout (one extra word, so never empty), and
-        the manifest vote, in which it learns whether every worker accepted the round."""
+        The layout and the vote go on this rank's first channel: its header, its rows (one extra
+        word, so never empty), and the vote, in which it learns every worker's verdict."""
         import torch
 
-        from wtransfer.engines._part_streams import header, layout_rows
+        from wtransfer.engines._part_streams import RankLayout, header, layout_rows
 
-        device = self.device()
+        device, rows = self.device(), layout_rows(parts)
         words = [torch.tensor(header(entries), dtype=torch.int64, device=device),
-                 torch.tensor([*layout_rows(parts), 0], dtype=torch.int64, device=device)]
+                 torch.tensor([*rows, 0], dtype=torch.int64, device=device)]
         for work in [self.broadcast(self._groups[0], tensor) for tensor in words]:
             self.wait(work, "sending this trainer rank's layout", timeout_s, call)
         verdict = torch.zeros(1, dtype=torch.int32, device=device)
         self.wait(self.allreduce_max(self._groups[0], verdict), "the manifest vote", timeout_s, call)
-        return int(verdict.item())
+        if int(verdict.item()) & REJECTED:
+            return False
+        digests = RoundDigests(len(entries)) if int(verdict.item()) & DIGESTS else None
+        try:
+            self._stream_parts(buckets, RankLayout(entries, rows), parts, works, timeout_s, digests)
+        finally:
+            if digests is not None:
+                digests.close()
+        return True
 
-    def stream_parts(self, buckets: list[Bucket], entries: tuple[TensorEntry, ...], parts: list[LocalPart | None],
-                     works: list[tuple[Any, Any] | None], timeout_s: float, digests: RoundDigests | None) -> None:
+    def _stream_parts(self, buckets: list[Bucket], layout: RankLayout, parts: list[LocalPart | None],
+                      works: list[tuple[Any, Any] | None], timeout_s: float, digests: RoundDigests | None) -> None:
         """Broadcast this rank's bytes of every bucket, in bucket order, from ``num_buffers`` buffers;
         with ``digests``, hash each tensor's part as it goes and send the digests last."""
-        from wtransfer.engines._part_streams import RankLayout, hash_runs, layout_rows, pack_runs
+        from wtransfer.engines._part_streams import hash_runs, pack_runs
 
-        layout = RankLayout(entries, layout_rows(parts))
         sent = 0
         for bucket in buckets:
             runs = layout.runs(bucket)
@@ -598,7 +605,7 @@ class TorchDistributedWeightTransferEngine(
         """Every sending trainer rank's layout; and why the round cannot go on, if it cannot."""
         import torch
 
-        from wtransfer.engines._part_streams import HEADER_WORDS, RankLayout, as_words, check_tiling, header
+        from wtransfer.engines._part_streams import HEADER_WORDS, RankLayout, check_tiling, header
 
         assert self._info is not None
         senders, timeout_s = range(self._info.senders), self._info.timeout_s
@@ -613,14 +620,14 @@ class TorchDistributedWeightTransferEngine(
             self.wait(work, f"trainer rank {sender}'s layout", timeout_s)
         expected = header(manifest.entries)
         for sender, head in enumerate(heads):
-            words = as_words(head)
+            words = head.tolist()
             if words[0] != expected[0]:
                 return None, f"trainer rank {sender} speaks protocol {words[0]}, this worker {expected[0]}"
             if words != expected:
                 return None, (f"trainer rank {sender} sends another tensor list (names, dtypes or shapes) than "
                               f"the manifest; every trainer rank must pass the same model")
         try:
-            layouts = [RankLayout(manifest.entries, as_words(table)) for table in tables]
+            layouts = [RankLayout(manifest.entries, table.tolist()) for table in tables]
             check_tiling(layouts)
         except TransferError as exc:
             return None, str(exc)
@@ -664,7 +671,7 @@ class TorchDistributedWeightTransferEngine(
             words = torch.zeros(count + 1, dtype=torch.int64, device=self.device())
             self.wait(self.broadcast(self.group_for(0, sender), words), f"trainer rank {sender}'s digests",
                       self._info.timeout_s)
-            sent += from_words([int(w) for w in words.tolist()[:count]])
+            sent += from_words(words.tolist()[:count])
         received = digests.digests()
         check(names * (len(sent) // max(count, 1)), sent, received)
         if layouts is None:
@@ -714,7 +721,8 @@ class TorchDistributedWeightTransferEngine(
 
         assert self._info is not None
         count, timeout_s, tensors = len(self._buffers), self._info.timeout_s, len(layouts[0].entries)
-        needed = scratch_bytes(layouts, buckets)
+        plans = [receive_plan(layouts, bucket) for bucket in buckets]  # who sends what, where: once a round
+        needed = scratch_bytes(plans)
         if needed and (not self._scratch or self._scratch[0].numel() < needed):
             self._scratch = self.allocate(needed, count)
 
@@ -724,7 +732,7 @@ class TorchDistributedWeightTransferEngine(
             if digests is not None:
                 digests.fence(index % count)  # the last bucket of this buffer (and its scratch) is hashed
             data, at, pending = self._buffers[index % count], 0, []
-            for sender, runs, offset in receive_plan(layouts, buckets[index]):
+            for sender, runs, offset in plans[index]:
                 nbytes = sum(run.nbytes for run in runs)
                 if offset is not None:
                     target = data[offset : offset + nbytes]
@@ -882,28 +890,21 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
 
         # slot -> (work, tensor it reads); holding the tensor keeps an in-place source alive
         works: list[tuple[Any, Any] | None] = [None] * len(self._buffers)
-        digests = None
         try:
             if self.parallel_senders:  # every trainer rank sends its own parts, rank 0 too
                 parts = rank_parts(self.source.named_tensors(), 0, manifest.entries)  # type: ignore[attr-defined]
-                rejected = self.send_layout(manifest.entries, parts, self.timeout_s, call)
+                accepted = self.send_own_parts(manifest.entries, parts, buckets, works, self.timeout_s, call)
             else:
                 verdict = torch.zeros(1, dtype=torch.int32, device=self.device())
                 self.wait(self.allreduce_max(self._groups[0], verdict), "the manifest vote", self.timeout_s, call)
-                rejected = int(verdict.item())
-            rejected &= REJECTED
-            if rejected:
+                accepted = not int(verdict.item()) & REJECTED
+                if accepted:
+                    self._broadcast_buckets(manifest, buckets, call, works)
+            if not accepted:
                 raise ManifestRejected(f"round {manifest.version} rejected by a worker")
-            digests = RoundDigests(len(manifest.entries)) if manifest.digests else None
-            if self.parallel_senders:
-                self.stream_parts(buckets, manifest.entries, parts, works, self.timeout_s, digests)
-            else:
-                self._broadcast_buckets(manifest, buckets, call, works, digests)
         except ManifestRejected:
             raise  # a clean stop: every side is past the vote, and the groups stay usable
         except BaseException:
-            if digests is not None:
-                digests.close()
             works.clear()
             self.release_own_groups(failed=True)  # the workers' pending receives fail now, not at their timeout
             raise
@@ -912,7 +913,16 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
 
 
     def _broadcast_buckets(self, manifest: Manifest, buckets: list[Bucket], call: ClientCall,
-                           works: list[tuple[Any, Any] | None], digests: RoundDigests | None) -> None:
+                           works: list[tuple[Any, Any] | None]) -> None:
+        digests = RoundDigests(len(manifest.entries)) if manifest.digests else None
+        try:
+            self._pack_and_broadcast(manifest, buckets, works, digests)
+        finally:
+            if digests is not None:
+                digests.close()
+
+    def _pack_and_broadcast(self, manifest: Manifest, buckets: list[Bucket], works: list[tuple[Any, Any] | None],
+                            digests: RoundDigests | None) -> None:
         packer = Packer(manifest, iter(self.source), digests)
         device = self.device()
         for bucket in buckets:
@@ -988,23 +998,17 @@ class TorchDistributedSender(TorchDistributedBackend):
         if not self._groups:
             raise TransferError(f"trainer rank {self.rank}: this sender was closed (or failed a round)")
         works: list[tuple[Any, Any] | None] = [None] * len(self._buffers)
-        digests = None
         try:
             entries = tuple(self.source.metadata())
             parts = rank_parts(self.source.named_tensors(), self.rank, entries)
-            verdict = self.send_layout(entries, parts, self.timeout_s)
-            if verdict & REJECTED:
+            buckets = plan_buckets(entries, self.info.bucket_bytes, self.info.direct_min_bytes)
+            if not self.send_own_parts(entries, parts, buckets, works, self.timeout_s):
                 raise RoundCalledOff("the workers refused the round before any byte moved (trainer rank 0 "
                                      "says why)")  # every side is past the vote: the groups stay in step
-            buckets = plan_buckets(entries, self.info.bucket_bytes, self.info.direct_min_bytes)
-            digests = RoundDigests(len(entries)) if verdict & DIGESTS else None
-            self.stream_parts(buckets, entries, parts, works, self.timeout_s, digests)
         except RoundCalledOff:
             raise
         except BaseException:
             works.clear()
-            if digests is not None:
-                digests.close()
             self.release_own_groups(failed=True)  # the workers' receives fail now, not at their timeout
             raise
         finally:

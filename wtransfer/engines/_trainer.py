@@ -722,11 +722,11 @@ def create_trainer(
         trainer.agreement = agreement
         trainer.connect()
     except BaseException as exc:
-        if agreement is not None:  # the other ranks wait to hear whether there is a trainer to follow
-            told = trainer is not None and trainer.told_ranks  # then they wait to hear whether all joined
+        # The other ranks wait to hear whether there is a trainer to follow (ranks told already, to join
+        # while the workers do, heard why from connect() itself).
+        if agreement is not None and not (trainer is not None and trainer.told_ranks):
             try:
-                agreement.decide("senders" if told else "connect",
-                                 {"ok": False, "reason": f"{type(exc).__name__}: {exc}"}, TELL_WAIT_S)
+                agreement.decide("connect", {"ok": False, "reason": f"{type(exc).__name__}: {exc}"}, TELL_WAIT_S)
             except Exception:
                 pass  # some left already; this rank's own error is the one to raise
         raise

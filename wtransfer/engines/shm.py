@@ -402,12 +402,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         def announce(index: int) -> None:
             slot = slot_of[index]
             holders[slot] = set(workers)
-            message = {"op": "bucket", "index": index, "slot": slot}
-            for rank, channel in self._channels.items():
-                try:
-                    channel.send(message, timeout=self.timeout_s)
-                except PeerClosedError as exc:
-                    raise TransferError(f"shm worker rank {rank} died during round {manifest.version}: {exc}") from exc
+            self._tell_workers({"op": "bucket", "index": index, "slot": slot}, manifest.version)
 
         def written(index: int, rank: int) -> None:
             left = writing[index]
@@ -415,9 +410,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             if not left:
                 del writing[index]
                 if digests is not None:  # the bucket is what one sender would have packed: hash it as Packer does
-                    data = self._ring.slots[slot_of[index]]  # type: ignore[union-attr]
-                    for piece in buckets[index].pieces:
-                        digests.update(piece.index, data[piece.offset : piece.offset + piece.length], slot_of[index])
+                    digests.update_bucket(buckets[index], self._ring.slots[slot_of[index]], slot_of[index])  # type: ignore[union-attr]
                 announce(index)
 
         def handle(rank: int, message: dict[str, Any]) -> None:
@@ -479,12 +472,15 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                    handle)
         self._tell_senders({"op": "end"})
         if digests is not None:  # the workers compare them with their own before the round can commit
-            message = {"op": "digests", "values": digests.digests()}
-            for rank, channel in self._channels.items():
-                try:
-                    channel.send(message, timeout=self.timeout_s)
-                except PeerClosedError as exc:
-                    raise TransferError(f"shm worker rank {rank} died during round {manifest.version}: {exc}") from exc
+            self._tell_workers({"op": "digests", "values": digests.digests()}, manifest.version)
+
+    def _tell_workers(self, message: dict[str, Any], version: int) -> None:
+        """Send ``message`` to every worker; one that died fails the round, naming it."""
+        for rank, channel in self._channels.items():
+            try:
+                channel.send(message, timeout=self.timeout_s)
+            except PeerClosedError as exc:
+                raise TransferError(f"shm worker rank {rank} died during round {version}: {exc}") from exc
 
     def stop_senders(self, reason: str) -> None:
         """Best effort: the other trainer ranks drop this round."""
