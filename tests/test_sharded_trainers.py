@@ -431,7 +431,7 @@ def test_rank_0_failing_its_rendezvous_fails_every_rank_at_create_trainer(backen
     assert [e for e in events if e["event"] in ("round", "crash")] == []
 
 
-@pytest.mark.parametrize("backend", ["gloo"])  # shm: 1 run in 4 left rank 0 broken after the refusal (open)
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
 def test_a_round_the_workers_refuse_stops_every_rank_cleanly_and_the_next_round_goes_on(backend: str) -> None:
     """Every rank sends its own shards; the workers refuse a round whose tensor list they do not
     have: every rank raises with the workers' reason, nothing moved, and the same trainers (on

@@ -357,7 +357,13 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             for message in channel.pending():  # messages that arrived together with earlier ones
                 handle(rank, message)
         while not done():
-            call.raise_if_failed()
+            if call.error is not None:
+                # A worker answers before it raises (a rejection, a failure), so its message is
+                # already here when the client's error is: read it first, it may end the wait cleanly.
+                self._dispatch(0.0, what, handle)
+                if done():
+                    return
+                call.raise_if_failed()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TransferTimeoutError(f"shm trainer: {what} took longer than {self.timeout_s:g} s")
