@@ -4,7 +4,9 @@ No processes here: parts are cut from whole tensors the way ``Shard(0)``, ``Shar
 ``Shard(1)`` of a 3-D tensor cut them (uneven, one rank empty, a plain tensor rank 0 sends), each
 rank's stream for every bucket is built as a sender builds it (``pack_runs``), and a worker's
 side puts it back: in place where the layout says the bytes are contiguous in the bucket, else
-through scratch (``place_runs``). The buckets must equal ``Packer``'s byte for byte, with buckets
+through scratch (``place_runs``), into the bucket or straight into each tensor's bytes (a loader
+with destinations). The buckets must equal ``Packer``'s byte for byte, or the tensors the
+originals, with buckets
 small enough that tensors split mid-row. The real transport is covered over gloo with FSDP2 in
 ``test_sharded_trainers.py``.
 """
@@ -20,6 +22,7 @@ from wtransfer.engines._packing import Packer, plan_buckets  # noqa: E402
 from wtransfer.engines._part_streams import (  # noqa: E402
     RankLayout,
     check_tiling,
+    in_place,
     layout_rows,
     pack_runs,
     place_runs,
@@ -91,6 +94,29 @@ def test_streamed_parts_placed_by_a_worker_equal_the_packed_buckets(bucket_bytes
             got, want = (b[piece.offset : piece.offset + piece.length] for b in (data, expected))
             assert torch.equal(got, want), f"bucket {bucket.index}: {manifest.entries[piece.index].name} differs"
     assert scattered and (in_place or len(buckets) == 1)  # small buckets exercise both ways of receiving
+
+
+@pytest.mark.parametrize("bucket_bytes", [4096, 1 << 20])
+def test_streamed_parts_placed_straight_into_the_tensors_equal_them(bucket_bytes: int) -> None:
+    """A worker whose loader offers every tensor's destination skips the bucket."""
+    tensors, _ = _tensors()
+    manifest = build_manifest([entry_for(n, t) for n, t in tensors.items()], 1)
+    parts = [_parts(rank) for rank in range(RANKS)]
+    layouts = [RankLayout(manifest.entries, layout_rows(p)) for p in parts]
+    received = {name: torch.full_like(t, 3) for name, t in tensors.items()}  # stale values
+    targets = [r.view(-1).view(torch.uint8) for r in received.values()]
+    ways, buckets = set(), plan_buckets(manifest.entries, bucket_bytes)
+    for bucket in buckets:
+        for sender, runs, offset in receive_plan(layouts, bucket):
+            sent = pack_runs(runs, parts[sender], torch.empty(bucket_bytes, dtype=torch.uint8)).clone()
+            if offset is not None:
+                in_place(runs, offset, targets=targets).copy_(sent)
+            else:
+                place_runs(runs, sent, targets=targets)
+            ways.add(offset is None)
+    for name, tensor in tensors.items():
+        assert torch.equal(received[name], tensor), f"{name} differs"
+    assert True in ways and (False in ways or len(buckets) == 1)  # small buckets exercise both ways
 
 
 def test_layouts_that_overlap_or_leave_a_gap_are_refused_before_any_byte_moves() -> None:

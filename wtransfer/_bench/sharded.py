@@ -121,7 +121,9 @@ def _rank_main(rank: int, ranks: int, port: int, options: str, conn: Any) -> Non
             cpu, workers_cpu = time.process_time(), _cpu_seconds(pool)
             stats = trainer.send_weights()
             # CPU seconds this round took here (every thread), and on rank 0 in the workers too
-            report.setdefault("round_cpu", []).append(time.process_time() - cpu + _cpu_seconds(pool) - workers_cpu)
+            workers_cpu = _cpu_seconds(pool) - workers_cpu
+            report.setdefault("round_cpu", []).append(time.process_time() - cpu + workers_cpu)
+            report.setdefault("round_worker_cpu", []).append(workers_cpu / args["workers"])
             report.setdefault("round_peaks", []).append(rss.extra())
             peak_extra = max(peak_extra, rss.extra())
             expected = unsharded_digests(model)  # a collective on every rank, one parameter at a time
@@ -255,6 +257,12 @@ def summarize(args: argparse.Namespace, runs: list[tuple[str, int, list[dict[str
         return statistics.median(sum(r["round_cpu"][i] for r in reports) / rounds[i]["seconds"]
                                  for i in range(len(rounds)))
 
+    def worker_busy(reports: list[dict[str, Any]]) -> float:
+        """CPU seconds of one worker (the mean of them) per second of the round: near 1, the worker
+        is the round's bottleneck and no trainer-side design can make the round faster."""
+        rounds = reports[0]["rounds"]
+        return statistics.median(reports[0]["round_worker_cpu"][i] / rounds[i]["seconds"] for i in range(len(rounds)))
+
     plain_rate = rate(runs[0][2])
     rows, memory = [], []
     for mode, ranks, reports in runs:
@@ -265,11 +273,13 @@ def summarize(args: argparse.Namespace, runs: list[tuple[str, int, list[dict[str
             raise SystemExit(f"the {args.engine} engine has no senders: its sharded ranks gathered (use --ranks '' "
                              f"and --gathers N to measure it)")
         rows.append({"mode": mode, "ranks": ranks, "gb_per_s": rate(reports), "ratio": ratio, "target": target,
-                     "cores_busy": cores_busy(reports), "ok": target is None or ratio >= target})
+                     "cores_busy": cores_busy(reports), "worker_busy": worker_busy(reports),
+                     "ok": target is None or ratio >= target})
         if mode == "gathers":
             gather_rate = first["rounds"][0]["bytes"] / first["gather_only_seconds"] / 1e9
             rows.append({"mode": "gather-only", "ranks": ranks, "gb_per_s": gather_rate,
-                         "ratio": gather_rate / plain_rate, "target": None, "cores_busy": None, "ok": True})
+                         "ratio": gather_rate / plain_rate, "target": None, "cores_busy": None, "worker_busy": None,
+                         "ok": True})
         for report in reports:
             later = report["round_peaks"][1:] or report["round_peaks"]
             memory.append({"mode": mode, "ranks": ranks, "rank": report["rank"], "budget": first["budget"],
@@ -301,10 +311,12 @@ def markdown(figures: dict[str, Any]) -> list[str]:
     return [
         figures["setup"] + ".", "",
         *table("throughput (whole rounds as rank 0 waits for them, medians; cores busy: CPU seconds of every "
-               "trainer rank and worker per second of the round)",
-               ["trainer", "ranks", "GB/s", "vs unsharded", "target", "cores busy"],
+               "trainer rank and worker per second of the round; worker busy: the same for one worker, whose "
+               "receiving and commit bound every design once it nears 1)",
+               ["trainer", "ranks", "GB/s", "vs unsharded", "target", "cores busy", "worker busy"],
                [[_LABELS[r["mode"]], str(r["ranks"]), f"{r['gb_per_s']:.2f}", f"{r['ratio']:.2f}×", target(r),
-                 "" if r["cores_busy"] is None else f"{r['cores_busy']:.2f} of {os.cpu_count()}"]
+                 "" if r["cores_busy"] is None else f"{r['cores_busy']:.2f} of {os.cpu_count()}",
+                 "" if r["worker_busy"] is None else f"{r['worker_busy']:.2f}"]
                 for r in figures["rows"]]),
         "",
         *table("peak extra RSS per trainer rank (MiB; round 1 counts the trainer's buffers and one-time set-up)",

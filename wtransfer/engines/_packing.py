@@ -301,6 +301,26 @@ class Unpacker:
         if piece.start + piece.length == entry.nbytes:
             self.delivered += 1
 
+    def tensor_targets(self) -> list[torch.Tensor] | None:
+        """Every tensor's bytes in the loader's destination, in manifest order, where the loader
+        offers one for every tensor (None otherwise): an engine that receives pieces of tensors
+        from several senders writes them there directly instead of assembling buckets first.
+        All or none, so that a tensor split across buckets is never half placed, half unpacked."""
+        if self._destination is None or self._discard:
+            return None
+        targets = []
+        for entry in self._manifest.entries:
+            target = self._destination(entry.name)
+            if target is None or not target.is_contiguous() or entry_for(entry.name, target) != entry:
+                return None
+            targets.append(tensor_bytes(target))
+        return targets
+
+    def placed(self, bucket: Bucket) -> None:
+        """Every byte of ``bucket`` was written into :meth:`tensor_targets`: account for it."""
+        entries = self._manifest.entries
+        self.delivered += sum(1 for p in bucket.pieces if p.whole or p.start + p.length == entries[p.index].nbytes)
+
     def unpack(self, bucket: Bucket, data: torch.Tensor, buffer: int = -1) -> None:
         """Hand the bucket's tensors on. With digests, ``data`` is hashed later: fence ``buffer``
         before it is written again."""

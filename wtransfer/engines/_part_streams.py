@@ -147,14 +147,35 @@ def pack_runs(runs: list[Run], parts: list[LocalPart | None], buffer: torch.Tens
     return buffer[:at]
 
 
-def place_runs(runs: list[Run], received: torch.Tensor, data: torch.Tensor) -> None:
-    """Put one rank's bytes of a bucket (``received``, as :func:`pack_runs` sent them) into the bucket."""
+def place_runs(runs: list[Run], received: torch.Tensor, data: torch.Tensor | None = None,
+               targets: list[torch.Tensor] | None = None) -> None:
+    """Put one rank's bytes of a bucket (``received``, as :func:`pack_runs` sent them) where they
+    belong: into the bucket ``data``, or straight into each tensor's bytes ``targets`` (in
+    manifest order), which saves the worker a copy of every byte."""
     at = 0
     for run in runs:
         piece = run.piece
-        place_part(data[piece.offset : piece.offset + piece.length], piece.start, run.width, run.first, run.end,
-                   received[at : at + run.nbytes])
+        if targets is not None:
+            where = targets[piece.index][piece.start : piece.start + piece.length]
+        else:
+            assert data is not None
+            where = data[piece.offset : piece.offset + piece.length]
+        place_part(where, piece.start, run.width, run.first, run.end, received[at : at + run.nbytes])
         at += run.nbytes
+
+
+def in_place(runs: list[Run], offset: int, data: torch.Tensor | None = None,
+             targets: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Where a stream :func:`receive_plan` says is contiguous (bucket ``offset``) is received in
+    place: in the bucket ``data``, or in its tensor's bytes ``targets`` (it is one run, so it is
+    contiguous there as well)."""
+    nbytes = sum(run.nbytes for run in runs)
+    if targets is None:
+        assert data is not None
+        return data[offset : offset + nbytes]
+    piece = runs[0].piece
+    start = piece.start + offset - piece.offset
+    return targets[piece.index][start : start + nbytes]
 
 
 def receive_plan(layouts: list[RankLayout], bucket: Bucket) -> list[tuple[int, list[Run], int | None]]:

@@ -716,12 +716,17 @@ class TorchDistributedWeightTransferEngine(
     def _receive_parts(self, buckets: list[Bucket], unpacker: Unpacker, layouts: list[RankLayout],
                        works: dict[int, Any], digests: RoundDigests | None) -> None:
         """Every sending rank's bytes of each bucket: in place where they are contiguous there,
-        else through this buffer's scratch, placed row by row; then the bucket unpacks as usual."""
-        from wtransfer.engines._part_streams import hash_runs, place_runs, receive_plan, scratch_bytes
+        else through this buffer's scratch, placed row by row. Where the loader offers every
+        tensor's destination (staging, a module), the bytes go there directly; otherwise they
+        assemble the bucket, which then unpacks as usual (one copy more of every byte)."""
+        from wtransfer.engines._part_streams import hash_runs, in_place, place_runs, receive_plan, scratch_bytes
 
         assert self._info is not None
         count, timeout_s, tensors = len(self._buffers), self._info.timeout_s, len(layouts[0].entries)
         plans = [receive_plan(layouts, bucket) for bucket in buckets]  # who sends what, where: once a round
+        targets = unpacker.tensor_targets()
+        if targets and not all(self.accepts_in_place(target) for target in targets if target.numel()):
+            targets = None
         needed = scratch_bytes(plans)
         if needed and (not self._scratch or self._scratch[0].numel() < needed):
             self._scratch = self.allocate(needed, count)
@@ -735,7 +740,7 @@ class TorchDistributedWeightTransferEngine(
             for sender, runs, offset in plans[index]:
                 nbytes = sum(run.nbytes for run in runs)
                 if offset is not None:
-                    target = data[offset : offset + nbytes]
+                    target = in_place(runs, offset, data, targets)
                 else:
                     target = self._scratch[index % count][at : at + nbytes]
                     at += nbytes
@@ -756,9 +761,12 @@ class TorchDistributedWeightTransferEngine(
                 if digests is not None:
                     hash_runs(digests, runs, received, slot, sender * tensors)
                 if scattered:
-                    place_runs(runs, received, data)
+                    place_runs(runs, received, data, targets)
             _work = None
-            unpacker.unpack(bucket, data[: bucket.nbytes])
+            if targets is not None:
+                unpacker.placed(bucket)
+            else:
+                unpacker.unpack(bucket, data[: bucket.nbytes])
             post(bucket.index + count)
 
     def shutdown(self) -> None:
