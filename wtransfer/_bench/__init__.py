@@ -10,5 +10,6 @@ SUITES: dict[str, str] = {
     "storage": "wtransfer._bench.storage",
     "offload": "wtransfer._bench.offload",
     "sharded": "wtransfer._bench.sharded",
+    "delta": "wtransfer._bench.delta",
 }
 DEFAULT_SUITE = "weights"

@@ -19,6 +19,11 @@ writing a line. The trainer picks the mode per round (it travels in the manifest
 Either way ``weight_version`` names a version only when every byte of the model is that
 version's: it counts committed rounds, and is ``None`` while the model is torn (a streamed
 round or a commit that failed part-way).
+
+A delta round (:mod:`._delta`) adds one loader in front: it rebuilds each changed tensor on the
+model's committed copy and checks it, so the modes above see whole tensors; this worker also
+remembers which delta-capable round it committed last (``delta_holds``), the base the next
+delta round must be against.
 """
 
 from __future__ import annotations
@@ -144,6 +149,7 @@ class _Received:
     manifest: Manifest | None
     staged: dict[str, torch.Tensor] | None  # None: already in the model (streamed)
     real: Any
+    delta_id: str | None = None  # the round's delta id: what this worker holds once it commits
 
 
 class RoundState:
@@ -159,6 +165,9 @@ class RoundState:
         self._received: _Received | None = None
         self._staging: NodeStaging | None = None
         self._warned_no_manifest = False
+        self._delta_id: str | None = None  # the round being received: its delta id
+        self.delta_holds: str | None = None
+        """The delta id of the last round committed here (None: none, or the model is torn since)."""
 
     @property
     def weight_version(self) -> int | None:
@@ -171,6 +180,16 @@ class RoundState:
         self._loader = None
         manifest = getattr(update_info, "parsed", None)
         self._manifest = manifest if isinstance(manifest, Manifest) else None
+        delta = self._manifest.delta if self._manifest is not None else None
+        self._delta_id = delta.id if delta is not None else None
+        if delta is not None:  # the loaders below see the tensors it rebuilds, whole
+            from wtransfer.engines._delta import DeltaLoader
+
+            wire, self._manifest = self._manifest, delta.target_manifest(self._manifest)
+            return DeltaLoader(self._begin(real), real, wire, self.delta_holds)
+        return self._begin(real)
+
+    def _begin(self, real: Any) -> Any:
         plan = self._manifest.commit if self._manifest is not None else None
         whole_round = getattr(real, "whole_round", False) is True
         mode = plan.mode if plan is not None else "streaming"
@@ -213,7 +232,7 @@ class RoundState:
         if isinstance(loader, StreamingLoader):
             if loader.touched:  # the new bytes are in, but the round counts only at finish: until then
                 self.torn = True  # the model is neither the old version nor (yet) a counted new one
-            self._received = _Received(manifest, None, real)
+            self._received = _Received(manifest, None, real, self._delta_id)
             return
         assert manifest is not None and manifest.commit is not None and self._staging is not None
         if isinstance(loader, StagingLoader):
@@ -221,7 +240,7 @@ class RoundState:
             self._staging.settle(manifest.version, None)
         else:
             staged = self._staging.await_staged(manifest, manifest.commit.timeout_s)
-        self._received = _Received(manifest, staged, real)
+        self._received = _Received(manifest, staged, real, self._delta_id)
 
     def failed(self, exc: BaseException) -> BaseException:
         """The round failed on this worker: tell the node's followers, say what the model holds."""
@@ -231,6 +250,8 @@ class RoundState:
             self._staging.settle(manifest.version, f"the node's stager failed round {version}: {exc}")
         if isinstance(loader, StreamingLoader) and loader.touched:
             self.torn = True
+        if self.torn:
+            self.delta_holds = None
         if not isinstance(exc, (ManifestMismatchError, RoundCalledOff)) and self._staging is not None:
             # A rejection keeps the trainer (and its next round); any other failure ends it, and a
             # new trainer stages under a new key: free the copy and its sockets now.
@@ -270,7 +291,7 @@ class RoundState:
             try:
                 received.real(list(received.staged.items()))
             except Exception as exc:
-                self.torn = True
+                self.torn, self.delta_holds = True, None
                 error = WeightsTornError(
                     f"{self.owner}: loading round {received.manifest.version if received.manifest else '?'} "
                     f"from staging failed part-way, so the model is torn; weight_version is None until a "
@@ -281,6 +302,7 @@ class RoundState:
                 raise error from exc
         self.committed += 1
         self.torn = False
+        self.delta_holds = received.delta_id
 
     def close(self) -> None:
         self._received = None

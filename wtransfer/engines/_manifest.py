@@ -6,10 +6,14 @@ wire geometry; nothing but this dict and raw bytes crosses the process boundary.
 
 Wire form::
 
-    {"format": 1, "version": 7,
+    {"format": 2, "version": 7,
      "tensors": [["model.embed.weight", "bfloat16", [151936, 896]], ...],
      "digests": "xxh3_64" | None,
-     "commit": {"mode": "atomic", "key": "9f0c...", "timeout_s": 300.0} | None}
+     "commit": {"mode": "atomic", "key": "9f0c...", "timeout_s": 300.0} | None,
+     "delta": None}
+
+A delta round (``create_trainer(..., delta=True)``, see ``_delta``) is format 3 and says in
+``delta`` what each wire tensor rebuilds.
 
 ``digests`` says the trainer hashes every tensor as it sends it and sends the digests after
 the data (see ``_digests``): workers hash what they receive and compare before the round can
@@ -38,7 +42,14 @@ if TYPE_CHECKING:
 
 MANIFEST_FORMAT = 2
 """2: per-tensor digests travel after the data (``digests``), no longer CRC32s in the manifest."""
+DELTA_MANIFEST_FORMAT = 3
+"""A delta round's manifest (``delta``, see ``_delta``): a worker that predates it refuses the
+round by its format instead of loading compressed bytes as tensors. Other rounds stay format 2."""
 DIGEST_ALGORITHMS = ("xxh3_64",)
+
+XOR_ZSTD, DENSE = "xor-zstd", "dense"
+DELTA_ENCODINGS = (XOR_ZSTD, DENSE)
+"""How a delta round's wire tensor rebuilds its tensor: a compressed XOR with the base, or whole."""
 
 COMMIT_MODES = ("atomic", "streaming")
 """How a round reaches the model: staged then committed everywhere, or written as it arrives."""
@@ -103,6 +114,90 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
+class DeltaTensor:
+    """What one wire entry of a delta round rebuilds on the worker."""
+
+    target: TensorEntry
+    encoding: str
+    digest: str
+    """XXH3-64 of the new value's bytes: the worker checks the tensor it rebuilt."""
+    base_digest: str | None = None
+    """``xor-zstd``: XXH3-64 of the base's bytes the XOR applies to."""
+
+    def to_list(self) -> list[Any]:
+        t = self.target
+        return [t.name, t.dtype, list(t.shape), self.encoding, self.digest, self.base_digest]
+
+
+@dataclass(frozen=True)
+class DeltaPlan:
+    """The manifest's ``delta`` key: what the round's wire entries rebuild, and against what."""
+
+    id: str
+    base: str | None
+    tensors: tuple[DeltaTensor, ...]
+    unchanged: tuple[TensorEntry, ...]
+    """The model's tensors the round does not carry: the worker keeps its own (checked to exist)."""
+
+    @property
+    def model_bytes(self) -> int:
+        return sum(t.target.nbytes for t in self.tensors) + sum(e.nbytes for e in self.unchanged)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "base": self.base, "tensors": [t.to_list() for t in self.tensors],
+                "unchanged": [[e.name, e.dtype, list(e.shape)] for e in self.unchanged]}
+
+    @classmethod
+    def from_dict(cls, data: Any, wire: tuple[TensorEntry, ...]) -> DeltaPlan:
+        if not isinstance(data, dict):
+            raise ValueError(f"manifest 'delta' must be null or a dict, got {type(data).__name__}")
+        ident, base, rows, unchanged = data.get("id"), data.get("base"), data.get("tensors"), data.get("unchanged")
+        if not isinstance(ident, str) or not ident or not (base is None or isinstance(base, str)):
+            raise ValueError(f"manifest delta 'id' must be a string and 'base' a string or null, got {ident!r}, {base!r}")
+        if not isinstance(unchanged, list):
+            raise ValueError("manifest delta 'unchanged' must be a list of [name, dtype, shape]")
+        kept = tuple(_parse_entry(index, item) for index, item in enumerate(unchanged))
+        if not isinstance(rows, list) or len(rows) != len(wire):
+            raise ValueError(f"manifest delta 'tensors' must list one row per wire tensor ({len(wire)})")
+        tensors = []
+        for index, (row, entry) in enumerate(zip(rows, wire)):
+            if not (isinstance(row, list) and len(row) == 6):
+                raise ValueError(f"manifest delta row #{index} must be [name, dtype, shape, encoding, digest, base]")
+            target = _parse_entry(index, row[:3])
+            encoding, new, old = row[3:]
+            if encoding not in DELTA_ENCODINGS or not _is_digest(new) or not (old is None or _is_digest(old)):
+                raise ValueError(f"manifest delta row {target.name!r}: bad encoding or digests {row[3:]!r}")
+            if target.name != entry.name:
+                raise ValueError(f"manifest delta row #{index} is {target.name!r}, the wire tensor {entry.name!r}")
+            if encoding == DENSE and target != entry:
+                raise ValueError(f"manifest delta row {target.name!r}: a dense tensor travels as itself")
+            if encoding == XOR_ZSTD and (entry.dtype != "uint8" or len(entry.shape) != 1 or old is None):
+                raise ValueError(f"manifest delta row {target.name!r}: a XOR travels as uint8 bytes, with a base digest")
+            tensors.append(DeltaTensor(target, encoding, new, old))
+        names = [t.target.name for t in tensors] + [e.name for e in kept]
+        if len(set(names)) != len(names):
+            raise ValueError("manifest delta names a tensor twice (carried and unchanged)")
+        return cls(ident, base, tuple(tensors), kept)
+
+    def target_manifest(self, manifest: Manifest) -> Manifest:
+        """The round as the model sees it: the tensors it rebuilds, whole (staging is sized by it)."""
+        import dataclasses
+
+        return dataclasses.replace(manifest, entries=tuple(t.target for t in self.tensors), delta=None)
+
+    def model_manifest(self, manifest: Manifest) -> Manifest:
+        """Every tensor of the model, carried or not: what a loader checks the round against."""
+        import dataclasses
+
+        return dataclasses.replace(manifest, entries=tuple(t.target for t in self.tensors) + self.unchanged,
+                                   delta=None)
+
+
+def _is_digest(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 16 and all(c in "0123456789abcdef" for c in value)
+
+
+@dataclass(frozen=True)
 class Manifest:
     """The tensors of one update round, in sending order."""
 
@@ -114,6 +209,8 @@ class Manifest:
     commit: CommitPlan | None = None
     digests: str | None = None
     """The algorithm of the digests the trainer sends after the data, or None (no checksums)."""
+    delta: DeltaPlan | None = None
+    """A delta round: what each wire tensor rebuilds, and against which committed round."""
 
     @property
     def total_bytes(self) -> int:
@@ -121,11 +218,12 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "format": MANIFEST_FORMAT,
+            "format": MANIFEST_FORMAT if self.delta is None else DELTA_MANIFEST_FORMAT,
             "version": self.version,
             "tensors": [[e.name, e.dtype, list(e.shape)] for e in self.entries],
             "digests": self.digests,
             "commit": self.commit.to_dict() if self.commit is not None else None,
+            "delta": self.delta.to_dict() if self.delta is not None else None,
         }
 
     @classmethod
@@ -133,11 +231,14 @@ class Manifest:
         """Validate a wire manifest; ``ValueError`` says exactly which part is malformed."""
         if not isinstance(data, dict):
             raise ValueError(f"manifest must be a dict, got {type(data).__name__}")
-        if data.get("format") != MANIFEST_FORMAT:
+        if data.get("format") not in (MANIFEST_FORMAT, DELTA_MANIFEST_FORMAT):
             raise ValueError(
                 f"manifest format {data.get('format')!r} is not supported (this wtransfer speaks "
-                f"format {MANIFEST_FORMAT}); use the same wtransfer version on trainer and workers"
+                f"formats {MANIFEST_FORMAT} and {DELTA_MANIFEST_FORMAT}); use the same wtransfer version on trainer "
+                f"and workers"
             )
+        if (data.get("format") == DELTA_MANIFEST_FORMAT) != (data.get("delta") is not None):
+            raise ValueError(f"manifest format {DELTA_MANIFEST_FORMAT} is a delta round's, and only it has 'delta'")
         version = data.get("version")
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise ValueError(f"manifest 'version' must be a non-negative int, got {version!r}")
@@ -153,7 +254,9 @@ class Manifest:
         if digests is not None and digests not in DIGEST_ALGORITHMS:
             raise ValueError(f"manifest 'digests' must be null or one of {DIGEST_ALGORITHMS}, got {digests!r}")
         commit = data.get("commit")
-        return cls(entries, version, None, CommitPlan.from_dict(commit) if commit is not None else None, digests)
+        delta = data.get("delta")
+        return cls(entries, version, None, CommitPlan.from_dict(commit) if commit is not None else None, digests,
+                   DeltaPlan.from_dict(delta, entries) if delta is not None else None)
 
 
 def _parse_entry(index: int, item: Any) -> TensorEntry:
@@ -180,8 +283,9 @@ def build_manifest(
     version: int,
     digests: str | None = None,
     commit: CommitPlan | None = None,
+    delta: DeltaPlan | None = None,
 ) -> Manifest:
-    return Manifest(tuple(entries), version, None, commit, digests)
+    return Manifest(tuple(entries), version, None, commit, digests, delta)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:

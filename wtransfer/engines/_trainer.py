@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from wtransfer.engines._client import WeightSyncClient
 from wtransfer.engines._commit import DEFAULT_COMMIT
-from wtransfer.engines._manifest import COMMIT_MODES, CommitPlan, Manifest, TensorEntry, build_manifest
+from wtransfer.engines._manifest import COMMIT_MODES, CommitPlan, DeltaPlan, Manifest, TensorEntry, build_manifest
 from wtransfer.engines._packing import Bucket, plan_buckets
 from wtransfer.engines._protocol import MIB, ManifestRejected, check_bucket_bytes, gc_paused
 from wtransfer.engines._source import ModuleSource, TensorSource, WeightSource
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from wtransfer.engines._agreement import RankAgreement
     from types import TracebackType
 
+    from wtransfer.engines._delta import DeltaEncoder, DeltaRound
     from wtransfer.engines._sharded import ParticipantTrainer
 
 logger = logging.getLogger("wtransfer")
@@ -281,7 +282,11 @@ class TrainerWeightTransferEngine(ABC):
         is_checkpoint_format: bool = True,
         sharded: bool = False,
         commit: str = DEFAULT_COMMIT,
+        delta: bool = False,
     ) -> None:
+        if delta and sharded:
+            raise ValueError("create_trainer(): delta=True needs an unsharded trainer (one process holding the "
+                             "whole model); sharded trainers send every round whole")
         if commit not in COMMIT_MODES:
             raise ValueError(
                 f"create_trainer(): commit={commit!r} is not a commit mode; use 'atomic' (the default: a failed "
@@ -318,6 +323,12 @@ class TrainerWeightTransferEngine(ABC):
         self.bucket_bytes: int = self.init_options.bucket_bytes
         self.num_buffers: int = self.init_options.num_buffers
         self.checksums = bool(checksums)
+        self.delta: DeltaEncoder | None = None
+        """With ``delta=True``: the version the workers committed, and each round's encoding against it."""
+        if delta:
+            from wtransfer.engines._delta import DeltaEncoder
+
+            self.delta = DeltaEncoder()
         self.is_checkpoint_format = bool(is_checkpoint_format)
         self.weight_version = 0
         self._broken: str | None = None
@@ -456,7 +467,12 @@ class TrainerWeightTransferEngine(ABC):
         try:
             with gc_paused():
                 gathered = self.sharded and not self.parallel_senders
-                stats = self._run_sharded_round(weight_version) if gathered else self._run_round(weight_version)
+                if gathered:
+                    stats = self._run_sharded_round(weight_version)
+                elif self.delta is not None:
+                    stats = self._run_delta_round(weight_version)
+                else:
+                    stats = self._run_round(weight_version)
         except BaseException as exc:
             if self._broken is None and not self._clean_rejection and not isinstance(exc, KeyboardInterrupt):
                 # A client call that timed out may still be running: a retried round would overlap
@@ -503,12 +519,36 @@ class TrainerWeightTransferEngine(ABC):
         source.finish_round()  # type: ignore[attr-defined]  # a complete round walked everything: no-op
         return stats
 
-    def _run_round(self, label: str | None) -> dict[str, Any]:
+    def _run_delta_round(self, label: str | None) -> dict[str, Any]:
+        """A round of only what changed; if a worker cannot apply it (no base, another base), a full
+        round at once. The engine reads the encoded round as its source, so every engine carries it."""
+        assert self.delta is not None
+        source, started = self.source, time.perf_counter()
+        try:
+            encoded = self.delta.encode(source, self.weight_version + 1)
+            self.source = encoded
+            try:
+                stats = self._run_round(label, encoded)
+            except Exception as exc:  # the client's own error type: what counts is a clean rejection
+                if not (self._clean_rejection and encoded.plan.base is not None):
+                    raise
+                logger.info("%s trainer: a worker cannot apply delta round %d (%s); sending it whole",
+                            self.backend, self.weight_version + 1, exc)
+                self._clean_rejection = False
+                self.source = encoded = self.delta.encode(source, self.weight_version + 1, full=True)
+                stats = self._run_round(label, encoded)
+        finally:
+            self.source = source
+        self.delta.committed(encoded.plan)
+        seconds = time.perf_counter() - started  # the encoding (and a refused attempt) included
+        return {**stats, "seconds": seconds, "gb_per_s": stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0}
+
+    def _run_round(self, label: str | None, encoded: DeltaRound | None = None) -> dict[str, Any]:
         # A round's time is the whole round as the caller waits for it: manifest, plan and
         # every client call included, as the benchmarks time their peers.
         started = time.perf_counter()
         entries = self.source.metadata()
-        manifest = self._manifest(entries)
+        manifest = self._manifest(entries, encoded.plan if encoded is not None else None)
         buckets = self.plan(manifest)
         update_info = self._update_info(manifest)
         self._call("start_weight_update").result(self.timeout_s)
@@ -524,19 +564,28 @@ class TrainerWeightTransferEngine(ABC):
         self.weight_version = manifest.version
         total = manifest.total_bytes
         sharded = {"wrote_shards": self.parallel_senders} if self.sharded else {}
+        delta = {} if encoded is None else {
+            "delta": "full" if encoded.plan.base is None else "delta",
+            "changed_fraction": encoded.stats.changed_elements / max(encoded.stats.elements, 1),
+            "unchanged_tensors": encoded.stats.unchanged_tensors, "sparse_tensors": encoded.stats.sparse_tensors,
+            "dense_tensors": encoded.stats.dense_tensors,
+        }
+        model_bytes = total if encoded is None else encoded.plan.model_bytes
         return {
             **sharded,
+            **delta,
             "backend": self.backend,
             "version": manifest.version,
             "commit": self.commit,
             "workers": self.num_workers,
             "tensors": len(manifest.entries),
-            "bytes": total,
+            "bytes": model_bytes,
+            "wire_bytes": total,
             "buckets": len(buckets),
             "bucket_bytes": self.bucket_bytes,
             "num_buffers": self.num_buffers,
             "seconds": seconds,
-            "gb_per_s": total / seconds / 1e9 if seconds > 0 else 0.0,
+            "gb_per_s": model_bytes / seconds / 1e9 if seconds > 0 else 0.0,
         }
 
     def _call(self, method: str, *args: Any) -> ClientCall:
@@ -547,11 +596,11 @@ class TrainerWeightTransferEngine(ABC):
         """The round's bucket layout; workers compute the same from the manifest and init info."""
         return plan_buckets(manifest.entries, self.bucket_bytes)
 
-    def _manifest(self, entries: list[TensorEntry]) -> Manifest:
+    def _manifest(self, entries: list[TensorEntry], delta: DeltaPlan | None = None) -> Manifest:
         from wtransfer.engines._digests import ALGORITHM
 
         plan = CommitPlan(self.commit, self._staging_key, self.timeout_s)
-        return build_manifest(entries, self.weight_version + 1, ALGORITHM if self.checksums else None, plan)
+        return build_manifest(entries, self.weight_version + 1, ALGORITHM if self.checksums else None, plan, delta)
 
     def _update_info(self, manifest: Manifest) -> dict[str, Any]:
         """The JSON-safe dict every worker's ``parse_update_info`` receives."""
@@ -667,6 +716,11 @@ def create_trainer(
     into their models only after every worker received it whole, so a failed round leaves
     every model bit-identical) or ``"streaming"`` (written as it arrives, buffers only; a
     failed round leaves the models torn: ``weight_version`` None, ``weights_torn`` True).
+    ``delta=True`` (unsharded trainers) sends only what changed since the version every worker
+    committed: unchanged tensors cost nothing, slightly changed ones travel as a compressed XOR,
+    each rebuilt tensor is checked against the trainer's digest before the round commits, and a
+    worker without that version gets a full round automatically. The trainer keeps one host
+    copy of the model for it; ``stats["wire_bytes"]`` is what crossed the transport.
 
     A sharded trainer (FSDP2 / DTensor parameters, one process per rank) calls this on every
     rank with its ``rank`` and the same source: rank 0 is the sender (it needs the client and
@@ -692,7 +746,7 @@ def create_trainer(
             f"side: its class sets no 'trainer_cls'. Use a backend that has one (shm, gloo, nccl) "
             f"or drive this engine's workers with the trainer code its plugin documents."
         )
-    accepted = {"checksums", "is_checkpoint_format", "commit"}
+    accepted = {"checksums", "is_checkpoint_format", "commit", "delta"}
     unknown = sorted(set(options) - accepted)
     if unknown:
         raise TypeError(

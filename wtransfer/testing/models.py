@@ -93,6 +93,24 @@ def tied_lm(seed: int = 0, vocab: int = 512, hidden: int = 64, layers: int = 2) 
         return TiedLM(vocab, hidden, layers)
 
 
+def tiny_llama(seed: int = 0, hidden: int = 128, layers: int = 2, vocab: int = 1024, dtype: str = "bfloat16",
+               frozen_embedding: bool = False) -> torch.nn.Module:
+    """A real ``transformers`` Llama (built from a config: nothing downloaded), bf16 by default,
+    with weights that depend on ``seed`` only. ``frozen_embedding``: the embedding does not train
+    (a frozen part of the model, as a vision tower or a base under LoRA)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    if frozen_embedding:
+        model.get_input_embeddings().weight.requires_grad_(False)
+    return model
+
+
 # -- synthetic decoders, for benchmarks and tests (any size, any dtype) ------------------------------------------------------------------------------------
 def decoder_shapes(
     hidden: int, intermediate: int, layers: int, vocab: int, kv_dim: int

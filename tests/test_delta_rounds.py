@@ -1,0 +1,178 @@
+"""Delta rounds (``create_trainer(..., delta=True)``) on a real transformers Llama trained by AdamW.
+
+Every check compares weights: the workers' tensors, digest by digest, against the trainer's after
+every round, never a label. The trainer trains in bf16 at the learning rates RL uses, so most
+elements do not change from one round to the next and most tensors travel as compressed XORs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("zstandard")
+
+import wtransfer  # noqa: E402
+from wtransfer.engines._delta import DeltaEncoder, DeltaLoader  # noqa: E402
+from wtransfer.engines._manifest import XOR_ZSTD, build_manifest  # noqa: E402
+from wtransfer.engines._source import ModuleSource  # noqa: E402
+from wtransfer.errors import ManifestMismatchError, TransferError  # noqa: E402
+from wtransfer.local import LocalWorkerPool  # noqa: E402
+from wtransfer.testing.models import digests, tiny_llama  # noqa: E402
+
+FACTORY = "wtransfer.testing.models:tiny_llama"
+TIMEOUT = 60.0
+LEARNING_RATES = [1e-7, 1e-6, 1e-5, 1e-5]
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float, step: int) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    ids = torch.randint(0, 1024, (2, 32), generator=torch.Generator().manual_seed(step))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _pool(backend: str, workers: int = 2) -> LocalWorkerPool:
+    # seed 1: the workers start from other weights than the trainer's (seed 0)
+    return LocalWorkerPool(workers, FACTORY, backend=backend, factory_kwargs={"seed": 1, "frozen_embedding": True},
+                           timeout_s=TIMEOUT, torch_threads=1)
+
+
+def _assert_workers_hold(pool: LocalWorkerPool, model: torch.nn.Module, when: str) -> None:
+    expected = digests(model)
+    for rank, got in enumerate(pool.digests()):
+        wrong = sorted(name for name in expected if got.get(name) != expected[name])
+        assert not wrong, f"{when}: worker {rank} differs from the trainer in {wrong[:5]}"
+
+
+def _trainer(backend: str, pool: LocalWorkerPool, model: torch.nn.Module, **options: Any) -> Any:
+    return wtransfer.create_trainer(backend, client=pool, source=model, delta=True,
+                                    init_info={"world_size": pool.world_size, "timeout_s": TIMEOUT,
+                                               "bucket_bytes": 64 * 1024}, **options)
+
+
+@pytest.mark.parametrize(("backend", "commit"), [("shm", "atomic"), ("gloo", "atomic"), ("shm", "streaming")])
+def test_delta_rounds_after_real_adamw_steps_are_bit_exact_and_small(backend: str, commit: str) -> None:
+    model = tiny_llama(seed=0, frozen_embedding=True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    with _pool(backend) as pool:
+        trainer = _trainer(backend, pool, model, commit=commit)
+        try:
+            first = trainer.send_weights()
+            assert first["delta"] == "full" and first["wire_bytes"] == first["bytes"]
+            _assert_workers_hold(pool, model, "round 1 (full)")
+            for step, lr in enumerate(LEARNING_RATES, start=2):
+                _train(model, optimizer, lr, step)
+                stats = trainer.send_weights()
+                _assert_workers_hold(pool, model, f"round {step} (lr {lr:g})")
+                print(f"round {step}, lr {lr:g}: {stats['changed_fraction']:.4%} of elements changed, wire "
+                      f"{stats['wire_bytes']} of {stats['bytes']} bytes ({stats['wire_bytes'] / stats['bytes']:.4f}), "
+                      f"{stats['sparse_tensors']} as XOR, {stats['dense_tensors']} dense, "
+                      f"{stats['unchanged_tensors']} unchanged")
+                assert stats["delta"] == "delta" and stats["version"] == step
+                assert 0 < stats["changed_fraction"] < 0.2
+                assert stats["sparse_tensors"] > 0
+                assert stats["wire_bytes"] < 0.25 * stats["bytes"]
+                assert stats["unchanged_tensors"] >= 1  # the frozen embedding: nothing after round 1
+            idle = trainer.send_weights()  # nothing trained: nothing moves, and the workers still match
+            assert idle["wire_bytes"] == 0 and idle["changed_fraction"] == 0
+            _assert_workers_hold(pool, model, "a round with nothing changed")
+        finally:
+            trainer.shutdown()
+
+
+def test_a_delta_against_a_base_the_workers_do_not_hold_becomes_a_full_round() -> None:
+    """The trainer's base no longer matches what the workers hold: the workers see it before any
+    byte moves (base digests), refuse, and the trainer sends the round whole, at once."""
+    model = tiny_llama(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    with _pool("shm") as pool:
+        trainer = _trainer("shm", pool, model)
+        try:
+            trainer.send_weights()
+            _train(model, optimizer, 1e-5, 2)
+            name = "model.layers.0.mlp.up_proj.weight"
+            trainer.delta.base[name].view(-1)[:8].add_(1)  # the trainer's idea of the workers' weights is wrong
+            stats = trainer.send_weights()
+            assert stats["delta"] == "full" and stats["version"] == 2
+            _assert_workers_hold(pool, model, "the full round after a refused delta")
+            _train(model, optimizer, 1e-5, 3)
+            trainer.delta.base_id = "another:7"  # a round the workers never committed
+            stats = trainer.send_weights()
+            assert stats["delta"] == "full" and stats["version"] == 3
+            _assert_workers_hold(pool, model, "the full round after a delta against another round")
+            _train(model, optimizer, 1e-5, 4)
+            stats = trainer.send_weights()
+            assert stats["delta"] == "delta" and stats["version"] == 4  # back to deltas
+            _assert_workers_hold(pool, model, "the next delta round")
+        finally:
+            trainer.shutdown()
+
+
+def test_a_delta_that_rebuilds_wrong_values_fails_the_round_and_every_worker_keeps_its_weights(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One XOR changed after the trainer hashed the new value: every worker rebuilds, sees the
+    digest differ, and the atomic round leaves both models at the previous version."""
+    model = tiny_llama(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    with _pool("shm") as pool:
+        trainer = _trainer("shm", pool, model)
+        try:
+            trainer.send_weights()
+            _train(model, optimizer, 1e-5, 2)
+            trainer.send_weights()
+            before = pool.digests()
+            _train(model, optimizer, 1e-5, 3)
+            encode = DeltaEncoder.encode
+
+            def corrupting(self: DeltaEncoder, *args: Any, **kwargs: Any) -> Any:
+                encoded = encode(self, *args, **kwargs)
+                sparse = [i for i, row in enumerate(encoded.plan.tensors) if row.encoding == XOR_ZSTD]
+                import zstandard
+
+                index = sparse[0]
+                xor = bytearray(zstandard.ZstdDecompressor().decompress(
+                    encoded.payloads[index].numpy().tobytes(), max_output_size=encoded.plan.tensors[index].target.nbytes))
+                xor[5] ^= 0x01  # one bit of one element
+                blob = zstandard.ZstdCompressor(level=1).compress(bytes(xor))
+                encoded.payloads[index] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+                entry = encoded.entries[index]
+                encoded.entries[index] = type(entry)(entry.name, "uint8", (len(blob),))
+                return encoded
+
+            monkeypatch.setattr(DeltaEncoder, "encode", corrupting)
+            with pytest.raises(TransferError, match="differs from the trainer's new value"):
+                trainer.send_weights()
+            assert pool.digests() == before, "a round that failed its digests changed a worker's weights"
+        finally:
+            trainer.shutdown()
+
+
+def test_a_worker_without_the_base_refuses_a_delta_before_any_byte_moves() -> None:
+    """What a new or restarted worker (it committed nothing from this trainer) does with a delta."""
+    model = tiny_llama(seed=0)
+    encoder = DeltaEncoder()
+    full = encoder.encode(ModuleSource(model), 1)
+    encoder.committed(full.plan)
+    with torch.no_grad():
+        model.lm_head.weight.view(-1)[:64].mul_(1.5)
+    delta = encoder.encode(ModuleSource(model), 2)
+    manifest = build_manifest(delta.metadata(), 2, delta=delta.plan)
+    worker_model = tiny_llama(seed=0)
+    from wtransfer.engines._loader import module_loader
+
+    real = module_loader(worker_model)
+    with pytest.raises(ManifestMismatchError, match="holds no round of this trainer"):
+        DeltaLoader(real, real, manifest, holds=None).validate_manifest(manifest)
+    with pytest.raises(ManifestMismatchError, match="cannot show its tensors"):
+        DeltaLoader(real, lambda batch: None, manifest, holds=full.plan.id).validate_manifest(manifest)
+    # the same worker holding that round applies it, bit-exactly
+    loader = DeltaLoader(real, real, manifest, holds=full.plan.id)
+    loader.validate_manifest(manifest)
+    loader(list(delta))
+    assert digests(worker_model) == digests(model)

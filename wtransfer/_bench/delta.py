@@ -1,0 +1,207 @@
+"""Delta rounds vs dense rounds, side by side, on a real transformers Llama trained by AdamW.
+
+One trainer process trains a bf16 Llama (built from a config, nothing downloaded) with AdamW at
+the learning rates RL uses and, after every optimizer step, syncs the same weights twice: to one
+worker with a dense trainer and to another with ``delta=True``. Both see exactly the same
+updates; every round is checked bit-exactly on the delta worker against the trainer's model.
+A last step changes every element (each bf16 value moved by one unit in the last place), the
+case where a delta must cost no more than dense.
+
+Runs: ``shm`` on this host, then ``gloo`` (``--link-engine``) inside a network namespace whose
+loopback is shaped with ``tc`` (token bucket) to each ``--links`` rate, so every byte between
+trainer and worker crosses a link of that rate. Needs root and ``ip netns`` for the shaped runs;
+without them those rows say why they are missing.
+
+Targets (on steps with <= 2 % of elements changed): wire bytes <= 0.1x dense; at 1 Gbit/s the
+round >= 8x faster than dense; with every element changed, a delta round <= 1.05x dense time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+from wtransfer._bench.report import add_report_arguments, figures_report, table
+
+WIRE_TARGET = 0.1
+SPEEDUP_TARGET_AT_1GBIT = 8.0
+ALL_CHANGED_TARGET = 1.05
+SPARSE_STEPS_AT_MOST = 0.02
+"""The steps the wire and speed targets are about: at most this fraction of elements changed."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hidden", type=int, default=1536, help="Llama hidden size")
+    parser.add_argument("--layers", type=int, default=14, help="Llama layers")
+    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+    parser.add_argument("--lrs", default="1e-7,1e-6,1e-5",
+                        help="AdamW learning rate of each step (comma-separated; one round per step)")
+    parser.add_argument("--links", default="1gbit,10gbit",
+                        help="tc rates of the shaped runs (comma-separated; '' for none)")
+    parser.add_argument("--link-engine", default="gloo", help="engine of the shaped runs")
+    parser.add_argument("--timeout", type=float, default=600.0, help="timeout_s of every wait")
+    parser.add_argument("--inside", default=None, help=argparse.SUPPRESS)  # a shaped run's own process
+    add_report_arguments(parser)
+
+
+def measure(engine: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Train, and after every step sync dense and delta; the rounds' figures."""
+    import torch
+
+    from wtransfer.engines._trainer import create_trainer
+    from wtransfer.local import LocalWorkerPool
+    from wtransfer.testing.models import digests, tiny_llama
+
+    shape = {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab}
+    model = tiny_llama(seed=0, **shape)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    pools = {kind: LocalWorkerPool(1, "wtransfer.testing.models:tiny_llama", backend=engine,
+                                   factory_kwargs={"seed": 1, **shape}, timeout_s=args.timeout, torch_threads=1)
+             for kind in ("dense", "delta")}
+    trainers: dict[str, Any] = {}
+    steps: list[dict[str, Any]] = []
+    try:
+        for kind, pool in pools.items():
+            trainers[kind] = create_trainer(engine, client=pool, source=model, delta=kind == "delta",
+                                            init_info={"world_size": 2, "timeout_s": args.timeout})
+        for kind in trainers:  # round 1: both send everything
+            trainers[kind].send_weights()
+        lrs = [float(lr) for lr in str(args.lrs).split(",") if lr.strip()]
+        for step, lr in enumerate([*lrs, None], start=1):
+            if lr is None:  # every element moves one unit in the last place
+                with torch.no_grad():
+                    for parameter in model.parameters():
+                        bits = parameter.data.view(-1).view(torch.int16)
+                        bits.add_(1)
+            else:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                ids = torch.randint(0, args.vocab, (1, 32), generator=torch.Generator().manual_seed(step))
+                model(input_ids=ids, labels=ids).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            row: dict[str, Any] = {"step": "every element" if lr is None else f"AdamW lr {lr:g}"}
+            for kind, trainer in trainers.items():
+                stats = trainer.send_weights()
+                row[kind] = {"seconds": stats["seconds"], "wire_bytes": stats["wire_bytes"], "bytes": stats["bytes"]}
+                if kind == "delta":
+                    row["changed"] = stats["changed_fraction"]
+                    row["sent_as"] = stats["delta"]
+            expected = digests(model)
+            row["bit_exact"] = all(got == expected for got in pools["delta"].digests())
+            steps.append(row)
+            print(f"  {row['step']}: {row['changed']:.3%} changed; dense {row['dense']['seconds']:.2f} s, delta "
+                  f"{row['delta']['seconds']:.2f} s ({row['delta']['wire_bytes'] / 1e6:.1f} MB on the wire); "
+                  f"bit-exact {row['bit_exact']}", file=sys.stderr)
+    finally:
+        for trainer in trainers.values():
+            trainer.shutdown()
+        for pool in pools.values():
+            pool.shutdown()
+    return {"engine": engine, "model_bytes": steps[0]["dense"]["bytes"], "steps": steps}
+
+
+def _shaped(rate: str, args: argparse.Namespace) -> dict[str, Any]:
+    """A run of this suite inside a new network namespace whose loopback is shaped to ``rate``."""
+    label = f"{args.link_engine}, {rate} link"
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        return {"link": label, "error": "needs root, ip and tc"}
+    namespace = f"wtbench{os.getpid()}"
+
+    def ip(*words: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["ip", *words], capture_output=True, text=True)
+
+    made = ip("netns", "add", namespace)
+    if made.returncode:
+        return {"link": label, "error": f"cannot create a network namespace: {made.stderr.strip()}"}
+    try:
+        ip("netns", "exec", namespace, "ip", "link", "set", "lo", "up")
+        # loopback's 64 KiB packets need a bucket of several; latency bounds the queue
+        shaped = subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
+                                 "rate", rate, "burst", "1mb", "latency", "100ms"], capture_output=True, text=True)
+        if shaped.returncode:
+            return {"link": label, "error": f"tc cannot shape the link: {shaped.stderr.strip()}"}
+        command = [sys.executable, "-m", "wtransfer", "bench", "delta", "--inside", args.link_engine,
+                   "--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab", str(args.vocab),
+                   "--lrs", str(args.lrs), "--timeout", str(args.timeout)]
+        run = subprocess.run(["ip", "netns", "exec", namespace, *command], capture_output=True, text=True)
+        sys.stderr.write(run.stderr)
+        if run.returncode:
+            return {"link": label, "error": f"the shaped run failed (exit {run.returncode})"}
+        return {"link": label, "rate": rate, **json.loads(run.stdout)}
+    finally:
+        ip("netns", "del", namespace)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.inside:
+        print(json.dumps(measure(args.inside, args)))
+        return 0
+    with figures_report(args, "delta", markdown) as figures:
+        print(f"shm: dense and delta rounds after each AdamW step (Llama hidden {args.hidden}, {args.layers} layers)")
+        runs = [{"link": "shm, this host", **measure("shm", args)}]
+        for rate in [r.strip() for r in str(args.links).split(",") if r.strip()]:
+            print(f"{args.link_engine} over a loopback shaped to {rate}")
+            runs.append(_shaped(rate, args))
+        figures.update(summarize(runs))
+        if not args.json and args.markdown is None:
+            for line in markdown(figures):
+                print(line)
+    return 0 if figures["ok"] else 1
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    rows, ok = [], True
+    for run in runs:
+        if "error" in run:
+            rows.append({"link": run["link"], "error": run["error"]})
+            ok = False
+            continue
+        for step in run["steps"]:
+            dense, delta = step["dense"], step["delta"]
+            wire = delta["wire_bytes"] / max(dense["wire_bytes"], 1)
+            speedup = dense["seconds"] / delta["seconds"]
+            checks = []
+            if step["changed"] <= SPARSE_STEPS_AT_MOST:
+                checks.append(("wire", wire <= WIRE_TARGET, f"wire <= {WIRE_TARGET}×"))
+                if run.get("rate") == "1gbit":
+                    checks.append(("speed", speedup >= SPEEDUP_TARGET_AT_1GBIT, f">= {SPEEDUP_TARGET_AT_1GBIT:g}× faster"))
+            if step["step"] == "every element":
+                checks.append(("cost", 1 / speedup <= ALL_CHANGED_TARGET, f"time <= {ALL_CHANGED_TARGET}× dense"))
+            verdict = "; ".join(f"{label} {'ok' if good else 'MISSED'}" for _, good, label in checks)
+            good = all(g for _, g, _ in checks) and step["bit_exact"]
+            ok = ok and good
+            rows.append({"link": run["link"], "step": step["step"], "changed": step["changed"],
+                         "dense_s": dense["seconds"], "delta_s": delta["seconds"],
+                         "dense_gb_per_s": dense["bytes"] / dense["seconds"] / 1e9,
+                         "delta_gb_per_s": delta["bytes"] / delta["seconds"] / 1e9,
+                         "wire_bytes": delta["wire_bytes"], "wire_ratio": wire, "speedup": speedup,
+                         "bit_exact": step["bit_exact"], "verdict": verdict or "(no target)", "ok": good})
+    model_bytes = next((run["model_bytes"] for run in runs if "model_bytes" in run), 0)
+    return {"model_bytes": model_bytes, "rows": rows, "ok": ok}
+
+
+def markdown(figures: dict[str, Any]) -> list[str]:
+    def cells(row: dict[str, Any]) -> list[str]:
+        if "error" in row:
+            return [row["link"], "not measured", "", "", "", "", "", "", row["error"]]
+        return [row["link"], row["step"], f"{row['changed']:.3%}", f"{row['dense_gb_per_s']:.2f}",
+                f"{row['delta_gb_per_s']:.2f}", f"{row['wire_bytes'] / 1e6:.1f}", f"{row['wire_ratio']:.4f}×",
+                f"{row['speedup']:.2f}×", ("bit-exact; " if row["bit_exact"] else "NOT bit-exact; ") + row["verdict"]]
+
+    return [
+        f"A transformers Llama of {figures['model_bytes'] / 1e9:.2f} GB (bf16), one AdamW step per round, "
+        f"synced to one worker by a dense trainer and by a delta=True trainer (the same updates).",
+        "",
+        *table("dense vs delta rounds (GB/s: model bytes per second of the whole round, encoding included)",
+               ["link", "step", "changed", "dense GB/s", "delta GB/s", "delta wire MB", "wire vs dense",
+                "delta speed-up", "verdict"],
+               [cells(row) for row in figures["rows"]]),
+    ]
