@@ -57,7 +57,7 @@ SMALL = {  # per suite: options that make the same run small (format unchanged)
                 "--manager-ops": "1000"},
     "discovery": {"--dists": "10", "--lookups": "10", "--repeat": "1"},
     "sharded": {"--model": "4096x512,64*64", "--rounds": "2"},
-    "delta": {"--hidden": "64", "--layers": "1", "--vocab": "256", "--lrs": "1e-5", "--links": "1gbit"},
+    "delta": {"--hidden": "64", "--layers": "1", "--vocab": "256"},  # same steps and links: rows are per link
 }
 
 

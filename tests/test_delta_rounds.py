@@ -87,8 +87,9 @@ def test_delta_rounds_after_real_adamw_steps_are_bit_exact_and_small(backend: st
 
 
 def test_a_delta_against_a_base_the_workers_do_not_hold_becomes_a_full_round() -> None:
-    """The trainer's base no longer matches what the workers hold: the workers see it before any
-    byte moves (base digests), refuse, and the trainer sends the round whole, at once."""
+    """The trainer's base no longer matches what the workers hold: the encoder sees it (the base's
+    bytes no longer hash to what it sent) and sends that tensor whole; a round against a base the
+    workers never committed is refused before any byte moves and sent whole at once."""
     model = tiny_llama(seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     with _pool("shm") as pool:
@@ -98,9 +99,9 @@ def test_a_delta_against_a_base_the_workers_do_not_hold_becomes_a_full_round() -
             _train(model, optimizer, 1e-5, 2)
             name = "model.layers.0.mlp.up_proj.weight"
             trainer.delta.base[name].view(-1)[:8].add_(1)  # the trainer's idea of the workers' weights is wrong
-            stats = trainer.send_weights()
-            assert stats["delta"] == "full" and stats["version"] == 2
-            _assert_workers_hold(pool, model, "the full round after a refused delta")
+            stats = trainer.send_weights()  # its XOR would rebuild something else: that tensor goes whole
+            assert stats["delta"] == "delta" and stats["version"] == 2 and stats["dense_tensors"] >= 1
+            _assert_workers_hold(pool, model, "the round after the trainer's base changed behind its back")
             _train(model, optimizer, 1e-5, 3)
             trainer.delta.base_id = "another:7"  # a round the workers never committed
             stats = trainer.send_weights()
@@ -169,10 +170,72 @@ def test_a_worker_without_the_base_refuses_a_delta_before_any_byte_moves() -> No
     real = module_loader(worker_model)
     with pytest.raises(ManifestMismatchError, match="holds no round of this trainer"):
         DeltaLoader(real, real, manifest, holds=None).validate_manifest(manifest)
-    with pytest.raises(ManifestMismatchError, match="cannot show its tensors"):
+    with pytest.raises(ManifestMismatchError, match="cannot apply a delta round"):
         DeltaLoader(real, lambda batch: None, manifest, holds=full.plan.id).validate_manifest(manifest)
+
+    class WholeRounds:  # as the vLLM bridge's loader: every round handed over whole
+        whole_round = True
+        destination = real.destination
+
+        def __call__(self, batch):  # type: ignore[no-untyped-def]
+            raise AssertionError("a refused round loaded nothing")
+
+    with pytest.raises(ManifestMismatchError, match="needs every round whole"):
+        DeltaLoader(real, WholeRounds(), manifest, holds=full.plan.id).validate_manifest(manifest)
     # the same worker holding that round applies it, bit-exactly
     loader = DeltaLoader(real, real, manifest, holds=full.plan.id)
     loader.validate_manifest(manifest)
     loader(list(delta))
     assert digests(worker_model) == digests(model)
+
+
+def test_a_worker_whose_kept_tensor_changed_behind_wtransfers_back_refuses_the_delta() -> None:
+    """Tensors a delta round leaves out are checked too: a worker whose frozen embedding was
+    reloaded or edited since its last commit (it still 'holds' the round by name) refuses, so
+    the trainer sends the round whole instead of leaving the stale tensor under the new version."""
+    model = tiny_llama(seed=0, frozen_embedding=True)
+    encoder = DeltaEncoder()
+    full = encoder.encode(ModuleSource(model), 1)
+    encoder.committed(full.plan)
+    worker_model = tiny_llama(seed=0, frozen_embedding=True)
+    from wtransfer.engines._loader import module_loader
+
+    real = module_loader(worker_model)
+    with torch.no_grad():
+        model.lm_head.weight.view(-1)[:64].mul_(1.5)  # trained: travels as a XOR
+        worker_model.model.embed_tokens.weight.view(-1)[3] += 1  # frozen, but edited on the worker
+    delta = encoder.encode(ModuleSource(model), 2)
+    assert "model.embed_tokens.weight" in {entry.name for entry in delta.plan.unchanged}
+    manifest = build_manifest(delta.metadata(), 2, delta=delta.plan)
+    with pytest.raises(ManifestMismatchError, match="'model.embed_tokens.weight' is not the version"):
+        DeltaLoader(real, real, manifest, holds=full.plan.id).validate_manifest(manifest)
+    assert digests(worker_model)["lm_head.weight"] != digests(model)["lm_head.weight"], "refused, yet written"
+
+
+def test_the_whole_round_after_a_refusal_comes_from_the_base_without_walking_the_source_again() -> None:
+    """A one-shot source (a generator of tensors made as they are read) is walked once per round:
+    the full round a refusing worker gets is built from the trainer's base, bit for bit."""
+    model = tiny_llama(seed=0)
+    encoder = DeltaEncoder()
+    encoder.committed(encoder.encode(ModuleSource(model), 1).plan)
+    with torch.no_grad():
+        model.lm_head.weight.view(-1)[:64].mul_(1.5)
+    walks = []
+
+    class OneShot(ModuleSource):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            walks.append(1)
+            return super().__iter__() if len(walks) == 1 else iter(())
+
+    delta = encoder.encode(OneShot(model), 2)
+    whole = encoder.whole(delta)
+    assert len(walks) == 1 and whole.plan.base is None and not whole.plan.unchanged
+    assert {name: digest_of(t) for name, t in whole} == {name: digest_of(t.detach()) for name, t in
+                                                          model.state_dict().items() if name in dict(whole)}
+    assert len(dict(whole)) == len(list(model.parameters()))
+
+
+def digest_of(tensor: torch.Tensor) -> str:
+    from wtransfer.engines._delta import digest
+
+    return digest(tensor)

@@ -231,7 +231,7 @@ class RoundState:
         loader, manifest = self._loader, self._manifest
         if isinstance(loader, StreamingLoader):
             if loader.touched:  # the new bytes are in, but the round counts only at finish: until then
-                self.torn = True  # the model is neither the old version nor (yet) a counted new one
+                self.torn, self.delta_holds = True, None  # neither the old version nor (yet) a counted new one
             self._received = _Received(manifest, None, real, self._delta_id)
             return
         assert manifest is not None and manifest.commit is not None and self._staging is not None

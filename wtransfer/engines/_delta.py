@@ -17,25 +17,36 @@ committed copy, checks it against the trainer's digest of the new value, and han
 tensor on, so staging, the atomic commit and the model's loader see ordinary tensors.
 
 A worker applies a delta only onto the exact version it is against: it must have committed the
-round named ``base`` (the id of the trainer's last committed round) and the bytes it holds for
-every tensor the round rebuilds from a XOR must hash to the trainer's base digests; it checks
-both before any byte moves. A worker that cannot (new, restarted, torn, a model changed behind
-wtransfer's back, a loader that cannot show its tensors) refuses the round cleanly, and the
-trainer sends a full round at once, in the same ``send_weights()`` call.
+round named ``base`` (the id of the trainer's last committed round), and every tensor it keeps
+or rebuilds from a XOR must hash to the trainer's digest of its base; it checks both before any
+byte moves. A worker that cannot (new, restarted, torn, a model changed behind wtransfer's back,
+a loader that cannot show its tensors or needs every round whole) refuses the round cleanly, and
+the trainer sends the round whole at once, in the same ``send_weights()`` call, from its base
+(the source is walked once).
+
+No large buffer is allocated per round on either side: the trainer XORs, counts, compresses and
+hashes each tensor in chunks through one scratch buffer per thread, and the worker decompresses
+in chunks and writes the rebuilt tensor straight where the round's commit reads it (the node's
+staging copy, or the model itself when the round streams). Fresh memory is expensive (the first
+touch of every page faults), and a round that allocated the model's size anew each time cost
+several times a dense round.
 
 Wire form (the manifest's ``delta`` key)::
 
     {"id": "<trainer token>:<version>", "base": "<id>" | null,
      "tensors": [[name, dtype, shape, "xor-zstd" | "dense", digest, base digest | null], ...],
-     "unchanged": [[name, dtype, shape], ...]}
+     "unchanged": [[name, dtype, shape, digest], ...]}
 
 one row per wire entry, in the same order; digests are XXH3-64 as 16 hex digits. The tensors
-left out are listed, so a worker's loader still checks the whole model against the round.
+left out are listed with the digest of the trainer's base, so a worker checks every tensor it
+keeps, not only those that change.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -50,19 +61,27 @@ from wtransfer.engines._manifest import (
     entry_for,
     tensor_bytes,
 )
+from wtransfer.engines._packing import copy_tensor
 from wtransfer.engines._source import WeightSource
 from wtransfer.errors import ManifestMismatchError, TransferError
 
 if TYPE_CHECKING:
     import torch
 
+logger = logging.getLogger("wtransfer")
+
 SPARSE_AT_MOST = 0.25
 """A tensor travels as a compressed XOR only when that is at most this fraction of its bytes
 (the trainer holds the compressed XORs until they are sent: at most this much of the model)."""
 
 CHANGED_TO_TRY = 0.3
-"""Above this fraction of changed elements the XOR is not compressed at all (it would not
-shrink below :data:`SPARSE_AT_MOST`): the tensor goes dense, at the cost of one comparison."""
+"""A chunk whose XOR has more than this fraction of elements changed stops the compression: the
+tensor goes dense (its XOR would not shrink below :data:`SPARSE_AT_MOST`, and compressing a dense
+XOR costs more CPU than sending the tensor over any link but a slow one)."""
+
+CHUNK_BYTES = 8 * 1024 * 1024
+"""The XOR, the compression and the hashing walk each tensor in chunks of this size, through one
+scratch buffer per thread (trainer) or per round (worker)."""
 
 ZSTD_LEVEL = 1
 
@@ -76,9 +95,11 @@ def _zstd() -> Any:
 
 
 def digest(data: torch.Tensor) -> str:
-    """XXH3-64 of a tensor's bytes, as 16 hex digits."""
+    """XXH3-64 of a tensor's bytes, as 16 hex digits (a device tensor is copied to the host first)."""
     import xxhash
 
+    if data.device.type != "cpu":
+        data = data.cpu()
     flat = tensor_bytes(data)
     return f"{xxhash.xxh3_64_intdigest(flat.numpy()) if flat.numel() else 0:016x}"
 
@@ -92,6 +113,26 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
         flat = flat.contiguous()
     as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(flat.element_size())
     return flat.view(as_int) if as_int is not None else flat.view(torch.uint8)
+
+
+def _as_bytes(bits: torch.Tensor) -> Any:
+    """A flat integer tensor's bytes, as a numpy array (zero-copy)."""
+    import torch
+
+    return bits.view(torch.uint8).numpy()
+
+
+class _Scratch(threading.local):
+    """One chunk-sized scratch buffer per thread, allocated once and reused every round."""
+
+    buffer: torch.Tensor | None = None
+
+    def get(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        import torch
+
+        if self.buffer is None:
+            self.buffer = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
+        return self.buffer.view(dtype)[:numel]
 
 
 # -- trainer side ---------------------------------------------------------------------------------
@@ -121,56 +162,67 @@ class DeltaRound(WeightSource):
 class DeltaEncoder:
     """The trainer's copy of the version its workers committed, and each round's encoding against it.
 
-    Memory: one host copy of the model (the base), plus the compressed XORs of one round (each
-    at most :data:`SPARSE_AT_MOST` of its tensor) and one tensor's XOR at a time. The base takes
-    the new values as the round is encoded (dense tensors are sent from it), so a round that
-    fails leaves it ahead of the workers: it is then marked invalid and the next round is full.
+    Memory: one host copy of the model (the base) and the digest of each of its tensors, plus the
+    compressed XORs of one round (each at most :data:`SPARSE_AT_MOST` of its tensor) and one
+    :data:`CHUNK_BYTES` scratch buffer per encoding thread. A device tensor is copied to the host
+    as it is encoded (at most one per thread at a time). The base takes the new values as the
+    round is encoded (dense tensors are sent from it), so a round that fails leaves it ahead of
+    the workers: it is then marked invalid and the next round is full.
     """
 
     def __init__(self) -> None:
         self._token = secrets.token_hex(8)
         self.base: dict[str, torch.Tensor] = {}
+        self.digests: dict[str, str] = {}
+        """XXH3-64 of each base tensor as it is now (kept as the base changes, never recomputed)."""
         self.base_id: str | None = None
         """The id of the last round every worker committed, which :attr:`base` holds; None: full next."""
+        self._order: list[str] = []
 
-    def encode(self, source: WeightSource, version: int, full: bool = False) -> DeltaRound:
-        """Walk ``source`` once; the round against :attr:`base` (a full one if it has none, or ``full``).
+    def encode(self, source: WeightSource, version: int) -> DeltaRound:
+        """Walk ``source`` once; the round against :attr:`base` (a full one if it has none).
 
-        Tensors are encoded on every core (XOR, zstd and XXH3 release the GIL), at most one per
-        core at a time, in the walk's order: a source that makes each tensor as it yields it
-        holds no more than that many at once.
+        Tensors are encoded on every core, at most one per core at a time, in the walk's order
+        (the XOR, the compression and the hashing release the GIL): a source that makes each
+        tensor as it yields it holds no more than that many at once.
         """
         import os
         from concurrent.futures import Future, ThreadPoolExecutor
 
-        against = None if full else self.base_id
+        against = self.base_id
         self.base_id = None  # from here on the base holds this round's values, which no worker has yet
-        stats = DeltaStats()
         encoded: list[_Encoded] = []
-        seen: set[str] = set()
         workers = max(1, min(os.cpu_count() or 1, 8))
         in_flight: list[Future[_Encoded]] = []
+        scratch = _Scratch()
         with ThreadPoolExecutor(workers, thread_name_prefix="wtransfer-delta") as pool:
             for name, tensor in source:
-                seen.add(name)
                 new = tensor.detach()
                 if new.device.type != "cpu":
                     new = new.cpu()
                 base, fresh = self._base_for(name, new)
-                in_flight.append(pool.submit(_encode_one, name, new, base, None if fresh else against))
+                known = None if fresh else self.digests.get(name)
+                in_flight.append(pool.submit(_encode_one, name, new, base, None if fresh else against, known,
+                                             scratch))
                 del tensor, new
                 if len(in_flight) >= workers:  # one tensor per core at a time
                     encoded.append(in_flight.pop(0).result())
             encoded += [future.result() for future in in_flight]
-        for gone in [name for name in self.base if name not in seen]:
+        self._order = [item.entry.name if item.row is None else item.row.target.name for item in encoded]
+        for gone in [name for name in self.base if name not in set(self._order)]:
             del self.base[gone]  # a tensor the model no longer has
-        entries, payloads, rows, unchanged = [], [], [], []
+            self.digests.pop(gone, None)
+        stats = DeltaStats()
+        entries, payloads, rows, unchanged, kept_digests = [], [], [], [], []
         for item in encoded:
-            stats.elements += item.row.target.numel if item.row is not None else item.entry.numel
+            target = item.entry if item.row is None else item.row.target
+            self.digests[target.name] = item.digest
+            stats.elements += target.numel
             stats.changed_elements += item.changed
             if item.row is None:
                 stats.unchanged_tensors += 1
                 unchanged.append(item.entry)
+                kept_digests.append(item.digest)
                 continue
             if item.row.encoding == DENSE:
                 stats.dense_tensors += 1
@@ -179,7 +231,21 @@ class DeltaEncoder:
             entries.append(item.entry)
             payloads.append(item.payload)
             rows.append(item.row)
-        plan = DeltaPlan(f"{self._token}:{version}", against, tuple(rows), tuple(unchanged))
+        plan = DeltaPlan(f"{self._token}:{version}", against, tuple(rows), tuple(unchanged), tuple(kept_digests))
+        return DeltaRound(entries, payloads, plan, stats)
+
+    def whole(self, encoded: DeltaRound) -> DeltaRound:
+        """The same round, every tensor whole, from the base (which holds its values): for workers
+        that cannot apply the delta. Nothing is walked or hashed again."""
+        entries, payloads, rows = [], [], []
+        for name in self._order:
+            base = self.base[name]
+            target = entry_for(name, base)
+            entries.append(target)
+            payloads.append(base)
+            rows.append(DeltaTensor(target, DENSE, self.digests[name]))
+        plan = DeltaPlan(encoded.plan.id, None, tuple(rows), ())
+        stats = DeltaStats(encoded.stats.changed_elements, encoded.stats.elements, 0, 0, len(rows))
         return DeltaRound(entries, payloads, plan, stats)
 
     def _base_for(self, name: str, new: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -205,32 +271,63 @@ class _Encoded:
     payload: Any
     row: DeltaTensor | None
     changed: int
+    digest: str
+    """The base's digest once this round's value is in it."""
 
 
-def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str | None) -> _Encoded:
-    """Encode one tensor against its base, then make the base the new value (a helper thread)."""
+def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str | None, known: str | None,
+                scratch: _Scratch) -> _Encoded:
+    """Encode one tensor against its base, then make the base the new value (a helper thread).
+
+    One pass in chunks: XOR into the thread's scratch, count, compress (until the XOR proves too
+    large for a delta), copy the changed chunk into the base, hash the base's new bytes.
+    """
     import torch
+    import xxhash
 
     target = entry_for(name, new)
-    if against is None:  # no base to diff against: the tensor goes whole
-        base.copy_(new)
-        return _Encoded(target, base, DeltaTensor(target, DENSE, digest(base)), target.numel)
-    xor = torch.bitwise_xor(_bits(new), _bits(base))
-    changed = int(torch.count_nonzero(xor))
+    if against is None or known is None:  # no base to diff against: the tensor goes whole
+        copy_tensor(base, new)
+        value = digest(base)
+        return _Encoded(target, base, DeltaTensor(target, DENSE, value), target.numel, value)
+    new_bits, base_bits = _bits(new), _bits(base)
+    step = max(1, CHUNK_BYTES // new_bits.element_size())
+    limit = SPARSE_AT_MOST * target.nbytes
+    compressor = _zstd().ZstdCompressor(level=ZSTD_LEVEL).compressobj()
+    parts: list[bytes] | None = []
+    size = changed = 0
+    hasher, was = xxhash.xxh3_64(), xxhash.xxh3_64()
+    for start in range(0, new_bits.numel(), step):
+        fresh, old = new_bits[start : start + step], base_bits[start : start + step]
+        was.update(_as_bytes(old))
+        xor = scratch.get(new_bits.dtype, fresh.numel())
+        torch.bitwise_xor(fresh, old, out=xor)
+        here = int(torch.count_nonzero(xor))
+        changed += here
+        if here > CHANGED_TO_TRY * xor.numel():
+            parts = None
+        if parts is not None:
+            part = compressor.compress(_as_bytes(xor))
+            parts.append(part)
+            size += len(part)
+            if size > limit:
+                parts = None  # a XOR this large is no delta: the tensor goes dense
+        if here:
+            copy_tensor(old, fresh)
+        hasher.update(_as_bytes(old))
+    value = f"{hasher.intdigest() if target.nbytes else 0:016x}"
     if changed == 0:
-        return _Encoded(target, None, None, 0)
-    blob = None
-    if changed <= CHANGED_TO_TRY * target.numel:
-        packed = _zstd().ZstdCompressor(level=ZSTD_LEVEL).compress(tensor_bytes(xor).numpy())
-        if len(packed) <= SPARSE_AT_MOST * target.nbytes:
-            blob = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
-    del xor
-    old_digest = digest(base) if blob is not None else None
-    base.copy_(new)
-    if blob is None:
-        return _Encoded(target, base, DeltaTensor(target, DENSE, digest(base)), changed)
-    wire = TensorEntry(name, "uint8", (blob.numel(),))
-    return _Encoded(wire, blob, DeltaTensor(target, XOR_ZSTD, digest(base), old_digest), changed)
+        return _Encoded(target, None, None, 0, value)
+    if f"{was.intdigest() if target.nbytes else 0:016x}" != known:  # the base changed behind the encoder's back:
+        logger.warning("delta: the trainer's base of %r is not what the workers were sent; it goes whole", name)
+        parts = None  # a XOR against it would rebuild something else on the workers
+    if parts is not None:
+        parts.append(compressor.flush())
+        if size + len(parts[-1]) <= limit:
+            blob = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
+            wire = TensorEntry(name, "uint8", (blob.numel(),))
+            return _Encoded(wire, blob, DeltaTensor(target, XOR_ZSTD, value, known), changed, value)
+    return _Encoded(target, base, DeltaTensor(target, DENSE, value), changed, value)
 
 
 # -- worker side ----------------------------------------------------------------------------------
@@ -250,39 +347,52 @@ class DeltaLoader:
         self._manifest = manifest
         self._holds = holds
         self._base_of = getattr(real, "destination", None)
+        self._whole_round = getattr(real, "whole_round", False) is True
         self._rows = {t.target.name: t for t in self.plan.tensors}
         self._decompressor = _zstd().ZstdDecompressor()
+        self._scratch = _Scratch()
         self.discards = getattr(inner, "discards", False) is True
         """A node's follower: the stager rebuilds and checks; this worker only checks its base."""
 
     def validate_manifest(self, manifest: Manifest) -> None:
         """Before any byte moves: this worker holds the base the round is against (or it is full)."""
         plan = self.plan
-        sparse = [t for t in plan.tensors if t.encoding == XOR_ZSTD]
-        if plan.base is not None or sparse:
-            if plan.base is None or self._holds != plan.base:
+        if plan.base is not None:
+            if self._holds != plan.base:
                 raise ManifestMismatchError(
                     f"delta round against {plan.base}, but this worker holds "
                     f"{self._holds or 'no round of this trainer (new, restarted or torn)'}: a full round is needed")
-            if not callable(self._base_of):
-                raise ManifestMismatchError("this worker's loader cannot show its tensors (no destination()), so it "
-                                            "cannot apply a delta round: a full round is needed")
-            for row in sparse:
-                base = self._base_of(row.target.name)
-                if base is None or entry_for(row.target.name, base) != row.target:
-                    raise ManifestMismatchError(f"delta round: this worker has no {row.target.name!r} as the trainer "
-                                                f"has it: a full round is needed")
-                if digest(base) != row.base_digest:
-                    raise ManifestMismatchError(
-                        f"delta round: this worker's {row.target.name!r} is not the version the trainer diffs against "
-                        f"(changed outside wtransfer?): a full round is needed")
+            if not callable(self._base_of) or self._whole_round:
+                raise ManifestMismatchError(
+                    "this worker's loader cannot apply a delta round (it shows no tensors through destination(), "
+                    "or needs every round whole): a full round is needed")
+            expected = [(row.target, row.base_digest) for row in plan.tensors if row.encoding == XOR_ZSTD]
+            expected += list(zip(plan.unchanged, plan.unchanged_digests))
+            self._check_bases(expected)
         check = getattr(self.inner, "validate_manifest", None)
         if callable(check):
             check(plan.model_manifest(manifest))
 
-    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        import torch
+    def _check_bases(self, expected: list[tuple[TensorEntry, str | None]]) -> None:
+        """Every tensor the round keeps or XORs is, bit for bit, what the trainer diffs against."""
+        from concurrent.futures import ThreadPoolExecutor
 
+        bases = []
+        for entry, _ in expected:
+            base = self._base_of(entry.name)  # type: ignore[misc]
+            if base is None or entry_for(entry.name, base) != entry:
+                raise ManifestMismatchError(f"delta round: this worker has no {entry.name!r} as the trainer has it: "
+                                            f"a full round is needed")
+            bases.append(base)
+        with ThreadPoolExecutor(2, thread_name_prefix="wtransfer-delta") as pool:
+            held = list(pool.map(digest, bases))
+        for (entry, want), got in zip(expected, held):
+            if got != want:
+                raise ManifestMismatchError(
+                    f"delta round: this worker's {entry.name!r} is not the version the trainer diffs against "
+                    f"(changed outside wtransfer?): a full round is needed")
+
+    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         if self.discards:
             return
         rebuilt = []
@@ -291,19 +401,56 @@ class DeltaLoader:
             if row is None:
                 raise ManifestMismatchError(f"engine delivered {name!r}, which delta round {self.plan.id} does not list")
             if row.encoding == XOR_ZSTD:
-                base = self._base_of(name)  # type: ignore[misc]
-                raw = self._decompressor.decompress(tensor_bytes(payload).numpy().tobytes(),
-                                                    max_output_size=row.target.nbytes)
-                if len(raw) != row.target.nbytes:
-                    raise TransferError(f"delta round: {name!r} decompressed to {len(raw)} bytes, not "
-                                        f"{row.target.nbytes}")
-                xor = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-                value = torch.empty_like(base, memory_format=torch.contiguous_format)
-                torch.bitwise_xor(_bits(base), xor.view(_bits(base).dtype), out=_bits(value))
-                payload = value
+                payload = self._rebuild(name, payload, row)
             if digest(payload) != row.digest:
                 raise TransferError(
                     f"delta round: {name!r} rebuilt here differs from the trainer's new value (digest "
                     f"{digest(payload)} != {row.digest}); the round is not committed where the commit is atomic")
             rebuilt.append((name, payload))
         self.inner(rebuilt)
+
+    def _rebuild(self, name: str, payload: torch.Tensor, row: DeltaTensor) -> torch.Tensor:
+        """base XOR the decompressed bytes, written where the commit reads it (staging, or the model
+        itself when the round streams), in chunks through one scratch buffer."""
+        import torch
+
+        base = self._base_of(name)  # type: ignore[misc]
+        value = self._destination(name, base)
+        base_bits, value_bits = _bits(base), _bits(value)
+        step = max(1, CHUNK_BYTES // base_bits.element_size())
+        reader = self._decompressor.stream_reader(tensor_bytes(payload).numpy())
+        for start in range(0, base_bits.numel(), step):
+            xor = self._scratch.get(base_bits.dtype, min(step, base_bits.numel() - start))
+            want, got = xor.numel() * xor.element_size(), 0
+            view = memoryview(_as_bytes(xor))
+            while got < want:
+                read = reader.readinto(view[got:])
+                if read == 0:
+                    break
+                got += read
+            if got != want:
+                raise TransferError(f"delta round: {name!r} decompressed to fewer bytes than its {row.target.nbytes}")
+            torch.bitwise_xor(base_bits[start : start + xor.numel()], xor, out=value_bits[start : start + xor.numel()])
+        if reader.read(1):
+            raise TransferError(f"delta round: {name!r} decompressed to more bytes than its {row.target.nbytes}")
+        return value
+
+    def _destination(self, name: str, base: torch.Tensor) -> torch.Tensor:
+        """Where the rebuilt tensor goes: the commit's own destination when it has one of the right
+        layout (staging; the model itself when streaming, where base and value are one tensor and
+        the XOR is applied in place, element by element), else a new tensor."""
+        import torch
+
+        where = getattr(self.inner, "destination", None)
+        target = where(name) if callable(where) else None
+        if (target is not None and target.device.type == "cpu" and target.is_contiguous()
+                and target.dtype == base.dtype and target.shape == base.shape
+                and (target.data_ptr() == base.data_ptr() or not _overlaps(target, base))):
+            return target
+        return torch.empty_like(base, memory_format=torch.contiguous_format)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' bytes share memory."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()

@@ -137,7 +137,10 @@ class DeltaPlan:
     base: str | None
     tensors: tuple[DeltaTensor, ...]
     unchanged: tuple[TensorEntry, ...]
-    """The model's tensors the round does not carry: the worker keeps its own (checked to exist)."""
+    """The model's tensors the round does not carry: the worker keeps its own."""
+    unchanged_digests: tuple[str, ...] = ()
+    """XXH3-64 of each unchanged tensor as the trainer's base holds it: a worker checks its own copy
+    against it before any byte moves, so a model changed behind wtransfer's back is seen."""
 
     @property
     def model_bytes(self) -> int:
@@ -145,7 +148,7 @@ class DeltaPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "base": self.base, "tensors": [t.to_list() for t in self.tensors],
-                "unchanged": [[e.name, e.dtype, list(e.shape)] for e in self.unchanged]}
+                "unchanged": [[e.name, e.dtype, list(e.shape), d] for e, d in zip(self.unchanged, self.unchanged_digests)]}
 
     @classmethod
     def from_dict(cls, data: Any, wire: tuple[TensorEntry, ...]) -> DeltaPlan:
@@ -154,9 +157,12 @@ class DeltaPlan:
         ident, base, rows, unchanged = data.get("id"), data.get("base"), data.get("tensors"), data.get("unchanged")
         if not isinstance(ident, str) or not ident or not (base is None or isinstance(base, str)):
             raise ValueError(f"manifest delta 'id' must be a string and 'base' a string or null, got {ident!r}, {base!r}")
-        if not isinstance(unchanged, list):
-            raise ValueError("manifest delta 'unchanged' must be a list of [name, dtype, shape]")
-        kept = tuple(_parse_entry(index, item) for index, item in enumerate(unchanged))
+        if not isinstance(unchanged, list) or not all(
+                isinstance(item, list) and len(item) == 4 and _is_digest(item[3]) for item in unchanged):
+            raise ValueError("manifest delta 'unchanged' must be a list of [name, dtype, shape, digest]")
+        kept = tuple(_parse_entry(index, item[:3]) for index, item in enumerate(unchanged))
+        if kept and base is None:
+            raise ValueError("manifest delta: a full round ('base' null) leaves no tensor unchanged")
         if not isinstance(rows, list) or len(rows) != len(wire):
             raise ValueError(f"manifest delta 'tensors' must list one row per wire tensor ({len(wire)})")
         tensors = []
@@ -171,13 +177,14 @@ class DeltaPlan:
                 raise ValueError(f"manifest delta row #{index} is {target.name!r}, the wire tensor {entry.name!r}")
             if encoding == DENSE and target != entry:
                 raise ValueError(f"manifest delta row {target.name!r}: a dense tensor travels as itself")
-            if encoding == XOR_ZSTD and (entry.dtype != "uint8" or len(entry.shape) != 1 or old is None):
-                raise ValueError(f"manifest delta row {target.name!r}: a XOR travels as uint8 bytes, with a base digest")
+            if encoding == XOR_ZSTD and (entry.dtype != "uint8" or len(entry.shape) != 1 or old is None or base is None):
+                raise ValueError(f"manifest delta row {target.name!r}: a XOR travels as uint8 bytes, with a base digest, "
+                                 f"in a round against a base")
             tensors.append(DeltaTensor(target, encoding, new, old))
         names = [t.target.name for t in tensors] + [e.name for e in kept]
         if len(set(names)) != len(names):
             raise ValueError("manifest delta names a tensor twice (carried and unchanged)")
-        return cls(ident, base, tuple(tensors), kept)
+        return cls(ident, base, tuple(tensors), kept, tuple(item[3] for item in unchanged))
 
     def target_manifest(self, manifest: Manifest) -> Manifest:
         """The round as the model sees it: the tensors it rebuilds, whole (staging is sized by it)."""

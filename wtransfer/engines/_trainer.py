@@ -523,7 +523,7 @@ class TrainerWeightTransferEngine(ABC):
         """A round of only what changed; if a worker cannot apply it (no base, another base), a full
         round at once. The engine reads the encoded round as its source, so every engine carries it."""
         assert self.delta is not None
-        source, started = self.source, time.perf_counter()
+        source, started, refused = self.source, time.perf_counter(), None
         try:
             encoded = self.delta.encode(source, self.weight_version + 1)
             self.source = encoded
@@ -534,14 +534,15 @@ class TrainerWeightTransferEngine(ABC):
                     raise
                 logger.info("%s trainer: a worker cannot apply delta round %d (%s); sending it whole",
                             self.backend, self.weight_version + 1, exc)
-                self._clean_rejection = False
-                self.source = encoded = self.delta.encode(source, self.weight_version + 1, full=True)
+                self._clean_rejection, refused = False, str(exc)
+                self.source = encoded = self.delta.whole(encoded)  # from the base: the source is walked once
                 stats = self._run_round(label, encoded)
         finally:
             self.source = source
         self.delta.committed(encoded.plan)
         seconds = time.perf_counter() - started  # the encoding (and a refused attempt) included
-        return {**stats, "seconds": seconds, "gb_per_s": stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0}
+        return {**stats, "delta_refused": refused, "seconds": seconds,
+                "gb_per_s": stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0}
 
     def _run_round(self, label: str | None, encoded: DeltaRound | None = None) -> dict[str, Any]:
         # A round's time is the whole round as the caller waits for it: manifest, plan and
