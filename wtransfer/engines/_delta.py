@@ -81,7 +81,7 @@ XOR costs more CPU than sending the tensor over any link but a slow one)."""
 
 CHUNK_BYTES = 8 * 1024 * 1024
 """The XOR, the compression and the hashing walk each tensor in chunks of this size, through one
-scratch buffer per thread (trainer) or per round (worker)."""
+scratch buffer per thread of :func:`_pool`."""
 
 ZSTD_LEVEL = 1
 
@@ -135,6 +135,29 @@ class _Scratch(threading.local):
         return self.buffer.view(dtype)[:numel]
 
 
+_scratch = _Scratch()
+_threads: list[Any] = []
+_threads_lock = threading.Lock()
+
+
+def _pool_size() -> int:
+    import os
+
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+def _pool() -> Any:
+    """The threads delta rounds encode, rebuild and hash on: one per core (at most 8), made once
+    per process and kept, so their scratch buffers are touched once, not every round. XOR, zstd
+    and XXH3 release the GIL."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with _threads_lock:
+        if not _threads:
+            _threads.append(ThreadPoolExecutor(_pool_size(), thread_name_prefix="wtransfer-delta"))
+        return _threads[0]
+
+
 # -- trainer side ---------------------------------------------------------------------------------
 @dataclass
 class DeltaStats:
@@ -186,28 +209,30 @@ class DeltaEncoder:
         (the XOR, the compression and the hashing release the GIL): a source that makes each
         tensor as it yields it holds no more than that many at once.
         """
-        import os
-        from concurrent.futures import Future, ThreadPoolExecutor
+        from concurrent.futures import Future
 
         against = self.base_id
         self.base_id = None  # from here on the base holds this round's values, which no worker has yet
         encoded: list[_Encoded] = []
-        workers = max(1, min(os.cpu_count() or 1, 8))
+        pool = _pool()
         in_flight: list[Future[_Encoded]] = []
-        scratch = _Scratch()
-        with ThreadPoolExecutor(workers, thread_name_prefix="wtransfer-delta") as pool:
+        try:
             for name, tensor in source:
                 new = tensor.detach()
                 if new.device.type != "cpu":
                     new = new.cpu()
                 base, fresh = self._base_for(name, new)
                 known = None if fresh else self.digests.get(name)
-                in_flight.append(pool.submit(_encode_one, name, new, base, None if fresh else against, known,
-                                             scratch))
+                in_flight.append(pool.submit(_encode_one, name, new, base, None if fresh else against, known))
                 del tensor, new
-                if len(in_flight) >= workers:  # one tensor per core at a time
+                if len(in_flight) >= _pool_size():  # one tensor per core at a time
                     encoded.append(in_flight.pop(0).result())
             encoded += [future.result() for future in in_flight]
+        finally:
+            for future in in_flight:  # a walk that raised: no encoding may outlive the round
+                future.cancel()
+                if not future.cancelled():
+                    future.exception()
         self._order = [item.entry.name if item.row is None else item.row.target.name for item in encoded]
         for gone in [name for name in self.base if name not in set(self._order)]:
             del self.base[gone]  # a tensor the model no longer has
@@ -275,8 +300,7 @@ class _Encoded:
     """The base's digest once this round's value is in it."""
 
 
-def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str | None, known: str | None,
-                scratch: _Scratch) -> _Encoded:
+def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str | None, known: str | None) -> _Encoded:
     """Encode one tensor against its base, then make the base the new value (a helper thread).
 
     One pass in chunks: XOR into the thread's scratch, count, compress (until the XOR proves too
@@ -299,8 +323,9 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
     hasher, was = xxhash.xxh3_64(), xxhash.xxh3_64()
     for start in range(0, new_bits.numel(), step):
         fresh, old = new_bits[start : start + step], base_bits[start : start + step]
-        was.update(_as_bytes(old))
-        xor = scratch.get(new_bits.dtype, fresh.numel())
+        if parts is not None:  # the old bytes' digest matters only for a XOR
+            was.update(_as_bytes(old))
+        xor = _scratch.get(new_bits.dtype, fresh.numel())
         torch.bitwise_xor(fresh, old, out=xor)
         here = int(torch.count_nonzero(xor))
         changed += here
@@ -318,7 +343,7 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
     value = f"{hasher.intdigest() if target.nbytes else 0:016x}"
     if changed == 0:
         return _Encoded(target, None, None, 0, value)
-    if f"{was.intdigest() if target.nbytes else 0:016x}" != known:  # the base changed behind the encoder's back:
+    if parts is not None and f"{was.intdigest() if target.nbytes else 0:016x}" != known:  # changed behind our back:
         logger.warning("delta: the trainer's base of %r is not what the workers were sent; it goes whole", name)
         parts = None  # a XOR against it would rebuild something else on the workers
     if parts is not None:
@@ -334,8 +359,10 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
 class DeltaLoader:
     """Between the engine and the commit layer: rebuilds each changed tensor and checks it.
 
-    ``base_of(name)`` is the worker's committed tensor (the model's own, read before the round
-    writes it); ``holds`` the id of the round this worker last committed.
+    ``base_of(name)`` is the worker's committed tensor (the model's own through ``destination()``,
+    read before the round writes it); ``holds`` the id of the round this worker last committed. A
+    loader that needs every round whole takes a delta only if it says ``delta_ready`` (it loads
+    the tensors a round leaves out from what its ``destination()`` shows, as the vLLM bridge does).
     """
 
     whole_round = False
@@ -347,10 +374,9 @@ class DeltaLoader:
         self._manifest = manifest
         self._holds = holds
         self._base_of = getattr(real, "destination", None)
-        self._whole_round = getattr(real, "whole_round", False) is True
+        self._whole_round = getattr(real, "whole_round", False) is True and getattr(real, "delta_ready", False) is not True
         self._rows = {t.target.name: t for t in self.plan.tensors}
-        self._decompressor = _zstd().ZstdDecompressor()
-        self._scratch = _Scratch()
+        _zstd()  # fails here, before the round, if the package is missing
         self.discards = getattr(inner, "discards", False) is True
         """A node's follower: the stager rebuilds and checks; this worker only checks its base."""
 
@@ -375,8 +401,6 @@ class DeltaLoader:
 
     def _check_bases(self, expected: list[tuple[TensorEntry, str | None]]) -> None:
         """Every tensor the round keeps or XORs is, bit for bit, what the trainer diffs against."""
-        from concurrent.futures import ThreadPoolExecutor
-
         bases = []
         for entry, _ in expected:
             base = self._base_of(entry.name)  # type: ignore[misc]
@@ -384,8 +408,7 @@ class DeltaLoader:
                 raise ManifestMismatchError(f"delta round: this worker has no {entry.name!r} as the trainer has it: "
                                             f"a full round is needed")
             bases.append(base)
-        with ThreadPoolExecutor(2, thread_name_prefix="wtransfer-delta") as pool:
-            held = list(pool.map(digest, bases))
+        held = list(_pool().map(digest, bases))
         for (entry, want), got in zip(expected, held):
             if got != want:
                 raise ManifestMismatchError(
@@ -395,19 +418,28 @@ class DeltaLoader:
     def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         if self.discards:
             return
-        rebuilt = []
-        for name, payload in weights:
+        rows = []
+        for name, _ in weights:
             row = self._rows.get(name)
             if row is None:
                 raise ManifestMismatchError(f"engine delivered {name!r}, which delta round {self.plan.id} does not list")
-            if row.encoding == XOR_ZSTD:
-                payload = self._rebuild(name, payload, row)
-            if digest(payload) != row.digest:
-                raise TransferError(
-                    f"delta round: {name!r} rebuilt here differs from the trainer's new value (digest "
-                    f"{digest(payload)} != {row.digest}); the round is not committed where the commit is atomic")
-            rebuilt.append((name, payload))
-        self.inner(rebuilt)
+            rows.append(row)
+        # every tensor rebuilt and checked on every core; the first failure (in order) is raised
+        from concurrent.futures import wait
+
+        jobs = [_pool().submit(self._checked, name, payload, row) for (name, payload), row in zip(weights, rows)]
+        wait(jobs)  # none may still write once this call returns or raises
+        self.inner([job.result() for job in jobs])
+
+    def _checked(self, name: str, payload: torch.Tensor, row: DeltaTensor) -> tuple[str, torch.Tensor]:
+        if row.encoding == XOR_ZSTD:
+            payload = self._rebuild(name, payload, row)
+        got = digest(payload)
+        if got != row.digest:
+            raise TransferError(
+                f"delta round: {name!r} rebuilt here differs from the trainer's new value (digest {got} != "
+                f"{row.digest}); the round is not committed where the commit is atomic")
+        return name, payload
 
     def _rebuild(self, name: str, payload: torch.Tensor, row: DeltaTensor) -> torch.Tensor:
         """base XOR the decompressed bytes, written where the commit reads it (staging, or the model
@@ -418,9 +450,9 @@ class DeltaLoader:
         value = self._destination(name, base)
         base_bits, value_bits = _bits(base), _bits(value)
         step = max(1, CHUNK_BYTES // base_bits.element_size())
-        reader = self._decompressor.stream_reader(tensor_bytes(payload).numpy())
+        reader = _zstd().ZstdDecompressor().stream_reader(tensor_bytes(payload).numpy())  # one per thread
         for start in range(0, base_bits.numel(), step):
-            xor = self._scratch.get(base_bits.dtype, min(step, base_bits.numel() - start))
+            xor = _scratch.get(base_bits.dtype, min(step, base_bits.numel() - start))
             want, got = xor.numel() * xor.element_size(), 0
             view = memoryview(_as_bytes(xor))
             while got < want:

@@ -41,3 +41,27 @@ def test_offline_llm_computes_exactly_the_trainers_weights(
     stats = result["stats"]
     assert [s["version"] for s in stats] == list(range(1, ROUNDS + 1))
     assert all(s["bytes"] == sum(t.numel() * t.element_size() for t in theirs.values()) for s in stats)
+
+
+def test_delta_rounds_after_adamw_steps_make_vllm_compute_exactly_a_fresh_load(
+    vllm_python: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """``delta=True`` inside vLLM: the rounds after the first carry only what AdamW changed (the
+    frozen embedding nothing), the bridge reloads the whole checkpoint from its committed copy,
+    and vLLM then computes exactly what a fresh vLLM loaded from the trainer's weights computes."""
+    out, final = tmp_path / "result.json", tmp_path / "final"
+    run_script(vllm_python, "delta_sync.py", "shm", str(tiny_llama), str(final), str(out))
+    result = json.loads(out.read_text())
+    fresh = tmp_path / "fresh.json"
+    run_script(vllm_python, "reference.py", str(final), str(fresh))
+    reference = json.loads(fresh.read_text())
+
+    stats = result["stats"]
+    assert [s["delta"] for s in stats] == ["full", "delta", "delta", "delta"], [s.get("delta_refused") for s in stats]
+    for s in stats[1:3]:
+        assert s["sparse_tensors"] > 0 and s["unchanged_tensors"] >= 4 and s["wire_bytes"] < 0.5 * s["bytes"], s
+    assert stats[3]["wire_bytes"] == 0
+    assert result["before"] != result["after"], "the sync changed nothing vLLM computes"
+    assert result["after"] == reference["outputs"]  # tokens and logprobs, exactly
+    assert result["again"] == reference["outputs"]  # after a round that carried nothing
+    assert result["weight_version"] == "4"

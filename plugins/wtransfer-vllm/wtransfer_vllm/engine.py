@@ -97,10 +97,12 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
     def receive_weights(self, update_info: Any) -> None:
         started = time.perf_counter()
         self._receiving_round = None
-        self.inner.receive_weights(update_info, self._loader())  # validated, then staged whole on the node
         from wtransfer.engines import Manifest  # here: looking the class up imports no engine module
 
         manifest = getattr(update_info, "parsed", None)
+        if isinstance(manifest, Manifest) and getattr(manifest, "delta", None) is not None:
+            self._loader().keep_base = True  # a delta=True trainer: keep what its next delta applies to
+        self.inner.receive_weights(update_info, self._loader())  # validated, then staged whole on the node
         if isinstance(manifest, Manifest):
             expected = self._loader().expected
             whole = expected is not None and {e.name for e in manifest.entries} == set(expected)
@@ -158,12 +160,23 @@ class VllmModelLoader:
     """
 
     whole_round = True
+    delta_ready = True
+    """Delta rounds (``create_trainer(..., delta=True)``): handed the tensors that changed, this
+    loader loads them with every other checkpoint tensor from its committed copy, so vLLM always
+    reloads the whole checkpoint and its processing (fused q/k/v, re-packing) stays correct."""
 
     def __init__(self, model: Any, model_config: Any) -> None:
         self.model = model
         self.model_config = model_config
         self.expected = checkpoint_tensors(model_config)
         self.model_dtype = wtransfer.dtype_name(model_config.dtype)
+        self.keep_base = False
+        """Keep a host copy of the committed checkpoint (set once a delta=True trainer's round arrives)."""
+        self._committed: dict[str, Any] = {}
+
+    def destination(self, name: str) -> Any:
+        """The committed copy of checkpoint tensor ``name`` (what a delta round applies to), or None."""
+        return self._committed.get(name)
 
     def validate_manifest(self, manifest: Any) -> None:
         entries = [(e.name, e.dtype, tuple(e.shape)) for e in manifest.entries]
@@ -176,7 +189,16 @@ class VllmModelLoader:
 
     def __call__(self, weights: list[tuple[str, Any]]) -> None:
         started = time.perf_counter()
-        load_into_model(self.model, self.model_config, weights)
+        arrived = {name for name, _ in weights}
+        kept = [(name, tensor) for name, tensor in self._committed.items() if name not in arrived]
+        load_into_model(self.model, self.model_config, weights + kept)
+        if self.keep_base:  # only once vLLM holds the round: a failed load leaves the copy as it was
+            for name, tensor in weights:
+                held = self._committed.get(name)
+                if held is not None and held.shape == tensor.shape and held.dtype == tensor.dtype:
+                    held.copy_(tensor)
+                else:
+                    self._committed[name] = tensor.detach().to("cpu", copy=True)
         logger.info("wtransfer-vllm round: %.1f MB loaded into the model in %.3f s",
                     sum(t.numel() * t.element_size() for _, t in weights) / 1e6, time.perf_counter() - started)
 
