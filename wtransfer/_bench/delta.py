@@ -7,10 +7,12 @@ updates; every round is checked bit-exactly on the delta worker against the trai
 A last step changes every element (each bf16 value moved by one unit in the last place), the
 case where a delta must cost no more than dense.
 
-Runs: ``shm`` on this host, then ``gloo`` (``--link-engine``) inside a network namespace whose
-loopback is shaped with ``tc`` (token bucket) to each ``--links`` rate, so every byte between
-trainer and worker crosses a link of that rate. Needs root and ``ip netns`` for the shaped runs;
-without them those rows say why they are missing.
+Runs: ``shm`` on this host, then ``gloo`` (``--link-engine``) between two network namespaces
+joined by a veth pair whose both ends ``tc`` (token bucket) shapes to each ``--links`` rate: the
+trainer runs in one, its worker process enters the other before it builds anything, so every byte
+between them crosses a link of that rate, as between two hosts (the worker's control pipe to the
+trainer is a local pipe, as the bench's worker pool has). Needs root, ``ip`` and ``tc`` for the
+shaped runs; without them those rows say why they are missing.
 
 Targets (on steps with <= 2 % of elements changed): wire bytes <= 0.1x dense; at 1 Gbit/s the
 round >= 8x faster than dense; with every element changed, a delta round <= 1.05x dense time.
@@ -48,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link-engine", default="gloo", help="engine of the shaped runs")
     parser.add_argument("--timeout", type=float, default=600.0, help="timeout_s of every wait")
     parser.add_argument("--inside", default=None, help=argparse.SUPPRESS)  # a shaped run's own process
+    parser.add_argument("--worker-netns", default=None, help=argparse.SUPPRESS)  # where its workers run
+    parser.add_argument("--master-address", default=None, help=argparse.SUPPRESS)  # the trainer's address there
     add_report_arguments(parser)
 
 
@@ -62,15 +66,18 @@ def measure(engine: str, args: argparse.Namespace) -> dict[str, Any]:
     shape = {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab}
     model = tiny_llama(seed=0, **shape)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    pools = {kind: LocalWorkerPool(1, "wtransfer.testing.models:tiny_llama", backend=engine,
-                                   factory_kwargs={"seed": 1, **shape}, timeout_s=args.timeout, torch_threads=1)
+    where = {"netns": args.worker_netns} if args.worker_netns else {}
+    factory = "wtransfer._bench.delta:llama_in_netns" if where else "wtransfer.testing.models:tiny_llama"
+    pools = {kind: LocalWorkerPool(1, factory, backend=engine, factory_kwargs={"seed": 1, **shape, **where},
+                                   timeout_s=args.timeout, torch_threads=1)
              for kind in ("dense", "delta")}
     trainers: dict[str, Any] = {}
     steps: list[dict[str, Any]] = []
     try:
         for kind, pool in pools.items():
+            reach = {"master_address": args.master_address} if args.master_address else {}
             trainers[kind] = create_trainer(engine, client=pool, source=model, delta=kind == "delta",
-                                            init_info={"world_size": 2, "timeout_s": args.timeout})
+                                            init_info={"world_size": 2, "timeout_s": args.timeout, **reach})
         for kind in trainers:  # round 1: both send everything
             trainers[kind].send_weights()
         lrs = [float(lr) for lr in str(args.lrs).split(",") if lr.strip()]
@@ -108,36 +115,62 @@ def measure(engine: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"engine": engine, "model_bytes": steps[0]["dense"]["bytes"], "steps": steps}
 
 
+def llama_in_netns(netns: str, **kwargs: Any) -> Any:
+    """A worker's model factory: enter network namespace ``netns`` first (the worker's "host")."""
+    import ctypes
+
+    from wtransfer.testing.models import tiny_llama
+
+    clone_newnet = 0x40000000
+    fd = os.open(f"/var/run/netns/{netns}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, clone_newnet) != 0:
+            raise OSError(ctypes.get_errno(), f"cannot enter network namespace {netns}")
+    finally:
+        os.close(fd)
+    return tiny_llama(**kwargs)
+
+
 def _shaped(rate: str, args: argparse.Namespace) -> dict[str, Any]:
-    """A run of this suite inside a new network namespace whose loopback is shaped to ``rate``."""
+    """A run of this suite between two new network namespaces joined by a veth shaped to ``rate``."""
     label = f"{args.link_engine}, {rate} link"
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         return {"link": label, "error": "needs root, ip and tc"}
-    namespace = f"wtbench{os.getpid()}"
+    tag = f"{os.getpid() % 100000}"
+    trainer_ns, worker_ns = f"wtbt{tag}", f"wtbw{tag}"
 
     def ip(*words: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(["ip", *words], capture_output=True, text=True)
 
-    made = ip("netns", "add", namespace)
-    if made.returncode:
-        return {"link": label, "error": f"cannot create a network namespace: {made.stderr.strip()}"}
     try:
-        ip("netns", "exec", namespace, "ip", "link", "set", "lo", "up")
-        # loopback's 64 KiB packets need a bucket of several; latency bounds the queue
-        shaped = subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
-                                 "rate", rate, "burst", "1mb", "latency", "100ms"], capture_output=True, text=True)
-        if shaped.returncode:
-            return {"link": label, "error": f"tc cannot shape the link: {shaped.stderr.strip()}"}
+        for ns in (trainer_ns, worker_ns):
+            made = ip("netns", "add", ns)
+            if made.returncode:
+                return {"link": label, "error": f"cannot create a network namespace: {made.stderr.strip()}"}
+        made = ip("link", "add", f"{trainer_ns}v", "type", "veth", "peer", "name", f"{worker_ns}v")
+        if made.returncode:
+            return {"link": label, "error": f"cannot create a veth pair: {made.stderr.strip()}"}
+        for ns, address in ((trainer_ns, "10.213.9.1"), (worker_ns, "10.213.9.2")):
+            ip("link", "set", f"{ns}v", "netns", ns)
+            ip("-n", ns, "addr", "add", f"{address}/24", "dev", f"{ns}v")
+            ip("-n", ns, "link", "set", f"{ns}v", "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+            # both directions shaped; the queue is bounded by latency, a burst holds a few packets
+            shaped = subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", f"{ns}v", "root", "tbf", "rate", rate,
+                                     "burst", "1mb", "latency", "100ms"], capture_output=True, text=True)
+            if shaped.returncode:
+                return {"link": label, "error": f"tc cannot shape the link: {shaped.stderr.strip()}"}
         command = [sys.executable, "-m", "wtransfer", "bench", "delta", "--inside", args.link_engine,
-                   "--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab", str(args.vocab),
-                   "--lrs", str(args.lrs), "--timeout", str(args.timeout)]
-        run = subprocess.run(["ip", "netns", "exec", namespace, *command], capture_output=True, text=True)
+                   "--worker-netns", worker_ns, "--master-address", "10.213.9.1", "--hidden", str(args.hidden), "--layers", str(args.layers),
+                   "--vocab", str(args.vocab), "--lrs", str(args.lrs), "--timeout", str(args.timeout)]
+        run = subprocess.run(["ip", "netns", "exec", trainer_ns, *command], capture_output=True, text=True)
         sys.stderr.write(run.stderr)
         if run.returncode:
             return {"link": label, "error": f"the shaped run failed (exit {run.returncode})"}
         return {"link": label, "rate": rate, **json.loads(run.stdout)}
     finally:
-        ip("netns", "del", namespace)
+        for ns in (trainer_ns, worker_ns):
+            ip("netns", "del", ns)  # the veth goes with them
 
 
 def run(args: argparse.Namespace) -> int:
@@ -148,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"shm: dense and delta rounds after each AdamW step (Llama hidden {args.hidden}, {args.layers} layers)")
         runs = [{"link": "shm, this host", **measure("shm", args)}]
         for rate in [r.strip() for r in str(args.links).split(",") if r.strip()]:
-            print(f"{args.link_engine} over a loopback shaped to {rate}")
+            print(f"{args.link_engine} between two network namespaces, a veth shaped to {rate}")
             runs.append(_shaped(rate, args))
         figures.update(summarize(runs))
         if not args.json and args.markdown is None:

@@ -45,6 +45,7 @@ keeps, not only those that change.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 from collections.abc import Iterator
@@ -130,19 +131,20 @@ class _Scratch(threading.local):
     def get(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         import torch
 
-        if self.buffer is None:
-            self.buffer = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
-        return self.buffer.view(dtype)[:numel]
+        size = CHUNK_BYTES  # read per call: tests make it small
+        if self.buffer is None or self.buffer.numel() < size:
+            self.buffer = torch.empty(size, dtype=torch.uint8)
+        return self.buffer[:size].view(dtype)[:numel]
 
 
 _scratch = _Scratch()
 _threads: list[Any] = []
 _threads_lock = threading.Lock()
+if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's threads: it makes its own
+    os.register_at_fork(after_in_child=_threads.clear)
 
 
 def _pool_size() -> int:
-    import os
-
     return max(1, min(os.cpu_count() or 1, 8))
 
 
@@ -379,6 +381,7 @@ class DeltaLoader:
         _zstd()  # fails here, before the round, if the package is missing
         self.discards = getattr(inner, "discards", False) is True
         """A node's follower: the stager rebuilds and checks; this worker only checks its base."""
+        self._validated = False
 
     def validate_manifest(self, manifest: Manifest) -> None:
         """Before any byte moves: this worker holds the base the round is against (or it is full)."""
@@ -398,6 +401,7 @@ class DeltaLoader:
         check = getattr(self.inner, "validate_manifest", None)
         if callable(check):
             check(plan.model_manifest(manifest))
+        self._validated = True
 
     def _check_bases(self, expected: list[tuple[TensorEntry, str | None]]) -> None:
         """Every tensor the round keeps or XORs is, bit for bit, what the trainer diffs against."""
@@ -407,6 +411,9 @@ class DeltaLoader:
             if base is None or entry_for(entry.name, base) != entry:
                 raise ManifestMismatchError(f"delta round: this worker has no {entry.name!r} as the trainer has it: "
                                             f"a full round is needed")
+            if base.device.type != "cpu":
+                raise ManifestMismatchError(f"delta round: {entry.name!r} is on {base.device}; deltas apply to models "
+                                            f"in host memory only for now: a full round is needed")
             bases.append(base)
         held = list(_pool().map(digest, bases))
         for (entry, want), got in zip(expected, held):
@@ -416,6 +423,9 @@ class DeltaLoader:
                     f"(changed outside wtransfer?): a full round is needed")
 
     def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        if self.plan.base is not None and not self._validated:  # an engine that skipped validate_manifest
+            raise ManifestMismatchError(f"delta round {self.plan.id} arrived without its base checked (the engine "
+                                        f"did not call validate_manifest): nothing was written")
         if self.discards:
             return
         rows = []

@@ -64,4 +64,5 @@ def test_delta_rounds_after_adamw_steps_make_vllm_compute_exactly_a_fresh_load(
     assert result["before"] != result["after"], "the sync changed nothing vLLM computes"
     assert result["after"] == reference["outputs"]  # tokens and logprobs, exactly
     assert result["again"] == reference["outputs"]  # after a round that carried nothing
+    assert result["checksums"] == reference["checksums"]  # vLLM's digests, for what they cover
     assert result["weight_version"] == "4"

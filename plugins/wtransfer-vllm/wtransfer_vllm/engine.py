@@ -100,12 +100,14 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
         from wtransfer.engines import Manifest  # here: looking the class up imports no engine module
 
         manifest = getattr(update_info, "parsed", None)
-        if isinstance(manifest, Manifest) and getattr(manifest, "delta", None) is not None:
-            self._loader().keep_base = True  # a delta=True trainer: keep what its next delta applies to
+        delta = isinstance(manifest, Manifest) and manifest.delta is not None
+        self._loader().keep(delta)  # a delta=True trainer's round: keep what its next delta applies to
         self.inner.receive_weights(update_info, self._loader())  # validated, then staged whole on the node
+        manifest = getattr(update_info, "parsed", None)  # again: receiving adds the verified checksums
         if isinstance(manifest, Manifest):
             expected = self._loader().expected
-            whole = expected is not None and {e.name for e in manifest.entries} == set(expected)
+            # a delta round's entries are what travelled, and its weights depend on the base: never "whole"
+            whole = expected is not None and not delta and {e.name for e in manifest.entries} == set(expected)
             self._receiving_round = round_identity(manifest, whole)
         logger.info("wtransfer-vllm round: %s received and staged in %.3f s",
                     self.wtransfer_backend, time.perf_counter() - started)
@@ -173,6 +175,13 @@ class VllmModelLoader:
         self.keep_base = False
         """Keep a host copy of the committed checkpoint (set once a delta=True trainer's round arrives)."""
         self._committed: dict[str, Any] = {}
+
+    def keep(self, delta: bool) -> None:
+        """Keep the committed copy while a delta=True trainer sends (from its first round on), and
+        free it when any other round arrives."""
+        self.keep_base = delta
+        if not delta:
+            self._committed.clear()
 
     def destination(self, name: str) -> Any:
         """The committed copy of checkpoint tensor ``name`` (what a delta round applies to), or None."""

@@ -12,7 +12,8 @@ import sys
 
 import wtransfer
 from wtransfer_vllm import LLMClient
-from wtransfer_vllm.testing import greedy, llm_kwargs, load_trainer_model, perturb, write_json, write_tokenizer
+from wtransfer_vllm.testing import (checksums, greedy, llm_kwargs, load_trainer_model, perturb, write_json,
+                                    write_tokenizer)
 
 if __name__ == "__main__":
     backend, model_dir, final_dir, out = sys.argv[1:5]
@@ -45,5 +46,5 @@ if __name__ == "__main__":
     trainer.shutdown()
     model.save_pretrained(final_dir)
     write_tokenizer(final_dir, model.config.vocab_size)
-    write_json(out, {"before": before, "after": after, "again": again, "stats": stats,
+    write_json(out, {"before": before, "after": after, "again": again, "stats": stats, "checksums": checksums(llm),
                      "weight_version": llm.get_weight_version()})
