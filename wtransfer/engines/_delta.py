@@ -102,7 +102,7 @@ def digest(data: torch.Tensor) -> str:
     if data.device.type != "cpu":
         data = data.cpu()
     flat = tensor_bytes(data)
-    return f"{xxhash.xxh3_64_intdigest(flat.numpy()) if flat.numel() else 0:016x}"
+    return _hex(xxhash.xxh3_64_intdigest(flat.numpy()) if flat.numel() else 0, flat.numel())
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -116,11 +116,9 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(as_int) if as_int is not None else flat.view(torch.uint8)
 
 
-def _as_bytes(bits: torch.Tensor) -> Any:
-    """A flat integer tensor's bytes, as a numpy array (zero-copy)."""
-    import torch
-
-    return bits.view(torch.uint8).numpy()
+def _hex(value: int, nbytes: int) -> str:
+    """A digest as the wire writes it: 16 hex digits (0 for a tensor of no bytes)."""
+    return f"{value if nbytes else 0:016x}"
 
 
 class _Scratch(threading.local):
@@ -216,7 +214,7 @@ class DeltaEncoder:
         against = self.base_id
         self.base_id = None  # from here on the base holds this round's values, which no worker has yet
         encoded: list[_Encoded] = []
-        pool = _pool()
+        pool, width = _pool(), _pool_size()
         in_flight: list[Future[_Encoded]] = []
         try:
             for name, tensor in source:
@@ -227,7 +225,7 @@ class DeltaEncoder:
                 known = None if fresh else self.digests.get(name)
                 in_flight.append(pool.submit(_encode_one, name, new, base, None if fresh else against, known))
                 del tensor, new
-                if len(in_flight) >= _pool_size():  # one tensor per core at a time
+                if len(in_flight) >= width:  # one tensor per core at a time
                     encoded.append(in_flight.pop(0).result())
             encoded += [future.result() for future in in_flight]
         finally:
@@ -235,14 +233,15 @@ class DeltaEncoder:
                 future.cancel()
                 if not future.cancelled():
                     future.exception()
-        self._order = [item.entry.name if item.row is None else item.row.target.name for item in encoded]
-        for gone in [name for name in self.base if name not in set(self._order)]:
+        self._order = [item.target.name for item in encoded]
+        present = set(self._order)
+        for gone in [name for name in self.base if name not in present]:
             del self.base[gone]  # a tensor the model no longer has
             self.digests.pop(gone, None)
         stats = DeltaStats()
         entries, payloads, rows, unchanged, kept_digests = [], [], [], [], []
         for item in encoded:
-            target = item.entry if item.row is None else item.row.target
+            target = item.target
             self.digests[target.name] = item.digest
             stats.elements += target.numel
             stats.changed_elements += item.changed
@@ -301,6 +300,11 @@ class _Encoded:
     digest: str
     """The base's digest once this round's value is in it."""
 
+    @property
+    def target(self) -> TensorEntry:
+        """The model's tensor (``entry`` is what travels: a XOR's bytes, or the tensor itself)."""
+        return self.entry if self.row is None else self.row.target
+
 
 def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str | None, known: str | None) -> _Encoded:
     """Encode one tensor against its base, then make the base the new value (a helper thread).
@@ -326,7 +330,7 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
     for start in range(0, new_bits.numel(), step):
         fresh, old = new_bits[start : start + step], base_bits[start : start + step]
         if parts is not None:  # the old bytes' digest matters only for a XOR
-            was.update(_as_bytes(old))
+            was.update(tensor_bytes(old).numpy())
         xor = _scratch.get(new_bits.dtype, fresh.numel())
         torch.bitwise_xor(fresh, old, out=xor)
         here = int(torch.count_nonzero(xor))
@@ -334,18 +338,18 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
         if here > CHANGED_TO_TRY * xor.numel():
             parts = None
         if parts is not None:
-            part = compressor.compress(_as_bytes(xor))
+            part = compressor.compress(tensor_bytes(xor).numpy())
             parts.append(part)
             size += len(part)
             if size > limit:
                 parts = None  # a XOR this large is no delta: the tensor goes dense
         if here:
             copy_tensor(old, fresh)
-        hasher.update(_as_bytes(old))
-    value = f"{hasher.intdigest() if target.nbytes else 0:016x}"
+        hasher.update(tensor_bytes(old).numpy())
+    value = _hex(hasher.intdigest(), target.nbytes)
     if changed == 0:
         return _Encoded(target, None, None, 0, value)
-    if parts is not None and f"{was.intdigest() if target.nbytes else 0:016x}" != known:  # changed behind our back:
+    if parts is not None and _hex(was.intdigest(), target.nbytes) != known:  # changed behind the encoder's back:
         logger.warning("delta: the trainer's base of %r is not what the workers were sent; it goes whole", name)
         parts = None  # a XOR against it would rebuild something else on the workers
     if parts is not None:
@@ -376,7 +380,8 @@ class DeltaLoader:
         self._manifest = manifest
         self._holds = holds
         self._base_of = getattr(real, "destination", None)
-        self._whole_round = getattr(real, "whole_round", False) is True and getattr(real, "delta_ready", False) is not True
+        self._needs_whole_rounds = (getattr(real, "whole_round", False) is True
+                                    and getattr(real, "delta_ready", False) is not True)
         self._rows = {t.target.name: t for t in self.plan.tensors}
         _zstd()  # fails here, before the round, if the package is missing
         self.discards = getattr(inner, "discards", False) is True
@@ -391,7 +396,7 @@ class DeltaLoader:
                 raise ManifestMismatchError(
                     f"delta round against {plan.base}, but this worker holds "
                     f"{self._holds or 'no round of this trainer (new, restarted or torn)'}: a full round is needed")
-            if not callable(self._base_of) or self._whole_round:
+            if not callable(self._base_of) or self._needs_whole_rounds:
                 raise ManifestMismatchError(
                     "this worker's loader cannot apply a delta round (it shows no tensors through destination(), "
                     "or needs every round whole): a full round is needed")
@@ -428,16 +433,13 @@ class DeltaLoader:
                                         f"did not call validate_manifest): nothing was written")
         if self.discards:
             return
-        rows = []
-        for name, _ in weights:
-            row = self._rows.get(name)
-            if row is None:
-                raise ManifestMismatchError(f"engine delivered {name!r}, which delta round {self.plan.id} does not list")
-            rows.append(row)
+        unlisted = [name for name, _ in weights if name not in self._rows]
+        if unlisted:
+            raise ManifestMismatchError(f"engine delivered {unlisted[0]!r}, which delta round {self.plan.id} does not list")
         # every tensor rebuilt and checked on every core; the first failure (in order) is raised
         from concurrent.futures import wait
 
-        jobs = [_pool().submit(self._checked, name, payload, row) for (name, payload), row in zip(weights, rows)]
+        jobs = [_pool().submit(self._checked, name, payload, self._rows[name]) for name, payload in weights]
         wait(jobs)  # none may still write once this call returns or raises
         self.inner([job.result() for job in jobs])
 
@@ -464,7 +466,7 @@ class DeltaLoader:
         for start in range(0, base_bits.numel(), step):
             xor = _scratch.get(base_bits.dtype, min(step, base_bits.numel() - start))
             want, got = xor.numel() * xor.element_size(), 0
-            view = memoryview(_as_bytes(xor))
+            view = memoryview(tensor_bytes(xor).numpy())
             while got < want:
                 read = reader.readinto(view[got:])
                 if read == 0:

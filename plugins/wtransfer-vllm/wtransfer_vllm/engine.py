@@ -172,14 +172,13 @@ class VllmModelLoader:
         self.model_config = model_config
         self.expected = checkpoint_tensors(model_config)
         self.model_dtype = wtransfer.dtype_name(model_config.dtype)
-        self.keep_base = False
-        """Keep a host copy of the committed checkpoint (set once a delta=True trainer's round arrives)."""
+        self._keep_base = False  # keep a host copy of the committed checkpoint (see keep())
         self._committed: dict[str, Any] = {}
 
     def keep(self, delta: bool) -> None:
         """Keep the committed copy while a delta=True trainer sends (from its first round on), and
         free it when any other round arrives."""
-        self.keep_base = delta
+        self._keep_base = delta
         if not delta:
             self._committed.clear()
 
@@ -201,7 +200,7 @@ class VllmModelLoader:
         arrived = {name for name, _ in weights}
         kept = [(name, tensor) for name, tensor in self._committed.items() if name not in arrived]
         load_into_model(self.model, self.model_config, weights + kept)
-        if self.keep_base:  # only once vLLM holds the round: a failed load leaves the copy as it was
+        if self._keep_base:  # only once vLLM holds the round: a failed load leaves the copy as it was
             for name, tensor in weights:
                 held = self._committed.get(name)
                 if held is not None and held.shape == tensor.shape and held.dtype == tensor.dtype:
