@@ -80,9 +80,10 @@ CHANGED_TO_TRY = 0.3
 tensor goes dense (its XOR would not shrink below :data:`SPARSE_AT_MOST`, and compressing a dense
 XOR costs more CPU than sending the tensor over any link but a slow one)."""
 
-CHUNK_BYTES = 8 * 1024 * 1024
+CHUNK_BYTES = 1024 * 1024
 """The XOR, the compression and the hashing walk each tensor in chunks of this size, through one
-scratch buffer per thread of :func:`_pool`."""
+scratch buffer per thread of :func:`_pool`: small enough that each pass after the first reads
+the chunk from the core's cache, not from memory."""
 
 ZSTD_LEVEL = 1
 
@@ -124,15 +125,16 @@ def _hex(value: int, nbytes: int) -> str:
 class _Scratch(threading.local):
     """One chunk-sized scratch buffer per thread, allocated once and reused every round."""
 
-    buffer: torch.Tensor | None = None
+    buffer: Any = None
 
-    def get(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        import torch
+    def get(self, dtype: Any, count: int) -> Any:
+        """``count`` elements of numpy ``dtype`` (at most :data:`CHUNK_BYTES`), as a numpy array."""
+        import numpy
 
         size = CHUNK_BYTES  # read per call: tests make it small
-        if self.buffer is None or self.buffer.numel() < size:
-            self.buffer = torch.empty(size, dtype=torch.uint8)
-        return self.buffer[:size].view(dtype)[:numel]
+        if self.buffer is None or self.buffer.size < size:
+            self.buffer = numpy.empty(size, dtype=numpy.uint8)
+        return self.buffer[:size].view(dtype)[:count]
 
 
 _scratch = _Scratch()
@@ -312,6 +314,7 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
     One pass in chunks: XOR into the thread's scratch, count, compress (until the XOR proves too
     large for a delta), copy the changed chunk into the base, hash the base's new bytes.
     """
+    import numpy
     import torch
     import xxhash
 
@@ -320,32 +323,32 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
         copy_tensor(base, new)
         value = digest(base)
         return _Encoded(target, base, DeltaTensor(target, DENSE, value), target.numel, value)
-    new_bits, base_bits = _bits(new), _bits(base)
-    step = max(1, CHUNK_BYTES // new_bits.element_size())
+    new_bits, base_bits = _bits(new).numpy(), _bits(base).numpy()
+    step = max(1, CHUNK_BYTES // new_bits.itemsize)
     limit = SPARSE_AT_MOST * target.nbytes
     compressor = _zstd().ZstdCompressor(level=ZSTD_LEVEL).compressobj()
     parts: list[bytes] | None = []
     size = changed = 0
     hasher, was = xxhash.xxh3_64(), xxhash.xxh3_64()
-    for start in range(0, new_bits.numel(), step):
+    for start in range(0, new_bits.size, step):  # numpy: XOR and count are each one SIMD pass
         fresh, old = new_bits[start : start + step], base_bits[start : start + step]
-        if parts is not None:  # the old bytes' digest matters only for a XOR
-            was.update(tensor_bytes(old).numpy())
-        xor = _scratch.get(new_bits.dtype, fresh.numel())
-        torch.bitwise_xor(fresh, old, out=xor)
-        here = int(torch.count_nonzero(xor))
+        xor = _scratch.get(new_bits.dtype, fresh.size)
+        numpy.bitwise_xor(fresh, old, out=xor)
+        if parts is not None:  # the old bytes' digest matters only for a XOR (read from cache)
+            was.update(old)
+        here = int(numpy.count_nonzero(xor))
         changed += here
-        if here > CHANGED_TO_TRY * xor.numel():
+        if here > CHANGED_TO_TRY * xor.size:
             parts = None
         if parts is not None:
-            part = compressor.compress(tensor_bytes(xor).numpy())
+            part = compressor.compress(xor)
             parts.append(part)
             size += len(part)
             if size > limit:
                 parts = None  # a XOR this large is no delta: the tensor goes dense
         if here:
-            copy_tensor(old, fresh)
-        hasher.update(tensor_bytes(old).numpy())
+            numpy.copyto(old, fresh)
+        hasher.update(old)  # the chunk is still in cache
     value = _hex(hasher.intdigest(), target.nbytes)
     if changed == 0:
         return _Encoded(target, None, None, 0, value)
@@ -445,28 +448,32 @@ class DeltaLoader:
 
     def _checked(self, name: str, payload: torch.Tensor, row: DeltaTensor) -> tuple[str, torch.Tensor]:
         if row.encoding == XOR_ZSTD:
-            payload = self._rebuild(name, payload, row)
-        got = digest(payload)
+            payload, got = self._rebuild(name, payload, row)
+        else:
+            got = digest(payload)
         if got != row.digest:
             raise TransferError(
                 f"delta round: {name!r} rebuilt here differs from the trainer's new value (digest {got} != "
                 f"{row.digest}); the round is not committed where the commit is atomic")
         return name, payload
 
-    def _rebuild(self, name: str, payload: torch.Tensor, row: DeltaTensor) -> torch.Tensor:
+    def _rebuild(self, name: str, payload: torch.Tensor, row: DeltaTensor) -> tuple[torch.Tensor, str]:
         """base XOR the decompressed bytes, written where the commit reads it (staging, or the model
-        itself when the round streams), in chunks through one scratch buffer."""
-        import torch
+        itself when the round streams), in chunks through one scratch buffer, each chunk hashed
+        while it is still in cache; the rebuilt tensor and its digest."""
+        import numpy
+        import xxhash
 
         base = self._base_of(name)  # type: ignore[misc]
         value = self._destination(name, base)
-        base_bits, value_bits = _bits(base), _bits(value)
-        step = max(1, CHUNK_BYTES // base_bits.element_size())
+        base_bits, value_bits = _bits(base).numpy(), _bits(value).numpy()
+        step = max(1, CHUNK_BYTES // base_bits.itemsize)
         reader = _zstd().ZstdDecompressor().stream_reader(tensor_bytes(payload).numpy())  # one per thread
-        for start in range(0, base_bits.numel(), step):
-            xor = _scratch.get(base_bits.dtype, min(step, base_bits.numel() - start))
-            want, got = xor.numel() * xor.element_size(), 0
-            view = memoryview(tensor_bytes(xor).numpy())
+        hasher = xxhash.xxh3_64()
+        for start in range(0, base_bits.size, step):
+            xor = _scratch.get(base_bits.dtype, min(step, base_bits.size - start))
+            want, got = xor.nbytes, 0
+            view = memoryview(xor.view(numpy.uint8))
             while got < want:
                 read = reader.readinto(view[got:])
                 if read == 0:
@@ -474,10 +481,12 @@ class DeltaLoader:
                 got += read
             if got != want:
                 raise TransferError(f"delta round: {name!r} decompressed to fewer bytes than its {row.target.nbytes}")
-            torch.bitwise_xor(base_bits[start : start + xor.numel()], xor, out=value_bits[start : start + xor.numel()])
+            out = value_bits[start : start + xor.size]
+            numpy.bitwise_xor(base_bits[start : start + xor.size], xor, out=out)
+            hasher.update(out)
         if reader.read(1):
             raise TransferError(f"delta round: {name!r} decompressed to more bytes than its {row.target.nbytes}")
-        return value
+        return value, _hex(hasher.intdigest(), row.target.nbytes)
 
     def _destination(self, name: str, base: torch.Tensor) -> torch.Tensor:
         """Where the rebuilt tensor goes: the commit's own destination when it has one of the right
