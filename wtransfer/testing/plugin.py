@@ -12,7 +12,9 @@ Installing wtransfer gives every test suite these fixtures:
 
 and the conformance classes in :mod:`wtransfer.testing.conformance` to subclass.
 Keep this module light: pytest imports it at start-up in every project that has
-wtransfer installed.
+wtransfer installed. For the same reason it changes nothing until a test asks for one of its
+fixtures: no autouse fixture, no marker, no command-line option, no hook that runs in an
+unrelated project's session (``tests/test_pytest_plugin_inert.py`` holds it to that).
 """
 
 from __future__ import annotations
@@ -26,11 +28,6 @@ from typing import Any
 import pytest
 
 from wtransfer.testing.distributions import EntryPoints, site_on_path, write_distribution
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
-    config.addinivalue_line("markers", "slow: long-running (still part of the default run)")
 
 
 @pytest.fixture

@@ -1,0 +1,49 @@
+"""wtransfer's pytest11 plugin changes nothing in a project that does not use it.
+
+Installing wtransfer loads :mod:`wtransfer.testing.plugin` into every pytest run on the machine.
+A throwaway project (no conftest, nothing of wtransfer) is run with the plugin and with
+``-p no:wtransfer``: its markers, its options and its tests' fixtures must be the same.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+THROWAWAY_TEST = '''
+def test_sees_only_what_it_asked_for(request):
+    assert request.fixturenames == ["request"], request.fixturenames  # no autouse fixture arrived
+'''
+
+
+def _pytest(project: Path, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+                          cwd=project, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def _throwaway(tmp_path: Path) -> Path:
+    project = tmp_path / "unrelated"
+    project.mkdir()
+    (project / "pytest.ini").write_text("[pytest]\n")  # its own rootdir: none of this repository's settings
+    (project / "test_unrelated.py").write_text(THROWAWAY_TEST)
+    return project
+
+
+def test_an_unrelated_project_runs_the_same_with_and_without_the_plugin(tmp_path: Path) -> None:
+    project = _throwaway(tmp_path)
+    assert "1 passed" in _pytest(project, "-q")
+    assert "1 passed" in _pytest(project, "-q", "-p", "no:wtransfer")
+
+
+def test_the_plugin_adds_no_marker_and_no_option(tmp_path: Path) -> None:
+    project = _throwaway(tmp_path)
+    assert _pytest(project, "--markers") == _pytest(project, "--markers", "-p", "no:wtransfer")
+    with_help = _pytest(project, "--help")
+    without_help = _pytest(project, "--help", "-p", "no:wtransfer")
+    assert with_help.replace("\n", " ") == without_help.replace("\n", " ")
+    # and it is installed: its fixtures are there for a test that asks
+    fixtures = _pytest(project, "--fixtures")
+    assert "fake_distribution" in fixtures and "isolated_registry" in fixtures
