@@ -81,9 +81,9 @@ tensor goes dense (its XOR would not shrink below :data:`SPARSE_AT_MOST`, and co
 XOR costs more CPU than sending the tensor over any link but a slow one)."""
 
 CHUNK_BYTES = 1024 * 1024
-"""The XOR, the compression and the hashing walk each tensor in chunks of this size, through one
-scratch buffer per thread of :func:`_pool`: small enough that each pass after the first reads
-the chunk from the core's cache, not from memory."""
+"""The XOR, the compression and the hashing walk each tensor in chunks of (at most) this size,
+through one scratch buffer per thread of :func:`_pool`: small enough that the passes after the
+first read the chunk (new, base and XOR) from the last-level cache, not from memory."""
 
 ZSTD_LEVEL = 1
 
@@ -107,14 +107,16 @@ def digest(data: torch.Tensor) -> str:
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits as integers of its element size, flat: XOR works on them."""
+    """The tensor's bits as flat integers, XOR works on them: of its element size, or, for an
+    element of 16 bytes (complex128), two 64-bit integers per element."""
     import torch
 
     flat = tensor.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(flat.element_size())
-    return flat.view(as_int) if as_int is not None else flat.view(torch.uint8)
+    size = flat.element_size()
+    word = next(w for w in (8, 4, 2, 1) if size % w == 0)
+    return flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[word])
 
 
 def _hex(value: int, nbytes: int) -> str:
@@ -134,7 +136,7 @@ class _Scratch(threading.local):
         size = CHUNK_BYTES  # read per call: tests make it small
         if self.buffer is None or self.buffer.size < size:
             self.buffer = numpy.empty(size, dtype=numpy.uint8)
-        return self.buffer[:size].view(dtype)[:count]
+        return self.buffer[: count * numpy.dtype(dtype).itemsize].view(dtype)
 
 
 _scratch = _Scratch()
@@ -311,8 +313,10 @@ class _Encoded:
 def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str | None, known: str | None) -> _Encoded:
     """Encode one tensor against its base, then make the base the new value (a helper thread).
 
-    One pass in chunks: XOR into the thread's scratch, count, compress (until the XOR proves too
-    large for a delta), copy the changed chunk into the base, hash the base's new bytes.
+    One pass in chunks: XOR into the thread's scratch, count the changed elements, hash the old
+    bytes and compress the XOR (both only while a XOR is still possible: the old bytes' digest
+    must be what the workers hold, ``known``), copy the changed chunk into the base, hash the
+    base's new bytes.
     """
     import numpy
     import torch
@@ -324,7 +328,8 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
         value = digest(base)
         return _Encoded(target, base, DeltaTensor(target, DENSE, value), target.numel, value)
     new_bits, base_bits = _bits(new).numpy(), _bits(base).numpy()
-    step = max(1, CHUNK_BYTES // new_bits.itemsize)
+    words = max(1, new.element_size() // new_bits.itemsize)  # integers per element (2 for complex128)
+    step = max(1, CHUNK_BYTES // new.element_size()) * words  # whole elements per chunk
     limit = SPARSE_AT_MOST * target.nbytes
     compressor = _zstd().ZstdCompressor(level=ZSTD_LEVEL).compressobj()
     parts: list[bytes] | None = []
@@ -336,9 +341,9 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
         numpy.bitwise_xor(fresh, old, out=xor)
         if parts is not None:  # the old bytes' digest matters only for a XOR (read from cache)
             was.update(old)
-        here = int(numpy.count_nonzero(xor))
+        here = int(numpy.count_nonzero(xor if words == 1 else xor.reshape(-1, words).any(axis=1)))
         changed += here
-        if here > CHANGED_TO_TRY * xor.size:
+        if here > CHANGED_TO_TRY * (xor.size // words):
             parts = None
         if parts is not None:
             part = compressor.compress(xor)
@@ -464,9 +469,13 @@ class DeltaLoader:
         import numpy
         import xxhash
 
+        import torch
+
         base = self._base_of(name)  # type: ignore[misc]
         value = self._destination(name, base)
         base_bits, value_bits = _bits(base).numpy(), _bits(value).numpy()
+        if value_bits.ctypes.data != value.data_ptr():  # the digest below must be of what is committed
+            raise TransferError(f"delta round: {name!r} has no contiguous destination to rebuild into")
         step = max(1, CHUNK_BYTES // base_bits.itemsize)
         reader = _zstd().ZstdDecompressor().stream_reader(tensor_bytes(payload).numpy())  # one per thread
         hasher = xxhash.xxh3_64()
@@ -486,6 +495,9 @@ class DeltaLoader:
             hasher.update(out)
         if reader.read(1):
             raise TransferError(f"delta round: {name!r} decompressed to more bytes than its {row.target.nbytes}")
+        bump = getattr(torch.autograd.graph, "increment_version", None)
+        if bump is not None and value.requires_grad:  # written behind autograd's back: say so, as copy_ would
+            bump(value)
         return value, _hex(hasher.intdigest(), row.target.nbytes)
 
     def _destination(self, name: str, base: torch.Tensor) -> torch.Tensor:
