@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from vllm_harness import ROUNDS, run_script
+from vllm_harness import ROUNDS, cpu_flags, run_script
 
 
 @pytest.mark.parametrize(("backend", "via"), [("shm", "wtransfer"), ("gloo", "vllm-factory")])
@@ -43,26 +43,35 @@ def test_offline_llm_computes_exactly_the_trainers_weights(
     assert all(s["bytes"] == sum(t.numel() * t.element_size() for t in theirs.values()) for s in stats)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
 def test_delta_rounds_after_adamw_steps_make_vllm_compute_exactly_a_fresh_load(
-    vllm_python: Path, tiny_llama: Path, tmp_path: Path
+    vllm_python: Path, tiny_llama: Path, tmp_path: Path, tp: int
 ) -> None:
     """``delta=True`` inside vLLM: the rounds after the first carry only what AdamW changed (the
     frozen embedding nothing), the bridge reloads the whole checkpoint from its committed copy,
-    and vLLM then computes exactly what a fresh vLLM loaded from the trainer's weights computes."""
+    and vLLM then computes exactly what a fresh vLLM loaded from the trainer's weights computes.
+    With TP=2 both of vLLM's workers rebuild the same deltas on their own copies and each loads
+    its shard of every tensor (a fresh TP=2 load is the reference)."""
+    print(f"host CPU flags: {cpu_flags()}")
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"} if tp > 1 else None  # 'auto' refuses TP=2 on one NUMA node
     out, final = tmp_path / "result.json", tmp_path / "final"
-    run_script(vllm_python, "delta_sync.py", "shm", str(tiny_llama), str(final), str(out))
+    run_script(vllm_python, "delta_sync.py", "shm", str(tiny_llama), str(final), str(out), str(tp), env=env,
+               timeout=900)
     result = json.loads(out.read_text())
     fresh = tmp_path / "fresh.json"
-    run_script(vllm_python, "reference.py", str(final), str(fresh))
+    run_script(vllm_python, "reference.py", str(final), str(fresh), json.dumps({"tensor_parallel_size": tp}), env=env)
     reference = json.loads(fresh.read_text())
 
     stats = result["stats"]
     assert [s["delta"] for s in stats] == ["full", "delta", "delta", "delta"], [s.get("delta_refused") for s in stats]
+    assert all(s["workers"] == tp for s in stats)
     for s in stats[1:3]:
         assert s["sparse_tensors"] > 0 and s["unchanged_tensors"] >= 4 and s["wire_bytes"] < 0.5 * s["bytes"], s
     assert stats[3]["wire_bytes"] == 0
     assert result["before"] != result["after"], "the sync changed nothing vLLM computes"
     assert result["after"] == reference["outputs"]  # tokens and logprobs, exactly
     assert result["again"] == reference["outputs"]  # after a round that carried nothing
-    assert result["checksums"] == reference["checksums"]  # vLLM's digests, for what they cover
+    assert result["checksums"] == reference["checksums"]  # vLLM's digests (every worker's), for what they cover
+    if tp > 1:
+        assert any(key.startswith("worker 1/") for key in result["checksums"])
     assert result["weight_version"] == "4"
