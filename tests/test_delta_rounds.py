@@ -311,10 +311,11 @@ def _raw(tensor: torch.Tensor) -> bytes:
 def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
         in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """1-, 2-, 4-, 8- and 16-byte elements, an empty tensor and a non-contiguous trainer tensor, in
-    chunks of 4100 bytes (a multiple of no element size above 4): every round bit-exact, rebuilt in
-    place or into a separate staging copy, changed elements counted as elements (a complex128 whose
-    two halves moved is one), and a XOR wrong only in its last chunk fails the round with the
-    worker's model untouched."""
+    short chunks (CHUNK_BYTES 4100: 4100 bytes for elements of up to 4 bytes, 4096 for 8 and 16, a
+    size the scratch buffer must take for any dtype): every round bit-exact, rebuilt in place or
+    into a separate staging copy, changed elements counted as elements (a complex128 whose two
+    halves moved is one), and a XOR wrong only in its last chunk fails the round (staged: with
+    the worker's model untouched)."""
     import zstandard
 
     import wtransfer.engines._delta as delta_module

@@ -64,7 +64,6 @@ def test_delta_rounds_after_adamw_steps_make_vllm_compute_exactly_a_fresh_load(
 
     stats = result["stats"]
     assert [s["delta"] for s in stats] == ["full", "delta", "delta", "delta"], [s.get("delta_refused") for s in stats]
-    assert all(s["workers"] == tp for s in stats)
     for s in stats[1:3]:
         assert s["sparse_tensors"] > 0 and s["unchanged_tensors"] >= 4 and s["wire_bytes"] < 0.5 * s["bytes"], s
     assert stats[3]["wire_bytes"] == 0
