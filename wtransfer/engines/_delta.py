@@ -496,7 +496,7 @@ class DeltaLoader:
         if reader.read(1):
             raise TransferError(f"delta round: {name!r} decompressed to more bytes than its {row.target.nbytes}")
         bump = getattr(torch.autograd.graph, "increment_version", None)
-        if bump is not None and value.requires_grad:  # written behind autograd's back: say so, as copy_ would
+        if bump is not None and not value.is_inference():  # written behind autograd's back: say so, as copy_ would
             bump(value)
         return value, _hex(hasher.intdigest(), row.target.nbytes)
 
