@@ -17,7 +17,7 @@ pytest.importorskip("zstandard")
 
 import wtransfer  # noqa: E402
 from wtransfer.engines._delta import DeltaEncoder, DeltaLoader  # noqa: E402
-from wtransfer.engines._manifest import XOR_ZSTD, build_manifest  # noqa: E402
+from wtransfer.engines._manifest import XOR_ZSTD, build_manifest, tensor_bytes  # noqa: E402
 from wtransfer.engines._source import ModuleSource  # noqa: E402
 from wtransfer.errors import ManifestMismatchError, TransferError  # noqa: E402
 from wtransfer.local import LocalWorkerPool  # noqa: E402
@@ -304,7 +304,7 @@ class _Staged(_Committed):
 
 
 def _raw(tensor: torch.Tensor) -> bytes:
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return tensor_bytes(tensor).numpy().tobytes()
 
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "staged"])

@@ -62,7 +62,7 @@ from wtransfer.engines._manifest import (
     entry_for,
     tensor_bytes,
 )
-from wtransfer.engines._packing import copy_tensor
+from wtransfer.engines._packing import copy_tensor, note_written
 from wtransfer.engines._source import WeightSource
 from wtransfer.errors import ManifestMismatchError, TransferError
 
@@ -103,12 +103,13 @@ def digest(data: torch.Tensor) -> str:
     if data.device.type != "cpu":
         data = data.cpu()
     flat = tensor_bytes(data)
-    return _hex(xxhash.xxh3_64_intdigest(flat.numpy()) if flat.numel() else 0, flat.numel())
+    return _hex(xxhash.xxh3_64_intdigest(flat.numpy()), flat.numel())
 
 
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits as flat integers, XOR works on them: of its element size, or, for an
-    element of 16 bytes (complex128), two 64-bit integers per element."""
+def _bits(tensor: torch.Tensor) -> Any:
+    """The tensor's bits as a flat numpy array of integers, XOR works on them: of its element
+    size, or, for an element of 16 bytes (complex128), two 64-bit integers per element. A view
+    of the tensor when it is contiguous (writes through it land in the tensor)."""
     import torch
 
     flat = tensor.detach().reshape(-1)
@@ -116,7 +117,7 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
         flat = flat.contiguous()
     size = flat.element_size()
     word = next(w for w in (8, 4, 2, 1) if size % w == 0)
-    return flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[word])
+    return flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[word]).numpy()
 
 
 def _hex(value: int, nbytes: int) -> str:
@@ -327,7 +328,7 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
         copy_tensor(base, new)
         value = digest(base)
         return _Encoded(target, base, DeltaTensor(target, DENSE, value), target.numel, value)
-    new_bits, base_bits = _bits(new).numpy(), _bits(base).numpy()
+    new_bits, base_bits = _bits(new), _bits(base)
     words = max(1, new.element_size() // new_bits.itemsize)  # integers per element (2 for complex128)
     step = max(1, CHUNK_BYTES // new.element_size()) * words  # whole elements per chunk
     limit = SPARSE_AT_MOST * target.nbytes
@@ -447,7 +448,8 @@ class DeltaLoader:
         # every tensor rebuilt and checked on every core; the first failure (in order) is raised
         from concurrent.futures import wait
 
-        jobs = [_pool().submit(self._checked, name, payload, self._rows[name]) for name, payload in weights]
+        pool = _pool()
+        jobs = [pool.submit(self._checked, name, payload, self._rows[name]) for name, payload in weights]
         wait(jobs)  # none may still write once this call returns or raises
         self.inner([job.result() for job in jobs])
 
@@ -469,13 +471,9 @@ class DeltaLoader:
         import numpy
         import xxhash
 
-        import torch
-
         base = self._base_of(name)  # type: ignore[misc]
         value = self._destination(name, base)
-        base_bits, value_bits = _bits(base).numpy(), _bits(value).numpy()
-        if value_bits.ctypes.data != value.data_ptr():  # the digest below must be of what is committed
-            raise TransferError(f"delta round: {name!r} has no contiguous destination to rebuild into")
+        base_bits, value_bits = _bits(base), _bits(value)  # value is contiguous: a view
         step = max(1, CHUNK_BYTES // base_bits.itemsize)
         reader = _zstd().ZstdDecompressor().stream_reader(tensor_bytes(payload).numpy())  # one per thread
         hasher = xxhash.xxh3_64()
@@ -495,15 +493,14 @@ class DeltaLoader:
             hasher.update(out)
         if reader.read(1):
             raise TransferError(f"delta round: {name!r} decompressed to more bytes than its {row.target.nbytes}")
-        bump = getattr(torch.autograd.graph, "increment_version", None)
-        if bump is not None and not value.is_inference():  # written behind autograd's back: say so, as copy_ would
-            bump(value)
+        note_written(value)  # through numpy, behind autograd's back
         return value, _hex(hasher.intdigest(), row.target.nbytes)
 
     def _destination(self, name: str, base: torch.Tensor) -> torch.Tensor:
         """Where the rebuilt tensor goes: the commit's own destination when it has one of the right
         layout (staging; the model itself when streaming, where base and value are one tensor and
-        the XOR is applied in place, element by element), else a new tensor."""
+        the XOR is applied in place, element by element), else a new tensor. Always contiguous:
+        the rebuild writes and hashes it through a view of its bytes."""
         import torch
 
         where = getattr(self.inner, "destination", None)

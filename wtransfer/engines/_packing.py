@@ -135,11 +135,21 @@ def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
 
         target = dst.detach().reshape(-1).view(torch.uint8)
         numpy.copyto(target.numpy(), src.detach().reshape(-1).view(torch.uint8).numpy())
-        bump = getattr(torch.autograd.graph, "increment_version", None)
-        if bump is not None and dst.requires_grad:
-            bump(dst)  # as copy_ would: autograd must see the in-place write
+        if dst.requires_grad:
+            note_written(dst)
         return
     dst.copy_(src)
+
+
+def note_written(tensor: torch.Tensor) -> None:
+    """Tell autograd a tensor was written in place behind its back (through numpy), as ``copy_``
+    would: its version counter moves, so a graph that saved the old values refuses to use them.
+    Inference tensors have no counter."""
+    import torch
+
+    bump = getattr(torch.autograd.graph, "increment_version", None)
+    if bump is not None and not tensor.is_inference():
+        bump(tensor)
 
 
 def _typed_view(data: torch.Tensor, piece: Piece, entry: TensorEntry) -> torch.Tensor:

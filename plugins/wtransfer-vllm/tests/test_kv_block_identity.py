@@ -21,10 +21,9 @@ from typing import Any
 
 import pytest
 
-from vllm_harness import cpu_flags, install_package, run_script
+from vllm_harness import TP_ENV, cpu_flags, install_package, run_script
 
 PROMPTS = [[(k * 37 + 13 * i + (i * i) % 7) % 500 for i in range(96)] for k in range(40)]
-TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # vLLM-CPU's 'auto' refuses TP=2 on one NUMA node
 PRESSURE = {"num_gpu_blocks_override": 128, "enable_prefix_caching": False}
 STORED_TOKENS = 64  # 96 tokens: two whole blocks of 32 may come from a connector (the last token is computed)
 

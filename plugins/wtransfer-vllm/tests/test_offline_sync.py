@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from vllm_harness import ROUNDS, cpu_flags, run_script
+from vllm_harness import ROUNDS, TP_ENV, cpu_flags, run_script
 
 
 @pytest.mark.parametrize(("backend", "via"), [("shm", "wtransfer"), ("gloo", "vllm-factory")])
@@ -53,7 +53,7 @@ def test_delta_rounds_after_adamw_steps_make_vllm_compute_exactly_a_fresh_load(
     With TP=2 both of vLLM's workers rebuild the same deltas on their own copies and each loads
     its shard of every tensor (a fresh TP=2 load is the reference)."""
     print(f"host CPU flags: {cpu_flags()}")
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"} if tp > 1 else None  # 'auto' refuses TP=2 on one NUMA node
+    env = TP_ENV if tp > 1 else None
     out, final = tmp_path / "result.json", tmp_path / "final"
     run_script(vllm_python, "delta_sync.py", "shm", str(tiny_llama), str(final), str(out), str(tp), env=env,
                timeout=900)

@@ -14,9 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_harness import ROUNDS, cpu_flags, run_script
-
-TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # 'auto' refuses on one NUMA node
+from vllm_harness import ROUNDS, TP_ENV, cpu_flags, run_script
 
 
 @pytest.fixture(scope="module")

