@@ -43,81 +43,6 @@ _ERROR_TYPES: dict[str, type[BaseException]] = {
 }
 
 
-class PeakRss:
-    """Peak resident memory of this process since ``reset()``.
-
-    Uses the kernel's high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``)
-    where allowed, which sees every spike; otherwise samples every millisecond.
-    """
-
-    def __init__(self) -> None:
-        import psutil
-
-        self._process = psutil.Process()
-        self._kernel = self._reset_kernel_peak()
-        self._sampled = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.baseline = self.current()
-
-    @staticmethod
-    def _reset_kernel_peak() -> bool:
-        try:
-            with open("/proc/self/clear_refs", "w") as handle:
-                handle.write("5")
-            return True
-        except OSError:
-            return False
-
-    def current(self) -> int:
-        return int(self._process.memory_info().rss)
-
-    def reset(self) -> None:
-        """Start a new measurement from the current RSS."""
-        self.baseline = self.current()
-        self._sampled = self.baseline
-        if self._kernel:
-            self._kernel = self._reset_kernel_peak()
-        if not self._kernel and self._thread is None:
-            self._thread = threading.Thread(target=self._sample, name="wtransfer-rss", daemon=True)
-            self._thread.start()
-
-    def restart_peak(self) -> None:
-        """Forget the peak so far but keep the baseline (to leave out work that is not measured)."""
-        self._sampled = self.current()
-        if self._kernel:
-            self._kernel = self._reset_kernel_peak()
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.001):
-            self._sampled = max(self._sampled, self.current())
-
-    def peak(self) -> int:
-        if self._kernel:
-            with open("/proc/self/status") as handle:
-                for line in handle:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) * 1024
-        return max(self._sampled, self.current())
-
-    def extra(self) -> int:
-        """Peak minus the RSS at ``reset()``: what the measured work added."""
-        return max(self.peak() - self.baseline, 0)
-
-    def close(self) -> None:
-        self._stop.set()
-
-
-def open_fd_count() -> int:
-    """Open file descriptors of this process (for leak checks)."""
-    try:
-        return len(os.listdir("/proc/self/fd"))
-    except OSError:  # pragma: no cover - non-Linux
-        import psutil
-
-        return int(psutil.Process().num_fds())
-
-
 def factory_reference(factory: Callable[..., Any] | str) -> str:
     """``"module:qualname"`` for a module-level function (what a spawned child can import)."""
     if isinstance(factory, str):
@@ -170,6 +95,7 @@ def _worker_main(
     """Entry point of one worker process: build the model and the engine, then serve requests."""
     import torch
 
+    from wtransfer._probes import PeakRss, open_fd_count
     from wtransfer.config import ParallelConfig, WeightTransferConfig
     from wtransfer.engines._factory import WeightTransferEngineFactory
     from wtransfer.engines._loader import module_loader
@@ -423,4 +349,4 @@ class LocalWorkerPool:
         self.shutdown()
 
 
-__all__ = ["LocalWorkerPool", "PeakRss", "factory_reference", "open_fd_count"]
+__all__ = ["LocalWorkerPool", "factory_reference"]

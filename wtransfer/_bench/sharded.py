@@ -72,10 +72,11 @@ def _rank_main(rank: int, ranks: int, port: int, options: str, conn: Any) -> Non
     import torch
 
     from wtransfer._bench.weights import DTYPES
+    from wtransfer._probes import PeakRss
     from wtransfer.testing.models import build_model, parse_model, worker_model
     from wtransfer.engines._source import ModuleSource
     from wtransfer.engines._trainer import create_trainer
-    from wtransfer.local import LocalWorkerPool, PeakRss
+    from wtransfer.local import LocalWorkerPool
 
     args = json.loads(options)
     torch.set_num_threads(1)
@@ -153,9 +154,9 @@ def _cpu_seconds(pool: Any) -> float:
     """User + system CPU seconds the pool's worker processes used so far (0 without a pool)."""
     if pool is None:
         return 0.0
-    import psutil
+    from wtransfer._probes import cpu_seconds
 
-    return sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in pool.pids)
+    return sum(cpu_seconds(pid) for pid in pool.pids)
 
 
 def _return_free_memory() -> None:

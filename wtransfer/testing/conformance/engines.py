@@ -185,7 +185,7 @@ class EngineConformance:
         from wtransfer.errors import WTransferError
         from wtransfer.testing.models import matrix_model
 
-        from wtransfer.local import open_fd_count
+        from wtransfer._probes import open_fd_count
 
         with self._pool(engine_options) as pool:
             victim = pool.processes[-1]
