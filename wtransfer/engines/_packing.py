@@ -48,9 +48,9 @@ class Bucket:
     direct: bool = False  # one piece of a large tensor, which transports may move in place
 
 
-def _align(value: int) -> int:
+def align(value: int) -> int:
+    """``value`` rounded up to a multiple of ``ALIGN``: where the next whole tensor may start."""
     return (value + ALIGN - 1) // ALIGN * ALIGN
-
 
 
 def plan_buckets(
@@ -87,7 +87,7 @@ def plan_buckets(
                 buckets.append(Bucket(len(buckets), length, (piece,), direct=True))
             continue
         if nbytes <= bucket_bytes:
-            start = _align(used)
+            start = align(used)
             if start + nbytes > bucket_bytes:
                 flush()
                 start = 0

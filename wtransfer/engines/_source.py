@@ -50,13 +50,16 @@ GATHER_SLICE_BYTES = 4 << 20
 
 
 def _unwrap(tensor: torch.Tensor, keep: bool = True) -> torch.Tensor:
-    """A plain local tensor: DTensor-style sharded tensors are gathered (``full_tensor()``).
+    """A plain local tensor: a DTensor-style sharded tensor is gathered into its whole value.
 
-    The common FSDP2 layout (rows sharded over a 1-D mesh) is gathered slice by slice into one
-    new tensor, so the gather costs the tensor plus a few MiB: ``full_tensor()`` over gloo
-    briefly holds two copies of the whole parameter on some ranks (measured: 519 MiB extra for
-    a 260 MiB embedding), which would double what a sharded trainer must keep free. With
-    ``keep=False`` a row-sharded tensor is only taken part in (see :func:`gather_rows_in_slices`).
+    Called as a source is iterated: every round of an unsharded trainer, and every rank of a
+    sharded trainer that gathers (see :class:`ModuleSource`); ranks that send their own shards
+    never call it. The common FSDP2 layout (rows sharded over a 1-D mesh) is gathered slice by
+    slice into one new tensor, so the gather costs the tensor plus a few MiB: ``full_tensor()``
+    over gloo briefly holds two copies of the whole parameter on some ranks (measured: 519 MiB
+    extra for a 260 MiB embedding), which would double what a sharded trainer must keep free.
+    Any other layout is gathered with ``full_tensor()``. With ``keep=False`` a row-sharded
+    tensor is only taken part in (see :func:`gather_rows_in_slices`).
     """
     placements = getattr(tensor, "placements", None)
     if placements is not None:
@@ -110,10 +113,18 @@ def gather_rows_in_slices(
 
 
 class ModuleSource(WeightSource):
-    """The named parameters of a ``torch.nn.Module`` (tied parameters are sent once).
+    """The named parameters of a ``torch.nn.Module`` (tied parameters are sent once);
+    ``include_buffers=True`` also sends persistent buffers.
 
-    Sharded (DTensor-style) parameters are gathered with ``full_tensor()`` only while
-    they are being sent; ``include_buffers=True`` also sends persistent buffers.
+    Sharded (DTensor-style) parameters: on a backend with a ``sender_cls`` (``shm``, ``gloo``),
+    a sharded trainer does not iterate this source; every rank reads its own shards from
+    :meth:`named_tensors` and sends them itself (:mod:`wtransfer.engines._shards`), and nothing
+    is gathered. Otherwise (a backend without senders, such as ``nccl``; a subclass or wrapper
+    that changes what it describes or yields; a placement ranks cannot write in place) every
+    rank iterates it in the same order and each parameter is gathered only while it is being
+    sent (:func:`_unwrap`: row-sharded ones slice by slice, other layouts with
+    ``full_tensor()``); rank 0 sends it, the others drop it at once
+    (:mod:`wtransfer.engines._sharded`).
     """
 
     def __init__(self, module: torch.nn.Module, *, include_buffers: bool = False) -> None:

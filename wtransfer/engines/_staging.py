@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from wtransfer.engines._control import ControlChannel, PeerClosedError
 from wtransfer.engines._manifest import Manifest, TensorEntry
-from wtransfer.engines._protocol import ALIGN
+from wtransfer.engines._packing import align
 from wtransfer.errors import TransferError, TransferTimeoutError
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def staging_offsets(entries: tuple[TensorEntry, ...]) -> tuple[list[int], int]:
     offsets, total = [], 0
     for entry in entries:
         offsets.append(total)
-        total += (entry.nbytes + ALIGN - 1) // ALIGN * ALIGN
+        total += align(entry.nbytes)
     return offsets, total
 
 

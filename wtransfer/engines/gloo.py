@@ -26,7 +26,7 @@ from wtransfer.engines._torch_distributed import (
 
 
 class GlooTrainer(TorchDistributedTrainer):
-    """Trainer side of ``gloo``: rank 0 of the side group, hosting its ``TCPStore``."""
+    """Trainer side of ``gloo``: rank 0 of the side group, hosting its authenticated rendezvous store."""
 
     backend = "gloo"
     distributed_backend = "gloo"

@@ -150,10 +150,6 @@ class UnknownVLLMBackendError(ValueError):
     """A ``weight_transfer_config.backend`` or ``kv_connector`` names nothing vLLM or wtransfer knows."""
 
 
-def unknown_backend_message(backend: str, vllm_names: list[str]) -> str:
-    return unknown_name_message("weight transfer backend", "engines", backend, vllm_names, REGISTERED)
-
-
 def unknown_name_message(what: str, kind: str, name: str, vllm_names: list[str], registered: list[Registration]) -> str:
     import difflib
 
