@@ -6,6 +6,8 @@ import random
 
 import pytest
 
+import wtransfer
+
 from wtransfer.specs._base import LoadStoreSpec, OffloadingEvent
 from wtransfer.specs._manager import BlockTableManager
 from wtransfer.specs.policies import (
@@ -14,8 +16,6 @@ from wtransfer.specs.policies import (
     LRUPolicy,
     create_policy,
     policy_class,
-    register_policy,
-    unregister_policy,
 )
 
 POLICIES = ["lru", "arc"]
@@ -229,8 +229,8 @@ def test_random_workload_keeps_every_invariant(policy: str) -> None:
 def test_policy_lookup_by_name_module_path_and_registration(isolated_registry: None) -> None:
     assert policy_class("lru") is LRUPolicy and policy_class("arc") is ARCPolicy
     assert policy_class("wtransfer:arc") is ARCPolicy
-    with pytest.warns(DeprecationWarning, match="module path"):
-        assert isinstance(create_policy("wtransfer.specs.policies:ARCPolicy", 4), ARCPolicy)
+    with pytest.raises(wtransfer.UnknownComponentError, match="looks like a 'module:Class' path.*wtransfer.policies"):
+        create_policy("wtransfer.specs.policies:ARCPolicy", 4)  # 0.1 imported it; 0.2 says what replaced it
     with pytest.raises(ValueError, match="Did you mean 'arc'.*Available policies: arc, lru"):
         policy_class("arcc")
 
@@ -242,18 +242,11 @@ def test_policy_lookup_by_name_module_path_and_registration(isolated_registry: N
         def touch(self, key: object) -> None:
             pass
 
-    with pytest.warns(DeprecationWarning, match="wtransfer.policies"):
-        register_policy("fifo", FIFOPolicy)
-    try:
-        with pytest.raises(ValueError, match="already registered"), pytest.warns(DeprecationWarning):
-            register_policy("fifo", FIFOPolicy)
-        manager = BlockTableManager(2, block_size=16, policy="fifo")
-        store(manager, "a", "b")
-        manager.touch(["a"])
-        assert store(manager, "c").block_hashes_evicted == ("a",)
-    finally:
-        with pytest.warns(DeprecationWarning):
-            unregister_policy("fifo")
-    with pytest.raises(TypeError), pytest.warns(DeprecationWarning):
-        register_policy("bad", dict)  # type: ignore[arg-type]
+    assert isinstance(create_policy(FIFOPolicy, 2), FIFOPolicy)  # a class is taken as is
+    manager = BlockTableManager(2, block_size=16, policy=FIFOPolicy(2))
+    store(manager, "a", "b")
+    manager.touch(["a"])
+    assert store(manager, "c").block_hashes_evicted == ("a",)
+    with pytest.raises(wtransfer.InvalidComponentError):
+        create_policy(dict, 2)  # type: ignore[arg-type]
     assert issubclass(FIFOPolicy, EvictionPolicy)

@@ -16,7 +16,7 @@ import pytest
 
 import wtransfer
 from wtransfer import KVCacheSpec, KVTransferConfig, OffloadingSpecFactory
-from wtransfer.specs.policies import ARCPolicy, LRUPolicy, create_policy, policy_class, register_policy
+from wtransfer.specs.policies import ARCPolicy, LRUPolicy, create_policy, policy_class
 from wtransfer.testing.processes import run_python
 
 LAYERS = ("model.layers.0.attn", "model.layers.1.attn")
@@ -169,38 +169,21 @@ def test_policies_can_be_disabled_like_any_component(fake_distribution, monkeypa
     assert {i.name: i.status for i in wtransfer.list_components("policies")}["mru"] == "disabled"
 
 
-# -- the one-release deprecation shims -----------------------------------------------------------
+# -- the 0.1 shims are gone, and say what replaced them -------------------------------------------
 
 
-def test_register_policy_still_works_and_warns(isolated_registry: None):
-    """Catches: the shim removed early (users' code breaks) or kept silent (they never migrate), and a
-    registration that bypasses the registry (not listed, or allowed to shadow an installed name)."""
-
-    class FirstIn(LRUPolicy):
-        def touch(self, key: object) -> None:
-            pass
-
-    with pytest.warns(DeprecationWarning, match=r'entry-points\."wtransfer\.policies"'):
-        wtransfer.register_policy("first-in", FirstIn)
-    assert policy_class("first-in") is FirstIn
-    assert evicted_after_abc(cpu_spec("first-in").get_manager()) == ("a",)
-    runtime = [i for i in wtransfer.list_components("policies") if i.name == "first-in"]
-    assert [(i.distribution, i.status) for i in runtime] == [(None, "loaded")]
-    with pytest.warns(DeprecationWarning), pytest.raises(wtransfer.DuplicateComponentError, match="'lru'.*wtransfer"):
-        register_policy("lru", FirstIn)
-
-
-def test_module_path_still_works_and_warns():
-    """Catches: ``module:Class`` dropped (configs break) or accepted silently; and the warning fired
-    for names that are not module paths."""
-    with pytest.warns(DeprecationWarning, match="module path"):
-        policy = cpu_spec("wtransfer.specs.policies:ARCPolicy").get_manager().policy
-    assert isinstance(policy, ARCPolicy)
+def test_the_removed_shims_say_what_replaced_them():
+    """Catches: an old config's ``module:Class`` policy silently imported (two ways to name a policy),
+    or failing without naming the entry-point group; and the hint shown for ``distribution:name``."""
+    with pytest.raises(wtransfer.UnknownComponentError, match=r"looks like a 'module:Class' path.*entry-points\."):
+        cpu_spec("wtransfer.specs.policies:ARCPolicy")
+    with pytest.raises(wtransfer.UnknownComponentError) as info:
+        policy_class("acme:fifo")
+    assert "module:Class" not in str(info.value)
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         assert isinstance(create_policy("wtransfer:lru", 2), LRUPolicy)
         assert isinstance(create_policy("arc", 2), ARCPolicy)
-    with pytest.raises(wtransfer.InvalidComponentError, match="OrderedDict.*not a subclass"):
-        policy_class("collections:OrderedDict")
-    with pytest.raises(wtransfer.UnknownComponentError, match="not an importable 'module:Class' path"):
-        policy_class("wtransfer.specs.policies:NoSuchPolicy")
+    with pytest.raises(ImportError, match="cannot import name 'register_policy'"):
+        from wtransfer import register_policy  # noqa: F401
+

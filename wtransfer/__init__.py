@@ -62,7 +62,6 @@ _EXPORTS: dict[str, str] = {
     "EvictionPolicy": "wtransfer.specs.policies",
     "LRUPolicy": "wtransfer.specs.policies",
     "ARCPolicy": "wtransfer.specs.policies",
-    "register_policy": "wtransfer.specs.policies",
     # registry, functional API and hooks
     "get_class": "wtransfer._registry.registry",
     "list_components": "wtransfer._registry.registry",
@@ -137,4 +136,4 @@ if TYPE_CHECKING:  # let type checkers and IDEs see the lazy names
         TransferResult,
     )
     from wtransfer.specs._factory import OffloadingSpecFactory
-    from wtransfer.specs.policies import ARCPolicy, EvictionPolicy, LRUPolicy, register_policy
+    from wtransfer.specs.policies import ARCPolicy, EvictionPolicy, LRUPolicy

@@ -7,14 +7,13 @@ keys may go (not pinned, not in flight), so a policy never needs to know about p
 Policies are the fourth plugin kind: a distribution ships one as an entry point in the
 ``wtransfer.policies`` group (``fifo = "acme.fifo:FIFOPolicy"``) and every process can
 then name it, bare (``"fifo"``) or qualified (``"acme:fifo"``), through the same registry
-as engines, connectors and specs. ``register_policy`` and ``"module:Class"`` names still
-work for one release, with a ``DeprecationWarning``.
+as engines, connectors and specs. Code that builds a :class:`BlockTableManager` itself may
+hand it a policy instance instead of a name.
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -236,46 +235,13 @@ def _registry() -> ComponentRegistry:
     return registry_for(POLICIES)
 
 
-def _deprecated(message: str) -> None:
-    # stacklevel 3: the caller of the public function that warns
-    warnings.warn(message, DeprecationWarning, stacklevel=3)
-
-
-def available_policies() -> list[str]:
-    """Deprecated: the policy names this process can use; use ``wtransfer.list_components("policies")``."""
-    _deprecated("available_policies() is deprecated; use wtransfer.list_components('policies')")
-    return sorted(_registry().names())
-
-
-def register_policy(name: str, policy_cls: type[EvictionPolicy]) -> None:
-    """Deprecated: make ``eviction_policy=name`` select ``policy_cls`` in this process only.
-
-    Kept one release for code written before policies were a plugin kind. A runtime
-    registration is invisible to other processes (the vLLM API server, spawned workers),
-    which is why an entry point is the supported way. ``ValueError`` if the name is taken,
-    ``TypeError`` if ``policy_cls`` is not an :class:`EvictionPolicy` subclass.
-    """
-    _deprecated(f"register_policy({name!r}, ...) is deprecated and only affects this process; "
-                f"{_ENTRY_POINT_ADVICE}")
-    _registry().register(name, policy_cls)
-
-
-def unregister_policy(name: str) -> None:
-    """Deprecated: drop a policy added by :func:`register_policy` (installed policies stay)."""
-    _deprecated(f"unregister_policy({name!r}) is deprecated, as is register_policy; {_ENTRY_POINT_ADVICE}")
-    _registry().unregister(name)
-
-
 def policy_class(name: str | type[EvictionPolicy]) -> type[EvictionPolicy]:
     """A policy name (bare ``"lru"`` or qualified ``"distribution:name"``) or a class -> the class.
 
     Names resolve through the registry, so unknown names suggest close ones and an
-    ambiguous bare name lists the qualified names to use. A ``"package.module:Class"``
-    string that no registered name matches is imported directly, with a
-    ``DeprecationWarning`` (one release).
+    ambiguous bare name lists the qualified names to use.
     """
     from wtransfer._registry.component import check_subclass
-    from wtransfer._registry.loading import import_target
     from wtransfer.errors import UnknownComponentError
 
     registry = _registry()
@@ -285,19 +251,14 @@ def policy_class(name: str | type[EvictionPolicy]) -> type[EvictionPolicy]:
     try:
         return registry.get_class(text)
     except UnknownComponentError as unknown:
-        module, sep, _ = text.partition(":")
-        if not sep or not all(part.isidentifier() for part in module.split(".")):
-            raise  # a bare or "distribution:name" name: the registry's error says what exists
-        try:
-            obj = import_target(text)
-        except Exception as exc:  # not a module path either: say both
+        module = text.partition(":")[0]
+        if ":" in text and "." in module and all(part.isidentifier() for part in module.split(".")):
+            # a "package.module:Class" path, which 0.1 imported: say what replaced it
             raise UnknownComponentError(
-                f"{unknown} ({text!r} is not an importable 'module:Class' path either: {type(exc).__name__}: {exc})"
-            ) from exc
-    cls = check_subclass(registry.kind, obj, f"eviction policy {text!r}")
-    _deprecated(f"Naming an eviction policy by module path ({text!r}) is deprecated; {_ENTRY_POINT_ADVICE}, "
-                f"and name it by that entry-point name")
-    return cls
+                f"{unknown}. {text!r} looks like a 'module:Class' path; policies are no longer imported "
+                f"by path: {_ENTRY_POINT_ADVICE}, and name it by that entry-point name"
+            ) from None
+        raise
 
 
 def create_policy(name: str | type[EvictionPolicy], capacity: int) -> EvictionPolicy:
