@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import wtransfer
-from wtransfer.engines import Manifest, TensorEntry, WeightSource
+from wtransfer.engines import WeightSource
+from wtransfer.engines.wire import Manifest, TensorEntry
 from wtransfer.engines._source import TensorSource
 from wtransfer.engines._staging import staging_segments
 from wtransfer.errors import ManifestMismatchError, TransferError, WeightsTornError

@@ -18,7 +18,9 @@ import pytest
 import torch
 
 import wtransfer
-from wtransfer.engines import GlooTrainer, SharedMemoryTrainer, WeightTransferEngineFactory
+from wtransfer import WeightTransferEngineFactory
+from wtransfer.engines import SharedMemoryTrainer
+from wtransfer.engines.gloo import GlooTrainer
 from wtransfer.errors import InvalidOptionError
 from wtransfer.options import NoOptions, describe_options, option, options_dict, parse_options
 
@@ -137,29 +139,39 @@ def test_init_info_ranges_are_checked_before_any_worker(init_info: dict, fragmen
         wtransfer.create_trainer("gloo", client=UntouchedClient(), source={"a": torch.zeros(2)}, init_info=init_info)
 
 
-def test_class_attribute_defaults_still_win() -> None:
-    """Catches: defaults frozen in the dataclass, so a plugin's ``default_num_buffers = 3`` is ignored."""
+def test_a_backend_sets_its_defaults_by_redeclaring_fields() -> None:
+    """Catches: defaults taken from anywhere but the options class (the table ``wtransfer show``
+    prints and what the trainer uses disagreeing), or a redeclared field losing its doc."""
+    from dataclasses import dataclass
+
+    from wtransfer.engines import TrainerInitOptions
+    from wtransfer.options import option
+
+    @dataclass(frozen=True)
+    class ThreeBuffers(TrainerInitOptions):
+        num_buffers: int = option(3)
 
     class Tuned(SharedMemoryTrainer):
-        default_num_buffers = 3
+        init_options_cls = ThreeBuffers
 
     options = Tuned(client=UntouchedClient(), source={}, init_info={"world_size": 2}).init_options
-    assert (options.bucket_bytes, options.num_buffers, options.timeout_s) == (SharedMemoryTrainer.default_bucket_bytes, 3, 300.0)
-    assert {r["name"]: r["default"] for r in Tuned.describe_init_options()}["num_buffers"] == 3
-    assert GlooTrainer.init_defaults()["channels"] == 2
+    assert (options.bucket_bytes, options.num_buffers, options.timeout_s) == (32 * 1024 * 1024, 3, 300.0)
+    rows = {r["name"]: r for r in Tuned.describe_init_options()}
+    assert rows["num_buffers"]["default"] == 3
+    assert rows["num_buffers"]["doc"] == "buffers in flight: packing one overlaps moving the others"
+    shm = {r["name"]: r["default"] for r in SharedMemoryTrainer.describe_init_options()}
+    gloo = {r["name"]: r["default"] for r in GlooTrainer.describe_init_options()}
+    assert (shm["bucket_bytes"], shm["num_buffers"]) == (4 << 20, 4)
+    assert (gloo["bucket_bytes"], gloo["num_buffers"], gloo["channels"]) == (16 << 20, 8, 2)
+    made = SharedMemoryTrainer(client=UntouchedClient(), source={}, init_info={"world_size": 2})
+    assert (made.bucket_bytes, made.num_buffers) == (shm["bucket_bytes"], shm["num_buffers"])
 
 
-def test_a_legacy_backend_init_defaults_key_stays_accepted() -> None:
-    """Catches: trainers that named extra keys only in ``backend_init_defaults`` breaking on upgrade."""
-
-    class Legacy(SharedMemoryTrainer):
-        backend_init_defaults = {"colour": "blue"}
-
-    trainer = Legacy(client=UntouchedClient(), source={}, init_info={"world_size": 2, "colour": "red"})
-    assert trainer.init_info["colour"] == "red" and trainer.init_options.colour == "red"
-    assert Legacy(client=UntouchedClient(), source={}, init_info={"world_size": 2}).init_info["colour"] == "blue"
-    with pytest.raises(InvalidOptionError, match="'color' \\(did you mean 'colour'\\?\\)"):
-        Legacy(client=UntouchedClient(), source={}, init_info={"world_size": 2, "color": "red"})
+@pytest.mark.parametrize("legacy", ["default_bucket_bytes", "default_num_buffers", "backend_init_defaults"])
+def test_the_old_default_attributes_fail_loudly(legacy: str) -> None:
+    """Catches: a plugin written for 0.1 silently losing its defaults (they were class attributes)."""
+    with pytest.raises(TypeError, match=f"Tuned sets {legacy}: trainer defaults now come only from init_options_cls"):
+        type("Tuned", (SharedMemoryTrainer,), {legacy: {} if legacy == "backend_init_defaults" else 3})
 
 
 def test_nccl_declares_its_own_tables(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -168,11 +180,11 @@ def test_nccl_declares_its_own_tables(monkeypatch: pytest.MonkeyPatch) -> None:
     from wtransfer_nccl.engine import NCCLTrainer, NCCLWeightTransferEngine
 
     init = {r["name"]: r["default"] for r in NCCLTrainer.describe_init_options()}
-    assert init["channels"] == 1 and init["num_buffers"] == 4
+    assert init["channels"] == 1 and init["num_buffers"] == 4 and init["bucket_bytes"] == 32 << 20
     assert "local_address" not in init and "interface" not in init
     assert [r["name"] for r in describe_options(NCCLWeightTransferEngine.options_cls)] == ["max_buffer_bytes", "device"]
     with pytest.raises(InvalidOptionError, match="'interface'"):
-        parse_options(NCCLTrainer.resolved_init_options_cls(), {"world_size": 2, "interface": "eth0"}, owner="nccl")
+        parse_options(NCCLTrainer.init_options_cls, {"world_size": 2, "interface": "eth0"}, owner="nccl")
 
 
 # -- parse_options itself ----------------------------------------------------------------------

@@ -26,6 +26,7 @@ PUBLIC_MODULES = {
     "wtransfer.options",
     # the three toolkits, and the built-ins that may be derived from
     "wtransfer.engines",
+    "wtransfer.engines.wire",
     "wtransfer.engines.shm",
     "wtransfer.engines.gloo",
     "wtransfer.connectors",
@@ -42,7 +43,44 @@ PUBLIC_MODULES = {
     "wtransfer.testing.models",
     "wtransfer.testing.venvs",
 }
-TOOLKITS = ("wtransfer", "wtransfer.engines", "wtransfer.connectors", "wtransfer.specs")
+TOOLKITS = ("wtransfer", "wtransfer.engines", "wtransfer.engines.wire", "wtransfer.connectors", "wtransfer.specs")
+
+# Each toolkit's exact promise: adding a name here is a decision, not a side effect of an import.
+TOOLKIT_NAMES: dict[str, set[str]] = {
+    # upper layer: deriving from a built-in, or writing a worker/trainer pair
+    "wtransfer.engines": {
+        "BufferBudgetOptions", "ClientCall", "LoadWeights", "ManifestUpdateInfo", "ModuleSource",
+        "RoundGuard", "SharedMemoryTrainer", "SharedMemoryWeightTransferEngine", "TensorSource",
+        "TorchDistributedBackend", "TorchDistributedInitInfo", "TorchDistributedInitOptions",
+        "TorchDistributedOptions", "TorchDistributedTrainer", "TorchDistributedWeightTransferEngine",
+        "TrainerInitOptions", "TrainerWeightTransferEngine", "WeightSource", "WeightTransferEngine",
+        "WeightTransferInitInfo", "WeightTransferUpdateInfo", "check_buffer_budget", "create_trainer",
+        "global_rank", "module_loader", "validate_with_loader",
+    },
+    # lower layer: writing a brand-new transport
+    "wtransfer.engines.wire": {
+        "ALIGN", "Bucket", "ControlChannel", "Listener", "MIB", "Manifest", "ManifestRejected",
+        "PROTOCOL_VERSION", "Packer", "PeerClosedError", "TensorEntry", "Unpacker", "build_manifest",
+        "check_bucket_bytes", "check_int", "check_protocol", "check_timeout", "connect", "gc_paused",
+        "plan_buckets", "tensor_checksum",
+    },
+    "wtransfer.connectors": {
+        "KVCacheSpec", "KVConnectorBase", "KVConnectorMetadata", "KVConnectorOutput", "KVConnectorRole",
+        "KVRequest", "KV_LAYOUTS", "ScheduledRequest", "SchedulerStep", "block_hashes", "block_view",
+        "full_block_range", "kv_namespace",
+    },
+    "wtransfer.specs": {
+        "ARCPolicy", "BlockCopyHandler", "BlockTableManager", "CPU_MEDIUM", "DEVICE_MEDIUM", "EvictionPolicy",
+        "KVCacheSpec", "LRUPolicy", "LoadStoreSpec", "OffloadingEvent", "OffloadingHandler",
+        "OffloadingManager", "OffloadingSpec", "OffloadingSpecOptions", "PrepareStoreOutput",
+        "TransferResult", "block_view", "create_policy",
+    },
+}
+# Engine plugins (the NCCL plugin, the example plugin) are built from the two engine layers alone
+# (plus wtransfer's errors and typed options, which every kind shares).
+ENGINE_PLUGIN_MODULES = {"wtransfer", "wtransfer.options", "wtransfer.engines", "wtransfer.engines.wire"}
+ENGINE_PLUGINS = ("plugins/wtransfer-nccl/wtransfer_nccl/engine.py", "tests/example_plugin/wtransfer_example/engine.py")
+
 
 
 def wtransfer_imports(source: str) -> list[str]:
@@ -143,3 +181,37 @@ def test_tests_never_import_the_bench():
         if "build" not in path.parts
     }
     assert {path: names for path, names in offenders.items() if names} == {}
+
+
+@pytest.mark.parametrize("toolkit", sorted(TOOLKIT_NAMES))
+def test_each_toolkit_exports_exactly_its_promise(toolkit):
+    assert set(importlib.import_module(toolkit).__all__) == TOOLKIT_NAMES[toolkit]
+
+
+def test_the_engine_layers_do_not_overlap_and_the_upper_one_stays_small():
+    upper, lower = TOOLKIT_NAMES["wtransfer.engines"], TOOLKIT_NAMES["wtransfer.engines.wire"]
+    assert not upper & lower
+    assert len(upper) <= 26, "the upper layer is what every engine author must learn: keep it near 20 names"
+
+
+def test_a_moved_name_says_where_it_went():
+    """Catches: the wire protocol still reachable from the upper layer (two homes, two promises),
+    or an old import failing with a bare AttributeError instead of naming its new home."""
+    import wtransfer.engines as engines
+
+    for name in TOOLKIT_NAMES["wtransfer.engines.wire"]:
+        with pytest.raises(ImportError, match=f"wtransfer.engines.{name} moved to wtransfer.engines.wire"):
+            getattr(engines, name)
+    with pytest.raises(ImportError, match="GlooTrainer moved to wtransfer.engines.gloo"):
+        from wtransfer.engines import GlooTrainer  # noqa: F401
+    with pytest.raises(ImportError, match="StorageConnector moved to wtransfer.connectors.storage"):
+        from wtransfer.connectors import StorageConnector  # noqa: F401
+    with pytest.raises(AttributeError, match="has no attribute 'Nothing'"):
+        engines.Nothing  # noqa: B018
+
+
+@pytest.mark.parametrize("path", ENGINE_PLUGINS)
+def test_engine_plugins_are_built_from_the_two_layers(path):
+    imported = set(wtransfer_imports((ROOT / path).read_text()))
+    assert {"wtransfer.engines", "wtransfer.engines.wire"} & imported, path  # the test reads real imports
+    assert imported <= ENGINE_PLUGIN_MODULES, f"{path} imports {sorted(imported - ENGINE_PLUGIN_MODULES)}"

@@ -17,8 +17,9 @@ import wtransfer
 from wtransfer.testing.models import build_model, digests, mutate
 from wtransfer.engines._manifest import TensorEntry
 from wtransfer.engines._source import TensorSource, WeightSource
+from wtransfer._probes import PeakRss, open_fd_count
 from wtransfer.errors import ManifestMismatchError, TransferError, WeightsTornError
-from wtransfer.local import LocalWorkerPool, PeakRss, open_fd_count
+from wtransfer.local import LocalWorkerPool
 
 FACTORY = "wtransfer.testing.models:worker_model"
 TIMEOUT = 30.0
@@ -120,7 +121,7 @@ def test_a_digest_mismatch_fails_the_round_and_every_worker_keeps_its_weights(
             monkeypatch.setattr(RoundDigests, "digests", one_wrong)
             with pytest.raises(TransferError, match="checksum mismatch for 'embed.weight'"):
                 trainer.send_weights()
-            from wtransfer.engines import tensor_checksum
+            from wtransfer.engines.wire import tensor_checksum
 
             expected = {name: tensor_checksum(tensor) for name, tensor in kept.items()}
             assert expected != digests(model)  # round 2 carried new values

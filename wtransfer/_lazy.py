@@ -14,13 +14,24 @@ def _import(module: str):
     return __import__(module, fromlist=["__name__"])  # the submodule itself, not its top package
 
 
-def lazy_exports(owner: str, exports: "dict[str, str]"):  # -> (__getattr__, __dir__)
-    """The ``__getattr__`` and ``__dir__`` of module ``owner`` exporting ``exports`` (name -> module)."""
+def lazy_exports(owner: str, exports: "dict[str, str]", moved: "dict[str, str] | None" = None):
+    """The ``__getattr__`` and ``__dir__`` of module ``owner`` exporting ``exports`` (name -> module).
+
+    ``moved`` (name -> the public module that now offers it) turns an import of a name this
+    module no longer exports into an error that says where it went: nothing is re-exported,
+    so each name keeps one home. It is an ``ImportError``, not an ``AttributeError``, because
+    ``from module import name`` replaces an ``AttributeError`` with a message of its own.
+    """
     namespace = sys.modules[owner].__dict__
+    moved = moved or {}
 
     def __getattr__(name: str):
         module = exports.get(name)
         if module is None:
+            if name in moved:
+                raise ImportError(
+                    f"{owner}.{name} moved to {moved[name]}: import it from there "
+                    f"(`from {moved[name]} import {name}`); see CHANGELOG.md", name=owner)
             raise AttributeError(f"module {owner!r} has no attribute {name!r}")
         value = getattr(_import(module), name)
         namespace[name] = value  # later lookups skip __getattr__

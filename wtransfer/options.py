@@ -33,9 +33,13 @@ T = TypeVar("T")
 _REQUIRED = dataclasses.MISSING
 
 
-def option(default: Any = _REQUIRED, *, doc: str, default_factory: Any = _REQUIRED) -> Any:
-    """A dataclass field with a one-line ``doc``; no default means the option is required."""
-    metadata = {"doc": doc}
+def option(default: Any = _REQUIRED, *, doc: str | None = None, default_factory: Any = _REQUIRED) -> Any:
+    """A dataclass field with a one-line ``doc``; no default means the option is required.
+
+    Leave ``doc`` out only to redeclare a base class's option with another default (that is
+    how a backend sets its own defaults): the base's doc is kept.
+    """
+    metadata = {} if doc is None else {"doc": doc}
     if default_factory is not _REQUIRED:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -48,6 +52,15 @@ class NoOptions:
 
 def _fields(options_cls: type) -> dict[str, dataclasses.Field[Any]]:
     return {f.name: f for f in dataclasses.fields(options_cls) if f.init and not f.name.startswith("_")}
+
+
+def _doc(options_cls: type, name: str) -> str:
+    """An option's doc: its own, or that of the nearest base class declaring it (a redeclared default)."""
+    for cls in options_cls.__mro__:
+        field = getattr(cls, "__dataclass_fields__", {}).get(name)
+        if field is not None and "doc" in field.metadata:
+            return str(field.metadata["doc"])
+    return ""
 
 
 def _hints(options_cls: type) -> dict[str, Any]:
@@ -145,7 +158,7 @@ def parse_options(options_cls: type[T], raw: Mapping[str, Any] | None, *, owner:
         if name not in raw and f.default is _REQUIRED and f.default_factory is _REQUIRED
     ]
     if missing:
-        details = "; ".join(f"{name!r}: {specs[name].metadata.get('doc', '')}" for name in missing)
+        details = "; ".join(f"{name!r}: {_doc(options_cls, name)}" for name in missing)
         raise InvalidOptionError(f"{owner} needs option(s) {', '.join(map(repr, missing))} in {where} ({details})")
     hints = _hints(options_cls)
     values = {}
@@ -196,7 +209,7 @@ def describe_options(options_cls: type) -> list[dict[str, Any]]:
             "type": type_name(hints[name]),
             "default": default,
             "required": required,
-            "doc": f.metadata.get("doc", ""),
+            "doc": _doc(options_cls, name),
         })
     return rows
 

@@ -96,10 +96,11 @@ def run_engine(
     ``references`` (peer name -> GB/s of that peer on the same tensors) are measured right
     after each round, so a machine whose load changes during the run skews both alike.
     """
+    from wtransfer._probes import PeakRss
     from wtransfer.engines._source import ModuleSource
     from wtransfer.engines._staging import staging_segments
     from wtransfer.engines._trainer import create_trainer
-    from wtransfer.local import LocalWorkerPool, PeakRss
+    from wtransfer.local import LocalWorkerPool
 
     label = label or f"{engine} {commit}"
     result = EngineResult(label)
@@ -231,7 +232,8 @@ def raw_geometry() -> tuple[int, int, int]:
     """The gloo engine's default (channels, bucket bytes, buffers): the raw peer uses the same."""
     from wtransfer.engines.gloo import GlooTrainer
 
-    return GlooTrainer.init_defaults()["channels"], GlooTrainer.default_bucket_bytes, GlooTrainer.default_num_buffers
+    defaults = {row["name"]: row["default"] for row in GlooTrainer.describe_init_options()}
+    return defaults["channels"], defaults["bucket_bytes"], defaults["num_buffers"]
 
 
 def chunked_broadcast(backend: Any, groups: list[Any], flat: torch.Tensor, chunk: int, in_flight: int) -> None:

@@ -7,10 +7,10 @@ Base and data types
 Block identity
     ``block_hashes`` (chained per-block hashes), ``kv_namespace`` (what a hash is rooted
     in: model fingerprint, layout, geometry), ``full_block_range``.
-Connectors to derive from or compose
-    ``StorageConnector`` (``wtransfer.connectors.storage``), ``MultiConnector``
-    (``wtransfer.connectors.multi``), ``OffloadingConnector``
-    (``wtransfer.connectors.offloading``).
+Connectors to derive from or compose live in their own public modules:
+    ``StorageConnector`` in :mod:`wtransfer.connectors.storage`, ``MultiConnector`` in
+    :mod:`wtransfer.connectors.multi`, ``OffloadingConnector`` in
+    :mod:`wtransfer.connectors.offloading`. ``KVConnectorFactory`` is :mod:`wtransfer`'s.
 """
 
 from wtransfer._lazy import lazy_exports
@@ -29,11 +29,14 @@ _EXPORTS: dict[str, str] = {
     "KVCacheSpec": "wtransfer.kvcache",
     "KV_LAYOUTS": "wtransfer.kvcache",
     "block_view": "wtransfer.kvcache",
-    "KVConnectorFactory": "wtransfer.connectors._factory",
+}
+
+__all__ = sorted(_EXPORTS)
+# Names this module exported before 0.2: importing one says where it went.
+_MOVED: dict[str, str] = {
+    "KVConnectorFactory": "wtransfer",
     "StorageConnector": "wtransfer.connectors.storage",
     "MultiConnector": "wtransfer.connectors.multi",
     "OffloadingConnector": "wtransfer.connectors.offloading",
 }
-
-__all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, _MOVED)

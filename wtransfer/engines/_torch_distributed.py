@@ -218,6 +218,10 @@ class TorchDistributedInitOptions(TrainerInitOptions):
 class GlooInitOptions(TorchDistributedInitOptions):
     """Trainer ``init_info`` of ``gloo``: adds the trainer's own gloo address."""
 
+    # 8 x 16 MiB: as much memory as 4 x 32 MiB, but enough collectives in flight to keep
+    # both channels busy (each gloo group runs its collectives on two threads).
+    bucket_bytes: int = option(16 * MIB)
+    num_buffers: int = option(8)
     local_address: str | None = option(
         None, doc="address the trainer's gloo device binds and advertises (default: where the rendezvous listens)"
     )
@@ -785,10 +789,6 @@ class TorchDistributedTrainer(TorchDistributedBackend, TrainerWeightTransferEngi
     """Trainer side (rank 0): hosts the store, then broadcasts packed buckets."""
 
     backend = "gloo"
-    # 8 x 16 MiB: as much memory as 4 x 32 MiB, but enough collectives in flight to keep
-    # both channels busy (each gloo group runs its collectives on two threads).
-    default_bucket_bytes = 16 * MIB
-    default_num_buffers = 8
     init_options_cls: ClassVar[type[TrainerInitOptions]] = GlooInitOptions
 
     def prepare_workers(self) -> dict[str, Any]:

@@ -14,7 +14,6 @@ side; a client call that raises aborts the engine's side promptly.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import queue
 import secrets
@@ -185,11 +184,16 @@ def at_least(name: str, value: float, minimum: float) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TrainerInitOptions:
-    """The ``init_info`` every trainer takes (a backend's own keys extend it).
+    """The ``init_info`` every trainer takes, and its defaults: the one place they come from.
 
-    ``bucket_bytes`` and ``num_buffers`` default to the trainer class's ``default_bucket_bytes``
-    and ``default_num_buffers`` (see :meth:`TrainerWeightTransferEngine.init_defaults`), so a
-    plugin that only tunes defaults sets two class attributes and declares nothing.
+    A backend with keys of its own, or defaults of its own, subclasses it and names the
+    subclass as its trainer's ``init_options_cls``. A default is changed by redeclaring the
+    field (the doc is kept when left out)::
+
+        @dataclass(frozen=True)
+        class SmallRingInitOptions(TrainerInitOptions):
+            bucket_bytes: int = option(4 * MIB)
+            num_buffers: int = option(3)
     """
 
     world_size: int = option(
@@ -207,30 +211,6 @@ class TrainerInitOptions:
             raise ValueError(f"'timeout_s' must be a positive number, got {self.timeout_s!r}")
         check_bucket_bytes(self.bucket_bytes)
         at_least("num_buffers", self.num_buffers, 1)
-
-
-def _with_undeclared_defaults(options_cls: type, extra: dict[str, Any], owner: str) -> type:
-    """``options_cls`` plus untyped fields for ``backend_init_defaults`` keys it does not declare.
-
-    Trainers written before ``init_options_cls`` existed named their extra keys only there;
-    they keep being accepted (unchecked, as before) instead of failing as unknown.
-    """
-    fields = [
-        (name, Any, dataclasses.field(default_factory=lambda value=value: value,
-                                      metadata={"doc": f"(undeclared: from {owner}.backend_init_defaults)"}))
-        for name, value in extra.items()
-    ]
-    return dataclasses.make_dataclass(f"{owner}InitOptions", fields, bases=(options_cls,), frozen=True)
-
-
-@functools.cache
-def _resolved_init_options(trainer_cls: type[TrainerWeightTransferEngine]) -> type:
-    """One options class per trainer class (built once: ``make_dataclass`` is not free)."""
-    declared = {f.name for f in dataclasses.fields(trainer_cls.init_options_cls)}
-    extra = {k: v for k, v in trainer_cls.backend_init_defaults.items() if k not in declared}
-    if not extra:
-        return trainer_cls.init_options_cls
-    return _with_undeclared_defaults(trainer_cls.init_options_cls, extra, trainer_cls.__name__)
 
 
 def as_source(source: Any) -> WeightSource:
@@ -257,13 +237,9 @@ class TrainerWeightTransferEngine(ABC):
     """
 
     backend: ClassVar[str] = "?"
-    default_bucket_bytes: ClassVar[int] = 32 * MIB
-    default_num_buffers: ClassVar[int] = 2
     init_options_cls: ClassVar[type[TrainerInitOptions]] = TrainerInitOptions
-    """What ``init_info`` accepts: a :class:`TrainerInitOptions` subclass (fields made with
-    :func:`wtransfer.options.option`). A backend with its own keys declares them there."""
-    backend_init_defaults: ClassVar[dict[str, Any]] = {}
-    """Per-class overrides of ``init_options_cls`` defaults (e.g. NCCL's ``channels``: 1)."""
+    """What ``init_info`` accepts, with its defaults: a :class:`TrainerInitOptions` subclass
+    (fields made with :func:`wtransfer.options.option`)."""
     sender_cls: ClassVar[type | None] = None
     """Sharded trainers: the class with which every other trainer rank sends its own shards: into
     this backend's buffers (``shm``), or on groups of its own with the workers (``gloo``). None:
@@ -315,7 +291,7 @@ class TrainerWeightTransferEngine(ABC):
 
             self.source = LockstepSource(self.source)
         self.init_options: Any = self._parse_init_info(dict(init_info or {}))
-        """The parsed ``init_info``: an instance of :meth:`resolved_init_options_cls`."""
+        """The parsed ``init_info``: an instance of :attr:`init_options_cls`."""
         self.init_info: dict[str, Any] = options_dict(self.init_options)
         """The same as a dict (every key filled in), for code that reads ``init_info[...]``."""
         self.world_size: int = self.init_options.world_size
@@ -344,41 +320,26 @@ class TrainerWeightTransferEngine(ABC):
         self._finish_takes_version = accepts_weight_version(client.finish_weight_update)
 
     # -- configuration -----------------------------------------------------------------
-    @classmethod
-    def init_defaults(cls) -> dict[str, Any]:
-        """Every optional ``init_info`` key with this class's default.
-
-        Class attributes win over the dataclass's own defaults, so a subclass that sets
-        ``default_bucket_bytes`` (or ``backend_init_defaults``) needs to declare nothing.
-        """
-        rows = describe_options(cls.resolved_init_options_cls())
-        return {
-            **{row["name"]: row["default"] for row in rows if not row["required"]},
-            "bucket_bytes": cls.default_bucket_bytes,
-            "num_buffers": cls.default_num_buffers,
-            **cls.backend_init_defaults,
-        }
-
-    @classmethod
-    def resolved_init_options_cls(cls) -> type[TrainerInitOptions]:
-        """``init_options_cls``, extended by any ``backend_init_defaults`` key it does not declare."""
-        return _resolved_init_options(cls)
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        legacy = [name for name in ("default_bucket_bytes", "default_num_buffers", "backend_init_defaults")
+                  if name in vars(cls)]
+        if legacy:  # silently ignoring them would change a plugin's defaults on upgrade
+            raise TypeError(
+                f"{cls.__qualname__} sets {', '.join(legacy)}: trainer defaults now come only from "
+                f"init_options_cls. Subclass {cls.init_options_cls.__name__} and redeclare the fields "
+                f"with your defaults (e.g. `bucket_bytes: int = option(4 * MIB)`), then set "
+                f"init_options_cls to it; see TrainerInitOptions and CHANGELOG.md"
+            )
 
     @classmethod
     def describe_init_options(cls) -> list[dict[str, Any]]:
-        """``describe_options`` rows for ``init_info``, with this class's own defaults."""
-        defaults = cls.init_defaults()
-        rows = describe_options(cls.resolved_init_options_cls())
-        for row in rows:
-            if not row["required"]:
-                row["default"] = defaults[row["name"]]
-        return rows
+        """``describe_options`` rows for ``init_info`` (what ``wtransfer show engine NAME`` prints)."""
+        return describe_options(cls.init_options_cls)
 
     def _parse_init_info(self, info: dict[str, Any]) -> TrainerInitOptions:
         """Check the user's ``init_info`` (unknown keys, types, ranges) before any worker is touched."""
-        # The defaults are declared keys, so an unknown-key error still names only what the user wrote.
-        return parse_options(self.resolved_init_options_cls(), {**self.init_defaults(), **info},
-                             owner=f"the {self.backend} trainer", where="init_info")
+        return parse_options(self.init_options_cls, info, owner=f"the {self.backend} trainer", where="init_info")
 
     @property
     def num_workers(self) -> int:

@@ -10,8 +10,8 @@ Parts the built-in tier is made of
     policy), ``BlockCopyHandler`` (copies block rows between two tensors on a thread),
     ``EvictionPolicy`` (the base of the fourth plugin kind, ``wtransfer.policies``),
     ``LRUPolicy``, ``ARCPolicy``, ``create_policy``.
-Specs to derive from
-    ``CPUOffloadingSpec`` (``wtransfer.specs.cpu``).
+Specs to derive from live in their own public modules: ``CPUOffloadingSpec`` in
+    :mod:`wtransfer.specs.cpu`. ``OffloadingSpecFactory`` is :mod:`wtransfer`'s.
 """
 
 from wtransfer._lazy import lazy_exports
@@ -31,13 +31,13 @@ _EXPORTS: dict[str, str] = {
     "block_view": "wtransfer.kvcache",
     "BlockTableManager": "wtransfer.specs._manager",
     "BlockCopyHandler": "wtransfer.specs.cpu",
-    "CPUOffloadingSpec": "wtransfer.specs.cpu",
     "EvictionPolicy": "wtransfer.specs.policies",
     "LRUPolicy": "wtransfer.specs.policies",
     "ARCPolicy": "wtransfer.specs.policies",
     "create_policy": "wtransfer.specs.policies",
-    "OffloadingSpecFactory": "wtransfer.specs._factory",
 }
 
 __all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+# Names this module exported before 0.2: importing one says where it went.
+_MOVED: dict[str, str] = {"OffloadingSpecFactory": "wtransfer", "CPUOffloadingSpec": "wtransfer.specs.cpu"}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, _MOVED)

@@ -236,6 +236,6 @@ def mutate(model: torch.nn.Module, round_index: int) -> None:
 
 
 def digests(model: torch.nn.Module) -> dict[str, int]:
-    from wtransfer.engines import tensor_checksum
+    from wtransfer.engines.wire import tensor_checksum
 
     return {name: tensor_checksum(p.data) for name, p in model.named_parameters()}

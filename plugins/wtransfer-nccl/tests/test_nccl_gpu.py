@@ -34,10 +34,8 @@ def test_buffers_and_streams_live_on_the_device_and_are_cached(engine_module) ->
 
 
 def test_packing_and_unpacking_on_per_buffer_streams_is_bit_exact(engine_module) -> None:
-    from wtransfer.engines import module_loader
-    from wtransfer.engines import build_manifest, tensor_checksum
-    from wtransfer.engines import Packer, Unpacker, plan_buckets
-    from wtransfer.engines import ModuleSource
+    from wtransfer.engines import ModuleSource, module_loader
+    from wtransfer.engines.wire import Packer, Unpacker, build_manifest, plan_buckets, tensor_checksum
     from wtransfer.testing.models import matrix_model
 
     source_model = matrix_model(seed=1).cuda()
@@ -65,9 +63,8 @@ def test_packing_and_unpacking_on_per_buffer_streams_is_bit_exact(engine_module)
 
 def test_gloo_round_with_a_cuda_resident_source() -> None:
     """The shared packed-streaming path (as the NCCL engine runs it) fed by CUDA tensors."""
-    from wtransfer.engines import tensor_checksum
-    from wtransfer.engines import ModuleSource
-    from wtransfer.engines import create_trainer
+    from wtransfer.engines import ModuleSource, create_trainer
+    from wtransfer.engines.wire import tensor_checksum
     from wtransfer.local import LocalWorkerPool
     from wtransfer.testing.models import matrix_model
 
@@ -87,9 +84,8 @@ def test_gloo_round_with_a_cuda_resident_source() -> None:
 def test_trainer_and_worker_round_over_nccl() -> None:
     if not is_installed("wtransfer-nccl"):
         pytest.skip("pip install ./plugins/wtransfer-nccl first (workers find the engine by its entry point)")
-    from wtransfer.engines import tensor_checksum
-    from wtransfer.engines import ModuleSource
-    from wtransfer.engines import create_trainer
+    from wtransfer.engines import ModuleSource, create_trainer
+    from wtransfer.engines.wire import tensor_checksum
     from wtransfer.local import LocalWorkerPool
     from wtransfer.testing.models import matrix_model
 

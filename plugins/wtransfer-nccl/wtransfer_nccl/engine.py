@@ -4,8 +4,9 @@ Everything about the protocol (rendezvous, manifest vote, bucket planning, packi
 buffer rotation, timeouts, version semantics) is wtransfer's own torch.distributed code,
 the same the ``gloo`` engine runs. This module only supplies what differs on a GPU:
 
-* a ``ProcessGroupNCCL`` on a ``PrefixStore`` over the trainer's ``TCPStore``, bound to an
-  explicit device, never the default process group;
+* a ``ProcessGroupNCCL`` per channel, each on a ``PrefixStore`` over the trainer's
+  authenticated rendezvous store (:mod:`wtransfer.engines._rendezvous`, not torch's
+  ``TCPStore``), bound to an explicit device, never the default process group;
 * receive and send buffers on the device, one dedicated CUDA stream per buffer, both
   created once per engine and reused every round (fresh streams per call leaked memory
   in vllm#52950);
@@ -34,13 +35,13 @@ from typing import Any
 
 from wtransfer import TransferTimeoutError, WTransferError
 from wtransfer.engines import (
-    MIB,
     TorchDistributedBackend,
     TorchDistributedInitOptions,
     TorchDistributedOptions,
     TorchDistributedTrainer,
     TorchDistributedWeightTransferEngine,
 )
+from wtransfer.engines.wire import MIB
 from wtransfer.options import option
 
 logger = logging.getLogger("wtransfer")
@@ -216,17 +217,25 @@ class NCCLWeightTransferEngine(NCCLBackend, TorchDistributedWeightTransferEngine
         super().__init__(config, parallel_config)
 
 
+@dataclass(frozen=True)
+class NCCLInitOptions(TorchDistributedInitOptions):
+    """Trainer ``init_info`` of NCCL: the shared torch.distributed keys, with NCCL's defaults.
+
+    gloo's ``local_address``/``interface`` choose a gloo device; NCCL picks its own
+    (``NCCL_SOCKET_IFNAME``), so there are no keys of its own. NCCL runs its own channels
+    inside one communicator: one group is enough.
+    """
+
+    bucket_bytes: int = option(32 * MIB)
+    num_buffers: int = option(4)
+    channels: int = option(1)
+
+
 class NCCLTrainer(NCCLBackend, TorchDistributedTrainer):
     """Trainer side of the NCCL engine (rank 0): broadcasts packed buckets from its GPU."""
 
     backend = "nccl"
-    default_bucket_bytes = 32 * MIB
-    default_num_buffers = 4
-    # gloo's local_address/interface choose a gloo device; NCCL picks its own
-    # (NCCL_SOCKET_IFNAME), so its init_info has the shared keys only. NCCL runs its own
-    # channels inside one communicator: one group is enough.
-    init_options_cls = TorchDistributedInitOptions
-    backend_init_defaults = {"channels": 1}
+    init_options_cls = NCCLInitOptions
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         require_nccl("trainer")

@@ -75,7 +75,8 @@ def test_a_store_written_while_vllm_preempts_gives_a_fresh_reader_exactly_the_re
 SLOW_TIER = '''
 import time
 
-from wtransfer.specs import DEVICE_MEDIUM, BlockCopyHandler, CPUOffloadingSpec
+from wtransfer.specs import DEVICE_MEDIUM, BlockCopyHandler
+from wtransfer.specs.cpu import CPUOffloadingSpec
 
 
 class SlowDeviceReads(BlockCopyHandler):

@@ -97,7 +97,7 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
     def receive_weights(self, update_info: Any) -> None:
         started = time.perf_counter()
         self._receiving_round = None
-        from wtransfer.engines import Manifest  # here: looking the class up imports no engine module
+        from wtransfer.engines.wire import Manifest  # here: looking the class up imports no engine module
 
         manifest = getattr(update_info, "parsed", None)
         delta = isinstance(manifest, Manifest) and manifest.delta is not None

@@ -7,14 +7,25 @@ timeouts are wtransfer's; the plugin only changes defaults, so it stays small.
 
 from __future__ import annotations
 
-from wtransfer.engines import MIB, SharedMemoryTrainer, SharedMemoryWeightTransferEngine
+from dataclasses import dataclass
+
+from wtransfer.engines import SharedMemoryTrainer, SharedMemoryWeightTransferEngine, TrainerInitOptions
+from wtransfer.engines.wire import MIB
+from wtransfer.options import option
+
+
+@dataclass(frozen=True)
+class SmallModelInitOptions(TrainerInitOptions):
+    """The trainer's ``init_info`` defaults: 4 MiB buckets, three buffers (docs are the base's)."""
+
+    bucket_bytes: int = option(4 * MIB)
+    num_buffers: int = option(3)
 
 
 class SmallModelTrainer(SharedMemoryTrainer):
-    """Trainer side: 4 MiB buckets, three buffers."""
+    """Trainer side: shm's, with this plugin's defaults."""
 
-    default_bucket_bytes = 4 * MIB
-    default_num_buffers = 3
+    init_options_cls = SmallModelInitOptions
 
 
 class ExampleEngine(SharedMemoryWeightTransferEngine):

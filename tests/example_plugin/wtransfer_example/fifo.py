@@ -13,7 +13,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
 from wtransfer import KVTransferConfig
-from wtransfer.specs import CPUOffloadingSpec, EvictionPolicy, KVCacheSpec
+from wtransfer.specs import EvictionPolicy, KVCacheSpec
+from wtransfer.specs.cpu import CPUOffloadingSpec
 
 
 class FIFOPolicy(EvictionPolicy):

@@ -1,0 +1,58 @@
+"""The weight-transfer toolkit, lower layer: the parts a brand-new transport is built from.
+
+Use it to write a transport the built-ins do not cover (a new fabric, a new store); to
+derive from a built-in or write a worker/trainer pair, :mod:`wtransfer.engines` (the upper
+layer) is all you need. The built-in engines and the NCCL plugin are made of these parts.
+
+Wire protocol
+    ``PROTOCOL_VERSION`` (what both sides check before a round), ``check_protocol``;
+    ``MIB``, ``ALIGN`` (every tensor's offset in a bucket is a multiple of it); input checks
+    for values read from a peer's JSON (``check_int``, ``check_timeout``,
+    ``check_bucket_bytes``); ``ManifestRejected`` (a worker refusing a round cleanly);
+    ``gc_paused`` (no garbage-collector pauses inside a timed step).
+Manifest
+    ``Manifest`` (a round's tensors, their order and version), ``TensorEntry``,
+    ``build_manifest``, ``tensor_checksum``.
+Packing plan
+    ``Bucket``, ``plan_buckets`` (tensors into fixed-size buckets, large ones split),
+    ``Packer`` (fills buffers from a source), ``Unpacker`` (hands bucket bytes to the loader).
+Control channel
+    ``ControlChannel`` (length-framed JSON and raw bytes over a Unix or TCP socket: nothing
+    is pickled), ``Listener``, ``connect``, ``PeerClosedError``.
+
+This layer changes more often than the upper one; a plugin that uses it should pin
+``wtransfer`` to a minor version.
+"""
+
+from wtransfer._lazy import lazy_exports
+
+_EXPORTS: dict[str, str] = {
+    # wire protocol
+    "PROTOCOL_VERSION": "wtransfer.engines._protocol",
+    "MIB": "wtransfer.engines._protocol",
+    "ALIGN": "wtransfer.engines._protocol",
+    "check_int": "wtransfer.engines._protocol",
+    "check_timeout": "wtransfer.engines._protocol",
+    "check_protocol": "wtransfer.engines._protocol",
+    "check_bucket_bytes": "wtransfer.engines._protocol",
+    "ManifestRejected": "wtransfer.engines._protocol",
+    "gc_paused": "wtransfer.engines._protocol",
+    # manifest
+    "Manifest": "wtransfer.engines._manifest",
+    "TensorEntry": "wtransfer.engines._manifest",
+    "build_manifest": "wtransfer.engines._manifest",
+    "tensor_checksum": "wtransfer.engines._manifest",
+    # packing plan
+    "Bucket": "wtransfer.engines._packing",
+    "plan_buckets": "wtransfer.engines._packing",
+    "Packer": "wtransfer.engines._packing",
+    "Unpacker": "wtransfer.engines._packing",
+    # control channel
+    "ControlChannel": "wtransfer.engines._control",
+    "Listener": "wtransfer.engines._control",
+    "connect": "wtransfer.engines._control",
+    "PeerClosedError": "wtransfer.engines._control",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
