@@ -371,8 +371,51 @@ def test_a_misspelled_hook_is_an_error_naming_plugin_and_hook(site: Path):
     status, error = statuses["acme-typo-hooks"]
     assert status == "broken"
     assert "wtransfer_update_finishd" in error and "Did you mean 'wtransfer_update_finished'" in error
-    assert plugin_manager().get_plugin("acme-typo-hooks:typo") is None  # unregistered
+    assert plugin_manager().get_plugin("typo") is None and plugin_manager().is_blocked("typo")
     plugin_manager().check_pending()  # nothing unverified is left behind
+
+
+OBSERVER = "import wtransfer\n@wtransfer.hookimpl\ndef wtransfer_update_finished(stats):\n    pass\n"
+
+
+def test_hook_plugins_are_loaded_and_blocked_the_pluggy_way(site: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch):
+    """Catches: a disabled or broken hook plugin left registered (its hooks would still run), one
+    broken plugin stopping the others, and a name two distributions declare going to whichever
+    comes first on sys.path (a silent winner)."""
+    marker = tmp_path / "imported.txt"
+    write_distribution(site, "acme-off", "1.0", {"wtransfer.plugins": {"off": "acme_off_hooks"}},
+                       {"acme_off_hooks": f"open({str(marker)!r}, 'a').write('x')\n" + OBSERVER})
+    write_distribution(site, "acme-one", "1.0", {"wtransfer.plugins": {"twin": "acme_one_hooks"}},
+                       {"acme_one_hooks": OBSERVER})
+    write_distribution(site, "acme-two", "1.0", {"wtransfer.plugins": {"twin": "acme_two_hooks"}},
+                       {"acme_two_hooks": OBSERVER})
+    write_distribution(site, "acme-raises", "1.0", {"wtransfer.plugins": {"raises": "acme_raises_hooks"}},
+                       {"acme_raises_hooks": "raise RuntimeError('no GPU here')\n"})
+    add_dist(site, "acme-fine", "wtransfer.plugins", {"fine": "acme_fine_hooks"}, {"acme_fine_hooks": OBSERVER})
+    monkeypatch.setenv("WTRANSFER_DISABLE_PLUGINS", "acme-off")
+    wtransfer.refresh()
+    from wtransfer._registry.manager import hook_plugins, plugin_manager
+
+    statuses = {p.record.distribution: (p.status, p.error) for p in hook_plugins()}
+    pm = plugin_manager()
+    assert statuses["acme-off"] == ("disabled", None) and pm.is_blocked("off") and not marker.exists()
+    for twin in ("acme-one", "acme-two"):
+        status, error = statuses[twin]
+        assert status == "broken" and "acme-one, acme-two each declare hook plugin 'twin'" in error, error
+    assert pm.is_blocked("twin") and "acme_one_hooks" not in sys.modules and "acme_two_hooks" not in sys.modules
+    assert statuses["acme-raises"][0] == "broken" and "no GPU here" in statuses["acme-raises"][1]
+    assert pm.is_blocked("raises")
+    assert statuses["acme-fine"] == ("loaded", None)
+    assert pm.get_plugin("fine") is sys.modules["acme_fine_hooks"]
+    assert [d.project_name for _, d in pm.list_plugin_distinfo()] == ["acme-fine"]  # pluggy's own record
+
+    # Disabling one twin does not pick the other: pluggy's loader, keyed by name, could import either.
+    monkeypatch.setenv("WTRANSFER_DISABLE_PLUGINS", "acme-two")
+    wtransfer.refresh()
+    statuses = {p.record.distribution: p.status for p in hook_plugins()}
+    assert statuses["acme-one"] == "broken" and statuses["acme-two"] == "disabled"
+    assert "acme_one_hooks" not in sys.modules and "acme_two_hooks" not in sys.modules
 
 
 def test_trace_logs_hook_calls(tmp_path: Path):

@@ -49,11 +49,12 @@ class ComponentRef:
         return f"{self.distribution} {self.version or ''}".strip()
 
     def describe(self) -> str:
-        where = (
-            f"distribution '{self.distribution}' {self.version or ''}".rstrip()
-            if self.distribution
-            else f"{self.origin} registration"
-        )
+        if not self.distribution:
+            where = f"{self.origin} registration"
+        elif self.origin in ("entry-point", "hook"):
+            where = f"distribution '{self.distribution}' {self.version or ''}".rstrip()
+        else:  # e.g. a components file: say which file, the distribution is only its label
+            where = f"{self.origin} (as '{self.distribution}')"
         return f"{resolve_kind(self.kind).singular} '{self.name}' ({self.target}) from {where}"
 
     def load(self) -> type:

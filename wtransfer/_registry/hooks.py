@@ -23,7 +23,8 @@ class WTransferHookSpecs:
         """Contribute lazy :class:`~wtransfer._registry.ComponentRef` objects of ``kind``
         (``"engines"``, ``"connectors"``, ``"specs"`` or ``"policies"``; more kinds may be
         added, so return an empty list for any kind you do not contribute to). The
-        built-in implementation reads the entry-point groups."""
+        built-in implementations read the entry-point groups and the TOML files named by
+        ``WTRANSFER_COMPONENTS``; references stay lazy (the class is imported on first use)."""
 
     @hookspec
     def wtransfer_engine_created(self, engine: Any) -> None:

@@ -1,14 +1,21 @@
 """The process's pluggy plugin manager, created on first use (never at import).
 
-It holds the built-in ``wtransfer_components`` implementation (which turns the
-entry-point scan into component references) and every hook module named in the
-``wtransfer.plugins`` group. A hook module that fails to import is logged and
+Two jobs, two mechanisms. **Hook plugins** (modules in the ``wtransfer.plugins`` group:
+observers, and contributors of components) are pluggy plugins handled pluggy's way:
+loaded by ``load_setuptools_entrypoints``, blocked with ``set_blocked`` (what
+``WTRANSFER_DISABLE_PLUGINS`` and a broken plugin get), checked with ``check_pending``
+(a misspelled hook). **Components** (engines, connectors, specs, policies) are answered
+by the ``wtransfer_components`` hook as lazy :class:`ComponentRef` objects: pluggy has no
+lazy loading (registering a plugin means importing it), and importing every installed
+engine to list them would cost seconds and fail on a missing CUDA. The built-in
+implementations read the entry-point groups and the files ``WTRANSFER_COMPONENTS`` names.
+
+One hook plugin that fails (import, registration, an unknown hook) is logged, blocked and
 remembered for ``wtransfer list`` and ``check``; it never stops the others.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import threading
@@ -25,6 +32,7 @@ from wtransfer._registry.kinds import HOOK_PLUGIN_GROUP, resolve_kind
 logger = logging.getLogger("wtransfer")
 TRACE_ENV = "WTRANSFER_TRACE"
 BUILTIN_PLUGIN_NAME = "wtransfer.entry-points"
+COMPONENTS_FILES_PLUGIN_NAME = "wtransfer.components-files"
 
 
 class EntryPointComponents:
@@ -107,31 +115,44 @@ def reset() -> None:
 
 
 def _new_manager() -> pluggy.PluginManager:
+    from wtransfer._registry.components_file import ComponentsFiles
+
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(WTransferHookSpecs)
     pm.register(EntryPointComponents(), name=BUILTIN_PLUGIN_NAME)
+    pm.register(ComponentsFiles(), name=COMPONENTS_FILES_PLUGIN_NAME)
     return pm
 
 
 def _load_hook_plugins(pm: pluggy.PluginManager, statuses: list[HookPluginStatus]) -> None:
-    """Import and register every hook module, recording each one's status in ``statuses``."""
+    """Load every hook module with pluggy's own loader, one entry point at a time so that one
+    failure blocks only that plugin, recording each one's status in ``statuses``.
+
+    pluggy knows a plugin by its entry point's name alone (as pytest does with ``pytest11``),
+    so of two distributions declaring the same hook-plugin name it would load whichever comes
+    first on ``sys.path``, even a disabled one. Neither is loaded, and both are reported
+    (never a silent winner): the fix is to uninstall one.
+    """
     disabled = discovery.disabled_from_env()
-    for record in discovery.cached_scan():
-        if record.group != HOOK_PLUGIN_GROUP:
-            continue
+    records = [r for r in discovery.cached_scan() if r.group == HOOK_PLUGIN_GROUP]
+    for record in records:
         if disabled.blocks_distribution(record.distribution):
+            pm.set_blocked(record.name)
             statuses.append(HookPluginStatus(record, "disabled"))
             continue
+        twins = [r.distribution for r in records if r.name == record.name and r is not record]
+        if twins:
+            pm.set_blocked(record.name)
+            _broken(statuses, record, f"ConflictError: distributions {', '.join(sorted([record.distribution, *twins]))} "
+                                      f"each declare hook plugin {record.name!r}, and hook plugins are known by name "
+                                      f"alone (pluggy's rule), so neither is loaded; uninstall one")
+            continue
         try:
-            module = importlib.import_module(record.value.partition(":")[0])
-            pm.register(module, name=f"{record.distribution}:{record.name}")
-            _refuse_unknown_hooks(pm, module)
+            pm.load_setuptools_entrypoints(HOOK_PLUGIN_GROUP, name=record.name)
+            _check_hooks_exist(pm, record.name)
         except Exception as exc:
-            logger.warning(
-                "Skipping hook plugin %s from distribution '%s' %s: %s: %s",
-                record.describe(), record.distribution, record.version, type(exc).__name__, exc,
-            )
-            statuses.append(HookPluginStatus(record, "broken", f"{type(exc).__name__}: {exc}"))
+            pm.set_blocked(record.name)  # unregisters it too, if it got that far
+            _broken(statuses, record, f"{type(exc).__name__}: {exc}")
         else:
             statuses.append(HookPluginStatus(record, "loaded"))
     if os.environ.get(TRACE_ENV, "").strip() not in ("", "0"):
@@ -139,24 +160,30 @@ def _load_hook_plugins(pm: pluggy.PluginManager, statuses: list[HookPluginStatus
         pm.enable_tracing()
 
 
-def _refuse_unknown_hooks(pm: pluggy.PluginManager, plugin: object) -> None:
-    """A ``@hookimpl`` whose name matches no hook spec would simply never be called:
-    unregister the plugin and raise, naming the function and the hooks that exist
-    (pluggy's ``check_pending``, per plugin, so one typo does not silence the others)."""
-    for caller in pm.get_hookcallers(plugin) or []:
-        if caller.has_spec():
-            continue
-        if all(impl.optionalhook for impl in caller.get_hookimpls() if impl.plugin is plugin):
-            continue
+def _broken(statuses: list[HookPluginStatus], record: discovery.EntryPointRecord, error: str) -> None:
+    logger.warning("Skipping hook plugin %s from distribution '%s' %s: %s",
+                   record.describe(), record.distribution, record.version, error)
+    statuses.append(HookPluginStatus(record, "broken", error))
+
+
+def _check_hooks_exist(pm: pluggy.PluginManager, name: str) -> None:
+    """pluggy's ``check_pending``, run after each plugin (so only that one can be pending): a
+    ``@hookimpl`` whose name matches no hook spec would simply never be called. The error
+    names the function and suggests the hook that was probably meant."""
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
         from wtransfer._registry.names import suggest
 
-        pm.unregister(plugin)
-        known = sorted(n for n in dir(pm.hook) if not n.startswith("_") and getattr(pm.hook, n).has_spec())
-        close = suggest(caller.name, known)
+        pending = [n for n in vars(pm.hook) if not n.startswith("_") and not getattr(pm.hook, n).has_spec()
+                   and any(i.plugin is pm.get_plugin(name) for i in getattr(pm.hook, n).get_hookimpls())]
+        known = sorted(n for n in vars(pm.hook) if not n.startswith("_") and getattr(pm.hook, n).has_spec())
+        typo = pending[0] if pending else "?"
+        close = suggest(typo, known)
         hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         raise pluggy.PluginValidationError(
-            plugin, f"implements unknown hook {caller.name!r}.{hint} Known hooks: {', '.join(known)}"
-        )
+            exc.plugin, f"implements unknown hook {typo!r}.{hint} Known hooks: {', '.join(known)}"
+        ) from None
 
 
 def notify(hook_name: str, **kwargs: Any) -> None:
