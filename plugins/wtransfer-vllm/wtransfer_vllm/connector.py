@@ -181,7 +181,7 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        transfer = self._kv_transfer_config
+        transfer = vllm_config.kv_transfer_config  # what the base class keeps (it refuses None above)
         self.adapter_options, extra = split_adapter_options(transfer.kv_connector_extra_config)
         fingerprint = self.adapter_options.model_fingerprint
         self.kv_cache_spec = kv_cache_spec_for(vllm_config, kv_cache_config, fingerprint,

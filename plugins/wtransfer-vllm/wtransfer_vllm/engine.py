@@ -36,6 +36,7 @@ from wtransfer_vllm.checkpoint import check_round, checkpoint_tensors
 from wtransfer_vllm.probe import TOLERANCE as PROBE_TOLERANCE
 from wtransfer_vllm.probe import CommitProbe
 from wtransfer_vllm.probe import enabled as probe_enabled
+from wtransfer_vllm.vllm_internals import layer_quant_method
 from wtransfer_vllm.worker_rpc import report_failures_as_replies
 
 # Under vLLM's logger tree, so the per-round line shows in vLLM's own log output.
@@ -263,7 +264,7 @@ def refresh_tied_layers(model: Any) -> list[str]:
     refreshed: list[str] = []
     for name, module in model.named_modules():
         weight = getattr(module, "_parameters", {}).get("weight")
-        method = getattr(module, "quant_method", None)
+        method = layer_quant_method(module)
         if weight is None or weight.is_meta or method is None:
             continue
         key = weight.data_ptr()

@@ -28,6 +28,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from wtransfer_vllm.vllm_internals import (
+    engine_core_config,
+    engine_core_kv_connector,
+    engine_core_running_requests,
+    hook_engine_core_rpc,
+    reset_encoder_cache,
+    reset_prefix_cache,
+)
 from wtransfer_vllm.worker_rpc import WORKER_METHODS, committed_round, raise_worker_failures
 
 logger = logging.getLogger("vllm.wtransfer_vllm")
@@ -36,35 +44,31 @@ logger = logging.getLogger("vllm.wtransfer_vllm")
 def install(is_ours: Any) -> bool:
     """Wrap ``EngineCore.collective_rpc`` once per process; ``is_ours(backend)`` tells a
     wtransfer backend name from vLLM's. Returns whether the wrap is in place."""
-    from vllm.v1.engine.core import EngineCore
 
-    original = EngineCore.collective_rpc
-    if getattr(original, "_wtransfer_wrapped", False):
-        return True
+    def wrapper_for(original: Any) -> Any:
+        def collective_rpc(self: Any, method: Any, timeout: float | None = None, args: tuple = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+            config = getattr(engine_core_config(self), "weight_transfer_config", None)
+            if method not in WORKER_METHODS or config is None or not is_ours(getattr(config, "backend", None)):
+                return original(self, method, timeout, args, kwargs)
+            try:
+                replies = original(self, method, timeout, args, kwargs)
+                raise_worker_failures(method, replies)  # the workers return failures (worker_rpc)
+            except BaseException:
+                if method == "finish_weight_update":  # one TP worker may have committed while another failed
+                    try:
+                        drop_stale_kv(self)
+                    except Exception:
+                        logger.exception("wtransfer-vllm: resetting vLLM's caches after a failed commit failed too")
+                raise
+            if method == "finish_weight_update":
+                replies, weights = committed_round(replies)
+                drop_stale_kv(self, weights)
+            return replies
 
-    def collective_rpc(self: Any, method: Any, timeout: float | None = None, args: tuple = (),
-                       kwargs: dict[str, Any] | None = None) -> Any:
-        config = getattr(self.vllm_config, "weight_transfer_config", None)
-        if method not in WORKER_METHODS or config is None or not is_ours(getattr(config, "backend", None)):
-            return original(self, method, timeout, args, kwargs)
-        try:
-            replies = original(self, method, timeout, args, kwargs)
-            raise_worker_failures(method, replies)  # the workers return failures (worker_rpc)
-        except BaseException:
-            if method == "finish_weight_update":  # one TP worker may have committed while another failed
-                try:
-                    drop_stale_kv(self)
-                except Exception:
-                    logger.exception("wtransfer-vllm: resetting vLLM's caches after a failed commit failed too")
-            raise
-        if method == "finish_weight_update":
-            replies, weights = committed_round(replies)
-            drop_stale_kv(self, weights)
-        return replies
+        return collective_rpc
 
-    collective_rpc._wtransfer_wrapped = True  # type: ignore[attr-defined]
-    EngineCore.collective_rpc = collective_rpc  # type: ignore[method-assign]
-    return True
+    return hook_engine_core_rpc(wrapper_for)  # vLLM's engine core itself (see vllm_internals)
 
 
 def drop_stale_kv(engine_core: Any, weights: str | None = None) -> None:
@@ -76,23 +80,22 @@ def drop_stale_kv(engine_core: Any, weights: str | None = None) -> None:
     so other instances at the same weights share them; without it the connector's new
     namespace is one nobody else can match.
     """
-    scheduler = engine_core.scheduler
-    connector = scheduler.get_kv_connector() if hasattr(scheduler, "get_kv_connector") else None
+    connector = engine_core_kv_connector(engine_core)
     named = connector if weights is not None and hasattr(connector, "weights_committed") else None
     if named is not None:
         named.weights_committed(weights)
-    running = len(getattr(scheduler, "running", ()))
+    running = engine_core_running_requests(engine_core)
     # reset_running_requests: running requests are preempted (their blocks freed, their KV
     # recomputed with the new weights; tokens already generated stay); without it vLLM skips the
     # reset while any request runs.
-    if not engine_core.reset_prefix_cache(reset_running_requests=True, reset_connector=True):
+    if not reset_prefix_cache(engine_core):
         if named is not None:
             named.weights_committed(None)  # a later reset must not name blocks after this round
         raise RuntimeError(
             "wtransfer-vllm: the round committed, but vLLM could not reset its prefix cache (a request is "
             "waiting for remote KV); requests could be served KV computed with the old weights"
         )
-    if getattr(engine_core.vllm_config.model_config, "is_multimodal_model", False):
-        engine_core.reset_encoder_cache()
+    if getattr(engine_core_config(engine_core).model_config, "is_multimodal_model", False):
+        reset_encoder_cache(engine_core)
     logger.info("wtransfer-vllm round ended: prefix cache and KV connector cache reset "
                 "(%d running request(s) preempted; their KV is recomputed with the new weights)", running)

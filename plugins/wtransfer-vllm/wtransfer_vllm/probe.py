@@ -24,8 +24,10 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from wtransfer_vllm.vllm_internals import layer_quant_method, patch_process_weights_after_loading
 
 logger = logging.getLogger("vllm.wtransfer_vllm")
 
@@ -68,11 +70,11 @@ class CommitProbe:
     expected: dict[str, _Expected] = field(default_factory=dict)
     capture_seconds: float = 0.0
     unchecked: list[str] = field(default_factory=list)
-    _installed: list[tuple[Any, bool, Any]] = field(default_factory=list)
+    _installed: list[Callable[[], None]] = field(default_factory=list)  # what puts each hook back
 
     def _probed_layers(self) -> Iterator[tuple[str, Any, Any]]:
         for name, module in self.model.named_modules(remove_duplicate=False):
-            method = getattr(module, "quant_method", None)
+            method = layer_quant_method(module)
             if type(method).__name__ in PROBED_METHODS and getattr(module, "_parameters", {}).get("weight") is not None:
                 yield name, module, method
 
@@ -99,18 +101,13 @@ class CommitProbe:
             if id(method) in seen:
                 continue
             seen.add(id(method))
-            had_own = "process_weights_after_loading" in vars(method)
-            previous = method.process_weights_after_loading
-            method.process_weights_after_loading = self._capturing(name, previous)
-            self._installed.append((method, had_own, previous))
+            self._installed.append(
+                patch_process_weights_after_loading(method, lambda previous: self._capturing(name, previous)))
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        for method, had_own, previous in self._installed:
-            if had_own:
-                method.process_weights_after_loading = previous
-            else:
-                del method.process_weights_after_loading
+        for restore in self._installed:
+            restore()
         self._installed.clear()
 
     def _capturing(self, name: str, process: Any) -> Any:
@@ -136,7 +133,7 @@ class CommitProbe:
         worst = 0.0
         with torch.no_grad():
             for name, item in self.expected.items():
-                actual = item.module.quant_method.apply(item.module, item.probe).float()[:, item.rows]
+                actual = layer_quant_method(item.module).apply(item.module, item.probe).float()[:, item.rows]
                 error = relative_error(actual, item.product)
                 if not error <= TOLERANCE:  # NaN fails too
                     failed.append((name, error))

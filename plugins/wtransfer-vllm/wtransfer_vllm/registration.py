@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 from wtransfer_vllm.naming import Registration, registration_plan
+from wtransfer_vllm.vllm_internals import registered_names, registry, wrap_factory_method
 
 logger = logging.getLogger("wtransfer_vllm")
 
@@ -58,12 +59,6 @@ def register() -> None:
         logger.exception("wtransfer-vllm: could not register wtransfer's KV connectors; vLLM runs without them")
 
 
-def _existing_names(factory: Any) -> set[str]:
-    # vLLM has no public listing; its registry dict is read only to skip taken bare names
-    # (registering one would raise anyway, which is handled below too).
-    return set(getattr(factory, "_registry", {}) or {})
-
-
 def _register_engines() -> None:
     import wtransfer
     from vllm.distributed.weight_transfer.factory import (
@@ -72,7 +67,7 @@ def _register_engines() -> None:
     )
 
     rows = [(c.name, c.distribution, c.status) for c in wtransfer.list_components("engines")]
-    plan, skipped = registration_plan(rows, _existing_names(WeightTransferEngineFactory))
+    plan, skipped = registration_plan(rows, registered_names(WeightTransferEngineFactory))
     for item in skipped:
         logger.info("wtransfer-vllm: bare engine name %r not registered: %s", item.name, item.reason)
     for factory, module, key in (
@@ -97,7 +92,7 @@ def _register_connectors() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     rows = [(c.name, c.distribution, c.status) for c in wtransfer.list_components("connectors")]
-    plan, skipped = registration_plan(rows, _existing_names(KVConnectorFactory))
+    plan, skipped = registration_plan(rows, registered_names(KVConnectorFactory))
     for item in skipped:
         logger.info("wtransfer-vllm: bare connector name %r not registered: %s", item.name, item.reason)
     for item in plan:
@@ -131,19 +126,17 @@ def _explain_unknown_connectors(factory: Any) -> None:
 
 
 def _explain_unknown(factory: Any, method: str, name_of: Any, what: str, kind: str, ours: list[Registration]) -> None:
-    original = getattr(factory, method).__func__
-    if getattr(original, "_wtransfer_wrapped", False):
-        return
+    def wrapper_for(original: Any) -> Any:
+        def wrapped(cls: Any, config: Any, *args: Any, **kwargs: Any) -> Any:
+            known = registry(cls)
+            name = name_of(config)
+            if known is not None and isinstance(name, str) and name not in known:
+                raise UnknownVLLMBackendError(unknown_name_message(what, kind, name, sorted(known), ours))
+            return original(cls, config, *args, **kwargs)
 
-    def wrapped(cls: Any, config: Any, *args: Any, **kwargs: Any) -> Any:
-        known = getattr(cls, "_registry", None)
-        name = name_of(config)
-        if isinstance(known, dict) and isinstance(name, str) and name not in known:
-            raise UnknownVLLMBackendError(unknown_name_message(what, kind, name, sorted(known), ours))
-        return original(cls, config, *args, **kwargs)
+        return wrapped
 
-    wrapped._wtransfer_wrapped = True  # type: ignore[attr-defined]
-    setattr(factory, method, classmethod(wrapped))
+    wrap_factory_method(factory, method, wrapper_for)  # vLLM's lookup itself (see vllm_internals)
 
 
 class UnknownVLLMBackendError(ValueError):

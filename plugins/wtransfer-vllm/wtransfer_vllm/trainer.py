@@ -20,6 +20,7 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine as VLLMTrainerEngine
 
 from wtransfer_vllm.adapters import adapter_classes
+from wtransfer_vllm.vllm_internals import module_source_module
 
 
 @dataclasses.dataclass
@@ -73,10 +74,8 @@ def _as_wtransfer_source(source: Any) -> wtransfer.WeightSource:
     """vLLM's own ``ModuleSource`` sends a module's named parameters as they are, as wtransfer's
     does: that one is used instead, so the ranks of a sharded trainer write their own shards (no
     gathers). Any other vLLM source (it may rename or convert) is wrapped, and rank 0 gathers."""
-    cls = type(source)
-    module = getattr(source, "_module", None)  # vLLM 0.32's attribute; anything else is wrapped
-    if (cls.__name__, cls.__module__) == ("ModuleSource", "vllm.distributed.weight_transfer.base") and callable(
-            getattr(module, "named_parameters", None)):
+    module = module_source_module(source)  # None for any other source: it is wrapped
+    if module is not None:
         return wtransfer.ModuleSource(module)
     return _VLLMSource(source)
 

