@@ -255,7 +255,7 @@ def _gloo_peer_receiver(port: int, spec: str, timeout_s: float, rank: int, size:
 
     from wtransfer.engines._manifest import dtype_from_name
     from wtransfer.engines._packing import copy_tensor
-    from wtransfer.engines._torch_distributed import TorchDistributedBackend
+    from wtransfer.engines._td_backend import TorchDistributedBackend
 
     torch.set_num_threads(1)
     shapes, dtype = json.loads(spec)
@@ -310,7 +310,7 @@ class GlooPeer:
         import torch
         from torch.distributed import PrefixStore, TCPStore
 
-        from wtransfer.engines._torch_distributed import TorchDistributedBackend
+        from wtransfer.engines._td_backend import TorchDistributedBackend
 
         self.tensors = tensors
         self.total = sum(t.numel() * t.element_size() for t in tensors)

@@ -60,12 +60,12 @@ _EXPORTS: dict[str, str] = {
     "ModuleSource": "wtransfer.engines._source",
     "TensorSource": "wtransfer.engines._source",
     # bases to derive from
-    "TorchDistributedBackend": "wtransfer.engines._torch_distributed",
-    "TorchDistributedWeightTransferEngine": "wtransfer.engines._torch_distributed",
-    "TorchDistributedInitInfo": "wtransfer.engines._torch_distributed",
-    "TorchDistributedTrainer": "wtransfer.engines._torch_distributed",
-    "TorchDistributedOptions": "wtransfer.engines._torch_distributed",
-    "TorchDistributedInitOptions": "wtransfer.engines._torch_distributed",
+    "TorchDistributedBackend": "wtransfer.engines._td_backend",
+    "TorchDistributedWeightTransferEngine": "wtransfer.engines._td_worker",
+    "TorchDistributedInitInfo": "wtransfer.engines._td_options",
+    "TorchDistributedTrainer": "wtransfer.engines._td_trainer",
+    "TorchDistributedOptions": "wtransfer.engines._td_options",
+    "TorchDistributedInitOptions": "wtransfer.engines._td_options",
     "SharedMemoryWeightTransferEngine": "wtransfer.engines.shm",
     "SharedMemoryTrainer": "wtransfer.engines.shm",
 }

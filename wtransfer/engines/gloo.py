@@ -1,11 +1,12 @@
 """``gloo``: weight sync across hosts over a private gloo process group (CPU tensors).
 
-All the logic lives in :mod:`wtransfer.engines._torch_distributed`; this module only names
-the gloo flavour. Trainer ``init_info`` (:class:`GlooInitOptions`) adds ``master_address``
-(default ``127.0.0.1``; use an address of the trainer's host that the workers can reach: the
-authenticated rendezvous listens there only), ``master_port`` (default 0: a free port is
-picked), ``listen_address``, ``direct_min_bytes``, ``channels``, ``local_address`` and
-``interface``; workers take ``max_buffer_bytes`` and ``local_address`` or ``interface`` in
+All the logic lives in the torch.distributed modules (:mod:`wtransfer.engines._td_backend`
+and the modules it names); this module only names the gloo flavour. Trainer
+``init_info`` (:class:`GlooInitOptions`) adds ``master_address`` (default ``127.0.0.1``; use
+an address of the trainer's host that the workers can reach: the authenticated rendezvous
+listens there only), ``master_port`` (default 0: a free port is picked), ``listen_address``,
+``direct_min_bytes``, ``channels``, ``local_address`` and ``interface``; workers take
+``max_buffer_bytes`` and ``local_address`` or ``interface`` in
 ``WeightTransferConfig.options`` (:class:`GlooOptions`; by default, their address on the
 route to the trainer). ``wtransfer show engine gloo`` prints both tables.
 
@@ -16,13 +17,10 @@ rank send its own shards on process groups of its own with the workers; nothing 
 
 from __future__ import annotations
 
-from wtransfer.engines._torch_distributed import (
-    GlooInitOptions,
-    GlooOptions,
-    TorchDistributedSender,
-    TorchDistributedTrainer,
-    TorchDistributedWeightTransferEngine,
-)
+from wtransfer.engines._td_options import GlooInitOptions, GlooOptions
+from wtransfer.engines._td_sender import TorchDistributedSender
+from wtransfer.engines._td_trainer import TorchDistributedTrainer
+from wtransfer.engines._td_worker import TorchDistributedWeightTransferEngine
 
 
 class GlooTrainer(TorchDistributedTrainer):

@@ -1,0 +1,165 @@
+"""The send path of a torch.distributed trainer's ranks, and the sender the other ranks of a
+sharded trainer run.
+
+Rank 0 (:mod:`._td_trainer`) and every other sending rank (:class:`TorchDistributedSender`)
+end a round the same way (wait for the last buckets, then send the digests), and on a
+sharded trainer each streams its own parts of every bucket to the workers
+(:mod:`wtransfer.engines._part_streams`). That path sits apart from the backend because the
+workers never run it, and apart from the trainer because the other ranks run it without one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from wtransfer.engines._digests import RoundDigests, as_words
+from wtransfer.engines._packing import Bucket, plan_buckets
+from wtransfer.engines._protocol import RoundCalledOff
+from wtransfer.engines._rendezvous import RendezvousClient, local_address_for, store
+from wtransfer.engines._shards import LocalPart, rank_parts, writes_shards_as_is
+from wtransfer.engines._td_backend import DIGESTS, REJECTED, TorchDistributedBackend
+from wtransfer.engines._td_options import TorchDistributedInitInfo
+from wtransfer.errors import TransferError
+
+if TYPE_CHECKING:
+    from wtransfer.engines._manifest import TensorEntry
+    from wtransfer.engines._part_streams import RankLayout
+    from wtransfer.engines._trainer import ClientCall
+
+SENDER_CONNECT_RETRY_S = 2.0
+"""How long another trainer rank retries reaching rank 0's rendezvous, which already listens."""
+
+
+class TorchDistributedSending(TorchDistributedBackend):
+    """What every sending trainer rank runs; mixed into the trainer (rank 0) and :class:`TorchDistributedSender`."""
+
+    # -- a sharded trainer's ranks each sending their own parts (see _part_streams) --------------
+    def send_own_parts(self, entries: tuple[TensorEntry, ...], parts: list[LocalPart | None], buckets: list[Bucket],
+                       works: list[tuple[Any, Any] | None], timeout_s: float, call: ClientCall | None = None) -> bool:
+        """This trainer rank's side of a round: its layout, the manifest vote, then its bytes of every
+        bucket (hashed when the workers say the round is). False: the workers refused it, nothing moved.
+
+        The layout and the vote go on this rank's first channel: its header, its rows (one extra
+        word, so never empty), and the vote, in which it learns every worker's verdict."""
+        import torch
+
+        from wtransfer.engines._part_streams import RankLayout, header, layout_rows
+
+        device, rows = self.device(), layout_rows(parts)
+        words = [torch.tensor(header(entries), dtype=torch.int64, device=device),
+                 torch.tensor([*rows, 0], dtype=torch.int64, device=device)]
+        for work in [self.broadcast(self._groups[0], tensor) for tensor in words]:
+            self.wait(work, "sending this trainer rank's layout", timeout_s, call)
+        verdict = torch.zeros(1, dtype=torch.int32, device=device)
+        self.wait(self.allreduce_max(self._groups[0], verdict), "the manifest vote", timeout_s, call)
+        if int(verdict.item()) & REJECTED:
+            return False
+        digests = RoundDigests(len(entries)) if int(verdict.item()) & DIGESTS else None
+        try:
+            self._stream_parts(buckets, RankLayout(entries, rows), parts, works, timeout_s, digests)
+        finally:
+            if digests is not None:
+                digests.close()
+        return True
+
+    def _stream_parts(self, buckets: list[Bucket], layout: RankLayout, parts: list[LocalPart | None],
+                      works: list[tuple[Any, Any] | None], timeout_s: float, digests: RoundDigests | None) -> None:
+        """Broadcast this rank's bytes of every bucket, in bucket order, from ``num_buffers`` buffers;
+        with ``digests``, hash each tensor's part as it goes and send the digests last."""
+        from wtransfer.engines._part_streams import hash_runs, pack_runs
+
+        sent = 0
+        for bucket in buckets:
+            runs = layout.runs(bucket)
+            if not runs:
+                continue
+            slot = sent % len(works)
+            sent += 1
+            if works[slot] is not None:  # no local names for works: a traceback would keep them
+                self.wait(works[slot][0], f"sending bucket {bucket.index}'s predecessor in buffer {slot}", timeout_s)
+                works[slot] = None
+            if digests is not None:
+                digests.fence(slot)
+            view = pack_runs(runs, parts, self._buffers[slot])
+            if digests is not None:
+                hash_runs(digests, runs, view, slot)
+            works[slot] = (self.broadcast(self.group_for(bucket.index), view), view)
+        self.finish_sends(works, timeout_s, digests)
+
+    def finish_sends(self, works: list[tuple[Any, Any] | None], timeout_s: float,
+                     digests: RoundDigests | None = None) -> None:
+        """Wait for the last buckets; then, with digests, send them (on the first channel)."""
+        for slot in range(len(works)):
+            if works[slot] is not None:
+                self.wait(works[slot][0], f"sending the last buckets (buffer {slot})", timeout_s)
+                works[slot] = None
+        self.synchronize(timeout_s)
+        if digests is not None:
+            import torch
+
+            # one word more than the digests: a round of no tensors still broadcasts a non-empty tensor
+            words = torch.tensor([*as_words(digests.digests()), 0], dtype=torch.int64, device=self.device())
+            self.wait(self.broadcast(self._groups[0], words), "sending the round's digests", timeout_s)
+
+
+class TorchDistributedSender(TorchDistributedSending):
+    """Another rank of a sharded trainer: sends its own parts of every bucket on groups of its own.
+
+    It joins rank 0's rendezvous with the workers' init info while the workers join (they build a
+    group set with each sending rank), and is rank 0 of its groups. Each round it announces its
+    layout, learns the workers' verdict in the manifest vote, and streams its bytes
+    (:mod:`wtransfer.engines._part_streams`). Failing, it drops its groups: the workers' receives
+    fail at once, they leave every group, and rank 0's round fails with them.
+    """
+
+    def __init__(self, info: dict[str, Any], trainer_rank: int, source: Any, timeout_s: float) -> None:
+        from torch.distributed import PrefixStore
+
+        if not writes_shards_as_is(source):
+            raise TransferError(f"its source is a {type(source).__name__}, not a ModuleSource (rank 0's is): pass "
+                                f"the same kind of source on every trainer rank")
+        self.info = TorchDistributedInitInfo(**info)
+        self.rank, self.source, self.timeout_s = trainer_rank, source, self.info.timeout_s
+        address, port = self.info.master_address, self.info.master_port
+        self.choose_local_address(None, lambda: local_address_for(address, port))
+        # rank 0 listened before it told this rank to join: a refused connection means it closed
+        self._client: Any = RendezvousClient.connect(address, port, self.info.token, self.info.timeout_s,
+                                                     retry_s=SENDER_CONNECT_RETRY_S)
+        try:
+            self._kv = store(self._client, self.info.timeout_s)  # torch calls into it while the groups live
+            prefixed = PrefixStore(f"sender{trainer_rank}/", PrefixStore(self.info.group_name, self._kv))
+            self._buffers = self.allocate(self.info.bucket_bytes, self.info.num_buffers)
+            self._groups = self.make_groups(prefixed, 0, self.info.world_size, self.info.timeout_s, self.info.channels)
+        except BaseException:
+            self.close()
+            raise
+
+    def serve_round(self, attempt: int) -> tuple[int, int]:
+        """Send this rank's part of round ``attempt``; returns (tensors, bytes) held here."""
+        if not self._groups:
+            raise TransferError(f"trainer rank {self.rank}: this sender was closed (or failed a round)")
+        works: list[tuple[Any, Any] | None] = [None] * len(self._buffers)
+        try:
+            entries = tuple(self.source.metadata())
+            parts = rank_parts(self.source.named_tensors(), self.rank, entries)
+            buckets = plan_buckets(entries, self.info.bucket_bytes, self.info.direct_min_bytes)
+            if not self.send_own_parts(entries, parts, buckets, works, self.timeout_s):
+                raise RoundCalledOff("the workers refused the round before any byte moved (trainer rank 0 "
+                                     "says why)")  # every side is past the vote: the groups stay in step
+        except RoundCalledOff:
+            raise
+        except BaseException:
+            works.clear()
+            self.release_own_groups(failed=True)  # the workers' receives fail now, not at their timeout
+            raise
+        finally:
+            works.clear()
+        held = [p for p in parts if p is not None]
+        return len(held), sum(p.local.numel() * p.local.element_size() for p in held)
+
+    def close(self) -> None:
+        self.release_own_groups(failed=False)
+        self._buffers = []
+        if getattr(self, "_client", None) is not None:
+            self._client.close()
+        self._client = self._kv = None
