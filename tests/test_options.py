@@ -141,21 +141,22 @@ def test_init_info_ranges_are_checked_before_any_worker(init_info: dict, fragmen
 
 def test_a_backend_sets_its_defaults_by_redeclaring_fields() -> None:
     """Catches: defaults taken from anywhere but the options class (the table ``wtransfer show``
-    prints and what the trainer uses disagreeing), or a redeclared field losing its doc."""
+    prints and what the trainer uses disagreeing), a redeclared field losing its doc, or a
+    subclass losing its base's defaults (shm's 4 MiB buckets)."""
     from dataclasses import dataclass
 
-    from wtransfer.engines import TrainerInitOptions
+    from wtransfer.engines import SharedMemoryInitOptions
     from wtransfer.options import option
 
     @dataclass(frozen=True)
-    class ThreeBuffers(TrainerInitOptions):
+    class ThreeBuffers(SharedMemoryInitOptions):
         num_buffers: int = option(3)
 
     class Tuned(SharedMemoryTrainer):
         init_options_cls = ThreeBuffers
 
     options = Tuned(client=UntouchedClient(), source={}, init_info={"world_size": 2}).init_options
-    assert (options.bucket_bytes, options.num_buffers, options.timeout_s) == (32 * 1024 * 1024, 3, 300.0)
+    assert (options.bucket_bytes, options.num_buffers, options.timeout_s) == (4 << 20, 3, 300.0)
     rows = {r["name"]: r for r in Tuned.describe_init_options()}
     assert rows["num_buffers"]["default"] == 3
     assert rows["num_buffers"]["doc"] == "buffers in flight: packing one overlaps moving the others"
@@ -167,11 +168,83 @@ def test_a_backend_sets_its_defaults_by_redeclaring_fields() -> None:
     assert (made.bucket_bytes, made.num_buffers) == (shm["bucket_bytes"], shm["num_buffers"])
 
 
+def test_every_engine_option_is_documented(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches: an engine option or trainer init_info key (NCCL's included) shown without a doc,
+    e.g. a redeclared default whose doc was not found in any base."""
+    from wtransfer.engines.gloo import GlooWeightTransferEngine
+    from wtransfer.engines.shm import SharedMemoryWeightTransferEngine
+
+    monkeypatch.syspath_prepend(str(ROOT / "plugins" / "wtransfer-nccl"))
+    from wtransfer_nccl.engine import NCCLTrainer, NCCLWeightTransferEngine
+
+    for trainer in (SharedMemoryTrainer, GlooTrainer, NCCLTrainer):
+        rows = trainer.describe_init_options()
+        assert rows and all(row["doc"] for row in rows), (trainer.__name__, rows)
+    for engine in (SharedMemoryWeightTransferEngine, GlooWeightTransferEngine, NCCLWeightTransferEngine):
+        rows = describe_options(engine.options_cls)
+        assert rows and all(row["doc"] for row in rows), (engine.__name__, rows)
+
+
+def test_a_misspelled_redeclared_option_is_an_error() -> None:
+    """Catches: ``bucket_byte = option(4 * MIB)`` (no doc, redeclaring nothing) quietly adding an
+    undocumented option while the intended default stays as it was."""
+    from dataclasses import dataclass
+
+    from wtransfer.engines import SharedMemoryInitOptions
+    from wtransfer.options import option
+
+    @dataclass(frozen=True)
+    class Typo(SharedMemoryInitOptions):
+        bucket_byte: int = option(1 << 20)
+
+    with pytest.raises(TypeError, match="Typo.bucket_byte = option.*has no doc and redeclares no option"):
+        describe_options(Typo)
+    with pytest.raises(TypeError, match="misspelled"):
+        parse_options(Typo, {"world_size": 2}, owner="t")
+
+
+def test_a_trainer_whose_options_drop_its_bases_keys_is_refused() -> None:
+    """Catches: a subclass naming options that do not extend its base's (gloo's address keys, or
+    shm's ring size, would vanish without a word); and the torch.distributed base's own defaults
+    lost by a subclass that names the base options (the 0.1 NCCL pattern kept 16 MiB x 8)."""
+    from dataclasses import dataclass
+
+    from wtransfer.engines import TorchDistributedInitOptions, TorchDistributedTrainer, TrainerInitOptions
+    from wtransfer.options import option
+
+    @dataclass(frozen=True)
+    class Plain(TrainerInitOptions):
+        num_buffers: int = option(3)
+
+    with pytest.raises(TypeError, match="does not extend SharedMemoryInitOptions"):
+        type("Tuned", (SharedMemoryTrainer,), {"init_options_cls": Plain})
+    with pytest.raises(TypeError, match="does not extend GlooInitOptions"):
+        type("MyGloo", (GlooTrainer,), {"init_options_cls": TorchDistributedInitOptions})
+
+    class Collective(TorchDistributedTrainer):
+        init_options_cls = TorchDistributedInitOptions
+
+    defaults = {r["name"]: r["default"] for r in Collective.describe_init_options()}
+    assert (defaults["bucket_bytes"], defaults["num_buffers"], defaults["channels"]) == (16 << 20, 8, 2)
+
+
 @pytest.mark.parametrize("legacy", ["default_bucket_bytes", "default_num_buffers", "backend_init_defaults"])
 def test_the_old_default_attributes_fail_loudly(legacy: str) -> None:
-    """Catches: a plugin written for 0.1 silently losing its defaults (they were class attributes)."""
+    """Catches: a plugin written for 0.1 silently losing its defaults (they were class attributes),
+    also when set on a mixin or after the class was defined."""
+    value = {} if legacy == "backend_init_defaults" else 3
     with pytest.raises(TypeError, match=f"Tuned sets {legacy}: trainer defaults now come only from init_options_cls"):
-        type("Tuned", (SharedMemoryTrainer,), {legacy: {} if legacy == "backend_init_defaults" else 3})
+        type("Tuned", (SharedMemoryTrainer,), {legacy: value})
+    mixin = type("Defaults", (), {legacy: value})
+    with pytest.raises(TypeError, match=f"sets {legacy}"):
+        type("Tuned", (mixin, SharedMemoryTrainer), {})
+
+    class Late(SharedMemoryTrainer):
+        pass
+
+    setattr(Late, legacy, value)
+    with pytest.raises(TypeError, match=f"Late sets {legacy}"):
+        Late(client=UntouchedClient(), source={}, init_info={"world_size": 2})
 
 
 def test_nccl_declares_its_own_tables(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -39,7 +39,7 @@ def option(default: Any = _REQUIRED, *, doc: str | None = None, default_factory:
     Leave ``doc`` out only to redeclare a base class's option with another default (that is
     how a backend sets its own defaults): the base's doc is kept.
     """
-    metadata = {} if doc is None else {"doc": doc}
+    metadata = {"inherits_doc": True} if doc is None else {"doc": doc}
     if default_factory is not _REQUIRED:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -51,7 +51,14 @@ class NoOptions:
 
 
 def _fields(options_cls: type) -> dict[str, dataclasses.Field[Any]]:
-    return {f.name: f for f in dataclasses.fields(options_cls) if f.init and not f.name.startswith("_")}
+    fields = {f.name: f for f in dataclasses.fields(options_cls) if f.init and not f.name.startswith("_")}
+    for name, f in fields.items():
+        if f.metadata.get("inherits_doc") and not _doc(options_cls, name):
+            raise TypeError(  # a typo (bucket_byte) would add an option and leave the intended default as it was
+                f"{options_cls.__qualname__}.{name} = option(...) has no doc and redeclares no option of a base "
+                f"class (a misspelled name?); options a class adds need option(default, doc=...)"
+            )
+    return fields
 
 
 def _doc(options_cls: type, name: str) -> str:

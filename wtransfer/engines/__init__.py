@@ -17,15 +17,16 @@ Two layers, each a promise of its own (the surface test holds both to these list
     ``prepare_workers``, ``wait_for_workers``, ``send_round``, ``release`` (and optionally
     ``plan``); ``TrainerInitOptions`` (the ``init_info`` every trainer takes, and its
     defaults: a backend subclasses it as its ``init_options_cls``); ``ClientCall`` (a running
-    client call the engine watches); ``WeightSource``, ``ModuleSource``, ``TensorSource``,
-    ``create_trainer``.
+    client call the engine watches); ``WeightSource``, ``ModuleSource``, ``TensorSource``
+    (a source's ``metadata()`` returns ``wtransfer.TensorEntry``), ``create_trainer``.
 
     Bases to derive from: the torch.distributed family (``TorchDistributedBackend``, the
     mixin whose ``device``, ``make_process_group``, ``allocate`` ... a new collective
     backend overrides; ``TorchDistributedWeightTransferEngine`` and its
     ``TorchDistributedInitInfo``, ``TorchDistributedTrainer``,
     ``TorchDistributedOptions``, ``TorchDistributedInitOptions``) and the same-host family
-    (``SharedMemoryWeightTransferEngine``, ``SharedMemoryTrainer``). The leaves live in their
+    (``SharedMemoryWeightTransferEngine``, ``SharedMemoryTrainer``, ``SharedMemoryInitOptions``).
+    A trainer's ``init_options_cls`` extends its base's. The leaves live in their
     own public modules: :mod:`wtransfer.engines.gloo`, :mod:`wtransfer.engines.shm`.
 
 ``wtransfer.engines.wire`` (the lower layer)
@@ -68,6 +69,7 @@ _EXPORTS: dict[str, str] = {
     "TorchDistributedInitOptions": "wtransfer.engines._td_options",
     "SharedMemoryWeightTransferEngine": "wtransfer.engines.shm",
     "SharedMemoryTrainer": "wtransfer.engines.shm",
+    "SharedMemoryInitOptions": "wtransfer.engines.shm",
 }
 
 # Names this module exported before the toolkit was cut in two: importing one says where it went.

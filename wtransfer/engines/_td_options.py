@@ -119,6 +119,10 @@ class TorchDistributedInitOptions(TrainerInitOptions):
         2 * MIB, doc="tensors at least this large are sent in place, unpacked; None packs everything"
     )
     channels: int = option(2, doc=f"process groups the buckets are spread over (1..{MAX_CHANNELS})")
+    # 8 x 16 MiB: as much memory as 4 x 32 MiB, but enough collectives in flight to keep
+    # both channels busy (each gloo group runs its collectives on two threads).
+    bucket_bytes: int = option(16 * MIB)
+    num_buffers: int = option(8)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -136,10 +140,6 @@ class TorchDistributedInitOptions(TrainerInitOptions):
 class GlooInitOptions(TorchDistributedInitOptions):
     """Trainer ``init_info`` of ``gloo``: adds the trainer's own gloo address."""
 
-    # 8 x 16 MiB: as much memory as 4 x 32 MiB, but enough collectives in flight to keep
-    # both channels busy (each gloo group runs its collectives on two threads).
-    bucket_bytes: int = option(16 * MIB)
-    num_buffers: int = option(8)
     local_address: str | None = option(
         None, doc="address the trainer's gloo device binds and advertises (default: where the rendezvous listens)"
     )

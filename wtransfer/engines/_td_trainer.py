@@ -22,7 +22,7 @@ from wtransfer.engines._protocol import PROTOCOL_VERSION, ManifestRejected
 from wtransfer.engines._rendezvous import WILDCARD_ADDRESSES, RendezvousServer, new_token, store
 from wtransfer.engines._shards import rank_parts
 from wtransfer.engines._td_backend import REJECTED
-from wtransfer.engines._td_options import GlooInitOptions, TorchDistributedInitOptions
+from wtransfer.engines._td_options import TorchDistributedInitOptions
 from wtransfer.engines._td_sender import TorchDistributedSending
 from wtransfer.engines._trainer import ClientCall, TrainerInitOptions, TrainerWeightTransferEngine
 from wtransfer.errors import TransferError, TransferTimeoutError
@@ -34,7 +34,7 @@ class TorchDistributedTrainer(TorchDistributedSending, TrainerWeightTransferEngi
     """Trainer side (rank 0): hosts the store, then broadcasts packed buckets."""
 
     backend = "gloo"
-    init_options_cls: ClassVar[type[TrainerInitOptions]] = GlooInitOptions
+    init_options_cls: ClassVar[type[TrainerInitOptions]] = TorchDistributedInitOptions
 
     def prepare_workers(self) -> dict[str, Any]:
         from torch.distributed import PrefixStore

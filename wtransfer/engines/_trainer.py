@@ -186,13 +186,14 @@ def at_least(name: str, value: float, minimum: float) -> None:
 class TrainerInitOptions:
     """The ``init_info`` every trainer takes, and its defaults: the one place they come from.
 
-    A backend with keys of its own, or defaults of its own, subclasses it and names the
-    subclass as its trainer's ``init_options_cls``. A default is changed by redeclaring the
-    field (the doc is kept when left out)::
+    A backend with keys of its own, or defaults of its own, subclasses the options class of
+    the trainer it derives from (this one, ``SharedMemoryInitOptions``,
+    ``TorchDistributedInitOptions`` ...) and names the subclass as its trainer's
+    ``init_options_cls``; a class that does not extend its parent's is refused. A default is
+    changed by redeclaring the field (the doc is kept when left out)::
 
         @dataclass(frozen=True)
-        class SmallRingInitOptions(TrainerInitOptions):
-            bucket_bytes: int = option(4 * MIB)
+        class SmallRingInitOptions(SharedMemoryInitOptions):
             num_buffers: int = option(3)
     """
 
@@ -290,6 +291,7 @@ class TrainerWeightTransferEngine(ABC):
             from wtransfer.engines._sharded import LockstepSource
 
             self.source = LockstepSource(self.source)
+        self._check_defaults_declaration()  # also set after the class was defined
         self.init_options: Any = self._parse_init_info(dict(init_info or {}))
         """The parsed ``init_info``: an instance of :attr:`init_options_cls`."""
         self.init_info: dict[str, Any] = options_dict(self.init_options)
@@ -322,9 +324,25 @@ class TrainerWeightTransferEngine(ABC):
     # -- configuration -----------------------------------------------------------------
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        legacy = [name for name in ("default_bucket_bytes", "default_num_buffers", "backend_init_defaults")
-                  if name in vars(cls)]
-        if legacy:  # silently ignoring them would change a plugin's defaults on upgrade
+        cls._check_defaults_declaration()
+        parent = next((base.init_options_cls for base in cls.__mro__[1:]
+                       if isinstance(base.__dict__.get("init_options_cls"), type)), TrainerInitOptions)
+        own = cls.__dict__.get("init_options_cls", parent)
+        if not (isinstance(own, type) and issubclass(own, parent)):
+            raise TypeError(  # the parent's keys and defaults would be lost without a word
+                f"{cls.__qualname__}.init_options_cls = {getattr(own, '__qualname__', own)!s} does not extend "
+                f"{parent.__qualname__}, the init_info of the trainer it derives from: its keys and defaults "
+                f"would be lost. Subclass {parent.__qualname__} (redeclaring the fields whose default changes)"
+            )
+
+    @classmethod
+    def _check_defaults_declaration(cls) -> None:
+        """Refuse the 0.1 class attributes for defaults, wherever in the class's bases they are set:
+        ignoring them would change a plugin's defaults on upgrade without a word."""
+        legacy = sorted({name for klass in cls.__mro__
+                         for name in ("default_bucket_bytes", "default_num_buffers", "backend_init_defaults")
+                         if name in vars(klass)})
+        if legacy:
             raise TypeError(
                 f"{cls.__qualname__} sets {', '.join(legacy)}: trainer defaults now come only from "
                 f"init_options_cls. Subclass {cls.init_options_cls.__name__} and redeclare the fields "

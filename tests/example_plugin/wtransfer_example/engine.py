@@ -9,16 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from wtransfer.engines import SharedMemoryTrainer, SharedMemoryWeightTransferEngine, TrainerInitOptions
-from wtransfer.engines.wire import MIB
+from wtransfer.engines import SharedMemoryInitOptions, SharedMemoryTrainer, SharedMemoryWeightTransferEngine
 from wtransfer.options import option
 
 
 @dataclass(frozen=True)
-class SmallModelInitOptions(TrainerInitOptions):
-    """The trainer's ``init_info`` defaults: 4 MiB buckets, three buffers (docs are the base's)."""
+class SmallModelInitOptions(SharedMemoryInitOptions):
+    """shm's ``init_info``, with three buffers instead of four (its 4 MiB buckets and the docs kept)."""
 
-    bucket_bytes: int = option(4 * MIB)
     num_buffers: int = option(3)
 
 
