@@ -9,6 +9,7 @@ the checker imports of private modules and requires it to flag each one.
 from __future__ import annotations
 
 import ast
+import re
 import importlib
 import tomllib
 from pathlib import Path
@@ -50,7 +51,7 @@ TOOLKIT_NAMES: dict[str, set[str]] = {
     # upper layer: deriving from a built-in, or writing a worker/trainer pair
     "wtransfer.engines": {
         "BufferBudgetOptions", "ClientCall", "LoadWeights", "ManifestUpdateInfo", "ModuleSource",
-        "RoundGuard", "SharedMemoryTrainer", "SharedMemoryWeightTransferEngine", "TensorSource",
+        "RoundGuard", "SharedMemoryInitOptions", "SharedMemoryTrainer", "SharedMemoryWeightTransferEngine", "TensorSource",
         "TorchDistributedBackend", "TorchDistributedInitInfo", "TorchDistributedInitOptions",
         "TorchDistributedOptions", "TorchDistributedTrainer", "TorchDistributedWeightTransferEngine",
         "TrainerInitOptions", "TrainerWeightTransferEngine", "WeightSource", "WeightTransferEngine",
@@ -124,7 +125,8 @@ import importlib; importlib.import_module("wtransfer.connectors._base")
         "wtransfer._registry.registry", "wtransfer.engines._trainer", "wtransfer.engines._protocol",
         "wtransfer.cli", "wtransfer.connectors._base",
     ]
-    assert private_imports("import wtransfer\nfrom wtransfer.engines import MIB, SharedMemoryTrainer\n") == []
+    assert private_imports("import wtransfer\nfrom wtransfer.engines.wire import MIB\n"
+                           "from wtransfer.engines import SharedMemoryTrainer\n") == []
 
 
 @pytest.mark.parametrize("path", plugin_sources(), ids=lambda p: str(p.relative_to(ROOT)))
@@ -189,19 +191,24 @@ def test_each_toolkit_exports_exactly_its_promise(toolkit):
 
 
 def test_the_engine_layers_do_not_overlap_and_the_upper_one_stays_small():
-    upper, lower = TOOLKIT_NAMES["wtransfer.engines"], TOOLKIT_NAMES["wtransfer.engines.wire"]
+    """Catches: a name exported by both layers (two homes) or the upper layer growing unnoticed."""
+    upper = set(importlib.import_module("wtransfer.engines").__all__)
+    lower = set(importlib.import_module("wtransfer.engines.wire").__all__)
     assert not upper & lower
-    assert len(upper) <= 26, "the upper layer is what every engine author must learn: keep it near 20 names"
+    assert len(upper) <= 27, "the upper layer is what every engine author must learn: keep it near 20 names"
 
 
 def test_a_moved_name_says_where_it_went():
     """Catches: the wire protocol still reachable from the upper layer (two homes, two promises),
-    or an old import failing with a bare AttributeError instead of naming its new home."""
+    an old import failing without naming its new home, or ``hasattr`` raising on a moved name."""
     import wtransfer.engines as engines
 
     for name in TOOLKIT_NAMES["wtransfer.engines.wire"]:
-        with pytest.raises(ImportError, match=f"wtransfer.engines.{name} moved to wtransfer.engines.wire"):
+        with pytest.raises(AttributeError, match=f"wtransfer.engines.{name} moved to wtransfer.engines.wire"):
             getattr(engines, name)
+        assert not hasattr(engines, name) and getattr(engines, name, None) is None  # the idiom still works
+    with pytest.raises(ImportError, match="wtransfer.engines.MIB moved to wtransfer.engines.wire"):
+        from wtransfer.engines import MIB  # noqa: F401
     with pytest.raises(ImportError, match="GlooTrainer moved to wtransfer.engines.gloo"):
         from wtransfer.engines import GlooTrainer  # noqa: F401
     with pytest.raises(ImportError, match="StorageConnector moved to wtransfer.connectors.storage"):
@@ -210,8 +217,38 @@ def test_a_moved_name_says_where_it_went():
         engines.Nothing  # noqa: B018
 
 
+def imported_names(source: str) -> list[tuple[str, str]]:
+    """``(module, name)`` for every ``from wtransfer... import name`` in ``source``."""
+    return [(node.module, alias.name) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("wtransfer")
+            for alias in node.names]
+
+
+def test_the_name_checker_reads_real_imports():
+    assert imported_names("from wtransfer.engines import MIB, ModuleSource\nimport wtransfer\n") == [
+        ("wtransfer.engines", "MIB"), ("wtransfer.engines", "ModuleSource")]
+
+
 @pytest.mark.parametrize("path", ENGINE_PLUGINS)
 def test_engine_plugins_are_built_from_the_two_layers(path):
-    imported = set(wtransfer_imports((ROOT / path).read_text()))
+    """Catches: an engine plugin importing another module, or a name its toolkit does not export
+    (``from wtransfer.engines import MIB`` would only work through the moved-name error)."""
+    source = (ROOT / path).read_text()
+    imported = set(wtransfer_imports(source))
     assert {"wtransfer.engines", "wtransfer.engines.wire"} & imported, path  # the test reads real imports
     assert imported <= ENGINE_PLUGIN_MODULES, f"{path} imports {sorted(imported - ENGINE_PLUGIN_MODULES)}"
+    for module, name in imported_names(source):
+        assert name in importlib.import_module(module).__all__, f"{path}: {name} is not in {module}.__all__"
+
+
+README_TOOLKIT_ROW = re.compile(r"^\| `(wtransfer(?:\.[a-z]+)*)` \|(.*)\|$", re.MULTILINE)
+
+
+@pytest.mark.parametrize("toolkit", sorted(TOOLKIT_NAMES))
+def test_the_readme_lists_exactly_what_each_toolkit_exports(toolkit):
+    """Catches: the plugin guide's table promising a name the toolkit does not export, or missing one."""
+    rows = {module: text for module, text in README_TOOLKIT_ROW.findall((ROOT / "README.md").read_text())}
+    assert toolkit in rows, f"README's module table has no row for {toolkit}"
+    listed = set(re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", rows[toolkit]))
+    assert listed == TOOLKIT_NAMES[toolkit], (sorted(listed - TOOLKIT_NAMES[toolkit]),
+                                              sorted(TOOLKIT_NAMES[toolkit] - listed))

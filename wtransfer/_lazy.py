@@ -1,8 +1,9 @@
 """PEP 562 lazy exports: a public module names what it offers and where it lives.
 
-Used by ``wtransfer/__init__.py`` and the three toolkit modules (``wtransfer.engines``,
-``wtransfer.connectors``, ``wtransfer.specs``), so that importing any of them costs a dict
-and a function: the module defining a name is imported the first time the name is used.
+Used by ``wtransfer/__init__.py`` and the toolkit modules (``wtransfer.engines``,
+``wtransfer.engines.wire``, ``wtransfer.connectors``, ``wtransfer.specs``), so that importing
+any of them costs a dict and a function: the module defining a name is imported the first
+time the name is used.
 It imports only ``sys`` (built in): not ``typing``, not ``importlib``, not even
 ``__future__`` (each costs a bare interpreter a fraction of a millisecond it never pays otherwise).
 """
@@ -14,13 +15,25 @@ def _import(module: str):
     return __import__(module, fromlist=["__name__"])  # the submodule itself, not its top package
 
 
+def _from_import(frame) -> bool:
+    """Whether ``frame`` is running ``from module import name`` (not ``getattr``/``hasattr``)."""
+    try:
+        import dis  # only on the error path of a moved name
+
+        return frame.f_code.co_code[frame.f_lasti] == dis.opmap["IMPORT_FROM"]
+    except Exception:  # another interpreter's frames: fall back to a plain AttributeError
+        return False
+
+
 def lazy_exports(owner: str, exports: "dict[str, str]", moved: "dict[str, str] | None" = None):
     """The ``__getattr__`` and ``__dir__`` of module ``owner`` exporting ``exports`` (name -> module).
 
-    ``moved`` (name -> the public module that now offers it) turns an import of a name this
-    module no longer exports into an error that says where it went: nothing is re-exported,
-    so each name keeps one home. It is an ``ImportError``, not an ``AttributeError``, because
-    ``from module import name`` replaces an ``AttributeError`` with a message of its own.
+    ``moved`` (name -> the public module that now offers it) makes a name this module no
+    longer exports fail with a message that says where it went, instead of being re-exported
+    from its old home too. ``getattr`` and ``hasattr``
+    get an ``AttributeError``, as for any missing name (so ``hasattr(module, name)`` is simply
+    False); ``from module import name`` gets an ``ImportError`` carrying the message, because
+    the import statement would replace an ``AttributeError`` with a message of its own.
     """
     namespace = sys.modules[owner].__dict__
     moved = moved or {}
@@ -29,9 +42,11 @@ def lazy_exports(owner: str, exports: "dict[str, str]", moved: "dict[str, str] |
         module = exports.get(name)
         if module is None:
             if name in moved:
-                raise ImportError(
-                    f"{owner}.{name} moved to {moved[name]}: import it from there "
-                    f"(`from {moved[name]} import {name}`); see CHANGELOG.md", name=owner)
+                message = (f"{owner}.{name} moved to {moved[name]}: import it from there "
+                           f"(`from {moved[name]} import {name}`); see CHANGELOG.md")
+                if _from_import(sys._getframe(1)):
+                    raise ImportError(message, name=owner)
+                raise AttributeError(message)
             raise AttributeError(f"module {owner!r} has no attribute {name!r}")
         value = getattr(_import(module), name)
         namespace[name] = value  # later lookups skip __getattr__

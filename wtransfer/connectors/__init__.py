@@ -3,7 +3,7 @@
 Base and data types
     ``KVConnectorBase``, ``KVConnectorRole``, ``KVConnectorMetadata``, ``KVRequest``,
     ``ScheduledRequest``, ``SchedulerStep``, ``KVConnectorOutput``, ``KVCacheSpec``,
-    ``block_view`` (any layout's cache as ``[segments, blocks, elements]``).
+    ``KV_LAYOUTS``, ``block_view`` (any layout's cache as ``[segments, blocks, elements]``).
 Block identity
     ``block_hashes`` (chained per-block hashes), ``kv_namespace`` (what a hash is rooted
     in: model fingerprint, layout, geometry), ``full_block_range``.
