@@ -105,6 +105,7 @@ def test_a_components_file_follows_the_registry_rules(checkout: Path, monkeypatc
     ('[engine]\nx = "a.b:C"\n[widgets]\ny = "a:b"\n', "unknown table(s) 'widgets'"),
     ('[engines]\nx = "a.b.C"\n', 'write name = "package.module:Class"'),
     ('distribution = "a:b"\n', "'distribution' must be a name without ':'"),
+    ('distribution = "WTransfer"\n', "is an installed distribution's name; pick a name of your own"),
 ])
 def test_a_bad_components_file_is_an_error_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                      text: str | None, fragment: str):
@@ -121,3 +122,19 @@ def test_a_bad_components_file_is_an_error_naming_it(tmp_path: Path, monkeypatch
     finally:
         monkeypatch.delenv("WTRANSFER_COMPONENTS")
         wtransfer.refresh()
+
+
+def test_a_relative_path_is_refused_and_the_cli_reports_without_a_traceback(tmp_path: Path):
+    """Catches: a relative path that each process resolves from its own working directory (another
+    file, or none, in a worker), and ``wtransfer list`` (the diagnostic tool) crashing on it."""
+    out = run_python(
+        """
+        import sys
+        from wtransfer.cli import main
+        sys.exit(main(["list"]))
+        """,
+        env={"WTRANSFER_COMPONENTS": "team.toml"}, check=False,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert "WTRANSFER_COMPONENTS names team.toml: give absolute paths" in out.stderr

@@ -392,6 +392,8 @@ def test_hook_plugins_are_loaded_and_blocked_the_pluggy_way(site: Path, tmp_path
                        {"acme_two_hooks": OBSERVER})
     write_distribution(site, "acme-raises", "1.0", {"wtransfer.plugins": {"raises": "acme_raises_hooks"}},
                        {"acme_raises_hooks": "raise RuntimeError('no GPU here')\n"})
+    write_distribution(site, "acme-taken", "1.0", {"wtransfer.plugins": {"wtransfer.entry-points": "acme_taken"}},
+                       {"acme_taken": OBSERVER})  # a name pluggy already holds (the built-in contributor's)
     add_dist(site, "acme-fine", "wtransfer.plugins", {"fine": "acme_fine_hooks"}, {"acme_fine_hooks": OBSERVER})
     monkeypatch.setenv("WTRANSFER_DISABLE_PLUGINS", "acme-off")
     wtransfer.refresh()
@@ -406,6 +408,8 @@ def test_hook_plugins_are_loaded_and_blocked_the_pluggy_way(site: Path, tmp_path
     assert pm.is_blocked("twin") and "acme_one_hooks" not in sys.modules and "acme_two_hooks" not in sys.modules
     assert statuses["acme-raises"][0] == "broken" and "no GPU here" in statuses["acme-raises"][1]
     assert pm.is_blocked("raises")
+    assert statuses["acme-taken"][0] == "broken" and "is wtransfer's own" in statuses["acme-taken"][1]
+    assert "shm" in {i.name for i in wtransfer.list_components("engines")}  # the built-in contributor stays
     assert statuses["acme-fine"] == ("loaded", None)
     assert pm.get_plugin("fine") is sys.modules["acme_fine_hooks"]
     assert [d.project_name for _, d in pm.list_plugin_distinfo()] == ["acme-fine"]  # pluggy's own record

@@ -27,6 +27,7 @@ from pathlib import Path
 from wtransfer._registry.component import ComponentRef
 from wtransfer._registry.hooks import hookimpl
 from wtransfer._registry.kinds import KINDS, resolve_kind
+from wtransfer._registry.names import normalize_distribution
 from wtransfer.errors import InvalidComponentError
 
 COMPONENTS_ENV = "WTRANSFER_COMPONENTS"
@@ -61,6 +62,11 @@ def read_components_file(path: Path) -> list[ComponentRef]:
     unknown = sorted(key for key in data if key != "distribution" and not _is_kind(key))
     if not isinstance(distribution, str) or not distribution or ":" in distribution:
         raise InvalidComponentError(f"{path}: 'distribution' must be a name without ':', got {distribution!r}")
+    if normalize_distribution(distribution) in _installed_distributions():
+        raise InvalidComponentError(  # its qualified names would be ambiguous with no way out
+            f"{path}: distribution = {distribution!r} is an installed distribution's name; "
+            f"pick a name of your own, so that {distribution}:NAME says which one is meant"
+        )
     if unknown:
         raise InvalidComponentError(
             f"{path}: unknown table(s) {', '.join(map(repr, unknown))}; a components file has 'distribution' "
@@ -91,9 +97,27 @@ def _is_kind(key: str) -> bool:
     return True
 
 
+def _installed_distributions() -> set[str]:
+    from wtransfer._registry import discovery
+
+    return {normalize_distribution(record.distribution) for record in discovery.cached_scan()}
+
+
 def components_files() -> list[Path]:
-    """The files ``WTRANSFER_COMPONENTS`` names, in order (none when it is unset or empty)."""
-    return [Path(item).expanduser() for item in os.environ.get(COMPONENTS_ENV, "").split(os.pathsep) if item.strip()]
+    """The files ``WTRANSFER_COMPONENTS`` names, in order (none when it is unset or empty).
+
+    Paths must be absolute: every process reads the variable from its own working directory
+    (a Ray actor, a vLLM worker), where a relative path would name another file or none.
+    """
+    paths = [Path(item.strip()).expanduser() for item in os.environ.get(COMPONENTS_ENV, "").split(os.pathsep)
+             if item.strip()]
+    relative = [str(path) for path in paths if not path.is_absolute()]
+    if relative:
+        raise InvalidComponentError(
+            f"{COMPONENTS_ENV} names {', '.join(relative)}: give absolute paths, as every process reads "
+            f"it from its own working directory (e.g. {Path(relative[0]).resolve()})"
+        )
+    return paths
 
 
 class ComponentsFiles:

@@ -147,8 +147,15 @@ def _load_hook_plugins(pm: pluggy.PluginManager, statuses: list[HookPluginStatus
                                       f"each declare hook plugin {record.name!r}, and hook plugins are known by name "
                                       f"alone (pluggy's rule), so neither is loaded; uninstall one")
             continue
+        if pm.has_plugin(record.name):  # one of wtransfer's own: blocking the name would remove it
+            _broken(statuses, record, f"NameError: hook plugin name {record.name!r} is wtransfer's own; "
+                                      f"the distribution must declare its hook plugin under another name")
+            continue
         try:
-            pm.load_setuptools_entrypoints(HOOK_PLUGIN_GROUP, name=record.name)
+            if pm.load_setuptools_entrypoints(HOOK_PLUGIN_GROUP, name=record.name) != 1:
+                raise LookupError(  # uninstalled since the scan, or a name pluggy already holds
+                    f"pluggy's loader registered no plugin named {record.name!r} (taken, or no longer "
+                    f"installed: wtransfer.refresh() rescans)")
             _check_hooks_exist(pm, record.name)
         except Exception as exc:
             pm.set_blocked(record.name)  # unregisters it too, if it got that far

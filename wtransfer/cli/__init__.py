@@ -12,6 +12,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from wtransfer.errors import InvalidComponentError
+
 SUBCOMMANDS = ("wtransfer.cli.listing", "wtransfer.cli.show", "wtransfer.cli.check", "wtransfer.cli.bench")
 
 
@@ -43,3 +45,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `wtransfer list | head`
         sys.stderr.close()
         return 0
+    except InvalidComponentError as exc:  # e.g. a malformed WTRANSFER_COMPONENTS file: say it, no traceback
+        print(f"wtransfer: {exc}", file=sys.stderr)
+        return 2
