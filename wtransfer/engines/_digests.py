@@ -15,14 +15,22 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from wtransfer.errors import TransferError
 
 if TYPE_CHECKING:
     import torch
 
-    from wtransfer.engines._packing import Bucket
+
+class Span(Protocol):
+    """Where one tensor's bytes lie in a bucket (a packing plan's piece; named here, not imported,
+    so that the packing module may use this one without a circle)."""
+
+    index: int
+    offset: int
+    length: int
 
 ALGORITHM = "xxh3_64"
 
@@ -66,9 +74,9 @@ class RoundDigests:
             self._pending[buffer] = self._pending.get(buffer, 0) + 1
         self._jobs.put((key, data, buffer))
 
-    def update_bucket(self, bucket: Bucket, data: torch.Tensor, buffer: int = -1) -> None:
-        """Hash every piece of a bucket (its bytes in ``data``) into its tensor's digest."""
-        for piece in bucket.pieces:
+    def update_pieces(self, pieces: Iterable[Span], data: torch.Tensor, buffer: int = -1) -> None:
+        """Hash every piece of a bucket (``bucket.pieces``; their bytes in ``data``) into its tensor's digest."""
+        for piece in pieces:
             self.update(piece.index, data[piece.offset : piece.offset + piece.length], buffer)
 
     def _run(self) -> None:

@@ -237,7 +237,7 @@ class Packer:
                 )
                 read.append(self._flat)
         if self.digests is not None:
-            self.digests.update_bucket(bucket, data, buffer)
+            self.digests.update_pieces(bucket.pieces, data, buffer)
         return read
 
     def direct_bytes(self, bucket: Bucket, device: torch.device) -> torch.Tensor | None:
@@ -335,7 +335,7 @@ class Unpacker:
         """Hand the bucket's tensors on. With digests, ``data`` is hashed later: fence ``buffer``
         before it is written again."""
         if self.digests is not None:  # a discarding follower hashes too: every worker verifies
-            self.digests.update_bucket(bucket, data, buffer)
+            self.digests.update_pieces(bucket.pieces, data, buffer)
         if self._discard:
             entries = self._manifest.entries
             self.delivered += sum(

@@ -426,7 +426,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             if not left:
                 del writing[index]
                 if digests is not None:  # the bucket is what one sender would have packed: hash it as Packer does
-                    digests.update_bucket(buckets[index], self._ring.slots[slot_of[index]], slot_of[index])  # type: ignore[union-attr]
+                    digests.update_pieces(buckets[index].pieces, self._ring.slots[slot_of[index]], slot_of[index])  # type: ignore[union-attr]
                 announce(index)
 
         def handle(rank: int, message: dict[str, Any]) -> None:
