@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -20,9 +23,36 @@ from wtransfer_vllm.vllm_internals import INTERNALS, Internal
 
 PACKAGE = PLUGIN_ROOT / "wtransfer_vllm"
 ISOLATED = "vllm_internals.py"
-KINDS = {"dict", "classmethod", "method", "instance"}
+KINDS = {"dict", "classmethod", "method", "instance", "function"}
 NOT_VLLM = {"_parameters": "torch.nn.Module's own parameters (torch, not vLLM)"}
 """Private names the bridge reads that belong to other libraries (each checked by hand)."""
+LISTED = frozenset(internal.attribute for internal in INTERNALS)
+"""The attributes ``INTERNALS`` lists: outside ``vllm_internals`` none may be used (load, store,
+``del``, a ``getattr``-family string, an import from vLLM), whatever the object, but for ALLOWED."""
+ALLOWED: dict[tuple[str, str], str] = {
+    # A use of a LISTED attribute name (module, "receiver.attribute" exactly as written) that is
+    # not the internal the row names. Each checked by hand; an entry no module uses fails a test.
+    # -- vllm.LLM's public methods (the bridge's public API, see vllm_internals' docstring), not
+    #    EngineCore.collective_rpc / EngineCore.reset_prefix_cache / the Worker's methods:
+    ("bench.py", "llm.collective_rpc"): "vllm.LLM.collective_rpc('reload_weights', ...): the baseline benchmark",
+    ("testing.py", "llm.collective_rpc"): "vllm.LLM.collective_rpc('compute_weight_checksums')",
+    ("bench_kv.py", "llm.reset_prefix_cache"): "vllm.LLM.reset_prefix_cache() between timed runs",
+    **{("client.py", f"self.llm.{name}"): f"vllm.LLM.{name}: LLMClient adapts the offline LLM's weight-sync "
+       f"methods (self.llm is the user's vllm.LLM)" for name in
+       ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")},
+    # -- the field of vLLM's public config / plugin dataclasses, not Worker.rank:
+    ("engine.py", "parallel.rank"): "ParallelConfig.rank (parallel = vllm_config.parallel_config, handed to the "
+                                    "engine's __init__ by vLLM)",
+    ("connector.py", "parallel.rank"): "ParallelConfig.rank, read with getattr(parallel, 'rank', 0) from "
+                                       "vllm_config.parallel_config when the TP group is not up",
+    ("trainer.py", "init_info.rank"): "TrainerInitInfo.rank, the documented keyword field of vLLM's trainer "
+                                      "init info (the bridge's WTransferTrainerInitInfo subclasses it)",
+    # -- wtransfer's own objects, not vLLM's:
+    ("engine.py", "wtransfer.WeightTransferEngineFactory.create_engine"): "wtransfer's factory (import wtransfer)",
+    ("engine.py", "self.inner.start_weight_update"): "self.inner is the wtransfer engine the adapter created",
+    ("engine.py", "self.inner.finish_weight_update"): "self.inner is the wtransfer engine the adapter created",
+}
+"""Uses of a LISTED name in a bridge module that are not a reach into vLLM (see the comments)."""
 
 
 # ================================================================ in the real vLLM
@@ -58,6 +88,21 @@ def test_the_probes_layer_classes_are_listed() -> None:
     """The probe recognises vLLM's quantization methods by class name: a rename must fail here too."""
     listed = {internal.path.rsplit(".", 1)[1] for internal in INTERNALS}
     assert set(PROBED_METHODS) <= listed
+
+
+def test_without_vllms_mtp_check_the_load_runs_and_warns_once(monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """A vLLM without ``disable_mtp_completeness_check``: a no-op context, and one warning per process."""
+    from wtransfer_vllm import vllm_internals
+
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.mtp_validation", None)  # import fails
+    monkeypatch.setattr(vllm_internals, "_mtp_fallback_warned", False)
+    with caplog.at_level(logging.WARNING, logger="vllm.wtransfer_vllm"):
+        for _ in range(3):
+            with vllm_internals.disable_mtp_completeness_check():
+                pass
+    warnings = [r for r in caplog.records if "disable_mtp_completeness_check" in r.getMessage()]
+    assert len(warnings) == 1, caplog.text
 
 
 # ================================================================ nothing else reaches in (no vLLM)
@@ -102,17 +147,36 @@ def own_private_names(sources: list[str]) -> set[str]:
     return own
 
 
-def vllm_reaches(source: str, own: set[str] = frozenset()) -> list[str]:
+def _listed_use(module: str, receiver: ast.AST, attribute: str, allowed: Mapping[tuple[str, str], str],
+                 used: set[tuple[str, str]]) -> bool:
+    """Whether ``receiver.attribute`` uses a LISTED name and is not in ``allowed`` (noting those that are)."""
+    if attribute not in LISTED:
+        return False
+    key = (module, f"{ast.unparse(receiver)}.{attribute}")
+    if key in allowed:
+        used.add(key)
+        return False
+    return True
+
+
+def vllm_reaches(source: str, own: set[str] = frozenset(), module: str = "<snippet>",
+                 allowed: Mapping[tuple[str, str], str] = ALLOWED, used: set[tuple[str, str]] | None = None) -> list[str]:
     """Every place ``source`` reaches into vLLM privately (line: what), as far as ``ast`` can tell.
 
     Flagged: ``._registry`` on anything; importing an underscore name or module from ``vllm``;
-    a private attribute, an attribute assignment or ``del`` on a name imported from ``vllm``;
-    any ``setattr``/``delattr`` (monkeypatching); and any private attribute or ``getattr``-family
+    a private attribute, an attribute assignment (any target: ``=``, ``+=``, ``for``, ``with``)
+    or ``del`` on a name imported from ``vllm`` (or a plain alias of one, ``E = core.EngineCore``);
+    any ``setattr``/``delattr`` (monkeypatching); any private attribute or ``getattr``-family
     string the bridge does not define itself (``own``), such as one inherited from a vLLM base
-    class (``self._kv_transfer_config``) or one of an object vLLM handed over (``worker._flag``).
+    class (``self._kv_transfer_config``) or one of an object vLLM handed over (``worker._flag``);
+    and any use of an attribute name ``INTERNALS`` lists (LISTED), public-looking or not, on any
+    object (``layer.quant_method``, ``core.scheduler.running``, ``getattr(m, "quant_method")``,
+    ``m.process_weights_after_loading = f``, ``from vllm... import disable_mtp_completeness_check``),
+    unless ``(module, "receiver.attribute")`` is in ``allowed`` (those found there are added to ``used``).
     """
     tree = ast.parse(source)
     found: list[str] = []
+    used = set() if used is None else used
     vllm_names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -128,6 +192,19 @@ def vllm_reaches(source: str, own: set[str] = frozenset()) -> list[str]:
                 vllm_names.add(alias.asname or alias.name)
                 if _private(alias.name):
                     found.append(f"{node.lineno}: imports vLLM's private {node.module}.{alias.name}")
+                elif alias.name in LISTED:
+                    found.append(f"{node.lineno}: imports {node.module}.{alias.name}, listed in INTERNALS "
+                                 f"(use {ISOLATED})")
+    aliased = True
+    while aliased:  # plain aliases of vLLM names (E = EngineCore, E = core.EngineCore), to a fixed point
+        aliased = False
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Assign) and isinstance(node.value, (ast.Name, ast.Attribute))
+                    and _root(node.value) in vllm_names):
+                for target in _targets(node):
+                    if isinstance(target, ast.Name) and target.id not in vllm_names:
+                        vllm_names.add(target.id)
+                        aliased = True
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and _private(node.attr):
             if node.attr == "_registry":
@@ -136,6 +213,11 @@ def vllm_reaches(source: str, own: set[str] = frozenset()) -> list[str]:
                 found.append(f"{node.lineno}: private attribute {node.attr} of vLLM's {_root(node)}")
             elif node.attr not in own and node.attr not in NOT_VLLM:
                 found.append(f"{node.lineno}: private attribute .{node.attr}, not the bridge's own")
+        if isinstance(node, ast.Attribute):
+            if _listed_use(module, node.value, node.attr, allowed, used):
+                found.append(f"{node.lineno}: {ast.unparse(node)}: .{node.attr} is listed in INTERNALS (use {ISOLATED})")
+            if isinstance(node.ctx, (ast.Store, ast.Del)) and _root(node) in vllm_names:
+                found.append(f"{node.lineno}: assigns or deletes vLLM's {ast.unparse(node)}")
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             name = node.func.id
             if name in ("setattr", "delattr"):
@@ -145,10 +227,11 @@ def vllm_reaches(source: str, own: set[str] = frozenset()) -> list[str]:
                 if (isinstance(key, ast.Constant) and isinstance(key.value, str) and _private(key.value)
                         and key.value not in own and key.value not in NOT_VLLM):
                     found.append(f"{node.lineno}: {name}(..., {key.value!r}), not the bridge's own")
+                if (isinstance(key, ast.Constant) and isinstance(key.value, str)
+                        and _listed_use(module, node.args[0], key.value, allowed, used)):
+                    found.append(f"{node.lineno}: {name}(..., {key.value!r}): listed in INTERNALS (use {ISOLATED})")
         for target in _targets(node):
-            if isinstance(target, ast.Attribute) and _root(target) in vllm_names:
-                found.append(f"{node.lineno}: assigns or deletes vLLM's {_root(target)}.{target.attr}")
-            elif isinstance(node, ast.Delete) and isinstance(target, ast.Attribute) and _root(target) not in ("self", "cls"):
+            if isinstance(node, ast.Delete) and isinstance(target, ast.Attribute) and _root(target) not in ("self", "cls"):
                 found.append(f"{node.lineno}: deletes .{target.attr} of an object the bridge did not make (patching "
                              f"belongs in {ISOLATED})")
     return sorted(set(found), key=lambda text: int(text.split(":")[0]))
@@ -162,10 +245,19 @@ def test_no_module_but_vllm_internals_reaches_into_vllm() -> None:
     modules = _modules()
     assert ISOLATED in modules
     own = own_private_names(list(modules.values()))
-    reaches = {name: vllm_reaches(source, own) for name, source in modules.items() if name != ISOLATED}
+    used: set[tuple[str, str]] = set()
+    reaches = {name: vllm_reaches(source, own, name, ALLOWED, used) for name, source in modules.items()
+               if name != ISOLATED}
     assert {name: found for name, found in reaches.items() if found} == {}, (
         f"move these into wtransfer_vllm/{ISOLATED} (with a row in INTERNALS)"
     )
+    assert set(ALLOWED) - used == set(), "ALLOWED entries no bridge module uses any more: remove them"
+
+
+def test_an_allowed_use_is_allowed_only_in_its_module() -> None:
+    assert vllm_reaches("def f(parallel):\n    return parallel.rank", module="engine.py") == []
+    assert vllm_reaches("def f(parallel):\n    return parallel.rank", module="worker_rpc.py")
+    assert vllm_reaches("def f(worker):\n    return worker.rank", module="engine.py")
 
 
 @pytest.mark.parametrize("snippet", [
@@ -183,11 +275,40 @@ def test_no_module_but_vllm_internals_reaches_into_vllm() -> None:
     "def module_of(source):\n    return getattr(source, '_module', None)",
     "from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1\n"
     "class C(KVConnectorBase_V1):\n    def f(self):\n        return self._kv_transfer_config",
+    # public-looking names INTERNALS lists, on objects vLLM handed over
+    "def method_of(layer):\n    return getattr(layer, \"quant_method\")",
+    "def method_of(layer):\n    return layer.quant_method",
+    "def patch(method, f):\n    method.process_weights_after_loading = f",
+    "def running(core):\n    return len(core.scheduler.running)",
+    "def engine_of(worker):\n    return hasattr(worker, 'weight_transfer_engine')",
+    "from vllm.v1.engine.core import EngineCore\nclass C(EngineCore):\n    def f(self):\n        return self.vllm_config",
+    "from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check",
+    # plain attribute assignment onto vLLM names, whatever the name and the statement
+    "from vllm.config import VllmConfig\nVllmConfig.anything = None",
+    "from vllm.v1.engine import core\ncore.EngineCore.step += 1",
+    "from vllm.v1.engine.core import EngineCore\nE = EngineCore\nE.step = None",
+    "import vllm\nfor vllm.envs.VLLM_FLAG in (1,):\n    pass",
 ], ids=["registry-on-vllm-name", "registry-anywhere", "registry-by-getattr", "private-name-import",
         "private-module-import", "private-module-from-import", "classmethod-replaced", "del-on-vllm", "del-on-handed-object",
-        "setattr", "private-attribute-of-handed-object", "private-getattr-string", "inherited-private"])
+        "setattr", "private-attribute-of-handed-object", "private-getattr-string", "inherited-private",
+        "listed-getattr-string", "listed-attribute", "listed-attribute-assigned", "listed-chain", "listed-hasattr-string",
+        "listed-inherited", "listed-function-import", "assign-on-vllm-name", "augassign-on-vllm-name",
+        "assign-on-vllm-alias", "for-target-on-vllm-name"])
 def test_the_source_check_finds_reaches(snippet: str) -> None:
     assert vllm_reaches(snippet), snippet
+
+
+def test_the_listed_rules_alone_find_the_public_looking_reaches() -> None:
+    """The new rules, each on its own: none of these is private, and none uses setattr/del."""
+    for snippet, expected in [
+        ("def f(layer):\n    return getattr(layer, 'quant_method')", "'quant_method'"),
+        ("def f(layer):\n    return layer.quant_method", "layer.quant_method"),
+        ("def f(method, g):\n    method.process_weights_after_loading = g", "method.process_weights_after_loading"),
+        ("def f(core):\n    return core.scheduler.running", "core.scheduler.running"),
+        ("from vllm.config import VllmConfig\nVllmConfig.anything = None", "VllmConfig.anything"),
+    ]:
+        found = vllm_reaches(snippet)
+        assert len(found) >= 1 and any(expected in line for line in found), (snippet, found)
 
 
 def test_the_source_check_leaves_the_bridges_own_names_alone() -> None:
@@ -212,6 +333,10 @@ def test_the_source_check_flags_the_bridge_as_it_was() -> None:
         "trainer": "def _as_source(source):\n    return getattr(source, '_module', None)",
         "connector": "from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1\n"
                      "class A(KVConnectorBase_V1):\n    def __init__(self):\n        transfer = self._kv_transfer_config",
+        "engine (mtp)": "def load_into_model(model, weights):\n    try:\n        from vllm.model_executor.model_loader."
+                        "mtp_validation import disable_mtp_completeness_check\n    except ImportError:\n        pass",
+        "engine (tied)": "def refresh(method, module):\n    if hasattr(method, 'process_weights_after_loading'):\n"
+                         "        method.process_weights_after_loading(module)",
     }
     for module, source in before.items():
         assert vllm_reaches(source, own_private_names([source])), module

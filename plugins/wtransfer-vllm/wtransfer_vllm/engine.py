@@ -36,7 +36,7 @@ from wtransfer_vllm.checkpoint import check_round, checkpoint_tensors
 from wtransfer_vllm.probe import TOLERANCE as PROBE_TOLERANCE
 from wtransfer_vllm.probe import CommitProbe
 from wtransfer_vllm.probe import enabled as probe_enabled
-from wtransfer_vllm.vllm_internals import layer_quant_method
+from wtransfer_vllm.vllm_internals import disable_mtp_completeness_check, layer_quant_method, reprocess_layer_weights
 from wtransfer_vllm.worker_rpc import report_failures_as_replies
 
 # Under vLLM's logger tree, so the per-round line shows in vLLM's own log output.
@@ -227,11 +227,6 @@ def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]
         initialize_layerwise_reload,
     )
 
-    try:
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-    except ImportError:  # pragma: no cover - older vLLM
-        disable_mtp_completeness_check = contextlib.nullcontext
-
     probe = CommitProbe(model) if probe_enabled() else None
     with probe or contextlib.nullcontext():
         initialize_layerwise_reload(model)
@@ -270,8 +265,7 @@ def refresh_tied_layers(model: Any) -> list[str]:
         key = weight.data_ptr()
         if key not in first_holder:
             first_holder[key] = name
-        elif type(method).__name__.startswith("Unquantized") and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(module)
+        elif type(method).__name__.startswith("Unquantized") and reprocess_layer_weights(method, module):
             refreshed.append(name)
     return refreshed
 

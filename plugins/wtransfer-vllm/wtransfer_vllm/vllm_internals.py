@@ -20,8 +20,13 @@ when called), so ``import wtransfer_vllm.vllm_internals`` works without vLLM.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
+
+# Under vLLM's logger tree, like the rest of the bridge (wtransfer_vllm.engine).
+logger = logging.getLogger("vllm.wtransfer_vllm")
 
 WRAPPED = "_wtransfer_wrapped"
 """Marks a function this bridge put in place of a vLLM one, so a second install is a no-op."""
@@ -31,15 +36,18 @@ class Internal(NamedTuple):
     """One vLLM internal the bridge relies on."""
 
     path: str
-    """Dotted import path of the vLLM object (a class) that has the attribute."""
+    """Dotted import path of the vLLM object (a class) that has the attribute; for ``function``,
+    of the vLLM module that has it."""
     attribute: str
     use: str
     """What the bridge uses it for."""
     kind: str
     """What it must be: ``dict`` (a class attribute holding a dict), ``classmethod``, ``method``
-    (a function on the class), or ``instance`` (an attribute vLLM's ``__init__`` sets on instances)."""
+    (a function on the class), ``instance`` (an attribute vLLM's ``__init__`` sets on instances),
+    or ``function`` (a function of the module ``path``)."""
     params: tuple[str, ...] = ()
-    """For callables: the leading parameters (after ``self``/``cls``) the bridge passes, in order."""
+    """For callables: the leading parameters (after ``self``/``cls``; for ``function``, from the
+    first) the bridge passes, in order."""
 
     @property
     def name(self) -> str:
@@ -53,6 +61,7 @@ _ENGINE_CORE = "vllm.v1.engine.core.EngineCore"
 _WORKER = "vllm.v1.worker.gpu_worker.Worker"
 _LINEAR_METHOD = "vllm.model_executor.layers.linear.UnquantizedLinearMethod"
 _EMBEDDING_METHOD = "vllm.model_executor.layers.vocab_parallel_embedding.UnquantizedEmbeddingMethod"
+_MTP_VALIDATION = "vllm.model_executor.model_loader.mtp_validation"
 
 INTERNALS: tuple[Internal, ...] = (
     # -- registration (wtransfer_vllm.registration) ------------------------------------------
@@ -98,11 +107,15 @@ INTERNALS: tuple[Internal, ...] = (
              "the embedding / LM head's weight processing and forward kernel (probed; tied heads re-processed)",
              "instance"),
     Internal(_LINEAR_METHOD, "process_weights_after_loading", "wrapped per instance during a commit: the probe "
-             "sees each layer's weight as loaded, before processing (the probe matches this class by name)",
-             "method", ("layer",)),
+             "sees each layer's weight as loaded, before processing (the probe matches this class by name); "
+             "re-run on tied layers after a commit", "method", ("layer",)),
     Internal(_EMBEDDING_METHOD, "process_weights_after_loading", "wrapped per instance during a commit: the probe "
-             "sees each layer's weight as loaded, before processing (the probe matches this class by name)",
-             "method", ("layer",)),
+             "sees each layer's weight as loaded, before processing (the probe matches this class by name); "
+             "re-run on a tied LM head after a commit", "method", ("layer",)),
+    # -- the commit's load (wtransfer_vllm.engine) ----------------------------------------------
+    Internal(_MTP_VALIDATION, "disable_mtp_completeness_check", "around model.load_weights at a commit, as vLLM's "
+             "own weight-transfer engines do: a round's load must not be refused as an incomplete MTP checkpoint",
+             "function", ()),
 )
 """Every vLLM internal the bridge relies on (see :class:`Internal`)."""
 
@@ -287,6 +300,23 @@ def layer_quant_method(layer: Any) -> Any | None:
     return getattr(layer, "quant_method", None)
 
 
+def reprocess_layer_weights(method: Any, layer: Any) -> bool:
+    """Run ``method.process_weights_after_loading(layer)`` again, where the method has one;
+    returns whether it ran.
+
+    Touches ``UnquantizedLinearMethod.process_weights_after_loading`` /
+    ``UnquantizedEmbeddingMethod.process_weights_after_loading``: vLLM's layerwise reload runs a
+    layer's processing when that layer's own weights arrive, and a tied LM head receives none,
+    so what it built from the (shared) weight would stay stale; vLLM has no public call to
+    re-process one layer (see ``wtransfer_vllm.engine.refresh_tied_layers``).
+    """
+    process = getattr(method, "process_weights_after_loading", None)
+    if process is None:
+        return False
+    process(layer)
+    return True
+
+
 def patch_process_weights_after_loading(method: Any, replacement_for: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
     """Put ``replacement_for(current)`` as ``method.process_weights_after_loading`` on this one
     instance; returns the function that puts back what was there.
@@ -310,3 +340,31 @@ def patch_process_weights_after_loading(method: Any, replacement_for: Callable[[
 
     return restore
 
+
+
+# ============================================================== the commit's load
+_mtp_fallback_warned = False
+
+
+def disable_mtp_completeness_check() -> contextlib.AbstractContextManager[None]:
+    """vLLM's ``disable_mtp_completeness_check()`` context, or a no-op where this vLLM has none.
+
+    Touches ``vllm.model_executor.model_loader.mtp_validation.disable_mtp_completeness_check``,
+    a function of vLLM's model loader that no public API exports. vLLM's MTP (multi-token
+    prediction) models' ``load_weights`` raise when the weights they are given lack the MTP
+    layers, a check meant for a checkpoint loaded at start-up; vLLM's own weight-transfer
+    engines (nccl, ipc) turn it off around their ``model.load_weights``, and so does the bridge
+    around a commit's. Where the import fails (an older vLLM, or one that moved or renamed it),
+    the load runs without it, and a warning says so once per process; the test
+    ``test_vllm_still_has[mtp_validation.disable_mtp_completeness_check]`` fails by name.
+    """
+    global _mtp_fallback_warned
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check as disable
+    except ImportError as exc:
+        if not _mtp_fallback_warned:
+            _mtp_fallback_warned = True
+            logger.warning("wtransfer-vllm: this vLLM has no %s.disable_mtp_completeness_check (%s); weights are "
+                           "loaded with vLLM's MTP completeness check on", _MTP_VALIDATION, exc)
+        return contextlib.nullcontext()
+    return disable()

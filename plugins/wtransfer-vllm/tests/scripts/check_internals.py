@@ -44,7 +44,7 @@ def set_on_self(owner, attribute):
 
 def problem(item):
     try:
-        owner = resolve(item.path)
+        owner = importlib.import_module(item.path) if item.kind == "function" else resolve(item.path)
     except (ImportError, AttributeError) as exc:
         return f"{item.path} cannot be imported: {type(exc).__name__}: {exc}"
     if item.kind == "instance":
@@ -61,13 +61,13 @@ def problem(item):
         if not isinstance(static, classmethod):
             return f"is a {type(static).__name__}, not a classmethod"
         function = static.__func__
-    elif item.kind == "method":
+    elif item.kind in ("method", "function"):
         if not inspect.isfunction(static):
-            return f"is a {type(static).__name__}, not a plain method"
+            return f"is a {type(static).__name__}, not a plain {item.kind}"
         function = static
     else:
         return f"unknown kind {item.kind!r} in INTERNALS"
-    names = list(inspect.signature(function).parameters)[1:]  # after self / cls
+    names = list(inspect.signature(function).parameters)[item.kind != "function":]  # after self / cls
     if names[: len(item.params)] != list(item.params):
         return f"takes ({', '.join(names)}); the bridge passes ({', '.join(item.params)})"
     return None
