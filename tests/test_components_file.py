@@ -105,7 +105,7 @@ def test_a_components_file_follows_the_registry_rules(checkout: Path, monkeypatc
     ('[engine]\nx = "a.b:C"\n[widgets]\ny = "a:b"\n', "unknown table(s) 'widgets'"),
     ('[engines]\nx = "a.b.C"\n', 'write name = "package.module:Class"'),
     ('distribution = "a:b"\n', "'distribution' must be a name without ':'"),
-    ('distribution = "WTransfer"\n', "is an installed distribution's name; pick a name of your own"),
+    ('distribution = "WTransfer"\n', "is the name of an installed distribution providing wtransfer components"),
 ])
 def test_a_bad_components_file_is_an_error_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                      text: str | None, fragment: str):

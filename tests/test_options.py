@@ -197,7 +197,7 @@ def test_a_misspelled_redeclared_option_is_an_error() -> None:
     class Typo(SharedMemoryInitOptions):
         bucket_byte: int = option(1 << 20)
 
-    with pytest.raises(TypeError, match="Typo.bucket_byte = option.*has no doc and redeclares no option"):
+    with pytest.raises(TypeError, match="Typo.bucket_byte = option.*has no doc and no base class documents"):
         describe_options(Typo)
     with pytest.raises(TypeError, match="misspelled"):
         parse_options(Typo, {"world_size": 2}, owner="t")
@@ -220,6 +220,16 @@ def test_a_trainer_whose_options_drop_its_bases_keys_is_refused() -> None:
         type("Tuned", (SharedMemoryTrainer,), {"init_options_cls": Plain})
     with pytest.raises(TypeError, match="does not extend GlooInitOptions"):
         type("MyGloo", (GlooTrainer,), {"init_options_cls": TorchDistributedInitOptions})
+    mixin = type("PlainOptions", (), {"init_options_cls": Plain})  # set by a mixin ahead of the trainer
+    with pytest.raises(TypeError, match="does not extend SharedMemoryInitOptions"):
+        type("Mixed", (mixin, SharedMemoryTrainer), {})
+
+    class Late(SharedMemoryTrainer):
+        pass
+
+    Late.init_options_cls = Plain  # set after the class was defined: caught at creation
+    with pytest.raises(TypeError, match="Late.init_options_cls = .*Plain does not extend SharedMemoryInitOptions"):
+        Late(client=UntouchedClient(), source={}, init_info={"world_size": 2})
 
     class Collective(TorchDistributedTrainer):
         init_options_cls = TorchDistributedInitOptions

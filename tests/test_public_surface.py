@@ -209,6 +209,11 @@ def test_a_moved_name_says_where_it_went():
         assert not hasattr(engines, name) and getattr(engines, name, None) is None  # the idiom still works
     with pytest.raises(ImportError, match="wtransfer.engines.MIB moved to wtransfer.engines.wire"):
         from wtransfer.engines import MIB  # noqa: F401
+    # a module with over 256 names: the IMPORT_FROM carries EXTENDED_ARG prefixes (on 3.10, where
+    # the running frame points at them)
+    many = "\n".join(f"name{i} = {i}" for i in range(300)) + "\nfrom wtransfer.engines import MIB\n"
+    with pytest.raises(ImportError, match="wtransfer.engines.MIB moved to wtransfer.engines.wire"):
+        exec(compile(many, "many_names", "exec"), {})
     with pytest.raises(ImportError, match="GlooTrainer moved to wtransfer.engines.gloo"):
         from wtransfer.engines import GlooTrainer  # noqa: F401
     with pytest.raises(ImportError, match="StorageConnector moved to wtransfer.connectors.storage"):

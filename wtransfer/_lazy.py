@@ -16,11 +16,19 @@ def _import(module: str):
 
 
 def _from_import(frame) -> bool:
-    """Whether ``frame`` is running ``from module import name`` (not ``getattr``/``hasattr``)."""
-    try:
-        import dis  # only on the error path of a moved name
+    """Whether ``frame`` is running ``from module import name`` (not ``getattr``/``hasattr``).
 
-        return frame.f_code.co_code[frame.f_lasti] == dis.opmap["IMPORT_FROM"]
+    ``f_lasti`` is the offset of the running instruction in the unspecialised ``co_code``
+    (CPython 3.10-3.13); on 3.10 it may point at the ``EXTENDED_ARG`` prefixes of an
+    ``IMPORT_FROM`` whose name index exceeds 255, which are skipped.
+    """
+    try:
+        import opcode  # only on the error path of a moved name
+
+        code, at = frame.f_code.co_code, frame.f_lasti
+        while code[at] == opcode.EXTENDED_ARG:
+            at += 2
+        return code[at] == opcode.opmap["IMPORT_FROM"]
     except Exception:  # another interpreter's frames: fall back to a plain AttributeError
         return False
 

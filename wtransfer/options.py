@@ -55,8 +55,8 @@ def _fields(options_cls: type) -> dict[str, dataclasses.Field[Any]]:
     for name, f in fields.items():
         if f.metadata.get("inherits_doc") and not _doc(options_cls, name):
             raise TypeError(  # a typo (bucket_byte) would add an option and leave the intended default as it was
-                f"{options_cls.__qualname__}.{name} = option(...) has no doc and redeclares no option of a base "
-                f"class (a misspelled name?); options a class adds need option(default, doc=...)"
+                f"{options_cls.__qualname__}.{name} = option(...) has no doc and no base class documents an "
+                f"option of that name (a misspelled name?); options a class adds need option(default, doc=...)"
             )
     return fields
 

@@ -63,9 +63,11 @@ def read_components_file(path: Path) -> list[ComponentRef]:
     if not isinstance(distribution, str) or not distribution or ":" in distribution:
         raise InvalidComponentError(f"{path}: 'distribution' must be a name without ':', got {distribution!r}")
     if normalize_distribution(distribution) in _installed_distributions():
+        given = "distribution" in data
         raise InvalidComponentError(  # its qualified names would be ambiguous with no way out
-            f"{path}: distribution = {distribution!r} is an installed distribution's name; "
-            f"pick a name of your own, so that {distribution}:NAME says which one is meant"
+            f"{path}: distribution = {distribution!r}{'' if given else ' (by default, the file name stem)'} is "
+            f"the name of an installed distribution providing wtransfer components; set `distribution` "
+            f"to a name of your own, so that {distribution}:NAME says which one is meant"
         )
     if unknown:
         raise InvalidComponentError(
@@ -109,8 +111,11 @@ def components_files() -> list[Path]:
     Paths must be absolute: every process reads the variable from its own working directory
     (a Ray actor, a vLLM worker), where a relative path would name another file or none.
     """
-    paths = [Path(item.strip()).expanduser() for item in os.environ.get(COMPONENTS_ENV, "").split(os.pathsep)
-             if item.strip()]
+    try:
+        paths = [Path(item.strip()).expanduser() for item in os.environ.get(COMPONENTS_ENV, "").split(os.pathsep)
+                 if item.strip()]
+    except RuntimeError as exc:  # ~user that does not exist
+        raise InvalidComponentError(f"{COMPONENTS_ENV}: {exc}") from None
     relative = [str(path) for path in paths if not path.is_absolute()]
     if relative:
         raise InvalidComponentError(

@@ -28,9 +28,14 @@ class Span(Protocol):
     """Where one tensor's bytes lie in a bucket (a packing plan's piece; named here, not imported,
     so that the packing module may use this one without a circle)."""
 
-    index: int
-    offset: int
-    length: int
+    @property
+    def index(self) -> int: ...  # the tensor's position in the manifest
+
+    @property
+    def offset(self) -> int: ...  # first byte within the bucket
+
+    @property
+    def length(self) -> int: ...
 
 ALGORITHM = "xxh3_64"
 

@@ -325,20 +325,18 @@ class TrainerWeightTransferEngine(ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._check_defaults_declaration()
-        parent = next((base.init_options_cls for base in cls.__mro__[1:]
-                       if isinstance(base.__dict__.get("init_options_cls"), type)), TrainerInitOptions)
-        own = cls.__dict__.get("init_options_cls", parent)
-        if not (isinstance(own, type) and issubclass(own, parent)):
-            raise TypeError(  # the parent's keys and defaults would be lost without a word
-                f"{cls.__qualname__}.init_options_cls = {getattr(own, '__qualname__', own)!s} does not extend "
-                f"{parent.__qualname__}, the init_info of the trainer it derives from: its keys and defaults "
-                f"would be lost. Subclass {parent.__qualname__} (redeclaring the fields whose default changes)"
-            )
 
     @classmethod
     def _check_defaults_declaration(cls) -> None:
-        """Refuse the 0.1 class attributes for defaults, wherever in the class's bases they are set:
-        ignoring them would change a plugin's defaults on upgrade without a word."""
+        """Where a trainer's defaults and keys come from, checked at class definition and again
+        at creation (for attributes set afterwards): whatever this fails on would otherwise
+        change a plugin's defaults or drop its base's keys without a word.
+
+        * The 0.1 class attributes for defaults are refused, wherever in the bases they are set.
+        * ``init_options_cls`` must extend the options class of every trainer it derives from
+          (``SharedMemoryInitOptions`` for a ``SharedMemoryTrainer`` subclass, ...), also when a
+          mixin is what sets it.
+        """
         legacy = sorted({name for klass in cls.__mro__
                          for name in ("default_bucket_bytes", "default_num_buffers", "backend_init_defaults")
                          if name in vars(klass)})
@@ -349,6 +347,18 @@ class TrainerWeightTransferEngine(ABC):
                 f"with your defaults (e.g. `bucket_bytes: int = option(4 * MIB)`), then set "
                 f"init_options_cls to it; see TrainerInitOptions and CHANGELOG.md"
             )
+        own = cls.init_options_cls
+        for base in cls.__mro__[1:]:
+            required = base.__dict__.get("init_options_cls")
+            if not (isinstance(required, type) and issubclass(base, TrainerWeightTransferEngine)):
+                continue
+            if not (isinstance(own, type) and issubclass(own, required)):
+                raise TypeError(
+                    f"{cls.__qualname__}.init_options_cls = {getattr(own, '__qualname__', own)!s} does not "
+                    f"extend {required.__qualname__}, the init_info of {base.__qualname__} it derives from: "
+                    f"its keys and defaults would be lost. Subclass {required.__qualname__} (redeclaring "
+                    f"the fields whose default changes)"
+                )
 
     @classmethod
     def describe_init_options(cls) -> list[dict[str, Any]]:
