@@ -115,6 +115,36 @@ def test_a_delta_against_a_base_the_workers_do_not_hold_becomes_a_full_round() -
             trainer.shutdown()
 
 
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_workers_restarted_between_rounds_get_the_next_round_whole_and_deltas_after(backend: str) -> None:
+    """The workers restart (new processes, their models back at other weights) and the same trainer
+    reconnects: its delta is refused by every restarted worker, which gets that round whole at once;
+    the round after is a delta again. Catches: a trainer that sends a delta to workers without its
+    base (they would rebuild garbage or fail), or one that cannot talk to restarted workers at all."""
+    model = tiny_llama(seed=0, frozen_embedding=True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    with _pool(backend) as pool:
+        trainer = _trainer(backend, pool, model)
+        trainer.send_weights()
+        _train(model, optimizer, 1e-6, 2)
+        assert trainer.send_weights()["delta"] == "delta"
+        _assert_workers_hold(pool, model, "before the restart")
+    try:
+        with _pool(backend) as restarted:  # fresh processes: seed 1 weights, no committed round
+            trainer.reconnect(client=restarted)
+            _train(model, optimizer, 1e-6, 3)
+            stats = trainer.send_weights()
+            assert stats["delta"] == "full" and stats["version"] == 3, stats
+            assert "holds no round of this trainer (new, restarted or torn)" in stats["delta_refused"]
+            _assert_workers_hold(restarted, model, "the round after the restart")
+            _train(model, optimizer, 1e-6, 4)
+            stats = trainer.send_weights()
+            assert stats["delta"] == "delta" and stats["version"] == 4 and stats["wire_bytes"] < 0.25 * stats["bytes"]
+            _assert_workers_hold(restarted, model, "the delta after the restart")
+    finally:
+        trainer.shutdown()
+
+
 def test_a_delta_that_rebuilds_wrong_values_fails_the_round_and_every_worker_keeps_its_weights(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """One XOR changed after the trainer hashed the new value: every worker rebuilds, sees the

@@ -232,10 +232,22 @@ def test_a_worker_killed_mid_round_fails_the_trainer_within_the_timeout(backend:
         assert time.monotonic() - started < TIMEOUT - 5, "noticed by the timeout, not by the death"
         assert "died" in str(info.value) or "disconnected" in str(info.value) or "gone" in str(info.value)
         assert trainer.weight_version == 1
-        with pytest.raises(TransferError, match="unusable after an earlier failure"):
+        with pytest.raises(TransferError, match="unusable after an earlier failure.*reconnect"):
             trainer.send_weights()
+    try:  # the workers come back (new processes): the same trainer reconnects and moves whole rounds again
+        with pool_for(backend, shapes) as restarted:
+            trainer.reconnect(client=restarted)
+            stats = trainer.send_weights()
+            assert stats["version"] == 2  # the failed round took no version
+            from wtransfer.engines.wire import tensor_checksum
+
+            expected = {name: tensor_checksum(t) for name, t in tensors.items()}
+            assert all(got == expected for got in restarted.digests())
+    finally:
         trainer.shutdown()
     assert shm_names() <= before
+    with pytest.raises(TransferError, match="was shut down; create a new one"):
+        trainer.reconnect()
 
 
 # -- a trainer killed mid-round, with the user's own WeightSyncClient over a pipe -------------------------

@@ -161,6 +161,17 @@ def with_server_reason(what: str, exc: BaseException) -> BaseException:
     return error
 
 
+def _check_client(client: Any) -> None:
+    missing = [
+        m for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
+        if not callable(getattr(client, m, None))
+    ]
+    if missing:
+        raise TypeError(
+            f"client {type(client).__name__} does not implement WeightSyncClient: missing {', '.join(missing)}"
+        )
+
+
 def accepts_weight_version(method: Callable[..., Any]) -> bool:
     """Whether a client's ``finish_weight_update`` takes the round's version label.
 
@@ -270,14 +281,7 @@ class TrainerWeightTransferEngine(ABC):
                 f"round leaves every worker's model as it was, for one host copy of the model per node) or "
                 f"'streaming' (buffers only; a failed round leaves the workers' models torn, and they say so)"
             )
-        missing = [
-            m for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
-            if not callable(getattr(client, m, None))
-        ]
-        if missing:
-            raise TypeError(
-                f"client {type(client).__name__} does not implement WeightSyncClient: missing {', '.join(missing)}"
-            )
+        _check_client(client)
         self.commit: str = commit
         """How workers apply each round: ``atomic`` (staged, then committed everywhere) or ``streaming``."""
         self._staging_key = secrets.token_hex(8)
@@ -424,6 +428,36 @@ class TrainerWeightTransferEngine(ABC):
             raise
         self._connected = True
 
+    def reconnect(self, client: WeightSyncClient | None = None) -> None:
+        """Rendezvous again with workers that restarted (through ``client``, or the same client).
+
+        The transport is released and prepared anew, and every worker is asked to init again,
+        as at creation. What the trainer keeps is its round count and, with ``delta=True``, its
+        base: a restarted worker holds no committed round, so it refuses the next delta and
+        gets that round whole at once; the trainer never needs to know which workers
+        restarted. It is also how a trainer left unusable by a failed round (a worker died in
+        it) is used again once the workers are back. Unsharded trainers only: a sharded
+        trainer's ranks are created together.
+        """
+        if self.sharded:
+            raise TransferError(f"reconnect() needs an unsharded {self.backend} trainer; a sharded trainer's "
+                                f"ranks join together: shut every rank down and create them again")
+        if self._closed:
+            raise TransferError(f"this {self.backend} trainer was shut down; create a new one")
+        if client is not None:
+            _check_client(client)
+        self._client_thread.close()  # a call still running on the old workers is not waited for
+        try:
+            self.release()
+        except Exception:
+            logger.exception("Error while releasing the %s trainer's transport before reconnecting", self.backend)
+        if client is not None:
+            self.client = client
+            self._finish_takes_version = accepts_weight_version(client.finish_weight_update)
+        self._client_thread = ClientThread()
+        self._connected, self._broken = False, None
+        self.connect()
+
     def send_weights(self, weight_version: str | None = None) -> dict[str, Any]:
         """Run one whole update round; returns its stats (bytes, tensors, seconds, GB/s, buckets).
 
@@ -439,7 +473,7 @@ class TrainerWeightTransferEngine(ABC):
         elif self._broken is not None:
             refusal = (
                 f"this {self.backend} trainer is unusable after an earlier failure ({self._broken}); "
-                f"shut it down and create a new one (and restart the workers' engines)"
+                f"restart the workers' engines, then call reconnect() (or shut it down and create a new one)"
             )
         self._attempt += 1
         if self.agreement is not None:  # no rank enters a gather unless every rank will
