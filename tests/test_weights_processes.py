@@ -213,16 +213,41 @@ def _big_tensors(count: int = 40) -> dict[str, torch.Tensor]:
     return {f"w{i}.weight": torch.full((256, 256), float(i)) for i in range(count)}  # 256 KiB each
 
 
+class RestartingClient:
+    """A user's client that restarts its workers behind the same object (``reconnect()`` with no client)."""
+
+    def __init__(self, pool: LocalWorkerPool) -> None:
+        self.pool = pool
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> Any:
+        return self.pool.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> Any:
+        return self.pool.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> Any:
+        return self.pool.update_weights(update_info)
+
+    def finish_weight_update(self) -> Any:
+        return self.pool.finish_weight_update()
+
+
 @pytest.mark.parametrize("backend", ["shm", "gloo"])
 def test_a_worker_killed_mid_round_fails_the_trainer_within_the_timeout(backend: str) -> None:
-    before = shm_names()
+    """...and the same trainer moves whole rounds again once its client's workers are back
+    (``reconnect()``), after a reconnect that failed because they were not back yet."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()  # spawning starts it once per process, and it keeps a pipe
+    fds_before = open_fd_count()
     tensors = _big_tensors()
     shapes = [[name, list(t.shape)] for name, t in tensors.items()]
     with pool_for(backend, shapes) as pool:
+        client = RestartingClient(pool)
         victim = pool.processes[1].pid
         source = KillingSource(tensors, victim, at=20, round=2)
         trainer = wtransfer.create_trainer(
-            backend, client=pool, source=source,
+            backend, client=client, source=source,
             init_info={"world_size": pool.world_size, "bucket_bytes": 256 * 1024, "timeout_s": TIMEOUT},
         )
         trainer.send_weights()
@@ -234,9 +259,14 @@ def test_a_worker_killed_mid_round_fails_the_trainer_within_the_timeout(backend:
         assert trainer.weight_version == 1
         with pytest.raises(TransferError, match="unusable after an earlier failure.*reconnect"):
             trainer.send_weights()
-    try:  # the workers come back (new processes): the same trainer reconnects and moves whole rounds again
-        with pool_for(backend, shapes) as restarted:
-            trainer.reconnect(client=restarted)
+    try:
+        with pytest.raises(Exception):  # the client's workers are not back: the rendezvous fails...
+            trainer.reconnect()
+        with pytest.raises(TransferError, match=r"reconnect\(\) failed.*call reconnect\(\)"):
+            trainer.send_weights()  # ...and the trainer says so, still open
+        with pool_for(backend, shapes) as restarted:  # the workers come back (new processes, zeros)
+            client.pool = restarted
+            trainer.reconnect()
             stats = trainer.send_weights()
             assert stats["version"] == 2  # the failed round took no version
             from wtransfer.engines.wire import tensor_checksum
@@ -245,7 +275,10 @@ def test_a_worker_killed_mid_round_fails_the_trainer_within_the_timeout(backend:
             assert all(got == expected for got in restarted.digests())
     finally:
         trainer.shutdown()
-    assert shm_names() <= before
+    settled = time.monotonic() + 10  # a client call may still be winding down in its thread
+    while open_fd_count() > fds_before and time.monotonic() < settled:
+        time.sleep(0.1)
+    assert open_fd_count() <= fds_before, "a transport of the failed round or reconnect was not released"
     with pytest.raises(TransferError, match="was shut down; create a new one"):
         trainer.reconnect()
 

@@ -339,6 +339,9 @@ class LocalWorkerPool:
                 process.join(5)
         for conn in self._conns:
             conn.close()
+        for process in self._processes:  # its sentinel is a pipe held until closed (or collected)
+            if process.exitcode is not None:
+                process.close()
 
     def __enter__(self) -> LocalWorkerPool:
         return self

@@ -323,6 +323,7 @@ class TrainerWeightTransferEngine(ABC):
         self.agreement: RankAgreement | None = None
         """Sharded trainers: how rank 0 tells the other ranks what it decided (set by ``create_trainer``)."""
         self._client_thread = ClientThread()
+        self._last_call: ClientCall | None = None  # reconnect() waits for it
         self._finish_takes_version = accepts_weight_version(client.finish_weight_update)
 
     # -- configuration -----------------------------------------------------------------
@@ -408,6 +409,16 @@ class TrainerWeightTransferEngine(ABC):
         if self._connected:
             return
         try:
+            self._rendezvous()
+        except BaseException:
+            self.shutdown()
+            raise
+        self._connected = True
+
+    def _rendezvous(self) -> None:
+        """Prepare the transport and have every worker join it; on failure the other trainer ranks
+        hear why before the caller releases the transport."""
+        try:
             worker_info = self.prepare_workers()
             if self.agreement is not None and self.parallel_senders and self.senders_join_with_workers:
                 self.tell_ranks_connected()
@@ -424,9 +435,7 @@ class TrainerWeightTransferEngine(ABC):
                     self.agreement.decide("senders", {"ok": False, "reason": f"{type(exc).__name__}: {exc}"}, 0.0)
                 except Exception:  # the store is gone: this rank's own error is the one to raise
                     pass
-            self.shutdown()
             raise
-        self._connected = True
 
     def reconnect(self, client: WeightSyncClient | None = None) -> None:
         """Rendezvous again with workers that restarted (through ``client``, or the same client).
@@ -436,7 +445,13 @@ class TrainerWeightTransferEngine(ABC):
         base: a restarted worker holds no committed round, so it refuses the next delta and
         gets that round whole at once; the trainer never needs to know which workers
         restarted. It is also how a trainer left unusable by a failed round (a worker died in
-        it) is used again once the workers are back. Unsharded trainers only: a sharded
+        it) is used again once the workers are back.
+
+        The workers must be as many as ``init_info["world_size"]`` says, as at creation. A client
+        call of an earlier round that is still running is waited for (``timeout_s``), so no
+        call of the old round overlaps the new rendezvous. If the rendezvous fails (the workers
+        are not back yet), the trainer stays unusable but not closed: call ``reconnect()`` again.
+        Not while a round runs (from another thread). Unsharded trainers only: a sharded
         trainer's ranks are created together.
         """
         if self.sharded:
@@ -446,7 +461,11 @@ class TrainerWeightTransferEngine(ABC):
             raise TransferError(f"this {self.backend} trainer was shut down; create a new one")
         if client is not None:
             _check_client(client)
-        self._client_thread.close()  # a call still running on the old workers is not waited for
+        last = self._last_call
+        if last is not None and not last.wait(self.timeout_s):
+            raise TransferError(f"client.{last.what}() of an earlier round is still running after {self.timeout_s:g} s; "
+                                f"reconnect() once it returned (or shut this trainer down and create a new one)")
+        self._client_thread.close()
         try:
             self.release()
         except Exception:
@@ -455,8 +474,20 @@ class TrainerWeightTransferEngine(ABC):
             self.client = client
             self._finish_takes_version = accepts_weight_version(client.finish_weight_update)
         self._client_thread = ClientThread()
-        self._connected, self._broken = False, None
-        self.connect()
+        # New workers' node stagers must not meet the old workers' (still bound if that pool lives on).
+        self._staging_key = secrets.token_hex(8)
+        self._connected = False
+        try:
+            self._rendezvous()
+        except BaseException as exc:
+            try:
+                self.release()
+            except Exception:
+                logger.exception("Error while releasing the %s trainer's transport after a failed reconnect",
+                                 self.backend)
+            self._broken = f"reconnect() failed ({type(exc).__name__}: {exc})"
+            raise
+        self._connected, self._broken = True, None
 
     def send_weights(self, weight_version: str | None = None) -> dict[str, Any]:
         """Run one whole update round; returns its stats (bytes, tensors, seconds, GB/s, buckets).
@@ -473,7 +504,8 @@ class TrainerWeightTransferEngine(ABC):
         elif self._broken is not None:
             refusal = (
                 f"this {self.backend} trainer is unusable after an earlier failure ({self._broken}); "
-                f"restart the workers' engines, then call reconnect() (or shut it down and create a new one)"
+                + ("shut every rank down and create the trainer again" if self.sharded else
+                   "restart the workers' engines, then call reconnect() (or shut it down and create a new one)")
             )
         self._attempt += 1
         if self.agreement is not None:  # no rank enters a gather unless every rank will
@@ -614,7 +646,8 @@ class TrainerWeightTransferEngine(ABC):
 
     def _call(self, method: str, *args: Any) -> ClientCall:
         """Start ``client.<method>(*args)`` on the client thread; the engine keeps working meanwhile."""
-        return ClientCall(method, getattr(self.client, method), *args, thread=self._client_thread)
+        self._last_call = ClientCall(method, getattr(self.client, method), *args, thread=self._client_thread)
+        return self._last_call
 
     def plan(self, manifest: Manifest) -> list[Bucket]:
         """The round's bucket layout; workers compute the same from the manifest and init info."""
@@ -669,7 +702,10 @@ class TrainerWeightTransferEngine(ABC):
     # -- backend hooks -----------------------------------------------------------------------
     @abstractmethod
     def prepare_workers(self) -> dict[str, Any]:
-        """Allocate the transport; return the JSON-safe init dict for every worker."""
+        """Allocate the transport; return the JSON-safe init dict for every worker.
+
+        Called again after :meth:`release` when the trainer reconnects (``reconnect()``): a
+        backend allocates a fresh transport each time, as if the trainer were new."""
 
     @abstractmethod
     def wait_for_workers(self, call: ClientCall) -> None:
@@ -681,7 +717,7 @@ class TrainerWeightTransferEngine(ABC):
 
     @abstractmethod
     def release(self) -> None:
-        """Free buffers, sockets and groups."""
+        """Free buffers, sockets and groups (idempotent: it may run twice, and before any prepare)."""
 
     def open_senders(self) -> dict[str, Any]:
         """Backends with a ``sender_cls``: the JSON-safe dict the other trainer ranks join with."""

@@ -215,6 +215,33 @@ class EngineConformance:
             require(_shm_names() <= shm_before, "a failed round leaves nothing in /dev/shm",
                     "no new names", sorted(_shm_names() - shm_before))
 
+    def test_reconnects_to_workers_that_restarted(
+        self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any]
+    ) -> None:
+        """``trainer.reconnect(client=...)`` releases the transport and prepares it again on the same
+        trainer (``release()`` then ``prepare_workers()``, a second time): workers in new processes,
+        whose models start from other weights, get the next round bit for bit, while the old
+        workers still live (replacements brought up before the old ones are torn down)."""
+        from wtransfer.testing.models import matrix_model
+
+        model = matrix_model(seed=1)
+        with self._pool(engine_options) as pool:
+            trainer = self._trainer(pool, model, trainer_init_info)
+            try:
+                trainer.send_weights()
+                with self._pool(engine_options) as replacements:
+                    trainer.reconnect(client=replacements)
+                    stats = trainer.send_weights()
+                    require(stats["version"] == 2, "reconnect() keeps the trainer's round count", 2,
+                            stats["version"])
+                    expected = self._digests(model)
+                    for rank, digests in enumerate(replacements.digests()):
+                        wrong = sorted(n for n in expected if digests.get(n) != expected[n])
+                        require(not wrong, "a new worker receives the round after reconnect() bit for bit",
+                                "every tensor equal to the trainer's", f"worker {rank}: differs in {wrong[:5]}")
+            finally:
+                trainer.shutdown()
+
     def test_dead_trainer_fails_the_workers_within_the_timeout(
         self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any], commit: str
     ) -> None:
