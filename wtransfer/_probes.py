@@ -1,5 +1,6 @@
 """Resource probes for benchmarks and conformance tests: how much memory and how many file
-descriptors this process holds (and how much CPU time a worker process used).
+descriptors this process holds (and how much CPU time a worker process used, and how long it
+waited for a core).
 
 On Linux everything is read from ``/proc`` and nothing needs installing. Only where ``/proc``
 is unavailable (macOS, Windows) is ``psutil`` imported, lazily, on first use; without it
@@ -155,4 +156,27 @@ def cpu_seconds(pid: int) -> float:
     return float(times.user + times.system)
 
 
-__all__ = ["PeakRss", "cpu_seconds", "open_fd_count"]
+def run_queue_seconds(pid: int) -> float | None:
+    """Seconds the threads of process ``pid`` spent runnable but waiting for a core, so far.
+
+    The second field of ``/proc/<pid>/task/<tid>/schedstat``, summed over the process's threads
+    (a thread that already exited is no longer counted). It tells CPU contention from idling:
+    a process that is neither busy nor waiting for a core was waiting for work. None where the
+    kernel does not keep these statistics (no ``/proc``, or schedstats compiled out).
+    """
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    total = 0
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as handle:
+                total += int(handle.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            if tid == str(pid):  # the main thread has no schedstat: the kernel keeps none
+                return None
+    return total / 1e9
+
+
+__all__ = ["PeakRss", "cpu_seconds", "open_fd_count", "run_queue_seconds"]

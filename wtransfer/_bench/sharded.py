@@ -8,7 +8,9 @@ as that design's floor. Targets: writers >= 1.0x unsharded throughput on shm (mo
 bytes), >= 0.8x on other engines (each rank streams its own bytes), every writer rank's peak
 extra RSS <= buffers x bucket + 64 MiB; gathers >= 0.8x, <= buffers x bucket + the largest
 parameter + 64 MiB. Every round is verified bit-exactly on every worker against the trainer's
-unsharded state.
+unsharded state. Beside the throughput, each row says how busy the worker was and how long the
+worker and the trainer ranks waited for a core (the kernel's schedstat), which tells a round
+bound by the worker, by coordination or by a host with fewer cores than busy processes apart.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def _rank_main(rank: int, ranks: int, port: int, options: str, conn: Any) -> Non
     import torch
 
     from wtransfer._bench.weights import DTYPES
-    from wtransfer._probes import PeakRss
+    from wtransfer._probes import PeakRss, run_queue_seconds
     from wtransfer.testing.models import build_model, parse_model, worker_model
     from wtransfer.engines._source import ModuleSource
     from wtransfer.engines._trainer import create_trainer
@@ -119,12 +121,21 @@ def _rank_main(rank: int, ranks: int, port: int, options: str, conn: Any) -> Non
                     mutate_tensor(local, index)
             if index:  # round 1 counts from before the trainer existed (its buffers included);
                 rss.reset()  # later ones from the memory held between rounds (checks left out)
-            cpu, workers_cpu = time.process_time(), _cpu_seconds(pool)
+            cpu, workers_cpu, workers_wait = time.process_time(), _cpu_seconds(pool), _run_queue_seconds(pool)
+            waited_here = run_queue_seconds(os.getpid())
             stats = trainer.send_weights()
+            # seconds this rank was ready to run but every core was taken (the workers, other ranks)
+            now = run_queue_seconds(os.getpid())
+            report.setdefault("round_rank_wait", []).append(
+                None if now is None or waited_here is None else now - waited_here)
             # CPU seconds this round took here (every thread), and on rank 0 in the workers too
             workers_cpu = _cpu_seconds(pool) - workers_cpu
             report.setdefault("round_cpu", []).append(time.process_time() - cpu + workers_cpu)
             report.setdefault("round_worker_cpu", []).append(workers_cpu / args["workers"])
+            # seconds the workers were ready to run but every core was taken (trainer ranks, each other)
+            waited = _run_queue_seconds(pool)
+            report.setdefault("round_worker_wait", []).append(
+                None if waited is None or workers_wait is None else (waited - workers_wait) / args["workers"])
             report.setdefault("round_peaks", []).append(rss.extra())
             peak_extra = max(peak_extra, rss.extra())
             expected = unsharded_digests(model)  # a collective on every rank, one parameter at a time
@@ -157,6 +168,16 @@ def _cpu_seconds(pool: Any) -> float:
     from wtransfer._probes import cpu_seconds
 
     return sum(cpu_seconds(pid) for pid in pool.pids)
+
+
+def _run_queue_seconds(pool: Any) -> float | None:
+    """Seconds the pool's worker processes spent waiting for a core so far (None: not kept here)."""
+    if pool is None:
+        return 0.0
+    from wtransfer._probes import run_queue_seconds
+
+    waits = [run_queue_seconds(pid) for pid in pool.pids]
+    return None if any(w is None for w in waits) else sum(w for w in waits if w is not None)
 
 
 def _return_free_memory() -> None:
@@ -264,6 +285,25 @@ def summarize(args: argparse.Namespace, runs: list[tuple[str, int, list[dict[str
         rounds = reports[0]["rounds"]
         return statistics.median(reports[0]["round_worker_cpu"][i] / rounds[i]["seconds"] for i in range(len(rounds)))
 
+    def worker_waiting(reports: list[dict[str, Any]]) -> float | None:
+        """Thread-seconds one worker (the mean of them) was ready to run but found every core taken,
+        per second of the round. For a worker that works on one thread (``shm``), busy + waiting
+        near 1 means it never lacked buckets, only a core; what is left, it waited for buckets."""
+        rounds, waits = reports[0]["rounds"], reports[0]["round_worker_wait"]
+        if any(w is None for w in waits):
+            return None
+        return statistics.median(waits[i] / rounds[i]["seconds"] for i in range(len(rounds)))
+
+    def ranks_waiting(reports: list[dict[str, Any]]) -> float | None:
+        """Thread-seconds the trainer ranks together were ready to run but found every core taken,
+        per second of the round: what a design that needs every rank at each bucket loses on a
+        host with fewer cores than busy processes."""
+        rounds = reports[0]["rounds"]
+        if any(w is None for r in reports for w in r["round_rank_wait"]):
+            return None
+        return statistics.median(sum(r["round_rank_wait"][i] for r in reports) / rounds[i]["seconds"]
+                                 for i in range(len(rounds)))
+
     plain_rate = rate(runs[0][2])
     rows, memory = [], []
     for mode, ranks, reports in runs:
@@ -275,11 +315,13 @@ def summarize(args: argparse.Namespace, runs: list[tuple[str, int, list[dict[str
                              f"and --gathers N to measure it)")
         rows.append({"mode": mode, "ranks": ranks, "gb_per_s": rate(reports), "ratio": ratio, "target": target,
                      "cores_busy": cores_busy(reports), "worker_busy": worker_busy(reports),
+                     "worker_waiting": worker_waiting(reports), "ranks_waiting": ranks_waiting(reports),
                      "ok": target is None or ratio >= target})
         if mode == "gathers":
             gather_rate = first["rounds"][0]["bytes"] / first["gather_only_seconds"] / 1e9
             rows.append({"mode": "gather-only", "ranks": ranks, "gb_per_s": gather_rate,
                          "ratio": gather_rate / plain_rate, "target": None, "cores_busy": None, "worker_busy": None,
+                         "worker_waiting": None, "ranks_waiting": None,
                          "ok": True})
         for report in reports:
             later = report["round_peaks"][1:] or report["round_peaks"]
@@ -313,11 +355,17 @@ def markdown(figures: dict[str, Any]) -> list[str]:
         figures["setup"] + ".", "",
         *table("throughput (whole rounds as rank 0 waits for them, medians; cores busy: CPU seconds of every "
                "trainer rank and worker per second of the round; worker busy: the same for one worker, whose "
-               "receiving and commit bound every design once it nears 1)",
-               ["trainer", "ranks", "GB/s", "vs unsharded", "target", "cores busy", "worker busy"],
+               "receiving and commit bound every design once it nears 1; waiting for a core: thread-seconds that "
+               "worker's threads, and the trainer ranks' threads together, were ready to run but found every "
+               "core taken, per second of the round, from the kernel's schedstat: above 1 when several threads "
+               "waited at once, as gloo's own threads do)",
+               ["trainer", "ranks", "GB/s", "vs unsharded", "target", "cores busy", "worker busy",
+                "worker waiting for a core", "ranks waiting for a core"],
                [[_LABELS[r["mode"]], str(r["ranks"]), f"{r['gb_per_s']:.2f}", f"{r['ratio']:.2f}×", target(r),
                  "" if r["cores_busy"] is None else f"{r['cores_busy']:.2f} of {os.cpu_count()}",
-                 "" if r["worker_busy"] is None else f"{r['worker_busy']:.2f}"]
+                 "" if r["worker_busy"] is None else f"{r['worker_busy']:.2f}",
+                 "" if r["worker_waiting"] is None else f"{r['worker_waiting']:.2f}",
+                 "" if r["ranks_waiting"] is None else f"{r['ranks_waiting']:.2f}"]
                 for r in figures["rows"]]),
         "",
         *table("peak extra RSS per trainer rank (MiB; round 1 counts the trainer's buffers and one-time set-up)",
