@@ -31,9 +31,11 @@ def test_spinners_sharing_a_core_wait_for_it_and_one_alone_does_not() -> None:
         while any(s.poll() is None for s in spinners):
             for spinner in spinners:
                 try:
-                    samples[spinner.pid] = (cpu_seconds(spinner.pid), run_queue_seconds(spinner.pid) or 0.0)
+                    cpu, waited = cpu_seconds(spinner.pid), run_queue_seconds(spinner.pid)
                 except (ProcessLookupError, FileNotFoundError):
-                    pass
+                    continue
+                if waited is not None:  # None: it exited between the two readings; keep the last sample
+                    samples[spinner.pid] = (cpu, waited)
             time.sleep(0.02)
     finally:
         for spinner in spinners:

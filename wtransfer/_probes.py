@@ -159,24 +159,28 @@ def cpu_seconds(pid: int) -> float:
 def run_queue_seconds(pid: int) -> float | None:
     """Seconds the threads of process ``pid`` spent runnable but waiting for a core, so far.
 
-    The second field of ``/proc/<pid>/task/<tid>/schedstat``, summed over the process's threads
-    (a thread that already exited is no longer counted). It tells CPU contention from idling:
-    a process that is neither busy nor waiting for a core was waiting for work. None where the
-    kernel does not keep these statistics (no ``/proc``, or schedstats compiled out).
+    The second field of ``/proc/<pid>/task/<tid>/schedstat`` (the kernel's run delay: time
+    runnable but not running, wake-up latency included), summed over the process's threads; a
+    thread that already exited is no longer counted, so a difference of two readings leaves out
+    threads that ended in between. None where the kernel does not keep these statistics (no
+    ``/proc``, or every field zero).
     """
     try:
         threads = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return None
-    total = 0
+    ran = waited = 0
     for tid in threads:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as handle:
-                total += int(handle.read().split()[1])
+                fields = handle.read().split()
+            ran, waited = ran + int(fields[0]), waited + int(fields[1])
         except (OSError, IndexError, ValueError):
             if tid == str(pid):  # the main thread has no schedstat: the kernel keeps none
                 return None
-    return total / 1e9
+    if ran == 0:  # a process that ran reads all zeros where the kernel keeps no run-queue statistics
+        return None
+    return waited / 1e9
 
 
 __all__ = ["PeakRss", "cpu_seconds", "open_fd_count", "run_queue_seconds"]

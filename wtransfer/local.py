@@ -271,12 +271,17 @@ class LocalWorkerPool:
         if self._closed:
             raise TransferError("the local worker pool was shut down")
         with self._lock:
-            for rank, conn in enumerate(self._conns):
-                try:
-                    _send(conn, {"op": op, "info": info})
-                except OSError as exc:
-                    raise TransferError(f"local worker {rank} is gone ({self._exit_status(rank)})") from exc
-            return self._collect(op, self.timeout_s)
+            try:
+                for rank, conn in enumerate(self._conns):
+                    try:
+                        _send(conn, {"op": op, "info": info})
+                    except OSError as exc:
+                        raise TransferError(f"local worker {rank} is gone ({self._exit_status(rank)})") from exc
+                return self._collect(op, self.timeout_s)
+            except ValueError as exc:  # shutdown() on another thread closed the process handles
+                if self._closed:
+                    raise TransferError(f"the local worker pool was shut down during {op!r}") from exc
+                raise
 
     def _exit_status(self, rank: int) -> str:
         process = self._processes[rank]

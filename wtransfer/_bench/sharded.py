@@ -9,8 +9,9 @@ bytes), >= 0.8x on other engines (each rank streams its own bytes), every writer
 extra RSS <= buffers x bucket + 64 MiB; gathers >= 0.8x, <= buffers x bucket + the largest
 parameter + 64 MiB. Every round is verified bit-exactly on every worker against the trainer's
 unsharded state. Beside the throughput, each row says how busy the worker was and how long the
-worker and the trainer ranks waited for a core (the kernel's schedstat), which tells a round
-bound by the worker, by coordination or by a host with fewer cores than busy processes apart.
+worker and the trainer ranks were runnable but not running (the kernel's run delay): hints at
+whether a round is bound by the worker, by the hand-offs between processes, or by a host with
+fewer cores than busy processes, not a proof of which.
 """
 
 from __future__ import annotations

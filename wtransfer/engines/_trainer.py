@@ -450,7 +450,8 @@ class TrainerWeightTransferEngine(ABC):
         The workers must be as many as ``init_info["world_size"]`` says, as at creation. A client
         call of an earlier round that is still running is waited for (``timeout_s``), so no
         call of the old round overlaps the new rendezvous. If the rendezvous fails (the workers
-        are not back yet), the trainer stays unusable but not closed: call ``reconnect()`` again.
+        are not back yet), the trainer stays unusable but not closed, with ``client`` (when given)
+        kept as its client: call ``reconnect()`` again.
         Not while a round runs (from another thread). Unsharded trainers only: a sharded
         trainer's ranks are created together.
         """
