@@ -75,7 +75,7 @@ def _rank_main(rank: int, ranks: int, port: int, options: str, conn: Any) -> Non
     import torch
 
     from wtransfer._bench.weights import DTYPES
-    from wtransfer._probes import PeakRss, run_queue_seconds
+    from wtransfer._probes import PeakRss, cpu_seconds, run_queue_seconds
     from wtransfer.testing.models import build_model, parse_model, worker_model
     from wtransfer.engines._source import ModuleSource
     from wtransfer.engines._trainer import create_trainer
@@ -122,21 +122,19 @@ def _rank_main(rank: int, ranks: int, port: int, options: str, conn: Any) -> Non
                     mutate_tensor(local, index)
             if index:  # round 1 counts from before the trainer existed (its buffers included);
                 rss.reset()  # later ones from the memory held between rounds (checks left out)
-            cpu, workers_cpu, workers_wait = time.process_time(), _cpu_seconds(pool), _run_queue_seconds(pool)
-            waited_here = run_queue_seconds(os.getpid())
+            cpu, workers_cpu = time.process_time(), _pool_sum(cpu_seconds, pool)
+            waited_here, workers_waited = run_queue_seconds(os.getpid()), _pool_sum(run_queue_seconds, pool)
             stats = trainer.send_weights()
             # seconds this rank was ready to run but every core was taken (the workers, other ranks)
-            now = run_queue_seconds(os.getpid())
-            report.setdefault("round_rank_wait", []).append(
-                None if now is None or waited_here is None else now - waited_here)
+            report.setdefault("round_rank_wait", []).append(_since(waited_here, run_queue_seconds(os.getpid())))
             # CPU seconds this round took here (every thread), and on rank 0 in the workers too
-            workers_cpu = _cpu_seconds(pool) - workers_cpu
+            workers_cpu = _pool_sum(cpu_seconds, pool) - workers_cpu
             report.setdefault("round_cpu", []).append(time.process_time() - cpu + workers_cpu)
             report.setdefault("round_worker_cpu", []).append(workers_cpu / args["workers"])
             # seconds the workers were ready to run but every core was taken (trainer ranks, each other)
-            waited = _run_queue_seconds(pool)
+            workers_waited = _since(workers_waited, _pool_sum(run_queue_seconds, pool))
             report.setdefault("round_worker_wait", []).append(
-                None if waited is None or workers_wait is None else (waited - workers_wait) / args["workers"])
+                None if workers_waited is None else workers_waited / args["workers"])
             report.setdefault("round_peaks", []).append(rss.extra())
             peak_extra = max(peak_extra, rss.extra())
             expected = unsharded_digests(model)  # a collective on every rank, one parameter at a time
@@ -162,23 +160,18 @@ def _rank_main(rank: int, ranks: int, port: int, options: str, conn: Any) -> Non
     conn.send_bytes(json.dumps(report).encode())
 
 
-def _cpu_seconds(pool: Any) -> float:
-    """User + system CPU seconds the pool's worker processes used so far (0 without a pool)."""
+def _pool_sum(probe: Any, pool: Any) -> Any:
+    """``probe(pid)`` summed over the pool's worker processes so far: 0 without a pool, None
+    where the probe has no figure for one of them."""
     if pool is None:
         return 0.0
-    from wtransfer._probes import cpu_seconds
+    values = [probe(pid) for pid in pool.pids]
+    return None if None in values else sum(values)
 
-    return sum(cpu_seconds(pid) for pid in pool.pids)
 
-
-def _run_queue_seconds(pool: Any) -> float | None:
-    """Seconds the pool's worker processes spent waiting for a core so far (None: not kept here)."""
-    if pool is None:
-        return 0.0
-    from wtransfer._probes import run_queue_seconds
-
-    waits = [run_queue_seconds(pid) for pid in pool.pids]
-    return None if any(w is None for w in waits) else sum(w for w in waits if w is not None)
+def _since(before: float | None, after: float | None) -> float | None:
+    """``after - before``, or None where either reading is missing."""
+    return None if before is None or after is None else after - before
 
 
 def _return_free_memory() -> None:

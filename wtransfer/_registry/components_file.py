@@ -112,8 +112,8 @@ def components_files() -> list[Path]:
     (a Ray actor, a vLLM worker), where a relative path would name another file or none.
     """
     try:
-        paths = [Path(item.strip()).expanduser() for item in os.environ.get(COMPONENTS_ENV, "").split(os.pathsep)
-                 if item.strip()]
+        items = (item.strip() for item in os.environ.get(COMPONENTS_ENV, "").split(os.pathsep))
+        paths = [Path(item).expanduser() for item in items if item]
     except RuntimeError as exc:  # ~user that does not exist
         raise InvalidComponentError(f"{COMPONENTS_ENV}: {exc}") from None
     relative = [str(path) for path in paths if not path.is_absolute()]

@@ -467,10 +467,7 @@ class TrainerWeightTransferEngine(ABC):
             raise TransferError(f"client.{last.what}() of an earlier round is still running after {self.timeout_s:g} s; "
                                 f"reconnect() once it returned (or shut this trainer down and create a new one)")
         self._client_thread.close()
-        try:
-            self.release()
-        except Exception:
-            logger.exception("Error while releasing the %s trainer's transport before reconnecting", self.backend)
+        self._release_logged("before reconnecting")
         if client is not None:
             self.client = client
             self._finish_takes_version = accepts_weight_version(client.finish_weight_update)
@@ -481,11 +478,7 @@ class TrainerWeightTransferEngine(ABC):
         try:
             self._rendezvous()
         except BaseException as exc:
-            try:
-                self.release()
-            except Exception:
-                logger.exception("Error while releasing the %s trainer's transport after a failed reconnect",
-                                 self.backend)
+            self._release_logged("after a failed reconnect")
             self._broken = f"reconnect() failed ({type(exc).__name__}: {exc})"
             raise
         self._connected, self._broken = True, None
@@ -687,10 +680,14 @@ class TrainerWeightTransferEngine(ABC):
             return
         self._closed = True
         self._client_thread.close()
+        self._release_logged("at shutdown")
+
+    def _release_logged(self, when: str) -> None:
+        """``release()``, logging what it raises: the caller's own outcome is what matters then."""
         try:
             self.release()
         except Exception:
-            logger.exception("Error while releasing the %s trainer's resources", self.backend)
+            logger.exception("Error while releasing the %s trainer's transport %s", self.backend, when)
 
     def __enter__(self) -> TrainerWeightTransferEngine:
         return self
