@@ -189,7 +189,7 @@ def test_a_worker_without_the_base_refuses_a_delta_before_any_byte_moves() -> No
     model = tiny_llama(seed=0)
     encoder = DeltaEncoder()
     full = encoder.encode(ModuleSource(model), 1)
-    encoder.committed(full.plan)
+    encoder.committed(full)
     with torch.no_grad():
         model.lm_head.weight.view(-1)[:64].mul_(1.5)
     delta = encoder.encode(ModuleSource(model), 2)
@@ -226,7 +226,7 @@ def test_a_worker_whose_kept_tensor_changed_behind_wtransfers_back_refuses_the_d
     model = tiny_llama(seed=0, frozen_embedding=True)
     encoder = DeltaEncoder()
     full = encoder.encode(ModuleSource(model), 1)
-    encoder.committed(full.plan)
+    encoder.committed(full)
     worker_model = tiny_llama(seed=0, frozen_embedding=True)
     from wtransfer.engines._loader import module_loader
 
@@ -247,7 +247,7 @@ def test_the_whole_round_after_a_refusal_comes_from_the_base_without_walking_the
     the full round a refusing worker gets is built from the trainer's base, bit for bit."""
     model = tiny_llama(seed=0)
     encoder = DeltaEncoder()
-    encoder.committed(encoder.encode(ModuleSource(model), 1).plan)
+    encoder.committed(encoder.encode(ModuleSource(model), 1))
     with torch.no_grad():
         model.lm_head.weight.view(-1)[:64].mul_(1.5)
     walks = []
@@ -302,7 +302,7 @@ def test_tensors_spanning_many_chunks_round_trip_bit_exactly(chunk_bytes: int, m
         loader = DeltaLoader(real, real, manifest, holds=holds)
         loader.validate_manifest(manifest)
         loader(list(encoded))
-        encoder.committed(encoded.plan)
+        encoder.committed(encoded)
         holds = encoded.plan.id
         assert digests(worker_model) == digests(model), f"round {version} ({change})"
 
@@ -380,7 +380,7 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
             blob = zstandard.ZstdCompressor().compress(bytes(xor))
             batch[at] = (corrupt, torch.frombuffer(bytearray(blob), dtype=torch.uint8))
         loader(batch)
-        encoder.committed(encoded.plan)
+        encoder.committed(encoded)
         holds = encoded.plan.id
         return encoded
 
@@ -419,3 +419,86 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
         send(5, corrupt="f64")
     if not in_place:  # staged: the model never saw the round
         assert {name: _raw(t) for name, t in model.tensors.items()} == before
+
+
+def _every_element_moved(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.view(-1).view(torch.int16).add_(1)  # one unit in the last place: every tensor goes whole
+
+
+def test_a_tensor_that_travels_whole_in_a_delta_round_is_received_in_place() -> None:
+    """As in a round without deltas, a tensor sent whole and split over buckets is written straight
+    into the commit's destination (the staging copy), not assembled in a fresh tensor first and
+    copied again: on this host that extra copy into new memory made a delta round with every
+    element changed cost twice a dense round's CPU on the worker."""
+    from wtransfer.engines._packing import Unpacker, plan_buckets
+
+    model = tiny_llama(seed=0)
+    committed = _Committed({name: t.detach().clone() for name, t in model.named_parameters()})
+    encoder = DeltaEncoder()
+    encoder.committed(encoder.encode(ModuleSource(model), 1))
+    holds = encoder.base_id
+    _every_element_moved(model)
+    encoded = encoder.encode(ModuleSource(model), 2)
+    manifest = build_manifest(encoded.metadata(), 2, delta=encoded.plan)
+    staged = _Staged(committed)
+    loader = DeltaLoader(staged, committed, manifest, holds=holds)
+    loader.validate_manifest(manifest)
+    unpacker = Unpacker(manifest, loader)
+    values = dict(encoded)
+    split = set()
+    for bucket in plan_buckets(manifest.entries, 4096):  # as the shm engine lays a round out
+        data = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+        for piece in bucket.pieces:
+            source = tensor_bytes(values[manifest.entries[piece.index].name])
+            data[piece.offset : piece.offset + piece.length] = source[piece.start : piece.start + piece.length]
+            if not piece.whole:
+                split.add(manifest.entries[piece.index].name)
+        unpacker.unpack(bucket, data)
+        assert not unpacker._partial, "a tensor sent whole was assembled apart, to be copied again"
+    unpacker.finish()
+    assert split, "no tensor spans buckets: the test needs one"
+    for name in split:
+        assert _raw(staged.tensors[name]) == _raw(values[name]), f"{name!r} did not land in staging"
+
+
+def test_a_round_abandoned_while_its_whole_tensors_are_pending_is_followed_by_an_exact_full_round() -> None:
+    """The tensors of a round that go whole are finished (base updated, hashed) on the encoding
+    threads while the engine sends the ones before them. A round whose engine stopped part-way is
+    settled (nothing of it keeps writing the trainer's base); the next round is whole and leaves
+    the worker, which still holds the first round, with exactly the trainer's weights."""
+    from wtransfer.engines._loader import module_loader
+
+    model, worker = tiny_llama(seed=0), tiny_llama(seed=1)
+    real = module_loader(worker)
+    encoder = DeltaEncoder()
+
+    def apply(encoded: Any, version: int, holds: str | None) -> None:
+        manifest = build_manifest(encoded.metadata(), version, delta=encoded.plan)
+        loader = DeltaLoader(real, real, manifest, holds=holds)
+        loader.validate_manifest(manifest)
+        loader(list(encoded))
+        encoder.committed(encoded)
+
+    apply(encoder.encode(ModuleSource(model), 1), 1, None)
+    holds = encoder.base_id
+    _every_element_moved(model)
+    abandoned = encoder.encode(ModuleSource(model), 2)
+    walk = iter(abandoned)
+    next(walk), next(walk)  # the engine sent two tensors, then the link died
+    walk.close()
+    abandoned.settle()
+    with torch.no_grad():
+        model.lm_head.weight.view(-1)[::97].add_(1.0)
+    third = encoder.encode(ModuleSource(model), 3)
+    assert third.plan.base is None, "the base is ahead of every worker: the next round must be whole"
+    apply(third, 3, holds)
+    assert digests(worker) == digests(model)
+    holds = encoder.base_id
+    with torch.no_grad():
+        model.lm_head.weight.view(-1)[::89].add_(1.0)
+    fourth = encoder.encode(ModuleSource(model), 4)  # and deltas resume against it
+    assert fourth.plan.base == holds and fourth.stats.sparse_tensors == 1
+    apply(fourth, 4, holds)
+    assert digests(worker) == digests(model)

@@ -34,12 +34,15 @@ several times a dense round.
 Wire form (the manifest's ``delta`` key)::
 
     {"id": "<trainer token>:<version>", "base": "<id>" | null,
-     "tensors": [[name, dtype, shape, "xor-zstd" | "dense", digest, base digest | null], ...],
+     "tensors": [[name, dtype, shape, "xor-zstd", digest, base digest]
+                 | [name, dtype, shape, "dense", null, null], ...],
      "unchanged": [[name, dtype, shape, digest], ...]}
 
 one row per wire entry, in the same order; digests are XXH3-64 as 16 hex digits. The tensors
 left out are listed with the digest of the trainer's base, so a worker checks every tensor it
-keeps, not only those that change.
+keeps, not only those that change. A dense row names no digest: the trainer need not have
+hashed it before the round starts (its hashing overlaps the sending), the worker receives it
+as any round's tensor, and the next delta round checks it before applying anything to it.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from wtransfer.engines._manifest import (
     entry_for,
     tensor_bytes,
 )
-from wtransfer.engines._packing import copy_tensor, note_written
+from wtransfer.engines._packing import note_written
 from wtransfer.engines._source import WeightSource
 from wtransfer.errors import ManifestMismatchError, TransferError
 
@@ -84,6 +87,11 @@ CHUNK_BYTES = 1024 * 1024
 """The XOR, the compression and the hashing walk each tensor in chunks of (at most) this size,
 through one scratch buffer per thread of :func:`_pool`: small enough that the passes after the
 first read the chunk (new, base and XOR) from the last-level cache, not from memory."""
+
+GLANCE_BYTES = 64 * 1024
+"""Before walking a tensor whose walk may be left pending, this much of its start is XORed: if
+more than :data:`CHANGED_TO_TRY` of it changed the tensor goes whole, and all of its walk runs
+while the round is sent (as a chunk proving it dense would decide, sooner)."""
 
 ZSTD_LEVEL = 1
 
@@ -174,17 +182,116 @@ class DeltaStats:
 
 
 class DeltaRound(WeightSource):
-    """One encoded round, as the engine reads it: the wire tensors, in order."""
+    """One encoded round, as the engine reads it: the wire tensors, in order.
 
-    def __init__(self, entries: list[TensorEntry], payloads: list[torch.Tensor], plan: DeltaPlan,
-                 stats: DeltaStats) -> None:
-        self.entries, self.payloads, self.plan, self.stats = entries, payloads, plan, stats
+    A tensor that travels whole may still be *pending* when the round starts: the rest of its
+    walk (counting what changed, bringing the base up to the new value, hashing it) runs on the
+    encoding threads a few tensors ahead of the engine, and the tensor is yielded once its base
+    holds the new value. So the encoding of a mostly dense round overlaps its sending, instead of
+    delaying the first byte by a pass over the whole model.
+    """
+
+    def __init__(self, entries: list[TensorEntry], payloads: list[torch.Tensor], pending: list[_Encoded | None],
+                 plan: DeltaPlan, items: list[_Encoded], finisher: _Finisher, whole: bool = False) -> None:
+        self.entries, self.payloads, self.plan = entries, payloads, plan
+        self._pending = pending
+        """Per wire entry: the tensor to finish before it is read, or None."""
+        self._items = items
+        """Every tensor of the walk (unchanged ones too), in the walk's order."""
+        self._finisher = finisher
+        self._whole = whole
+
+    @property
+    def stats(self) -> DeltaStats:
+        """What the round carries; the changed counts are final once every tensor was read or :meth:`finish`."""
+        stats = DeltaStats()
+        for item in self._items:
+            stats.elements += item.target.numel
+            stats.changed_elements += item.changed
+            if self._whole or (item.row is not None and item.row.encoding == DENSE):
+                stats.dense_tensors += 1
+            elif item.row is None:
+                stats.unchanged_tensors += 1
+            else:
+                stats.sparse_tensors += 1
+        return stats
 
     def metadata(self) -> list[TensorEntry]:
         return list(self.entries)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter([(entry.name, payload) for entry, payload in zip(self.entries, self.payloads)])
+        for entry, payload, item in zip(list(self.entries), list(self.payloads), list(self._pending)):
+            if item is not None:
+                self._finisher.wait(item)
+            yield entry.name, payload
+
+    def finish(self) -> None:
+        """Every pending tensor done: the base holds the whole round (before it is called committed)."""
+        self._finisher.finish_all()
+
+    def settle(self) -> None:
+        """Once this returns no encoding thread writes the base for this round (what had not started is
+        dropped): a round that failed leaves nothing running into the next one."""
+        self._finisher.cancel()
+
+
+class _Finisher:
+    """Finishes a round's pending tensors on the encoding threads, in the order the engine reads
+    them, at most one per thread plus one ahead of the tensor the engine waits for."""
+
+    def __init__(self, items: list[_Encoded], record: Any) -> None:
+        from concurrent.futures import Future
+
+        self._items = items
+        self._index = {id(item): i for i, item in enumerate(items)}
+        self._futures: list[Future[None]] = []
+        self._record = record
+        self._lock = threading.Lock()
+        self._cancelled = False
+
+    def __contains__(self, item: _Encoded) -> bool:
+        return id(item) in self._index
+
+    def start(self, end: int) -> None:
+        """Submit the pending tensors before index ``end`` (those not yet submitted)."""
+        with self._lock:
+            if self._cancelled:
+                raise TransferError("delta round: its encoding was stopped (the round failed)")
+            pool = _pool()
+            while len(self._futures) < min(end, len(self._items)):
+                self._futures.append(pool.submit(self._finish, self._items[len(self._futures)]))
+
+    def _finish(self, item: _Encoded) -> None:
+        item.finish()
+        self._record(item)
+
+    def wait(self, item: _Encoded) -> None:
+        index = self._index[id(item)]
+        self.start(index + _pool_size() + 1)
+        self._futures[index].result()
+
+    def finish_all(self) -> None:
+        self.start(len(self._items))
+        for future in self._futures:
+            future.result()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            futures = list(self._futures)
+        for future in futures:
+            future.cancel()
+            if not future.cancelled():
+                future.exception()  # waits: it may be writing the base
+
+
+def _keeps_its_tensors(source: Any) -> bool:
+    """Whether every tensor ``source`` yields lives on after the walk moves past it (a module's
+    parameters, a mapping's tensors): then holding a pending tensor until it is sent costs no
+    memory. Any other source's tensors may be made as they are read, and are encoded at once."""
+    from wtransfer.engines._source import ModuleSource, TensorSource
+
+    return getattr(type(source), "__iter__", None) in (ModuleSource.__iter__, TensorSource.__iter__)
 
 
 class DeltaEncoder:
@@ -194,8 +301,8 @@ class DeltaEncoder:
     compressed XORs of one round (each at most :data:`SPARSE_AT_MOST` of its tensor) and one
     :data:`CHUNK_BYTES` scratch buffer per encoding thread. A device tensor is copied to the host
     as it is encoded (at most one per thread at a time). The base takes the new values as the
-    round is encoded (dense tensors are sent from it), so a round that fails leaves it ahead of
-    the workers: it is then marked invalid and the next round is full.
+    round is encoded and sent (dense tensors are sent from it), so a round that fails leaves it
+    ahead of the workers: it is then marked invalid and the next round is full.
     """
 
     def __init__(self) -> None:
@@ -205,30 +312,37 @@ class DeltaEncoder:
         """XXH3-64 of each base tensor as it is now (kept as the base changes, never recomputed)."""
         self.base_id: str | None = None
         """The id of the last round every worker committed, which :attr:`base` holds; None: full next."""
-        self._order: list[str] = []
+        self._last: DeltaRound | None = None
 
     def encode(self, source: WeightSource, version: int) -> DeltaRound:
         """Walk ``source`` once; the round against :attr:`base` (a full one if it has none).
 
         Tensors are encoded on every core, at most one per core at a time, in the walk's order
         (the XOR, the compression and the hashing release the GIL): a source that makes each
-        tensor as it yields it holds no more than that many at once.
+        tensor as it yields it holds no more than that many at once. A tensor proved dense (and
+        every tensor of a full round) is left pending when the source keeps its tensors: the
+        rest of its walk runs as the round is sent (see :class:`DeltaRound`).
         """
         from concurrent.futures import Future
 
+        if self._last is not None:
+            self._last.settle()  # a round abandoned by its caller: nothing of it may still write the base
         against = self.base_id
         self.base_id = None  # from here on the base holds this round's values, which no worker has yet
+        keeps = _keeps_its_tensors(source)
         encoded: list[_Encoded] = []
         pool, width = _pool(), _pool_size()
         in_flight: list[Future[_Encoded]] = []
         try:
             for name, tensor in source:
                 new = tensor.detach()
-                if new.device.type != "cpu":
+                on_host = new.device.type == "cpu"
+                if not on_host:
                     new = new.cpu()
                 base, fresh = self._base_for(name, new)
                 known = None if fresh else self.digests.get(name)
-                in_flight.append(pool.submit(_encode_one, name, new, base, None if fresh else against, known))
+                defer = keeps and on_host and new.is_contiguous()
+                in_flight.append(pool.submit(_encode_one, name, new, base, None if fresh else against, known, defer))
                 del tensor, new
                 if len(in_flight) >= width:  # one tensor per core at a time
                     encoded.append(in_flight.pop(0).result())
@@ -238,46 +352,48 @@ class DeltaEncoder:
                 future.cancel()
                 if not future.cancelled():
                     future.exception()
-        self._order = [item.target.name for item in encoded]
-        present = set(self._order)
+        present = {item.target.name for item in encoded}
         for gone in [name for name in self.base if name not in present]:
             del self.base[gone]  # a tensor the model no longer has
             self.digests.pop(gone, None)
-        stats = DeltaStats()
-        entries, payloads, rows, unchanged, kept_digests = [], [], [], [], []
+        entries, payloads, pending, rows, unchanged, kept_digests = [], [], [], [], [], []
         for item in encoded:
-            target = item.target
-            self.digests[target.name] = item.digest
-            stats.elements += target.numel
-            stats.changed_elements += item.changed
+            if item.digest is not None:
+                self.digests[item.target.name] = item.digest
             if item.row is None:
-                stats.unchanged_tensors += 1
                 unchanged.append(item.entry)
                 kept_digests.append(item.digest)
                 continue
-            if item.row.encoding == DENSE:
-                stats.dense_tensors += 1
-            else:
-                stats.sparse_tensors += 1
             entries.append(item.entry)
             payloads.append(item.payload)
+            pending.append(item if item.rest is not None else None)
             rows.append(item.row)
+        finisher = _Finisher([item for item in encoded if item.rest is not None], self._record)
+        finisher.start(width + 1)  # the first pending tensors, while the round's control messages go out
         plan = DeltaPlan(f"{self._token}:{version}", against, tuple(rows), tuple(unchanged), tuple(kept_digests))
-        return DeltaRound(entries, payloads, plan, stats)
+        self._last = DeltaRound(entries, payloads, pending, plan, encoded, finisher)
+        return self._last
+
+    def _record(self, item: _Encoded) -> None:
+        assert item.digest is not None
+        self.digests[item.target.name] = item.digest
 
     def whole(self, encoded: DeltaRound) -> DeltaRound:
-        """The same round, every tensor whole, from the base (which holds its values): for workers
-        that cannot apply the delta. Nothing is walked or hashed again."""
-        entries, payloads, rows = [], [], []
-        for name in self._order:
-            base = self.base[name]
-            target = entry_for(name, base)
+        """The same round, every tensor whole, from the base (which holds its values, or will once
+        its pending tensors are done): for workers that cannot apply the delta. Nothing is walked
+        or hashed again."""
+        finisher = encoded._finisher
+        entries, payloads, pending, rows = [], [], [], []
+        for item in encoded._items:
+            base = self.base[item.target.name]
+            target = entry_for(item.target.name, base)
             entries.append(target)
             payloads.append(base)
-            rows.append(DeltaTensor(target, DENSE, self.digests[name]))
+            pending.append(item if item in finisher else None)
+            rows.append(DeltaTensor(target, DENSE, None))
         plan = DeltaPlan(encoded.plan.id, None, tuple(rows), ())
-        stats = DeltaStats(encoded.stats.changed_elements, encoded.stats.elements, 0, 0, len(rows))
-        return DeltaRound(entries, payloads, plan, stats)
+        self._last = DeltaRound(entries, payloads, pending, plan, encoded._items, finisher, whole=True)
+        return self._last
 
     def _base_for(self, name: str, new: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """The base tensor of ``name`` (a new one, and True, if it had none of that dtype and shape)."""
@@ -289,9 +405,11 @@ class DeltaEncoder:
         base = self.base[name] = torch.empty_like(new, device="cpu", memory_format=torch.contiguous_format)
         return base, True
 
-    def committed(self, plan: DeltaPlan) -> None:
-        """Every worker committed the round: the base is what they hold."""
-        self.base_id = plan.id
+    def committed(self, encoded: DeltaRound) -> None:
+        """Every worker committed the round: the base is what they hold (its pending tensors are
+        finished first, for a caller whose engine did not read every tensor)."""
+        encoded.finish()
+        self.base_id = encoded.plan.id
 
 
 @dataclass
@@ -302,72 +420,122 @@ class _Encoded:
     payload: Any
     row: DeltaTensor | None
     changed: int
-    digest: str
-    """The base's digest once this round's value is in it."""
+    digest: str | None
+    """The base's digest once this round's value is in it (None while the tensor is pending)."""
+    rest: Any = None
+    """A pending dense tensor: the rest of its walk, returning the elements it found changed and the
+    digest (see :func:`_walk_rest`); None once done."""
 
     @property
     def target(self) -> TensorEntry:
         """The model's tensor (``entry`` is what travels: a XOR's bytes, or the tensor itself)."""
         return self.entry if self.row is None else self.row.target
 
+    def finish(self) -> None:
+        if self.rest is not None:
+            more, self.digest = self.rest()
+            self.changed += more
+            self.rest = None
 
-def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str | None, known: str | None) -> _Encoded:
-    """Encode one tensor against its base, then make the base the new value (a helper thread).
+
+def _walk_rest(new_bits: Any, base_bits: Any, start: int, step: int, words: int, hasher: Any,
+               count: bool) -> tuple[int, str]:
+    """A dense tensor's walk from element ``start`` on, chunk by chunk: count the changed elements
+    (``count``; else every one counts as changed and none is counted here), copy the new bytes
+    into the base, hash the base's new bytes while the chunk is in cache. Returns the elements
+    counted and the digest of the whole base (``hasher`` has seen the chunks before ``start``)."""
+    import numpy
+
+    changed = 0
+    for at in range(start, new_bits.size, step):
+        fresh, old = new_bits[at : at + step], base_bits[at : at + step]
+        if count:
+            xor = _scratch.get(new_bits.dtype, fresh.size)
+            numpy.bitwise_xor(fresh, old, out=xor)
+            here = int(numpy.count_nonzero(xor if words == 1 else xor.reshape(-1, words).any(axis=1)))
+            changed += here
+            if here:
+                numpy.copyto(old, fresh)
+        else:
+            numpy.copyto(old, fresh)
+        hasher.update(old)
+    return changed, _hex(hasher.intdigest(), base_bits.nbytes)
+
+
+def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str | None, known: str | None,
+                defer: bool) -> _Encoded:
+    """Encode one tensor against its base, and make the base the new value (a helper thread).
 
     One pass in chunks: XOR into the thread's scratch, count the changed elements, hash the old
     bytes and compress the XOR (both only while a XOR is still possible: the old bytes' digest
     must be what the workers hold, ``known``), copy the changed chunk into the base, hash the
-    base's new bytes.
+    base's new bytes. A tensor that goes whole (no base to diff against, or proved dense by a
+    chunk) stops there; with ``defer`` the rest of its walk is left to :class:`DeltaRound`.
     """
+    import functools
+
     import numpy
     import torch
     import xxhash
 
     target = entry_for(name, new)
-    if against is None or known is None:  # no base to diff against: the tensor goes whole
-        copy_tensor(base, new)
-        value = digest(base)
-        return _Encoded(target, base, DeltaTensor(target, DENSE, value), target.numel, value)
     new_bits, base_bits = _bits(new), _bits(base)
     words = max(1, new.element_size() // new_bits.itemsize)  # integers per element (2 for complex128)
     step = max(1, CHUNK_BYTES // new.element_size()) * words  # whole elements per chunk
+    hasher = xxhash.xxh3_64()
+    dense = DeltaTensor(target, DENSE, None)
+    if against is None or known is None:  # no base to diff against: the tensor goes whole
+        rest = functools.partial(_walk_rest, new_bits, base_bits, 0, step, words, hasher, False)
+        if defer:
+            return _Encoded(target, base, dense, target.numel, None, rest)
+        return _Encoded(target, base, dense, target.numel, rest()[1])
+    if defer:  # a glance first: a tensor changed all over goes whole without a chunk walked before the round
+        glance = min(new_bits.size, max(1, GLANCE_BYTES // new.element_size()) * words)
+        xor = _scratch.get(new_bits.dtype, glance)
+        numpy.bitwise_xor(new_bits[:glance], base_bits[:glance], out=xor)
+        here = int(numpy.count_nonzero(xor if words == 1 else xor.reshape(-1, words).any(axis=1)))
+        if here > CHANGED_TO_TRY * (glance // words):
+            rest = functools.partial(_walk_rest, new_bits, base_bits, 0, step, words, hasher, True)
+            return _Encoded(target, base, dense, 0, None, rest)
     limit = SPARSE_AT_MOST * target.nbytes
     compressor = _zstd().ZstdCompressor(level=ZSTD_LEVEL).compressobj()
-    parts: list[bytes] | None = []
+    parts: list[bytes] = []
     size = changed = 0
-    hasher, was = xxhash.xxh3_64(), xxhash.xxh3_64()
+    was = xxhash.xxh3_64()
     for start in range(0, new_bits.size, step):  # numpy: XOR and count are each one SIMD pass
         fresh, old = new_bits[start : start + step], base_bits[start : start + step]
         xor = _scratch.get(new_bits.dtype, fresh.size)
         numpy.bitwise_xor(fresh, old, out=xor)
-        if parts is not None:  # the old bytes' digest matters only for a XOR (read from cache)
-            was.update(old)
+        was.update(old)  # the old bytes' digest matters for a XOR (read from cache)
         here = int(numpy.count_nonzero(xor if words == 1 else xor.reshape(-1, words).any(axis=1)))
         changed += here
-        if here > CHANGED_TO_TRY * (xor.size // words):
-            parts = None
-        if parts is not None:
+        proved_dense = here > CHANGED_TO_TRY * (xor.size // words)
+        if not proved_dense:
             part = compressor.compress(xor)
             parts.append(part)
             size += len(part)
-            if size > limit:
-                parts = None  # a XOR this large is no delta: the tensor goes dense
+            proved_dense = size > limit  # a XOR this large is no delta: the tensor goes dense
         if here:
             numpy.copyto(old, fresh)
         hasher.update(old)  # the chunk is still in cache
+        if proved_dense:  # the rest only counts, updates the base and hashes
+            rest = functools.partial(_walk_rest, new_bits, base_bits, start + step, step, words, hasher, True)
+            if defer:
+                return _Encoded(target, base, dense, changed, None, rest)
+            more, value = rest()
+            return _Encoded(target, base, dense, changed + more, value)
     value = _hex(hasher.intdigest(), target.nbytes)
     if changed == 0:
         return _Encoded(target, None, None, 0, value)
-    if parts is not None and _hex(was.intdigest(), target.nbytes) != known:  # changed behind the encoder's back:
+    if _hex(was.intdigest(), target.nbytes) != known:  # changed behind the encoder's back:
         logger.warning("delta: the trainer's base of %r is not what the workers were sent; it goes whole", name)
-        parts = None  # a XOR against it would rebuild something else on the workers
-    if parts is not None:
-        parts.append(compressor.flush())
-        if size + len(parts[-1]) <= limit:
-            blob = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
-            wire = TensorEntry(name, "uint8", (blob.numel(),))
-            return _Encoded(wire, blob, DeltaTensor(target, XOR_ZSTD, value, known), changed, value)
-    return _Encoded(target, base, DeltaTensor(target, DENSE, value), changed, value)
+        return _Encoded(target, base, dense, changed, value)  # a XOR against it would rebuild something else
+    parts.append(compressor.flush())
+    if size + len(parts[-1]) > limit:
+        return _Encoded(target, base, dense, changed, value)
+    blob = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
+    wire = TensorEntry(name, "uint8", (blob.numel(),))
+    return _Encoded(wire, blob, DeltaTensor(target, XOR_ZSTD, value, known), changed, value)
 
 
 # -- worker side ----------------------------------------------------------------------------------
@@ -436,28 +604,40 @@ class DeltaLoader:
                     f"delta round: this worker's {entry.name!r} is not the version the trainer diffs against "
                     f"(changed outside wtransfer?): a full round is needed")
 
-    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+    def _require_validated(self) -> None:
         if self.plan.base is not None and not self._validated:  # an engine that skipped validate_manifest
             raise ManifestMismatchError(f"delta round {self.plan.id} arrived without its base checked (the engine "
                                         f"did not call validate_manifest): nothing was written")
+
+    def destination(self, name: str) -> torch.Tensor | None:
+        """Where a tensor that travels whole is received in place: the commit's own destination
+        (the node's staging copy, or the model when the round streams), as in a round without
+        deltas. A XOR has none: its compressed bytes are assembled apart and rebuilt from."""
+        row, where = self._rows.get(name), getattr(self.inner, "destination", None)
+        if row is None or row.encoding != DENSE or not callable(where) or self.discards:
+            return None
+        self._require_validated()
+        return where(name)
+
+    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        self._require_validated()
         if self.discards:
             return
         unlisted = [name for name, _ in weights if name not in self._rows]
         if unlisted:
             raise ManifestMismatchError(f"engine delivered {unlisted[0]!r}, which delta round {self.plan.id} does not list")
-        # every tensor rebuilt and checked on every core; the first failure (in order) is raised
+        # every XOR rebuilt and checked on every core; the first failure (in order) is raised. A tensor
+        # that travels whole is handed on as it came, like one received in place through destination()
         from concurrent.futures import wait
 
         pool = _pool()
-        jobs = [pool.submit(self._checked, name, payload, self._rows[name]) for name, payload in weights]
-        wait(jobs)  # none may still write once this call returns or raises
-        self.inner([job.result() for job in jobs])
+        jobs = [pool.submit(self._checked, name, payload, row) if row.encoding == XOR_ZSTD else None
+                for name, payload in weights for row in (self._rows[name],)]
+        wait([job for job in jobs if job is not None])  # none may still write once this call returns or raises
+        self.inner([(name, payload) if job is None else job.result() for (name, payload), job in zip(weights, jobs)])
 
     def _checked(self, name: str, payload: torch.Tensor, row: DeltaTensor) -> tuple[str, torch.Tensor]:
-        if row.encoding == XOR_ZSTD:
-            payload, got = self._rebuild(name, payload, row)
-        else:
-            got = digest(payload)
+        payload, got = self._rebuild(name, payload, row)
         if got != row.digest:
             raise TransferError(
                 f"delta round: {name!r} rebuilt here differs from the trainer's new value (digest {got} != "

@@ -119,8 +119,11 @@ class DeltaTensor:
 
     target: TensorEntry
     encoding: str
-    digest: str
-    """XXH3-64 of the new value's bytes: the worker checks the tensor it rebuilt."""
+    digest: str | None
+    """XXH3-64 of the new value's bytes: the worker checks the tensor it rebuilt from a XOR. None
+    for a tensor that travels whole (a digest there is ignored): it is received as in any round,
+    in place where it can be (``checksums=True`` checks its bytes on the way), and a worker checks
+    it against the trainer's base before the next delta round applies anything to it."""
     base_digest: str | None = None
     """``xor-zstd``: XXH3-64 of the base's bytes the XOR applies to."""
 
@@ -171,7 +174,8 @@ class DeltaPlan:
                 raise ValueError(f"manifest delta row #{index} must be [name, dtype, shape, encoding, digest, base]")
             target = _parse_entry(index, row[:3])
             encoding, new, old = row[3:]
-            if encoding not in DELTA_ENCODINGS or not _is_digest(new) or not (old is None or _is_digest(old)):
+            if (encoding not in DELTA_ENCODINGS or not (_is_digest(new) or (new is None and encoding == DENSE))
+                    or not (old is None or _is_digest(old))):
                 raise ValueError(f"manifest delta row {target.name!r}: bad encoding or digests {row[3:]!r}")
             if target.name != entry.name:
                 raise ValueError(f"manifest delta row #{index} is {target.name!r}, the wire tensor {entry.name!r}")

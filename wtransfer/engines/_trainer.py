@@ -572,7 +572,7 @@ class TrainerWeightTransferEngine(ABC):
         """A round of only what changed; if a worker cannot apply it (no base, another base), a full
         round at once. The engine reads the encoded round as its source, so every engine carries it."""
         assert self.delta is not None
-        source, started, refused = self.source, time.perf_counter(), None
+        source, started, refused, encoded = self.source, time.perf_counter(), None, None
         try:
             encoded = self.delta.encode(source, self.weight_version + 1)
             self.source = encoded
@@ -586,12 +586,18 @@ class TrainerWeightTransferEngine(ABC):
                 self._clean_rejection, refused = False, str(exc)
                 self.source = encoded = self.delta.whole(encoded)  # from the base: the source is walked once
                 stats = self._run_round(label, encoded)
+            self.delta.committed(encoded)
         finally:
             self.source = source
-        self.delta.committed(encoded.plan)
+            if encoded is not None:
+                encoded.settle()  # a failed round: none of its encoding keeps writing the base
         seconds = time.perf_counter() - started  # the encoding (and a refused attempt) included
+        counts = encoded.stats  # final: every tensor is done
         return {**stats, "delta_refused": refused, "seconds": seconds,
-                "gb_per_s": stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0}
+                "gb_per_s": stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
+                "changed_fraction": counts.changed_elements / max(counts.elements, 1),
+                "unchanged_tensors": counts.unchanged_tensors, "sparse_tensors": counts.sparse_tensors,
+                "dense_tensors": counts.dense_tensors}
 
     def _run_round(self, label: str | None, encoded: DeltaRound | None = None) -> dict[str, Any]:
         # A round's time is the whole round as the caller waits for it: manifest, plan and
@@ -614,12 +620,7 @@ class TrainerWeightTransferEngine(ABC):
         self.weight_version = manifest.version
         total = manifest.total_bytes
         sharded = {"wrote_shards": self.parallel_senders} if self.sharded else {}
-        delta = {} if encoded is None else {
-            "delta": "full" if encoded.plan.base is None else "delta",
-            "changed_fraction": encoded.stats.changed_elements / max(encoded.stats.elements, 1),
-            "unchanged_tensors": encoded.stats.unchanged_tensors, "sparse_tensors": encoded.stats.sparse_tensors,
-            "dense_tensors": encoded.stats.dense_tensors,
-        }
+        delta = {} if encoded is None else {"delta": "full" if encoded.plan.base is None else "delta"}
         model_bytes = total if encoded is None else encoded.plan.model_bytes
         return {
             **sharded,
