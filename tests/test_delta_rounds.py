@@ -17,7 +17,7 @@ pytest.importorskip("zstandard")
 
 import wtransfer  # noqa: E402
 from wtransfer.engines._delta import DeltaEncoder, DeltaLoader  # noqa: E402
-from wtransfer.engines._manifest import XOR_ZSTD, build_manifest, tensor_bytes  # noqa: E402
+from wtransfer.engines._manifest import POSITIONS, XOR_ZSTD, build_manifest, tensor_bytes  # noqa: E402
 from wtransfer.engines._source import ModuleSource  # noqa: E402
 from wtransfer.errors import ManifestMismatchError, TransferError  # noqa: E402
 from wtransfer.local import LocalWorkerPool  # noqa: E402
@@ -273,9 +273,10 @@ def digest_of(tensor: torch.Tensor) -> str:
 
 @pytest.mark.parametrize("chunk_bytes", [4096, 4098 * 2])
 def test_tensors_spanning_many_chunks_round_trip_bit_exactly(chunk_bytes: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The chunked paths (XOR, compression stopped mid-tensor, old-bytes digest, chunked
-    decompression with a short tail) on tensors of many chunks: every round is bit-exact, a
-    sparse change travels as a XOR, a change dense in a later chunk only goes whole."""
+    """The chunked paths (positions gathered chunk by chunk, XOR, compression, old-bytes digest,
+    chunked decompression with a short tail) on tensors of many chunks: every round is bit-exact,
+    a change of a few elements travels as positions, one of some per cent as a XOR, a change
+    dense in a later chunk only goes whole."""
     import wtransfer.engines._delta as delta_module
     from wtransfer.engines._loader import module_loader
 
@@ -285,19 +286,20 @@ def test_tensors_spanning_many_chunks_round_trip_bit_exactly(chunk_bytes: int, m
     real = module_loader(worker_model)
     encoder = DeltaEncoder()
     holds = None
-    for version, change in enumerate(["none", "sparse", "late-dense", "sparse"], start=1):
+    expected = {"sparse": POSITIONS, "some": XOR_ZSTD, "late-dense": "dense"}
+    for version, change in enumerate(["none", "sparse", "some", "late-dense", "sparse"], start=1):
         with torch.no_grad():
             weight = model.lm_head.weight.view(-1)  # 1024 x 128 bf16: 64 chunks of 4 KiB
             if change == "sparse":
-                weight[:: 997].add_(1.0)
+                weight[:: 997].add_(1.0)  # 0.1 % of the elements
+            elif change == "some":
+                weight[3 :: 16].add_(1.0)  # 6 %: positions would take 19 % of the bytes, a XOR less
             elif change == "late-dense":
                 weight[weight.numel() // 2 :].mul_(1.01)  # the first half unchanged: dense only later
         encoded = encoder.encode(ModuleSource(model), version)
         rows = {row.target.name: row.encoding for row in encoded.plan.tensors}
-        if change == "sparse":
-            assert rows["lm_head.weight"] == XOR_ZSTD
-        if change == "late-dense":
-            assert rows["lm_head.weight"] == "dense"
+        if change in expected:
+            assert rows["lm_head.weight"] == expected[change], change
         manifest = build_manifest(encoded.metadata(), version, delta=encoded.plan)
         loader = DeltaLoader(real, real, manifest, holds=holds)
         loader.validate_manifest(manifest)
@@ -344,8 +346,9 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
     short chunks (CHUNK_BYTES 4100: 4100 bytes for elements of up to 4 bytes, 4096 for 8 and 16, a
     size the scratch buffer must take for any dtype): every round bit-exact, rebuilt in place or
     into a separate staging copy, changed elements counted as elements (a complex128 whose two
-    halves moved is one), and a XOR wrong only in its last chunk fails the round (staged: with
-    the worker's model untouched)."""
+    halves moved is one), sent as positions (about 1 % changed) and as XORs (11 %), and a
+    positions payload or a XOR wrong only in its last element fails the round (staged: with the
+    worker's model untouched) and is followed by a full round."""
     import zstandard
 
     import wtransfer.engines._delta as delta_module
@@ -374,10 +377,16 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
         batch = list(encoded)
         if corrupt is not None:
             at = [name for name, _ in batch].index(corrupt)
-            size = trainer[corrupt].numel() * trainer[corrupt].element_size()
-            xor = bytearray(zstandard.ZstdDecompressor().decompress(_raw(batch[at][1]), max_output_size=size))
-            xor[-3] ^= 0x10  # wrong in the tensor's last chunk only
-            blob = zstandard.ZstdCompressor().compress(bytes(xor))
+            row = next(row for row in encoded.plan.tensors if row.target.name == corrupt)
+            if row.encoding == XOR_ZSTD:
+                size = trainer[corrupt].numel() * trainer[corrupt].element_size()
+                xor = bytearray(zstandard.ZstdDecompressor().decompress(_raw(batch[at][1]), max_output_size=size))
+                xor[-3] ^= 0x10  # wrong in the tensor's last chunk only
+                blob = zstandard.ZstdCompressor().compress(bytes(xor))
+            else:
+                assert row.encoding == POSITIONS
+                blob = bytearray(_raw(batch[at][1]))
+                blob[-1] ^= 0x10  # the last changed element's new value, one bit off
             batch[at] = (corrupt, torch.frombuffer(bytearray(blob), dtype=torch.uint8))
         loader(batch)
         encoder.committed(encoded)
@@ -402,23 +411,33 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
     expected += len(range(0, 200, 7)) * len(range(0, 60, 5))
     encoded = send(2)
     assert encoded.stats.changed_elements == expected
-    assert {row.target.name for row in encoded.plan.tensors if row.encoding == XOR_ZSTD} >= {"f64", "c128", "u8"}
+    assert {row.target.name for row in encoded.plan.tensors if row.encoding == POSITIONS} >= {"f64", "c128", "u8"}
     assert_worker_holds("a sparse round")
+    with torch.no_grad():
+        for name, tensor in trainer.items():
+            if name not in ("strided", "empty"):
+                tensor[1::9] += 1  # 11 %: positions would be too large, a compressed XOR is not
+    encoded = send(3)
+    assert {row.target.name for row in encoded.plan.tensors if row.encoding == XOR_ZSTD} >= {"f64", "c128", "u8"}
+    assert_worker_holds("a round of XORs")
     with torch.no_grad():
         for name in ("f64", "c128"):
             trainer[name][-1] += 1  # in the last chunk only
-    assert send(3).stats.changed_elements == 2
+    assert send(4).stats.changed_elements == 2
     assert_worker_holds("a round changing the last chunks")
-    assert send(4).stats.changed_elements == 0
+    assert send(5).stats.changed_elements == 0
     assert_worker_holds("a round with nothing changed")
 
-    before = {name: _raw(t) for name, t in model.tensors.items()}
-    with torch.no_grad():
-        trainer["f64"][::50] += 1
-    with pytest.raises(TransferError, match="'f64' rebuilt here differs"):
-        send(5, corrupt="f64")
-    if not in_place:  # staged: the model never saw the round
-        assert {name: _raw(t) for name, t in model.tensors.items()} == before
+    for step, every in enumerate((50, 9)):  # a wrong positions payload, then a wrong XOR
+        before = {name: _raw(t) for name, t in model.tensors.items()}
+        with torch.no_grad():
+            trainer["f64"][::every] += 1
+        with pytest.raises(TransferError, match="'f64' rebuilt here differs"):
+            send(6 + 2 * step, corrupt="f64")
+        if not in_place:  # staged: the model never saw the round
+            assert {name: _raw(t) for name, t in model.tensors.items()} == before
+        assert send(7 + 2 * step).plan.base is None  # the base is ahead of the worker: a full round
+        assert_worker_holds("the full round after a failed one")
 
 
 def _every_element_moved(model: torch.nn.Module) -> None:

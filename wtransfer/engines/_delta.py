@@ -57,15 +57,17 @@ from typing import TYPE_CHECKING, Any
 
 from wtransfer.engines._manifest import (
     DENSE,
+    POSITIONS,
     XOR_ZSTD,
     DeltaPlan,
     DeltaTensor,
     Manifest,
     TensorEntry,
     entry_for,
+    positions_payload_bytes,
     tensor_bytes,
 )
-from wtransfer.engines._packing import note_written
+from wtransfer.engines._packing import copy_tensor, note_written
 from wtransfer.engines._source import WeightSource
 from wtransfer.errors import ManifestMismatchError, TransferError
 
@@ -73,6 +75,12 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger("wtransfer")
+
+POSITIONS_AT_MOST = 1 / 16
+"""A tensor travels as the positions and new values of its changed elements when that is at most
+this fraction of its bytes (a bf16 tensor with up to about 2 % of its elements changed). Its size
+is known once the changed elements are counted, so the round can start before the payload is
+written: the positions are gathered as the round is sent."""
 
 SPARSE_AT_MOST = 0.25
 """A tensor travels as a compressed XOR only when that is at most this fraction of its bytes
@@ -146,6 +154,16 @@ class _Scratch(threading.local):
         if self.buffer is None or self.buffer.size < size:
             self.buffer = numpy.empty(size, dtype=numpy.uint8)
         return self.buffer[: count * numpy.dtype(dtype).itemsize].view(dtype)
+
+    mask_buffer: Any = None
+
+    def mask(self, count: int) -> Any:
+        """``count`` booleans (at most a chunk's elements), as a numpy array."""
+        import numpy
+
+        if self.mask_buffer is None or self.mask_buffer.size < count:
+            self.mask_buffer = numpy.empty(max(count, CHUNK_BYTES), dtype=numpy.bool_)
+        return self.mask_buffer[:count]
 
 
 _scratch = _Scratch()
@@ -298,8 +316,10 @@ class DeltaEncoder:
     """The trainer's copy of the version its workers committed, and each round's encoding against it.
 
     Memory: one host copy of the model (the base) and the digest of each of its tensors, plus the
-    compressed XORs of one round (each at most :data:`SPARSE_AT_MOST` of its tensor) and one
-    :data:`CHUNK_BYTES` scratch buffer per encoding thread. A device tensor is copied to the host
+    compressed XORs of one round (each at most :data:`SPARSE_AT_MOST` of its tensor), the
+    ``positions`` payload buffer of each tensor that ever travelled so (at most
+    :data:`POSITIONS_AT_MOST` of it, kept across rounds; only the pages written are resident) and
+    one :data:`CHUNK_BYTES` scratch buffer (and a chunk's booleans) per encoding thread. A device tensor is copied to the host
     as it is encoded (at most one per thread at a time). The base takes the new values as the
     round is encoded and sent (dense tensors are sent from it), so a round that fails leaves it
     ahead of the workers: it is then marked invalid and the next round is full.
@@ -313,6 +333,9 @@ class DeltaEncoder:
         self.base_id: str | None = None
         """The id of the last round every worker committed, which :attr:`base` holds; None: full next."""
         self._last: DeltaRound | None = None
+        self._payloads: dict[str, torch.Tensor] = {}
+        """Each tensor's ``positions`` payload buffer, kept across rounds: fresh memory costs a page
+        fault per page on first touch, and a round would otherwise pay that for every payload."""
 
     def encode(self, source: WeightSource, version: int) -> DeltaRound:
         """Walk ``source`` once; the round against :attr:`base` (a full one if it has none).
@@ -342,7 +365,8 @@ class DeltaEncoder:
                 base, fresh = self._base_for(name, new)
                 known = None if fresh else self.digests.get(name)
                 defer = keeps and on_host and new.is_contiguous()
-                in_flight.append(pool.submit(_encode_one, name, new, base, None if fresh else against, known, defer))
+                in_flight.append(pool.submit(_encode_one, name, new, base, None if fresh else against, known, defer,
+                                             self._room))
                 del tensor, new
                 if len(in_flight) >= width:  # one tensor per core at a time
                     encoded.append(in_flight.pop(0).result())
@@ -356,6 +380,7 @@ class DeltaEncoder:
         for gone in [name for name in self.base if name not in present]:
             del self.base[gone]  # a tensor the model no longer has
             self.digests.pop(gone, None)
+            self._payloads.pop(gone, None)
         entries, payloads, pending, rows, unchanged, kept_digests = [], [], [], [], [], []
         for item in encoded:
             if item.digest is not None:
@@ -373,6 +398,18 @@ class DeltaEncoder:
         plan = DeltaPlan(f"{self._token}:{version}", against, tuple(rows), tuple(unchanged), tuple(kept_digests))
         self._last = DeltaRound(entries, payloads, pending, plan, encoded, finisher)
         return self._last
+
+    def _room(self, name: str, size: int) -> torch.Tensor:
+        """``size`` bytes of the payload buffer of ``name`` (made once, as large as a ``positions``
+        payload of the tensor may be: only the pages written are ever resident)."""
+        import torch
+
+        buffer = self._payloads.get(name)
+        if buffer is None or buffer.numel() < size:
+            base = self.base[name]
+            most = int(POSITIONS_AT_MOST * base.numel() * base.element_size())
+            buffer = self._payloads[name] = torch.empty(max(size, most), dtype=torch.uint8)
+        return buffer[:size]
 
     def _record(self, item: _Encoded) -> None:
         assert item.digest is not None
@@ -441,9 +478,9 @@ class _Encoded:
 def _walk_rest(new_bits: Any, base_bits: Any, start: int, step: int, words: int, hasher: Any,
                count: bool) -> tuple[int, str]:
     """A dense tensor's walk from element ``start`` on, chunk by chunk: count the changed elements
-    (``count``; else every one counts as changed and none is counted here), copy the new bytes
-    into the base, hash the base's new bytes while the chunk is in cache. Returns the elements
-    counted and the digest of the whole base (``hasher`` has seen the chunks before ``start``)."""
+    (``count``; else none is counted here), copy the new bytes into the base, hash the base's new
+    bytes while the chunk is in cache. Returns the elements counted and the digest of the whole
+    base (``hasher`` has seen the chunks before ``start``)."""
     import numpy
 
     changed = 0
@@ -462,15 +499,60 @@ def _walk_rest(new_bits: Any, base_bits: Any, start: int, step: int, words: int,
     return changed, _hex(hasher.intdigest(), base_bits.nbytes)
 
 
+def _gather_positions(name: str, new_bits: Any, base_bits: Any, step: int, words: int, payload: torch.Tensor,
+                      changed: int, value: str) -> tuple[int, str]:
+    """Write a ``positions`` payload (the changed elements' positions, then their new values) and
+    bring the base up to the new value, chunk by chunk. ``changed`` was counted by an earlier walk
+    of the same tensors; a different count here means the source changed during the round."""
+    import numpy
+
+    raw = tensor_bytes(payload).numpy()
+    width = 4 if new_bits.size // words < 2**31 else 8
+    positions = raw[: changed * width].view(numpy.int32 if width == 4 else numpy.int64)
+    values = raw[changed * width :].view(new_bits.dtype).reshape(-1, words)
+    done = 0
+    for at in range(0, new_bits.size, step):
+        fresh, old = new_bits[at : at + step], base_bits[at : at + step]
+        xor = _scratch.get(new_bits.dtype, fresh.size)
+        numpy.bitwise_xor(fresh, old, out=xor)
+        if words == 1:
+            moved = numpy.not_equal(xor, 0, out=_scratch.mask(xor.size))
+        else:
+            moved = xor.reshape(-1, words).any(axis=1)
+        where = numpy.flatnonzero(moved)
+        if done + where.size > changed:
+            break
+        positions[done : done + where.size] = where + at // words
+        values[done : done + where.size] = fresh.reshape(-1, words)[where]
+        if where.size:
+            numpy.copyto(old, fresh)
+        done += where.size
+    else:
+        if done == changed:
+            return 0, value
+    raise TransferError(f"delta round: {name!r} changed while the round was being sent (a source must not "
+                        f"overwrite a tensor it yielded until the round ends)")
+
+
 def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str | None, known: str | None,
-                defer: bool) -> _Encoded:
+                defer: bool, room: Any) -> _Encoded:
     """Encode one tensor against its base, and make the base the new value (a helper thread).
 
-    One pass in chunks: XOR into the thread's scratch, count the changed elements, hash the old
-    bytes and compress the XOR (both only while a XOR is still possible: the old bytes' digest
-    must be what the workers hold, ``known``), copy the changed chunk into the base, hash the
-    base's new bytes. A tensor that goes whole (no base to diff against, or proved dense by a
-    chunk) stops there; with ``defer`` the rest of its walk is left to :class:`DeltaRound`.
+    A first walk only reads: it XORs each chunk into the thread's scratch, counts the changed
+    elements, and hashes the old bytes (which must be what the workers hold, ``known``) and the
+    new ones. Then, by what changed:
+
+    - nothing: the tensor stays out of the round;
+    - few enough elements for ``positions`` (:data:`POSITIONS_AT_MOST`): its payload's size is
+      known, and the second walk (gather the positions and values, update the base) is left to
+      the round's sending with ``defer``;
+    - more: a second walk compresses the XOR while it updates the base, the tensor going whole
+      if that grows past :data:`SPARSE_AT_MOST`;
+    - a chunk with more than :data:`CHANGED_TO_TRY` of it changed (or, first, a glance at the
+      tensor's start), or no base to diff against: the tensor goes whole, the rest of its walk
+      (count, update the base, hash) left to the round's sending with ``defer``.
+
+    ``room(name, size)`` lends the payload buffer of a ``positions`` tensor (kept across rounds).
     """
     import functools
 
@@ -482,57 +564,72 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
     new_bits, base_bits = _bits(new), _bits(base)
     words = max(1, new.element_size() // new_bits.itemsize)  # integers per element (2 for complex128)
     step = max(1, CHUNK_BYTES // new.element_size()) * words  # whole elements per chunk
-    hasher = xxhash.xxh3_64()
-    dense = DeltaTensor(target, DENSE, None)
+
+    def whole(rest: Any, changed: int) -> _Encoded:
+        encoded = _Encoded(target, base, DeltaTensor(target, DENSE, None), changed, None, rest)
+        if not defer:
+            encoded.finish()
+        return encoded
+
+    def walk_from_start(count: bool) -> Any:
+        return functools.partial(_walk_rest, new_bits, base_bits, 0, step, words, xxhash.xxh3_64(), count)
+
     if against is None or known is None:  # no base to diff against: the tensor goes whole
-        rest = functools.partial(_walk_rest, new_bits, base_bits, 0, step, words, hasher, False)
-        if defer:
-            return _Encoded(target, base, dense, target.numel, None, rest)
-        return _Encoded(target, base, dense, target.numel, rest()[1])
+        return whole(walk_from_start(False), target.numel)
     if defer:  # a glance first: a tensor changed all over goes whole without a chunk walked before the round
-        glance = min(new_bits.size, max(1, GLANCE_BYTES // new.element_size()) * words)
+        glance = min(new_bits.size, max(1, min(GLANCE_BYTES, CHUNK_BYTES) // new.element_size()) * words)
         xor = _scratch.get(new_bits.dtype, glance)
         numpy.bitwise_xor(new_bits[:glance], base_bits[:glance], out=xor)
         here = int(numpy.count_nonzero(xor if words == 1 else xor.reshape(-1, words).any(axis=1)))
         if here > CHANGED_TO_TRY * (glance // words):
-            rest = functools.partial(_walk_rest, new_bits, base_bits, 0, step, words, hasher, True)
-            return _Encoded(target, base, dense, 0, None, rest)
-    limit = SPARSE_AT_MOST * target.nbytes
-    compressor = _zstd().ZstdCompressor(level=ZSTD_LEVEL).compressobj()
-    parts: list[bytes] = []
-    size = changed = 0
-    was = xxhash.xxh3_64()
-    for start in range(0, new_bits.size, step):  # numpy: XOR and count are each one SIMD pass
+            return whole(walk_from_start(True), 0)
+    changed = 0
+    was, now = xxhash.xxh3_64(), xxhash.xxh3_64()
+    for start in range(0, new_bits.size, step):  # the first walk reads only
         fresh, old = new_bits[start : start + step], base_bits[start : start + step]
         xor = _scratch.get(new_bits.dtype, fresh.size)
         numpy.bitwise_xor(fresh, old, out=xor)
-        was.update(old)  # the old bytes' digest matters for a XOR (read from cache)
         here = int(numpy.count_nonzero(xor if words == 1 else xor.reshape(-1, words).any(axis=1)))
+        if here > CHANGED_TO_TRY * (xor.size // words):
+            return whole(walk_from_start(True), 0)  # nothing written yet: the whole walk counts again
         changed += here
-        proved_dense = here > CHANGED_TO_TRY * (xor.size // words)
-        if not proved_dense:
-            part = compressor.compress(xor)
-            parts.append(part)
-            size += len(part)
-            proved_dense = size > limit  # a XOR this large is no delta: the tensor goes dense
-        if here:
-            numpy.copyto(old, fresh)
-        hasher.update(old)  # the chunk is still in cache
-        if proved_dense:  # the rest only counts, updates the base and hashes
-            rest = functools.partial(_walk_rest, new_bits, base_bits, start + step, step, words, hasher, True)
-            if defer:
-                return _Encoded(target, base, dense, changed, None, rest)
-            more, value = rest()
-            return _Encoded(target, base, dense, changed + more, value)
-    value = _hex(hasher.intdigest(), target.nbytes)
+        was.update(old)
+        now.update(fresh)
+    value = _hex(now.intdigest(), target.nbytes)
     if changed == 0:
         return _Encoded(target, None, None, 0, value)
     if _hex(was.intdigest(), target.nbytes) != known:  # changed behind the encoder's back:
         logger.warning("delta: the trainer's base of %r is not what the workers were sent; it goes whole", name)
-        return _Encoded(target, base, dense, changed, value)  # a XOR against it would rebuild something else
+        return whole(walk_from_start(False), changed)  # a payload against it would rebuild something else
+    size = positions_payload_bytes(target, changed)
+    if size <= POSITIONS_AT_MOST * target.nbytes:
+        payload = room(name, size)
+        rest = functools.partial(_gather_positions, name, new_bits, base_bits, step, words, payload, changed, value)
+        encoded = _Encoded(TensorEntry(name, "uint8", (size,)), payload, DeltaTensor(target, POSITIONS, value, known),
+                           changed, None, rest)
+        if not defer:
+            encoded.finish()
+        return encoded
+    limit = SPARSE_AT_MOST * target.nbytes
+    compressor = _zstd().ZstdCompressor(level=ZSTD_LEVEL).compressobj()
+    parts: list[bytes] = []
+    size = 0
+    hasher = xxhash.xxh3_64()
+    for start in range(0, new_bits.size, step):  # the second walk: compress, update the base
+        fresh, old = new_bits[start : start + step], base_bits[start : start + step]
+        xor = _scratch.get(new_bits.dtype, fresh.size)
+        numpy.bitwise_xor(fresh, old, out=xor)
+        part = compressor.compress(xor)
+        parts.append(part)
+        size += len(part)
+        numpy.copyto(old, fresh)
+        hasher.update(old)  # the chunk is still in cache
+        if size > limit:  # a XOR this large is no delta: the tensor goes whole (counted already)
+            rest = functools.partial(_walk_rest, new_bits, base_bits, start + step, step, words, hasher, False)
+            return whole(rest, changed)
     parts.append(compressor.flush())
     if size + len(parts[-1]) > limit:
-        return _Encoded(target, base, dense, changed, value)
+        return _Encoded(target, base, DeltaTensor(target, DENSE, None), changed, value)
     blob = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
     wire = TensorEntry(name, "uint8", (blob.numel(),))
     return _Encoded(wire, blob, DeltaTensor(target, XOR_ZSTD, value, known), changed, value)
@@ -577,7 +674,7 @@ class DeltaLoader:
                 raise ManifestMismatchError(
                     "this worker's loader cannot apply a delta round (it shows no tensors through destination(), "
                     "or needs every round whole): a full round is needed")
-            expected = [(row.target, row.base_digest) for row in plan.tensors if row.encoding == XOR_ZSTD]
+            expected = [(row.target, row.base_digest) for row in plan.tensors if row.encoding != DENSE]
             expected += list(zip(plan.unchanged, plan.unchanged_digests))
             self._check_bases(expected)
         check = getattr(self.inner, "validate_manifest", None)
@@ -631,13 +728,13 @@ class DeltaLoader:
         from concurrent.futures import wait
 
         pool = _pool()
-        jobs = [pool.submit(self._checked, name, payload, row) if row.encoding == XOR_ZSTD else None
+        jobs = [pool.submit(self._checked, name, payload, row) if row.encoding != DENSE else None
                 for name, payload in weights for row in (self._rows[name],)]
         wait([job for job in jobs if job is not None])  # none may still write once this call returns or raises
         self.inner([(name, payload) if job is None else job.result() for (name, payload), job in zip(weights, jobs)])
 
     def _checked(self, name: str, payload: torch.Tensor, row: DeltaTensor) -> tuple[str, torch.Tensor]:
-        payload, got = self._rebuild(name, payload, row)
+        payload, got = (self._rebuild if row.encoding == XOR_ZSTD else self._place)(name, payload, row)
         if got != row.digest:
             raise TransferError(
                 f"delta round: {name!r} rebuilt here differs from the trainer's new value (digest {got} != "
@@ -675,6 +772,28 @@ class DeltaLoader:
             raise TransferError(f"delta round: {name!r} decompressed to more bytes than its {row.target.nbytes}")
         note_written(value)  # through numpy, behind autograd's back
         return value, _hex(hasher.intdigest(), row.target.nbytes)
+
+    def _place(self, name: str, payload: torch.Tensor, row: DeltaTensor) -> tuple[torch.Tensor, str]:
+        """The base with the changed elements of a ``positions`` payload put in place, written where
+        the commit reads it; the result and its digest. A position outside the tensor fails."""
+        import numpy
+
+        base = self._base_of(name)  # type: ignore[misc]
+        value = self._destination(name, base)
+        if value.data_ptr() != base.data_ptr():
+            copy_tensor(value, base)
+        value_bits = _bits(value)  # value is contiguous: a view
+        words = max(1, value.element_size() // value_bits.itemsize)
+        raw = tensor_bytes(payload).numpy()
+        count = raw.size // positions_payload_bytes(row.target, 1)
+        width = positions_payload_bytes(row.target, 1) - value.element_size()
+        positions = raw[: count * width].view(numpy.int32 if width == 4 else numpy.int64)
+        values = raw[count * width :].view(value_bits.dtype).reshape(-1, words)
+        if count and (int(positions.min()) < 0 or int(positions.max()) >= row.target.numel):
+            raise TransferError(f"delta round: {name!r} names positions outside its {row.target.numel} elements")
+        value_bits.reshape(-1, words)[positions] = values
+        note_written(value)  # through numpy, behind autograd's back
+        return value, digest(value)
 
     def _destination(self, name: str, base: torch.Tensor) -> torch.Tensor:
         """Where the rebuilt tensor goes: the commit's own destination when it has one of the right

@@ -47,9 +47,21 @@ DELTA_MANIFEST_FORMAT = 3
 round by its format instead of loading compressed bytes as tensors. Other rounds stay format 2."""
 DIGEST_ALGORITHMS = ("xxh3_64",)
 
-XOR_ZSTD, DENSE = "xor-zstd", "dense"
-DELTA_ENCODINGS = (XOR_ZSTD, DENSE)
-"""How a delta round's wire tensor rebuilds its tensor: a compressed XOR with the base, or whole."""
+XOR_ZSTD, POSITIONS, DENSE = "xor-zstd", "positions", "dense"
+DELTA_ENCODINGS = (XOR_ZSTD, POSITIONS, DENSE)
+"""How a delta round's wire tensor rebuilds its tensor: a compressed XOR with the base, the
+positions and new values of the elements that changed, or whole."""
+
+
+def position_bytes(target: TensorEntry) -> int:
+    """Bytes of one position in a ``positions`` payload: int32, or int64 for a tensor of 2**31
+    elements or more."""
+    return 4 if target.numel < 2**31 else 8
+
+
+def positions_payload_bytes(target: TensorEntry, changed: int) -> int:
+    """A ``positions`` payload's size: ``changed`` positions, then as many elements (new values)."""
+    return changed * (position_bytes(target) + dtype_itemsize(target.dtype))
 
 COMMIT_MODES = ("atomic", "streaming")
 """How a round reaches the model: staged then committed everywhere, or written as it arrives."""
@@ -125,7 +137,7 @@ class DeltaTensor:
     in place where it can be (``checksums=True`` checks its bytes on the way), and a worker checks
     it against the trainer's base before the next delta round applies anything to it."""
     base_digest: str | None = None
-    """``xor-zstd``: XXH3-64 of the base's bytes the XOR applies to."""
+    """``xor-zstd``, ``positions``: XXH3-64 of the base's bytes the payload applies to."""
 
     def to_list(self) -> list[Any]:
         t = self.target
@@ -181,9 +193,12 @@ class DeltaPlan:
                 raise ValueError(f"manifest delta row #{index} is {target.name!r}, the wire tensor {entry.name!r}")
             if encoding == DENSE and target != entry:
                 raise ValueError(f"manifest delta row {target.name!r}: a dense tensor travels as itself")
-            if encoding == XOR_ZSTD and (entry.dtype != "uint8" or len(entry.shape) != 1 or old is None or base is None):
-                raise ValueError(f"manifest delta row {target.name!r}: a XOR travels as uint8 bytes, with a base digest, "
-                                 f"in a round against a base")
+            if encoding != DENSE and (entry.dtype != "uint8" or len(entry.shape) != 1 or old is None or base is None):
+                raise ValueError(f"manifest delta row {target.name!r}: a {encoding} payload travels as uint8 bytes, "
+                                 f"with a base digest, in a round against a base")
+            if encoding == POSITIONS and entry.nbytes % positions_payload_bytes(target, 1):
+                raise ValueError(f"manifest delta row {target.name!r}: a positions payload of {entry.nbytes} bytes is "
+                                 f"not a whole number of (position, value) pairs")
             tensors.append(DeltaTensor(target, encoding, new, old))
         names = [t.target.name for t in tensors] + [e.name for e in kept]
         if len(set(names)) != len(names):
