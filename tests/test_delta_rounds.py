@@ -7,6 +7,7 @@ elements do not change from one round to the next and most tensors travel as com
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ pytest.importorskip("zstandard")
 import wtransfer  # noqa: E402
 from wtransfer.engines._delta import DeltaEncoder, DeltaLoader  # noqa: E402
 from wtransfer.engines._manifest import POSITIONS, XOR_ZSTD, build_manifest, tensor_bytes  # noqa: E402
-from wtransfer.engines._source import ModuleSource  # noqa: E402
+from wtransfer.engines._source import ModuleSource, TensorSource  # noqa: E402
 from wtransfer.errors import ManifestMismatchError, TransferError  # noqa: E402
 from wtransfer.local import LocalWorkerPool  # noqa: E402
 from wtransfer.testing.models import digests, tiny_llama  # noqa: E402
@@ -339,16 +340,19 @@ def _raw(tensor: torch.Tensor) -> bytes:
     return tensor_bytes(tensor).numpy().tobytes()
 
 
+@pytest.mark.parametrize("kept", [True, False], ids=["mapping", "one-shot"])
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "staged"])
 def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
-        in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        in_place: bool, kept: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """1-, 2-, 4-, 8- and 16-byte elements, an empty tensor and a non-contiguous trainer tensor, in
     short chunks (CHUNK_BYTES 4100: 4100 bytes for elements of up to 4 bytes, 4096 for 8 and 16, a
     size the scratch buffer must take for any dtype): every round bit-exact, rebuilt in place or
     into a separate staging copy, changed elements counted as elements (a complex128 whose two
     halves moved is one), sent as positions (about 1 % changed) and as XORs (11 %), and a
     positions payload or a XOR wrong only in its last element fails the round (staged: with the
-    worker's model untouched) and is followed by a full round."""
+    worker's model untouched) and is followed by a full round. From a mapping (its tensors
+    kept: the work of tensors sent whole or as positions is left pending and done as the round
+    is read) and from a one-shot iterator (every tensor encoded before the round)."""
     import zstandard
 
     import wtransfer.engines._delta as delta_module
@@ -370,7 +374,8 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
 
     def send(version: int, corrupt: str | None = None) -> Any:
         nonlocal holds
-        encoded = encoder.encode(iter(list(trainer.items())), version)  # type: ignore[arg-type]
+        source = TensorSource(trainer) if kept else iter(list(trainer.items()))
+        encoded = encoder.encode(source, version)  # type: ignore[arg-type]
         manifest = build_manifest(encoded.metadata(), version, delta=encoded.plan)
         loader = DeltaLoader(model if in_place else _Staged(model), model, manifest, holds=holds)
         loader.validate_manifest(manifest)
@@ -521,3 +526,44 @@ def test_a_round_abandoned_while_its_whole_tensors_are_pending_is_followed_by_an
     assert fourth.plan.base == holds and fourth.stats.sparse_tensors == 1
     apply(fourth, 4, holds)
     assert digests(worker) == digests(model)
+
+
+def test_a_positions_payload_that_does_not_fit_its_tensor_is_refused() -> None:
+    """A manifest whose positions payload is not whole (position, value) pairs, or names no base
+    digest, is refused as it is parsed; a payload naming a position outside its tensor fails the
+    round on the worker before anything reaches the commit."""
+    from wtransfer.engines._manifest import Manifest
+
+    model = tiny_llama(seed=0)
+    committed = _Committed({name: t.detach().clone() for name, t in model.named_parameters()})
+    encoder = DeltaEncoder()
+    encoder.committed(encoder.encode(ModuleSource(model), 1))
+    holds = encoder.base_id
+    with torch.no_grad():
+        model.lm_head.weight.view(-1)[::997].add_(1.0)
+    encoded = encoder.encode(ModuleSource(model), 2)
+    manifest = build_manifest(encoded.metadata(), 2, delta=encoded.plan)
+    index = next(i for i, row in enumerate(encoded.plan.tensors) if row.target.name == "lm_head.weight")
+    assert encoded.plan.tensors[index].encoding == POSITIONS
+    wire = manifest.to_dict()
+    assert Manifest.from_dict(wire) == manifest
+    torn = copy.deepcopy(wire)
+    torn["tensors"][index][2] = [torn["tensors"][index][2][0] + 1]
+    with pytest.raises(ValueError, match="not a whole number of"):
+        Manifest.from_dict(torn)
+    baseless = copy.deepcopy(wire)
+    baseless["delta"]["tensors"][index][5] = None
+    with pytest.raises(ValueError, match="with a base digest"):
+        Manifest.from_dict(baseless)
+
+    staged = _Staged(committed)
+    before = {name: _raw(t) for name, t in committed.tensors.items()}
+    loader = DeltaLoader(staged, committed, manifest, holds=holds)
+    loader.validate_manifest(manifest)
+    batch = list(encoded)
+    payload = bytearray(_raw(batch[index][1]))
+    payload[0:4] = (model.lm_head.weight.numel()).to_bytes(4, "little")  # one past the last element
+    batch[index] = (batch[index][0], torch.frombuffer(payload, dtype=torch.uint8))
+    with pytest.raises(TransferError, match="positions outside its"):
+        loader(batch)
+    assert {name: _raw(t) for name, t in committed.tensors.items()} == before

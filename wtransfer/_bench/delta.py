@@ -44,8 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=1536, help="Llama hidden size")
     parser.add_argument("--layers", type=int, default=14, help="Llama layers")
     parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
-    parser.add_argument("--lrs", default="1e-7,1e-6,1e-5",
-                        help="AdamW learning rate of each step (comma-separated; one round per step)")
+    parser.add_argument("--lrs", default="1e-6,1e-7,1e-6,1e-5",
+                        help="AdamW learning rate of each step (comma-separated; one round per step). The "
+                             "first step changes the most elements (about 1.8 %% at 1e-6, near the 2 %% "
+                             "the targets are stated for)")
     parser.add_argument("--links", default="1gbit,10gbit",
                         help="tc rates of the shaped runs (comma-separated; '' for none)")
     parser.add_argument("--repeats", type=int, default=3,

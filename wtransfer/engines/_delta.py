@@ -2,46 +2,55 @@
 
 Between two RL steps almost every bf16 element is bit-identical. With ``delta=True`` the
 trainer keeps a host copy of the last version the workers committed (its *base*) and turns a
-round into:
+round into, per tensor:
 
 - nothing, for a tensor whose bits did not change;
+- ``positions``: the positions of its changed elements, then their new values, when that is at
+  most :data:`POSITIONS_AT_MOST` of the tensor (a few changed elements);
 - ``xor-zstd``: the XOR of its bits with the base's, compressed with zstd (the XOR of a slightly
-  changed tensor is mostly zero bytes), when that is under a quarter of the tensor;
+  changed tensor is mostly zero bytes), when that is at most :data:`SPARSE_AT_MOST` of it;
 - ``dense``: the tensor itself, otherwise (and for every tensor of a full round).
 
 It is a layer over every engine, not an engine: the round's wire manifest lists what moves (a
-compressed XOR travels as a ``uint8`` tensor under the tensor's own name), and ``delta`` says
-what each entry rebuilds. Engines move bytes as usual; on the worker, :class:`DeltaLoader` sits
-between the engine and the commit layer, rebuilds each changed tensor on the worker's own
-committed copy, checks it against the trainer's digest of the new value, and hands the whole
-tensor on, so staging, the atomic commit and the model's loader see ordinary tensors.
+payload travels as a ``uint8`` tensor under the tensor's own name), and ``delta`` says what each
+entry rebuilds. Engines move bytes as usual; on the worker, :class:`DeltaLoader` sits between the
+engine and the commit layer, rebuilds each tensor sent as a payload on the worker's own committed
+copy, checks it against the trainer's digest of the new value, and hands the whole tensor on, so
+staging, the atomic commit and the model's loader see ordinary tensors. A tensor sent whole is
+received as in any round, in place (``checksums=True`` checks its bytes on the way).
 
 A worker applies a delta only onto the exact version it is against: it must have committed the
 round named ``base`` (the id of the trainer's last committed round), and every tensor it keeps
-or rebuilds from a XOR must hash to the trainer's digest of its base; it checks both before any
-byte moves. A worker that cannot (new, restarted, torn, a model changed behind wtransfer's back,
-a loader that cannot show its tensors or needs every round whole) refuses the round cleanly, and
-the trainer sends the round whole at once, in the same ``send_weights()`` call, from its base
-(the source is walked once).
+or rebuilds from a payload must hash to the trainer's digest of its base; it checks both before
+any byte moves. A worker that cannot (new, restarted, torn, a model changed behind wtransfer's
+back, a loader that cannot show its tensors or needs every round whole) refuses the round
+cleanly, and the trainer sends the round whole at once, in the same ``send_weights()`` call,
+from its base (the source is walked once).
 
-No large buffer is allocated per round on either side: the trainer XORs, counts, compresses and
-hashes each tensor in chunks through one scratch buffer per thread, and the worker decompresses
-in chunks and writes the rebuilt tensor straight where the round's commit reads it (the node's
-staging copy, or the model itself when the round streams). Fresh memory is expensive (the first
-touch of every page faults), and a round that allocated the model's size anew each time cost
-several times a dense round.
+The round overlaps its own encoding: a first walk before the round only reads (XOR, count, hash
+old and new), which fixes every encoding, payload size and digest; gathering ``positions``
+payloads, updating the base and hashing the tensors sent whole run on the encoding threads while
+the engine sends, a few tensors ahead of it (:class:`DeltaRound`). Only a XOR is compressed
+before the round (its size is not known until then). No large buffer is allocated per round on
+either side: the trainer walks each tensor in chunks through one scratch buffer per thread, its
+``positions`` payloads are written into buffers kept across rounds, and the worker writes each
+rebuilt tensor straight where the round's commit reads it (the node's staging copy, or the model
+itself when the round streams). Fresh memory is expensive (the first touch of every page
+faults), and a round that allocated the model's size anew each time cost several times a dense
+round.
 
 Wire form (the manifest's ``delta`` key)::
 
     {"id": "<trainer token>:<version>", "base": "<id>" | null,
-     "tensors": [[name, dtype, shape, "xor-zstd", digest, base digest]
+     "tensors": [[name, dtype, shape, "positions" | "xor-zstd", digest, base digest]
                  | [name, dtype, shape, "dense", null, null], ...],
      "unchanged": [[name, dtype, shape, digest], ...]}
 
-one row per wire entry, in the same order; digests are XXH3-64 as 16 hex digits. The tensors
-left out are listed with the digest of the trainer's base, so a worker checks every tensor it
-keeps, not only those that change. A dense row names no digest: the trainer need not have
-hashed it before the round starts (its hashing overlaps the sending), the worker receives it
+one row per wire entry, in the same order; digests are XXH3-64 as 16 hex digits. A ``positions``
+payload is K positions (int32; int64 for a tensor of 2**31 elements or more) then K elements. The
+tensors left out are listed with the digest of the trainer's base, so a worker checks every
+tensor it keeps, not only those that change. A dense row names no digest: the trainer need not
+have hashed it before the round starts (its hashing overlaps the sending), the worker receives it
 as any round's tensor, and the next delta round checks it before applying anything to it.
 """
 
@@ -64,6 +73,7 @@ from wtransfer.engines._manifest import (
     Manifest,
     TensorEntry,
     entry_for,
+    position_bytes,
     positions_payload_bytes,
     tensor_bytes,
 )
@@ -87,14 +97,14 @@ SPARSE_AT_MOST = 0.25
 (the trainer holds the compressed XORs until they are sent: at most this much of the model)."""
 
 CHANGED_TO_TRY = 0.3
-"""A chunk whose XOR has more than this fraction of elements changed stops the compression: the
+"""A chunk whose XOR has more than this fraction of elements changed ends the first walk: the
 tensor goes dense (its XOR would not shrink below :data:`SPARSE_AT_MOST`, and compressing a dense
 XOR costs more CPU than sending the tensor over any link but a slow one)."""
 
 CHUNK_BYTES = 1024 * 1024
-"""The XOR, the compression and the hashing walk each tensor in chunks of (at most) this size,
-through one scratch buffer per thread of :func:`_pool`: small enough that the passes after the
-first read the chunk (new, base and XOR) from the last-level cache, not from memory."""
+"""Every walk takes each tensor in chunks of (at most) this size, through one scratch buffer per
+thread of :func:`_pool`: small enough that the steps after the first on a chunk (count, hash,
+compress, copy) read it (new, base and XOR) from the last-level cache, not from memory."""
 
 GLANCE_BYTES = 64 * 1024
 """Before walking a tensor whose walk may be left pending, this much of its start is XORed: if
@@ -202,11 +212,11 @@ class DeltaStats:
 class DeltaRound(WeightSource):
     """One encoded round, as the engine reads it: the wire tensors, in order.
 
-    A tensor that travels whole may still be *pending* when the round starts: the rest of its
-    walk (counting what changed, bringing the base up to the new value, hashing it) runs on the
-    encoding threads a few tensors ahead of the engine, and the tensor is yielded once its base
-    holds the new value. So the encoding of a mostly dense round overlaps its sending, instead of
-    delaying the first byte by a pass over the whole model.
+    A tensor may still be *pending* when the round starts: one sent whole (the rest of its walk:
+    counting what changed, bringing the base up to the new value, hashing it) or as ``positions``
+    (gathering its payload, updating the base). That work runs on the encoding threads a few
+    tensors ahead of the engine, and the tensor is yielded once done. So the encoding overlaps
+    the sending, instead of delaying the first byte by passes over the whole model.
     """
 
     def __init__(self, entries: list[TensorEntry], payloads: list[torch.Tensor], pending: list[_Encoded | None],
@@ -309,7 +319,11 @@ def _keeps_its_tensors(source: Any) -> bool:
     memory. Any other source's tensors may be made as they are read, and are encoded at once."""
     from wtransfer.engines._source import ModuleSource, TensorSource
 
-    return getattr(type(source), "__iter__", None) in (ModuleSource.__iter__, TensorSource.__iter__)
+    kind = type(source)
+    if isinstance(source, ModuleSource):
+        return kind.__iter__ is ModuleSource.__iter__ and kind.named_tensors is ModuleSource.named_tensors
+    return (isinstance(source, TensorSource) and kind.__iter__ is TensorSource.__iter__
+            and type(source.tensors) is dict)
 
 
 class DeltaEncoder:
@@ -332,7 +346,8 @@ class DeltaEncoder:
         """XXH3-64 of each base tensor as it is now (kept as the base changes, never recomputed)."""
         self.base_id: str | None = None
         """The id of the last round every worker committed, which :attr:`base` holds; None: full next."""
-        self._last: DeltaRound | None = None
+        self._unsettled: _Finisher | None = None
+        """The last round's pending work (not the round: its XORs are freed once it is sent)."""
         self._payloads: dict[str, torch.Tensor] = {}
         """Each tensor's ``positions`` payload buffer, kept across rounds: fresh memory costs a page
         fault per page on first touch, and a round would otherwise pay that for every payload."""
@@ -342,14 +357,14 @@ class DeltaEncoder:
 
         Tensors are encoded on every core, at most one per core at a time, in the walk's order
         (the XOR, the compression and the hashing release the GIL): a source that makes each
-        tensor as it yields it holds no more than that many at once. A tensor proved dense (and
-        every tensor of a full round) is left pending when the source keeps its tensors: the
-        rest of its walk runs as the round is sent (see :class:`DeltaRound`).
+        tensor as it yields it holds no more than that many at once. A tensor sent whole or as
+        ``positions`` is left pending when the source keeps its tensors: the rest of its work
+        runs as the round is sent (see :class:`DeltaRound`).
         """
         from concurrent.futures import Future
 
-        if self._last is not None:
-            self._last.settle()  # a round abandoned by its caller: nothing of it may still write the base
+        if self._unsettled is not None:
+            self._unsettled.cancel()  # a round abandoned by its caller: nothing of it may still write the base
         against = self.base_id
         self.base_id = None  # from here on the base holds this round's values, which no worker has yet
         keeps = _keeps_its_tensors(source)
@@ -396,8 +411,8 @@ class DeltaEncoder:
         finisher = _Finisher([item for item in encoded if item.rest is not None], self._record)
         finisher.start(width + 1)  # the first pending tensors, while the round's control messages go out
         plan = DeltaPlan(f"{self._token}:{version}", against, tuple(rows), tuple(unchanged), tuple(kept_digests))
-        self._last = DeltaRound(entries, payloads, pending, plan, encoded, finisher)
-        return self._last
+        self._unsettled = finisher
+        return DeltaRound(entries, payloads, pending, plan, encoded, finisher)
 
     def _room(self, name: str, size: int) -> torch.Tensor:
         """``size`` bytes of the payload buffer of ``name`` (made once, as large as a ``positions``
@@ -429,8 +444,7 @@ class DeltaEncoder:
             pending.append(item if item in finisher else None)
             rows.append(DeltaTensor(target, DENSE, None))
         plan = DeltaPlan(encoded.plan.id, None, tuple(rows), ())
-        self._last = DeltaRound(entries, payloads, pending, plan, encoded._items, finisher, whole=True)
-        return self._last
+        return DeltaRound(entries, payloads, pending, plan, encoded._items, finisher, whole=True)
 
     def _base_for(self, name: str, new: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """The base tensor of ``name`` (a new one, and True, if it had none of that dtype and shape)."""
@@ -460,8 +474,9 @@ class _Encoded:
     digest: str | None
     """The base's digest once this round's value is in it (None while the tensor is pending)."""
     rest: Any = None
-    """A pending dense tensor: the rest of its walk, returning the elements it found changed and the
-    digest (see :func:`_walk_rest`); None once done."""
+    """A pending tensor's remaining work (:func:`_walk_rest` for one sent whole,
+    :func:`_gather_positions` for ``positions``), returning the elements it found changed and the
+    base's digest; None once done."""
 
     @property
     def target(self) -> TensorEntry:
@@ -500,14 +515,13 @@ def _walk_rest(new_bits: Any, base_bits: Any, start: int, step: int, words: int,
 
 
 def _gather_positions(name: str, new_bits: Any, base_bits: Any, step: int, words: int, payload: torch.Tensor,
-                      changed: int, value: str) -> tuple[int, str]:
+                      changed: int, width: int, value: str) -> tuple[int, str]:
     """Write a ``positions`` payload (the changed elements' positions, then their new values) and
     bring the base up to the new value, chunk by chunk. ``changed`` was counted by an earlier walk
     of the same tensors; a different count here means the source changed during the round."""
     import numpy
 
     raw = tensor_bytes(payload).numpy()
-    width = 4 if new_bits.size // words < 2**31 else 8
     positions = raw[: changed * width].view(numpy.int32 if width == 4 else numpy.int64)
     values = raw[changed * width :].view(new_bits.dtype).reshape(-1, words)
     done = 0
@@ -536,7 +550,8 @@ def _gather_positions(name: str, new_bits: Any, base_bits: Any, step: int, words
 
 def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str | None, known: str | None,
                 defer: bool, room: Any) -> _Encoded:
-    """Encode one tensor against its base, and make the base the new value (a helper thread).
+    """Encode one tensor against its base, the base becoming the new value now or, for a pending
+    tensor, as the round is sent (a helper thread).
 
     A first walk only reads: it XORs each chunk into the thread's scratch, counts the changed
     elements, and hashes the old bytes (which must be what the workers hold, ``known``) and the
@@ -604,7 +619,8 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
     size = positions_payload_bytes(target, changed)
     if size <= POSITIONS_AT_MOST * target.nbytes:
         payload = room(name, size)
-        rest = functools.partial(_gather_positions, name, new_bits, base_bits, step, words, payload, changed, value)
+        rest = functools.partial(_gather_positions, name, new_bits, base_bits, step, words, payload, changed,
+                                 position_bytes(target), value)
         encoded = _Encoded(TensorEntry(name, "uint8", (size,)), payload, DeltaTensor(target, POSITIONS, value, known),
                            changed, None, rest)
         if not defer:
@@ -637,7 +653,7 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
 
 # -- worker side ----------------------------------------------------------------------------------
 class DeltaLoader:
-    """Between the engine and the commit layer: rebuilds each changed tensor and checks it.
+    """Between the engine and the commit layer: rebuilds each tensor sent as a payload and checks it.
 
     ``base_of(name)`` is the worker's committed tensor (the model's own through ``destination()``,
     read before the round writes it); ``holds`` the id of the round this worker last committed. A
@@ -709,7 +725,7 @@ class DeltaLoader:
     def destination(self, name: str) -> torch.Tensor | None:
         """Where a tensor that travels whole is received in place: the commit's own destination
         (the node's staging copy, or the model when the round streams), as in a round without
-        deltas. A XOR has none: its compressed bytes are assembled apart and rebuilt from."""
+        deltas. A payload (``positions``, a XOR) has none: it is assembled apart and rebuilt from."""
         row, where = self._rows.get(name), getattr(self.inner, "destination", None)
         if row is None or row.encoding != DENSE or not callable(where) or self.discards:
             return None
@@ -723,7 +739,7 @@ class DeltaLoader:
         unlisted = [name for name, _ in weights if name not in self._rows]
         if unlisted:
             raise ManifestMismatchError(f"engine delivered {unlisted[0]!r}, which delta round {self.plan.id} does not list")
-        # every XOR rebuilt and checked on every core; the first failure (in order) is raised. A tensor
+        # every payload rebuilt and checked on every core; the first failure (in order) is raised. A tensor
         # that travels whole is handed on as it came, like one received in place through destination()
         from concurrent.futures import wait
 

@@ -42,9 +42,10 @@ if TYPE_CHECKING:
 
 MANIFEST_FORMAT = 2
 """2: per-tensor digests travel after the data (``digests``), no longer CRC32s in the manifest."""
-DELTA_MANIFEST_FORMAT = 3
+DELTA_MANIFEST_FORMAT = 4
 """A delta round's manifest (``delta``, see ``_delta``): a worker that predates it refuses the
-round by its format instead of loading compressed bytes as tensors. Other rounds stay format 2."""
+round by its format instead of loading compressed bytes as tensors. Other rounds stay format 2.
+4: the ``positions`` encoding, and rows sent whole name no digest (3 had neither)."""
 DIGEST_ALGORITHMS = ("xxh3_64",)
 
 XOR_ZSTD, POSITIONS, DENSE = "xor-zstd", "positions", "dense"
@@ -132,7 +133,7 @@ class DeltaTensor:
     target: TensorEntry
     encoding: str
     digest: str | None
-    """XXH3-64 of the new value's bytes: the worker checks the tensor it rebuilt from a XOR. None
+    """XXH3-64 of the new value's bytes: the worker checks the tensor it rebuilt from a payload. None
     for a tensor that travels whole (a digest there is ignored): it is received as in any round,
     in place where it can be (``checksums=True`` checks its bytes on the way), and a worker checks
     it against the trainer's base before the next delta round applies anything to it."""

@@ -776,8 +776,9 @@ def create_trainer(
     every model bit-identical) or ``"streaming"`` (written as it arrives, buffers only; a
     failed round leaves the models torn: ``weight_version`` None, ``weights_torn`` True).
     ``delta=True`` (unsharded trainers) sends only what changed since the version every worker
-    committed: unchanged tensors cost nothing, slightly changed ones travel as a compressed XOR,
-    each rebuilt tensor is checked against the trainer's digest before the round commits, and a
+    committed: unchanged tensors cost nothing, slightly changed ones travel as the positions and
+    values of their changed elements or as a compressed XOR, each tensor rebuilt from these is
+    checked against the trainer's digest before the round commits, and a
     worker without that version gets a full round automatically. The trainer keeps one host
     copy of the model for it; ``stats["wire_bytes"]`` is what crossed the transport.
 
