@@ -567,3 +567,38 @@ def test_a_positions_payload_that_does_not_fit_its_tensor_is_refused() -> None:
     with pytest.raises(TransferError, match="positions outside its"):
         loader(batch)
     assert {name: _raw(t) for name, t in committed.tensors.items()} == before
+
+
+def test_the_link_speed_sets_which_payloads_pay() -> None:
+    """A round that moved enough bytes measures the link. On a fast one a tensor with 6 % of its
+    elements changed travels as positions (gathered while the round is sent) and one with 12 %
+    whole (compressing would cost more than the wire saves); on a slow one both as compressed
+    XORs, the smallest on the wire. Every round bit-exact."""
+    from wtransfer.engines._loader import module_loader
+
+    model, worker = tiny_llama(seed=0), tiny_llama(seed=1)
+    real = module_loader(worker)
+    encoder = DeltaEncoder()
+
+    def send(version: int, every: int) -> str:
+        holds = encoder.base_id
+        with torch.no_grad():
+            model.lm_head.weight.view(-1)[version % every :: every].add_(1.0)
+        encoded = encoder.encode(ModuleSource(model), version)
+        manifest = build_manifest(encoded.metadata(), version, delta=encoded.plan)
+        loader = DeltaLoader(real, real, manifest, holds=holds)
+        loader.validate_manifest(manifest)
+        loader(list(encoded))
+        encoder.committed(encoded)
+        assert digests(worker) == digests(model), f"round {version}"
+        return {row.target.name: row.encoding for row in encoded.plan.tensors}["lm_head.weight"]
+
+    send(1, 16)  # full
+    encoder.sent(10**9, 1.0)  # 1 GB/s
+    encoder.sent(10**3, 10.0)  # too few bytes to say anything about the link
+    assert encoder.link_bytes_per_s == 1e9
+    assert send(2, 16) == POSITIONS
+    assert send(3, 8) == "dense"
+    encoder.sent(10**9, 100.0)  # 10 MB/s
+    assert send(4, 16) == XOR_ZSTD
+    assert send(5, 8) == XOR_ZSTD

@@ -92,6 +92,24 @@ this fraction of its bytes (a bf16 tensor with up to about 2 % of its elements c
 is known once the changed elements are counted, so the round can start before the payload is
 written: the positions are gathered as the round is sent."""
 
+POSITIONS_AT_MOST_ON_FAST_LINKS = 0.25
+""":data:`POSITIONS_AT_MOST` where the link is at least :data:`FAST_FOR_POSITIONS` (up to about
+8 % of a bf16 tensor's elements): there ``positions``, about three times a compressed XOR's bytes
+but gathered while the round is sent, costs less time than compressing before it."""
+
+FAST_FOR_POSITIONS = 75e6
+"""Bytes per second from which :data:`POSITIONS_AT_MOST_ON_FAST_LINKS` applies (0.6 Gbit/s: where
+a round of 5.8 % changed elements took as long either way on a 2-core AMD EPYC, zstd's speed
+there setting the balance)."""
+
+XOR_PAYS_BELOW = 300e6
+"""Bytes per second under which a XOR is compressed for a tensor too changed for ``positions``;
+on a faster link such a tensor goes whole (compressing it took longer than sending it whole
+over 10 Gbit/s on a 2-core AMD EPYC)."""
+
+RATE_SAMPLE_BYTES = 64 << 20
+"""A round that moved at least this many bytes measures the link (:meth:`DeltaEncoder.sent`)."""
+
 SPARSE_AT_MOST = 0.25
 """A tensor travels as a compressed XOR only when that is at most this fraction of its bytes
 (the trainer holds the compressed XORs until they are sent: at most this much of the model)."""
@@ -332,7 +350,8 @@ class DeltaEncoder:
     Memory: one host copy of the model (the base) and the digest of each of its tensors, plus the
     compressed XORs of one round (each at most :data:`SPARSE_AT_MOST` of its tensor), the
     ``positions`` payload buffer of each tensor that ever travelled so (at most
-    :data:`POSITIONS_AT_MOST` of it, kept across rounds; only the pages written are resident) and
+    :data:`POSITIONS_AT_MOST_ON_FAST_LINKS` of it, kept across rounds; only the pages written are
+    resident) and
     one :data:`CHUNK_BYTES` scratch buffer (and a chunk's booleans) per encoding thread. A device tensor is copied to the host
     as it is encoded (at most one per thread at a time). The base takes the new values as the
     round is encoded and sent (dense tensors are sent from it), so a round that fails leaves it
@@ -351,6 +370,15 @@ class DeltaEncoder:
         self._payloads: dict[str, torch.Tensor] = {}
         """Each tensor's ``positions`` payload buffer, kept across rounds: fresh memory costs a page
         fault per page on first touch, and a round would otherwise pay that for every payload."""
+        self.link_bytes_per_s: float | None = None
+        """How fast rounds cross the transport, as the last round that moved at least
+        :data:`RATE_SAMPLE_BYTES` measured it (wire bytes over its seconds: a lower bound); None
+        until one did. It sets which encodings pay (:func:`_choices`)."""
+
+    def sent(self, wire_bytes: int, seconds: float) -> None:
+        """A round moved ``wire_bytes`` in ``seconds``: the next rounds choose their encodings by it."""
+        if wire_bytes >= RATE_SAMPLE_BYTES and seconds > 0:
+            self.link_bytes_per_s = wire_bytes / seconds
 
     def encode(self, source: WeightSource, version: int) -> DeltaRound:
         """Walk ``source`` once; the round against :attr:`base` (a full one if it has none).
@@ -368,6 +396,7 @@ class DeltaEncoder:
         against = self.base_id
         self.base_id = None  # from here on the base holds this round's values, which no worker has yet
         keeps = _keeps_its_tensors(source)
+        choices = _choices(self.link_bytes_per_s)
         encoded: list[_Encoded] = []
         pool, width = _pool(), _pool_size()
         in_flight: list[Future[_Encoded]] = []
@@ -381,7 +410,7 @@ class DeltaEncoder:
                 known = None if fresh else self.digests.get(name)
                 defer = keeps and on_host and new.is_contiguous()
                 in_flight.append(pool.submit(_encode_one, name, new, base, None if fresh else against, known, defer,
-                                             self._room))
+                                             self._room, choices))
                 del tensor, new
                 if len(in_flight) >= width:  # one tensor per core at a time
                     encoded.append(in_flight.pop(0).result())
@@ -422,7 +451,7 @@ class DeltaEncoder:
         buffer = self._payloads.get(name)
         if buffer is None or buffer.numel() < size:
             base = self.base[name]
-            most = int(POSITIONS_AT_MOST * base.numel() * base.element_size())
+            most = int(max(POSITIONS_AT_MOST, POSITIONS_AT_MOST_ON_FAST_LINKS) * base.numel() * base.element_size())
             buffer = self._payloads[name] = torch.empty(max(size, most), dtype=torch.uint8)
         return buffer[:size]
 
@@ -461,6 +490,24 @@ class DeltaEncoder:
         finished first, for a caller whose engine did not read every tensor)."""
         encoded.finish()
         self.base_id = encoded.plan.id
+
+
+@dataclass(frozen=True)
+class _Choices:
+    """Which payloads a round may use, by how fast its link is."""
+
+    positions_at_most: float = POSITIONS_AT_MOST
+    try_xor: bool = True
+
+
+def _choices(link_bytes_per_s: float | None) -> _Choices:
+    """On a link not yet measured, or a slow one: ``positions`` for a few changes, a compressed XOR
+    for more. On a fast one ``positions`` goes further; on a very fast one (or shared memory) a
+    tensor beyond it goes whole, as compressing would cost more than the wire saves."""
+    if link_bytes_per_s is None:
+        return _Choices()
+    fast = link_bytes_per_s >= FAST_FOR_POSITIONS
+    return _Choices(POSITIONS_AT_MOST_ON_FAST_LINKS if fast else POSITIONS_AT_MOST, link_bytes_per_s < XOR_PAYS_BELOW)
 
 
 @dataclass
@@ -549,7 +596,7 @@ def _gather_positions(name: str, new_bits: Any, base_bits: Any, step: int, words
 
 
 def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str | None, known: str | None,
-                defer: bool, room: Any) -> _Encoded:
+                defer: bool, room: Any, choices: _Choices = _Choices()) -> _Encoded:
     """Encode one tensor against its base, the base becoming the new value now or, for a pending
     tensor, as the round is sent (a helper thread).
 
@@ -567,7 +614,8 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
       tensor's start), or no base to diff against: the tensor goes whole, the rest of its walk
       (count, update the base, hash) left to the round's sending with ``defer``.
 
-    ``room(name, size)`` lends the payload buffer of a ``positions`` tensor (kept across rounds).
+    ``room(name, size)`` lends the payload buffer of a ``positions`` tensor (kept across rounds);
+    ``choices`` moves the limits by the link's speed (:func:`_choices`).
     """
     import functools
 
@@ -617,7 +665,7 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
         logger.warning("delta: the trainer's base of %r is not what the workers were sent; it goes whole", name)
         return whole(walk_from_start(False), changed)  # a payload against it would rebuild something else
     size = positions_payload_bytes(target, changed)
-    if size <= POSITIONS_AT_MOST * target.nbytes:
+    if size <= choices.positions_at_most * target.nbytes:
         payload = room(name, size)
         rest = functools.partial(_gather_positions, name, new_bits, base_bits, step, words, payload, changed,
                                  position_bytes(target), value)
@@ -626,6 +674,8 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
         if not defer:
             encoded.finish()
         return encoded
+    if not choices.try_xor:  # compressing would cost more than sending it whole
+        return whole(walk_from_start(False), changed)
     limit = SPARSE_AT_MOST * target.nbytes
     compressor = _zstd().ZstdCompressor(level=ZSTD_LEVEL).compressobj()
     parts: list[bytes] = []

@@ -587,6 +587,7 @@ class TrainerWeightTransferEngine(ABC):
                 self.source = encoded = self.delta.whole(encoded)  # from the base: the source is walked once
                 stats = self._run_round(label, encoded)
             self.delta.committed(encoded)
+            self.delta.sent(stats["wire_bytes"], stats["seconds"])  # how fast the link is, for the next choices
         finally:
             self.source = source
             if encoded is not None:
