@@ -599,6 +599,9 @@ def test_the_link_speed_sets_which_payloads_pay() -> None:
     assert encoder.link_bytes_per_s == 1e9
     assert send(2, 16) == POSITIONS
     assert send(3, 8) == "dense"
+    encoder.sent(10**9, 100.0)  # a round that read slow (its time went to encoding): the link is no slower
+    assert encoder.link_bytes_per_s == 1e9
+    encoder.link_bytes_per_s = None
     encoder.sent(10**9, 100.0)  # 10 MB/s
     assert send(4, 16) == XOR_ZSTD
     assert send(5, 8) == XOR_ZSTD

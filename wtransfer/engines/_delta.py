@@ -94,18 +94,19 @@ written: the positions are gathered as the round is sent."""
 
 POSITIONS_AT_MOST_ON_FAST_LINKS = 0.25
 """:data:`POSITIONS_AT_MOST` where the link is at least :data:`FAST_FOR_POSITIONS` (up to about
-8 % of a bf16 tensor's elements): there ``positions``, about three times a compressed XOR's bytes
-but gathered while the round is sent, costs less time than compressing before it."""
+8 % of a bf16 tensor's elements): there ``positions``, two to three times a compressed XOR's
+bytes but gathered while the round is sent, costs less time than compressing before it."""
 
 FAST_FOR_POSITIONS = 75e6
 """Bytes per second from which :data:`POSITIONS_AT_MOST_ON_FAST_LINKS` applies (0.6 Gbit/s: where
-a round of 5.8 % changed elements took as long either way on a 2-core AMD EPYC, zstd's speed
-there setting the balance)."""
+the extra wire bytes of ``positions`` would cost as long as compressing XORs did, estimated from
+rounds of 5.8 % changed elements over 1 Gbit/s on a 2-core AMD EPYC; zstd's speed sets it)."""
 
 XOR_PAYS_BELOW = 300e6
 """Bytes per second under which a XOR is compressed for a tensor too changed for ``positions``;
 on a faster link such a tensor goes whole (compressing it took longer than sending it whole
-over 10 Gbit/s on a 2-core AMD EPYC)."""
+over 10 Gbit/s on a 2-core AMD EPYC; 2.4 Gbit/s is a conservative guess below that, no link in
+between was measured)."""
 
 RATE_SAMPLE_BYTES = 64 << 20
 """A round that moved at least this many bytes measures the link (:meth:`DeltaEncoder.sent`)."""
@@ -371,14 +372,15 @@ class DeltaEncoder:
         """Each tensor's ``positions`` payload buffer, kept across rounds: fresh memory costs a page
         fault per page on first touch, and a round would otherwise pay that for every payload."""
         self.link_bytes_per_s: float | None = None
-        """How fast rounds cross the transport, as the last round that moved at least
-        :data:`RATE_SAMPLE_BYTES` measured it (wire bytes over its seconds: a lower bound); None
-        until one did. It sets which encodings pay (:func:`_choices`)."""
+        """How fast rounds cross the transport: the highest throughput (wire bytes over the round's
+        seconds) of any round that moved at least :data:`RATE_SAMPLE_BYTES`; None until one did.
+        Each is a lower bound (a round whose time went to encoding reads slow), so the highest
+        counts. It sets which encodings pay (:func:`_choices`)."""
 
     def sent(self, wire_bytes: int, seconds: float) -> None:
         """A round moved ``wire_bytes`` in ``seconds``: the next rounds choose their encodings by it."""
         if wire_bytes >= RATE_SAMPLE_BYTES and seconds > 0:
-            self.link_bytes_per_s = wire_bytes / seconds
+            self.link_bytes_per_s = max(self.link_bytes_per_s or 0.0, wire_bytes / seconds)
 
     def encode(self, source: WeightSource, version: int) -> DeltaRound:
         """Walk ``source`` once; the round against :attr:`base` (a full one if it has none).
