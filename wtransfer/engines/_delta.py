@@ -539,6 +539,16 @@ class _Encoded:
             self.rest = None
 
 
+def _changed_elements(fresh: Any, old: Any, words: int) -> tuple[Any, int]:
+    """``fresh`` XOR ``old`` (into the thread's scratch) and how many elements differ (an element of
+    ``words`` integers counts once)."""
+    import numpy
+
+    xor = _scratch.get(fresh.dtype, fresh.size)
+    numpy.bitwise_xor(fresh, old, out=xor)
+    return xor, int(numpy.count_nonzero(xor if words == 1 else xor.reshape(-1, words).any(axis=1)))
+
+
 def _walk_rest(new_bits: Any, base_bits: Any, start: int, step: int, words: int, hasher: Any,
                count: bool) -> tuple[int, str]:
     """A dense tensor's walk from element ``start`` on, chunk by chunk: count the changed elements
@@ -551,9 +561,7 @@ def _walk_rest(new_bits: Any, base_bits: Any, start: int, step: int, words: int,
     for at in range(start, new_bits.size, step):
         fresh, old = new_bits[at : at + step], base_bits[at : at + step]
         if count:
-            xor = _scratch.get(new_bits.dtype, fresh.size)
-            numpy.bitwise_xor(fresh, old, out=xor)
-            here = int(numpy.count_nonzero(xor if words == 1 else xor.reshape(-1, words).any(axis=1)))
+            here = _changed_elements(fresh, old, words)[1]
             changed += here
             if here:
                 numpy.copyto(old, fresh)
@@ -630,11 +638,13 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
     words = max(1, new.element_size() // new_bits.itemsize)  # integers per element (2 for complex128)
     step = max(1, CHUNK_BYTES // new.element_size()) * words  # whole elements per chunk
 
-    def whole(rest: Any, changed: int) -> _Encoded:
-        encoded = _Encoded(target, base, DeltaTensor(target, DENSE, None), changed, None, rest)
+    def pending(encoded: _Encoded) -> _Encoded:  # its rest runs as the round is sent, or now
         if not defer:
             encoded.finish()
         return encoded
+
+    def whole(rest: Any, changed: int) -> _Encoded:
+        return pending(_Encoded(target, base, DeltaTensor(target, DENSE, None), changed, None, rest))
 
     def walk_from_start(count: bool) -> Any:
         return functools.partial(_walk_rest, new_bits, base_bits, 0, step, words, xxhash.xxh3_64(), count)
@@ -643,19 +653,14 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
         return whole(walk_from_start(False), target.numel)
     if defer:  # a glance first: a tensor changed all over goes whole without a chunk walked before the round
         glance = min(new_bits.size, max(1, min(GLANCE_BYTES, CHUNK_BYTES) // new.element_size()) * words)
-        xor = _scratch.get(new_bits.dtype, glance)
-        numpy.bitwise_xor(new_bits[:glance], base_bits[:glance], out=xor)
-        here = int(numpy.count_nonzero(xor if words == 1 else xor.reshape(-1, words).any(axis=1)))
-        if here > CHANGED_TO_TRY * (glance // words):
+        if _changed_elements(new_bits[:glance], base_bits[:glance], words)[1] > CHANGED_TO_TRY * (glance // words):
             return whole(walk_from_start(True), 0)
     changed = 0
     was, now = xxhash.xxh3_64(), xxhash.xxh3_64()
     for start in range(0, new_bits.size, step):  # the first walk reads only
         fresh, old = new_bits[start : start + step], base_bits[start : start + step]
-        xor = _scratch.get(new_bits.dtype, fresh.size)
-        numpy.bitwise_xor(fresh, old, out=xor)
-        here = int(numpy.count_nonzero(xor if words == 1 else xor.reshape(-1, words).any(axis=1)))
-        if here > CHANGED_TO_TRY * (xor.size // words):
+        here = _changed_elements(fresh, old, words)[1]
+        if here > CHANGED_TO_TRY * (fresh.size // words):
             return whole(walk_from_start(True), 0)  # nothing written yet: the whole walk counts again
         changed += here
         was.update(old)
@@ -671,11 +676,8 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
         payload = room(name, size)
         rest = functools.partial(_gather_positions, name, new_bits, base_bits, step, words, payload, changed,
                                  position_bytes(target), value)
-        encoded = _Encoded(TensorEntry(name, "uint8", (size,)), payload, DeltaTensor(target, POSITIONS, value, known),
-                           changed, None, rest)
-        if not defer:
-            encoded.finish()
-        return encoded
+        return pending(_Encoded(TensorEntry(name, "uint8", (size,)), payload,
+                                DeltaTensor(target, POSITIONS, value, known), changed, None, rest))
     if not choices.try_xor:  # compressing would cost more than sending it whole
         return whole(walk_from_start(False), changed)
     limit = SPARSE_AT_MOST * target.nbytes
