@@ -18,7 +18,15 @@ pytest.importorskip("zstandard")
 
 import wtransfer  # noqa: E402
 from wtransfer.engines._delta import DeltaEncoder, DeltaLoader  # noqa: E402
-from wtransfer.engines._manifest import POSITIONS, XOR_ZSTD, build_manifest, tensor_bytes  # noqa: E402
+from wtransfer.engines._manifest import (  # noqa: E402
+    POSITION_BLOCK,
+    POSITIONS,
+    XOR_ZSTD,
+    build_manifest,
+    position_blocks,
+    positions_header_bytes,
+    tensor_bytes,
+)
 from wtransfer.engines._source import ModuleSource, TensorSource  # noqa: E402
 from wtransfer.errors import ManifestMismatchError, TransferError  # noqa: E402
 from wtransfer.local import LocalWorkerPool  # noqa: E402
@@ -310,6 +318,45 @@ def test_tensors_spanning_many_chunks_round_trip_bit_exactly(chunk_bytes: int, m
         assert digests(worker_model) == digests(model), f"round {version} ({change})"
 
 
+@pytest.mark.parametrize("chunk_bytes", [1024 * 1024, 4096], ids=["chunks-of-blocks", "blocks-of-chunks"])
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "staged"])
+def test_positions_across_many_blocks_round_trip_bit_exactly_at_two_bytes_a_position(
+        chunk_bytes: int, in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A positions payload numbers elements in blocks of 65536 (a uint16 position each, a count
+    per block). Tensors of several blocks and a part of one, changed at the first and the last
+    element of blocks, in a block's last partial span, with a block left unchanged, walked in
+    chunks larger than a block and smaller than one: bit-exact, and the payload is the block counts
+    plus element size + 2 bytes a changed element. Catches: a position carried into the wrong
+    block, a last partial block mis-sized, a span boundary dropping or repeating a change."""
+    import wtransfer.engines._delta as delta_module
+
+    monkeypatch.setattr(delta_module, "CHUNK_BYTES", chunk_bytes)
+    numel = 3 * POSITION_BLOCK + 777
+    g = torch.Generator().manual_seed(3)
+    trainer = {"bf16": torch.randn(numel, generator=g).to(torch.bfloat16), "f32": torch.randn(numel, generator=g)}
+    model = _Committed({name: t.clone() for name, t in trainer.items()})
+    encoder = DeltaEncoder()
+    encoder.committed(encoder.encode(TensorSource(trainer), 1))
+    holds = encoder.base_id
+    where = torch.tensor([0, POSITION_BLOCK - 1, POSITION_BLOCK, 3 * POSITION_BLOCK, numel - 2, numel - 1]
+                         + list(range(100, 2 * POSITION_BLOCK, 331)))  # block 2 (after 2 * 65536) only at its start
+    with torch.no_grad():
+        for tensor in trainer.values():
+            tensor[where] += 1
+    encoded = encoder.encode(TensorSource(trainer), 2)
+    manifest = build_manifest(encoded.metadata(), 2, delta=encoded.plan)
+    for row, entry in zip(encoded.plan.tensors, encoded.metadata()):
+        assert row.encoding == POSITIONS, row
+        changed = where.numel()
+        assert entry.nbytes == positions_header_bytes(row.target) + changed * (trainer[row.target.name].element_size() + 2)
+    loader = DeltaLoader(model if in_place else _Staged(model), model, manifest, holds=holds)
+    loader.validate_manifest(manifest)
+    loader(list(encoded))
+    encoder.committed(encoded)
+    assert {name: _raw(t) for name, t in model.tensors.items()} == {name: _raw(t) for name, t in trainer.items()}
+    assert {name: _raw(t) for name, t in encoder.base.items()} == {name: _raw(t) for name, t in trainer.items()}
+
+
 class _Committed:
     """A worker's committed tensors, as a loader shows them: ``destination()`` and a load call."""
 
@@ -391,7 +438,10 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
             else:
                 assert row.encoding == POSITIONS
                 blob = bytearray(_raw(batch[at][1]))
-                blob[-1] ^= 0x10  # the last changed element's new value, one bit off
+                target = row.target
+                pairs = (len(blob) - positions_header_bytes(target)) // (trainer[corrupt].element_size() + 2)
+                last_value = positions_header_bytes(target) + pairs * trainer[corrupt].element_size() - 1
+                blob[last_value] ^= 0x10  # the last changed element's new value, one bit off
             batch[at] = (corrupt, torch.frombuffer(bytearray(blob), dtype=torch.uint8))
         loader(batch)
         encoder.committed(encoded)
@@ -529,9 +579,10 @@ def test_a_round_abandoned_while_its_whole_tensors_are_pending_is_followed_by_an
 
 
 def test_a_positions_payload_that_does_not_fit_its_tensor_is_refused() -> None:
-    """A manifest whose positions payload is not whole (position, value) pairs, or names no base
-    digest, is refused as it is parsed; a payload naming a position outside its tensor fails the
-    round on the worker before anything reaches the commit."""
+    """A manifest whose positions payload is not its block counts and whole (value, position)
+    pairs, or names no base digest, is refused as it is parsed; a payload whose block counts do not
+    add up to its values, or that names a position past its tensor's end, fails the round on the
+    worker before anything reaches the commit."""
     from wtransfer.engines._manifest import Manifest
 
     model = tiny_llama(seed=0)
@@ -540,16 +591,16 @@ def test_a_positions_payload_that_does_not_fit_its_tensor_is_refused() -> None:
     encoder.committed(encoder.encode(ModuleSource(model), 1))
     holds = encoder.base_id
     with torch.no_grad():
-        model.lm_head.weight.view(-1)[::997].add_(1.0)
+        model.model.layers[0].mlp.down_proj.weight.view(-1)[::997].add_(1.0)
     encoded = encoder.encode(ModuleSource(model), 2)
     manifest = build_manifest(encoded.metadata(), 2, delta=encoded.plan)
-    index = next(i for i, row in enumerate(encoded.plan.tensors) if row.target.name == "lm_head.weight")
+    index = next(i for i, row in enumerate(encoded.plan.tensors) if row.target.name == "model.layers.0.mlp.down_proj.weight")
     assert encoded.plan.tensors[index].encoding == POSITIONS
     wire = manifest.to_dict()
     assert Manifest.from_dict(wire) == manifest
     torn = copy.deepcopy(wire)
     torn["tensors"][index][2] = [torn["tensors"][index][2][0] + 1]
-    with pytest.raises(ValueError, match="not a whole number of"):
+    with pytest.raises(ValueError, match="and a whole number of"):
         Manifest.from_dict(torn)
     baseless = copy.deepcopy(wire)
     baseless["delta"]["tensors"][index][5] = None
@@ -561,19 +612,27 @@ def test_a_positions_payload_that_does_not_fit_its_tensor_is_refused() -> None:
     loader = DeltaLoader(staged, committed, manifest, holds=holds)
     loader.validate_manifest(manifest)
     batch = list(encoded)
-    payload = bytearray(_raw(batch[index][1]))
-    payload[0:4] = (model.lm_head.weight.numel()).to_bytes(4, "little")  # one past the last element
-    batch[index] = (batch[index][0], torch.frombuffer(payload, dtype=torch.uint8))
-    with pytest.raises(TransferError, match="positions outside its"):
-        loader(batch)
-    assert {name: _raw(t) for name, t in committed.tensors.items()} == before
+    numel = model.model.layers[0].mlp.down_proj.weight.numel()
+    assert numel % POSITION_BLOCK, "the test needs a last block that the tensor fills in part"
+    good = _raw(batch[index][1])
+    last_count = 4 * (position_blocks(encoded.plan.tensors[index].target) - 1)
+    assert int.from_bytes(good[last_count : last_count + 4], "little"), "the last block must hold a change"
+    overcounted = bytearray(good)
+    overcounted[0:4] = (int.from_bytes(good[0:4], "little") + 1).to_bytes(4, "little")  # one value too few
+    past_the_end = bytearray(good)
+    past_the_end[-2:] = (POSITION_BLOCK - 1).to_bytes(2, "little")  # the last position, past the tensor's end
+    for wrong in (overcounted, past_the_end):
+        batch[index] = (batch[index][0], torch.frombuffer(wrong, dtype=torch.uint8))
+        with pytest.raises(TransferError, match="positions payload does not fit its"):
+            loader(batch)
+        assert {name: _raw(t) for name, t in committed.tensors.items()} == before
 
 
 def test_the_link_speed_sets_which_payloads_pay() -> None:
     """A round that moved enough bytes measures the link. On a fast one a tensor with 6 % of its
-    elements changed travels as positions (gathered while the round is sent) and one with 12 %
-    whole (compressing would cost more than the wire saves); on a slow one both as compressed
-    XORs, the smallest on the wire. Every round bit-exact."""
+    elements changed travels as positions and one with 17 % whole (compressing would cost more
+    than the wire saves); on a slow one a tensor with 6 % and one with 12 % as compressed XORs,
+    the smallest on the wire. Every round bit-exact."""
     from wtransfer.engines._loader import module_loader
 
     model, worker = tiny_llama(seed=0), tiny_llama(seed=1)
@@ -598,7 +657,7 @@ def test_the_link_speed_sets_which_payloads_pay() -> None:
     encoder.sent(10**3, 10.0)  # too few bytes to say anything about the link
     assert encoder.link_bytes_per_s == 1e9
     assert send(2, 16) == POSITIONS
-    assert send(3, 8) == "dense"
+    assert send(3, 6) == "dense"
     encoder.sent(10**9, 100.0)  # a round that read slow (its time went to encoding): the link is no slower
     assert encoder.link_bytes_per_s == 1e9
     encoder.link_bytes_per_s = None

@@ -5,7 +5,7 @@ trainer keeps a host copy of the last version the workers committed (its *base*)
 round into, per tensor:
 
 - nothing, for a tensor whose bits did not change;
-- ``positions``: the positions of its changed elements, then their new values, when that is at
+- ``positions``: the new values of its changed elements and their positions, when that is at
   most :data:`POSITIONS_AT_MOST` of the tensor (a few changed elements);
 - ``xor-zstd``: the XOR of its bits with the base's, compressed with zstd (the XOR of a slightly
   changed tensor is mostly zero bytes), when that is at most :data:`SPARSE_AT_MOST` of it;
@@ -27,11 +27,13 @@ back, a loader that cannot show its tensors or needs every round whole) refuses 
 cleanly, and the trainer sends the round whole at once, in the same ``send_weights()`` call,
 from its base (the source is walked once).
 
-The round overlaps its own encoding: a first walk before the round only reads (XOR, count, hash
-old and new), which fixes every encoding, payload size and digest; gathering ``positions``
-payloads, updating the base and hashing the tensors sent whole run on the encoding threads while
-the engine sends, a few tensors ahead of it (:class:`DeltaRound`). Only a XOR is compressed
-before the round (its size is not known until then). No large buffer is allocated per round on
+The round overlaps its own encoding: a first walk before the round reads each tensor beside its
+base once (compare, hash old and new) and gathers the changed elements of a tensor that may
+travel as ``positions`` as it goes, which fixes every encoding, payload size and digest; such a
+tensor's base is updated from its own payload at once, and the work of the tensors sent whole
+(updating the base, hashing it) runs on the encoding threads while the engine sends, a few
+tensors ahead of it (:class:`DeltaRound`). Only a XOR is compressed before the round, in a
+second walk (its size is not known until then). No large buffer is allocated per round on
 either side: the trainer walks each tensor in chunks through one scratch buffer per thread, its
 ``positions`` payloads are written into buffers kept across rounds, and the worker writes each
 rebuilt tensor straight where the round's commit reads it (the node's staging copy, or the model
@@ -47,7 +49,10 @@ Wire form (the manifest's ``delta`` key)::
      "unchanged": [[name, dtype, shape, digest], ...]}
 
 one row per wire entry, in the same order; digests are XXH3-64 as 16 hex digits. A ``positions``
-payload is K positions (int32; int64 for a tensor of 2**31 elements or more) then K elements. The
+payload numbers the tensor's elements in blocks of 65536: one uint32 count of changed elements
+per block (padded to 8 bytes), then the K new values (elements of the tensor's dtype), then
+their K uint16 positions within their blocks, block after block, in order: two bytes a
+position, for a tensor of any size. The
 tensors left out are listed with the digest of the trainer's base, so a worker checks every
 tensor it keeps, not only those that change. A dense row names no digest: the trainer need not
 have hashed it before the round starts (its hashing overlaps the sending), the worker receives it
@@ -72,12 +77,15 @@ from wtransfer.engines._manifest import (
     DeltaTensor,
     Manifest,
     TensorEntry,
+    dtype_itemsize,
     entry_for,
-    position_bytes,
+    POSITION_BLOCK,
+    position_blocks,
+    positions_header_bytes,
     positions_payload_bytes,
     tensor_bytes,
 )
-from wtransfer.engines._packing import copy_tensor, note_written
+from wtransfer.engines._packing import note_written
 from wtransfer.engines._source import WeightSource
 from wtransfer.errors import ManifestMismatchError, TransferError
 
@@ -88,14 +96,13 @@ logger = logging.getLogger("wtransfer")
 
 POSITIONS_AT_MOST = 1 / 16
 """A tensor travels as the positions and new values of its changed elements when that is at most
-this fraction of its bytes (a bf16 tensor with up to about 2 % of its elements changed). Its size
-is known once the changed elements are counted, so the round can start before the payload is
-written: the positions are gathered as the round is sent."""
+this fraction of its bytes (a bf16 tensor with up to about 3 % of its elements changed, at two
+bytes a value and two a position). The first walk gathers them as it counts: no second walk."""
 
 POSITIONS_AT_MOST_ON_FAST_LINKS = 0.25
 """:data:`POSITIONS_AT_MOST` where the link is at least :data:`FAST_FOR_POSITIONS` (up to about
-8 % of a bf16 tensor's elements): there ``positions``, two to three times a compressed XOR's
-bytes but gathered while the round is sent, costs less time than compressing before it."""
+12 % of a bf16 tensor's elements): there ``positions``, more bytes than a compressed XOR but
+gathered in the walk that counts, costs less time than compressing in a second walk."""
 
 FAST_FOR_POSITIONS = 75e6
 """Bytes per second from which :data:`POSITIONS_AT_MOST_ON_FAST_LINKS` applies (0.6 Gbit/s: where
@@ -170,6 +177,33 @@ def _hex(value: int, nbytes: int) -> str:
     return f"{value if nbytes else 0:016x}"
 
 
+def _positions_parts(payload: torch.Tensor, target: TensorEntry, changed: int, dtype: Any, words: int) -> tuple[Any, Any]:
+    """Views of a ``positions`` payload's parts after its block counts: the ``changed`` new values
+    (rows of ``words`` integers of numpy ``dtype``) and their uint16 positions within their blocks."""
+    import numpy
+
+    raw = tensor_bytes(payload).numpy()
+    head = positions_header_bytes(target)
+    middle = head + changed * dtype_itemsize(target.dtype)
+    return raw[head:middle].view(dtype).reshape(-1, words), raw[middle:].view(numpy.uint16)
+
+
+def _position_spans(numel: int, counts: Any, lows: Any, elements: int) -> Iterator[tuple[int, int, Any, int, int]]:
+    """A ``positions`` payload's positions span by span (whole blocks, about ``elements`` each):
+    ``(begin, end, positions relative to begin, lo, hi)``, the span's values being ``values[lo:hi]``.
+    Only a span's positions are ever made as int64, never the whole tensor's."""
+    import numpy
+
+    ends = numpy.cumsum(counts, dtype=numpy.int64)
+    span = max(POSITION_BLOCK, elements // POSITION_BLOCK * POSITION_BLOCK)
+    for begin in range(0, numel, span):
+        end = min(numel, begin + span)
+        first, last = begin // POSITION_BLOCK, -(-end // POSITION_BLOCK)
+        lo, hi = int(ends[first - 1]) if first else 0, int(ends[last - 1])
+        starts = numpy.arange(first * POSITION_BLOCK - begin, last * POSITION_BLOCK - begin, POSITION_BLOCK)
+        yield begin, end, numpy.repeat(starts, counts[first:last]) + lows[lo:hi], lo, hi
+
+
 class _Scratch(threading.local):
     """One chunk-sized scratch buffer per thread, allocated once and reused every round."""
 
@@ -232,8 +266,7 @@ class DeltaRound(WeightSource):
     """One encoded round, as the engine reads it: the wire tensors, in order.
 
     A tensor may still be *pending* when the round starts: one sent whole (the rest of its walk:
-    counting what changed, bringing the base up to the new value, hashing it) or as ``positions``
-    (gathering its payload, updating the base). That work runs on the encoding threads a few
+    counting what changed, bringing the base up to the new value, hashing it). That work runs on the encoding threads a few
     tensors ahead of the engine, and the tensor is yielded once done. So the encoding overlaps
     the sending, instead of delaying the first byte by passes over the whole model.
     """
@@ -352,8 +385,9 @@ class DeltaEncoder:
     compressed XORs of one round (each at most :data:`SPARSE_AT_MOST` of its tensor), the
     ``positions`` payload buffer of each tensor that ever travelled so (at most
     :data:`POSITIONS_AT_MOST_ON_FAST_LINKS` of it, kept across rounds; only the pages written are
-    resident) and
-    one :data:`CHUNK_BYTES` scratch buffer (and a chunk's booleans) per encoding thread. A device tensor is copied to the host
+    resident), while a tensor is walked the changes it gathers (at most its payload once more),
+    and one :data:`CHUNK_BYTES` scratch buffer (and a chunk's booleans) per encoding thread. A
+    device tensor is copied to the host
     as it is encoded (at most one per thread at a time). The base takes the new values as the
     round is encoded and sent (dense tensors are sent from it), so a round that fails leaves it
     ahead of the workers: it is then marked invalid and the next round is full.
@@ -387,9 +421,9 @@ class DeltaEncoder:
 
         Tensors are encoded on every core, at most one per core at a time, in the walk's order
         (the XOR, the compression and the hashing release the GIL): a source that makes each
-        tensor as it yields it holds no more than that many at once. A tensor sent whole or as
-        ``positions`` is left pending when the source keeps its tensors: the rest of its work
-        runs as the round is sent (see :class:`DeltaRound`).
+        tensor as it yields it holds no more than that many at once. A tensor sent whole is left
+        pending when the source keeps its tensors: the rest of its work runs as the round is sent
+        (see :class:`DeltaRound`).
         """
         from concurrent.futures import Future
 
@@ -523,9 +557,8 @@ class _Encoded:
     digest: str | None
     """The base's digest once this round's value is in it (None while the tensor is pending)."""
     rest: Any = None
-    """A pending tensor's remaining work (:func:`_walk_rest` for one sent whole,
-    :func:`_gather_positions` for ``positions``), returning the elements it found changed and the
-    base's digest; None once done."""
+    """A pending tensor's remaining work (:func:`_walk_rest`, for one sent whole), returning the
+    elements it found changed and the base's digest; None once done."""
 
     @property
     def target(self) -> TensorEntry:
@@ -547,6 +580,15 @@ def _changed_elements(fresh: Any, old: Any, words: int) -> tuple[Any, int]:
     xor = _scratch.get(fresh.dtype, fresh.size)
     numpy.bitwise_xor(fresh, old, out=xor)
     return xor, int(numpy.count_nonzero(xor if words == 1 else xor.reshape(-1, words).any(axis=1)))
+
+
+def _changed_where(fresh: Any, old: Any, words: int) -> Any:
+    """The indices (within the chunk) of the elements in which ``fresh`` and ``old`` differ."""
+    import numpy
+
+    moved = numpy.not_equal(fresh, old, out=_scratch.mask(fresh.size))  # the bits compared as integers
+    # nonzero() of booleans: ten times faster than of the integers (a XOR) themselves
+    return numpy.flatnonzero(moved if words == 1 else moved.reshape(-1, words).any(axis=1))
 
 
 def _walk_rest(new_bits: Any, base_bits: Any, start: int, step: int, words: int, hasher: Any,
@@ -571,53 +613,19 @@ def _walk_rest(new_bits: Any, base_bits: Any, start: int, step: int, words: int,
     return changed, _hex(hasher.intdigest(), base_bits.nbytes)
 
 
-def _gather_positions(name: str, new_bits: Any, base_bits: Any, step: int, words: int, payload: torch.Tensor,
-                      changed: int, width: int, value: str) -> tuple[int, str]:
-    """Write a ``positions`` payload (the changed elements' positions, then their new values) and
-    bring the base up to the new value, chunk by chunk. ``changed`` was counted by an earlier walk
-    of the same tensors; a different count here means the source changed during the round."""
-    import numpy
-
-    raw = tensor_bytes(payload).numpy()
-    positions = raw[: changed * width].view(numpy.int32 if width == 4 else numpy.int64)
-    values = raw[changed * width :].view(new_bits.dtype).reshape(-1, words)
-    done = 0
-    for at in range(0, new_bits.size, step):
-        fresh, old = new_bits[at : at + step], base_bits[at : at + step]
-        xor = _scratch.get(new_bits.dtype, fresh.size)
-        numpy.bitwise_xor(fresh, old, out=xor)
-        if words == 1:
-            moved = numpy.not_equal(xor, 0, out=_scratch.mask(xor.size))
-        else:
-            moved = xor.reshape(-1, words).any(axis=1)
-        where = numpy.flatnonzero(moved)
-        if done + where.size > changed:
-            break
-        positions[done : done + where.size] = where + at // words
-        values[done : done + where.size] = fresh.reshape(-1, words)[where]
-        if where.size:
-            numpy.copyto(old, fresh)
-        done += where.size
-    else:
-        if done == changed:
-            return 0, value
-    raise TransferError(f"delta round: {name!r} changed while the round was being sent (a source must not "
-                        f"overwrite a tensor it yielded until the round ends)")
-
-
 def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str | None, known: str | None,
                 defer: bool, room: Any, choices: _Choices = _Choices()) -> _Encoded:
     """Encode one tensor against its base, the base becoming the new value now or, for a pending
     tensor, as the round is sent (a helper thread).
 
-    A first walk only reads: it XORs each chunk into the thread's scratch, counts the changed
-    elements, and hashes the old bytes (which must be what the workers hold, ``known``) and the
-    new ones. Then, by what changed:
+    A first walk only reads: it compares each chunk with its base, counts the changed elements
+    (gathering their positions and values while they may still fit a ``positions`` payload), and
+    hashes the old bytes (which must be what the workers hold, ``known``) and the new ones. Then,
+    by what changed:
 
     - nothing: the tensor stays out of the round;
-    - few enough elements for ``positions`` (:data:`POSITIONS_AT_MOST`): its payload's size is
-      known, and the second walk (gather the positions and values, update the base) is left to
-      the round's sending with ``defer``;
+    - few enough elements for ``positions`` (:data:`POSITIONS_AT_MOST`): the payload is written
+      from what the walk gathered, and the base updated from the payload (its own decode);
     - more: a second walk compresses the XOR while it updates the base, the tensor going whole
       if that grows past :data:`SPARSE_AT_MOST`;
     - a chunk with more than :data:`CHANGED_TO_TRY` of it changed (or, first, a glance at the
@@ -657,9 +665,25 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
             return whole(walk_from_start(True), 0)
     changed = 0
     was, now = xxhash.xxh3_64(), xxhash.xxh3_64()
+    most = choices.positions_at_most * target.nbytes  # the largest positions payload this tensor may take
+    header, pair = positions_header_bytes(target), new.element_size() + 2
+    counts = numpy.zeros(position_blocks(target), dtype=numpy.int64)
+    found: list[tuple[Any, Any]] | None = [] if header + pair <= most else None  # (values, positions) per chunk
     for start in range(0, new_bits.size, step):  # the first walk reads only
         fresh, old = new_bits[start : start + step], base_bits[start : start + step]
-        here = _changed_elements(fresh, old, words)[1]
+        if found is None:
+            here = _changed_elements(fresh, old, words)[1]
+        else:  # also gather the positions and values: positions needs no second walk
+            where = _changed_where(fresh, old, words)
+            here = where.size
+            if header + (changed + here) * pair > most:
+                found = None  # too many for positions: only count from here on
+            elif here:
+                at = where + start // words
+                found.append((fresh.reshape(-1, words)[where], at.astype(numpy.uint16)))
+                first = (start // words) // POSITION_BLOCK
+                blocks = numpy.bincount((at // POSITION_BLOCK) - first)
+                counts[first : first + blocks.size] += blocks
         if here > CHANGED_TO_TRY * (fresh.size // words):
             return whole(walk_from_start(True), 0)  # nothing written yet: the whole walk counts again
         changed += here
@@ -671,13 +695,20 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
     if _hex(was.intdigest(), target.nbytes) != known:  # changed behind the encoder's back:
         logger.warning("delta: the trainer's base of %r is not what the workers were sent; it goes whole", name)
         return whole(walk_from_start(False), changed)  # a payload against it would rebuild something else
-    size = positions_payload_bytes(target, changed)
-    if size <= choices.positions_at_most * target.nbytes:
-        payload = room(name, size)
-        rest = functools.partial(_gather_positions, name, new_bits, base_bits, step, words, payload, changed,
-                                 position_bytes(target), value)
-        return pending(_Encoded(TensorEntry(name, "uint8", (size,)), payload,
-                                DeltaTensor(target, POSITIONS, value, known), changed, None, rest))
+    if found is not None:
+        payload = room(name, positions_payload_bytes(target, changed))
+        values, lows = _positions_parts(payload, target, changed, new_bits.dtype, words)
+        counts_out = tensor_bytes(payload).numpy()[:header].view(numpy.uint32)
+        counts_out[:] = 0
+        counts_out[: counts.size] = counts
+        numpy.concatenate([part[0] for part in found], out=values)
+        numpy.concatenate([part[1] for part in found], out=lows)
+        del found
+        base_rows = base_bits.reshape(-1, words)
+        for begin, end, positions, lo, hi in _position_spans(target.numel, counts, lows, step // words):
+            base_rows[begin:end][positions] = values[lo:hi]  # the base becomes the new value: the payload's own decode
+        return _Encoded(TensorEntry(name, "uint8", (payload.numel(),)), payload,
+                        DeltaTensor(target, POSITIONS, value, known), changed, value)
     if not choices.try_xor:  # compressing would cost more than sending it whole
         return whole(walk_from_start(False), changed)
     limit = SPARSE_AT_MOST * target.nbytes
@@ -845,25 +876,39 @@ class DeltaLoader:
 
     def _place(self, name: str, payload: torch.Tensor, row: DeltaTensor) -> tuple[torch.Tensor, str]:
         """The base with the changed elements of a ``positions`` payload put in place, written where
-        the commit reads it; the result and its digest. A position outside the tensor fails."""
+        the commit reads it; the result and its digest. One pass, span by span: copy the base's
+        span, put its changed elements in place, hash it while it is in cache. Counts that do not
+        add up, or a position past the tensor's end, fail the round."""
         import numpy
+        import xxhash
 
         base = self._base_of(name)  # type: ignore[misc]
         value = self._destination(name, base)
-        if value.data_ptr() != base.data_ptr():
-            copy_tensor(value, base)
-        value_bits = _bits(value)  # value is contiguous: a view
+        value_bits, base_bits = _bits(value), _bits(base)  # value is contiguous: a view
         words = max(1, value.element_size() // value_bits.itemsize)
-        raw = tensor_bytes(payload).numpy()
-        count = raw.size // positions_payload_bytes(row.target, 1)
-        width = positions_payload_bytes(row.target, 1) - value.element_size()
-        positions = raw[: count * width].view(numpy.int32 if width == 4 else numpy.int64)
-        values = raw[count * width :].view(value_bits.dtype).reshape(-1, words)
-        if count and (int(positions.min()) < 0 or int(positions.max()) >= row.target.numel):
-            raise TransferError(f"delta round: {name!r} names positions outside its {row.target.numel} elements")
-        value_bits.reshape(-1, words)[positions] = values
+        target = row.target
+        head, blocks = positions_header_bytes(target), position_blocks(target)
+        changed = (payload.numel() - head) // (value.element_size() + 2)  # the manifest checked it divides
+        counts = tensor_bytes(payload).numpy()[:head].view(numpy.uint32)[:blocks]
+        values, lows = _positions_parts(payload, target, changed, value_bits.dtype, words)
+        tail = target.numel - (blocks - 1) * POSITION_BLOCK  # elements in the last block
+        if int(counts.sum(dtype=numpy.int64)) != changed or (changed and counts[-1] and int(
+                lows[changed - int(counts[-1]):].max()) >= tail):
+            raise TransferError(f"delta round: {name!r}'s positions payload does not fit its {target.numel} "
+                                f"elements (block counts that do not add up to its values, or positions past its end)")
+        value_rows, base_rows = value_bits.reshape(-1, words), base_bits.reshape(-1, words)
+        copy = value.data_ptr() != base.data_ptr()
+        hasher = xxhash.xxh3_64()
+        step = max(1, CHUNK_BYTES // value.element_size())
+        for begin, end, positions, lo, hi in _position_spans(target.numel, counts, lows, step):
+            span = value_rows[begin:end]
+            if copy:
+                numpy.copyto(span, base_rows[begin:end])
+            if hi > lo:
+                span[positions] = values[lo:hi]
+            hasher.update(span)
         note_written(value)  # through numpy, behind autograd's back
-        return value, digest(value)
+        return value, _hex(hasher.intdigest(), target.nbytes)
 
     def _destination(self, name: str, base: torch.Tensor) -> torch.Tensor:
         """Where the rebuilt tensor goes: the commit's own destination when it has one of the right

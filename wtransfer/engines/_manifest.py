@@ -42,10 +42,11 @@ if TYPE_CHECKING:
 
 MANIFEST_FORMAT = 2
 """2: per-tensor digests travel after the data (``digests``), no longer CRC32s in the manifest."""
-DELTA_MANIFEST_FORMAT = 4
+DELTA_MANIFEST_FORMAT = 5
 """A delta round's manifest (``delta``, see ``_delta``): a worker that predates it refuses the
 round by its format instead of loading compressed bytes as tensors. Other rounds stay format 2.
-4: the ``positions`` encoding, and rows sent whole name no digest (3 had neither)."""
+4: the ``positions`` encoding, and rows sent whole name no digest (3 had neither). 5: ``positions``
+numbers elements in blocks of 65536 (16-bit positions, a count per block; 4 had 32-bit positions)."""
 DIGEST_ALGORITHMS = ("xxh3_64",)
 
 XOR_ZSTD, POSITIONS, DENSE = "xor-zstd", "positions", "dense"
@@ -54,15 +55,28 @@ DELTA_ENCODINGS = (XOR_ZSTD, POSITIONS, DENSE)
 positions and new values of the elements that changed, or whole."""
 
 
-def position_bytes(target: TensorEntry) -> int:
-    """Bytes of one position in a ``positions`` payload: int32, or int64 for a tensor of 2**31
-    elements or more."""
-    return 4 if target.numel < 2**31 else 8
+POSITION_BLOCK = 1 << 16
+"""A ``positions`` payload numbers its tensor's elements in blocks of this many: each changed
+element's position is 16 bits within its block, and a count per block says where each block's
+positions end. Two bytes a position instead of four, for any size of tensor."""
+
+
+def position_blocks(target: TensorEntry) -> int:
+    """How many :data:`POSITION_BLOCK` blocks a ``positions`` payload counts for ``target``."""
+    return -(-target.numel // POSITION_BLOCK)
+
+
+def positions_header_bytes(target: TensorEntry) -> int:
+    """A ``positions`` payload's head: one uint32 count per block, padded to 8 bytes so that the
+    values after it are aligned for any element size."""
+    return 8 * -(-position_blocks(target) // 2)
 
 
 def positions_payload_bytes(target: TensorEntry, changed: int) -> int:
-    """A ``positions`` payload's size: ``changed`` positions, then as many elements (new values)."""
-    return changed * (position_bytes(target) + dtype_itemsize(target.dtype))
+    """A ``positions`` payload's size: the block counts, then ``changed`` new values (elements of
+    the tensor's dtype), then their uint16 positions within their blocks."""
+    return positions_header_bytes(target) + changed * (dtype_itemsize(target.dtype) + 2)
+
 
 COMMIT_MODES = ("atomic", "streaming")
 """How a round reaches the model: staged then committed everywhere, or written as it arrives."""
@@ -197,9 +211,10 @@ class DeltaPlan:
             if encoding != DENSE and (entry.dtype != "uint8" or len(entry.shape) != 1 or old is None or base is None):
                 raise ValueError(f"manifest delta row {target.name!r}: a {encoding} payload travels as uint8 bytes, "
                                  f"with a base digest, in a round against a base")
-            if encoding == POSITIONS and entry.nbytes % positions_payload_bytes(target, 1):
+            if encoding == POSITIONS and (entry.nbytes < positions_header_bytes(target) or (
+                    entry.nbytes - positions_header_bytes(target)) % (dtype_itemsize(target.dtype) + 2)):
                 raise ValueError(f"manifest delta row {target.name!r}: a positions payload of {entry.nbytes} bytes is "
-                                 f"not a whole number of (position, value) pairs")
+                                 f"not its block counts and a whole number of (value, position) pairs")
             tensors.append(DeltaTensor(target, encoding, new, old))
         names = [t.target.name for t in tensors] + [e.name for e in kept]
         if len(set(names)) != len(names):
