@@ -17,7 +17,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("zstandard")
 
 import wtransfer  # noqa: E402
-from wtransfer.engines._delta import DeltaEncoder, DeltaLoader  # noqa: E402
+from wtransfer.engines._delta_encoder import DeltaEncoder  # noqa: E402
+from wtransfer.engines._delta_loader import DeltaLoader  # noqa: E402
 from wtransfer.engines._manifest import (  # noqa: E402
     POSITION_BLOCK,
     POSITIONS,

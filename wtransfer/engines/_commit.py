@@ -183,7 +183,7 @@ class RoundState:
         delta = self._manifest.delta if self._manifest is not None else None
         self._delta_id = delta.id if delta is not None else None
         if delta is not None:  # the loaders below see the tensors it rebuilds, whole
-            from wtransfer.engines._delta import DeltaLoader
+            from wtransfer.engines._delta_loader import DeltaLoader
 
             wire, self._manifest = self._manifest, delta.target_manifest(self._manifest)
             return DeltaLoader(self._begin(real), real, wire, self.delta_holds)

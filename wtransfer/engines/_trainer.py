@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from wtransfer.engines._agreement import RankAgreement
     from types import TracebackType
 
-    from wtransfer.engines._delta import DeltaEncoder, DeltaRound
+    from wtransfer.engines._delta_encoder import DeltaEncoder, DeltaRound
     from wtransfer.engines._sharded import ParticipantTrainer
 
 logger = logging.getLogger("wtransfer")
@@ -308,7 +308,7 @@ class TrainerWeightTransferEngine(ABC):
         self.delta: DeltaEncoder | None = None
         """With ``delta=True``: the version the workers committed, and each round's encoding against it."""
         if delta:
-            from wtransfer.engines._delta import DeltaEncoder
+            from wtransfer.engines._delta_encoder import DeltaEncoder
 
             self.delta = DeltaEncoder()
         self.is_checkpoint_format = bool(is_checkpoint_format)

@@ -1,0 +1,559 @@
+"""The trainer's side of delta rounds: its base, and each round's encoding against it.
+
+See :mod:`wtransfer.engines._delta` for what a delta round is and its wire form.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from wtransfer.engines import _delta
+from wtransfer.engines._delta import _bits, _hex, _pool, _pool_size, _position_spans, _positions_parts, _scratch, _zstd
+from wtransfer.engines._manifest import (
+    DENSE,
+    POSITION_BLOCK,
+    POSITIONS,
+    XOR_ZSTD,
+    DeltaPlan,
+    DeltaTensor,
+    TensorEntry,
+    entry_for,
+    position_blocks,
+    positions_header_bytes,
+    positions_payload_bytes,
+    tensor_bytes,
+)
+from wtransfer.engines._source import WeightSource
+from wtransfer.errors import TransferError
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("wtransfer")
+
+POSITIONS_AT_MOST = 1 / 16
+"""A tensor travels as the positions and new values of its changed elements when that is at most
+this fraction of its bytes (a bf16 tensor with up to about 3 % of its elements changed, at two
+bytes a value and two a position). The first walk gathers them as it counts: no second walk."""
+
+POSITIONS_AT_MOST_ON_FAST_LINKS = 0.25
+""":data:`POSITIONS_AT_MOST` where the link is at least :data:`FAST_FOR_POSITIONS` (up to about
+12 % of a bf16 tensor's elements): there ``positions``, more bytes than a compressed XOR but
+gathered in the walk that counts, costs less time than compressing in a second walk."""
+
+FAST_FOR_POSITIONS = 75e6
+"""Bytes per second from which :data:`POSITIONS_AT_MOST_ON_FAST_LINKS` applies (0.6 Gbit/s: where
+the extra wire bytes of ``positions`` would cost as long as compressing XORs did, estimated from
+rounds of 5.8 % changed elements over 1 Gbit/s on a 2-core AMD EPYC; zstd's speed sets it)."""
+
+XOR_PAYS_BELOW = 300e6
+"""Bytes per second under which a XOR is compressed for a tensor too changed for ``positions``;
+on a faster link such a tensor goes whole (compressing it took longer than sending it whole
+over 10 Gbit/s on a 2-core AMD EPYC; 2.4 Gbit/s is a conservative guess below that, no link in
+between was measured)."""
+
+RATE_SAMPLE_BYTES = 64 << 20
+"""A round that moved at least this many bytes measures the link (:meth:`DeltaEncoder.sent`)."""
+
+SPARSE_AT_MOST = 0.25
+"""A tensor travels as a compressed XOR only when that is at most this fraction of its bytes
+(the trainer holds the compressed XORs until they are sent: at most this much of the model)."""
+
+CHANGED_TO_TRY = 0.3
+"""A chunk whose XOR has more than this fraction of elements changed ends the first walk: the
+tensor goes dense (its XOR would not shrink below :data:`SPARSE_AT_MOST`, and compressing a dense
+XOR costs more CPU than sending the tensor over any link but a slow one)."""
+
+GLANCE_BYTES = 64 * 1024
+"""Before walking a tensor whose walk may be left pending, this much of its start is XORed: if
+more than :data:`CHANGED_TO_TRY` of it changed the tensor goes whole, and all of its walk runs
+while the round is sent (as a chunk proving it dense would decide, sooner)."""
+
+
+@dataclass
+class DeltaStats:
+    changed_elements: int = 0
+    elements: int = 0
+    unchanged_tensors: int = 0
+    sparse_tensors: int = 0
+    dense_tensors: int = 0
+
+
+class DeltaRound(WeightSource):
+    """One encoded round, as the engine reads it: the wire tensors, in order.
+
+    A tensor may still be *pending* when the round starts: one sent whole (the rest of its walk:
+    counting what changed, bringing the base up to the new value, hashing it). That work runs on
+    the encoding threads a few tensors ahead of the engine, and the tensor is yielded once done.
+    So the encoding overlaps the sending, instead of delaying the first byte by passes over the
+    whole model.
+    """
+
+    def __init__(self, entries: list[TensorEntry], payloads: list[torch.Tensor], pending: list[_Encoded | None],
+                 plan: DeltaPlan, items: list[_Encoded], finisher: _Finisher, whole: bool = False) -> None:
+        self.entries, self.payloads, self.plan = entries, payloads, plan
+        self._pending = pending
+        """Per wire entry: the tensor to finish before it is read, or None."""
+        self._items = items
+        """Every tensor of the walk (unchanged ones too), in the walk's order."""
+        self._finisher = finisher
+        self._whole = whole
+
+    @property
+    def stats(self) -> DeltaStats:
+        """What the round carries; the changed counts are final once every tensor was read or :meth:`finish`."""
+        stats = DeltaStats()
+        for item in self._items:
+            stats.elements += item.target.numel
+            stats.changed_elements += item.changed
+            if self._whole or (item.row is not None and item.row.encoding == DENSE):
+                stats.dense_tensors += 1
+            elif item.row is None:
+                stats.unchanged_tensors += 1
+            else:
+                stats.sparse_tensors += 1
+        return stats
+
+    def metadata(self) -> list[TensorEntry]:
+        return list(self.entries)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for entry, payload, item in zip(list(self.entries), list(self.payloads), list(self._pending)):
+            if item is not None:
+                self._finisher.wait(item)
+            yield entry.name, payload
+
+    def finish(self) -> None:
+        """Every pending tensor done: the base holds the whole round (before it is called committed)."""
+        self._finisher.finish_all()
+
+    def settle(self) -> None:
+        """Once this returns no encoding thread writes the base for this round (what had not started is
+        dropped): a round that failed leaves nothing running into the next one."""
+        self._finisher.cancel()
+
+
+class _Finisher:
+    """Finishes a round's pending tensors on the encoding threads, in the order the engine reads
+    them, at most one per thread plus one ahead of the tensor the engine waits for."""
+
+    def __init__(self, items: list[_Encoded], record: Any) -> None:
+        from concurrent.futures import Future
+
+        self._items = items
+        self._index = {id(item): i for i, item in enumerate(items)}
+        self._futures: list[Future[None]] = []
+        self._record = record
+        self._lock = threading.Lock()
+        self._cancelled = False
+
+    def __contains__(self, item: _Encoded) -> bool:
+        return id(item) in self._index
+
+    def start(self, end: int) -> None:
+        """Submit the pending tensors before index ``end`` (those not yet submitted)."""
+        with self._lock:
+            if self._cancelled:
+                raise TransferError("delta round: its encoding was stopped (the round failed)")
+            pool = _pool()
+            while len(self._futures) < min(end, len(self._items)):
+                self._futures.append(pool.submit(self._finish, self._items[len(self._futures)]))
+
+    def _finish(self, item: _Encoded) -> None:
+        item.finish()
+        self._record(item)
+
+    def wait(self, item: _Encoded) -> None:
+        index = self._index[id(item)]
+        self.start(index + _pool_size() + 1)
+        self._futures[index].result()
+
+    def finish_all(self) -> None:
+        self.start(len(self._items))
+        for future in self._futures:
+            future.result()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            futures = list(self._futures)
+        for future in futures:
+            future.cancel()
+            if not future.cancelled():
+                future.exception()  # waits: it may be writing the base
+
+
+def _keeps_its_tensors(source: Any) -> bool:
+    """Whether every tensor ``source`` yields lives on after the walk moves past it (a module's
+    parameters, a mapping's tensors): then holding a pending tensor until it is sent costs no
+    memory. Any other source's tensors may be made as they are read, and are encoded at once."""
+    from wtransfer.engines._source import ModuleSource, TensorSource
+
+    kind = type(source)
+    if isinstance(source, ModuleSource):
+        return kind.__iter__ is ModuleSource.__iter__ and kind.named_tensors is ModuleSource.named_tensors
+    return (isinstance(source, TensorSource) and kind.__iter__ is TensorSource.__iter__
+            and type(source.tensors) is dict)
+
+
+class DeltaEncoder:
+    """The trainer's copy of the version its workers committed, and each round's encoding against it.
+
+    Memory: one host copy of the model (the base) and the digest of each of its tensors, plus the
+    compressed XORs of one round (each at most :data:`SPARSE_AT_MOST` of its tensor), the
+    ``positions`` payload buffer of each tensor that ever travelled so (at most
+    :data:`POSITIONS_AT_MOST_ON_FAST_LINKS` of it, kept across rounds; only the pages written are
+    resident), while a tensor is walked the changes it gathers (at most its payload once more),
+    and one :data:`~wtransfer.engines._delta.CHUNK_BYTES` scratch buffer (and a chunk's booleans) per encoding thread. A
+    device tensor is copied to the host
+    as it is encoded (at most one per thread at a time). The base takes the new values as the
+    round is encoded and sent (dense tensors are sent from it), so a round that fails leaves it
+    ahead of the workers: it is then marked invalid and the next round is full.
+    """
+
+    def __init__(self) -> None:
+        self._token = secrets.token_hex(8)
+        self.base: dict[str, torch.Tensor] = {}
+        self.digests: dict[str, str] = {}
+        """XXH3-64 of each base tensor as it is now (kept as the base changes, never recomputed)."""
+        self.base_id: str | None = None
+        """The id of the last round every worker committed, which :attr:`base` holds; None: full next."""
+        self._unsettled: _Finisher | None = None
+        """The last round's pending work (not the round: its XORs are freed once it is sent)."""
+        self._payloads: dict[str, torch.Tensor] = {}
+        """Each tensor's ``positions`` payload buffer, kept across rounds: fresh memory costs a page
+        fault per page on first touch, and a round would otherwise pay that for every payload."""
+        self.link_bytes_per_s: float | None = None
+        """How fast rounds cross the transport: the highest throughput (wire bytes over the round's
+        seconds) of any round that moved at least :data:`RATE_SAMPLE_BYTES`; None until one did.
+        Each is a lower bound (a round whose time went to encoding reads slow), so the highest
+        counts. It sets which encodings pay (:func:`_choices`)."""
+
+    def sent(self, wire_bytes: int, seconds: float) -> None:
+        """A round moved ``wire_bytes`` in ``seconds``: the next rounds choose their encodings by it."""
+        if wire_bytes >= RATE_SAMPLE_BYTES and seconds > 0:
+            self.link_bytes_per_s = max(self.link_bytes_per_s or 0.0, wire_bytes / seconds)
+
+    def encode(self, source: WeightSource, version: int) -> DeltaRound:
+        """Walk ``source`` once; the round against :attr:`base` (a full one if it has none).
+
+        Tensors are encoded on every core, at most one per core at a time, in the walk's order
+        (the XOR, the compression and the hashing release the GIL): a source that makes each
+        tensor as it yields it holds no more than that many at once. A tensor sent whole is left
+        pending when the source keeps its tensors: the rest of its work runs as the round is sent
+        (see :class:`DeltaRound`).
+        """
+        from concurrent.futures import Future
+
+        if self._unsettled is not None:
+            self._unsettled.cancel()  # a round abandoned by its caller: nothing of it may still write the base
+        against = self.base_id
+        self.base_id = None  # from here on the base holds this round's values, which no worker has yet
+        keeps = _keeps_its_tensors(source)
+        choices = _choices(self.link_bytes_per_s)
+        encoded: list[_Encoded] = []
+        pool, width = _pool(), _pool_size()
+        in_flight: list[Future[_Encoded]] = []
+        try:
+            for name, tensor in source:
+                new = tensor.detach()
+                on_host = new.device.type == "cpu"
+                if not on_host:
+                    new = new.cpu()
+                base, fresh = self._base_for(name, new)
+                known = None if fresh else self.digests.get(name)
+                defer = keeps and on_host and new.is_contiguous()
+                in_flight.append(pool.submit(_encode_one, name, new, base, None if fresh else against, known, defer,
+                                             self._room, choices))
+                del tensor, new
+                if len(in_flight) >= width:  # one tensor per core at a time
+                    encoded.append(in_flight.pop(0).result())
+            encoded += [future.result() for future in in_flight]
+        finally:
+            for future in in_flight:  # a walk that raised: no encoding may outlive the round
+                future.cancel()
+                if not future.cancelled():
+                    future.exception()
+        present = {item.target.name for item in encoded}
+        for gone in [name for name in self.base if name not in present]:
+            del self.base[gone]  # a tensor the model no longer has
+            self.digests.pop(gone, None)
+            self._payloads.pop(gone, None)
+        entries, payloads, pending, rows, unchanged, kept_digests = [], [], [], [], [], []
+        for item in encoded:
+            if item.digest is not None:
+                self.digests[item.target.name] = item.digest
+            if item.row is None:
+                unchanged.append(item.entry)
+                kept_digests.append(item.digest)
+                continue
+            entries.append(item.entry)
+            payloads.append(item.payload)
+            pending.append(item if item.rest is not None else None)
+            rows.append(item.row)
+        finisher = _Finisher([item for item in encoded if item.rest is not None], self._record)
+        finisher.start(width + 1)  # the first pending tensors, while the round's control messages go out
+        plan = DeltaPlan(f"{self._token}:{version}", against, tuple(rows), tuple(unchanged), tuple(kept_digests))
+        self._unsettled = finisher
+        return DeltaRound(entries, payloads, pending, plan, encoded, finisher)
+
+    def _room(self, name: str, size: int) -> torch.Tensor:
+        """``size`` bytes of the payload buffer of ``name`` (made once, as large as a ``positions``
+        payload of the tensor may be: only the pages written are ever resident)."""
+        import torch
+
+        buffer = self._payloads.get(name)
+        if buffer is None or buffer.numel() < size:
+            base = self.base[name]
+            most = int(max(POSITIONS_AT_MOST, POSITIONS_AT_MOST_ON_FAST_LINKS) * base.numel() * base.element_size())
+            buffer = self._payloads[name] = torch.empty(max(size, most), dtype=torch.uint8)
+        return buffer[:size]
+
+    def _record(self, item: _Encoded) -> None:
+        assert item.digest is not None
+        self.digests[item.target.name] = item.digest
+
+    def whole(self, encoded: DeltaRound) -> DeltaRound:
+        """The same round, every tensor whole, from the base (which holds its values, or will once
+        its pending tensors are done): for workers that cannot apply the delta. Nothing is walked
+        or hashed again."""
+        finisher = encoded._finisher
+        entries, payloads, pending, rows = [], [], [], []
+        for item in encoded._items:
+            base = self.base[item.target.name]
+            target = entry_for(item.target.name, base)
+            entries.append(target)
+            payloads.append(base)
+            pending.append(item if item in finisher else None)
+            rows.append(DeltaTensor(target, DENSE, None))
+        plan = DeltaPlan(encoded.plan.id, None, tuple(rows), ())
+        return DeltaRound(entries, payloads, pending, plan, encoded._items, finisher, whole=True)
+
+    def _base_for(self, name: str, new: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The base tensor of ``name`` (a new one, and True, if it had none of that dtype and shape)."""
+        import torch
+
+        base = self.base.get(name)
+        if base is not None and base.dtype == new.dtype and base.shape == new.shape:
+            return base, False
+        base = self.base[name] = torch.empty_like(new, device="cpu", memory_format=torch.contiguous_format)
+        return base, True
+
+    def committed(self, encoded: DeltaRound) -> None:
+        """Every worker committed the round: the base is what they hold (its pending tensors are
+        finished first, for a caller whose engine did not read every tensor)."""
+        encoded.finish()
+        self.base_id = encoded.plan.id
+
+
+@dataclass(frozen=True)
+class _Choices:
+    """Which payloads a round may use, by how fast its link is."""
+
+    positions_at_most: float = POSITIONS_AT_MOST
+    try_xor: bool = True
+
+
+def _choices(link_bytes_per_s: float | None) -> _Choices:
+    """On a link not yet measured, or a slow one: ``positions`` for a few changes, a compressed XOR
+    for more. On a fast one ``positions`` goes further; on a very fast one (or shared memory) a
+    tensor beyond it goes whole, as compressing would cost more than the wire saves."""
+    if link_bytes_per_s is None:
+        return _Choices()
+    fast = link_bytes_per_s >= FAST_FOR_POSITIONS
+    return _Choices(POSITIONS_AT_MOST_ON_FAST_LINKS if fast else POSITIONS_AT_MOST, link_bytes_per_s < XOR_PAYS_BELOW)
+
+
+@dataclass
+class _Encoded:
+    """One tensor's part of a round: what travels (``row`` None: nothing, it did not change)."""
+
+    entry: TensorEntry
+    payload: Any
+    row: DeltaTensor | None
+    changed: int
+    digest: str | None
+    """The base's digest once this round's value is in it (None while the tensor is pending)."""
+    rest: Any = None
+    """A pending tensor's remaining work (:func:`_walk_rest`, for one sent whole), returning the
+    elements it found changed and the base's digest; None once done."""
+
+    @property
+    def target(self) -> TensorEntry:
+        """The model's tensor (``entry`` is what travels: a XOR's bytes, or the tensor itself)."""
+        return self.entry if self.row is None else self.row.target
+
+    def finish(self) -> None:
+        if self.rest is not None:
+            more, self.digest = self.rest()
+            self.changed += more
+            self.rest = None
+
+
+def _changed_elements(fresh: Any, old: Any, words: int) -> tuple[Any, int]:
+    """``fresh`` XOR ``old`` (into the thread's scratch) and how many elements differ (an element of
+    ``words`` integers counts once)."""
+    import numpy
+
+    xor = _scratch.get(fresh.dtype, fresh.size)
+    numpy.bitwise_xor(fresh, old, out=xor)
+    return xor, int(numpy.count_nonzero(xor if words == 1 else xor.reshape(-1, words).any(axis=1)))
+
+
+def _changed_where(fresh: Any, old: Any, words: int) -> Any:
+    """The indices (within the chunk) of the elements in which ``fresh`` and ``old`` differ."""
+    import numpy
+
+    moved = numpy.not_equal(fresh, old, out=_scratch.mask(fresh.size))  # the bits compared as integers
+    # nonzero() of booleans: ten times faster than of the integers (a XOR) themselves
+    return numpy.flatnonzero(moved if words == 1 else moved.reshape(-1, words).any(axis=1))
+
+
+def _walk_rest(new_bits: Any, base_bits: Any, start: int, step: int, words: int, hasher: Any,
+               count: bool) -> tuple[int, str]:
+    """A dense tensor's walk from element ``start`` on, chunk by chunk: count the changed elements
+    (``count``; else none is counted here), copy the new bytes into the base, hash the base's new
+    bytes while the chunk is in cache. Returns the elements counted and the digest of the whole
+    base (``hasher`` has seen the chunks before ``start``)."""
+    import numpy
+
+    changed = 0
+    for at in range(start, new_bits.size, step):
+        fresh, old = new_bits[at : at + step], base_bits[at : at + step]
+        if count:
+            here = _changed_elements(fresh, old, words)[1]
+            changed += here
+            if here:
+                numpy.copyto(old, fresh)
+        else:
+            numpy.copyto(old, fresh)
+        hasher.update(old)
+    return changed, _hex(hasher.intdigest(), base_bits.nbytes)
+
+
+def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str | None, known: str | None,
+                defer: bool, room: Any, choices: _Choices = _Choices()) -> _Encoded:
+    """Encode one tensor against its base, the base becoming the new value now or, for a pending
+    tensor, as the round is sent (a helper thread).
+
+    A first walk only reads: it compares each chunk with its base, counts the changed elements
+    (gathering their positions and values while they may still fit a ``positions`` payload), and
+    hashes the old bytes (which must be what the workers hold, ``known``) and the new ones. Then,
+    by what changed:
+
+    - nothing: the tensor stays out of the round;
+    - few enough elements for ``positions`` (:data:`POSITIONS_AT_MOST`): the payload is written
+      from what the walk gathered, and the base updated from the payload (its own decode);
+    - more: a second walk compresses the XOR while it updates the base, the tensor going whole
+      if that grows past :data:`SPARSE_AT_MOST`;
+    - a chunk with more than :data:`CHANGED_TO_TRY` of it changed (or, first, a glance at the
+      tensor's start), or no base to diff against: the tensor goes whole, the rest of its walk
+      (count, update the base, hash) left to the round's sending with ``defer``.
+
+    ``room(name, size)`` lends the payload buffer of a ``positions`` tensor (kept across rounds);
+    ``choices`` moves the limits by the link's speed (:func:`_choices`).
+    """
+    import functools
+
+    import numpy
+    import torch
+    import xxhash
+
+    target = entry_for(name, new)
+    new_bits, base_bits = _bits(new), _bits(base)
+    words = max(1, new.element_size() // new_bits.itemsize)  # integers per element (2 for complex128)
+    step = max(1, _delta.CHUNK_BYTES // new.element_size()) * words  # whole elements per chunk
+
+    def pending(encoded: _Encoded) -> _Encoded:  # its rest runs as the round is sent, or now
+        if not defer:
+            encoded.finish()
+        return encoded
+
+    def whole(rest: Any, changed: int) -> _Encoded:
+        return pending(_Encoded(target, base, DeltaTensor(target, DENSE, None), changed, None, rest))
+
+    def walk_from_start(count: bool) -> Any:
+        return functools.partial(_walk_rest, new_bits, base_bits, 0, step, words, xxhash.xxh3_64(), count)
+
+    if against is None or known is None:  # no base to diff against: the tensor goes whole
+        return whole(walk_from_start(False), target.numel)
+    if defer:  # a glance first: a tensor changed all over goes whole without a chunk walked before the round
+        glance = min(new_bits.size, max(1, min(GLANCE_BYTES, _delta.CHUNK_BYTES) // new.element_size()) * words)
+        if _changed_elements(new_bits[:glance], base_bits[:glance], words)[1] > CHANGED_TO_TRY * (glance // words):
+            return whole(walk_from_start(True), 0)
+    changed = 0
+    was, now = xxhash.xxh3_64(), xxhash.xxh3_64()
+    most = choices.positions_at_most * target.nbytes  # the largest positions payload this tensor may take
+    header, pair = positions_header_bytes(target), new.element_size() + 2
+    counts = numpy.zeros(position_blocks(target), dtype=numpy.int64)
+    found: list[tuple[Any, Any]] | None = [] if header + pair <= most else None  # (values, positions) per chunk
+    for start in range(0, new_bits.size, step):  # the first walk reads only
+        fresh, old = new_bits[start : start + step], base_bits[start : start + step]
+        if found is None:
+            here = _changed_elements(fresh, old, words)[1]
+        else:  # also gather the positions and values: positions needs no second walk
+            where = _changed_where(fresh, old, words)
+            here = where.size
+            if header + (changed + here) * pair > most:
+                found = None  # too many for positions: only count from here on
+            elif here:
+                at = where + start // words
+                found.append((fresh.reshape(-1, words)[where], at.astype(numpy.uint16)))
+                first = (start // words) // POSITION_BLOCK
+                blocks = numpy.bincount((at // POSITION_BLOCK) - first)
+                counts[first : first + blocks.size] += blocks
+        if here > CHANGED_TO_TRY * (fresh.size // words):
+            return whole(walk_from_start(True), 0)  # nothing written yet: the whole walk counts again
+        changed += here
+        was.update(old)
+        now.update(fresh)
+    value = _hex(now.intdigest(), target.nbytes)
+    if changed == 0:
+        return _Encoded(target, None, None, 0, value)
+    if _hex(was.intdigest(), target.nbytes) != known:  # changed behind the encoder's back:
+        logger.warning("delta: the trainer's base of %r is not what the workers were sent; it goes whole", name)
+        return whole(walk_from_start(False), changed)  # a payload against it would rebuild something else
+    if found is not None:
+        payload = room(name, positions_payload_bytes(target, changed))
+        values, lows = _positions_parts(payload, target, changed, new_bits.dtype, words)
+        counts_out = tensor_bytes(payload).numpy()[:header].view(numpy.uint32)
+        counts_out[:] = 0
+        counts_out[: counts.size] = counts
+        numpy.concatenate([part[0] for part in found], out=values)
+        numpy.concatenate([part[1] for part in found], out=lows)
+        del found
+        base_rows = base_bits.reshape(-1, words)
+        for begin, end, positions, lo, hi in _position_spans(target.numel, counts, lows, step // words):
+            base_rows[begin:end][positions] = values[lo:hi]  # the base becomes the new value: the payload's own decode
+        return _Encoded(TensorEntry(name, "uint8", (payload.numel(),)), payload,
+                        DeltaTensor(target, POSITIONS, value, known), changed, value)
+    if not choices.try_xor:  # compressing would cost more than sending it whole
+        return whole(walk_from_start(False), changed)
+    limit = SPARSE_AT_MOST * target.nbytes
+    compressor = _zstd().ZstdCompressor(level=_delta.ZSTD_LEVEL).compressobj()
+    parts: list[bytes] = []
+    size = 0
+    hasher = xxhash.xxh3_64()
+    for start in range(0, new_bits.size, step):  # the second walk: compress, update the base
+        fresh, old = new_bits[start : start + step], base_bits[start : start + step]
+        xor = _scratch.get(new_bits.dtype, fresh.size)
+        numpy.bitwise_xor(fresh, old, out=xor)
+        part = compressor.compress(xor)
+        parts.append(part)
+        size += len(part)
+        numpy.copyto(old, fresh)
+        hasher.update(old)  # the chunk is still in cache
+        if size > limit:  # a XOR this large is no delta: the tensor goes whole (counted already)
+            rest = functools.partial(_walk_rest, new_bits, base_bits, start + step, step, words, hasher, False)
+            return whole(rest, changed)
+    parts.append(compressor.flush())
+    if size + len(parts[-1]) > limit:
+        return _Encoded(target, base, DeltaTensor(target, DENSE, None), changed, value)
+    blob = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
+    wire = TensorEntry(name, "uint8", (blob.numel(),))
+    return _Encoded(wire, blob, DeltaTensor(target, XOR_ZSTD, value, known), changed, value)
