@@ -131,13 +131,19 @@ def _hex(value: int, nbytes: int) -> str:
 def _positions_parts(payload: torch.Tensor, target: TensorEntry, changed: int, dtype: Any,
                      words: int) -> tuple[Any, Any]:
     """Views of a ``positions`` payload's parts after its block counts: the ``changed`` new values
-    (rows of ``words`` integers of numpy ``dtype``) and their uint16 positions within their blocks."""
+    (as :func:`_rows` of numpy ``dtype``) and their uint16 positions within their blocks."""
     import numpy
 
     raw = tensor_bytes(payload).numpy()
     head = positions_header_bytes(target)
     middle = head + changed * dtype_itemsize(target.dtype)
-    return raw[head:middle].view(dtype).reshape(-1, words), raw[middle:].view(numpy.uint16)
+    return _rows(raw[head:middle].view(dtype), words), raw[middle:].view(numpy.uint16)
+
+
+def _rows(bits: Any, words: int) -> Any:
+    """Flat bits indexed by element: themselves, or rows of ``words`` integers (complex128), so
+    that indexing by positions picks whole elements. Flat indexing is twice as fast as rows."""
+    return bits if words == 1 else bits.reshape(-1, words)
 
 
 def _position_spans(numel: int, counts: Any, lows: Any, elements: int) -> Iterator[tuple[int, int, Any, int, int]]:

@@ -13,7 +13,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from wtransfer.engines import _delta
-from wtransfer.engines._delta import _bits, _hex, _pool, _pool_size, _position_spans, _positions_parts, _scratch, _zstd
+from wtransfer.engines._delta import (
+    _bits,
+    _hex,
+    _pool,
+    _pool_size,
+    _position_spans,
+    _positions_parts,
+    _rows,
+    _scratch,
+    _zstd,
+)
 from wtransfer.engines._manifest import (
     DENSE,
     POSITION_BLOCK,
@@ -503,10 +513,10 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
                 found = None  # too many for positions: only count from here on
             elif here:
                 at = where + start // words
-                found.append((fresh.reshape(-1, words)[where], at.astype(numpy.uint16)))
-                first = (start // words) // POSITION_BLOCK
-                blocks = numpy.bincount((at // POSITION_BLOCK) - first)
-                counts[first : first + blocks.size] += blocks
+                found.append((_rows(fresh, words)[where], at.astype(numpy.uint16)))
+                first, last = start // words // POSITION_BLOCK, int(at[-1]) // POSITION_BLOCK + 1
+                edges = numpy.searchsorted(at, numpy.arange(first + 1, last) * POSITION_BLOCK)  # at is sorted
+                counts[first:last] += numpy.diff(edges, prepend=0, append=at.size)
         if here > CHANGED_TO_TRY * (fresh.size // words):
             return whole(walk_from_start(True), 0)  # nothing written yet: the whole walk counts again
         changed += here
@@ -527,7 +537,7 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
         numpy.concatenate([part[0] for part in found], out=values)
         numpy.concatenate([part[1] for part in found], out=lows)
         del found
-        base_rows = base_bits.reshape(-1, words)
+        base_rows = _rows(base_bits, words)
         for begin, end, positions, lo, hi in _position_spans(target.numel, counts, lows, step // words):
             base_rows[begin:end][positions] = values[lo:hi]  # the base becomes the new value: the payload's own decode
         return _Encoded(TensorEntry(name, "uint8", (payload.numel(),)), payload,

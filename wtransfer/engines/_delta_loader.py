@@ -8,7 +8,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from wtransfer.engines import _delta
-from wtransfer.engines._delta import _bits, _hex, _pool, _position_spans, _positions_parts, _scratch, _zstd, digest
+from wtransfer.engines._delta import (
+    _bits,
+    _hex,
+    _pool,
+    _position_spans,
+    _positions_parts,
+    _rows,
+    _scratch,
+    _zstd,
+    digest,
+)
 from wtransfer.engines._manifest import (
     DENSE,
     POSITION_BLOCK,
@@ -187,7 +197,7 @@ class DeltaLoader:
                 lows[changed - int(counts[-1]):].max()) >= tail):
             raise TransferError(f"delta round: {name!r}'s positions payload does not fit its {target.numel} "
                                 f"elements (block counts that do not add up to its values, or positions past its end)")
-        value_rows, base_rows = value_bits.reshape(-1, words), base_bits.reshape(-1, words)
+        value_rows, base_rows = _rows(value_bits, words), _rows(base_bits, words)
         copy = value.data_ptr() != base.data_ptr()
         hasher = xxhash.xxh3_64()
         step = max(1, _delta.CHUNK_BYTES // value.element_size())
