@@ -72,14 +72,16 @@ class EngineConformance:
             yield pool
 
     def _trainer(
-        self, pool: Any, source: Any, trainer_init_info: dict[str, Any], commit: str = "atomic", **init: Any
+        self, pool: Any, source: Any, trainer_init_info: dict[str, Any], commit: str = "atomic",
+        delta: bool = False, **init: Any
     ) -> Any:
         """``source``: the model or a WeightSource (``create_trainer`` takes either)."""
         from wtransfer.engines._trainer import create_trainer
 
         init_info = {"world_size": pool.world_size, "bucket_bytes": BUCKET_BYTES, "timeout_s": self.timeout_s,
                      **trainer_init_info, **init}
-        return create_trainer(self.engine, client=pool, source=source, init_info=init_info, commit=commit)
+        return create_trainer(self.engine, client=pool, source=source, init_info=init_info, commit=commit,
+                              delta=delta)
 
     @staticmethod
     def _require_honest(pool: Any, previous: dict[str, int], commit: str, what: str) -> None:
@@ -154,6 +156,43 @@ class EngineConformance:
             finally:
                 trainer.shutdown()
                 trainer.shutdown()  # idempotent
+
+    def test_delta_rounds_rebuild_the_trainers_weights_bit_exactly(
+        self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any], commit: str
+    ) -> None:
+        """``delta=True`` is a layer over every engine: after a full round, a round carrying a few
+        changed bytes of most tensors (as payloads) and one tensor changed all over (whole), then a
+        round with nothing changed (no tensor on the wire at all), each lands on every worker bit
+        for bit, and moves fewer bytes than the model."""
+        import torch
+
+        from wtransfer.testing.models import matrix_model
+
+        model = matrix_model(seed=1)
+        with self._pool(engine_options) as pool:
+            trainer = self._trainer(pool, model, trainer_init_info, commit, delta=True)
+            try:
+                kinds = [trainer.send_weights()["delta"]]
+                with torch.no_grad():
+                    for parameter in model.parameters():
+                        if parameter.is_contiguous() and parameter.numel():
+                            parameter.data.view(-1).view(torch.uint8)[::97].bitwise_xor_(1)  # any dtype
+                    model.bf16.add_(1.0)  # changed all over: it travels whole
+                for round_index in (2, 3):
+                    stats = trainer.send_weights()
+                    kinds.append(stats["delta"])
+                    expected = self._digests(model)
+                    for rank, digests in enumerate(pool.digests()):
+                        wrong = sorted(n for n in expected if digests.get(n) != expected[n])
+                        require(not wrong, "every worker holds the trainer's weights bit for bit after a delta round",
+                                "identical checksums", f"round {round_index}, worker {rank}: differs in {wrong}")
+                    limit = stats["bytes"] if round_index == 2 else 0
+                    require(stats["wire_bytes"] <= limit, "a delta round moves only what changed",
+                            f"wire_bytes <= {limit} (round {round_index})", stats)
+                require(kinds == ["full", "delta", "delta"], "rounds after the first are deltas",
+                        "['full', 'delta', 'delta']", [kinds, stats.get("delta_refused")])
+            finally:
+                trainer.shutdown()
 
     def test_manifest_mismatch_is_rejected_with_nothing_written(
         self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any]
