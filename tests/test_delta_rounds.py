@@ -303,7 +303,7 @@ def test_tensors_spanning_many_chunks_round_trip_bit_exactly(chunk_bytes: int, m
             if change == "sparse":
                 weight[:: 997].add_(1.0)  # 0.1 % of the elements
             elif change == "some":
-                weight[3 :: 16].add_(1.0)  # 6 %: positions would take 19 % of the bytes, a XOR less
+                weight[3 :: 16].add_(1.0)  # 6 %: positions would take 12.5 % of the bytes, a XOR less
             elif change == "late-dense":
                 weight[weight.numel() // 2 :].mul_(1.01)  # the first half unchanged: dense only later
         encoded = encoder.encode(ModuleSource(model), version)
@@ -340,7 +340,7 @@ def test_positions_across_many_blocks_round_trip_bit_exactly_at_two_bytes_a_posi
     encoder.committed(encoder.encode(TensorSource(trainer), 1))
     holds = encoder.base_id
     where = torch.tensor([0, POSITION_BLOCK - 1, POSITION_BLOCK, 3 * POSITION_BLOCK, numel - 2, numel - 1]
-                         + list(range(100, 2 * POSITION_BLOCK, 331)))  # block 2 (after 2 * 65536) only at its start
+                         + list(range(100, 2 * POSITION_BLOCK, 331)))  # block 2 unchanged, block 3 (partial) at both ends
     with torch.no_grad():
         for tensor in trainer.values():
             tensor[where] += 1
@@ -581,51 +581,57 @@ def test_a_round_abandoned_while_its_whole_tensors_are_pending_is_followed_by_an
 
 def test_a_positions_payload_that_does_not_fit_its_tensor_is_refused() -> None:
     """A manifest whose positions payload is not its block counts and whole (value, position)
-    pairs, or names no base digest, is refused as it is parsed; a payload whose block counts do not
-    add up to its values, or that names a position past its tensor's end, fails the round on the
-    worker before anything reaches the commit."""
+    pairs, or names no base digest, is refused as it is parsed. On the worker, for a tensor of
+    several blocks and a partial last one: block counts that do not add up to the values, or a
+    position past the tensor's end, fail the round before anything reaches the commit; counts
+    moved from one block to the next (the sum right, the positions in range) rebuild another
+    tensor, which the digest check refuses."""
     from wtransfer.engines._manifest import Manifest
 
-    model = tiny_llama(seed=0)
-    committed = _Committed({name: t.detach().clone() for name, t in model.named_parameters()})
+    numel = 3 * POSITION_BLOCK + 777
+    trainer = {"big": torch.randn(numel, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)}
+    committed = _Committed({name: t.clone() for name, t in trainer.items()})
     encoder = DeltaEncoder()
-    encoder.committed(encoder.encode(ModuleSource(model), 1))
+    encoder.committed(encoder.encode(TensorSource(trainer), 1))
     holds = encoder.base_id
     with torch.no_grad():
-        model.model.layers[0].mlp.down_proj.weight.view(-1)[::997].add_(1.0)
-    encoded = encoder.encode(ModuleSource(model), 2)
+        trainer["big"][::997] += 1  # in every block
+        trainer["big"][-5:] += 1  # and in the partial last one
+    encoded = encoder.encode(TensorSource(trainer), 2)
     manifest = build_manifest(encoded.metadata(), 2, delta=encoded.plan)
-    index = next(i for i, row in enumerate(encoded.plan.tensors) if row.target.name == "model.layers.0.mlp.down_proj.weight")
-    assert encoded.plan.tensors[index].encoding == POSITIONS
+    assert [row.encoding for row in encoded.plan.tensors] == [POSITIONS]
     wire = manifest.to_dict()
     assert Manifest.from_dict(wire) == manifest
     torn = copy.deepcopy(wire)
-    torn["tensors"][index][2] = [torn["tensors"][index][2][0] + 1]
+    torn["tensors"][0][2] = [torn["tensors"][0][2][0] + 1]
     with pytest.raises(ValueError, match="and a whole number of"):
         Manifest.from_dict(torn)
     baseless = copy.deepcopy(wire)
-    baseless["delta"]["tensors"][index][5] = None
+    baseless["delta"]["tensors"][0][5] = None
     with pytest.raises(ValueError, match="with a base digest"):
         Manifest.from_dict(baseless)
 
-    staged = _Staged(committed)
     before = {name: _raw(t) for name, t in committed.tensors.items()}
-    loader = DeltaLoader(staged, committed, manifest, holds=holds)
+    loader = DeltaLoader(_Staged(committed), committed, manifest, holds=holds)
     loader.validate_manifest(manifest)
-    batch = list(encoded)
-    numel = model.model.layers[0].mlp.down_proj.weight.numel()
-    assert numel % POSITION_BLOCK, "the test needs a last block that the tensor fills in part"
-    good = _raw(batch[index][1])
-    last_count = 4 * (position_blocks(encoded.plan.tensors[index].target) - 1)
-    assert int.from_bytes(good[last_count : last_count + 4], "little"), "the last block must hold a change"
-    overcounted = bytearray(good)
-    overcounted[0:4] = (int.from_bytes(good[0:4], "little") + 1).to_bytes(4, "little")  # one value too few
+    good = _raw(next(iter(encoded))[1])
+    counts = [int.from_bytes(good[4 * i : 4 * i + 4], "little") for i in range(position_blocks(encoded.plan.tensors[0].target))]
+    assert len(counts) == 4 and all(counts), counts
+
+    def with_counts(new: list[int]) -> bytearray:
+        out = bytearray(good)
+        for i, count in enumerate(new):
+            out[4 * i : 4 * i + 4] = count.to_bytes(4, "little")
+        return out
+
     past_the_end = bytearray(good)
     past_the_end[-2:] = (POSITION_BLOCK - 1).to_bytes(2, "little")  # the last position, past the tensor's end
-    for wrong in (overcounted, past_the_end):
-        batch[index] = (batch[index][0], torch.frombuffer(wrong, dtype=torch.uint8))
-        with pytest.raises(TransferError, match="positions payload does not fit its"):
-            loader(batch)
+    cases = [(with_counts([counts[0], counts[1] + 1, *counts[2:]]), "positions payload does not fit its"),
+             (past_the_end, "positions payload does not fit its"),
+             (with_counts([counts[0] - 1, counts[1] + 1, *counts[2:]]), "'big' rebuilt here differs")]
+    for wrong, error in cases:
+        with pytest.raises(TransferError, match=error):
+            loader([("big", torch.frombuffer(wrong, dtype=torch.uint8))])
         assert {name: _raw(t) for name, t in committed.tensors.items()} == before
 
 

@@ -59,7 +59,9 @@ gathered in the walk that counts, costs less time than compressing in a second w
 FAST_FOR_POSITIONS = 75e6
 """Bytes per second from which :data:`POSITIONS_AT_MOST_ON_FAST_LINKS` applies (0.6 Gbit/s: where
 the extra wire bytes of ``positions`` would cost as long as compressing XORs did, estimated from
-rounds of 5.8 % changed elements over 1 Gbit/s on a 2-core AMD EPYC; zstd's speed sets it)."""
+rounds of 5.8 % changed elements over 1 Gbit/s on a 2-core AMD EPYC; zstd's speed sets it). It
+was derived with 6-byte positions gathered in a second walk and not derived again for the 4-byte
+ones gathered as they are counted, which pay on somewhat slower links too."""
 
 XOR_PAYS_BELOW = 300e6
 """Bytes per second under which a XOR is compressed for a tensor too changed for ``positions``;
@@ -517,7 +519,7 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
                 first, last = start // words // POSITION_BLOCK, int(at[-1]) // POSITION_BLOCK + 1
                 edges = numpy.searchsorted(at, numpy.arange(first + 1, last) * POSITION_BLOCK)  # at is sorted
                 counts[first:last] += numpy.diff(edges, prepend=0, append=at.size)
-        if here > CHANGED_TO_TRY * (fresh.size // words):
+        if here > CHANGED_TO_TRY * (min(step, new_bits.size) // words):  # a short last chunk: of a whole one
             return whole(walk_from_start(True), 0)  # nothing written yet: the whole walk counts again
         changed += here
         was.update(old)

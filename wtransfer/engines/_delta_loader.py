@@ -130,7 +130,10 @@ class DeltaLoader:
         from concurrent.futures import wait
 
         pool = _pool()
-        jobs = [pool.submit(self._checked, name, payload, row) if row.encoding != DENSE else None
+        # a payload received into a device buffer (NCCL) is read on the host: copied here, on this
+        # thread, whose current stream is the one the engine received it on, before the buffer is reused
+        jobs = [pool.submit(self._checked, name, payload if payload.device.type == "cpu" else payload.cpu(), row)
+                if row.encoding != DENSE else None
                 for name, payload in weights for row in (self._rows[name],)]
         wait([job for job in jobs if job is not None])  # none may still write once this call returns or raises
         self.inner([(name, payload) if job is None else job.result() for (name, payload), job in zip(weights, jobs)])

@@ -12,7 +12,7 @@ Wire form::
      "commit": {"mode": "atomic", "key": "9f0c...", "timeout_s": 300.0} | None,
      "delta": None}
 
-A delta round (``create_trainer(..., delta=True)``, see ``_delta``) is format 3 and says in
+A delta round (``create_trainer(..., delta=True)``, see ``_delta``) is format 5 and says in
 ``delta`` what each wire tensor rebuilds.
 
 ``digests`` says the trainer hashes every tensor as it sends it and sends the digests after
