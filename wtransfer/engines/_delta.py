@@ -75,6 +75,7 @@ from wtransfer.engines._manifest import (
     POSITION_BLOCK,
     TensorEntry,
     dtype_itemsize,
+    position_blocks,
     positions_header_bytes,
     tensor_bytes,
 )
@@ -129,15 +130,17 @@ def _hex(value: int, nbytes: int) -> str:
 
 
 def _positions_parts(payload: torch.Tensor, target: TensorEntry, changed: int, dtype: Any,
-                     words: int) -> tuple[Any, Any]:
-    """Views of a ``positions`` payload's parts after its block counts: the ``changed`` new values
-    (as :func:`_rows` of numpy ``dtype``) and their uint16 positions within their blocks."""
+                     words: int) -> tuple[Any, Any, Any]:
+    """Views of a ``positions`` payload's three parts: its uint32 count per block (without the
+    padding), the ``changed`` new values (as :func:`_rows` of numpy ``dtype``) and their uint16
+    positions within their blocks. The one place both sides read the layout from."""
     import numpy
 
     raw = tensor_bytes(payload).numpy()
     head = positions_header_bytes(target)
     middle = head + changed * dtype_itemsize(target.dtype)
-    return _rows(raw[head:middle].view(dtype), words), raw[middle:].view(numpy.uint16)
+    counts = raw[:head].view(numpy.uint32)[: position_blocks(target)]
+    return counts, _rows(raw[head:middle].view(dtype), words), raw[middle:].view(numpy.uint16)
 
 
 def _rows(bits: Any, words: int) -> Any:

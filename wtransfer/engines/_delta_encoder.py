@@ -407,14 +407,14 @@ class _Encoded:
             self.rest = None
 
 
-def _changed_elements(fresh: Any, old: Any, words: int) -> tuple[Any, int]:
-    """``fresh`` XOR ``old`` (into the thread's scratch) and how many elements differ (an element of
-    ``words`` integers counts once)."""
+def _changed_elements(fresh: Any, old: Any, words: int) -> int:
+    """How many elements differ between ``fresh`` and ``old`` (an element of ``words`` integers
+    counts once), through a XOR in the thread's scratch."""
     import numpy
 
     xor = _scratch.get(fresh.dtype, fresh.size)
     numpy.bitwise_xor(fresh, old, out=xor)
-    return xor, int(numpy.count_nonzero(xor if words == 1 else xor.reshape(-1, words).any(axis=1)))
+    return int(numpy.count_nonzero(xor if words == 1 else xor.reshape(-1, words).any(axis=1)))
 
 
 def _changed_where(fresh: Any, old: Any, words: int) -> Any:
@@ -438,7 +438,7 @@ def _walk_rest(new_bits: Any, base_bits: Any, start: int, step: int, words: int,
     for at in range(start, new_bits.size, step):
         fresh, old = new_bits[at : at + step], base_bits[at : at + step]
         if count:
-            here = _changed_elements(fresh, old, words)[1]
+            here = _changed_elements(fresh, old, words)
             changed += here
             if here:
                 numpy.copyto(old, fresh)
@@ -496,7 +496,7 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
         return whole(walk_from_start(False), target.numel)
     if defer:  # a glance first: a tensor changed all over goes whole without a chunk walked before the round
         glance = min(new_bits.size, max(1, min(GLANCE_BYTES, _delta.CHUNK_BYTES) // new.element_size()) * words)
-        if _changed_elements(new_bits[:glance], base_bits[:glance], words)[1] > CHANGED_TO_TRY * (glance // words):
+        if _changed_elements(new_bits[:glance], base_bits[:glance], words) > CHANGED_TO_TRY * (glance // words):
             return whole(walk_from_start(True), 0)
     changed = 0
     was, now = xxhash.xxh3_64(), xxhash.xxh3_64()
@@ -507,7 +507,7 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
     for start in range(0, new_bits.size, step):  # the first walk reads only
         fresh, old = new_bits[start : start + step], base_bits[start : start + step]
         if found is None:
-            here = _changed_elements(fresh, old, words)[1]
+            here = _changed_elements(fresh, old, words)
         else:  # also gather the positions and values: positions needs no second walk
             where = _changed_where(fresh, old, words)
             here = where.size
@@ -532,10 +532,9 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
         return whole(walk_from_start(False), changed)  # a payload against it would rebuild something else
     if found is not None:
         payload = room(name, positions_payload_bytes(target, changed))
-        values, lows = _positions_parts(payload, target, changed, new_bits.dtype, words)
-        counts_out = tensor_bytes(payload).numpy()[:header].view(numpy.uint32)
-        counts_out[:] = 0
-        counts_out[: counts.size] = counts
+        counts_out, values, lows = _positions_parts(payload, target, changed, new_bits.dtype, words)
+        counts_out[:] = counts
+        tensor_bytes(payload).numpy()[counts_out.nbytes : header] = 0  # the padding: no stale bytes on the wire
         numpy.concatenate([part[0] for part in found], out=values)
         numpy.concatenate([part[1] for part in found], out=lows)
         del found

@@ -193,8 +193,7 @@ class DeltaLoader:
         target = row.target
         head, blocks = positions_header_bytes(target), position_blocks(target)
         changed = (payload.numel() - head) // (value.element_size() + 2)  # the manifest checked it divides
-        counts = tensor_bytes(payload).numpy()[:head].view(numpy.uint32)[:blocks]
-        values, lows = _positions_parts(payload, target, changed, value_bits.dtype, words)
+        counts, values, lows = _positions_parts(payload, target, changed, value_bits.dtype, words)
         tail = target.numel - (blocks - 1) * POSITION_BLOCK  # elements in the last block
         if int(counts.sum(dtype=numpy.int64)) != changed or (changed and counts[-1] and int(
                 lows[changed - int(counts[-1]):].max()) >= tail):

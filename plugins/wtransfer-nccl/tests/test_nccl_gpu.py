@@ -8,6 +8,10 @@ worker round over NCCL needs two GPUs and the plugin installed.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import pytest
 import torch
 
@@ -80,12 +84,11 @@ def test_gloo_round_with_a_cuda_resident_source() -> None:
             trainer.shutdown()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: trainer and worker")
-def test_trainer_and_worker_round_over_nccl() -> None:
+@contextmanager
+def _nccl_pair() -> Iterator[tuple[torch.nn.Module, Any]]:
+    """A trainer model on GPU 0 and one local worker on GPU 1 (its model on the host), over NCCL."""
     if not is_installed("wtransfer-nccl"):
         pytest.skip("pip install ./plugins/wtransfer-nccl first (workers find the engine by its entry point)")
-    from wtransfer.engines import ModuleSource, create_trainer
-    from wtransfer.engines.wire import tensor_checksum
     from wtransfer.local import LocalWorkerPool
     from wtransfer.testing.models import matrix_model
 
@@ -93,6 +96,15 @@ def test_trainer_and_worker_round_over_nccl() -> None:
     model = matrix_model(seed=5).cuda()
     with LocalWorkerPool(1, "wtransfer.testing.models:matrix_model", backend="nccl",
                          engine_options={"device": 1}, timeout_s=120) as pool:
+        yield model, pool
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: trainer and worker")
+def test_trainer_and_worker_round_over_nccl() -> None:
+    from wtransfer.engines import ModuleSource, create_trainer
+    from wtransfer.engines.wire import tensor_checksum
+
+    with _nccl_pair() as (model, pool):
         trainer = create_trainer("nccl", client=pool, source=ModuleSource(model),
                                  init_info={"world_size": pool.world_size, "bucket_bytes": 4 * MIB})
         try:
@@ -168,13 +180,5 @@ def test_delta_rounds_from_a_cuda_resident_source_over_gloo() -> None:
 def test_delta_rounds_over_nccl() -> None:
     """The same over NCCL: the payloads cross in device buffers, the worker applies them to its
     host model."""
-    if not is_installed("wtransfer-nccl"):
-        pytest.skip("pip install ./plugins/wtransfer-nccl first (workers find the engine by its entry point)")
-    from wtransfer.local import LocalWorkerPool
-    from wtransfer.testing.models import matrix_model
-
-    torch.cuda.set_device(0)
-    model = matrix_model(seed=5).cuda()
-    with LocalWorkerPool(1, "wtransfer.testing.models:matrix_model", backend="nccl",
-                         engine_options={"device": 1}, timeout_s=120) as pool:
+    with _nccl_pair() as (model, pool):
         _delta_rounds("nccl", model, pool, bucket_bytes=4 * MIB)
