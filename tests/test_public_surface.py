@@ -53,8 +53,8 @@ TOOLKIT_NAMES: dict[str, set[str]] = {
         "BufferBudgetOptions", "ClientCall", "LoadWeights", "ManifestUpdateInfo", "ModuleSource",
         "RoundGuard", "SharedMemoryInitOptions", "SharedMemoryTrainer", "SharedMemoryWeightTransferEngine", "TensorSource",
         "TorchDistributedBackend", "TorchDistributedInitInfo", "TorchDistributedInitOptions",
-        "TorchDistributedOptions", "TorchDistributedTrainer", "TorchDistributedWeightTransferEngine",
-        "TrainerInitOptions", "TrainerWeightTransferEngine", "WeightSource", "WeightTransferEngine",
+        "TorchDistributedOptions", "TorchDistributedSender", "TorchDistributedTrainer",
+        "TorchDistributedWeightTransferEngine", "TrainerInitOptions", "TrainerWeightTransferEngine", "WeightSource", "WeightTransferEngine",
         "WeightTransferInitInfo", "WeightTransferUpdateInfo", "check_buffer_budget", "create_trainer",
         "global_rank", "module_loader", "validate_with_loader",
     },
@@ -195,7 +195,9 @@ def test_the_engine_layers_do_not_overlap_and_the_upper_one_stays_small():
     upper = set(importlib.import_module("wtransfer.engines").__all__)
     lower = set(importlib.import_module("wtransfer.engines.wire").__all__)
     assert not upper & lower
-    assert len(upper) <= 27, "the upper layer is what every engine author must learn: keep it near 20 names"
+    # 28: TorchDistributedSender joined so that a collective backend's sharded trainers (NCCL's)
+    # send from every rank; the next name in needs one out
+    assert len(upper) <= 28, "the upper layer is what every engine author must learn: keep it near 20 names"
 
 
 def test_a_moved_name_says_where_it_went():

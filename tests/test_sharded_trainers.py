@@ -196,18 +196,19 @@ have by then received and loaded buckets 0-4 of the round (the round is half-rec
 
 
 def _die_writing_round(round_to_die: int, backend: str) -> None:
-    """SIGKILL this trainer rank as it writes (shm) or sends (gloo) its shards of bucket
-    DIE_AT_BUCKET in that round."""
+    """SIGKILL this trainer rank as it writes (shm) or sends (gloo) its shards of the first bucket
+    from DIE_AT_BUCKET on that it holds bytes of, in that round."""
     from wtransfer.engines import _part_streams, _shm_ring
 
-    rounds = {"started": 0}
+    seen = {"rounds": 0, "last": -1}
 
     def dying(step: Any) -> Any:
         def wrapped(*args: Any) -> Any:
             bucket = next(a for a in args if hasattr(a, "pieces"))
-            if bucket.index == 0:
-                rounds["started"] += 1
-            if rounds["started"] == round_to_die and bucket.index == DIE_AT_BUCKET:
+            if bucket.index <= seen["last"] or seen["rounds"] == 0:  # a new round (shm asks a rank only
+                seen["rounds"] += 1  # for the buckets it holds bytes of, so bucket 0 may never come)
+            seen["last"] = bucket.index
+            if seen["rounds"] == round_to_die and bucket.index >= DIE_AT_BUCKET:
                 os.kill(os.getpid(), signal.SIGKILL)
             return step(*args)
         return wrapped

@@ -24,7 +24,10 @@ Two layers, each a promise of its own (the surface test holds both to these list
     mixin whose ``device``, ``make_process_group``, ``allocate`` ... a new collective
     backend overrides; ``TorchDistributedWeightTransferEngine`` and its
     ``TorchDistributedInitInfo``, ``TorchDistributedTrainer``,
-    ``TorchDistributedOptions``, ``TorchDistributedInitOptions``) and the same-host family
+    ``TorchDistributedOptions``, ``TorchDistributedInitOptions``, and
+    ``TorchDistributedSender``: what the other ranks of a sharded trainer run, a backend's
+    trainer naming ``class MySender(MyBackend, TorchDistributedSender)`` as its ``sender_cls``
+    so that every rank sends its own shards) and the same-host family
     (``SharedMemoryWeightTransferEngine``, ``SharedMemoryTrainer``, ``SharedMemoryInitOptions``).
     A trainer's ``init_options_cls`` extends its base's. The leaves live in their
     own public modules: :mod:`wtransfer.engines.gloo`, :mod:`wtransfer.engines.shm`.
@@ -65,6 +68,7 @@ _EXPORTS: dict[str, str] = {
     "TorchDistributedWeightTransferEngine": "wtransfer.engines._td_worker",
     "TorchDistributedInitInfo": "wtransfer.engines._td_options",
     "TorchDistributedTrainer": "wtransfer.engines._td_trainer",
+    "TorchDistributedSender": "wtransfer.engines._td_sender",
     "TorchDistributedOptions": "wtransfer.engines._td_options",
     "TorchDistributedInitOptions": "wtransfer.engines._td_options",
     "SharedMemoryWeightTransferEngine": "wtransfer.engines.shm",

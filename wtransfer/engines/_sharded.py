@@ -1,6 +1,6 @@
 """Sharded trainers (FSDP2 / DTensor): every rank sends its own shards, or rank 0 gathers and sends.
 
-Where the backend has a ``sender_cls`` (``shm``, ``gloo``) and every rank's source is a plain
+Where the backend has a ``sender_cls`` (``shm``, ``gloo``, the ``nccl`` plugin) and every rank's source is a plain
 ``ModuleSource``, each rank sends the shards it holds: straight into the shared buffers
 (``shm``, :mod:`wtransfer.engines._shards`) or on groups of its own with the workers (``gloo``,
 :mod:`wtransfer.engines._part_streams`); nothing is gathered, and a :class:`ParticipantTrainer`

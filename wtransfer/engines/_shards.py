@@ -203,6 +203,19 @@ def write_part(dst: torch.Tensor, start: int, part: LocalPart) -> None:
         place_part(dst, start, width, first, end, part_bytes(part)[low:high])
 
 
+def holds_bytes_of(bucket: Bucket, parts: list[LocalPart | None]) -> bool:
+    """Whether this rank's parts put any byte in ``bucket`` (with ``Shard(0)`` most buckets of a
+    large tensor lie inside one rank's rows, and the other ranks have nothing to write there)."""
+    for piece in bucket.pieces:
+        part = parts[piece.index]
+        if part is not None and piece.length:
+            width, first, end = byte_geometry(part)
+            low, high = part_span(piece.start, piece.start + piece.length, width, first, end)
+            if low < high:
+                return True
+    return False
+
+
 def write_bucket(bucket: Bucket, data: torch.Tensor, entries: tuple[TensorEntry, ...],
                  parts: list[LocalPart | None]) -> None:
     """Write this rank's parts of ``bucket`` into ``data`` (the bucket's bytes)."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from wtransfer.engines._control import ControlChannel, PeerClosedError, connect
 from wtransfer.engines._packing import plan_buckets
 from wtransfer.engines._protocol import PROTOCOL_VERSION
-from wtransfer.engines._shards import entries_digest, rank_parts, write_bucket, writes_shards_as_is
+from wtransfer.engines._shards import entries_digest, holds_bytes_of, rank_parts, write_bucket, writes_shards_as_is
 from wtransfer.errors import TransferError
 
 if TYPE_CHECKING:
@@ -146,6 +146,8 @@ class SharedMemorySender:
                                     "rank 0's; every rank must pass the same model")
             buckets = plan_buckets(entries, self.bucket_bytes)
             parts = rank_parts(self.source.named_tensors(), self.rank, entries)
+            held = [bucket.index for bucket in buckets if holds_bytes_of(bucket, parts)]
+            channel.send({"op": "holds", "buckets": held, "attempt": attempt}, timeout=self.timeout_s)
             while (message := self._next(attempt, wait)).get("op") == "write":
                 bucket = buckets[message["index"]]
                 write_bucket(bucket, self._ring.slots[message["slot"]], entries, parts)

@@ -116,7 +116,7 @@ class ModuleSource(WeightSource):
     """The named parameters of a ``torch.nn.Module`` (tied parameters are sent once);
     ``include_buffers=True`` also sends persistent buffers.
 
-    Sharded (DTensor-style) parameters: on a backend with a ``sender_cls`` (``shm``, ``gloo``),
+    Sharded (DTensor-style) parameters: on a backend with a ``sender_cls`` (``shm``, ``gloo``, the ``nccl`` plugin),
     a sharded trainer does not iterate this source; every rank reads its own shards from
     :meth:`named_tensors` and sends them itself (:mod:`wtransfer.engines._shards`), and nothing
     is gathered. Otherwise (a backend without senders, such as ``nccl``; a subclass or wrapper

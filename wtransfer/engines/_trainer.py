@@ -787,7 +787,7 @@ def create_trainer(
     rank with its ``rank`` and the same source: rank 0 is the sender (it needs the client and
     the ``init_info``; it returns the usual trainer), every other rank gets a
     :class:`~wtransfer.engines._sharded.ParticipantTrainer` (``client`` may be None there). On a
-    backend with a ``sender_cls`` (``shm``, ``gloo``) and a plain ``ModuleSource``, every rank sends
+    backend with a ``sender_cls`` (``shm``, ``gloo``, the ``nccl`` plugin) and a plain ``ModuleSource``, every rank sends
     its own shards (no gathers); otherwise the participants run the gathers and
     rank 0 sends every tensor. Call ``send_weights()`` on every rank each round.
     Rank 0 tells the others what happened, on a small gloo group built here (a collective:

@@ -22,7 +22,7 @@ import select
 import selectors
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,7 @@ from wtransfer.engines._digests import RoundDigests, check
 from wtransfer.engines._loader import validate_with_loader
 from wtransfer.engines._manifest import Manifest
 from wtransfer.engines._packing import Bucket, Packer, Unpacker, plan_buckets
-from wtransfer.engines._shards import entries_digest, rank_parts, write_bucket
+from wtransfer.engines._shards import entries_digest, holds_bytes_of, rank_parts, write_bucket
 from wtransfer.engines._shm_ring import SharedMemorySender, SharedRing, TrainerAborted, join_ring
 from wtransfer.engines._staging import create_memfd
 from wtransfer.engines._protocol import (
@@ -411,20 +411,28 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         holders: list[set[int]] = [set() for _ in self._ring.slots]  # ranks still reading each slot
         slot_of: dict[int, int] = {}
         writing: dict[int, set[int]] = {}  # bucket index -> trainer ranks still writing their shards into it
+        holds: dict[int, set[int]] = {}  # other trainer rank -> the buckets it has bytes of (asked only for those)
         workers, senders = set(self._channels), self._senders
         if senders:  # they plan the round while the workers check the manifest
             self._tell_senders({"op": "round", "digest": entries_digest(manifest.entries)})
 
+        unannounced = [0]  # the first bucket not announced yet: workers take buckets in order
+
         def announce(index: int) -> None:
             slot = slot_of[index]
             holders[slot] = set(workers)
+            unannounced[0] = index + 1
             self._tell_workers({"op": "bucket", "index": index, "slot": slot}, manifest.version)
 
         def written(index: int, rank: int) -> None:
+            """``rank`` wrote its bytes of bucket ``index``; announce every bucket now complete, in order
+            (a bucket with fewer writers can be done before the one ahead of it)."""
             left = writing[index]
             left.discard(rank)
             if not left:
                 del writing[index]
+            while unannounced[0] in slot_of and unannounced[0] not in writing:
+                index = unannounced[0]
                 if digests is not None:  # the bucket is what one sender would have packed: hash it as Packer does
                     digests.update_pieces(buckets[index].pieces, self._ring.slots[slot_of[index]], slot_of[index])  # type: ignore[union-attr]
                 announce(index)
@@ -436,6 +444,8 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                     return  # left over from an earlier round that ended before this rank's answer was read
                 if op == "written" and message.get("index") in writing:
                     written(message["index"], -rank)
+                elif op == "holds" and isinstance(message.get("buckets"), list):
+                    holds[-rank] = set(message["buckets"])
                 elif op == "fail":
                     raise TransferError(f"trainer rank {-rank} failed writing its shards of round "
                                         f"{manifest.version}: {message.get('error')}")
@@ -461,13 +471,15 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             raise ManifestRejected(f"round {manifest.version} rejected: {reasons}")
         if senders:
             parts = rank_parts(self.source.named_tensors(), 0, manifest.entries)  # type: ignore[attr-defined]
+            self._pump(lambda: len(holds) == len(senders), call, "waiting for the other trainer ranks' layouts",
+                       handle)
         else:
             packer = Packer(manifest, iter(self.source), digests)
         for bucket in buckets:
             slot = bucket.index % len(self._ring.slots)
             previous = bucket.index - len(self._ring.slots)  # the bucket this buffer held last
-            if holders[slot] or previous in writing:
-                self._pump(lambda: not holders[slot] and previous not in writing, call,
+            if holders[slot] or previous >= unannounced[0]:  # still read, or not even announced yet
+                self._pump(lambda: not holders[slot] and previous < unannounced[0], call,
                            f"waiting for workers to release buffer {slot}", handle)
             slot_of[bucket.index] = slot
             data = self._ring.slots[slot]
@@ -477,14 +489,19 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                 packer.pack(bucket, data, slot)
                 announce(bucket.index)
                 continue
-            writing[bucket.index] = {0, *senders}
-            self._tell_senders({"op": "write", "index": bucket.index, "slot": slot})
-            write_bucket(bucket, data, manifest.entries, parts)
+            # Only the ranks with bytes in this bucket write it: with Shard(0), most buckets of a
+            # large tensor lie in one rank's rows, and waking the others costs a hand-off each.
+            writers = [rank for rank, held in holds.items() if bucket.index in held]
+            writing[bucket.index] = {0, *writers}
+            self._tell_senders({"op": "write", "index": bucket.index, "slot": slot}, writers)
+            if holds_bytes_of(bucket, parts):
+                write_bucket(bucket, data, manifest.entries, parts)
             written(bucket.index, 0)
             self._dispatch(0.0, "writing", handle)  # announce what the others finished meanwhile
         if not senders:
             packer.drain()
-        self._pump(lambda: not any(holders) and not writing, call, "waiting for workers to load the last buckets",
+        self._pump(lambda: not any(holders) and unannounced[0] == len(buckets), call,
+                   "waiting for workers to load the last buckets",
                    handle)
         self._tell_senders({"op": "end"})
         if digests is not None:  # the workers compare them with their own before the round can commit
@@ -506,9 +523,11 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             except TransferError:
                 pass
 
-    def _tell_senders(self, message: dict[str, Any]) -> None:
+    def _tell_senders(self, message: dict[str, Any], ranks: Iterable[int] | None = None) -> None:
+        """Send ``message`` to the other trainer ranks (``ranks`` of them only, if given)."""
         message["attempt"] = self._attempt  # a sender skips what an earlier, failed round left behind
-        for rank, channel in self._senders.items():
+        for rank in self._senders if ranks is None else ranks:
+            channel = self._senders[rank]
             try:
                 channel.send(message, timeout=self.timeout_s)
             except PeerClosedError as exc:

@@ -8,7 +8,12 @@ import time
 import pytest
 import torch
 
-from wtransfer.engines import TorchDistributedTrainer, TorchDistributedWeightTransferEngine, WeightSource
+from wtransfer.engines import (
+    TorchDistributedSender,
+    TorchDistributedTrainer,
+    TorchDistributedWeightTransferEngine,
+    WeightSource,
+)
 from wtransfer import WeightTransferConfig
 
 
@@ -24,6 +29,21 @@ def test_unavailable_reason_without_cuda(engine_module) -> None:
     assert "no CUDA device" in engine_module.nccl_unavailable_reason()
     with pytest.raises(engine_module.NCCLUnavailableError, match="'shm'.*'gloo'"):
         engine_module.NCCLWeightTransferEngine(WeightTransferConfig(backend="nccl"))
+
+
+def test_a_sharded_trainers_other_ranks_send_their_own_shards_over_nccl(engine_module) -> None:
+    """The NCCL trainer names a sender, so create_trainer() has every FSDP rank send its own shards
+    (nothing gathered): wtransfer's torch.distributed sender with the NCCL backend in front."""
+    sender = engine_module.NCCLTrainer.sender_cls
+    assert sender is engine_module.NCCLSender and issubclass(sender, TorchDistributedSender)
+    assert sender.__mro__.index(engine_module.NCCLBackend) < sender.__mro__.index(TorchDistributedSender)
+    assert sender.distributed_backend == "nccl" and sender.host_waits is False
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_sharded_sender_without_cuda_says_why(engine_module) -> None:
+    with pytest.raises(engine_module.NCCLUnavailableError, match="sharded sender.*no CUDA device"):
+        engine_module.NCCLSender({}, 1, None, 10.0)
 
 
 class _StallingSource(WeightSource):

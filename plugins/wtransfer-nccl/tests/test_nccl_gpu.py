@@ -182,3 +182,81 @@ def test_delta_rounds_over_nccl() -> None:
     host model."""
     with _nccl_pair() as (model, pool):
         _delta_rounds("nccl", model, pool, bucket_bytes=4 * MIB)
+
+
+def _sharded_rank(rank: int, port: int, conn: Any) -> None:
+    """One FSDP2 rank on GPU ``rank`` (NCCL training group); rank 0 also runs one worker on GPU 2.
+    Every rank sends its own shards; rank 0 reports whether the worker holds the unsharded state."""
+    import datetime
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from wtransfer.engines import ModuleSource, create_trainer
+    from wtransfer.engines.wire import tensor_checksum
+    from wtransfer.local import LocalWorkerPool
+    from wtransfer.testing.models import matrix_model
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    model = matrix_model(seed=5).cuda()
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    pool = None
+    report: dict[str, Any] = {"rank": rank}
+    try:
+        if rank == 0:
+            pool = LocalWorkerPool(1, "wtransfer.testing.models:matrix_model", backend="nccl",
+                                   engine_options={"device": 2}, timeout_s=120)
+        trainer = create_trainer("nccl", client=pool, source=ModuleSource(model), rank=rank,
+                                 init_info={"world_size": 2, "bucket_bytes": MIB} if rank == 0 else None)
+        rounds = []
+        for _ in range(2):  # a real optimizer step, then a round, twice
+            sum(p.full_tensor().float().pow(2).sum() for p in model.parameters()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            stats = trainer.send_weights()
+            expected = {n: tensor_checksum(p.full_tensor().detach().cpu()) for n, p in model.named_parameters()}
+            rounds.append({"wrote_shards": stats.get("wrote_shards"),
+                           "exact": None if pool is None else pool.digests()[0] == expected})
+        report["rounds"] = rounds
+        trainer.shutdown()
+    finally:
+        if pool is not None:
+            pool.shutdown()
+        dist.destroy_process_group()
+    conn.send_bytes(json.dumps(report).encode())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 GPUs: NCCL wants one per rank (2 trainer ranks, 1 worker)")
+def test_fsdp2_ranks_each_send_their_own_shards_over_nccl() -> None:
+    """FSDP2 over NCCL on 2 GPUs, one worker on a third: every rank sends its own shards (no gather),
+    and after each optimizer step the worker holds exactly the unsharded state."""
+    import json
+    import multiprocessing
+    import socket
+
+    if not is_installed("wtransfer-nccl"):
+        pytest.skip("pip install ./plugins/wtransfer-nccl first (workers find the engine by its entry point)")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    pipes, processes = [], []
+    for rank in range(2):
+        mine, theirs = context.Pipe(duplex=False)
+        process = context.Process(target=_sharded_rank, args=(rank, port, theirs))
+        process.start()
+        theirs.close()
+        pipes.append(mine)
+        processes.append(process)
+    reports = []
+    for pipe, process in zip(pipes, processes):
+        assert pipe.poll(300), "a trainer rank sent no report"
+        reports.append(json.loads(pipe.recv_bytes()))
+        process.join(60)
+    assert [r["wrote_shards"] for r in reports[0]["rounds"]] == [True, True]
+    assert [r["exact"] for r in reports[0]["rounds"]] == [True, True]
+    assert [r["wrote_shards"] for r in reports[1]["rounds"]] == [True, True]

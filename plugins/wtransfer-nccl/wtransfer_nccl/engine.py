@@ -38,6 +38,7 @@ from wtransfer.engines import (
     TorchDistributedBackend,
     TorchDistributedInitOptions,
     TorchDistributedOptions,
+    TorchDistributedSender,
     TorchDistributedTrainer,
     TorchDistributedWeightTransferEngine,
 )
@@ -231,11 +232,28 @@ class NCCLInitOptions(TorchDistributedInitOptions):
     channels: int = option(1)
 
 
+class NCCLSender(NCCLBackend, TorchDistributedSender):
+    """Another rank of a sharded (FSDP2) trainer: broadcasts its own shards from its own GPU.
+
+    wtransfer's torch.distributed sender (the protocol the ``gloo`` engine runs and tests on CPU):
+    the workers build an NCCL group with every sending rank, and each rank streams its bytes of
+    every bucket on it, so nothing is gathered. Its device is the current CUDA device (FSDP's
+    ``torch.cuda.set_device(local_rank)``). Every rank and every worker needs a GPU of its own:
+    NCCL refuses two ranks of one group on one device.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        require_nccl("sharded sender")
+        super().__init__(*args, **kwargs)
+
+
 class NCCLTrainer(NCCLBackend, TorchDistributedTrainer):
-    """Trainer side of the NCCL engine (rank 0): broadcasts packed buckets from its GPU."""
+    """Trainer side of the NCCL engine (rank 0): broadcasts packed buckets from its GPU; with a
+    sharded source, the other ranks send their own shards (:class:`NCCLSender`)."""
 
     backend = "nccl"
     init_options_cls = NCCLInitOptions
+    sender_cls = NCCLSender
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         require_nccl("trainer")
