@@ -56,7 +56,7 @@ SMALL = {  # per suite: options that make the same run small (format unchanged)
     "offload": {"--layers": "2", "--engine-blocks": "64", "--job-blocks": "16", "--repeats": "1",
                 "--manager-ops": "1000"},
     "discovery": {"--dists": "10", "--lookups": "10", "--repeat": "1"},
-    "sharded": {"--model": "4096x512,64*64", "--rounds": "2"},
+    "sharded": {"--model": "4096x512,64*64", "--rounds": "2", "--repeats": "1"},
     "delta": {"--hidden": "64", "--layers": "1", "--vocab": "256"},  # same steps and links: rows are per link
 }
 

@@ -8,7 +8,9 @@ as that design's floor. Targets: writers >= 1.0x unsharded throughput on shm (mo
 bytes), >= 0.8x on other engines (each rank streams its own bytes), every writer rank's peak
 extra RSS <= buffers x bucket + 64 MiB; gathers >= 0.8x, <= buffers x bucket + the largest
 parameter + 64 MiB. Every round is verified bit-exactly on every worker against the trainer's
-unsharded state. Beside the throughput, each row says how busy the worker was and how long the
+unsharded state. Every configuration runs ``--repeats`` times, in turns, in fresh processes: on
+a small host the same run varies by a third from one set of processes to the next, so the row
+is the run with the median GB/s, and every run's figure is printed beside it. Beside the throughput, each row says how busy the worker was and how long the
 worker and the trainer ranks were runnable but not running (the kernel's run delay): hints at
 whether a round is bound by the worker, by the hand-offs between processes, or by a host with
 fewer cores than busy processes, not a proof of which.
@@ -45,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-checksums", dest="checksums", action="store_false",
                         help="skip the rows with checksums=True (unsharded, and the first --ranks count)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per run (the median is reported)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of every configuration, in turns (fresh processes each); the run with the median "
+                             "GB/s is reported, with every run's GB/s beside it (this host's runs vary by 30 %%)")
     parser.add_argument("--timeout", type=float, default=300.0, help="timeout_s of every wait")
     add_report_arguments(parser)
 
@@ -240,32 +245,39 @@ def run(args: argparse.Namespace) -> int:
     writers = [int(r) for r in str(args.ranks).split(",") if r.strip()]
     if any(r < 2 for r in writers) or (args.gathers and args.gathers < 2):
         raise SystemExit("--ranks and --gathers take rank counts >= 2 (each is compared with one unsharded trainer)")
+    if args.repeats < 1:
+        raise SystemExit("--repeats takes a count >= 1")
+    configurations = [("unsharded", 1, "writes", False)]  # (row, ranks, mode, checksums)
+    configurations += [("writes", ranks, "writes", False) for ranks in writers]
+    if args.gathers:
+        configurations.append(("gathers", args.gathers, "gathers", False))
+    if args.checksums:  # digests computed as the bytes move, verified by the workers before commit
+        configurations.append(("unsharded+checksums", 1, "writes", True))
+        if writers:
+            configurations.append(("writes+checksums", writers[0], "writes", True))
     with figures_report(args, "sharded", markdown) as figures:
-        print(f"unsharded: one trainer process, {args.workers} worker(s), {args.rounds} rounds of {args.model} "
-              f"{args.dtype} over {args.engine}")
-        runs = [("unsharded", 1, run_trainer(1, args))]
-        for ranks in writers:
-            print(f"sharded, every rank sends its own shards: {ranks} FSDP2 trainer ranks (gloo default group)")
-            runs.append(("writes", ranks, run_trainer(ranks, args, "writes")))
-        if args.gathers:
-            print(f"sharded, rank 0 gathers and sends: {args.gathers} FSDP2 trainer ranks")
-            runs.append(("gathers", args.gathers, run_trainer(args.gathers, args, "gathers")))
-        if args.checksums:  # digests computed as the bytes move, verified by the workers before commit
-            print("unsharded, checksums=True")
-            runs.append(("unsharded+checksums", 1, run_trainer(1, args, checksums=True)))
-            if writers:
-                print(f"sharded, every rank sends its own shards, checksums=True: {writers[0]} FSDP2 trainer ranks")
-                runs.append(("writes+checksums", writers[0], run_trainer(writers[0], args, "writes", checksums=True)))
-        figures.update(summarize(args, runs))
+        print(f"{args.repeats} turn(s) of: one trainer process and FSDP2 trainer ranks (gloo default group), "
+              f"{args.workers} worker(s), {args.rounds} rounds of {args.model} {args.dtype} over {args.engine}")
+        runs: dict[tuple[str, int], list[list[dict[str, Any]]]] = {}
+        for turn in range(args.repeats):  # in turns, so that a slow spell of the host hits every row alike
+            for row, ranks, mode, checksums in configurations:
+                print(f"turn {turn + 1}: {_LABELS[row]}, {ranks} rank(s)")
+                runs.setdefault((row, ranks), []).append(run_trainer(ranks, args, mode, checksums))
+        figures.update(summarize(args, [(row, ranks, sets) for (row, ranks), sets in runs.items()]))
         if not args.json and args.markdown is None:
             for line in markdown(figures):
                 print(line)
     return 0 if figures["ok"] else 1
 
 
-def summarize(args: argparse.Namespace, runs: list[tuple[str, int, list[dict[str, Any]]]]) -> dict[str, Any]:
+def summarize(args: argparse.Namespace, repeated: list[tuple[str, int, list[list[dict[str, Any]]]]]) -> dict[str, Any]:
+    """Rows from every configuration's runs (each: every rank's reports): the run with the median
+    GB/s stands for its configuration; memory is the worst of all runs."""
     def rate(reports: list[dict[str, Any]]) -> float:
         return statistics.median(r["gb_per_s"] for r in reports[0]["rounds"])
+
+    def median_run(sets: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+        return sorted(sets, key=rate)[(len(sets) - 1) // 2]
 
     def cores_busy(reports: list[dict[str, Any]]) -> float:
         """CPU seconds of every process of a round (trainer ranks, workers) per second of the round."""
@@ -298,6 +310,8 @@ def summarize(args: argparse.Namespace, runs: list[tuple[str, int, list[dict[str
         return statistics.median(sum(r["round_rank_wait"][i] for r in reports) / rounds[i]["seconds"]
                                  for i in range(len(rounds)))
 
+    runs = [(mode, ranks, median_run(sets)) for mode, ranks, sets in repeated]
+    every_rate = {(mode, ranks): [rate(reports) for reports in sets] for mode, ranks, sets in repeated}
     plain_rate = rate(runs[0][2])
     rows, memory = [], []
     for mode, ranks, reports in runs:
@@ -307,25 +321,31 @@ def summarize(args: argparse.Namespace, runs: list[tuple[str, int, list[dict[str
         if mode.startswith("writes") and not first.get("wrote_shards"):
             raise SystemExit(f"the {args.engine} engine has no senders: its sharded ranks gathered (use --ranks '' "
                              f"and --gathers N to measure it)")
-        rows.append({"mode": mode, "ranks": ranks, "gb_per_s": rate(reports), "ratio": ratio, "target": target,
+        rows.append({"mode": mode, "ranks": ranks, "gb_per_s": rate(reports), "runs": every_rate[(mode, ranks)],
+                     "ratio": ratio, "target": target,
                      "cores_busy": cores_busy(reports), "worker_busy": worker_busy(reports),
                      "worker_waiting": worker_waiting(reports), "ranks_waiting": ranks_waiting(reports),
                      "ok": target is None or ratio >= target})
         if mode == "gathers":
             gather_rate = first["rounds"][0]["bytes"] / first["gather_only_seconds"] / 1e9
-            rows.append({"mode": "gather-only", "ranks": ranks, "gb_per_s": gather_rate,
+            rows.append({"mode": "gather-only", "ranks": ranks, "gb_per_s": gather_rate, "runs": None,
                          "ratio": gather_rate / plain_rate, "target": None, "cores_busy": None, "worker_busy": None,
                          "worker_waiting": None, "ranks_waiting": None,
                          "ok": True})
-        for report in reports:
-            later = report["round_peaks"][1:] or report["round_peaks"]
-            memory.append({"mode": mode, "ranks": ranks, "rank": report["rank"], "budget": first["budget"],
-                           "peak_extra_rss": report["peak_extra_rss"], "first_round": report["round_peaks"][0],
-                           "later_rounds": max(later), "ok": report["peak_extra_rss"] <= first["budget"]})
+    for mode, ranks, sets in repeated:  # the worst of every run, rank by rank
+        for rank in range(ranks):
+            held = [reports[rank] for reports in sets]
+            peak = max(report["peak_extra_rss"] for report in held)
+            budget = sets[0][0]["budget"]
+            memory.append({"mode": mode, "ranks": ranks, "rank": rank, "budget": budget, "peak_extra_rss": peak,
+                           "first_round": max(report["round_peaks"][0] for report in held),
+                           "later_rounds": max(max(report["round_peaks"][1:] or report["round_peaks"])
+                                               for report in held),
+                           "ok": peak <= budget})
     first = runs[0][2][0]
     return {
         "setup": (f"{args.model} parameters, {args.dtype}, {first['rounds'][0]['bytes'] / 1e9:.2f} GB, "
-                  f"{args.engine}, {args.workers} worker(s), {args.rounds} rounds; "
+                  f"{args.engine}, {args.workers} worker(s), {args.rounds} rounds a run, {args.repeats} run(s) each in turns; "
                   f"largest parameter {first['largest_parameter'] / MIB:.0f} MiB"),
         "unsharded_gb_per_s": plain_rate, "rows": rows, "memory": memory,
         "ratio_ok": all(r["ok"] for r in rows), "memory_ok": all(m["ok"] for m in memory),
@@ -347,22 +367,26 @@ def markdown(figures: dict[str, Any]) -> list[str]:
 
     return [
         figures["setup"] + ".", "",
-        *table("throughput (whole rounds as rank 0 waits for them, medians; cores busy: CPU seconds of every "
+        *table("throughput (whole rounds as rank 0 waits for them, medians of the rounds, from the run with the "
+               "median GB/s; each run's GB/s beside it; cores busy: CPU seconds of every "
                "trainer rank and worker per second of the round; worker busy: the same for one worker, whose "
                "receiving and commit bound every design once it nears 1; waiting for a core: thread-seconds that "
                "worker's threads, and the trainer ranks' threads together, were ready to run but found every "
                "core taken, per second of the round, from the kernel's schedstat: above 1 when several threads "
                "waited at once, as gloo's own threads do)",
-               ["trainer", "ranks", "GB/s", "vs unsharded", "target", "cores busy", "worker busy",
+               ["trainer", "ranks", "GB/s", "each run's GB/s", "vs unsharded", "target", "cores busy", "worker busy",
                 "worker waiting for a core", "ranks waiting for a core"],
-               [[_LABELS[r["mode"]], str(r["ranks"]), f"{r['gb_per_s']:.2f}", f"{r['ratio']:.2f}×", target(r),
+               [[_LABELS[r["mode"]], str(r["ranks"]), f"{r['gb_per_s']:.2f}",
+                 "" if r["runs"] is None else ", ".join(f"{value:.2f}" for value in r["runs"]),
+                 f"{r['ratio']:.2f}×", target(r),
                  "" if r["cores_busy"] is None else f"{r['cores_busy']:.2f} of {os.cpu_count()}",
                  "" if r["worker_busy"] is None else f"{r['worker_busy']:.2f}",
                  "" if r["worker_waiting"] is None else f"{r['worker_waiting']:.2f}",
                  "" if r["ranks_waiting"] is None else f"{r['ranks_waiting']:.2f}"]
                 for r in figures["rows"]]),
         "",
-        *table("peak extra RSS per trainer rank (MiB; round 1 counts the trainer's buffers and one-time set-up)",
+        *table("peak extra RSS per trainer rank (MiB, the most of any run; round 1 counts the trainer's buffers and "
+               "one-time set-up)",
                ["trainer", "ranks", "rank", "round 1", "later rounds", "budget"],
                [[_LABELS[m["mode"]], str(m["ranks"]), str(m["rank"]), f"{m['first_round'] / MIB:.0f}",
                  f"{m['later_rounds'] / MIB:.0f}", f"{m['budget'] / MIB:.0f} {'ok' if m['ok'] else 'OVER'}"]
