@@ -65,7 +65,8 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
     (it reaches round 2 after the others stopped waiting for it), ``mid-walk`` (its source raises
     half-way through round 2's walk, on rank 0 alone; ``walk-start``: before reading any of it);
     ``second`` (every rank's): a
-    new trainer replaces the first on the same training group before round 2.
+    new trainer replaces the first on the same training group before round 2; ``short-layout``
+    (rank 1's, shm): it tells rank 0 it holds no byte of any bucket in round 2.
     """
     import datetime
 
@@ -101,6 +102,8 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
             source = _DiesMidRound(source, round_to_die=2)
         elif rank == victim:
             _die_writing_round(2, backend)
+        if rank == 1 and fault == "short-layout":
+            _claim_nothing_in_round(2)
         if rank == 0 and fault == "metadata":
             source = _MetadataFails(source)
         if rank == 0 and fault in ("mid-walk", "walk-start"):
@@ -191,13 +194,31 @@ class _PassThrough(WeightSource):
 
 
 DIE_AT_BUCKET = 6
-"""The bucket a writing rank dies in: with INIT_INFO's 16 KiB buckets and 2 buffers, the workers
-have by then received and loaded buckets 0-4 of the round (the round is half-received)."""
+"""A writing rank dies in the first bucket from this one on that it holds bytes of: with INIT_INFO's
+16 KiB buckets and 2 buffers, the workers have by then received and loaded buckets 0-4 of the
+round at least (the round is part-received)."""
+
+
+def _claim_nothing_in_round(round_to_lie: int) -> None:
+    """This shm rank reports holding no byte of any bucket in that round (a rank whose layout is not
+    the others' would report wrong counts): its shards are then written nowhere."""
+    from wtransfer.engines import _shm_ring
+
+    seen = {"rounds": 0}
+    counted = _shm_ring.bytes_held_in
+
+    def lying(bucket: Any, parts: Any) -> int:
+        if bucket.index == 0:
+            seen["rounds"] += 1
+        return 0 if seen["rounds"] == round_to_lie else counted(bucket, parts)
+
+    _shm_ring.bytes_held_in = lying
 
 
 def _die_writing_round(round_to_die: int, backend: str) -> None:
     """SIGKILL this trainer rank as it writes (shm) or sends (gloo) its shards of the first bucket
-    from DIE_AT_BUCKET on that it holds bytes of, in that round."""
+    from DIE_AT_BUCKET on that it holds bytes of, in that round (the workers have loaded the
+    buckets before it)."""
     from wtransfer.engines import _part_streams, _shm_ring
 
     seen = {"rounds": 0, "last": -1}
@@ -475,3 +496,17 @@ def test_a_second_sharded_trainer_on_the_same_group_takes_over() -> None:
         assert event["wrong"] == [[], []], f"round {event['version']}: workers differ in {event['wrong']}"
     assert len([e for e in events if e["event"] == "round" and not e["sender"]]) == 3 * 2
     assert len([e for e in events if e["event"] == "done"]) == 3
+
+
+def test_ranks_whose_shards_do_not_tile_a_bucket_stop_the_round_before_any_byte_is_written() -> None:
+    """shm: rank 0 checks that the ranks' bytes add up to every bucket's before it writes any. Rank 1
+    says it holds nothing in round 2 (as a rank whose mesh or placements differ would report
+    other counts): every rank raises, naming the bucket, and no worker's weights change."""
+    events = run_ranks(2, "shm", rounds=3, fault="short-layout", limit=180)
+    assert [e for e in events if e["event"] in ("crash", "create_failed")] == [], events
+    assert [e["version"] for e in events if e["event"] == "round" and e["rank"] == 0] == [1]
+    errors = {e["rank"]: e for e in events if e["event"] == "error"}
+    assert sorted(errors) == [0, 1], events
+    assert "do not tile bucket" in errors[0]["message"], errors[0]
+    assert errors[0]["worker_versions"] == [1, 1]
+    assert errors[0]["changed"] == [[], []], "a round stopped before any byte was written changed the weights"

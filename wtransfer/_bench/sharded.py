@@ -9,8 +9,9 @@ bytes), >= 0.8x on other engines (each rank streams its own bytes), every writer
 extra RSS <= buffers x bucket + 64 MiB; gathers >= 0.8x, <= buffers x bucket + the largest
 parameter + 64 MiB. Every round is verified bit-exactly on every worker against the trainer's
 unsharded state. Every configuration runs ``--repeats`` times, in turns, in fresh processes: on
-a small host the same run varies by a third from one set of processes to the next, so the row
-is the run with the median GB/s, and every run's figure is printed beside it. Beside the throughput, each row says how busy the worker was and how long the
+a small host the same configuration varies from one set of processes to the next (the unsharded
+shm sync gave 6.2 to 8.6 GB/s in single runs on a 2-core AMD EPYC), so the row is the run with
+the median GB/s (the lower middle one for an even count), and every run's figure is beside it. Beside the throughput, each row says how busy the worker was and how long the
 worker and the trainer ranks were runnable but not running (the kernel's run delay): hints at
 whether a round is bound by the worker, by the hand-offs between processes, or by a host with
 fewer cores than busy processes, not a proof of which.
@@ -49,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds per run (the median is reported)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of every configuration, in turns (fresh processes each); the run with the median "
-                             "GB/s is reported, with every run's GB/s beside it (this host's runs vary by 30 %%)")
+                             "GB/s is reported, with every run's GB/s beside it")
     parser.add_argument("--timeout", type=float, default=300.0, help="timeout_s of every wait")
     add_report_arguments(parser)
 

@@ -15,8 +15,9 @@ from typing import Any
 
 from wtransfer.errors import TransferError
 
-PROTOCOL_VERSION = 3
-"""Bumped whenever the trainer/worker wire protocol changes; workers refuse other versions."""
+PROTOCOL_VERSION = 4
+"""Bumped whenever the trainer/worker wire protocol changes; workers refuse other versions (and so
+do the other ranks of a sharded trainer: 4 added their ``holds`` message on ``shm``)."""
 
 MIB = 1 << 20
 """One mebibyte: the unit of every buffer size in wtransfer."""

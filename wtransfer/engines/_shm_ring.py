@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from wtransfer.engines._control import ControlChannel, PeerClosedError, connect
 from wtransfer.engines._packing import plan_buckets
 from wtransfer.engines._protocol import PROTOCOL_VERSION
-from wtransfer.engines._shards import entries_digest, holds_bytes_of, rank_parts, write_bucket, writes_shards_as_is
+from wtransfer.engines._shards import bytes_held_in, entries_digest, rank_parts, write_bucket, writes_shards_as_is
 from wtransfer.errors import TransferError
 
 if TYPE_CHECKING:
@@ -96,8 +96,8 @@ class SharedMemorySender:
     """Another rank of a sharded ``shm`` trainer: maps rank 0's ring and writes its own shards into it.
 
     Rank 0 keeps the control plane: it says when a round starts, which bucket goes in which
-    buffer (once the workers released it), and announces a bucket to the workers once every rank
-    wrote its part. Nothing is gathered; every byte is written once, by the rank that holds it.
+    buffer (once the workers released it; it asks only the ranks holding bytes of that bucket), and
+    announces a bucket to the workers once every rank holding bytes of it wrote them. Nothing is gathered; every byte is written once, by the rank that holds it.
     """
 
     def __init__(self, info: dict[str, Any], trainer_rank: int, source: Any, timeout_s: float) -> None:
@@ -121,8 +121,8 @@ class SharedMemorySender:
         """Rank 0's next message about round ``attempt``; what an earlier, failed round left in the
         socket (requests sent before rank 0 saw this rank fail, an abort) is skipped."""
         assert self._channel is not None
-        while (message := self._channel.recv(wait)).get("attempt") != attempt:
-            pass
+        while (message := self._channel.recv(wait)).get("attempt") != attempt or message.get("op") == "tick":
+            pass  # a tick: rank 0 is still sending this round, only not asking this rank for anything
         if message.get("op") == "abort":
             raise TrainerAborted(f"trainer rank 0 aborted the round: {message.get('reason')}")
         return message
@@ -131,7 +131,10 @@ class SharedMemorySender:
         """Write this rank's shards into every bucket rank 0 asks for; returns (tensors, bytes) held here.
 
         Each wait is bounded: rank 0 waits at most ``timeout_s`` for the workers between two
-        requests. A closed socket (rank 0 died) or an abort raises at once.
+        buckets, and a rank it has not asked for anything in ``timeout_s / 2`` gets a ``tick``,
+        so a healthy round never leaves this rank without a message for ``2 * timeout_s + 30``
+        (it may hold no byte of a long run of buckets). A closed socket (rank 0 died) or an
+        abort raises at once.
         """
         if self._channel is None or self._ring is None:
             raise TransferError(f"trainer rank {self.rank}: this sender was closed")
@@ -146,7 +149,9 @@ class SharedMemorySender:
                                     "rank 0's; every rank must pass the same model")
             buckets = plan_buckets(entries, self.bucket_bytes)
             parts = rank_parts(self.source.named_tensors(), self.rank, entries)
-            held = [bucket.index for bucket in buckets if holds_bytes_of(bucket, parts)]
+            # [bucket, bytes] for every bucket this rank writes into: rank 0 asks it for those only,
+            # and checks that the ranks' bytes add up to each bucket's
+            held = [[bucket.index, n] for bucket in buckets if (n := bytes_held_in(bucket, parts))]
             channel.send({"op": "holds", "buckets": held, "attempt": attempt}, timeout=self.timeout_s)
             while (message := self._next(attempt, wait)).get("op") == "write":
                 bucket = buckets[message["index"]]

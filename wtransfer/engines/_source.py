@@ -119,7 +119,7 @@ class ModuleSource(WeightSource):
     Sharded (DTensor-style) parameters: on a backend with a ``sender_cls`` (``shm``, ``gloo``, the ``nccl`` plugin),
     a sharded trainer does not iterate this source; every rank reads its own shards from
     :meth:`named_tensors` and sends them itself (:mod:`wtransfer.engines._shards`), and nothing
-    is gathered. Otherwise (a backend without senders, such as ``nccl``; a subclass or wrapper
+    is gathered. Otherwise (a backend without senders; a subclass or wrapper
     that changes what it describes or yields; a placement ranks cannot write in place) every
     rank iterates it in the same order and each parameter is gathered only while it is being
     sent (:func:`_unwrap`: row-sharded ones slice by slice, other layouts with

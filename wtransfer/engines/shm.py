@@ -32,7 +32,7 @@ from wtransfer.engines._digests import RoundDigests, check
 from wtransfer.engines._loader import validate_with_loader
 from wtransfer.engines._manifest import Manifest
 from wtransfer.engines._packing import Bucket, Packer, Unpacker, plan_buckets
-from wtransfer.engines._shards import entries_digest, holds_bytes_of, rank_parts, write_bucket
+from wtransfer.engines._shards import bucket_payload, bytes_held_in, entries_digest, rank_parts, write_bucket
 from wtransfer.engines._shm_ring import SharedMemorySender, SharedRing, TrainerAborted, join_ring
 from wtransfer.engines._staging import create_memfd
 from wtransfer.engines._protocol import (
@@ -219,6 +219,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         self._ring.touch()
         self._selector = selectors.DefaultSelector()
         self._senders: dict[int, ControlChannel] = {}  # the other trainer ranks (parallel senders)
+        self._told: dict[int, float] = {}  # other trainer rank -> when rank 0 last sent it anything
         return {
             "address": self._listener.address,
             "token": self._token,
@@ -411,7 +412,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         holders: list[set[int]] = [set() for _ in self._ring.slots]  # ranks still reading each slot
         slot_of: dict[int, int] = {}
         writing: dict[int, set[int]] = {}  # bucket index -> trainer ranks still writing their shards into it
-        holds: dict[int, set[int]] = {}  # other trainer rank -> the buckets it has bytes of (asked only for those)
+        holds: dict[int, dict[int, int]] = {}  # other trainer rank -> {bucket: its bytes there} (asked for those only)
         workers, senders = set(self._channels), self._senders
         if senders:  # they plan the round while the workers check the manifest
             self._tell_senders({"op": "round", "digest": entries_digest(manifest.entries)})
@@ -445,7 +446,10 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                 if op == "written" and message.get("index") in writing:
                     written(message["index"], -rank)
                 elif op == "holds" and isinstance(message.get("buckets"), list):
-                    holds[-rank] = set(message["buckets"])
+                    try:
+                        holds[-rank] = {int(index): int(nbytes) for index, nbytes in message["buckets"]}
+                    except (TypeError, ValueError) as exc:
+                        raise TransferError(f"trainer rank {-rank} sent a malformed layout: {exc}") from exc
                 elif op == "fail":
                     raise TransferError(f"trainer rank {-rank} failed writing its shards of round "
                                         f"{manifest.version}: {message.get('error')}")
@@ -473,6 +477,8 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             parts = rank_parts(self.source.named_tensors(), 0, manifest.entries)  # type: ignore[attr-defined]
             self._pump(lambda: len(holds) == len(senders), call, "waiting for the other trainer ranks' layouts",
                        handle)
+            own = [bytes_held_in(bucket, parts) for bucket in buckets]
+            _check_tiling(buckets, own, holds)  # before any byte is written
         else:
             packer = Packer(manifest, iter(self.source), digests)
         for bucket in buckets:
@@ -494,9 +500,10 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             writers = [rank for rank, held in holds.items() if bucket.index in held]
             writing[bucket.index] = {0, *writers}
             self._tell_senders({"op": "write", "index": bucket.index, "slot": slot}, writers)
-            if holds_bytes_of(bucket, parts):
+            if own[bucket.index]:
                 write_bucket(bucket, data, manifest.entries, parts)
             written(bucket.index, 0)
+            self._tick_idle_senders()
             self._dispatch(0.0, "writing", handle)  # announce what the others finished meanwhile
         if not senders:
             packer.drain()
@@ -515,6 +522,14 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             except PeerClosedError as exc:
                 raise TransferError(f"shm worker rank {rank} died during round {version}: {exc}") from exc
 
+    def _tick_idle_senders(self) -> None:
+        """Tell a rank not asked for anything in ``timeout_s / 2`` that the round goes on: it may
+        hold no byte of a long run of buckets, and it waits a bounded time for rank 0's next word."""
+        now = time.monotonic()
+        idle = [rank for rank in self._senders if now - self._told.get(rank, now) > self.timeout_s / 2]
+        if idle:
+            self._tell_senders({"op": "tick"}, idle)
+
     def stop_senders(self, reason: str) -> None:
         """Best effort: the other trainer ranks drop this round."""
         for channel in self._senders.values():
@@ -526,8 +541,10 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
     def _tell_senders(self, message: dict[str, Any], ranks: Iterable[int] | None = None) -> None:
         """Send ``message`` to the other trainer ranks (``ranks`` of them only, if given)."""
         message["attempt"] = self._attempt  # a sender skips what an earlier, failed round left behind
+        now = time.monotonic()
         for rank in self._senders if ranks is None else ranks:
             channel = self._senders[rank]
+            self._told[rank] = now
             try:
                 channel.send(message, timeout=self.timeout_s)
             except PeerClosedError as exc:
@@ -566,4 +583,20 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
 
 
 SharedMemoryWeightTransferEngine.trainer_cls = SharedMemoryTrainer
+def _check_tiling(buckets: list[Bucket], own: list[int], holds: dict[int, dict[int, int]]) -> None:
+    """Every byte of every bucket is written by exactly one trainer rank, or the round stops here,
+    before any is written: ranks that shard the model differently (another mesh, other placements)
+    would otherwise leave a buffer's old bytes, or two ranks' bytes, where a tensor's belong."""
+    for bucket in buckets:
+        written = own[bucket.index] + sum(held.get(bucket.index, 0) for held in holds.values())
+        if written != bucket_payload(bucket):
+            by_rank = ", ".join(f"rank {rank}: {held[bucket.index]}" for rank, held in sorted(holds.items())
+                                if bucket.index in held)
+            raise TransferError(
+                f"the trainer ranks' shards do not tile bucket {bucket.index}: they write {written} of its "
+                f"{bucket_payload(bucket)} bytes (rank 0: {own[bucket.index]}{', ' if by_rank else ''}{by_rank}); "
+                f"every rank must shard the same model the same way (device mesh, placements)"
+            )
+
+
 SharedMemoryTrainer.sender_cls = SharedMemorySender

@@ -185,10 +185,12 @@ def test_delta_rounds_over_nccl() -> None:
 
 
 def _sharded_rank(rank: int, port: int, conn: Any) -> None:
-    """One FSDP2 rank on GPU ``rank`` (NCCL training group); rank 0 also runs one worker on GPU 2.
-    Every rank sends its own shards; rank 0 reports whether the worker holds the unsharded state."""
+    """One FSDP2 rank of a tied-embedding LM on GPU ``rank`` (NCCL training group); rank 0 also runs
+    one worker on GPU 2 (its model on the host). Every rank sends its own shards; rank 0 reports
+    whether the worker holds the unsharded state. Any failure is reported, not left to a timeout."""
     import datetime
     import json
+    import traceback
 
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -196,25 +198,28 @@ def _sharded_rank(rank: int, port: int, conn: Any) -> None:
     from wtransfer.engines import ModuleSource, create_trainer
     from wtransfer.engines.wire import tensor_checksum
     from wtransfer.local import LocalWorkerPool
-    from wtransfer.testing.models import matrix_model
+    from wtransfer.testing.models import tied_lm
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
-    model = matrix_model(seed=5).cuda()
-    fully_shard(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    pool = None
     report: dict[str, Any] = {"rank": rank}
+    pool = None
     try:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=120))
+        model = tied_lm(seed=0).cuda()
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         if rank == 0:
-            pool = LocalWorkerPool(1, "wtransfer.testing.models:matrix_model", backend="nccl",
-                                   engine_options={"device": 2}, timeout_s=120)
+            pool = LocalWorkerPool(1, "wtransfer.testing.models:tied_lm", backend="nccl",
+                                   factory_kwargs={"seed": 1}, engine_options={"device": 2}, timeout_s=120)
         trainer = create_trainer("nccl", client=pool, source=ModuleSource(model), rank=rank,
                                  init_info={"world_size": 2, "bucket_bytes": MIB} if rank == 0 else None)
         rounds = []
-        for _ in range(2):  # a real optimizer step, then a round, twice
-            sum(p.full_tensor().float().pow(2).sum() for p in model.parameters()).backward()
+        for step in range(2):  # a real optimizer step, then a round, twice
+            ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(step)).cuda()
+            model(ids).float().pow(2).mean().backward()
             optimizer.step()
             optimizer.zero_grad()
             stats = trainer.send_weights()
@@ -223,11 +228,14 @@ def _sharded_rank(rank: int, port: int, conn: Any) -> None:
                            "exact": None if pool is None else pool.digests()[0] == expected})
         report["rounds"] = rounds
         trainer.shutdown()
+    except BaseException:
+        report["error"] = traceback.format_exc()[-3000:]
     finally:
         if pool is not None:
             pool.shutdown()
-        dist.destroy_process_group()
-    conn.send_bytes(json.dumps(report).encode())
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        conn.send_bytes(json.dumps(report).encode())
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 GPUs: NCCL wants one per rank (2 trainer ranks, 1 worker)")
@@ -245,18 +253,24 @@ def test_fsdp2_ranks_each_send_their_own_shards_over_nccl() -> None:
         port = probe.getsockname()[1]
     context = multiprocessing.get_context("spawn")
     pipes, processes = [], []
-    for rank in range(2):
-        mine, theirs = context.Pipe(duplex=False)
-        process = context.Process(target=_sharded_rank, args=(rank, port, theirs))
-        process.start()
-        theirs.close()
-        pipes.append(mine)
-        processes.append(process)
-    reports = []
-    for pipe, process in zip(pipes, processes):
-        assert pipe.poll(300), "a trainer rank sent no report"
-        reports.append(json.loads(pipe.recv_bytes()))
-        process.join(60)
+    try:
+        for rank in range(2):
+            mine, theirs = context.Pipe(duplex=False)
+            process = context.Process(target=_sharded_rank, args=(rank, port, theirs))
+            process.start()
+            theirs.close()
+            pipes.append(mine)
+            processes.append(process)
+        reports = []
+        for rank, pipe in enumerate(pipes):
+            assert pipe.poll(300), f"trainer rank {rank} sent no report"
+            reports.append(json.loads(pipe.recv_bytes()))
+    finally:
+        for process in processes:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+    assert [r.get("error") for r in reports] == [None, None], reports
     assert [r["wrote_shards"] for r in reports[0]["rounds"]] == [True, True]
     assert [r["exact"] for r in reports[0]["rounds"]] == [True, True]
     assert [r["wrote_shards"] for r in reports[1]["rounds"]] == [True, True]
