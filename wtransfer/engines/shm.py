@@ -584,9 +584,11 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
 
 SharedMemoryWeightTransferEngine.trainer_cls = SharedMemoryTrainer
 def _check_tiling(buckets: list[Bucket], own: list[int], holds: dict[int, dict[int, int]]) -> None:
-    """Every byte of every bucket is written by exactly one trainer rank, or the round stops here,
-    before any is written: ranks that shard the model differently (another mesh, other placements)
-    would otherwise leave a buffer's old bytes, or two ranks' bytes, where a tensor's belong."""
+    """The ranks' bytes add up to every bucket's, or the round stops here, before any is written:
+    a rank that shards the model differently (another mesh, other placements) would otherwise
+    leave a buffer's old bytes where a tensor's belong. A count, not the byte ranges: two parts
+    that overlap exactly as much as they leave out would pass (each rank derives its part from
+    the same DTensor placements, so only a rank with another layout could report other counts)."""
     for bucket in buckets:
         written = own[bucket.index] + sum(held.get(bucket.index, 0) for held in holds.values())
         if written != bucket_payload(bucket):
