@@ -66,7 +66,7 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
     half-way through round 2's walk, on rank 0 alone; ``walk-start``: before reading any of it);
     ``second`` (every rank's): a
     new trainer replaces the first on the same training group before round 2; ``short-layout``
-    (rank 1's, shm): it tells rank 0 it holds no byte of any bucket in round 2.
+    (rank 1's, shm): it tells rank 0 it holds nothing of any tensor in round 2.
     """
     import datetime
 
@@ -200,19 +200,19 @@ round at least (the round is part-received)."""
 
 
 def _claim_nothing_in_round(round_to_lie: int) -> None:
-    """This shm rank reports holding no byte of any bucket in that round (a rank whose layout is not
-    the others' would report wrong counts): its shards are then written nowhere."""
+    """This shm rank reports holding nothing of any tensor in that round (a rank whose layout is not
+    the others' would report other parts): its shards are then written nowhere."""
     from wtransfer.engines import _shm_ring
 
     seen = {"rounds": 0}
-    counted = _shm_ring.bytes_held_in
+    described = _shm_ring.layout_rows
 
-    def lying(bucket: Any, parts: Any) -> int:
-        if bucket.index == 0:
-            seen["rounds"] += 1
-        return 0 if seen["rounds"] == round_to_lie else counted(bucket, parts)
+    def lying(parts: Any) -> list[int]:
+        seen["rounds"] += 1
+        words = described(parts)
+        return [0] * len(words) if seen["rounds"] == round_to_lie else words
 
-    _shm_ring.bytes_held_in = lying
+    _shm_ring.layout_rows = lying
 
 
 def _die_writing_round(round_to_die: int, backend: str) -> None:
@@ -499,14 +499,14 @@ def test_a_second_sharded_trainer_on_the_same_group_takes_over() -> None:
 
 
 def test_ranks_whose_shards_do_not_tile_a_bucket_stop_the_round_before_any_byte_is_written() -> None:
-    """shm: rank 0 checks that the ranks' bytes add up to every bucket's before it writes any. Rank 1
+    """shm: rank 0 checks that the ranks' parts tile every tensor before it writes any byte. Rank 1
     says it holds nothing in round 2 (as a rank whose mesh or placements differ would report
-    other counts): every rank raises, naming the bucket, and no worker's weights change."""
+    other parts): every rank raises, naming the tensor, and no worker's weights change."""
     events = run_ranks(2, "shm", rounds=3, fault="short-layout", limit=180)
     assert [e for e in events if e["event"] in ("crash", "create_failed")] == [], events
     assert [e["version"] for e in events if e["event"] == "round" and e["rank"] == 0] == [1]
     errors = {e["rank"]: e for e in events if e["event"] == "error"}
     assert sorted(errors) == [0, 1], events
-    assert "do not tile bucket" in errors[0]["message"], errors[0]
+    assert "do not tile the round" in errors[0]["message"], errors[0]
     assert errors[0]["worker_versions"] == [1, 1]
     assert errors[0]["changed"] == [[], []], "a round stopped before any byte was written changed the weights"

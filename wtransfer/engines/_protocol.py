@@ -17,7 +17,7 @@ from wtransfer.errors import TransferError
 
 PROTOCOL_VERSION = 4
 """Bumped whenever the trainer/worker wire protocol changes; workers refuse other versions (and so
-do the other ranks of a sharded trainer: 4 added their ``holds`` message on ``shm``)."""
+do the other ranks of a sharded trainer: 4 added their ``layout`` message on ``shm``)."""
 
 MIB = 1 << 20
 """One mebibyte: the unit of every buffer size in wtransfer."""

@@ -203,25 +203,6 @@ def write_part(dst: torch.Tensor, start: int, part: LocalPart) -> None:
         place_part(dst, start, width, first, end, part_bytes(part)[low:high])
 
 
-def bytes_held_in(bucket: Bucket, parts: list[LocalPart | None]) -> int:
-    """How many of ``bucket``'s bytes this rank's parts write (with ``Shard(0)`` most buckets of a
-    large tensor lie inside one rank's rows, and the other ranks have nothing to write there)."""
-    held = 0
-    for piece in bucket.pieces:
-        part = parts[piece.index]
-        if part is not None and piece.length:
-            width, first, end = byte_geometry(part)
-            low, high = part_span(piece.start, piece.start + piece.length, width, first, end)
-            held += high - low
-    return held
-
-
-def bucket_payload(bucket: Bucket) -> int:
-    """The bytes of tensors in ``bucket`` (its alignment gaps left out): what the ranks' parts must
-    add up to, each byte written by exactly one rank."""
-    return sum(piece.length for piece in bucket.pieces)
-
-
 def write_bucket(bucket: Bucket, data: torch.Tensor, entries: tuple[TensorEntry, ...],
                  parts: list[LocalPart | None]) -> None:
     """Write this rank's parts of ``bucket`` into ``data`` (the bucket's bytes)."""

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 from wtransfer.engines._control import ControlChannel, PeerClosedError, connect
 from wtransfer.engines._packing import plan_buckets
 from wtransfer.engines._protocol import PROTOCOL_VERSION
-from wtransfer.engines._shards import bytes_held_in, entries_digest, rank_parts, write_bucket, writes_shards_as_is
+from wtransfer.engines._part_streams import layout_rows
+from wtransfer.engines._shards import entries_digest, rank_parts, write_bucket, writes_shards_as_is
 from wtransfer.errors import TransferError
 
 if TYPE_CHECKING:
@@ -97,7 +98,8 @@ class SharedMemorySender:
 
     Rank 0 keeps the control plane: it says when a round starts, which bucket goes in which
     buffer (once the workers released it; it asks only the ranks holding bytes of that bucket), and
-    announces a bucket to the workers once every rank holding bytes of it wrote them. Nothing is gathered; every byte is written once, by the rank that holds it.
+    announces a bucket to the workers once every rank holding bytes of it wrote them. Nothing is
+    gathered; every byte is written once, by the rank that holds it.
     """
 
     def __init__(self, info: dict[str, Any], trainer_rank: int, source: Any, timeout_s: float) -> None:
@@ -149,10 +151,9 @@ class SharedMemorySender:
                                     "rank 0's; every rank must pass the same model")
             buckets = plan_buckets(entries, self.bucket_bytes)
             parts = rank_parts(self.source.named_tensors(), self.rank, entries)
-            # [bucket, bytes] for every bucket this rank writes into: rank 0 asks it for those only,
-            # and checks that the ranks' bytes add up to each bucket's
-            held = [[bucket.index, n] for bucket in buckets if (n := bytes_held_in(bucket, parts))]
-            channel.send({"op": "holds", "buckets": held, "attempt": attempt}, timeout=self.timeout_s)
+            # what this rank holds of every tensor (gloo's layout words): rank 0 checks that the ranks
+            # tile every tensor and asks this rank only for the buckets it has bytes in
+            channel.send({"op": "layout", "rows": layout_rows(parts), "attempt": attempt}, timeout=self.timeout_s)
             while (message := self._next(attempt, wait)).get("op") == "write":
                 bucket = buckets[message["index"]]
                 write_bucket(bucket, self._ring.slots[message["slot"]], entries, parts)

@@ -32,7 +32,8 @@ from wtransfer.engines._digests import RoundDigests, check
 from wtransfer.engines._loader import validate_with_loader
 from wtransfer.engines._manifest import Manifest
 from wtransfer.engines._packing import Bucket, Packer, Unpacker, plan_buckets
-from wtransfer.engines._shards import bucket_payload, bytes_held_in, entries_digest, rank_parts, write_bucket
+from wtransfer.engines._part_streams import RankLayout, check_tiling, layout_rows
+from wtransfer.engines._shards import entries_digest, rank_parts, write_bucket
 from wtransfer.engines._shm_ring import SharedMemorySender, SharedRing, TrainerAborted, join_ring
 from wtransfer.engines._staging import create_memfd
 from wtransfer.engines._protocol import (
@@ -412,7 +413,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         holders: list[set[int]] = [set() for _ in self._ring.slots]  # ranks still reading each slot
         slot_of: dict[int, int] = {}
         writing: dict[int, set[int]] = {}  # bucket index -> trainer ranks still writing their shards into it
-        holds: dict[int, dict[int, int]] = {}  # other trainer rank -> {bucket: its bytes there} (asked for those only)
+        layouts: dict[int, RankLayout] = {}  # trainer rank -> what it holds of every tensor (gloo's picture)
         workers, senders = set(self._channels), self._senders
         if senders:  # they plan the round while the workers check the manifest
             self._tell_senders({"op": "round", "digest": entries_digest(manifest.entries)})
@@ -445,11 +446,11 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                     return  # left over from an earlier round that ended before this rank's answer was read
                 if op == "written" and message.get("index") in writing:
                     written(message["index"], -rank)
-                elif op == "holds" and isinstance(message.get("buckets"), list):
-                    try:
-                        holds[-rank] = {int(index): int(nbytes) for index, nbytes in message["buckets"]}
-                    except (TypeError, ValueError) as exc:
-                        raise TransferError(f"trainer rank {-rank} sent a malformed layout: {exc}") from exc
+                elif op == "layout" and isinstance(message.get("rows"), list):
+                    if len(message["rows"]) != 3 * len(manifest.entries):
+                        raise TransferError(f"trainer rank {-rank} sent a layout of {len(message['rows'])} words for "
+                                            f"{len(manifest.entries)} tensors")
+                    layouts[-rank] = RankLayout(manifest.entries, [int(word) for word in message["rows"]])
                 elif op == "fail":
                     raise TransferError(f"trainer rank {-rank} failed writing its shards of round "
                                         f"{manifest.version}: {message.get('error')}")
@@ -475,10 +476,14 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             raise ManifestRejected(f"round {manifest.version} rejected: {reasons}")
         if senders:
             parts = rank_parts(self.source.named_tensors(), 0, manifest.entries)  # type: ignore[attr-defined]
-            self._pump(lambda: len(holds) == len(senders), call, "waiting for the other trainer ranks' layouts",
+            layouts[0] = RankLayout(manifest.entries, layout_rows(parts))
+            self._pump(lambda: len(layouts) == 1 + len(senders), call, "waiting for the other trainer ranks' layouts",
                        handle)
-            own = [bytes_held_in(bucket, parts) for bucket in buckets]
-            _check_tiling(buckets, own, holds)  # before any byte is written
+            try:  # before any byte is written: every byte of every tensor is one rank's, as on gloo
+                check_tiling([layouts[rank] for rank in sorted(layouts)])
+            except TransferError as exc:
+                raise TransferError(f"the trainer ranks' shards do not tile the round: {exc}; every rank must "
+                                    f"shard the same model the same way (device mesh, placements)") from exc
         else:
             packer = Packer(manifest, iter(self.source), digests)
         for bucket in buckets:
@@ -497,10 +502,10 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                 continue
             # Only the ranks with bytes in this bucket write it: with Shard(0), most buckets of a
             # large tensor lie in one rank's rows, and waking the others costs a hand-off each.
-            writers = [rank for rank, held in holds.items() if bucket.index in held]
+            writers = [rank for rank in senders if layouts[rank].runs(bucket)]
             writing[bucket.index] = {0, *writers}
             self._tell_senders({"op": "write", "index": bucket.index, "slot": slot}, writers)
-            if own[bucket.index]:
+            if layouts[0].runs(bucket):
                 write_bucket(bucket, data, manifest.entries, parts)
             written(bucket.index, 0)
             self._tick_idle_senders()
@@ -583,22 +588,4 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
 
 
 SharedMemoryWeightTransferEngine.trainer_cls = SharedMemoryTrainer
-def _check_tiling(buckets: list[Bucket], own: list[int], holds: dict[int, dict[int, int]]) -> None:
-    """The ranks' bytes add up to every bucket's, or the round stops here, before any is written:
-    a rank that shards the model differently (another mesh, other placements) would otherwise
-    leave a buffer's old bytes where a tensor's belong. A count, not the byte ranges: two parts
-    that overlap exactly as much as they leave out would pass (each rank derives its part from
-    the same DTensor placements, so only a rank with another layout could report other counts)."""
-    for bucket in buckets:
-        written = own[bucket.index] + sum(held.get(bucket.index, 0) for held in holds.values())
-        if written != bucket_payload(bucket):
-            by_rank = ", ".join(f"rank {rank}: {held[bucket.index]}" for rank, held in sorted(holds.items())
-                                if bucket.index in held)
-            raise TransferError(
-                f"the trainer ranks' shards do not tile bucket {bucket.index}: they write {written} of its "
-                f"{bucket_payload(bucket)} bytes (rank 0: {own[bucket.index]}{', ' if by_rank else ''}{by_rank}); "
-                f"every rank must shard the same model the same way (device mesh, placements)"
-            )
-
-
 SharedMemoryTrainer.sender_cls = SharedMemorySender
