@@ -143,16 +143,22 @@ def _positions_parts(payload: torch.Tensor, target: TensorEntry, changed: int, d
     return counts, _rows(raw[head:middle].view(dtype), words), raw[middle:].view(numpy.uint16)
 
 
+def _words(tensor: torch.Tensor, bits: Any) -> int:
+    """Integers of :func:`_bits` per element of ``tensor``: 1, or 2 for complex128."""
+    return max(1, tensor.element_size() // bits.itemsize)
+
+
 def _rows(bits: Any, words: int) -> Any:
     """Flat bits indexed by element: themselves, or rows of ``words`` integers (complex128), so
     that indexing by positions picks whole elements. Flat indexing is twice as fast as rows."""
     return bits if words == 1 else bits.reshape(-1, words)
 
 
-def _position_spans(numel: int, counts: Any, lows: Any, elements: int) -> Iterator[tuple[int, int, Any, int, int]]:
-    """A ``positions`` payload's positions span by span (whole blocks, about ``elements`` each):
-    ``(begin, end, positions relative to begin, lo, hi)``, the span's values being ``values[lo:hi]``.
-    Only a span's positions are ever made as int64, never the whole tensor's."""
+def _position_spans(numel: int, counts: Any, lows: Any, values: Any,
+                    elements: int) -> Iterator[tuple[int, int, Any, Any]]:
+    """A ``positions`` payload's changes span by span (whole blocks, about ``elements`` each):
+    ``(begin, end, positions relative to begin, their new values)``. Only a span's positions are
+    ever made as int64, never the whole tensor's."""
     import numpy
 
     ends = numpy.cumsum(counts, dtype=numpy.int64)
@@ -162,7 +168,7 @@ def _position_spans(numel: int, counts: Any, lows: Any, elements: int) -> Iterat
         first, last = begin // POSITION_BLOCK, -(-end // POSITION_BLOCK)
         lo, hi = int(ends[first - 1]) if first else 0, int(ends[last - 1])
         starts = numpy.arange(first * POSITION_BLOCK - begin, last * POSITION_BLOCK - begin, POSITION_BLOCK)
-        yield begin, end, numpy.repeat(starts, counts[first:last]) + lows[lo:hi], lo, hi
+        yield begin, end, numpy.repeat(starts, counts[first:last]) + lows[lo:hi], values[lo:hi]
 
 
 class _Scratch(threading.local):

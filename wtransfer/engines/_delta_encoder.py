@@ -22,6 +22,7 @@ from wtransfer.engines._delta import (
     _positions_parts,
     _rows,
     _scratch,
+    _words,
     _zstd,
 )
 from wtransfer.engines._manifest import (
@@ -478,7 +479,7 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
 
     target = entry_for(name, new)
     new_bits, base_bits = _bits(new), _bits(base)
-    words = max(1, new.element_size() // new_bits.itemsize)  # integers per element (2 for complex128)
+    words = _words(new, new_bits)
     step = max(1, _delta.CHUNK_BYTES // new.element_size()) * words  # whole elements per chunk
 
     def pending(encoded: _Encoded) -> _Encoded:  # its rest runs as the round is sent, or now
@@ -501,9 +502,10 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
     changed = 0
     was, now = xxhash.xxh3_64(), xxhash.xxh3_64()
     most = choices.positions_at_most * target.nbytes  # the largest positions payload this tensor may take
-    header, pair = positions_header_bytes(target), new.element_size() + 2
     counts = numpy.zeros(position_blocks(target), dtype=numpy.int64)
-    found: list[tuple[Any, Any]] | None = [] if header + pair <= most else None  # (values, positions) per chunk
+    # (values, positions) per chunk, while the changes still fit a positions payload
+    found: list[tuple[Any, Any]] | None = [] if positions_payload_bytes(target, 1) <= most else None
+    too_many = CHANGED_TO_TRY * (min(step, new_bits.size) // words)  # of a whole chunk, even for a short last one
     for start in range(0, new_bits.size, step):  # the first walk reads only
         fresh, old = new_bits[start : start + step], base_bits[start : start + step]
         if found is None:
@@ -511,7 +513,7 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
         else:  # also gather the positions and values: positions needs no second walk
             where = _changed_where(fresh, old, words)
             here = where.size
-            if header + (changed + here) * pair > most:
+            if positions_payload_bytes(target, changed + here) > most:
                 found = None  # too many for positions: only count from here on
             elif here:
                 at = where + start // words
@@ -519,7 +521,7 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
                 first, last = start // words // POSITION_BLOCK, int(at[-1]) // POSITION_BLOCK + 1
                 edges = numpy.searchsorted(at, numpy.arange(first + 1, last) * POSITION_BLOCK)  # at is sorted
                 counts[first:last] += numpy.diff(edges, prepend=0, append=at.size)
-        if here > CHANGED_TO_TRY * (min(step, new_bits.size) // words):  # a short last chunk: of a whole one
+        if here > too_many:
             return whole(walk_from_start(True), 0)  # nothing written yet: the whole walk counts again
         changed += here
         was.update(old)
@@ -534,13 +536,13 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
         payload = room(name, positions_payload_bytes(target, changed))
         counts_out, values, lows = _positions_parts(payload, target, changed, new_bits.dtype, words)
         counts_out[:] = counts
-        tensor_bytes(payload).numpy()[counts_out.nbytes : header] = 0  # the padding: no stale bytes on the wire
+        tensor_bytes(payload).numpy()[counts_out.nbytes : positions_header_bytes(target)] = 0  # the padding: no stale bytes
         numpy.concatenate([part[0] for part in found], out=values)
         numpy.concatenate([part[1] for part in found], out=lows)
         del found
         base_rows = _rows(base_bits, words)
-        for begin, end, positions, lo, hi in _position_spans(target.numel, counts, lows, step // words):
-            base_rows[begin:end][positions] = values[lo:hi]  # the base becomes the new value: the payload's own decode
+        for begin, end, positions, news in _position_spans(target.numel, counts, lows, values, step // words):
+            base_rows[begin:end][positions] = news  # the base becomes the new value: the payload's own decode
         return _Encoded(TensorEntry(name, "uint8", (payload.numel(),)), payload,
                         DeltaTensor(target, POSITIONS, value, known), changed, value)
     if not choices.try_xor:  # compressing would cost more than sending it whole

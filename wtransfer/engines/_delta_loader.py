@@ -16,6 +16,7 @@ from wtransfer.engines._delta import (
     _positions_parts,
     _rows,
     _scratch,
+    _words,
     _zstd,
     digest,
 )
@@ -189,7 +190,7 @@ class DeltaLoader:
         base = self._base_of(name)  # type: ignore[misc]
         value = self._destination(name, base)
         value_bits, base_bits = _bits(value), _bits(base)  # value is contiguous: a view
-        words = max(1, value.element_size() // value_bits.itemsize)
+        words = _words(value, value_bits)
         target = row.target
         head, blocks = positions_header_bytes(target), position_blocks(target)
         changed = (payload.numel() - head) // (value.element_size() + 2)  # the manifest checked it divides
@@ -203,12 +204,12 @@ class DeltaLoader:
         copy = value.data_ptr() != base.data_ptr()
         hasher = xxhash.xxh3_64()
         step = max(1, _delta.CHUNK_BYTES // value.element_size())
-        for begin, end, positions, lo, hi in _position_spans(target.numel, counts, lows, step):
+        for begin, end, positions, news in _position_spans(target.numel, counts, lows, values, step):
             span = value_rows[begin:end]
             if copy:
                 numpy.copyto(span, base_rows[begin:end])
-            if hi > lo:
-                span[positions] = values[lo:hi]
+            if positions.size:
+                span[positions] = news
             hasher.update(span)
         note_written(value)  # through numpy, behind autograd's back
         return value, _hex(hasher.intdigest(), target.nbytes)

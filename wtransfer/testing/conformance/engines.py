@@ -108,6 +108,14 @@ class EngineConformance:
 
         return {name: tensor_checksum(p.detach()) for name, p in model.named_parameters()}
 
+    def _require_every_worker_holds(self, pool: Any, model: Any, after: str, round_index: int) -> None:
+        """Every worker's weights equal the trainer's, bit for bit (checksums of every tensor)."""
+        expected = self._digests(model)
+        for rank, digests in enumerate(pool.digests()):
+            wrong = sorted(n for n in expected if digests.get(n) != expected[n])
+            require(not wrong, f"every worker holds the trainer's weights bit for bit after {after}",
+                    "identical checksums", f"round {round_index}, worker {rank}: differs in {wrong}")
+
     # -- the contract ------------------------------------------------------------------------------
     def test_info_parsing_errors_name_the_field(self, engine_options: dict[str, Any]) -> None:
         from wtransfer import ParallelConfig, WeightTransferConfig, WeightTransferEngineFactory
@@ -142,11 +150,7 @@ class EngineConformance:
                             for name, p in matrix_model(seed=7).named_parameters():
                                 getattr(model, name).copy_(p)
                     stats = trainer.send_weights()
-                    expected = self._digests(model)
-                    for rank, digests in enumerate(pool.digests()):
-                        wrong = sorted(n for n in expected if digests.get(n) != expected[n])
-                        require(not wrong, "every worker holds the trainer's weights bit for bit after a round",
-                                "identical checksums", f"round {round_index}, worker {rank}: differs in {wrong}")
+                    self._require_every_worker_holds(pool, model, "a round", round_index)
                     total = sum(p.numel() * p.element_size() for p in model.parameters())
                     require(stats.get("bytes") == total, "send_weights() returns the round's stats",
                             f"stats['bytes'] == {total}", stats)
@@ -182,11 +186,7 @@ class EngineConformance:
                 for round_index in (2, 3):
                     stats = trainer.send_weights()
                     kinds.append(stats["delta"])
-                    expected = self._digests(model)
-                    for rank, digests in enumerate(pool.digests()):
-                        wrong = sorted(n for n in expected if digests.get(n) != expected[n])
-                        require(not wrong, "every worker holds the trainer's weights bit for bit after a delta round",
-                                "identical checksums", f"round {round_index}, worker {rank}: differs in {wrong}")
+                    self._require_every_worker_holds(pool, model, "a delta round", round_index)
                     moved = (stats["wire_bytes"] < stats["bytes"] and stats["sparse_tensors"] > 0 if round_index == 2
                              else stats["wire_bytes"] == 0)
                     require(moved, "a delta round moves only what changed, as payloads",
