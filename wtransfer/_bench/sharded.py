@@ -11,8 +11,9 @@ parameter + 64 MiB. Every round is verified bit-exactly on every worker against 
 unsharded state. Every configuration runs ``--repeats`` times, in turns, in fresh processes: on
 a small host the same configuration varies from one set of processes to the next (the unsharded
 shm sync gave 6.2 to 8.6 GB/s in single runs on a 2-core AMD EPYC), so the row is the run with
-the median GB/s (the lower middle one for an even count), and every run's figure is beside it. Beside the throughput, each row says how busy the worker was and how long the
-worker and the trainer ranks were runnable but not running (the kernel's run delay): hints at
+the median GB/s (the lower middle one for an even count), and every run's figure is beside it.
+Beside the throughput, each row says how busy the worker was and how long the worker and the
+trainer ranks were runnable but not running (the kernel's run delay): hints at
 whether a round is bound by the worker, by the hand-offs between processes, or by a host with
 fewer cores than busy processes, not a proof of which.
 """
@@ -334,10 +335,10 @@ def summarize(args: argparse.Namespace, repeated: list[tuple[str, int, list[list
                          "worker_waiting": None, "ranks_waiting": None,
                          "ok": True})
     for mode, ranks, sets in repeated:  # the worst of every run, rank by rank
+        budget = sets[0][0]["budget"]
         for rank in range(ranks):
             held = [reports[rank] for reports in sets]
             peak = max(report["peak_extra_rss"] for report in held)
-            budget = sets[0][0]["budget"]
             memory.append({"mode": mode, "ranks": ranks, "rank": rank, "budget": budget, "peak_extra_rss": peak,
                            "first_round": max(report["round_peaks"][0] for report in held),
                            "later_rounds": max(max(report["round_peaks"][1:] or report["round_peaks"])
