@@ -1,0 +1,224 @@
+"""What the shared-memory ring allows on this host, with no engine in the way.
+
+``wtransfer bench sharded`` compares shm's sharded trainers with one unsharded trainer. Whether
+more writers *can* be faster on a given host is a question about the host, not the engine: the
+same bytes are copied once into the ring and once out of it, whoever writes them, and a host
+with fewer cores than busy processes may not fit more writers beside the reader. This module
+measures that bound directly: the round's exact buckets (``plan_buckets`` on the model's shapes,
+the engine's bucket size and buffer count), each tensor split by rows as ``Shard(0)`` splits it,
+``writers`` processes copying their rows into the ring with single-threaded memcpy, one reader
+copying every piece out to its place, and the least signalling the ring needs: each writer tells
+the reader directly, with an 8-byte message, that its part of a bucket is written; the reader
+tells the writers of the bucket that reuses a buffer, directly, that it is free. No JSON, no
+relay through rank 0, no manifest, no commit: every protocol shm could run does at least this.
+
+Run it beside the engine, in the same turns: its ratio (N writers vs its own single writer) is
+the most a sharded shm round can gain over an unsharded one on this host.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import multiprocessing
+import os
+import select
+import socket
+import statistics
+import struct
+import time
+import traceback
+from types import SimpleNamespace
+from typing import Any
+
+_MESSAGE = struct.Struct("<q")  # a bucket index
+_WAIT_S = 60.0
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
+
+
+def _rows_layout(shapes: list[tuple[str, list[int]]], dtype: str, writers: int, bucket_bytes: int
+                 ) -> tuple[list[int], list[list[tuple[int, int, int, int]]]]:
+    """Tensor sizes, and for every bucket its runs ``(writer, destination byte, bucket byte,
+    length)``: which writer holds each run of the bucket (``Shard(0)``: a contiguous run of rows
+    per writer), and where it goes in the reader's destination (every tensor back to back)."""
+    from wtransfer.engines._packing import plan_buckets
+
+    size = _dtype_bytes(dtype)
+    nbytes = [size * _numel(shape) for _, shape in shapes]
+    starts = [sum(nbytes[:i]) for i in range(len(nbytes))]
+    buckets = plan_buckets(tuple(SimpleNamespace(nbytes=n) for n in nbytes), bucket_bytes)  # type: ignore[arg-type]
+    runs: list[list[tuple[int, int, int, int]]] = []
+    for bucket in buckets:
+        mine: list[tuple[int, int, int, int]] = []
+        for piece in bucket.pieces:
+            shape = shapes[piece.index][1]
+            rows = shape[0] if shape else 1
+            row_bytes = nbytes[piece.index] // rows if rows else 0
+            per = -(-rows // writers)  # torch.chunk's rows per shard
+            for writer in range(writers):
+                first = min(writer * per, rows) * row_bytes
+                end = min((writer + 1) * per, rows) * row_bytes
+                begin, stop = max(first, piece.start), min(end, piece.start + piece.length)
+                if begin < stop:
+                    mine.append((writer, starts[piece.index] + begin, piece.offset + begin - piece.start, stop - begin))
+        runs.append(mine)
+    return nbytes, runs
+
+
+def _fill(writer: int) -> int:
+    """The byte every one of ``writer``'s rows holds, so the reader can check where each run came from."""
+    return writer + 1
+
+
+def _numel(shape: list[int]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+class _Inbox:
+    """Bucket indices arriving on several sockets, one message at a time."""
+
+    def __init__(self, sockets: list[socket.socket]) -> None:
+        self.sockets = sockets
+        self.pending = {sock: b"" for sock in sockets}
+
+    def next(self) -> tuple[socket.socket, int]:
+        while True:
+            for sock, data in self.pending.items():
+                if len(data) >= _MESSAGE.size:
+                    self.pending[sock] = data[_MESSAGE.size:]
+                    return sock, _MESSAGE.unpack(data[: _MESSAGE.size])[0]
+            ready, _, _ = select.select(self.sockets, [], [], _WAIT_S)
+            if not ready:
+                raise TimeoutError("ring ceiling: no message within 60 s")
+            for sock in ready:
+                data = sock.recv(1 << 16)
+                if not data:
+                    raise EOFError("ring ceiling: a peer died")
+                self.pending[sock] += data
+
+
+def _writer(me: int, runs: list[list[tuple[int, int, int, int]]], ring: Any, bucket_bytes: int, buffers: int,
+            to_reader: socket.socket, start: socket.socket, rounds: int) -> None:
+    import numpy as np
+
+    mine: dict[int, list[tuple[int, int, int]]] = {}
+    held = 0
+    for index, bucket in enumerate(runs):
+        for writer, _, offset, length in bucket:
+            if writer == me:
+                mine.setdefault(index, []).append((held, (index % buffers) * bucket_bytes + offset, length))
+                held += length
+    source = np.full(max(held, 1), _fill(me), dtype=np.uint8)  # memcpy's speed does not depend on the bytes
+    inbox = _Inbox([to_reader])
+    for _ in range(rounds):
+        start.recv(1)
+        free = set()
+        for index in sorted(mine):
+            while index >= buffers and index - buffers not in free:
+                free.add(inbox.next()[1])
+            for at, offset, length in mine[index]:
+                ring[offset:offset + length] = source[at:at + length]
+            to_reader.sendall(_MESSAGE.pack(index))
+        start.sendall(b"d")
+
+
+def _reader(runs: list[list[tuple[int, int, int, int]]], total: int, ring: Any, bucket_bytes: int, buffers: int,
+            writers: list[socket.socket], start: socket.socket, rounds: int) -> None:
+    import numpy as np
+
+    destination = np.empty(max(total, 1), dtype=np.uint8)
+    who = [sorted({run[0] for run in bucket}) for bucket in runs]
+    inbox = _Inbox(writers)
+    for _ in range(rounds):
+        start.recv(1)
+        written: dict[int, int] = {}
+        for index, bucket in enumerate(runs):
+            while written.get(index, 0) < len(who[index]):
+                _, done = inbox.next()
+                written[done] = written.get(done, 0) + 1
+            base = (index % buffers) * bucket_bytes
+            for _, at, offset, length in bucket:  # piece by piece, to its place, as a worker unpacks
+                destination[at:at + length] = ring[base + offset:base + offset + length]
+            if index + buffers < len(runs):
+                for writer in who[index + buffers]:
+                    writers[writer].sendall(_MESSAGE.pack(index))
+        start.sendall(b"d")
+    for bucket in runs:  # after the timed rounds: every byte came from the writer that holds it, to its place
+        for writer, at, _, length in bucket:
+            if not (destination[at:at + length] == _fill(writer)).all():
+                raise RuntimeError(f"ring ceiling: bytes {at}..{at + length} did not come from writer {writer}")
+
+
+def measure(model: str, dtype: str, writers: int, bucket_bytes: int, buffers: int, rounds: int) -> list[float]:
+    """GB/s of each round: ``writers`` processes and one reader through a ring, as described above.
+    Forks its processes (numpy only in them): call it from a process with no threads of its own."""
+    import numpy as np
+
+    from wtransfer.testing.models import parse_model
+
+    nbytes, runs = _rows_layout(parse_model(model), dtype, writers, bucket_bytes)
+    total = sum(nbytes)
+    ring = np.frombuffer(mmap.mmap(-1, bucket_bytes * buffers), dtype=np.uint8)
+    ring[:] = 0
+    links = [socket.socketpair() for _ in range(writers)]  # reader end, writer end
+    starts = [socket.socketpair() for _ in range(writers + 1)]  # ours, theirs
+    children = []
+    for me in range(writers + 1):
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                if me < writers:
+                    _writer(me, runs, ring, bucket_bytes, buffers, links[me][1], starts[me][1], rounds)
+                else:
+                    _reader(runs, total, ring, bucket_bytes, buffers, [link[0] for link in links], starts[me][1],
+                            rounds)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            os._exit(code)
+        children.append(pid)
+    seconds = []
+    try:
+        for _ in range(rounds):
+            began = time.perf_counter()
+            for ours, _ in starts:
+                ours.sendall(b"g")
+            for ours, _ in starts:
+                ready, _, _ = select.select([ours], [], [], _WAIT_S)
+                if not ready or ours.recv(1) != b"d":
+                    raise RuntimeError("ring ceiling: a process died or hung")
+            seconds.append(time.perf_counter() - began)
+    finally:
+        failed = [pid for pid in children if os.waitpid(pid, 0)[1] != 0]
+    if failed:
+        raise RuntimeError(f"ring ceiling: {len(failed)} process(es) failed (the reader checks every byte's source)")
+    return [total / s / 1e9 for s in seconds]
+
+
+def _main(model: str, dtype: str, writers: int, bucket_bytes: int, buffers: int, rounds: int, conn: Any) -> None:
+    conn.send_bytes(json.dumps(measure(model, dtype, writers, bucket_bytes, buffers, rounds)).encode())
+
+
+def run_fresh(model: str, dtype: str, writers: int, bucket_bytes: int, buffers: int, rounds: int) -> float:
+    """Median GB/s of ``rounds`` rounds, measured in a fresh process (so the forks carry no threads)."""
+    context = multiprocessing.get_context("spawn")
+    mine, theirs = context.Pipe(duplex=False)
+    process = context.Process(target=_main, args=(model, dtype, writers, bucket_bytes, buffers, rounds, theirs))
+    process.start()
+    theirs.close()
+    if not mine.poll(_WAIT_S * (rounds + 2)):
+        process.kill()
+        raise SystemExit(f"ring ceiling with {writers} writer(s) sent no figures")
+    try:
+        figures = json.loads(mine.recv_bytes())
+    except EOFError:
+        raise SystemExit(f"ring ceiling with {writers} writer(s) died (exit code {process.exitcode})") from None
+    process.join(30)
+    return statistics.median(figures)
