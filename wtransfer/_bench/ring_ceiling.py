@@ -6,14 +6,18 @@ same bytes are copied once into the ring and once out of it, whoever writes them
 with fewer cores than busy processes may not fit more writers beside the reader. This module
 measures that bound directly: the round's exact buckets (``plan_buckets`` on the model's shapes,
 the engine's bucket size and buffer count), each tensor split by rows as ``Shard(0)`` splits it,
-``writers`` processes copying their rows into the ring with single-threaded memcpy, one reader
-copying every piece out to its place, and the least signalling the ring needs: each writer tells
-the reader directly, with an 8-byte message, that its part of a bucket is written; the reader
-tells the writers of the bucket that reuses a buffer, directly, that it is free. No JSON, no
-relay through rank 0, no manifest, no commit: every protocol shm could run does at least this.
+``writers`` processes copying their rows into the ring with single-threaded memcpy, and one
+reader doing a worker's copies under the default atomic commit: every piece out of the ring to
+its place in a staging copy, then, once the last bucket is in, every tensor from the staging
+copy into the model. Between them, the least signalling the ring needs: each writer tells the
+reader directly, with an 8-byte message, that its part of a bucket is written; the reader tells
+the writers of the bucket that reuses a buffer, directly, that it is free. No JSON, no relay
+through rank 0, no manifest, no Python per piece beyond the copy: every protocol shm could run
+moves these bytes and sends at least these messages.
 
 Run it beside the engine, in the same turns: its ratio (N writers vs its own single writer) is
-the most a sharded shm round can gain over an unsharded one on this host.
+what spreading the same writes over more processes costs or gains on this host when nothing
+else does; an engine's sharded round pays that and its own coordination on top.
 """
 
 from __future__ import annotations
@@ -128,11 +132,14 @@ def _writer(me: int, runs: list[list[tuple[int, int, int, int]]], ring: Any, buc
         start.sendall(b"d")
 
 
-def _reader(runs: list[list[tuple[int, int, int, int]]], total: int, ring: Any, bucket_bytes: int, buffers: int,
-            writers: list[socket.socket], start: socket.socket, rounds: int) -> None:
+def _reader(runs: list[list[tuple[int, int, int, int]]], sizes: list[int], ring: Any, bucket_bytes: int,
+            buffers: int, writers: list[socket.socket], start: socket.socket, rounds: int) -> None:
     import numpy as np
 
-    destination = np.empty(max(total, 1), dtype=np.uint8)
+    total = sum(sizes)
+    destination = np.empty(max(total, 1), dtype=np.uint8)  # the node's staging copy
+    model = np.empty(max(total, 1), dtype=np.uint8)
+    tensors = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]
     who = [sorted({run[0] for run in bucket}) for bucket in runs]
     inbox = _Inbox(writers)
     for _ in range(rounds):
@@ -148,10 +155,12 @@ def _reader(runs: list[list[tuple[int, int, int, int]]], total: int, ring: Any, 
             if index + buffers < len(runs):
                 for writer in who[index + buffers]:
                     writers[writer].sendall(_MESSAGE.pack(index))
+        for at, length in tensors:  # the commit: tensor by tensor, from the staging copy into the model
+            model[at:at + length] = destination[at:at + length]
         start.sendall(b"d")
     for bucket in runs:  # after the timed rounds: every byte came from the writer that holds it, to its place
         for writer, at, _, length in bucket:
-            if not (destination[at:at + length] == _fill(writer)).all():
+            if not (model[at:at + length] == _fill(writer)).all():
                 raise RuntimeError(f"ring ceiling: bytes {at}..{at + length} did not come from writer {writer}")
 
 
@@ -177,7 +186,7 @@ def measure(model: str, dtype: str, writers: int, bucket_bytes: int, buffers: in
                 if me < writers:
                     _writer(me, runs, ring, bucket_bytes, buffers, links[me][1], starts[me][1], rounds)
                 else:
-                    _reader(runs, total, ring, bucket_bytes, buffers, [link[0] for link in links], starts[me][1],
+                    _reader(runs, nbytes, ring, bucket_bytes, buffers, [link[0] for link in links], starts[me][1],
                             rounds)
             except BaseException:
                 traceback.print_exc()

@@ -392,11 +392,11 @@ def markdown(figures: dict[str, Any]) -> list[str]:
     if figures.get("ceiling"):
         ceiling = ["", *table(
             "the ring alone on this host, no engine: the same buckets and buffers, each tensor split by rows "
-            "as Shard(0) splits it, N writer processes copying their rows in with memcpy, one reader copying "
-            "every piece out, and only 8-byte messages between them, writer to reader and reader to writer, "
-            "no relay (medians of the rounds; the run with the median GB/s; vs 1 writer: the most a sharded "
-            "round with these buckets and buffers can gain over an unsharded one on this host, for any "
-            "protocol that hands buckets over by message)",
+            "as Shard(0) splits it, N writer processes copying their rows in with memcpy, one reader doing a "
+            "worker's copies (every piece into a staging copy, then the commit into the model), and only "
+            "8-byte messages between them, writer to reader and reader to writer, no relay (medians of the "
+            "rounds; the run with the median GB/s; vs 1 writer: what spreading the same writes over more "
+            "processes costs or gains on this host when nothing else does)",
             ["writers", "GB/s", "each run's GB/s", "vs 1 writer"],
             [[str(c["writers"]), f"{c['gb_per_s']:.2f}", ", ".join(f"{value:.2f}" for value in c["runs"]),
               f"{c['ratio']:.2f}×"] for c in figures["ceiling"]])]
