@@ -140,6 +140,8 @@ def _reader(runs: list[list[tuple[int, int, int, int]]], sizes: list[int], ring:
     destination = np.empty(max(total, 1), dtype=np.uint8)  # the node's staging copy
     model = np.empty(max(total, 1), dtype=np.uint8)
     tensors = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]
+    destination.fill(0)  # a worker's model and staging copy exist before its first round: no page
+    model.fill(0)  # faults in a timed round
     who = [sorted({run[0] for run in bucket}) for bucket in runs]
     inbox = _Inbox(writers)
     for _ in range(rounds):

@@ -116,6 +116,13 @@ class ControlChannel:
         fds, self._fds = self._fds, []
         return fds
 
+    def take_fd(self) -> int:
+        """The oldest descriptor received and not taken yet: one per message that carried one,
+        in the order they came, however the reads grouped them."""
+        if not self._fds:
+            raise TransferError(f"{self.peer} sent a message that should carry a descriptor, without one")
+        return self._fds.pop(0)
+
     def close(self) -> None:
         for fd in self.take_fds():
             os.close(fd)

@@ -15,9 +15,9 @@ from typing import Any
 
 from wtransfer.errors import TransferError
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Bumped whenever the trainer/worker wire protocol changes; workers refuse other versions (and so
-do the other ranks of a sharded trainer: 4 added their ``layout`` message on ``shm``)."""
+do the other ranks of a sharded trainer: 5 made them hand buckets to the workers directly on ``shm``)."""
 
 MIB = 1 << 20
 """One mebibyte: the unit of every buffer size in wtransfer."""

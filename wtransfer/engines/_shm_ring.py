@@ -18,6 +18,7 @@ from wtransfer.engines._packing import plan_buckets
 from wtransfer.engines._protocol import PROTOCOL_VERSION
 from wtransfer.engines._part_streams import layout_rows
 from wtransfer.engines._shards import entries_digest, rank_parts, write_bucket, writes_shards_as_is
+from wtransfer.engines._shm_links import Inbox, check_masks, take_link
 from wtransfer.errors import TransferError
 
 if TYPE_CHECKING:
@@ -96,10 +97,11 @@ class TrainerAborted(TransferError):
 class SharedMemorySender:
     """Another rank of a sharded ``shm`` trainer: maps rank 0's ring and writes its own shards into it.
 
-    Rank 0 keeps the control plane: it says when a round starts, which bucket goes in which
-    buffer (once the workers released it; it asks only the ranks holding bytes of that bucket), and
-    announces a bucket to the workers once every rank holding bytes of it wrote them. Nothing is
-    gathered; every byte is written once, by the rank that holds it.
+    Rank 0 keeps the control plane: it starts each round, checks that the ranks' shards tile it,
+    says which ranks write each bucket, aborts and ends it. The buckets themselves are handed
+    over directly (:mod:`._shm_links`): this rank writes its bytes of a bucket once every worker
+    released the bucket that buffer held, and tells every worker it did. Nothing is gathered;
+    every byte is written once, by the rank that holds it.
     """
 
     def __init__(self, info: dict[str, Any], trainer_rank: int, source: Any, timeout_s: float) -> None:
@@ -118,29 +120,50 @@ class SharedMemorySender:
         self._ring: SharedRing | None
         self._channel, self._ring = join_ring(str(info["address"]), hello, self.bucket_bytes, int(info["num_buffers"]),
                                               timeout_s, "this rank", peer="trainer rank 0")
+        self._links: dict[int, ControlChannel] = {}  # worker rank -> our link to it
 
-    def _next(self, attempt: int, wait: float) -> dict[str, Any]:
-        """Rank 0's next message about round ``attempt``; what an earlier, failed round left in the
-        socket (requests sent before rank 0 saw this rank fail, an abort) is skipped."""
-        assert self._channel is not None
-        while (message := self._channel.recv(wait)).get("attempt") != attempt or message.get("op") == "tick":
-            pass  # a tick: rank 0 is still sending this round, only not asking this rank for anything
+    def _control(self, message: dict[str, Any], attempt: int) -> dict[str, Any] | None:
+        """Rank 0's ``message`` about round ``attempt``, or None for one to skip: a link (taken),
+        a tick (rank 0 is still sending, only not asking this rank for anything), or what an
+        earlier, failed round left in the socket. An abort raises."""
+        if message.get("op") == "link":
+            self._take_link(message)
+            return None
+        if message.get("attempt") != attempt or message.get("op") == "tick":
+            return None
         if message.get("op") == "abort":
             raise TrainerAborted(f"trainer rank 0 aborted the round: {message.get('reason')}")
         return message
 
+    def _next(self, attempt: int, wait: float) -> dict[str, Any]:
+        """Rank 0's next message about round ``attempt`` (see :meth:`_control`)."""
+        assert self._channel is not None
+        while (message := self._control(self._channel.recv(wait), attempt)) is None:
+            pass
+        return message
+
+    def _take_link(self, message: dict[str, Any]) -> None:
+        assert self._channel is not None
+        worker = message.get("worker")
+        if type(worker) is not int or worker < 1:
+            raise TransferError(f"protocol violation: a link to worker {worker!r}")
+        if worker in self._links:
+            self._links.pop(worker).close()
+        self._links[worker] = take_link(self._channel, f"shm worker rank {worker}")
+
     def serve_round(self, attempt: int) -> tuple[int, int]:
-        """Write this rank's shards into every bucket rank 0 asks for; returns (tensors, bytes) held here.
+        """Write this rank's shards into every bucket it holds bytes of; returns (tensors, bytes) held here.
 
         Each wait is bounded: rank 0 waits at most ``timeout_s`` for the workers between two
-        buckets, and a rank it has not asked for anything in ``timeout_s / 2`` gets a ``tick``,
-        so a healthy round never leaves this rank without a message for ``2 * timeout_s + 30``
-        (it may hold no byte of a long run of buckets). A closed socket (rank 0 died) or an
-        abort raises at once.
+        buckets, and a rank it has not told anything in ``timeout_s / 2`` gets a ``tick``, so a
+        healthy round never leaves this rank without a message for ``2 * timeout_s + 30`` (it
+        may hold no byte of a long run of buckets). A closed socket (rank 0 or a worker died) or
+        an abort raises at once.
         """
         if self._channel is None or self._ring is None:
             raise TransferError(f"trainer rank {self.rank}: this sender was closed")
         channel, wait = self._channel, 2 * self.timeout_s + 30
+        inbox = None
         try:
             message = self._next(attempt, wait)
             if message.get("op") != "round":
@@ -152,14 +175,28 @@ class SharedMemorySender:
             buckets = plan_buckets(entries, self.bucket_bytes)
             parts = rank_parts(self.source.named_tensors(), self.rank, entries)
             # what this rank holds of every tensor (gloo's layout words): rank 0 checks that the ranks
-            # tile every tensor and asks this rank only for the buckets it has bytes in
+            # tile every tensor and tells everyone which ranks write each bucket
             channel.send({"op": "layout", "rows": layout_rows(parts), "attempt": attempt}, timeout=self.timeout_s)
-            while (message := self._next(attempt, wait)).get("op") == "write":
-                bucket = buckets[message["index"]]
-                write_bucket(bucket, self._ring.slots[message["slot"]], entries, parts)
-                channel.send({"op": "written", "index": bucket.index, "attempt": attempt}, timeout=self.timeout_s)
-            if message.get("op") != "end":
-                raise TransferError(f"protocol violation: unexpected message from trainer rank 0: {message!r}")
+            go = self._next(attempt, wait)
+            if go.get("op") != "go":
+                raise TransferError(f"protocol violation: expected the go from trainer rank 0, got {go!r}")
+            masks = check_masks(go.get("masks"), len(buckets))
+            version, readers = go.get("version"), len(self._links) + (1 if go.get("digests") else 0)
+            inbox = Inbox({0: channel, **self._links})
+            freed = [0] * len(buckets)  # readers (workers; rank 0 with checksums) done with each bucket
+            buffers = len(self._ring.slots)
+            for bucket in buckets:
+                if not masks[bucket.index] >> self.rank & 1:
+                    continue
+                while bucket.index >= buffers and freed[bucket.index - buffers] < readers:
+                    self._heard(inbox, attempt, version, freed, wait, f"waiting for buffer {bucket.index % buffers}")
+                write_bucket(bucket, self._ring.slots[bucket.index % buffers], entries, parts)
+                for link in self._links.values():
+                    link.send({"op": "written", "index": bucket.index, "version": version}, timeout=self.timeout_s)
+                if go.get("digests"):  # rank 0 hashes every bucket once it is whole
+                    channel.send({"op": "written", "index": bucket.index, "attempt": attempt}, timeout=self.timeout_s)
+            while not self._heard(inbox, attempt, version, freed, wait, "waiting for the round to end"):
+                pass
         except (PeerClosedError, TrainerAborted):
             raise
         except BaseException as exc:
@@ -168,10 +205,39 @@ class SharedMemorySender:
             except TransferError:
                 pass
             raise
+        finally:
+            if inbox is not None:
+                inbox.close()
         held = [p for p in parts if p is not None]
         return len(held), sum(p.local.numel() * p.local.element_size() for p in held)
 
+    def _heard(self, inbox: Inbox, attempt: int, version: Any, freed: list[int], wait: float, what: str) -> bool:
+        """Take one message: a reader done with a bucket (counted in ``freed``), or rank 0's word;
+        True once rank 0 said the round ended."""
+        rank, message = inbox.next(wait, what)
+        op, index = message.get("op"), message.get("index")
+        if rank == 0:
+            message = self._control(message, attempt)  # type: ignore[assignment]
+            if message is None:
+                return False
+            op = message.get("op")
+            if op == "end":
+                return True
+            if op != "free":
+                raise TransferError(f"protocol violation: unexpected message from trainer rank 0: {message!r}")
+        elif op != "release":
+            raise TransferError(f"protocol violation: shm worker rank {rank} sent {message!r}")
+        elif message.get("version") != version:
+            return False  # an earlier round's, ended before this rank read it
+        if type(index) is not int or not 0 <= index < len(freed):
+            raise TransferError(f"protocol violation: no bucket {index!r} in this round")
+        freed[index] += 1
+        return False
+
     def close(self) -> None:
+        for link in self._links.values():
+            link.close()
+        self._links = {}
         if self._channel is not None:
             self._channel.close()
             self._channel = None

@@ -34,6 +34,7 @@ from wtransfer.engines._manifest import Manifest
 from wtransfer.engines._packing import Bucket, Packer, Unpacker, plan_buckets
 from wtransfer.engines._part_streams import RankLayout, check_tiling, layout_rows
 from wtransfer.engines._shards import entries_digest, rank_parts, write_bucket
+from wtransfer.engines._shm_links import Inbox, check_masks, hand_out_links, ranks_in, take_link
 from wtransfer.engines._shm_ring import SharedMemorySender, SharedRing, TrainerAborted, join_ring
 from wtransfer.engines._staging import create_memfd
 from wtransfer.engines._protocol import (
@@ -106,6 +107,7 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         self._channel: ControlChannel | None = None
         self._ring: SharedRing | None = None
         self._info: SharedMemoryInitInfo | None = None
+        self._links: dict[int, ControlChannel] = {}  # a sharded trainer's other ranks -> their link to us
         self.rank: int | None = None
 
     def init_transfer_engine(self, init_info: SharedMemoryInitInfo) -> None:
@@ -139,9 +141,21 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         buckets = plan_buckets(manifest.entries, info.bucket_bytes)
         digests = RoundDigests(len(manifest.entries)) if manifest.digests else None
         unpacker = Unpacker(manifest, load_weights, digests)
-        try:
+        sharded: tuple[list[int], list[int], Inbox] | None = None  # a sharded trainer's round: every
+        try:  # bucket's writers, the ranks that wrote each so far, and every socket they write on
+            message: dict[str, Any] | None = self._from_trainer(info.timeout_s)
+            if message is not None and message.get("op") == "writers":
+                masks = check_masks(message.get("masks"), len(buckets), [0, *self._links])
+                sharded = (masks, [0] * len(buckets), Inbox({0: channel, **self._links}))
+                message, told = None, time.monotonic()
             for bucket in buckets:
-                message = channel.recv(info.timeout_s)
+                if sharded is not None:
+                    index = self._await_writers(bucket.index, *sharded, manifest.version)
+                    self._load(bucket, index, unpacker, digests)
+                    told = self._release(bucket.index, sharded[0], manifest.version, told)
+                    continue
+                if message is None:
+                    message = self._from_trainer(info.timeout_s)
                 if message.get("op") == "abort" and message.get("clean") and bucket.index == 0:
                     # Another worker rejected the manifest: nothing moved, the trainer stays usable.
                     raise RoundCalledOff(
@@ -151,13 +165,13 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
                     raise TrainerAborted(f"the trainer aborted round {manifest.version}: {message.get('reason')}")
                 if message.get("op") != "bucket" or message.get("index") != bucket.index:
                     raise TransferError(f"protocol violation: expected bucket {bucket.index}, got {message!r}")
-                slot = self._ring.slots[message["slot"]]
-                unpacker.unpack(bucket, slot[: bucket.nbytes], message["slot"])
-                if digests is not None:
-                    digests.fence(message["slot"])  # hashed before the trainer may write there again
+                self._load(bucket, message["slot"], unpacker, digests)
+                message = None
                 channel.send({"op": "release", "index": bucket.index}, timeout=info.timeout_s)
+            if sharded is not None:
+                channel.send({"op": "loaded"}, timeout=info.timeout_s)
             if digests is not None:
-                message = channel.recv(info.timeout_s)
+                message = self._from_trainer(info.timeout_s) if sharded is None else self._trainer_only(sharded[2], info)
                 if message.get("op") == "abort":
                     raise TrainerAborted(f"the trainer aborted round {manifest.version}: {message.get('reason')}")
                 if message.get("op") != "digests" or not isinstance(message.get("values"), list):
@@ -182,14 +196,138 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         finally:
             if digests is not None:
                 digests.close()
+            if sharded is not None:
+                sharded[2].close()
+
+    def _load(self, bucket: Bucket, slot: int, unpacker: Unpacker, digests: RoundDigests | None) -> None:
+        assert self._ring is not None
+        unpacker.unpack(bucket, self._ring.slots[slot][: bucket.nbytes], slot)
+        if digests is not None:
+            digests.fence(slot)  # hashed before the trainer may write there again
+
+    def _release(self, index: int, masks: list[int], version: int, told: float) -> float:
+        """Bucket ``index`` is loaded: tell the ranks that write the bucket that reuses its buffer
+        (rank 0 on the control socket, the others on their links), and no one else. Rank 0, not
+        told for ``timeout_s / 4``, hears that the round goes on. When rank 0 was last told."""
+        assert self._channel is not None and self._ring is not None and self._info is not None
+        reuser = index + len(self._ring.slots)
+        for rank in ranks_in(masks[reuser] if reuser < len(masks) else 0):
+            if rank:
+                self._links[rank].send({"op": "release", "index": index, "version": version},
+                                       timeout=self._info.timeout_s)
+            else:
+                self._channel.send({"op": "release", "index": index}, timeout=self._info.timeout_s)
+                told = time.monotonic()
+        if time.monotonic() - told > self._info.timeout_s / 4:
+            self._channel.send({"op": "progress", "index": index}, timeout=self._info.timeout_s)
+            told = time.monotonic()
+        return told
+
+    def _from_trainer(self, timeout: float) -> dict[str, Any]:
+        """Rank 0's next message; the links to a sharded trainer's other ranks are taken as they come."""
+        assert self._channel is not None
+        while (message := self._channel.recv(timeout)).get("op") == "link":
+            self._take_link(message)
+        return message
+
+    def _take_link(self, message: dict[str, Any]) -> None:
+        assert self._channel is not None
+        rank = message.get("sender")
+        if type(rank) is not int or rank < 1:
+            raise TransferError(f"protocol violation: a link to trainer rank {rank!r}")
+        if rank in self._links:
+            self._links.pop(rank).close()
+        self._links[rank] = take_link(self._channel, f"trainer rank {rank}")
+
+    def _await_writers(self, index: int, masks: list[int], written: list[int], inbox: Inbox, version: int) -> int:
+        """Wait until every rank holding bytes of bucket ``index`` wrote them (rank 0 says so on the
+        control socket, the others on their links); its buffer."""
+        assert self._info is not None and self._ring is not None
+        while written[index] & masks[index] != masks[index]:
+            rank, message = inbox.next(self._info.timeout_s, f"waiting for bucket {index} of round {version}")
+            op, done = message.get("op"), message.get("index")
+            if rank == 0 and op == "abort":
+                raise TrainerAborted(f"the trainer aborted round {version}: {message.get('reason')}")
+            if rank and op == "written" and message.get("version") != version:
+                continue  # an earlier round's, ended before this worker read it
+            if op != ("bucket" if rank == 0 else "written") or type(done) is not int or not 0 <= done < len(masks):
+                raise TransferError(f"protocol violation: trainer rank {rank} sent {message!r} during bucket {index}")
+            written[done] |= 1 << rank
+        return index % len(self._ring.slots)
+
+    def _trainer_only(self, inbox: Inbox, info: SharedMemoryInitInfo) -> dict[str, Any]:
+        """Rank 0's next message once every bucket is in (the links have nothing more to say)."""
+        while True:
+            rank, message = inbox.next(info.timeout_s, "waiting for the round's digests")
+            if rank == 0:
+                return message
+            if message.get("op") != "written":
+                raise TransferError(f"protocol violation: trainer rank {rank} sent {message!r} after the last bucket")
 
     def shutdown(self) -> None:
+        for link in self._links.values():
+            link.close()
+        self._links = {}
         if self._channel is not None:
             self._channel.close()
             self._channel = None
         if self._ring is not None:
             self._ring.close()
             self._ring = None
+
+
+class _ShardedRound:
+    """Rank 0's bookkeeping of a sharded round's buckets: which ranks write each (``masks``), how
+    many workers released each, and, with checksums, which ranks said they wrote it and how far
+    rank 0 has hashed. A bucket's buffer may be written again once every worker released the
+    bucket it held (and rank 0 hashed it)."""
+
+    def __init__(self, masks: list[int], buckets: list[Bucket], workers: int, slots: list[Any],
+                 digests: RoundDigests | None, tell_senders: Callable[[dict[str, Any], Iterable[int]], None]) -> None:
+        self.masks, self.buckets, self.workers, self.slots = masks, buckets, workers, slots
+        self.digests, self.tell_senders = digests, tell_senders
+        self.released_by = [0] * len(masks)  # workers that released each bucket rank 0 writes next into its buffer
+        self.loaded = 0  # workers that loaded every bucket
+        self.messages = 0  # every word from the workers: the round's progress
+        self.written_by = [0] * len(masks)  # ranks (bits) that wrote each bucket, tracked with checksums
+        self.hashed = 0  # with checksums: buckets hashed so far, in order (a tensor's digest is a stream)
+
+    def _index(self, index: Any) -> int:
+        if type(index) is not int or not 0 <= index < len(self.masks):
+            raise TransferError(f"protocol violation: no bucket {index!r} in this round")
+        return index
+
+    def heard(self, op: str, index: Any) -> None:
+        """A worker's word: it ``release``d a bucket whose buffer rank 0 writes next, made
+        ``progress`` (a long run of buckets rank 0 writes nothing of), or ``loaded`` them all."""
+        if op == "release":
+            self.released_by[self._index(index)] += 1
+        elif op == "loaded":
+            self.loaded += 1
+        self.messages += 1
+
+    def written(self, rank: int, index: Any) -> None:
+        """``rank`` wrote its bytes of bucket ``index``: with checksums, hash every bucket now whole,
+        in order, and tell the writers of the bucket that reuses its buffer that rank 0 is done."""
+        if self.digests is None:
+            return
+        self.written_by[self._index(index)] |= 1 << rank
+        while self.hashed < len(self.masks) and self.written_by[self.hashed] == self.masks[self.hashed]:
+            done, buffer = self.hashed, self.hashed % len(self.slots)
+            self.digests.update_pieces(self.buckets[done].pieces, self.slots[buffer], buffer)
+            self.digests.fence(buffer)
+            self.hashed += 1
+            if done + len(self.slots) < len(self.masks):
+                self.tell_senders({"op": "free", "index": done}, [r for r in ranks_in(self.masks[done + len(self.slots)]) if r])
+
+    def free(self, index: int) -> bool:
+        """May bucket ``index`` be written into its buffer now?"""
+        before = index - len(self.slots)
+        return before < 0 or (self.released_by[before] == self.workers
+                              and (self.digests is None or self.hashed > before))
+
+    def done(self) -> bool:
+        return self.loaded == self.workers and (self.digests is None or self.hashed == len(self.masks))
 
 
 @dataclass(frozen=True)
@@ -330,6 +468,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                 self._senders[rank] = channel
         finally:
             self._close_listener()
+        hand_out_links(self._senders, self._channels, self.timeout_s)  # they hand buckets over directly
         for rank, channel in self._senders.items():
             self._selector.register(channel, selectors.EVENT_READ, -rank)  # negative: a trainer rank
 
@@ -362,9 +501,12 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             raise TransferError(f"unexpected message during shm rendezvous: {message!r}")
 
     # -- one round ----------------------------------------------------------------------------
-    def _pump(self, done: Callable[[], bool], call: ClientCall, what: str, handle: Callable[[int, dict[str, Any]], None]) -> None:
-        """Dispatch workers' messages until ``done()``; bounded by ``timeout_s``, aborted by client failure."""
+    def _pump(self, done: Callable[[], bool], call: ClientCall, what: str, handle: Callable[[int, dict[str, Any]], None],
+              progress: Callable[[], int] | None = None) -> None:
+        """Dispatch workers' messages until ``done()``; bounded by ``timeout_s`` (since the last change
+        of ``progress()``, if given: a wait that spans many buckets), aborted by client failure."""
         deadline = time.monotonic() + self.timeout_s
+        seen = progress() if progress is not None else 0
         for rank, channel in [*self._channels.items(), *((-r, c) for r, c in self._senders.items())]:
             for message in channel.pending():  # messages that arrived together with earlier ones
                 handle(rank, message)
@@ -376,9 +518,13 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                 if done():
                     return
                 call.raise_if_failed()
+            if progress is not None and progress() != seen:
+                seen, deadline = progress(), time.monotonic() + self.timeout_s
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TransferTimeoutError(f"shm trainer: {what} took longer than {self.timeout_s:g} s")
+            if self._senders:
+                self._tick_idle_senders()
             self._dispatch(min(remaining, 0.05), what, handle)
 
     def _dispatch(self, wait: float, what: str, handle: Callable[[int, dict[str, Any]], None]) -> None:
@@ -410,42 +556,21 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                       digests: RoundDigests | None) -> None:
         assert self._ring is not None
         answers: dict[int, str | None] = {}  # rank -> None (accepted) or the rejection
-        holders: list[set[int]] = [set() for _ in self._ring.slots]  # ranks still reading each slot
+        holders: list[set[int]] = [set() for _ in self._ring.slots]  # unsharded: ranks still reading each slot
         slot_of: dict[int, int] = {}
-        writing: dict[int, set[int]] = {}  # bucket index -> trainer ranks still writing their shards into it
         layouts: dict[int, RankLayout] = {}  # trainer rank -> what it holds of every tensor (gloo's picture)
+        sharded: list[_ShardedRound] = []  # the bucket phase of a sharded round, once it began
         workers, senders = set(self._channels), self._senders
         if senders:  # they plan the round while the workers check the manifest
             self._tell_senders({"op": "round", "digest": entries_digest(manifest.entries)})
-
-        unannounced = [0]  # the first bucket not announced yet: workers take buckets in order
-
-        def announce(index: int) -> None:
-            slot = slot_of[index]
-            holders[slot] = set(workers)
-            unannounced[0] = index + 1
-            self._tell_workers({"op": "bucket", "index": index, "slot": slot}, manifest.version)
-
-        def written(index: int, rank: int) -> None:
-            """``rank`` wrote its bytes of bucket ``index``; announce every bucket now complete, in order
-            (a bucket with fewer writers can be done before the one ahead of it)."""
-            left = writing[index]
-            left.discard(rank)
-            if not left:
-                del writing[index]
-            while unannounced[0] in slot_of and unannounced[0] not in writing:
-                index = unannounced[0]
-                if digests is not None:  # the bucket is what one sender would have packed: hash it as Packer does
-                    digests.update_pieces(buckets[index].pieces, self._ring.slots[slot_of[index]], slot_of[index])  # type: ignore[union-attr]
-                announce(index)
 
         def handle(rank: int, message: dict[str, Any]) -> None:
             op = message.get("op")
             if rank < 0:  # another trainer rank
                 if message.get("attempt") != self._attempt:
                     return  # left over from an earlier round that ended before this rank's answer was read
-                if op == "written" and message.get("index") in writing:
-                    written(message["index"], -rank)
+                if op == "written" and sharded:  # with checksums only: rank 0 hashes every bucket
+                    sharded[0].written(-rank, message.get("index"))
                 elif op == "layout" and isinstance(message.get("rows"), list):
                     if len(message["rows"]) != 3 * len(manifest.entries):
                         raise TransferError(f"trainer rank {-rank} sent a layout of {len(message['rows'])} words for "
@@ -460,6 +585,8 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                 answers[rank] = None
             elif op == "reject":
                 answers[rank] = str(message.get("error"))
+            elif op in ("release", "progress", "loaded") and sharded:
+                sharded[0].heard(op, message.get("index"))
             elif op == "release":
                 holders[slot_of[message["index"]]].discard(rank)
             elif op == "fail":
@@ -475,48 +602,60 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                         only=[r for r in answers if r not in rejected], clean=True)
             raise ManifestRejected(f"round {manifest.version} rejected: {reasons}")
         if senders:
-            parts = rank_parts(self.source.named_tensors(), 0, manifest.entries)  # type: ignore[attr-defined]
-            layouts[0] = RankLayout(manifest.entries, layout_rows(parts))
-            self._pump(lambda: len(layouts) == 1 + len(senders), call, "waiting for the other trainer ranks' layouts",
-                       handle)
-            try:  # before any byte is written: every byte of every tensor is one rank's, as on gloo
-                check_tiling([layouts[rank] for rank in sorted(layouts)])
-            except TransferError as exc:
-                raise TransferError(f"the trainer ranks' shards do not tile the round: {exc}; every rank must "
-                                    f"shard the same model the same way (device mesh, placements)") from exc
-        else:
-            packer = Packer(manifest, iter(self.source), digests)
+            self._write_sharded(manifest, buckets, call, digests, layouts, sharded, handle)
+            return
+        packer = Packer(manifest, iter(self.source), digests)
         for bucket in buckets:
             slot = bucket.index % len(self._ring.slots)
-            previous = bucket.index - len(self._ring.slots)  # the bucket this buffer held last
-            if holders[slot] or previous >= unannounced[0]:  # still read, or not even announced yet
-                self._pump(lambda: not holders[slot] and previous < unannounced[0], call,
-                           f"waiting for workers to release buffer {slot}", handle)
+            if holders[slot]:
+                self._pump(lambda: not holders[slot], call, f"waiting for workers to release buffer {slot}", handle)
             slot_of[bucket.index] = slot
-            data = self._ring.slots[slot]
             if digests is not None:
                 digests.fence(slot)  # the bucket this buffer held last is hashed
-            if not senders:
-                packer.pack(bucket, data, slot)
-                announce(bucket.index)
-                continue
-            # Only the ranks with bytes in this bucket write it: with Shard(0), most buckets of a
-            # large tensor lie in one rank's rows, and waking the others costs a hand-off each.
-            writers = [rank for rank in senders if layouts[rank].runs(bucket)]
-            writing[bucket.index] = {0, *writers}
-            self._tell_senders({"op": "write", "index": bucket.index, "slot": slot}, writers)
-            if layouts[0].runs(bucket):
-                write_bucket(bucket, data, manifest.entries, parts)
-            written(bucket.index, 0)
-            self._tick_idle_senders()
-            self._dispatch(0.0, "writing", handle)  # announce what the others finished meanwhile
-        if not senders:
-            packer.drain()
-        self._pump(lambda: not any(holders) and unannounced[0] == len(buckets), call,
-                   "waiting for workers to load the last buckets",
-                   handle)
-        self._tell_senders({"op": "end"})
+            packer.pack(bucket, self._ring.slots[slot], slot)
+            holders[slot] = set(workers)
+            self._tell_workers({"op": "bucket", "index": bucket.index, "slot": slot}, manifest.version)
+        packer.drain()
+        self._pump(lambda: not any(holders), call, "waiting for workers to load the last buckets", handle)
         if digests is not None:  # the workers compare them with their own before the round can commit
+            self._tell_workers({"op": "digests", "values": digests.digests()}, manifest.version)
+
+    def _write_sharded(self, manifest: Manifest, buckets: list[Bucket], call: ClientCall,
+                       digests: RoundDigests | None, layouts: dict[int, RankLayout], sharded: list[_ShardedRound],
+                       handle: Callable[[int, dict[str, Any]], None]) -> None:
+        """Every rank writes its own bytes of each bucket; the ranks and the workers hand buckets
+        to each other over their links (:mod:`._shm_links`), and rank 0 writes its own share,
+        counts the workers' releases and, with checksums, hashes each bucket once it is whole."""
+        assert self._ring is not None
+        parts = rank_parts(self.source.named_tensors(), 0, manifest.entries)  # type: ignore[attr-defined]
+        layouts[0] = RankLayout(manifest.entries, layout_rows(parts))
+        self._pump(lambda: len(layouts) == 1 + len(self._senders), call,
+                   "waiting for the other trainer ranks' layouts", handle)
+        try:  # before any byte is written: every byte of every tensor is one rank's, as on gloo
+            check_tiling([layouts[rank] for rank in sorted(layouts)])
+        except TransferError as exc:
+            raise TransferError(f"the trainer ranks' shards do not tile the round: {exc}; every rank must "
+                                f"shard the same model the same way (device mesh, placements)") from exc
+        masks = [sum(1 << rank for rank, layout in layouts.items() if layout.runs(bucket)) for bucket in buckets]
+        state = _ShardedRound(masks, buckets, self.num_workers, self._ring.slots, digests, self._tell_senders)
+        sharded.append(state)
+        self._tell_workers({"op": "writers", "masks": masks}, manifest.version)
+        self._tell_senders({"op": "go", "version": manifest.version, "masks": masks, "digests": digests is not None})
+        for bucket in buckets:
+            if not masks[bucket.index] & 1:
+                continue
+            slot = bucket.index % len(self._ring.slots)
+            if not state.free(bucket.index):
+                self._pump(lambda: state.free(bucket.index), call, f"waiting for workers to release buffer {slot}",
+                           handle, progress=lambda: state.messages)
+            write_bucket(bucket, self._ring.slots[slot], manifest.entries, parts)
+            self._tell_workers({"op": "bucket", "index": bucket.index, "slot": slot}, manifest.version)
+            state.written(0, bucket.index)
+            self._dispatch(0.0, "writing", handle)  # the workers' releases, so their sockets never fill
+        self._pump(state.done, call, "waiting for the other trainer ranks and the workers to finish the buckets",
+                   handle, progress=lambda: state.messages)
+        self._tell_senders({"op": "end"})
+        if digests is not None:
             self._tell_workers({"op": "digests", "values": digests.digests()}, manifest.version)
 
     def _tell_workers(self, message: dict[str, Any], version: int) -> None:
