@@ -143,7 +143,7 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         unpacker = Unpacker(manifest, load_weights, digests)
         sharded: tuple[list[int], list[int], Inbox] | None = None  # a sharded trainer's round: every
         try:  # bucket's writers, the ranks that wrote each so far, and every socket they write on
-            message: dict[str, Any] | None = self._from_trainer(info.timeout_s)
+            message: dict[str, Any] | None = self._from_trainer(info.timeout_s) if buckets else None
             if message is not None and message.get("op") == "writers":
                 masks = check_masks(message.get("masks"), len(buckets), [0, *self._links])
                 sharded = (masks, [0] * len(buckets), Inbox({0: channel, **self._links}))
@@ -327,7 +327,8 @@ class _ShardedRound:
                               and (self.digests is None or self.hashed > before))
 
     def done(self) -> bool:
-        return self.loaded == self.workers and (self.digests is None or self.hashed == len(self.masks))
+        return (not self.masks or self.loaded == self.workers) and (
+            self.digests is None or self.hashed == len(self.masks))
 
 
 @dataclass(frozen=True)
@@ -639,7 +640,8 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         masks = [sum(1 << rank for rank, layout in layouts.items() if layout.runs(bucket)) for bucket in buckets]
         state = _ShardedRound(masks, buckets, self.num_workers, self._ring.slots, digests, self._tell_senders)
         sharded.append(state)
-        self._tell_workers({"op": "writers", "masks": masks}, manifest.version)
+        if buckets:  # (a round with no bucket has nothing to hand over; its workers read nothing)
+            self._tell_workers({"op": "writers", "masks": masks}, manifest.version)
         self._tell_senders({"op": "go", "version": manifest.version, "masks": masks, "digests": digests is not None})
         for bucket in buckets:
             if not masks[bucket.index] & 1:
