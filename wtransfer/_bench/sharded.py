@@ -29,7 +29,7 @@ import statistics
 import time
 from typing import Any
 
-from wtransfer._bench import ring_ceiling
+from wtransfer._bench import ring_alone
 from wtransfer._bench.report import add_report_arguments, figures_report, table
 
 TARGET_RATIO = {"writes": 0.8, "gathers": 0.8}
@@ -263,18 +263,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.repeats} turn(s) of: one trainer process and FSDP2 trainer ranks (gloo default group), "
               f"{args.workers} worker(s), {args.rounds} rounds of {args.model} {args.dtype} over {args.engine}")
         runs: dict[tuple[str, int], list[list[dict[str, Any]]]] = {}
-        ceilings: dict[int, list[float]] = {}  # writers -> GB/s of the ring alone, run by run
+        ring_runs: dict[int, list[float]] = {}  # writers -> GB/s of the ring alone, run by run
         for turn in range(args.repeats):  # in turns, so that a slow spell of the host hits every row alike
             for row, ranks, mode, checksums in configurations:
                 print(f"turn {turn + 1}: {_LABELS[row]}, {ranks} rank(s)")
                 runs.setdefault((row, ranks), []).append(run_trainer(ranks, args, mode, checksums))
-            if args.engine == "shm":  # what more writers can gain on this host at all, the engine left out
+            if args.engine == "shm" and args.workers == 1:  # more writers on this host, the engine left out
                 bucket_bytes, buffers = runs[("unsharded", 1)][0][0]["ring"]
                 for count in [1, *writers]:
                     print(f"turn {turn + 1}: the ring alone, {count} writer(s)")
-                    ceilings.setdefault(count, []).append(
-                        ring_ceiling.run_fresh(args.model, args.dtype, count, bucket_bytes, buffers, args.rounds))
-        figures.update(summarize(args, [(row, ranks, sets) for (row, ranks), sets in runs.items()], ceilings))
+                    ring_runs.setdefault(count, []).append(
+                        ring_alone.run_fresh(args.model, args.dtype, count, bucket_bytes, buffers, args.rounds))
+        figures.update(summarize(args, [(row, ranks, sets) for (row, ranks), sets in runs.items()], ring_runs))
         if not args.json and args.markdown is None:
             for line in markdown(figures):
                 print(line)
@@ -282,10 +282,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summarize(args: argparse.Namespace, repeated: list[tuple[str, int, list[list[dict[str, Any]]]]],
-              ceilings: dict[int, list[float]] | None = None) -> dict[str, Any]:
+              ring_runs: dict[int, list[float]] | None = None) -> dict[str, Any]:
     """Rows from every configuration's runs (each: every rank's reports): the run with the median
-    GB/s stands for its configuration; memory is the worst of all runs. ``ceilings``: the ring
-    alone's GB/s by writer count, run by run (shm only; see :mod:`ring_ceiling`)."""
+    GB/s stands for its configuration; memory is the worst of all runs. ``ring_runs``: the ring
+    alone's GB/s by writer count, run by run (shm with one worker; see :mod:`ring_alone`)."""
     def rate(reports: list[dict[str, Any]]) -> float:
         return statistics.median(r["gb_per_s"] for r in reports[0]["rounds"])
 
@@ -323,12 +323,12 @@ def summarize(args: argparse.Namespace, repeated: list[tuple[str, int, list[list
         return statistics.median(sum(r["round_rank_wait"][i] for r in reports) / rounds[i]["seconds"]
                                  for i in range(len(rounds)))
 
-    ceiling = []
-    if ceilings:
-        alone = statistics.median_low(ceilings[1])
-        ceiling = [{"writers": count, "gb_per_s": statistics.median_low(rates), "runs": rates,
-                    "ratio": statistics.median_low(rates) / alone} for count, rates in sorted(ceilings.items())]
-    ceiling_ratio = {row["writers"]: row["ratio"] for row in ceiling}
+    ring_rows = []
+    if ring_runs:
+        alone = statistics.median_low(ring_runs[1])
+        ring_rows = [{"writers": count, "gb_per_s": statistics.median_low(rates), "runs": rates,
+                    "ratio": statistics.median_low(rates) / alone} for count, rates in sorted(ring_runs.items())]
+    ring_alone_ratio = {row["writers"]: row["ratio"] for row in ring_rows}
     runs = [(mode, ranks, median_run(sets)) for mode, ranks, sets in repeated]
     every_rate = {(mode, ranks): [rate(reports) for reports in sets] for mode, ranks, sets in repeated}
     plain_rate = rate(runs[0][2])
@@ -344,13 +344,13 @@ def summarize(args: argparse.Namespace, repeated: list[tuple[str, int, list[list
                      "ratio": ratio, "target": target,
                      "cores_busy": cores_busy(reports), "worker_busy": worker_busy(reports),
                      "worker_waiting": worker_waiting(reports), "ranks_waiting": ranks_waiting(reports),
-                     "ceiling_ratio": ceiling_ratio.get(ranks) if mode == "writes" and ranks > 1 else None,
+                     "ring_alone_ratio": ring_alone_ratio.get(ranks) if mode == "writes" and ranks > 1 else None,
                      "ok": target is None or ratio >= target})
         if mode == "gathers":
             gather_rate = first["rounds"][0]["bytes"] / first["gather_only_seconds"] / 1e9
             rows.append({"mode": "gather-only", "ranks": ranks, "gb_per_s": gather_rate, "runs": None,
                          "ratio": gather_rate / plain_rate, "target": None, "cores_busy": None, "worker_busy": None,
-                         "worker_waiting": None, "ranks_waiting": None, "ceiling_ratio": None,
+                         "worker_waiting": None, "ranks_waiting": None, "ring_alone_ratio": None,
                          "ok": True})
     for mode, ranks, sets in repeated:  # the worst of every run, rank by rank
         budget = sets[0][0]["budget"]
@@ -367,7 +367,7 @@ def summarize(args: argparse.Namespace, repeated: list[tuple[str, int, list[list
         "setup": (f"{args.model} parameters, {args.dtype}, {first['rounds'][0]['bytes'] / 1e9:.2f} GB, "
                   f"{args.engine}, {args.workers} worker(s), {args.rounds} rounds a run, {args.repeats} run(s) each in turns; "
                   f"largest parameter {first['largest_parameter'] / MIB:.0f} MiB"),
-        "unsharded_gb_per_s": plain_rate, "rows": rows, "memory": memory, "ceiling": ceiling,
+        "unsharded_gb_per_s": plain_rate, "rows": rows, "memory": memory, "ring_alone": ring_rows,
         "ratio_ok": all(r["ok"] for r in rows), "memory_ok": all(m["ok"] for m in memory),
         "ok": all(r["ok"] for r in rows) and all(m["ok"] for m in memory),
     }
@@ -384,13 +384,13 @@ def markdown(figures: dict[str, Any]) -> list[str]:
         if row["target"] is None:
             return ""
         verdict = f">= {row['target']}× {'ok' if row['ok'] else 'MISSED'}"
-        if row.get("ceiling_ratio") is not None and row["ceiling_ratio"] < row["target"]:
-            verdict += f" (the ring alone: {row['ceiling_ratio']:.2f}×)"
+        if row.get("ring_alone_ratio") is not None and row["ring_alone_ratio"] < row["target"]:
+            verdict += f" (the ring alone: {row['ring_alone_ratio']:.2f}×)"
         return verdict
 
-    ceiling = []
-    if figures.get("ceiling"):
-        ceiling = ["", *table(
+    ring_lines = []
+    if figures.get("ring_alone"):
+        ring_lines = ["", *table(
             "the ring alone on this host, no engine: the same buckets and buffers, each tensor split by rows "
             "as Shard(0) splits it, N writer processes copying their rows in with memcpy, one reader doing a "
             "worker's copies (every piece into a staging copy, then the commit into the model), and only "
@@ -399,7 +399,7 @@ def markdown(figures: dict[str, Any]) -> list[str]:
             "processes costs or gains on this host when nothing else does)",
             ["writers", "GB/s", "each run's GB/s", "vs 1 writer"],
             [[str(c["writers"]), f"{c['gb_per_s']:.2f}", ", ".join(f"{value:.2f}" for value in c["runs"]),
-              f"{c['ratio']:.2f}×"] for c in figures["ceiling"]])]
+              f"{c['ratio']:.2f}×"] for c in figures["ring_alone"]])]
 
     return [
         figures["setup"] + ".", "",
@@ -420,7 +420,7 @@ def markdown(figures: dict[str, Any]) -> list[str]:
                  "" if r["worker_waiting"] is None else f"{r['worker_waiting']:.2f}",
                  "" if r["ranks_waiting"] is None else f"{r['ranks_waiting']:.2f}"]
                 for r in figures["rows"]]),
-        *ceiling,
+        *ring_lines,
         "",
         *table("peak extra RSS per trainer rank (MiB, the most of any run; round 1 counts the trainer's buffers and "
                "one-time set-up)",

@@ -100,8 +100,9 @@ class SharedMemorySender:
     Rank 0 keeps the control plane: it starts each round, checks that the ranks' shards tile it,
     says which ranks write each bucket, aborts and ends it. The buckets themselves are handed
     over directly (:mod:`._shm_links`): this rank writes its bytes of a bucket once every worker
-    released the bucket that buffer held, and tells every worker it did. Nothing is gathered;
-    every byte is written once, by the rank that holds it.
+    released the bucket that buffer held (and, with checksums, rank 0 hashed it: its ``free``),
+    and tells every worker it did (and rank 0, with checksums). Nothing is gathered; every byte
+    is written once, by the rank that holds it.
     """
 
     def __init__(self, info: dict[str, Any], trainer_rank: int, source: Any, timeout_s: float) -> None:
@@ -195,8 +196,12 @@ class SharedMemorySender:
                     link.send({"op": "written", "index": bucket.index, "version": version}, timeout=self.timeout_s)
                 if go.get("digests"):  # rank 0 hashes every bucket once it is whole
                     channel.send({"op": "written", "index": bucket.index, "attempt": attempt}, timeout=self.timeout_s)
-            while not self._heard(inbox, attempt, version, freed, wait, "waiting for the round to end"):
+            # Every byte of this rank is in: only rank 0's word counts now (a worker that leaves after
+            # loading everything is rank 0's to judge; a release still in flight is skipped next round).
+            while (message := self._next(attempt, wait)).get("op") == "free":
                 pass
+            if message.get("op") != "end":
+                raise TransferError(f"protocol violation: unexpected message from trainer rank 0: {message!r}")
         except (PeerClosedError, TrainerAborted):
             raise
         except BaseException as exc:
@@ -211,28 +216,24 @@ class SharedMemorySender:
         held = [p for p in parts if p is not None]
         return len(held), sum(p.local.numel() * p.local.element_size() for p in held)
 
-    def _heard(self, inbox: Inbox, attempt: int, version: Any, freed: list[int], wait: float, what: str) -> bool:
-        """Take one message: a reader done with a bucket (counted in ``freed``), or rank 0's word;
-        True once rank 0 said the round ended."""
+    def _heard(self, inbox: Inbox, attempt: int, version: Any, freed: list[int], wait: float, what: str) -> None:
+        """Take one message: a reader done with a bucket (counted in ``freed``), or rank 0's word."""
         rank, message = inbox.next(wait, what)
         op, index = message.get("op"), message.get("index")
         if rank == 0:
             message = self._control(message, attempt)  # type: ignore[assignment]
             if message is None:
-                return False
+                return
             op = message.get("op")
-            if op == "end":
-                return True
             if op != "free":
                 raise TransferError(f"protocol violation: unexpected message from trainer rank 0: {message!r}")
         elif op != "release":
             raise TransferError(f"protocol violation: shm worker rank {rank} sent {message!r}")
         elif message.get("version") != version:
-            return False  # an earlier round's, ended before this rank read it
+            return  # an earlier round's, ended before this rank read it
         if type(index) is not int or not 0 <= index < len(freed):
             raise TransferError(f"protocol violation: no bucket {index!r} in this round")
         freed[index] += 1
-        return False
 
     def close(self) -> None:
         for link in self._links.values():

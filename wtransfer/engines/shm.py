@@ -143,8 +143,17 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         unpacker = Unpacker(manifest, load_weights, digests)
         sharded: tuple[list[int], list[int], Inbox] | None = None  # a sharded trainer's round: every
         try:  # bucket's writers, the ranks that wrote each so far, and every socket they write on
-            message: dict[str, Any] | None = self._from_trainer(info.timeout_s) if buckets else None
-            if message is not None and message.get("op") == "writers":
+            message: dict[str, Any] | None = self._from_trainer(info.timeout_s)
+            if message.get("op") == "abort" and message.get("clean"):
+                # Another worker rejected the manifest: nothing moved, the trainer stays usable.
+                raise RoundCalledOff(
+                    f"round {manifest.version} called off before any byte moved: {message.get('reason')}"
+                )
+            if message.get("op") == "abort":
+                raise TrainerAborted(f"the trainer aborted round {manifest.version}: {message.get('reason')}")
+            if message.get("op") == "empty" and not buckets:  # a round with nothing to hand over
+                message = None
+            elif message.get("op") == "writers":
                 masks = check_masks(message.get("masks"), len(buckets), [0, *self._links])
                 sharded = (masks, [0] * len(buckets), Inbox({0: channel, **self._links}))
                 message, told = None, time.monotonic()
@@ -156,11 +165,6 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
                     continue
                 if message is None:
                     message = self._from_trainer(info.timeout_s)
-                if message.get("op") == "abort" and message.get("clean") and bucket.index == 0:
-                    # Another worker rejected the manifest: nothing moved, the trainer stays usable.
-                    raise RoundCalledOff(
-                        f"round {manifest.version} called off before any byte moved: {message.get('reason')}"
-                    )
                 if message.get("op") == "abort":
                     raise TrainerAborted(f"the trainer aborted round {manifest.version}: {message.get('reason')}")
                 if message.get("op") != "bucket" or message.get("index") != bucket.index:
@@ -312,6 +316,12 @@ class _ShardedRound:
         if self.digests is None:
             return
         self.written_by[self._index(index)] |= 1 << rank
+        self.hash_whole()
+
+    def hash_whole(self) -> None:
+        """With checksums: hash every bucket that is whole, in order (one with no writer is whole)."""
+        if self.digests is None:
+            return
         while self.hashed < len(self.masks) and self.written_by[self.hashed] == self.masks[self.hashed]:
             done, buffer = self.hashed, self.hashed % len(self.slots)
             self.digests.update_pieces(self.buckets[done].pieces, self.slots[buffer], buffer)
@@ -605,6 +615,8 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         if senders:
             self._write_sharded(manifest, buckets, call, digests, layouts, sharded, handle)
             return
+        if not buckets:  # the workers wait for a word either way: a call-off, or this
+            self._tell_workers({"op": "empty"}, manifest.version)
         packer = Packer(manifest, iter(self.source), digests)
         for bucket in buckets:
             slot = bucket.index % len(self._ring.slots)
@@ -640,9 +652,9 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         masks = [sum(1 << rank for rank, layout in layouts.items() if layout.runs(bucket)) for bucket in buckets]
         state = _ShardedRound(masks, buckets, self.num_workers, self._ring.slots, digests, self._tell_senders)
         sharded.append(state)
-        if buckets:  # (a round with no bucket has nothing to hand over; its workers read nothing)
-            self._tell_workers({"op": "writers", "masks": masks}, manifest.version)
+        self._tell_workers({"op": "writers", "masks": masks} if buckets else {"op": "empty"}, manifest.version)
         self._tell_senders({"op": "go", "version": manifest.version, "masks": masks, "digests": digests is not None})
+        state.hash_whole()  # buckets of empty tensors only (no writer) at the start
         for bucket in buckets:
             if not masks[bucket.index] & 1:
                 continue
@@ -653,6 +665,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             write_bucket(bucket, self._ring.slots[slot], manifest.entries, parts)
             self._tell_workers({"op": "bucket", "index": bucket.index, "slot": slot}, manifest.version)
             state.written(0, bucket.index)
+            self._tick_idle_senders()  # a rank waiting through a long run of rank 0's buckets
             self._dispatch(0.0, "writing", handle)  # the workers' releases, so their sockets never fill
         self._pump(state.done, call, "waiting for the other trainer ranks and the workers to finish the buckets",
                    handle, progress=lambda: state.messages)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from wtransfer._bench.ring_ceiling import _rows_layout, run_fresh
+from wtransfer._bench.ring_alone import _rows_layout, run_fresh
 from wtransfer.engines._packing import plan_buckets
 
 SHAPES = [("a", [7, 3]), ("b", [5]), ("c", [1000, 700]), ("d", [3, 1, 2]), ("e", [2, 4096]), ("f", [])]
@@ -44,7 +44,7 @@ def test_every_byte_of_every_bucket_is_one_writers_and_goes_where_one_sender_pac
     assert covered == [1] * sum(sizes)
 
 
-def test_the_ring_alone_runs_with_several_writers_and_checks_each_bytes_source() -> None:
+def test_the_ring_alone_runs_with_several_writers_and_checks_where_every_run_went() -> None:
     for writers in (1, 2, 4):
         rate = run_fresh("4096x512,1000x700,64*64", "bf16", writers, 1 << 20, 4, 2)
         assert rate > 0

@@ -12,12 +12,18 @@ its place in a staging copy, then, once the last bucket is in, every tensor from
 copy into the model. Between them, the least signalling the ring needs: each writer tells the
 reader directly, with an 8-byte message, that its part of a bucket is written; the reader tells
 the writers of the bucket that reuses a buffer, directly, that it is free. No JSON, no relay
-through rank 0, no manifest, no Python per piece beyond the copy: every protocol shm could run
-moves these bytes and sends at least these messages.
+through rank 0, no manifest, no Python per piece beyond the copy.
 
 Run it beside the engine, in the same turns: its ratio (N writers vs its own single writer) is
-what spreading the same writes over more processes costs or gains on this host when nothing
-else does; an engine's sharded round pays that and its own coordination on top.
+what spreading the same writes over more processes costs or gains on this host when little
+else happens. It is a reference, not a bound on the engine's own ratio: the engine's rounds
+carry costs of their own in both designs, and a protocol signalling through shared memory
+rather than messages would move the same bytes with fewer system calls.
+
+Every run also checks where the bytes went: before each round every writer fills each of its
+runs with a value of that run and round, and after it the reader checks every run of the
+model it committed, so a run read from the wrong buffer, the wrong writer or an earlier round
+fails the measurement.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import mmap
 import multiprocessing
 import os
 import select
+import signal
 import socket
 import statistics
 import struct
@@ -72,9 +79,9 @@ def _rows_layout(shapes: list[tuple[str, list[int]]], dtype: str, writers: int, 
     return nbytes, runs
 
 
-def _fill(writer: int) -> int:
-    """The byte every one of ``writer``'s rows holds, so the reader can check where each run came from."""
-    return writer + 1
+def _fill(run: int, round_index: int) -> int:
+    """The byte run ``run`` (counted over every bucket's runs in order) holds in round ``round_index``."""
+    return (run * 7 + round_index * 13) % 251 + 1
 
 
 def _numel(shape: list[int]) -> int:
@@ -99,12 +106,20 @@ class _Inbox:
                     return sock, _MESSAGE.unpack(data[: _MESSAGE.size])[0]
             ready, _, _ = select.select(self.sockets, [], [], _WAIT_S)
             if not ready:
-                raise TimeoutError("ring ceiling: no message within 60 s")
+                raise TimeoutError("ring alone: no message within 60 s")
             for sock in ready:
                 data = sock.recv(1 << 16)
                 if not data:
-                    raise EOFError("ring ceiling: a peer died")
+                    raise EOFError("ring alone: a peer died")
                 self.pending[sock] += data
+
+
+def _wait(sock: socket.socket, expected: bytes) -> None:
+    """The next start-socket byte, which must be ``expected`` (bounded: no hang if a peer is stuck)."""
+    ready, _, _ = select.select([sock], [], [], _WAIT_S)
+    got = sock.recv(1) if ready else b""
+    if got != expected:
+        raise RuntimeError(f"ring alone: expected {expected!r} on the start socket, got {got!r}")
 
 
 def _writer(me: int, runs: list[list[tuple[int, int, int, int]]], ring: Any, bucket_bytes: int, buffers: int,
@@ -112,16 +127,22 @@ def _writer(me: int, runs: list[list[tuple[int, int, int, int]]], ring: Any, buc
     import numpy as np
 
     mine: dict[int, list[tuple[int, int, int]]] = {}
-    held = 0
+    fills: list[tuple[int, int, int]] = []  # (run number, first byte in source, length)
+    held = number = 0
     for index, bucket in enumerate(runs):
         for writer, _, offset, length in bucket:
             if writer == me:
                 mine.setdefault(index, []).append((held, (index % buffers) * bucket_bytes + offset, length))
+                fills.append((number, held, length))
                 held += length
-    source = np.full(max(held, 1), _fill(me), dtype=np.uint8)  # memcpy's speed does not depend on the bytes
+            number += 1
+    source = np.empty(max(held, 1), dtype=np.uint8)
     inbox = _Inbox([to_reader])
-    for _ in range(rounds):
-        start.recv(1)
+    for round_index in range(rounds):
+        for number, at, length in fills:  # this round's bytes (memcpy's speed does not depend on them)
+            source[at:at + length] = _fill(number, round_index)
+        start.sendall(b"r")
+        _wait(start, b"g")
         free = set()
         for index in sorted(mine):
             while index >= buffers and index - buffers not in free:
@@ -144,8 +165,9 @@ def _reader(runs: list[list[tuple[int, int, int, int]]], sizes: list[int], ring:
     model.fill(0)  # faults in a timed round
     who = [sorted({run[0] for run in bucket}) for bucket in runs]
     inbox = _Inbox(writers)
-    for _ in range(rounds):
-        start.recv(1)
+    for round_index in range(rounds):
+        start.sendall(b"r")
+        _wait(start, b"g")
         written: dict[int, int] = {}
         for index, bucket in enumerate(runs):
             while written.get(index, 0) < len(who[index]):
@@ -160,15 +182,19 @@ def _reader(runs: list[list[tuple[int, int, int, int]]], sizes: list[int], ring:
         for at, length in tensors:  # the commit: tensor by tensor, from the staging copy into the model
             model[at:at + length] = destination[at:at + length]
         start.sendall(b"d")
-    for bucket in runs:  # after the timed rounds: every byte came from the writer that holds it, to its place
-        for writer, at, _, length in bucket:
-            if not (model[at:at + length] == _fill(writer)).all():
-                raise RuntimeError(f"ring ceiling: bytes {at}..{at + length} did not come from writer {writer}")
+        number = 0  # untimed: every run holds what its writer wrote this round, at its place
+        for bucket in runs:
+            for writer, at, _, length in bucket:
+                if not (model[at:at + length] == _fill(number, round_index)).all():
+                    raise RuntimeError(f"ring alone: round {round_index + 1}, bytes {at}..{at + length} are not what "
+                                       f"writer {writer} wrote there")
+                number += 1
+    start.sendall(b"r")  # the last round checked
 
 
 def measure(model: str, dtype: str, writers: int, bucket_bytes: int, buffers: int, rounds: int) -> list[float]:
     """GB/s of each round: ``writers`` processes and one reader through a ring, as described above.
-    Forks its processes (numpy only in them): call it from a process with no threads of its own."""
+    Forks its processes (they use numpy only): call it from a process that runs no threads."""
     import numpy as np
 
     from wtransfer.testing.models import parse_model
@@ -180,36 +206,49 @@ def measure(model: str, dtype: str, writers: int, bucket_bytes: int, buffers: in
     links = [socket.socketpair() for _ in range(writers)]  # reader end, writer end
     starts = [socket.socketpair() for _ in range(writers + 1)]  # ours, theirs
     children = []
-    for me in range(writers + 1):
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                if me < writers:
-                    _writer(me, runs, ring, bucket_bytes, buffers, links[me][1], starts[me][1], rounds)
-                else:
-                    _reader(runs, nbytes, ring, bucket_bytes, buffers, [link[0] for link in links], starts[me][1],
-                            rounds)
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            os._exit(code)
-        children.append(pid)
-    seconds = []
     try:
+        for me in range(writers + 1):
+            pid = os.fork()
+            if pid == 0:
+                code = 0
+                try:  # keep only this process's ends: a peer that dies closes its sockets for everyone
+                    keep = {starts[me][1]} | ({links[me][1]} if me < writers else {link[0] for link in links})
+                    for sock in [s for pair in [*links, *starts] for s in pair]:
+                        if sock not in keep:
+                            sock.close()
+                    if me < writers:
+                        _writer(me, runs, ring, bucket_bytes, buffers, links[me][1], starts[me][1], rounds)
+                    else:
+                        _reader(runs, nbytes, ring, bucket_bytes, buffers, [link[0] for link in links],
+                                starts[me][1], rounds)
+                except BaseException:
+                    traceback.print_exc()
+                    code = 1
+                os._exit(code)
+            children.append(pid)
+        for link in links:
+            link[0].close()
+            link[1].close()
+        for _, theirs in starts:
+            theirs.close()
+        seconds = []
         for _ in range(rounds):
+            for ours, _ in starts:
+                _wait(ours, b"r")
             began = time.perf_counter()
             for ours, _ in starts:
                 ours.sendall(b"g")
             for ours, _ in starts:
-                ready, _, _ = select.select([ours], [], [], _WAIT_S)
-                if not ready or ours.recv(1) != b"d":
-                    raise RuntimeError("ring ceiling: a process died or hung")
+                _wait(ours, b"d")
             seconds.append(time.perf_counter() - began)
+        _wait(starts[-1][0], b"r")  # the reader checked the last round
     finally:
-        failed = [pid for pid in children if os.waitpid(pid, 0)[1] != 0]
-    if failed:
-        raise RuntimeError(f"ring ceiling: {len(failed)} process(es) failed (the reader checks every byte's source)")
+        for pid in children:  # none is left behind, whatever happened
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
     return [total / s / 1e9 for s in seconds]
 
 
@@ -226,10 +265,10 @@ def run_fresh(model: str, dtype: str, writers: int, bucket_bytes: int, buffers: 
     theirs.close()
     if not mine.poll(_WAIT_S * (rounds + 2)):
         process.kill()
-        raise SystemExit(f"ring ceiling with {writers} writer(s) sent no figures")
+        raise SystemExit(f"the ring alone with {writers} writer(s) sent no figures")
     try:
         figures = json.loads(mine.recv_bytes())
     except EOFError:
-        raise SystemExit(f"ring ceiling with {writers} writer(s) died (exit code {process.exitcode})") from None
+        raise SystemExit(f"the ring alone with {writers} writer(s) failed (exit code {process.exitcode})") from None
     process.join(30)
     return statistics.median(figures)
