@@ -79,6 +79,18 @@ def _rows_layout(shapes: list[tuple[str, list[int]]], dtype: str, writers: int, 
     return nbytes, runs
 
 
+def _check_tiling(runs: list[list[tuple[int, int, int, int]]], total: int) -> None:
+    """Every byte of the model is in exactly one run: none left out, none sent twice."""
+    spans = sorted((at, at + length) for bucket in runs for _, at, _, length in bucket)
+    reached = 0
+    for begin, end in spans:
+        if begin != reached:
+            raise RuntimeError(f"ring alone: the layout {'skips' if begin > reached else 'repeats'} bytes at {reached}")
+        reached = end
+    if reached != total:
+        raise RuntimeError(f"ring alone: the layout ends at byte {reached} of {total}")
+
+
 def _fill(run: int, round_index: int) -> int:
     """The byte run ``run`` (counted over every bucket's runs in order) holds in round ``round_index``."""
     return (run * 7 + round_index * 13) % 251 + 1
@@ -201,6 +213,7 @@ def measure(model: str, dtype: str, writers: int, bucket_bytes: int, buffers: in
 
     nbytes, runs = _rows_layout(parse_model(model), dtype, writers, bucket_bytes)
     total = sum(nbytes)
+    _check_tiling(runs, total)
     ring = np.frombuffer(mmap.mmap(-1, bucket_bytes * buffers), dtype=np.uint8)
     ring[:] = 0
     links = [socket.socketpair() for _ in range(writers)]  # reader end, writer end
