@@ -151,6 +151,8 @@ def _writer(me: int, runs: list[list[tuple[int, int, int, int]]], ring: Any, buc
     source = np.empty(max(held, 1), dtype=np.uint8)
     inbox = _Inbox([to_reader])
     for round_index in range(rounds):
+        if round_index:
+            _wait(start, b"f")  # the last round's clock stopped: refill now, untimed
         for number, at, length in fills:  # this round's bytes (memcpy's speed does not depend on them)
             source[at:at + length] = _fill(number, round_index)
         start.sendall(b"r")
@@ -254,6 +256,9 @@ def measure(model: str, dtype: str, writers: int, bucket_bytes: int, buffers: in
             for ours, _ in starts:
                 _wait(ours, b"d")
             seconds.append(time.perf_counter() - began)
+            if len(seconds) < rounds:
+                for ours, _ in starts[:writers]:
+                    ours.sendall(b"f")
         _wait(starts[-1][0], b"r")  # the reader checked the last round
     finally:
         for pid in children:  # none is left behind, whatever happened

@@ -86,6 +86,13 @@ class Inbox:
                 self._ready.extend((key.data, message) for message in key.fileobj.read_ready())  # type: ignore[union-attr]
         return self._ready.popleft()
 
+    def take_queued(self, key: int) -> list[dict[str, Any]]:
+        """The messages of channel ``key`` already read here and not handed out yet (the channel
+        itself no longer has them): for a caller that goes on reading that channel directly."""
+        mine = [message for k, message in self._ready if k == key]
+        self._ready = deque((k, message) for k, message in self._ready if k != key)
+        return mine
+
     def close(self) -> None:
         self._selector.close()
 

@@ -198,10 +198,12 @@ class SharedMemorySender:
                     channel.send({"op": "written", "index": bucket.index, "attempt": attempt}, timeout=self.timeout_s)
             # Every byte of this rank is in: only rank 0's word counts now (a worker that leaves after
             # loading everything is rank 0's to judge; a release still in flight is skipped next round).
-            while (message := self._next(attempt, wait)).get("op") == "free":
-                pass
-            if message.get("op") != "end":
-                raise TransferError(f"protocol violation: unexpected message from trainer rank 0: {message!r}")
+            # Rank 0's words the inbox already read come first (an abort among them).
+            queued = [m for m in (self._control(m, attempt) for m in inbox.take_queued(0)) if m is not None]
+            while not any(m.get("op") == "end" for m in queued):
+                if any(m.get("op") != "free" for m in queued):
+                    raise TransferError(f"protocol violation: unexpected message from trainer rank 0: {queued!r}")
+                queued = [self._next(attempt, wait)]
         except (PeerClosedError, TrainerAborted):
             raise
         except BaseException as exc:

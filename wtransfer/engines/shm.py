@@ -151,7 +151,9 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
                 )
             if message.get("op") == "abort":
                 raise TrainerAborted(f"the trainer aborted round {manifest.version}: {message.get('reason')}")
-            if message.get("op") == "empty" and not buckets:  # a round with nothing to hand over
+            if not buckets and message.get("op") != "empty":
+                raise TransferError(f"protocol violation: expected the 'empty' word of a round with no bucket, got {message!r}")
+            if not buckets:  # a round with nothing to hand over
                 message = None
             elif message.get("op") == "writers":
                 masks = check_masks(message.get("masks"), len(buckets), [0, *self._links])
