@@ -165,6 +165,7 @@ def _writer(me: int, runs: list[list[tuple[int, int, int, int]]], ring: Any, buc
                 ring[offset:offset + length] = source[at:at + length]
             to_reader.sendall(_MESSAGE.pack(index))
         start.sendall(b"d")
+    _wait(start, b"x")  # exiting closes our link: only once the reader needs nothing more from it
 
 
 def _reader(runs: list[list[tuple[int, int, int, int]]], sizes: list[int], ring: Any, bucket_bytes: int,
@@ -260,6 +261,8 @@ def measure(model: str, dtype: str, writers: int, bucket_bytes: int, buffers: in
                 for ours, _ in starts[:writers]:
                     ours.sendall(b"f")
         _wait(starts[-1][0], b"r")  # the reader checked the last round
+        for ours, _ in starts[:writers]:
+            ours.sendall(b"x")
     finally:
         for pid in children:  # none is left behind, whatever happened
             try:
