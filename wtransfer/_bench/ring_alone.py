@@ -28,7 +28,9 @@ fails the measurement.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import mmap
 import multiprocessing
 import os
@@ -46,20 +48,18 @@ _MESSAGE = struct.Struct("<q")  # a bucket index
 _WAIT_S = 60.0
 
 
-def _dtype_bytes(dtype: str) -> int:
-    return {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
-
-
 def _rows_layout(shapes: list[tuple[str, list[int]]], dtype: str, writers: int, bucket_bytes: int
                  ) -> tuple[list[int], list[list[tuple[int, int, int, int]]]]:
     """Tensor sizes, and for every bucket its runs ``(writer, destination byte, bucket byte,
     length)``: which writer holds each run of the bucket (``Shard(0)``: a contiguous run of rows
     per writer), and where it goes in the reader's destination (every tensor back to back)."""
+    from wtransfer._bench.weights import DTYPES
+    from wtransfer._dtypes import dtype_from_name
     from wtransfer.engines._packing import plan_buckets
 
-    size = _dtype_bytes(dtype)
-    nbytes = [size * _numel(shape) for _, shape in shapes]
-    starts = [sum(nbytes[:i]) for i in range(len(nbytes))]
+    size = dtype_from_name(DTYPES[dtype]).itemsize
+    nbytes = [size * math.prod(shape) for _, shape in shapes]
+    starts = [0, *itertools.accumulate(nbytes)]
     buckets = plan_buckets(tuple(SimpleNamespace(nbytes=n) for n in nbytes), bucket_bytes)  # type: ignore[arg-type]
     runs: list[list[tuple[int, int, int, int]]] = []
     for bucket in buckets:
@@ -94,13 +94,6 @@ def _check_tiling(runs: list[list[tuple[int, int, int, int]]], total: int) -> No
 def _fill(run: int, round_index: int) -> int:
     """The byte run ``run`` (counted over every bucket's runs in order) holds in round ``round_index``."""
     return (run * 7 + round_index * 13) % 251 + 1
-
-
-def _numel(shape: list[int]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
 
 
 class _Inbox:
@@ -175,7 +168,7 @@ def _reader(runs: list[list[tuple[int, int, int, int]]], sizes: list[int], ring:
     total = sum(sizes)
     destination = np.empty(max(total, 1), dtype=np.uint8)  # the node's staging copy
     model = np.empty(max(total, 1), dtype=np.uint8)
-    tensors = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]
+    tensors = list(zip(itertools.accumulate(sizes, initial=0), sizes))
     destination.fill(0)  # a worker's model and staging copy exist before its first round: no page
     model.fill(0)  # faults in a timed round
     who = [sorted({run[0] for run in bucket}) for bucket in runs]

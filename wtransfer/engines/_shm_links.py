@@ -52,9 +52,17 @@ def hand_out_links(senders: dict[int, ControlChannel], workers: dict[int, Contro
                 theirs.close()
 
 
-def take_link(channel: ControlChannel, peer: str) -> ControlChannel:
-    """The link that came with the ``link`` message just read from ``channel``."""
-    return ControlChannel(socket.socket(fileno=channel.take_fd()), peer)
+def take_link(channel: ControlChannel, message: dict[str, Any], field: str, peer: str,
+              links: dict[int, ControlChannel]) -> None:
+    """Keep the link that came with ``message`` (a ``link`` message just read from ``channel``)
+    in ``links``, under the rank its ``field`` names (``peer``: what that rank is, for errors);
+    a link that rank had before is closed."""
+    rank = message.get(field)
+    if type(rank) is not int or rank < 1:
+        raise TransferError(f"protocol violation: a link to {peer} {rank!r}")
+    if rank in links:
+        links.pop(rank).close()
+    links[rank] = ControlChannel(socket.socket(fileno=channel.take_fd()), f"{peer} {rank}")
 
 
 class Inbox:

@@ -128,7 +128,8 @@ class SharedMemorySender:
         a tick (rank 0 is still sending, only not asking this rank for anything), or what an
         earlier, failed round left in the socket. An abort raises."""
         if message.get("op") == "link":
-            self._take_link(message)
+            assert self._channel is not None
+            take_link(self._channel, message, "worker", "shm worker rank", self._links)
             return None
         if message.get("attempt") != attempt or message.get("op") == "tick":
             return None
@@ -142,15 +143,6 @@ class SharedMemorySender:
         while (message := self._control(self._channel.recv(wait), attempt)) is None:
             pass
         return message
-
-    def _take_link(self, message: dict[str, Any]) -> None:
-        assert self._channel is not None
-        worker = message.get("worker")
-        if type(worker) is not int or worker < 1:
-            raise TransferError(f"protocol violation: a link to worker {worker!r}")
-        if worker in self._links:
-            self._links.pop(worker).close()
-        self._links[worker] = take_link(self._channel, f"shm worker rank {worker}")
 
     def serve_round(self, attempt: int) -> tuple[int, int]:
         """Write this rank's shards into every bucket it holds bytes of; returns (tensors, bytes) held here.

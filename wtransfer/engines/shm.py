@@ -141,8 +141,8 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         buckets = plan_buckets(manifest.entries, info.bucket_bytes)
         digests = RoundDigests(len(manifest.entries)) if manifest.digests else None
         unpacker = Unpacker(manifest, load_weights, digests)
-        sharded: tuple[list[int], list[int], Inbox] | None = None  # a sharded trainer's round: every
-        try:  # bucket's writers, the ranks that wrote each so far, and every socket they write on
+        inbox: Inbox | None = None  # a sharded trainer's round: every socket its ranks write on
+        try:
             message: dict[str, Any] | None = self._from_trainer(info.timeout_s)
             if message.get("op") == "abort" and message.get("clean"):
                 # Another worker rejected the manifest: nothing moved, the trainer stays usable.
@@ -157,13 +157,14 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
                 message = None
             elif message.get("op") == "writers":
                 masks = check_masks(message.get("masks"), len(buckets), [0, *self._links])
-                sharded = (masks, [0] * len(buckets), Inbox({0: channel, **self._links}))
+                written = [0] * len(buckets)  # the ranks (bits) that wrote each bucket so far
+                inbox = Inbox({0: channel, **self._links})
                 message, told = None, time.monotonic()
             for bucket in buckets:
-                if sharded is not None:
-                    index = self._await_writers(bucket.index, *sharded, manifest.version)
+                if inbox is not None:
+                    index = self._await_writers(bucket.index, masks, written, inbox, manifest.version)
                     self._load(bucket, index, unpacker, digests)
-                    told = self._release(bucket.index, sharded[0], manifest.version, told)
+                    told = self._release(bucket.index, masks, manifest.version, told)
                     continue
                 if message is None:
                     message = self._from_trainer(info.timeout_s)
@@ -174,10 +175,10 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
                 self._load(bucket, message["slot"], unpacker, digests)
                 message = None
                 channel.send({"op": "release", "index": bucket.index}, timeout=info.timeout_s)
-            if sharded is not None:
+            if inbox is not None:
                 channel.send({"op": "loaded"}, timeout=info.timeout_s)
             if digests is not None:
-                message = self._from_trainer(info.timeout_s) if sharded is None else self._trainer_only(sharded[2], info)
+                message = self._from_trainer(info.timeout_s) if inbox is None else self._trainer_only(inbox, info)
                 if message.get("op") == "abort":
                     raise TrainerAborted(f"the trainer aborted round {manifest.version}: {message.get('reason')}")
                 if message.get("op") != "digests" or not isinstance(message.get("values"), list):
@@ -202,8 +203,8 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         finally:
             if digests is not None:
                 digests.close()
-            if sharded is not None:
-                sharded[2].close()
+            if inbox is not None:
+                inbox.close()
 
     def _load(self, bucket: Bucket, slot: int, unpacker: Unpacker, digests: RoundDigests | None) -> None:
         assert self._ring is not None
@@ -233,17 +234,8 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         """Rank 0's next message; the links to a sharded trainer's other ranks are taken as they come."""
         assert self._channel is not None
         while (message := self._channel.recv(timeout)).get("op") == "link":
-            self._take_link(message)
+            take_link(self._channel, message, "sender", "trainer rank", self._links)
         return message
-
-    def _take_link(self, message: dict[str, Any]) -> None:
-        assert self._channel is not None
-        rank = message.get("sender")
-        if type(rank) is not int or rank < 1:
-            raise TransferError(f"protocol violation: a link to trainer rank {rank!r}")
-        if rank in self._links:
-            self._links.pop(rank).close()
-        self._links[rank] = take_link(self._channel, f"trainer rank {rank}")
 
     def _await_writers(self, index: int, masks: list[int], written: list[int], inbox: Inbox, version: int) -> int:
         """Wait until every rank holding bytes of bucket ``index`` wrote them (rank 0 says so on the
