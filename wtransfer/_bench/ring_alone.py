@@ -128,7 +128,7 @@ def _wait(sock: socket.socket, expected: bytes) -> None:
 
 
 def _writer(me: int, runs: list[list[tuple[int, int, int, int]]], ring: Any, bucket_bytes: int, buffers: int,
-            to_reader: socket.socket, start: socket.socket, rounds: int) -> None:
+            to_reader: socket.socket, start: socket.socket, rounds: int, clocks: Any) -> None:
     import numpy as np
 
     mine: dict[int, list[tuple[int, int, int]]] = {}
@@ -150,6 +150,7 @@ def _writer(me: int, runs: list[list[tuple[int, int, int, int]]], ring: Any, buc
             source[at:at + length] = _fill(number, round_index)
         start.sendall(b"r")
         _wait(start, b"g")
+        began, began_cpu = time.perf_counter(), time.process_time()
         free = set()
         for index in sorted(mine):
             while index >= buffers and index - buffers not in free:
@@ -157,12 +158,13 @@ def _writer(me: int, runs: list[list[tuple[int, int, int, int]]], ring: Any, buc
             for at, offset, length in mine[index]:
                 ring[offset:offset + length] = source[at:at + length]
             to_reader.sendall(_MESSAGE.pack(index))
+        clocks[round_index, me] = (began, time.process_time() - began_cpu)
         start.sendall(b"d")
     _wait(start, b"x")  # exiting closes our link: only once the reader needs nothing more from it
 
 
 def _reader(runs: list[list[tuple[int, int, int, int]]], sizes: list[int], ring: Any, bucket_bytes: int,
-            buffers: int, writers: list[socket.socket], start: socket.socket, rounds: int) -> None:
+            buffers: int, writers: list[socket.socket], start: socket.socket, rounds: int, clocks: Any) -> None:
     import numpy as np
 
     total = sum(sizes)
@@ -176,6 +178,7 @@ def _reader(runs: list[list[tuple[int, int, int, int]]], sizes: list[int], ring:
     for round_index in range(rounds):
         start.sendall(b"r")
         _wait(start, b"g")
+        began, began_cpu = time.perf_counter(), time.process_time()
         written: dict[int, int] = {}
         for index, bucket in enumerate(runs):
             while written.get(index, 0) < len(who[index]):
@@ -187,8 +190,11 @@ def _reader(runs: list[list[tuple[int, int, int, int]]], sizes: list[int], ring:
             if index + buffers < len(runs):
                 for writer in who[index + buffers]:
                     writers[writer].sendall(_MESSAGE.pack(index))
+        loaded, loaded_cpu = time.perf_counter(), time.process_time()
         for at, length in tensors:  # the commit: tensor by tensor, from the staging copy into the model
             model[at:at + length] = destination[at:at + length]
+        clocks[round_index, len(writers)] = (began, loaded_cpu - began_cpu)
+        clocks[round_index, len(writers) + 1] = (loaded, time.perf_counter() - loaded)
         start.sendall(b"d")
         number = 0  # untimed: every run holds what its writer wrote this round, at its place
         for bucket in runs:
@@ -200,9 +206,11 @@ def _reader(runs: list[list[tuple[int, int, int, int]]], sizes: list[int], ring:
     start.sendall(b"r")  # the last round checked
 
 
-def measure(model: str, dtype: str, writers: int, bucket_bytes: int, buffers: int, rounds: int) -> list[float]:
-    """GB/s of each round: ``writers`` processes and one reader through a ring, as described above.
-    Forks its processes (they use numpy only): call it from a process that runs no threads."""
+def measure(model: str, dtype: str, writers: int, bucket_bytes: int, buffers: int, rounds: int
+            ) -> list[dict[str, float]]:
+    """Every round's figures (see :func:`_round_figures`): ``writers`` processes and one reader
+    through a ring, as described above. Forks its processes (they use numpy only): call it from a
+    process that runs no threads."""
     import numpy as np
 
     from wtransfer.testing.models import parse_model
@@ -212,6 +220,11 @@ def measure(model: str, dtype: str, writers: int, bucket_bytes: int, buffers: in
     _check_tiling(runs, total)
     ring = np.frombuffer(mmap.mmap(-1, bucket_bytes * buffers), dtype=np.uint8)
     ring[:] = 0
+    # each round: (when it began there, CPU seconds since) for every writer's writes and the reader's
+    # bucket phase, then (when it began, seconds) for the reader's commit; perf_counter is the host's
+    # monotonic clock, one for every process (shared with the children: they write, the parent reads)
+    clocks = np.frombuffer(mmap.mmap(-1, 16 * rounds * (writers + 2)), dtype=np.float64).reshape(
+        rounds, writers + 2, 2)
     links = [socket.socketpair() for _ in range(writers)]  # reader end, writer end
     starts = [socket.socketpair() for _ in range(writers + 1)]  # ours, theirs
     children = []
@@ -226,10 +239,10 @@ def measure(model: str, dtype: str, writers: int, bucket_bytes: int, buffers: in
                         if sock not in keep:
                             sock.close()
                     if me < writers:
-                        _writer(me, runs, ring, bucket_bytes, buffers, links[me][1], starts[me][1], rounds)
+                        _writer(me, runs, ring, bucket_bytes, buffers, links[me][1], starts[me][1], rounds, clocks)
                     else:
                         _reader(runs, nbytes, ring, bucket_bytes, buffers, [link[0] for link in links],
-                                starts[me][1], rounds)
+                                starts[me][1], rounds, clocks)
                 except BaseException:
                     traceback.print_exc()
                     code = 1
@@ -263,15 +276,39 @@ def measure(model: str, dtype: str, writers: int, bucket_bytes: int, buffers: in
             except ProcessLookupError:
                 pass
             os.waitpid(pid, 0)
-    return [total / s / 1e9 for s in seconds]
+    return [_round_figures(total, wall, clocks[index], writers) for index, wall in enumerate(seconds)]
+
+
+def _round_figures(total: int, seconds: float, clocks: Any, writers: int) -> dict[str, float]:
+    """One round: its GB/s; ``bucket_busy``, the CPU seconds of every process per second of the
+    bucket phase (how much of the host's cores the copies through the ring take while they run);
+    ``commit_share``, the share of the round the reader spends alone on the commit; and
+    ``most_gain``, the most any number of writers could gain over this round on this host.
+
+    That bound: the commit stays the reader's alone, whoever wrote; the bucket phase needs at
+    least the CPU it took here (more writers copy the same bytes and send more messages, not
+    fewer) spread over every core of this process's affinity, and no less than the reader's own
+    share of it, which one process does in order.
+    """
+    began = float(clocks[: writers + 1, 0].min())  # the first process to hear the go
+    bucket_cpu = float(clocks[: writers + 1, 1].sum())  # the writers' writes and the reader's bucket phase
+    reader_cpu = float(clocks[writers, 1])
+    loaded, commit_seconds = (float(value) for value in clocks[writers + 1])
+    bucket_seconds = loaded - began  # every writer's last write is before the reader loaded it
+    cores = len(os.sched_getaffinity(0))
+    shortest = commit_seconds + max(bucket_cpu / cores, reader_cpu)
+    return {"gb_per_s": total / seconds / 1e9, "bucket_busy": bucket_cpu / bucket_seconds,
+            "commit_share": commit_seconds / seconds, "most_gain": seconds / shortest, "cores": cores}
 
 
 def _main(model: str, dtype: str, writers: int, bucket_bytes: int, buffers: int, rounds: int, conn: Any) -> None:
     conn.send_bytes(json.dumps(measure(model, dtype, writers, bucket_bytes, buffers, rounds)).encode())
 
 
-def run_fresh(model: str, dtype: str, writers: int, bucket_bytes: int, buffers: int, rounds: int) -> float:
-    """Median GB/s of ``rounds`` rounds, measured in a fresh process (so the forks carry no threads)."""
+def run_fresh(model: str, dtype: str, writers: int, bucket_bytes: int, buffers: int, rounds: int
+              ) -> dict[str, float]:
+    """The medians of ``rounds`` rounds' figures (each figure's own median; see :func:`_round_figures`),
+    measured in a fresh process (so the forks carry no threads)."""
     context = multiprocessing.get_context("spawn")
     mine, theirs = context.Pipe(duplex=False)
     process = context.Process(target=_main, args=(model, dtype, writers, bucket_bytes, buffers, rounds, theirs))
@@ -285,4 +322,4 @@ def run_fresh(model: str, dtype: str, writers: int, bucket_bytes: int, buffers: 
     except EOFError:
         raise SystemExit(f"the ring alone with {writers} writer(s) failed (exit code {process.exitcode})") from None
     process.join(30)
-    return statistics.median(figures)
+    return {name: statistics.median(round_[name] for round_ in figures) for name in figures[0]}
