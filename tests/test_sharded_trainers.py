@@ -104,6 +104,8 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
             _die_writing_round(2, backend)
         if rank == 1 and fault == "short-layout":
             _claim_nothing_in_round(2)
+        if rank == 0 and fault == "worker-dies":
+            _kill_a_worker_writing_round(2, pool.processes[1].pid)
         if rank == 0 and fault == "metadata":
             source = _MetadataFails(source)
         if rank == 0 and fault in ("mid-walk", "walk-start"):
@@ -151,9 +153,14 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
                     stats = trainer.send_weights()
                     say(event="retried", version=stats["version"])
                     continue
-                versions = [s["weight_version"] for s in pool.stats()] if pool is not None else None
-                changed = ([sorted(n for n in last if d.get(n) != last[n]) for d in pool.digests()]
-                           if pool is not None else None)
+                if pool is not None and fault == "worker-dies":  # worker 1 is gone: ask worker 0 alone
+                    versions = [_ask_one_worker(pool, 0, "stats")["weight_version"]]
+                    changed = [sorted(n for n, d in _ask_one_worker(pool, 0, "digests")["digests"].items()
+                                      if d != last[n])]
+                else:
+                    versions = [s["weight_version"] for s in pool.stats()] if pool is not None else None
+                    changed = ([sorted(n for n in last if d.get(n) != last[n]) for d in pool.digests()]
+                               if pool is not None else None)
                 say(event="error", type=type(exc).__name__, message=str(exc)[:2000],
                     seconds=time.monotonic() - started, worker_versions=versions, changed=changed)
                 if rank == 0 and fault:
@@ -238,6 +245,40 @@ def _die_writing_round(round_to_die: int, backend: str) -> None:
         _shm_ring.write_bucket = dying(_shm_ring.write_bucket)
     else:  # the sending loop asks which of its bytes each bucket holds, bucket by bucket
         _part_streams.RankLayout.runs = dying(_part_streams.RankLayout.runs)
+
+
+def _kill_a_worker_writing_round(round_to_kill: int, pid: int) -> None:
+    """Rank 0 (shm) SIGKILLs worker process ``pid`` as it writes its share of the first bucket
+    from DIE_AT_BUCKET on, in that round: the workers have loaded the buckets before it, and the
+    other rank is writing its own."""
+    from wtransfer.engines import shm
+
+    seen = {"rounds": 0, "last": -1, "alive": 1}
+    write = shm.write_bucket
+
+    def writing(bucket: Any, *args: Any) -> Any:
+        if bucket.index <= seen["last"] or seen["rounds"] == 0:  # a new round
+            seen["rounds"] += 1
+        seen["last"] = bucket.index
+        if seen["rounds"] == round_to_kill and bucket.index >= DIE_AT_BUCKET and seen["alive"]:
+            os.kill(pid, signal.SIGKILL)
+            seen["alive"] = 0
+        return write(bucket, *args)
+
+    shm.write_bucket = writing
+
+
+def _ask_one_worker(pool: Any, rank: int, op: str) -> dict[str, Any]:
+    """One worker's answer to a local-pool request, when another worker is dead (the pool's own
+    requests go to every worker). Replies left from the failed round are skipped."""
+    conn = pool._conns[rank]
+    conn.send_bytes(json.dumps({"op": op}).encode())
+    deadline = time.monotonic() + TIMEOUT
+    while conn.poll(max(deadline - time.monotonic(), 0)):
+        reply = json.loads(conn.recv_bytes())
+        if reply.get("ok") and ("digests" in reply if op == "digests" else "pid" in reply):
+            return reply
+    raise AssertionError(f"local worker {rank} did not answer {op!r}")
 
 
 class _RaisesMidWalk(WeightSource):
@@ -366,6 +407,23 @@ def test_a_trainer_rank_dying_mid_round_fails_every_rank_and_worker_within_the_t
         assert error["type"] in ("TransferError", "TransferTimeoutError", "RuntimeError", "DistBackendError"), error
     assert errors[0]["worker_versions"] == [1, 1]  # the cut round counts nowhere
     assert errors[0]["changed"] == [[], []], "a cut round changed the workers' weights"
+
+
+def test_a_worker_dying_mid_round_fails_every_trainer_rank_and_the_other_worker_keeps_its_weights() -> None:
+    """shm, 2 ranks writing their own shards: rank 0 SIGKILLs worker 1 part-way through round 2.
+    Every trainer rank raises within ``timeout_s`` (rank 1 hears it from its link to the dead
+    worker or from rank 0), and worker 0 still holds round 1's weights, tensor by tensor."""
+    events = run_ranks(2, "shm", rounds=3, fault="worker-dies", limit=180)
+    assert [e for e in events if e["event"] in ("crash", "create_failed")] == [], events
+    assert [e["version"] for e in events if e["event"] == "round" and e["rank"] == 0] == [1]
+    errors = {e["rank"]: e for e in events if e["event"] == "error"}
+    assert sorted(errors) == [0, 1], events
+    for rank, error in errors.items():
+        assert error["seconds"] < TIMEOUT, f"rank {rank} took {error['seconds']:.1f} s"
+        assert error["type"] in ("TransferError", "TransferTimeoutError"), error
+    assert all("worker" in e["message"] for e in errors.values()), errors  # each names the dead worker
+    assert errors[0]["changed"] == [[]], "a cut round changed the surviving worker's weights"
+    assert errors[0]["worker_versions"] == [1]  # worker 0
 
 
 def _gather_check(rank: int, world: int, port: int, conn: Any) -> None:
