@@ -3,7 +3,9 @@ trainer rank, every rank calling ``create_trainer(..., rank=R)``; rank 0 drives 
 
 Every round follows a real optimizer step, and the workers must then hold the unsharded state
 (``full_tensor()`` of every parameter) bit for bit. A trainer rank that dies mid-round makes
-every other rank and every worker raise within ``timeout_s``, and no worker's version moves.
+every other rank and every worker raise within ``timeout_s``, and no worker's version moves; a
+worker that dies does the same to every trainer rank, and the other worker keeps its weights. A
+round longer than ``timeout_s`` goes on while the worker says it makes progress.
 Rank 0 refusing a round (its trainer closed, its source failing) or failing its rendezvous makes
 every rank raise at once, none left waiting in a gather, and the workers keep the last round's
 weights (compared tensor by tensor, not by version).
@@ -27,6 +29,10 @@ from wtransfer.engines._source import WeightSource
 TIMEOUT = 30.0
 INIT_INFO = {"world_size": 3, "timeout_s": TIMEOUT, "bucket_bytes": 16384, "num_buffers": 2}
 """Small buckets: tensors split mid-row across buckets, and every buffer is reused many times a round."""
+SLOW_INIT_INFO = {"world_size": 2, "timeout_s": 4.0, "bucket_bytes": 4096, "num_buffers": 2}
+"""A round longer than its timeout: rank 1 writes its 64 KiB half of the embedding (16 buckets in a
+row that rank 0 holds nothing of) at SLOW_WRITE_S a bucket, 8 s without a word meant for rank 0."""
+SLOW_WRITE_S = 0.5
 LINGER_S = 8.0
 """Rank 0 lives on this long after its failure, as a trainer that goes on would: a rank still
 waiting in a gather then is not freed by rank 0's process exiting."""
@@ -92,8 +98,9 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     pool = None
     try:
+        init_info = SLOW_INIT_INFO if fault == "slow-writer" else INIT_INFO
         if rank == 0:
-            pool = LocalWorkerPool(2, "wtransfer.testing.models:tied_lm", backend=backend,
+            pool = LocalWorkerPool(init_info["world_size"] - 1, "wtransfer.testing.models:tied_lm", backend=backend,
                                    factory_kwargs={"seed": 1}, timeout_s=TIMEOUT, torch_threads=1)
         source: Any = wtransfer.ModuleSource(model)
         if fault == "gathered":  # a wrapper of the user's: rank 0 gathers and sends every tensor
@@ -104,6 +111,8 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
             _die_writing_round(2, backend)
         if rank == 1 and fault == "short-layout":
             _claim_nothing_in_round(2)
+        if rank == 1 and fault == "slow-writer":
+            _write_slowly_in_round(2)
         if rank == 0 and fault == "worker-dies":
             _kill_a_worker_writing_round(2, pool.processes[1].pid)
         if rank == 0 and fault == "metadata":
@@ -115,7 +124,7 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
         try:
             trainer = wtransfer.create_trainer(
                 backend, client=client, source=source, rank=rank,
-                init_info=INIT_INFO if rank == 0 else None, checksums=fault == "checksums",
+                init_info=init_info if rank == 0 else None, checksums=fault == "checksums",
             )
         except Exception as exc:
             say(event="create_failed", type=type(exc).__name__, message=str(exc)[:2000],
@@ -131,7 +140,7 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
                 trainer.shutdown()
                 trainer = wtransfer.create_trainer(
                     backend, client=client, source=source, rank=rank,
-                    init_info=INIT_INFO if rank == 0 else None,
+                    init_info=init_info if rank == 0 else None,
                 )
             if rank == 0 and step == 1 and fault == "metadata":
                 source.failing = True
@@ -171,7 +180,7 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
                 expected = {name: tensor_checksum(t.detach()) for name, t in full.items()}
                 last = expected
                 workers = pool.digests()
-                say(event="round", version=stats["version"], sender=True,
+                say(event="round", version=stats["version"], sender=True, seconds=time.monotonic() - started,
                     wrong=[sorted(n for n in expected if d.get(n) != expected[n]) for d in workers],
                     worker_versions=[s["weight_version"] for s in pool.stats()])
             else:
@@ -266,6 +275,24 @@ def _kill_a_worker_writing_round(round_to_kill: int, pid: int) -> None:
         return write(bucket, *args)
 
     shm.write_bucket = writing
+
+
+def _write_slowly_in_round(slow_round: int) -> None:
+    """This shm rank takes SLOW_WRITE_S over each of its buckets in that round."""
+    from wtransfer.engines import _shm_ring
+
+    seen = {"rounds": 0, "last": -1}
+    write = _shm_ring.write_bucket
+
+    def slowly(bucket: Any, *args: Any) -> Any:
+        if bucket.index <= seen["last"] or seen["rounds"] == 0:  # a new round
+            seen["rounds"] += 1
+        seen["last"] = bucket.index
+        if seen["rounds"] == slow_round:
+            time.sleep(SLOW_WRITE_S)
+        return write(bucket, *args)
+
+    _shm_ring.write_bucket = slowly
 
 
 def _ask_one_worker(pool: Any, rank: int, op: str) -> dict[str, Any]:
@@ -424,6 +451,19 @@ def test_a_worker_dying_mid_round_fails_every_trainer_rank_and_the_other_worker_
     assert all("worker" in e["message"] for e in errors.values()), errors  # each names the dead worker
     assert errors[0]["changed"] == [[]], "a cut round changed the surviving worker's weights"
     assert errors[0]["worker_versions"] == [1]  # worker 0
+
+
+def test_a_round_longer_than_the_timeout_goes_on_while_the_worker_says_it_makes_progress() -> None:
+    """shm, 2 ranks: rank 1 writes a long run of buckets slowly, longer than ``timeout_s``, while rank
+    0 has nothing to write and hears nothing about its own buffers: the worker's progress words
+    (every ``timeout_s / 4``) keep rank 0 from calling the round dead, and the round lands whole."""
+    events = run_ranks(2, "shm", rounds=3, fault="slow-writer", limit=240)
+    assert [e for e in events if e["event"] in ("error", "crash", "create_failed")] == [], events
+    sender = [e for e in events if e["event"] == "round" and e["sender"]]
+    assert [e["version"] for e in sender] == [1, 2, 3]
+    for event in sender:
+        assert event["wrong"] == [[]], f"round {event['version']}: the worker differs in {event['wrong']}"
+    assert sender[1]["seconds"] > 2 * SLOW_INIT_INFO["timeout_s"], sender[1]  # the slow round was slow
 
 
 def _gather_check(rank: int, world: int, port: int, conn: Any) -> None:
