@@ -26,13 +26,13 @@ def test_the_ring_alone_runs_with_several_writers_beside_the_engine_and_checks_e
     assert alone[1]["ratio"] == 1.0
     cores = len(os.sched_getaffinity(0))
     for row in alone.values():  # each process's own CPU clock, against the reader's phases
-        assert row["cores"] == cores
-        # the bucket phase: the reader at least, never more than every core (a little slack: the
-        # writers' clocks start as they hear the go, the reader's phase as it hears it)
-        assert 0.2 < row["bucket_busy"] <= cores * 1.1, row
+        assert row["cores"] == cores  # the cores this process may use, not the machine's count
+        # the bucket phase holds every process's CPU of it: never more than every core busy (a
+        # little slack: a writer stops its clock after its last message, as the reader takes it)
+        assert 0 < row["bucket_busy"] <= cores * 1.1, row
         assert 0 < row["commit_share"] < 1, row
-        # a round is never shorter than its commit plus its copies' CPU over every core
-        assert 0.98 <= row["most_gain"] <= 1 / row["commit_share"], row
+        # the estimate never makes a round slower than it ran: its phases' CPU fits in their time
+        assert row["gain_estimate"] >= 0.98, row
 
 
 def test_the_ring_alone_is_left_out_with_more_than_one_worker() -> None:

@@ -28,7 +28,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from typing import Any
 
 from wtransfer._bench.report import add_report_arguments, figures_report, table

@@ -9,7 +9,6 @@ import json
 import logging
 import multiprocessing
 import os
-import re
 import statistics
 import tempfile
 import time
