@@ -162,14 +162,15 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
                     stats = trainer.send_weights()
                     say(event="retried", version=stats["version"])
                     continue
-                if pool is not None and fault == "worker-dies":  # worker 1 is gone: ask worker 0 alone
-                    versions = [_ask_one_worker(pool, 0, "stats")["weight_version"]]
-                    changed = [sorted(n for n, d in _ask_one_worker(pool, 0, "digests")["digests"].items()
-                                      if d != last[n])]
-                else:
-                    versions = [s["weight_version"] for s in pool.stats()] if pool is not None else None
-                    changed = ([sorted(n for n in last if d.get(n) != last[n]) for d in pool.digests()]
-                               if pool is not None else None)
+                versions = changed = None
+                if pool is not None:
+                    if fault == "worker-dies":  # worker 1 is gone: ask worker 0 alone
+                        stats_ = [_ask_one_worker(pool, 0, "stats")]
+                        digests = [_ask_one_worker(pool, 0, "digests")["digests"]]
+                    else:
+                        stats_, digests = pool.stats(), pool.digests()
+                    versions = [s["weight_version"] for s in stats_]
+                    changed = [sorted(n for n in last if d.get(n) != last[n]) for d in digests]
                 say(event="error", type=type(exc).__name__, message=str(exc)[:2000],
                     seconds=time.monotonic() - started, worker_versions=versions, changed=changed)
                 if rank == 0 and fault:
@@ -231,29 +232,38 @@ def _claim_nothing_in_round(round_to_lie: int) -> None:
     _shm_ring.layout_rows = lying
 
 
+def _before_each_bucket(owner: Any, name: str, act: Any) -> None:
+    """Wrap ``owner.name`` (a function with a bucket among its arguments) so that ``act(round, bucket)``
+    runs before it. Rounds count from 1; a new one starts whenever the bucket index goes back (a
+    rank is asked only for the buckets it holds bytes of, so bucket 0 may never come)."""
+    seen = {"rounds": 0, "last": -1}
+    step = getattr(owner, name)
+
+    def wrapped(*args: Any) -> Any:
+        bucket = next(a for a in args if hasattr(a, "pieces"))
+        if bucket.index <= seen["last"] or seen["rounds"] == 0:
+            seen["rounds"] += 1
+        seen["last"] = bucket.index
+        act(seen["rounds"], bucket)
+        return step(*args)
+
+    setattr(owner, name, wrapped)
+
+
 def _die_writing_round(round_to_die: int, backend: str) -> None:
     """SIGKILL this trainer rank as it writes (shm) or sends (gloo) its shards of the first bucket
     from DIE_AT_BUCKET on that it holds bytes of, in that round (the workers have loaded the
     buckets before it)."""
     from wtransfer.engines import _part_streams, _shm_ring
 
-    seen = {"rounds": 0, "last": -1}
-
-    def dying(step: Any) -> Any:
-        def wrapped(*args: Any) -> Any:
-            bucket = next(a for a in args if hasattr(a, "pieces"))
-            if bucket.index <= seen["last"] or seen["rounds"] == 0:  # a new round (shm asks a rank only
-                seen["rounds"] += 1  # for the buckets it holds bytes of, so bucket 0 may never come)
-            seen["last"] = bucket.index
-            if seen["rounds"] == round_to_die and bucket.index >= DIE_AT_BUCKET:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return step(*args)
-        return wrapped
+    def die(round_: int, bucket: Any) -> None:
+        if round_ == round_to_die and bucket.index >= DIE_AT_BUCKET:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     if backend == "shm":
-        _shm_ring.write_bucket = dying(_shm_ring.write_bucket)
+        _before_each_bucket(_shm_ring, "write_bucket", die)
     else:  # the sending loop asks which of its bytes each bucket holds, bucket by bucket
-        _part_streams.RankLayout.runs = dying(_part_streams.RankLayout.runs)
+        _before_each_bucket(_part_streams.RankLayout, "runs", die)
 
 
 def _kill_a_worker_writing_round(round_to_kill: int, pid: int) -> None:
@@ -262,37 +272,25 @@ def _kill_a_worker_writing_round(round_to_kill: int, pid: int) -> None:
     other rank is writing its own."""
     from wtransfer.engines import shm
 
-    seen = {"rounds": 0, "last": -1, "alive": 1}
-    write = shm.write_bucket
+    killed: list[int] = []
 
-    def writing(bucket: Any, *args: Any) -> Any:
-        if bucket.index <= seen["last"] or seen["rounds"] == 0:  # a new round
-            seen["rounds"] += 1
-        seen["last"] = bucket.index
-        if seen["rounds"] == round_to_kill and bucket.index >= DIE_AT_BUCKET and seen["alive"]:
+    def kill(round_: int, bucket: Any) -> None:
+        if round_ == round_to_kill and bucket.index >= DIE_AT_BUCKET and not killed:
             os.kill(pid, signal.SIGKILL)
-            seen["alive"] = 0
-        return write(bucket, *args)
+            killed.append(pid)
 
-    shm.write_bucket = writing
+    _before_each_bucket(shm, "write_bucket", kill)
 
 
 def _write_slowly_in_round(slow_round: int) -> None:
     """This shm rank takes SLOW_WRITE_S over each of its buckets of the embedding in that round."""
     from wtransfer.engines import _shm_ring
 
-    seen = {"rounds": 0, "last": -1}
-    write = _shm_ring.write_bucket
-
-    def slowly(bucket: Any, *args: Any) -> Any:
-        if bucket.index <= seen["last"] or seen["rounds"] == 0:  # a new round
-            seen["rounds"] += 1
-        seen["last"] = bucket.index
-        if seen["rounds"] == slow_round and any(piece.index == 0 for piece in bucket.pieces):
+    def slowly(round_: int, bucket: Any) -> None:
+        if round_ == slow_round and any(piece.index == 0 for piece in bucket.pieces):
             time.sleep(SLOW_WRITE_S)
-        return write(bucket, *args)
 
-    _shm_ring.write_bucket = slowly
+    _before_each_bucket(_shm_ring, "write_bucket", slowly)
 
 
 def _ask_one_worker(pool: Any, rank: int, op: str) -> dict[str, Any]:
@@ -487,7 +485,6 @@ def _longest_run_without_rank_0() -> int:
         run = run + 1 if slow and not rank_0 else 0
         longest = max(longest, run)
     return longest
-
 
 
 def _gather_check(rank: int, world: int, port: int, conn: Any) -> None:

@@ -124,6 +124,12 @@ class MarkdownLines:
             self.lines.append(Text.from_markup(str(item)).plain)
 
 
+def median_item(items: list[Any], key: Callable[[Any], float]) -> Any:
+    """The item whose ``key`` is the median (the lower of the middle two for an even count): a run
+    that really happened stands for its set, with every figure of its own."""
+    return sorted(items, key=key)[(len(items) - 1) // 2]
+
+
 def table(title: str, columns: list[str], rows: list[list[str]]) -> list[str]:
     made = MarkdownTable(title)
     for column in columns:

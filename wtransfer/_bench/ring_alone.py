@@ -43,6 +43,8 @@ import traceback
 from types import SimpleNamespace
 from typing import Any
 
+from wtransfer._bench.report import median_item
+
 _MESSAGE = struct.Struct("<q")  # a bucket index
 _WAIT_S = 60.0
 
@@ -275,10 +277,11 @@ def measure(model: str, dtype: str, writers: int, bucket_bytes: int, buffers: in
             except ProcessLookupError:
                 pass
             os.waitpid(pid, 0)
-    return [_round_figures(total, wall, clocks[index], writers) for index, wall in enumerate(seconds)]
+    cores = len(os.sched_getaffinity(0))
+    return [_round_figures(total, wall, clocks[index], writers, cores) for index, wall in enumerate(seconds)]
 
 
-def _round_figures(total: int, seconds: float, clocks: Any, writers: int) -> dict[str, float]:
+def _round_figures(total: int, seconds: float, clocks: Any, writers: int, cores: int) -> dict[str, float]:
     """One round: its GB/s; ``bucket_busy``, the CPU seconds of every process per second of the
     bucket phase (how much of the host's cores the copies through the ring take while they run);
     ``commit_share``, the share of the round the reader spends alone on the commit; and
@@ -296,7 +299,6 @@ def _round_figures(total: int, seconds: float, clocks: Any, writers: int) -> dic
     reader_cpu = float(clocks[writers, 1])
     loaded, commit_seconds = (float(value) for value in clocks[writers + 1])
     bucket_seconds = loaded - began  # every writer's last write is before the reader loaded it
-    cores = len(os.sched_getaffinity(0))
     shortest = commit_seconds + max(bucket_cpu / cores, reader_cpu)
     return {"gb_per_s": total / seconds / 1e9, "bucket_busy": bucket_cpu / bucket_seconds,
             "commit_share": commit_seconds / seconds, "gain_estimate": seconds / shortest, "cores": cores}
@@ -324,4 +326,4 @@ def run_fresh(model: str, dtype: str, writers: int, bucket_bytes: int, buffers: 
     except EOFError:
         raise SystemExit(f"the ring alone with {writers} writer(s) failed (exit code {process.exitcode})") from None
     process.join(30)
-    return sorted(figures, key=lambda round_: round_["gb_per_s"])[(len(figures) - 1) // 2]
+    return median_item(figures, lambda round_: round_["gb_per_s"])

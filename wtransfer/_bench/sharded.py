@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 from wtransfer._bench import ring_alone
-from wtransfer._bench.report import add_report_arguments, figures_report, table
+from wtransfer._bench.report import add_report_arguments, figures_report, median_item, table
 
 TARGET_RATIO = {"writes": 0.8, "gathers": 0.8}
 WRITES_TARGET_ON_SHM = 1.0
@@ -289,9 +289,6 @@ def summarize(args: argparse.Namespace, repeated: list[tuple[str, int, list[list
     def rate(reports: list[dict[str, Any]]) -> float:
         return statistics.median(r["gb_per_s"] for r in reports[0]["rounds"])
 
-    def median_run(sets: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-        return sorted(sets, key=rate)[(len(sets) - 1) // 2]
-
     def cores_busy(reports: list[dict[str, Any]]) -> float:
         """CPU seconds of every process of a round (trainer ranks, workers) per second of the round."""
         rounds = reports[0]["rounds"]
@@ -325,13 +322,12 @@ def summarize(args: argparse.Namespace, repeated: list[tuple[str, int, list[list
 
     ring_rows = []
     if ring_runs:
-        median = {count: sorted(sets, key=lambda run: run["gb_per_s"])[(len(sets) - 1) // 2]
-                  for count, sets in ring_runs.items()}
+        median = {count: median_item(sets, lambda run: run["gb_per_s"]) for count, sets in ring_runs.items()}
         ring_rows = [{"writers": count, **median[count], "runs": [run["gb_per_s"] for run in sets],
                       "ratio": median[count]["gb_per_s"] / median[1]["gb_per_s"]}
                      for count, sets in sorted(ring_runs.items())]
     ring_alone_ratio = {row["writers"]: row["ratio"] for row in ring_rows}
-    runs = [(mode, ranks, median_run(sets)) for mode, ranks, sets in repeated]
+    runs = [(mode, ranks, median_item(sets, rate)) for mode, ranks, sets in repeated]
     every_rate = {(mode, ranks): [rate(reports) for reports in sets] for mode, ranks, sets in repeated}
     plain_rate = rate(runs[0][2])
     rows, memory = [], []
