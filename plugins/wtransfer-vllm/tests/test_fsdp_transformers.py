@@ -31,19 +31,23 @@ def test_fsdp2_llama_ranks_sync_the_unsharded_state(
     assert rounds[0]["trainer"] != rounds[-1]["trainer"]  # the optimizer really changed the weights
 
 
-@pytest.mark.parametrize("backend", ["shm", "gloo"])
+@pytest.mark.parametrize(("backend", "mode"), [("shm", "writes"), ("gloo", "writes"), ("shm", "gathers")])
 def test_a_vllm_llm_synced_by_fsdp2_ranks_through_vllms_trainer_factory(
-    backend: str, vllm_python: Path, tiny_llama: Path, reference: dict, tmp_path: Path
+    backend: str, mode: str, vllm_python: Path, tiny_llama: Path, reference: dict, tmp_path: Path
 ) -> None:
     # vLLM 0.32 calls trainer_init and send_weights on every trainer rank; rank 0 holds the LLM.
     # The ranks take the same deterministic steps as the reference checkpoint, so vLLM must
-    # compute exactly what a fresh vLLM loaded from it computes. Every rank sends its own shards:
-    # into shm's buffers, or on gloo groups of its own with vLLM's worker.
+    # compute exactly what a fresh vLLM loaded from it computes. "writes": vLLM's ModuleSource,
+    # and every rank sends its own shards (into shm's buffers, or on gloo groups of its own with
+    # vLLM's worker); "gathers": vLLM's source behind a wrapper of the user's, so rank 0 gathers.
     out = tmp_path / "result.json"
-    run_script(vllm_python, "fsdp_vllm_sync.py", backend, str(tiny_llama), str(out), str(ROUNDS))
+    run_script(vllm_python, "fsdp_vllm_sync.py", backend, str(tiny_llama), str(out), str(ROUNDS), mode)
     result = json.loads(out.read_text())
     assert result["after"] == reference["outputs"]  # tokens and logprobs, exactly
     assert result["checksums"] == reference["checksums"]
     assert result["weight_version"] == str(ROUNDS)
     assert [s["version"] for s in result["stats"]] == list(range(1, ROUNDS + 1))
-    assert all(s["wrote_shards"] for s in result["stats"]), "vLLM's ModuleSource: every rank writes its shards"
+    other = json.loads(Path(f"{out}.rank1").read_text())["stats"]
+    assert len(other) == ROUNDS
+    for rank, stats in ((0, result["stats"]), (1, other)):
+        assert [s["wrote_shards"] for s in stats] == [mode == "writes"] * ROUNDS, f"rank {rank}: {stats}"

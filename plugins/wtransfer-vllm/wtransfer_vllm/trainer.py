@@ -31,7 +31,8 @@ class WTransferTrainerInitInfo(TrainerInitInfo):
     init_info: dict[str, Any] = dataclasses.field(default_factory=dict)
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # create_trainer options
     sharded: bool = False
-    """Every trainer rank calls ``trainer_init`` (FSDP2 / DTensor): rank 0 sends, the others gather."""
+    """Every trainer rank calls ``trainer_init`` (FSDP2 / DTensor): rank 0 runs the round, and every
+    rank sends its own shards (vLLM's ``ModuleSource``), or rank 0 gathers and sends (any other source)."""
 
 
 @lru_cache(maxsize=None)
@@ -50,7 +51,7 @@ def trainer_init_info(
     ``backend`` is the name as registered in vLLM (``"shm"``, ``"wtransfer:gloo"``...);
     ``init_info`` keys are the wtransfer trainer's (``world_size``, ``timeout_s``, ...).
     A sharded trainer calls ``trainer_init`` on every rank with ``rank=R, sharded=True`` and
-    the same source; ``send_weights()`` then runs on every rank (rank 0 sends). ``commit`` is
+    the same source; ``send_weights()`` then runs on every rank (rank 0 drives the round). ``commit`` is
     ``create_trainer``'s (inside vLLM rounds are always staged on the host and loaded at commit).
     """
     return _info_class(backend)(rank=rank, init_info=init_info, options={"checksums": checksums, "commit": commit},
@@ -82,8 +83,8 @@ def _as_wtransfer_source(source: Any) -> wtransfer.WeightSource:
 
 class WTransferTrainerAdapter(VLLMTrainerEngine):
     """vLLM's trainer engine interface over a wtransfer trainer (rank 0 drives the round; with a
-    sharded trainer every other rank holds a participant, which writes its own shards on ``shm``
-    with vLLM's ``ModuleSource``, and runs the gathers otherwise)."""
+    sharded trainer every other rank holds a participant, which sends its own shards with vLLM's
+    ``ModuleSource`` on a backend that has senders, and runs rank 0's gathers otherwise)."""
 
     wtransfer_backend: ClassVar[str] = ""
     init_info_cls = WTransferTrainerInitInfo

@@ -1,11 +1,14 @@
 """A vLLM instance synced by an FSDP2-sharded trainer through vLLM's own trainer factory.
 
-usage: fsdp_vllm_sync.py BACKEND MODEL_DIR OUT_JSON ROUNDS
+usage: fsdp_vllm_sync.py BACKEND MODEL_DIR OUT_JSON ROUNDS [writes|gathers]
 
 Two trainer ranks (FSDP2 over a gloo default group, CPU). Rank 0 also holds the offline
 ``LLM``. Both call ``WeightTransferTrainerFactory.trainer_init`` with
-``trainer_init_info(backend, rank=R, sharded=True)`` and vLLM's ``ModuleSource`` (which
-gathers with ``full_tensor()``), then ``send_weights()`` each round. The rounds take the same
+``trainer_init_info(backend, rank=R, sharded=True)`` and vLLM's ``ModuleSource``, then
+``send_weights()`` each round. ``writes`` (the default): the bridge hands the module to
+wtransfer, and every rank sends its own shards. ``gathers``: vLLM's source behind a wrapper
+of the user's, which wtransfer must read as it yields, so rank 0 gathers every parameter
+(``full_tensor()``) and sends; kept to time the two designs side by side. The rounds take the same
 deterministic steps as the ``final_checkpoint`` fixture (``perturb`` of the unsharded weights,
 scattered into the shards), so vLLM must then compute exactly what a fresh vLLM loaded from that
 checkpoint computes.
@@ -18,7 +21,20 @@ import sys
 import torch
 
 
-def rank_main(rank: int, backend: str, model_dir: str, out: str, rounds: int, port: int) -> None:
+class _Wrapped:
+    """A vLLM weight source of the user's own: the bridge cannot see the module behind it."""
+
+    def __init__(self, source) -> None:
+        self.source = source
+
+    def metadata(self):
+        return self.source.metadata()
+
+    def __iter__(self):
+        return iter(self.source)
+
+
+def rank_main(rank: int, backend: str, model_dir: str, out: str, rounds: int, port: int, mode: str) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
@@ -47,7 +63,7 @@ def rank_main(rank: int, backend: str, model_dir: str, out: str, rounds: int, po
     fully_shard(model)
     trainer = WeightTransferTrainerFactory.trainer_init(
         trainer_init_info(backend, rank=rank, sharded=True, world_size=2), client=client,
-        source=VLLMModuleSource(model),
+        source=VLLMModuleSource(model) if mode == "writes" else _Wrapped(VLLMModuleSource(model)),
     )
     whole = dict(unsharded.named_parameters())
     stats = []
@@ -60,6 +76,8 @@ def rank_main(rank: int, backend: str, model_dir: str, out: str, rounds: int, po
     if rank == 0:
         write_json(out, {"after": greedy(llm), "checksums": checksums(llm), "weight_version": llm.get_weight_version(),
                          "stats": stats})
+    else:  # the other rank's own stats: whether it wrote its shards is its own account
+        write_json(f"{out}.rank{rank}", {"stats": stats})
     trainer.shutdown()
     if llm is not None:  # a spawned process joins its children at exit: stop vLLM's engine first
         llm.llm_engine.engine_core.shutdown()
@@ -68,7 +86,10 @@ def rank_main(rank: int, backend: str, model_dir: str, out: str, rounds: int, po
 
 if __name__ == "__main__":
     backend, model_dir, out, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    mode = sys.argv[5] if len(sys.argv) > 5 else "writes"
+    if mode not in ("writes", "gathers"):
+        sys.exit(f"mode must be 'writes' or 'gathers', got {mode!r}")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    torch.multiprocessing.spawn(rank_main, args=(backend, model_dir, out, rounds, port), nprocs=2)
+    torch.multiprocessing.spawn(rank_main, args=(backend, model_dir, out, rounds, port, mode), nprocs=2)
