@@ -392,9 +392,10 @@ def markdown(figures: dict[str, Any]) -> list[str]:
             "the ring alone on this host, no engine: the same buckets and buffers, each tensor split by rows "
             "as Shard(0) splits it, N writer processes copying their rows in with memcpy, one reader doing a "
             "worker's copies (every piece into a staging copy, then the commit into the model), and only "
-            "8-byte messages between them, writer to reader and reader to writer, no relay (medians of the "
-            "rounds; the run with the median GB/s; vs 1 writer: what spreading the same writes over more "
-            "processes costs or gains on this host when nothing else does)",
+            "8-byte messages between them, writer to reader and reader to writer, no relay (GB/s: the median "
+            "of the rounds, from the run with the median GB/s; cores busy and commit share: that run's round "
+            "with the median GB/s; vs 1 writer: what spreading the same writes over more processes costs or "
+            "gains on this host when nothing else does)",
             ["writers", "GB/s", "each run's GB/s", "vs 1 writer", "bucket phase: cores busy",
              "commit: share of the round"],
             [[str(c["writers"]), f"{c['gb_per_s']:.2f}", ", ".join(f"{value:.2f}" for value in c["runs"]),
@@ -406,7 +407,7 @@ def markdown(figures: dict[str, Any]) -> list[str]:
             f"cores busy while they run, and the commit, which the reader does alone whoever wrote, takes "
             f"{one['commit_share']:.2f} of the round (the CPU each process measured for itself, in the round "
             f"with the median GB/s). If more writers' copies cost the bucket phase the same CPU, spread over "
-            f"every core and never below the reader's own part, that round would get at most "
+            f"every core and never below the reader's own part, that round would get about "
             f"{one['gain_estimate']:.2f}× faster: an estimate, not a bound (CPU time counts the cycles a copy "
             f"stalls on memory, and those change with how the copies overlap).")]
 
