@@ -27,7 +27,8 @@ def kv_run(python: Path, model: Path, out_dir: Path, connector: str, extra: dict
            *, site: Path | None = None, check: bool = True, **llm: Any) -> Any:
     """One vLLM process generating ``prompts`` one by one; its per-prompt results (or the process on failure)."""
     out = out_dir / f"run-{len(list(out_dir.glob('run-*.json')))}.json"
-    env = {**SAME_THREADS_ENV, **({"PYTHONPATH": str(site)} if site else {})}
+    env = {**(SAME_THREADS_ENV if llm.get("tensor_parallel_size", 1) == 1 else {}),
+           **({"PYTHONPATH": str(site)} if site else {})}
     done = run_script(python, "kv_run.py", str(model), str(out), connector, json.dumps(extra), json.dumps(prompts),
                       json.dumps(llm), env=env, check=check, timeout=600)
     if not check and done.returncode != 0:

@@ -92,13 +92,13 @@ def install_package(python: Path, source_dir: Path, site: Path, name: str, packa
 ROUNDS = 3
 """Update rounds every sync test runs (the reference checkpoint takes the same steps)."""
 
-SAME_THREADS_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+SAME_THREADS_ENV = {"VLLM_CPU_OMP_THREADS_BIND": str(min(os.sched_getaffinity(0)))}
 """Environment of one-worker vLLM runs whose outputs are compared bit for bit with each other.
-vLLM-CPU's 'auto' binding reserves more cores when a KV connector is configured, so on a 2-core
-host a run without one computes on 1 OpenMP thread and a run with one on 2; a different thread
-count splits the kernels' sums differently (seen on an AMD EPYC with AVX2: one logprob of 40
-prompts off in its last bits, tokens equal, with a connector that loaded nothing). Every such
-run computes on core 0 alone."""
+vLLM-CPU's 'auto' binding sets one core aside without a KV connector and two with one; on a
+2-core host the first leaves 1 OpenMP thread and the second falls back to both cores, and a
+different thread count splits the kernels' sums differently (seen on an AMD EPYC with AVX2: one
+logprob of 40 prompts off in its last bits, tokens equal, with a connector that loaded nothing).
+Every such run computes on the first core this process may use, alone."""
 
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 """Environment of a vLLM run with tensor_parallel_size > 1: vLLM-CPU's 'auto' binding refuses TP=2 on one NUMA node."""
