@@ -472,12 +472,13 @@ def _longest_run_without_rank_0() -> int:
     that hold none of rank 0's bytes, for tied_lm over 2 ranks (``Shard(0)``: rank 0 holds the
     first half of every tensor's rows) in SLOW_INIT_INFO's buckets."""
     import wtransfer
+    from wtransfer.engines._shards import _chunk
     from wtransfer.engines.wire import plan_buckets
     from wtransfer.testing.models import tied_lm
 
     entries = tuple(wtransfer.ModuleSource(tied_lm(seed=0)).metadata())
-    held = [-(-entry.shape[0] // 2) * (entry.nbytes // entry.shape[0]) if entry.shape else entry.nbytes
-            for entry in entries]  # rank 0's bytes of each tensor: the first ones
+    held = [_chunk(entry.shape[0], 2, 0)[1] * (entry.nbytes // entry.shape[0]) if entry.shape else entry.nbytes
+            for entry in entries]  # rank 0's bytes of each tensor (Shard(0)'s split): the first ones
     longest = run = 0
     for bucket in plan_buckets(entries, SLOW_INIT_INFO["bucket_bytes"]):
         slow = any(piece.index == 0 for piece in bucket.pieces)

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from vllm_harness import SAME_THREADS_ENV, TP_ENV, cpu_flags, install_package, run_script
+from vllm_harness import cpu_flags, install_package, run_script, script_env, vllm_env
 
 PROMPTS = [[(k * 37 + 13 * i + (i * i) % 7) % 500 for i in range(96)] for k in range(40)]
 PRESSURE = {"num_gpu_blocks_override": 128, "enable_prefix_caching": False}
@@ -31,18 +31,17 @@ STORED_TOKENS = 64  # 96 tokens: two whole blocks of 32 may come from a connecto
 def waves(python: Path, model: Path, out_dir: Path, connector: str, extra: dict[str, Any], *,
           replay: bool, site: Path | None = None) -> dict[str, Any]:
     out = out_dir / f"waves-{connector}-{len(list(out_dir.glob('waves-*.json')))}.json"
-    env = {**SAME_THREADS_ENV, **({"PYTHONPATH": str(site)} if site else {})}
     run_script(python, "kv_waves.py", str(model), str(out), connector, json.dumps(extra), json.dumps(PROMPTS), "3",
-               json.dumps({**PRESSURE, "replay": replay}), env=env, timeout=600)
+               json.dumps({**PRESSURE, "replay": replay}), env=vllm_env(site=site), timeout=600)
     return json.loads(out.read_text())
 
 
 def one_by_one(python: Path, model: Path, out_dir: Path, connector: str, extra: dict[str, Any],
                prompts: list[list[int]] = PROMPTS, **llm: Any) -> list[dict]:
     out = out_dir / f"run-{connector}-{len(list(out_dir.glob('run-*.json')))}.json"
-    env = TP_ENV if llm.get("tensor_parallel_size", 1) > 1 else SAME_THREADS_ENV
     run_script(python, "kv_run.py", str(model), str(out), connector, json.dumps(extra), json.dumps(prompts),
-               json.dumps({"enable_prefix_caching": False, **llm}), env=env, timeout=600)
+               json.dumps({"enable_prefix_caching": False, **llm}), env=vllm_env(llm.get("tensor_parallel_size", 1)),
+               timeout=600)
     return json.loads(out.read_text())["results"]
 
 
@@ -186,17 +185,15 @@ def test_two_instances_writing_the_same_prefixes_at_once_leave_only_whole_blocks
     """Two vLLM processes store the same prompts into one store at the same time; every file is
     published whole (written aside, renamed into place), so a fresh reader gets exactly the
     reference."""
-    import os
     import subprocess
 
     store = tmp_path / "store"
-    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **SAME_THREADS_ENV}
     outs = [tmp_path / f"writer-{k}.json" for k in range(2)]
     script = Path(__file__).parent / "scripts" / "kv_run.py"
     writers = [subprocess.Popen([str(vllm_python), str(script), str(tiny_llama), str(out), "storage",
                                  json.dumps({"path": str(store)}), json.dumps(PROMPTS[:12]),
                                  json.dumps({"enable_prefix_caching": False})],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=script_env(vllm_env()))
                for out in outs]
     for writer in writers:
         _, err = writer.communicate(timeout=600)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from vllm_harness import SAME_THREADS_ENV, install_package, run_script
+from vllm_harness import install_package, run_script, vllm_env
 
 BLOCK = 32  # testing.llm_kwargs' block_size
 PROMPT = [(7 * i + 3) % 500 for i in range(129)]  # 4 full blocks + 1 token
@@ -27,10 +27,8 @@ def kv_run(python: Path, model: Path, out_dir: Path, connector: str, extra: dict
            *, site: Path | None = None, check: bool = True, **llm: Any) -> Any:
     """One vLLM process generating ``prompts`` one by one; its per-prompt results (or the process on failure)."""
     out = out_dir / f"run-{len(list(out_dir.glob('run-*.json')))}.json"
-    env = {**(SAME_THREADS_ENV if llm.get("tensor_parallel_size", 1) == 1 else {}),
-           **({"PYTHONPATH": str(site)} if site else {})}
     done = run_script(python, "kv_run.py", str(model), str(out), connector, json.dumps(extra), json.dumps(prompts),
-                      json.dumps(llm), env=env, check=check, timeout=600)
+                      json.dumps(llm), env=vllm_env(llm.get("tensor_parallel_size", 1), site), check=check, timeout=600)
     if not check and done.returncode != 0:
         return done
     return json.loads(out.read_text())["results"]

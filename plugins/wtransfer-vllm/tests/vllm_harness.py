@@ -115,6 +115,24 @@ def cpu_flags() -> str:
     return " ".join(flag for flag in wanted if flag in flags) or "none of " + ",".join(wanted)
 
 
+def vllm_env(tensor_parallel_size: int = 1, site: Path | None = None) -> dict[str, str]:
+    """What a compared vLLM run adds to its environment: its thread binding (:data:`SAME_THREADS_ENV`
+    for one worker, :data:`TP_ENV` for more) and ``site`` on ``PYTHONPATH`` (a package installed
+    there for the test)."""
+    env = dict(TP_ENV if tensor_parallel_size > 1 else SAME_THREADS_ENV)
+    if site is not None:
+        env["PYTHONPATH"] = str(site)
+    return env
+
+
+def script_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The whole environment of a process of the vLLM environment: this one's, less its PYTHONPATH
+    (the vLLM environment is self-contained: nothing from this session's leaks in), plus ``env``."""
+    merged = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    merged.update({"PYTHONUNBUFFERED": "1", **(env or {})})
+    return merged
+
+
 def run_script(python: Path, script: str, *args: str, timeout: float = 600,
                env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run ``tests/scripts/<script>`` (or ``-c`` code) with the vLLM environment's python.
@@ -128,9 +146,7 @@ def run_script(python: Path, script: str, *args: str, timeout: float = 600,
     import tempfile
 
     command = [str(python), "-c", args[0], *args[1:]] if script == "-c" else [str(python), str(SCRIPTS / script), *args]
-    # The vLLM environment is self-contained: nothing from this session's PYTHONPATH leaks in.
-    merged = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    merged.update({"PYTHONUNBUFFERED": "1", **(env or {})})
+    merged = script_env(env)
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
         process = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, env=merged,
                                    start_new_session=True)

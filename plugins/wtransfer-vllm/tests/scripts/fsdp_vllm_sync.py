@@ -8,7 +8,7 @@ Two trainer ranks (FSDP2 over a gloo default group, CPU). Rank 0 also holds the 
 ``send_weights()`` each round. ``writes`` (the default): the bridge hands the module to
 wtransfer, and every rank sends its own shards. ``gathers``: vLLM's source behind a wrapper
 of the user's, which wtransfer must read as it yields, so rank 0 gathers every parameter
-(``full_tensor()``) and sends; kept to time the two designs side by side. The rounds take the same
+(``full_tensor()``) and sends: the bridge's fallback for sources it cannot see into. The rounds take the same
 deterministic steps as the ``final_checkpoint`` fixture (``perturb`` of the unsharded weights,
 scattered into the shards), so vLLM must then compute exactly what a fresh vLLM loaded from that
 checkpoint computes.
