@@ -96,7 +96,7 @@ SAME_THREADS_ENV = {"VLLM_CPU_OMP_THREADS_BIND": str(min(os.sched_getaffinity(0)
 """Environment of one-worker vLLM runs whose outputs are compared bit for bit with each other.
 vLLM-CPU's 'auto' binding sets one core aside without a KV connector and two with one; on a
 2-core host the first leaves 1 OpenMP thread and the second falls back to both cores, and a
-different thread count splits the kernels' sums differently (seen on an AMD EPYC with AVX2: one
+different thread count splits the kernels' sums differently (seen on an AMD EPYC with AVX2, no AMX: one
 logprob of 40 prompts off in its last bits, tokens equal, with a connector that loaded nothing).
 Every such run computes on the first core this process may use, alone."""
 
