@@ -21,12 +21,11 @@ def example_plugin_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def installed_example(example_plugin_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The example plugin really built and ``pip install``-ed, into a private target directory."""
-    target = tmp_path_factory.mktemp("pip-target")
-    subprocess.run(
+def installed_example(example_plugin_source: Path, once_per_run) -> Path:
+    """The example plugin really built and ``pip install``-ed, into a private target directory
+    (once per run, whichever test worker needs it first)."""
+    return once_per_run("example-plugin-site", lambda target: subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
          "--target", str(target), str(example_plugin_source)],
         check=True, capture_output=True, text=True, timeout=300,
-    )
-    return target
+    ))

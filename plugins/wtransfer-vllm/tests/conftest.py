@@ -26,24 +26,22 @@ def vllm_python() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama (2 layers, bf16) written locally with transformers."""
-    path = tmp_path_factory.mktemp("models") / "tiny-llama"
-    run_script(vllm_python, "-c", "import sys; from wtransfer_vllm.testing import write_model; write_model(sys.argv[1])",
-               str(path))
-    return path
+def tiny_llama(vllm_python: Path, once_per_run) -> Path:
+    """A tiny random Llama (2 layers, bf16) written locally with transformers (once per run)."""
+    return once_per_run("tiny-llama", lambda path: run_script(
+        vllm_python, "-c", "import sys; from wtransfer_vllm.testing import write_model; write_model(sys.argv[1])",
+        str(path)))
 
 
 
 @pytest.fixture(scope="session")
-def final_checkpoint(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def final_checkpoint(vllm_python: Path, tiny_llama: Path, once_per_run) -> Path:
     """The trainer's weights after ROUNDS perturbation steps, saved as a checkpoint.
 
     The sync tests' trainers take the same deterministic steps, so a vLLM that synced
     must compute exactly what a vLLM freshly loaded from this checkpoint computes.
     """
-    path = tmp_path_factory.mktemp("models") / "final"
-    run_script(vllm_python, "-c", textwrap.dedent(f"""
+    code = textwrap.dedent(f"""
         import sys
         from wtransfer_vllm.testing import load_trainer_model, perturb, write_tokenizer
         model = load_trainer_model(sys.argv[1])
@@ -51,13 +49,13 @@ def final_checkpoint(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pyte
             perturb(model, step)
         model.save_pretrained(sys.argv[2])
         write_tokenizer(sys.argv[2], model.config.vocab_size)
-    """), str(tiny_llama), str(path))
-    return path
+    """)
+    return once_per_run("final", lambda path: run_script(vllm_python, "-c", code, str(tiny_llama), str(path)))
 
 
 @pytest.fixture(scope="session")
-def reference(vllm_python: Path, final_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """What a fresh vLLM loaded from the final checkpoint computes (its own process)."""
-    out = tmp_path_factory.mktemp("reference") / "reference.json"
-    run_script(vllm_python, "reference.py", str(final_checkpoint), str(out))
+def reference(vllm_python: Path, final_checkpoint: Path, once_per_run) -> dict:
+    """What a fresh vLLM loaded from the final checkpoint computes (its own process, once per run)."""
+    out = once_per_run("reference.json",
+                       lambda path: run_script(vllm_python, "reference.py", str(final_checkpoint), str(path)))
     return json.loads(out.read_text())

@@ -31,23 +31,47 @@ def test_fsdp2_llama_ranks_sync_the_unsharded_state(
     assert rounds[0]["trainer"] != rounds[-1]["trainer"]  # the optimizer really changed the weights
 
 
+@pytest.fixture(scope="module")
+def fsdp_vllm_run(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
+    """``run(backend, mode)``: per backend, one LLM held by rank 0 runs every mode of that backend
+    in turn (one vLLM start each); a mode whose result is missing fails with the script's output."""
+    runs: dict[str, tuple[dict, dict, str]] = {}
+
+    def run(backend: str, mode: str) -> tuple[dict, dict]:
+        if backend not in runs:
+            out = tmp_path_factory.mktemp(f"fsdp-vllm-{backend}") / "result.json"
+            done = run_script(vllm_python, "fsdp_vllm_sync.py", backend, str(tiny_llama), str(out), str(ROUNDS),
+                              ",".join(MODES[backend]), timeout=900, check=False)
+            read = [json.loads(p.read_text()) if p.exists() else {} for p in (out, Path(f"{out}.rank1"))]
+            runs[backend] = (*read, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+        rank0, rank1, output = runs[backend]
+        assert mode in rank0 and mode in rank1, f"fsdp_vllm_sync.py {backend} gave no {mode!r} result: {output}"
+        return rank0[mode], rank1[mode]
+
+    return run
+
+
+MODES = {"shm": ["writes", "gathers"], "gloo": ["writes"]}
+
+
 @pytest.mark.parametrize(("backend", "mode"), [("shm", "writes"), ("gloo", "writes"), ("shm", "gathers")])
 def test_a_vllm_llm_synced_by_fsdp2_ranks_through_vllms_trainer_factory(
-    backend: str, mode: str, vllm_python: Path, tiny_llama: Path, reference: dict, tmp_path: Path
+    backend: str, mode: str, fsdp_vllm_run, reference: dict
 ) -> None:
     # vLLM 0.32 calls trainer_init and send_weights on every trainer rank; rank 0 holds the LLM.
     # The ranks take the same deterministic steps as the reference checkpoint, so vLLM must
     # compute exactly what a fresh vLLM loaded from it computes. "writes": vLLM's ModuleSource,
     # and every rank sends its own shards (into shm's buffers, or on gloo groups of its own with
     # vLLM's worker); "gathers": vLLM's source behind a wrapper of the user's, so rank 0 gathers.
-    out = tmp_path / "result.json"
-    run_script(vllm_python, "fsdp_vllm_sync.py", backend, str(tiny_llama), str(out), str(ROUNDS), mode)
-    result = json.loads(out.read_text())
+    # On shm both modes run on one LLM, "gathers" second: its trainer starts from the checkpoint again.
+    result, other = fsdp_vllm_run(backend, mode)
+    # after round 1 (one step), vLLM computed something else than after the last: this mode's
+    # rounds moved the weights, whatever the LLM held before it
+    assert result["after_first"] != result["after"]
     assert result["after"] == reference["outputs"]  # tokens and logprobs, exactly
     assert result["checksums"] == reference["checksums"]
     assert result["weight_version"] == str(ROUNDS)
     assert [s["version"] for s in result["stats"]] == list(range(1, ROUNDS + 1))
-    other = json.loads(Path(f"{out}.rank1").read_text())["stats"]
-    assert len(other) == ROUNDS
-    for rank, stats in ((0, result["stats"]), (1, other)):
+    assert len(other["stats"]) == ROUNDS
+    for rank, stats in ((0, result["stats"]), (1, other["stats"])):
         assert [s["wrote_shards"] for s in stats] == [mode == "writes"] * ROUNDS, f"rank {rank}: {stats}"

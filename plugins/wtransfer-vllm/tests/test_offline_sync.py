@@ -5,12 +5,16 @@ ROUNDS rounds through ``wtransfer_vllm.LLMClient``: with ``wtransfer.create_trai
 ``WeightTransferTrainerFactory.trainer_init`` and vLLM's ``ModuleSource`` (gloo). Afterwards vLLM must compute exactly
 what a fresh vLLM loaded from the trainer's final checkpoint computes: the same greedy
 tokens, the same logprobs to the last bit, and vLLM's own weight digests.
+
+The shm engine then serves a ``delta=True`` trainer too (one vLLM start for both scenarios; the
+TP=2 delta scenario runs on test_tensor_parallel's engine).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from safetensors.torch import load_file
@@ -18,16 +22,32 @@ from safetensors.torch import load_file
 from vllm_harness import ROUNDS, TP_ENV, cpu_flags, run_script
 
 
+def offline_run(python: Path, model: Path, out_dir: Path, backend: str, via: str, delta: bool = False) -> dict[str, Any]:
+    out = out_dir / "result.json"
+    run_script(python, "offline_sync.py", backend, str(model), str(out_dir / "final"), str(out), str(ROUNDS), via,
+               *([str(out_dir / "delta-final")] if delta else []), timeout=900)
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def shm_engine(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """One offline shm LLM, two scenarios in turn: ``create_trainer``'s rounds, then a delta trainer's."""
+    out_dir = tmp_path_factory.mktemp("shm-engine")
+    return out_dir, offline_run(vllm_python, tiny_llama, out_dir, "shm", "wtransfer", delta=True)
+
+
 @pytest.mark.parametrize(("backend", "via"), [("shm", "wtransfer"), ("gloo", "vllm-factory")])
 def test_offline_llm_computes_exactly_the_trainers_weights(
-    backend: str, via: str, vllm_python: Path, tiny_llama: Path, final_checkpoint: Path, reference: dict, tmp_path: Path
+    backend: str, via: str, vllm_python: Path, tiny_llama: Path, final_checkpoint: Path, reference: dict, tmp_path: Path,
+    request: pytest.FixtureRequest,
 ) -> None:
-    out = tmp_path / "result.json"
-    run_script(vllm_python, "offline_sync.py", backend, str(tiny_llama), str(tmp_path / "final"), str(out), str(ROUNDS), via)
-    result = json.loads(out.read_text())
+    if backend == "shm":
+        out_dir, result = request.getfixturevalue("shm_engine")
+    else:
+        out_dir, result = tmp_path, offline_run(vllm_python, tiny_llama, tmp_path, backend, via)
 
     # The trainer ended where the reference checkpoint is (same deterministic steps).
-    ours, theirs = load_file(tmp_path / "final" / "model.safetensors"), load_file(final_checkpoint / "model.safetensors")
+    ours, theirs = load_file(out_dir / "final" / "model.safetensors"), load_file(final_checkpoint / "model.safetensors")
     assert ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in ours)
 
     assert result["before"] != result["after"], "the sync changed nothing vLLM computes"
@@ -43,23 +63,23 @@ def test_offline_llm_computes_exactly_the_trainers_weights(
     assert all(s["bytes"] == sum(t.numel() * t.element_size() for t in theirs.values()) for s in stats)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
 def test_delta_rounds_after_adamw_steps_make_vllm_compute_exactly_a_fresh_load(
-    vllm_python: Path, tiny_llama: Path, tmp_path: Path, tp: int
+    vllm_python: Path, shm_engine: tuple[Path, dict]
 ) -> None:
     """``delta=True`` inside vLLM: the rounds after the first carry only what AdamW changed (the
     frozen embedding nothing), the bridge reloads the whole checkpoint from its committed copy,
-    and vLLM then computes exactly what a fresh vLLM loaded from the trainer's weights computes.
-    With TP=2 both of vLLM's workers rebuild the same deltas on their own copies and each loads
-    its shard of every tensor (a fresh TP=2 load is the reference)."""
+    and vLLM then computes exactly what a fresh vLLM loaded from the trainer's weights computes."""
     print(f"host CPU flags: {cpu_flags()}")
-    env = TP_ENV if tp > 1 else None
-    out, final = tmp_path / "result.json", tmp_path / "final"
-    run_script(vllm_python, "delta_sync.py", "shm", str(tiny_llama), str(final), str(out), str(tp), env=env,
-               timeout=900)
-    result = json.loads(out.read_text())
-    fresh = tmp_path / "fresh.json"
-    run_script(vllm_python, "reference.py", str(final), str(fresh), json.dumps({"tensor_parallel_size": tp}), env=env)
+    out_dir, result = shm_engine
+    check_delta_scenario(vllm_python, result["delta"], out_dir / "delta-final", tp=1)
+
+
+def check_delta_scenario(python: Path, result: dict, final: Path, tp: int) -> None:
+    """What ``scripts/delta_sync.py``'s scenario must show, at any TP (a fresh load at that TP is the reference)."""
+    assert "error" not in result, f"the delta scenario raised:\n{result['error']}"
+    fresh = final.parent / "delta-fresh.json"
+    run_script(python, "reference.py", str(final), str(fresh), json.dumps({"tensor_parallel_size": tp}),
+               env=TP_ENV if tp > 1 else None)
     reference = json.loads(fresh.read_text())
 
     stats = result["stats"]

@@ -4,7 +4,7 @@ In the RL order (generate, sync, generate) vLLM must compute exactly what a fres
 trainer's final checkpoint computes, tokens, logprobs and vLLM's own per-worker digests; and a
 trainer killed at the round's last tensor, or after every TP worker received the round whole but
 before it could commit, must leave vLLM computing exactly what it computed before (no worker
-commits alone).
+commits alone). The same TP=2 engine then serves a ``delta=True`` trainer (one TP=2 start for both).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from test_offline_sync import check_delta_scenario
 from vllm_harness import ROUNDS, TP_ENV, cpu_flags, run_script
 
 
@@ -25,13 +26,20 @@ def reference_tp2(vllm_python: Path, final_checkpoint: Path, tmp_path_factory: p
     return json.loads(out.read_text())
 
 
+@pytest.fixture(scope="module")
+def tp2_engine(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """One TP=2 LLM, its scenarios in turn: the RL-order sync and the killed trainers, then a delta trainer's rounds."""
+    out_dir = tmp_path_factory.mktemp("tp2-engine")
+    run_script(vllm_python, "tp_sync.py", str(tiny_llama), str(out_dir / "tp.json"), str(ROUNDS),
+               str(out_dir / "delta-final"), env=TP_ENV, timeout=900)
+    return out_dir, json.loads((out_dir / "tp.json").read_text())
+
+
 def test_tp2_sync_equals_a_fresh_tp2_load_and_a_trainer_killed_before_commit_changes_nothing(
-    vllm_python: Path, tiny_llama: Path, reference_tp2: dict, tmp_path: Path
+    tp2_engine: tuple[Path, dict], reference_tp2: dict
 ) -> None:
     print(f"host CPU flags: {cpu_flags()}")
-    out = tmp_path / "tp.json"
-    run_script(vllm_python, "tp_sync.py", str(tiny_llama), str(out), str(ROUNDS), env=TP_ENV, timeout=900)
-    result = json.loads(out.read_text())
+    _, result = tp2_engine
 
     assert result["before"] != result["after"], "the sync changed nothing vLLM computes"
     assert result["after"] == reference_tp2["outputs"]  # tokens and logprobs, exactly
@@ -50,7 +58,16 @@ def test_tp2_sync_equals_a_fresh_tp2_load_and_a_trainer_killed_before_commit_cha
     whole = result["kills"]["before-finish"]
     assert whole["calls"] == ["init_weight_transfer_engine", "start_weight_update", "update_weights"]
     assert whole["exitcode"] == -9
-    for kill in (last, whole):
-        assert kill["outputs"] == result["after"]
-        assert kill["checksums"] == result["checksums"]
-        assert kill["weight_version"] == str(ROUNDS)
+    for kill in (last, whole):  # what vLLM computed, held and said just before the killed trainers
+        for key in ("outputs", "checksums", "weight_version"):
+            assert kill[key] == result["before_kills"][key], key
+
+
+def test_tp2_delta_rounds_after_adamw_steps_make_vllm_compute_exactly_a_fresh_tp2_load(
+    vllm_python: Path, tp2_engine: tuple[Path, dict]
+) -> None:
+    """``delta=True`` at TP=2: both of vLLM's workers rebuild the same deltas on their own copies and
+    each loads its shard of every tensor (a fresh TP=2 load of the trainer's weights is the reference)."""
+    print(f"host CPU flags: {cpu_flags()}")
+    out_dir, result = tp2_engine
+    check_delta_scenario(vllm_python, result["delta"], out_dir / "delta-final", tp=2)

@@ -45,7 +45,10 @@ def _run(command: list[str], what: str, timeout: float = 1800) -> None:
 
 
 def ensure_vllm_venv() -> Path:
-    """The cached vLLM environment, built once (under a lock) and reused; returns its python."""
+    """The cached vLLM environment, built once (under a lock) and reused; returns its python.
+
+    This checkout is installed into it once per test run: every pytest-xdist worker of one run
+    shares ``PYTEST_XDIST_TESTRUNUID``, and the first to get here installs for all."""
     root = venv_dir()
     root.parent.mkdir(parents=True, exist_ok=True)
     python = root / "bin" / "python"
@@ -59,9 +62,14 @@ def ensure_vllm_venv() -> Path:
             _run([*pip, VLLM_REQUIREMENT], f"installing {VLLM_REQUIREMENT}")
             _run([str(python), "-m", "pip", "uninstall", "--yes", "--quiet", *UNNEEDED], "removing torchvision")
             (root / ".complete").write_text(VLLM_REQUIREMENT + "\n")
-        # This checkout, every session (the cached environment may hold another checkout's).
+        # This checkout, once a run (the cached environment may hold another checkout's).
+        run_id = f"{REPO_ROOT} {os.environ.get('PYTEST_XDIST_TESTRUNUID') or os.getpid()}\n"
+        installed = root / ".checkout"
+        if installed.exists() and installed.read_text() == run_id:
+            return python
         _run([str(python), "-m", "pip", "install", "--quiet", "--no-build-isolation", RAY_REQUIREMENT,
               "-e", str(REPO_ROOT), "-e", str(PLUGIN_ROOT)], "installing wtransfer, wtransfer-vllm and Ray")
+        installed.write_text(run_id)
     return python
 
 
@@ -92,13 +100,21 @@ def install_package(python: Path, source_dir: Path, site: Path, name: str, packa
 ROUNDS = 3
 """Update rounds every sync test runs (the reference checkpoint takes the same steps)."""
 
-SAME_THREADS_ENV = {"VLLM_CPU_OMP_THREADS_BIND": str(min(os.sched_getaffinity(0)))}
+def _own_core() -> int:
+    """The core this test process's vLLM runs compute on: pytest-xdist worker N takes the N-th core
+    this process may use (modulo their number), so two workers' vLLMs never share one core."""
+    cores = sorted(os.sched_getaffinity(0))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return cores[int(worker.removeprefix("gw") or 0) % len(cores)]
+
+
+SAME_THREADS_ENV = {"VLLM_CPU_OMP_THREADS_BIND": str(_own_core())}
 """Environment of one-worker vLLM runs whose outputs are compared bit for bit with each other.
 vLLM-CPU's 'auto' binding sets one core aside without a KV connector and two with one; on a
 2-core host the first leaves 1 OpenMP thread and the second falls back to both cores, and a
 different thread count splits the kernels' sums differently (seen on an AMD EPYC with AVX2, no AMX: one
 logprob of 40 prompts off in its last bits, tokens equal, with a connector that loaded nothing).
-Every such run computes on the first core this process may use, alone."""
+Every such run computes on one core alone (each test worker's own: :func:`_own_core`)."""
 
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 """Environment of a vLLM run with tensor_parallel_size > 1: vLLM-CPU's 'auto' binding refuses TP=2 on one NUMA node."""

@@ -1,29 +1,24 @@
-"""An offline vLLM synced by a ``delta=True`` trainer, in the RL order, after real AdamW steps.
+"""A scenario for an offline vLLM already running: a ``delta=True`` trainer's rounds after real AdamW steps.
 
-usage: delta_sync.py BACKEND MODEL_DIR FINAL_DIR OUT_JSON [TP]
+Imported by the scripts that hold an ``LLM`` (``offline_sync.py`` at TP=1, ``tp_sync.py`` at TP=2),
+which run it after their own scenario, on the same engine: one vLLM start serves both.
 
-Generate, then: round 1 (whole), two AdamW steps each followed by a delta round (the embedding and
-parts of two fused modules are frozen, so they travel in neither), generate again, and a round with nothing trained. Writes the
-outputs, the rounds' stats and the host's CPU flags; saves the trainer's final weights (with a
-tokenizer) to FINAL_DIR, which the test loads into a fresh vLLM for the reference. With TP > 1
-each of vLLM's worker processes rebuilds its deltas on its own committed copy.
+Generate, then: round 1 (whole: this trainer is new to the workers), two AdamW steps each followed
+by a delta round (the embedding and parts of two fused modules are frozen, so they travel in
+neither), generate again, and a round with nothing trained. Returns the outputs, the rounds' stats,
+vLLM's digests and label; saves the trainer's final weights (with a tokenizer) to ``final_dir``,
+which the test loads into a fresh vLLM for the reference. With TP > 1 each of vLLM's worker
+processes rebuilds its deltas on its own committed copy.
 """
-
-import sys
 
 import wtransfer
 from wtransfer_vllm import LLMClient
-from wtransfer_vllm.testing import (checksums, greedy, llm_kwargs, load_trainer_model, perturb, write_json,
-                                    write_tokenizer)
+from wtransfer_vllm.testing import checksums, greedy, load_trainer_model, perturb, write_tokenizer
 
-if __name__ == "__main__":
-    backend, model_dir, final_dir, out = sys.argv[1:5]
-    tp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+
+def delta_scenario(llm, backend: str, model_dir: str, final_dir: str, tp: int) -> dict:
     import torch
-    from vllm import LLM
 
-    parallel = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
-    llm = LLM(**llm_kwargs(model_dir, weight_transfer_config={"backend": backend}, **parallel))
     before = greedy(llm)  # the RL order: generate, then sync, then generate
     model = load_trainer_model(model_dir)
     model.get_input_embeddings().weight.requires_grad_(False)  # a frozen part: it never travels again
@@ -47,7 +42,8 @@ if __name__ == "__main__":
     stats.append(trainer.send_weights())  # nothing trained: nothing moves
     again = greedy(llm)
     trainer.shutdown()
+    llm.shutdown_weight_transfer_engine()
     model.save_pretrained(final_dir)
     write_tokenizer(final_dir, model.config.vocab_size)
-    write_json(out, {"before": before, "after": after, "again": again, "stats": stats, "checksums": checksums(llm),
-                     "weight_version": llm.get_weight_version()})
+    return {"before": before, "after": after, "again": again, "stats": stats, "checksums": checksums(llm),
+            "weight_version": llm.get_weight_version()}

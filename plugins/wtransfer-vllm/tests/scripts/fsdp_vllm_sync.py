@@ -1,11 +1,14 @@
 """A vLLM instance synced by an FSDP2-sharded trainer through vLLM's own trainer factory.
 
-usage: fsdp_vllm_sync.py BACKEND MODEL_DIR OUT_JSON ROUNDS [writes|gathers]
+usage: fsdp_vllm_sync.py BACKEND MODEL_DIR OUT_JSON ROUNDS MODES
+
+MODES: ``writes``, ``gathers`` or both (``writes,gathers``: one vLLM start, the modes in turn,
+each a new trainer on new FSDP2 ranks' models that start from the checkpoint again).
 
 Two trainer ranks (FSDP2 over a gloo default group, CPU). Rank 0 also holds the offline
 ``LLM``. Both call ``WeightTransferTrainerFactory.trainer_init`` with
 ``trainer_init_info(backend, rank=R, sharded=True)`` and vLLM's ``ModuleSource``, then
-``send_weights()`` each round. ``writes`` (the default): the bridge hands the module to
+``send_weights()`` each round. ``writes``: the bridge hands the module to
 wtransfer, and every rank sends its own shards. ``gathers``: vLLM's source behind a wrapper
 of the user's, which wtransfer must read as it yields, so rank 0 gathers every parameter
 (``full_tensor()``) and sends: the bridge's fallback for sources it cannot see into. The rounds take the same
@@ -34,7 +37,7 @@ class _Wrapped:
         return iter(self.source)
 
 
-def rank_main(rank: int, backend: str, model_dir: str, out: str, rounds: int, port: int, mode: str) -> None:
+def rank_main(rank: int, backend: str, model_dir: str, out: str, rounds: int, port: int, modes: list[str]) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
@@ -56,29 +59,37 @@ def rank_main(rank: int, backend: str, model_dir: str, out: str, rounds: int, po
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=300))
-    unsharded = load_trainer_model(model_dir)  # the steps are taken here, then scattered into the shards
-    model = load_trainer_model(model_dir)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    trainer = WeightTransferTrainerFactory.trainer_init(
-        trainer_init_info(backend, rank=rank, sharded=True, world_size=2), client=client,
-        source=VLLMModuleSource(model) if mode == "writes" else _Wrapped(VLLMModuleSource(model)),
-    )
-    whole = dict(unsharded.named_parameters())
-    stats = []
-    for step in range(rounds):
-        perturb(unsharded, step)
-        with torch.no_grad():
-            for name, shard in model.named_parameters():
-                shard.to_local().copy_(distribute_tensor(whole[name].detach(), shard.device_mesh, shard.placements).to_local())
-        stats.append(trainer.send_weights())
-    if rank == 0:
-        write_json(out, {"after": greedy(llm), "checksums": checksums(llm), "weight_version": llm.get_weight_version(),
-                         "stats": stats})
-    else:  # the other rank's own stats: whether it wrote its shards is its own account
-        write_json(f"{out}.rank{rank}", {"stats": stats})
-    trainer.shutdown()
+    results = {}
+    for mode in modes:
+        unsharded = load_trainer_model(model_dir)  # the steps are taken here, then scattered into the shards
+        model = load_trainer_model(model_dir)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            trainer_init_info(backend, rank=rank, sharded=True, world_size=2), client=client,
+            source=VLLMModuleSource(model) if mode == "writes" else _Wrapped(VLLMModuleSource(model)),
+        )
+        whole = dict(unsharded.named_parameters())
+        stats = []
+        for step in range(rounds):
+            perturb(unsharded, step)
+            with torch.no_grad():
+                for name, shard in model.named_parameters():
+                    shard.to_local().copy_(distribute_tensor(whole[name].detach(), shard.device_mesh,
+                                                             shard.placements).to_local())
+            stats.append(trainer.send_weights())
+            if rank == 0 and step == 0:  # a mode that moved nothing would leave the previous mode's outputs
+                results[mode] = {"after_first": greedy(llm)}
+        # the other rank's own stats: whether it wrote its shards is its own account
+        results[mode] = {**results.get(mode, {}), "stats": stats}
+        if rank == 0:
+            results[mode].update(after=greedy(llm), checksums=checksums(llm), weight_version=llm.get_weight_version())
+        trainer.shutdown()
+        if llm is not None:
+            llm.shutdown_weight_transfer_engine()
+        write_json(out if rank == 0 else f"{out}.rank{rank}", results)  # each mode's as soon as it is done
+        dist.barrier()  # the next mode's trainers start together
     if llm is not None:  # a spawned process joins its children at exit: stop vLLM's engine first
         llm.llm_engine.engine_core.shutdown()
     dist.destroy_process_group()
@@ -86,10 +97,10 @@ def rank_main(rank: int, backend: str, model_dir: str, out: str, rounds: int, po
 
 if __name__ == "__main__":
     backend, model_dir, out, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    mode = sys.argv[5] if len(sys.argv) > 5 else "writes"
-    if mode not in ("writes", "gathers"):
-        sys.exit(f"mode must be 'writes' or 'gathers', got {mode!r}")
+    modes = sys.argv[5].split(",")
+    if not modes or set(modes) - {"writes", "gathers"}:
+        sys.exit(f"modes must be 'writes' and/or 'gathers', got {sys.argv[5]!r}")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    torch.multiprocessing.spawn(rank_main, args=(backend, model_dir, out, rounds, port, mode), nprocs=2)
+    torch.multiprocessing.spawn(rank_main, args=(backend, model_dir, out, rounds, port, modes), nprocs=2)

@@ -1,14 +1,17 @@
 """One vLLM instance (offline LLM) synced by a wtransfer trainer in this process.
 
-usage: offline_sync.py BACKEND MODEL_DIR FINAL_DIR OUT_JSON [ROUNDS] [wtransfer|vllm-factory]
+usage: offline_sync.py BACKEND MODEL_DIR FINAL_DIR OUT_JSON [ROUNDS] [wtransfer|vllm-factory] [DELTA_FINAL_DIR]
 
 ``vllm-factory`` builds the trainer the way code written against vLLM does:
 ``WeightTransferTrainerFactory.trainer_init`` with vLLM's own ``ModuleSource``.
 Writes: outputs before and after, vLLM's digests and weight version, per-round stats;
-saves the trainer's final weights to FINAL_DIR (the reference loads them fresh).
+saves the trainer's final weights to FINAL_DIR (the reference loads them fresh). With
+DELTA_FINAL_DIR, the same LLM then runs ``delta_sync.delta_scenario`` (its result under "delta"):
+one vLLM start for both.
 """
 
 import sys
+import traceback
 
 import wtransfer
 from wtransfer_vllm import LLMClient
@@ -19,6 +22,7 @@ if __name__ == "__main__":
     backend, model_dir, final_dir, out = sys.argv[1:5]
     rounds = int(sys.argv[5]) if len(sys.argv) > 5 else 3
     via = sys.argv[6] if len(sys.argv) > 6 else "wtransfer"
+    delta_final = sys.argv[7] if len(sys.argv) > 7 else None
     from vllm import LLM
 
     llm = LLM(**llm_kwargs(model_dir, weight_transfer_config={"backend": backend}))
@@ -49,4 +53,12 @@ if __name__ == "__main__":
               "weight_version": llm.get_weight_version(), "stats": stats}
     trainer.shutdown()
     model.save_pretrained(final_dir)
+    if delta_final:
+        from delta_sync import delta_scenario
+
+        llm.shutdown_weight_transfer_engine()
+        try:  # its own failure fails its own test, not this scenario's
+            result["delta"] = delta_scenario(llm, backend, model_dir, delta_final, tp=1)
+        except Exception:
+            result["delta"] = {"error": traceback.format_exc()}
     write_json(out, result)

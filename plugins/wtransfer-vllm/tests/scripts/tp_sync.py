@@ -1,6 +1,6 @@
 """An offline vLLM with tensor_parallel_size=2 synced by wtransfer, then a trainer killed before commit.
 
-usage: tp_sync.py MODEL_DIR OUT_JSON [ROUNDS]
+usage: tp_sync.py MODEL_DIR OUT_JSON ROUNDS [DELTA_FINAL_DIR]
 
 1. The RL order: generate, ROUNDS rounds through ``LLMClient`` (trainer world_size 3: this process
    and vLLM's two TP workers, one host staging copy shared by both), generate twice.
@@ -9,6 +9,9 @@ usage: tp_sync.py MODEL_DIR OUT_JSON [ROUNDS]
    for the round's last tensor, one the moment vLLM says every TP worker received the round
    whole, before it can call finish_weight_update. No worker may commit, so vLLM must compute
    exactly what it computed before.
+With DELTA_FINAL_DIR, ``delta_sync.delta_scenario`` runs on the same engine between 1. and 2.
+(its result under "delta"): one TP=2 start for both. The killed trainers must leave vLLM as it was
+just before them ("before_kills").
 Writes outputs, vLLM's per-worker digests and versions at each point.
 """
 
@@ -17,6 +20,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import traceback
 
 import wtransfer
 from wtransfer_vllm import LLMClient
@@ -99,7 +103,8 @@ def serve_pipe(conn, client):
 
 if __name__ == "__main__":
     model_dir, out = sys.argv[1:3]
-    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+    rounds = int(sys.argv[3])
+    delta_final = sys.argv[4] if len(sys.argv) > 4 else None
     from vllm import LLM
 
     llm = LLM(**llm_kwargs(model_dir, tensor_parallel_size=TP, distributed_executor_backend="mp",
@@ -116,6 +121,16 @@ if __name__ == "__main__":
     llm.shutdown_weight_transfer_engine()
     result.update(after=greedy(llm), again=greedy(llm), checksums=checksums(llm),
                   weight_version=llm.get_weight_version())
+    if delta_final:
+        from delta_sync import delta_scenario
+
+        try:  # its own failure fails its own test, not this scenario's
+            result["delta"] = delta_scenario(llm, "shm", model_dir, delta_final, tp=TP)
+        except Exception:
+            result["delta"] = {"error": traceback.format_exc()}
+    # what the killed trainers must leave as it is
+    result["before_kills"] = {"outputs": greedy(llm), "checksums": checksums(llm),
+                              "weight_version": llm.get_weight_version()}
 
     context = multiprocessing.get_context("spawn")
     result["kills"] = {}
