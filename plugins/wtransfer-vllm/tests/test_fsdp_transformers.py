@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_harness import ROUNDS, run_script
+from vllm_harness import ROUNDS, EngineRun, engine_run, run_script
 
 
 @pytest.mark.parametrize(("world", "backend"), [(2, "shm"), (4, "gloo")])
@@ -33,20 +33,16 @@ def test_fsdp2_llama_ranks_sync_the_unsharded_state(
 
 @pytest.fixture(scope="module")
 def fsdp_vllm_run(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
-    """``run(backend, mode)``: per backend, one LLM held by rank 0 runs every mode of that backend
-    in turn (one vLLM start each); a mode whose result is missing fails with the script's output."""
-    runs: dict[str, tuple[dict, dict, str]] = {}
+    """``run(backend)``: per backend, one LLM held by rank 0 runs every mode of that backend in turn
+    (one vLLM start each); rank 0's JSON gets each mode's part (rank 1's in ``.rank1``) as it ends."""
+    runs: dict[str, tuple[EngineRun, Path]] = {}
 
-    def run(backend: str, mode: str) -> tuple[dict, dict]:
+    def run(backend: str) -> tuple[EngineRun, Path]:
         if backend not in runs:
             out = tmp_path_factory.mktemp(f"fsdp-vllm-{backend}") / "result.json"
-            done = run_script(vllm_python, "fsdp_vllm_sync.py", backend, str(tiny_llama), str(out), str(ROUNDS),
-                              ",".join(MODES[backend]), timeout=900, check=False)
-            read = [json.loads(p.read_text()) if p.exists() else {} for p in (out, Path(f"{out}.rank1"))]
-            runs[backend] = (*read, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-        rank0, rank1, output = runs[backend]
-        assert mode in rank0 and mode in rank1, f"fsdp_vllm_sync.py {backend} gave no {mode!r} result: {output}"
-        return rank0[mode], rank1[mode]
+            runs[backend] = engine_run(vllm_python, "fsdp_vllm_sync.py", out, backend, str(tiny_llama), str(out),
+                                       str(ROUNDS), ",".join(MODES[backend])), Path(f"{out}.rank1")
+        return runs[backend]
 
     return run
 
@@ -64,7 +60,13 @@ def test_a_vllm_llm_synced_by_fsdp2_ranks_through_vllms_trainer_factory(
     # and every rank sends its own shards (into shm's buffers, or on gloo groups of its own with
     # vLLM's worker); "gathers": vLLM's source behind a wrapper of the user's, so rank 0 gathers.
     # On shm both modes run on one LLM, "gathers" second: its trainer starts from the checkpoint again.
-    result, other = fsdp_vllm_run(backend, mode)
+    run, rank1 = fsdp_vllm_run(backend)
+    result = run.part(mode)
+    other = json.loads(rank1.read_text()) if rank1.exists() else {}
+    assert mode in other, f"rank 1 wrote no {mode!r} result: the script exited {run.returncode}\n{run.output}"
+    other = other[mode]
+    if mode == MODES[backend][-1]:  # the last mode on that engine: the script ended cleanly too
+        run.assert_clean_exit()
     # after round 1 (one step), vLLM computed something else than after the last: this mode's
     # rounds moved the weights, whatever the LLM held before it
     assert result["after_first"] != result["after"]

@@ -14,23 +14,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 from safetensors.torch import load_file
 
-from vllm_harness import ROUNDS, TP_ENV, cpu_flags, run_script
+from vllm_harness import ROUNDS, TP_ENV, EngineRun, cpu_flags, engine_run, run_script
 
 
-def offline_run(python: Path, model: Path, out_dir: Path, backend: str, via: str, delta: bool = False) -> dict[str, Any]:
+def offline_run(python: Path, model: Path, out_dir: Path, backend: str, via: str, delta: bool = False) -> EngineRun:
     out = out_dir / "result.json"
-    run_script(python, "offline_sync.py", backend, str(model), str(out_dir / "final"), str(out), str(ROUNDS), via,
-               *([str(out_dir / "delta-final")] if delta else []), timeout=900)
-    return json.loads(out.read_text())
+    return engine_run(python, "offline_sync.py", out, backend, str(model), str(out_dir / "final"), str(out), str(ROUNDS),
+                      via, *([str(out_dir / "delta-final")] if delta else []))
 
 
 @pytest.fixture(scope="module")
-def shm_engine(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+def shm_engine(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, EngineRun]:
     """One offline shm LLM, two scenarios in turn: ``create_trainer``'s rounds, then a delta trainer's."""
     out_dir = tmp_path_factory.mktemp("shm-engine")
     return out_dir, offline_run(vllm_python, tiny_llama, out_dir, "shm", "wtransfer", delta=True)
@@ -41,10 +39,13 @@ def test_offline_llm_computes_exactly_the_trainers_weights(
     backend: str, via: str, vllm_python: Path, tiny_llama: Path, final_checkpoint: Path, reference: dict, tmp_path: Path,
     request: pytest.FixtureRequest,
 ) -> None:
-    if backend == "shm":
-        out_dir, result = request.getfixturevalue("shm_engine")
+    if backend == "shm":  # its engine then serves the delta scenario, whose test checks how the script ended
+        out_dir, run = request.getfixturevalue("shm_engine")
     else:
-        out_dir, result = tmp_path, offline_run(vllm_python, tiny_llama, tmp_path, backend, via)
+        out_dir, run = tmp_path, offline_run(vllm_python, tiny_llama, tmp_path, backend, via)
+        run.assert_clean_exit()
+    run.part("stats")
+    result = run.result
 
     # The trainer ended where the reference checkpoint is (same deterministic steps).
     ours, theirs = load_file(out_dir / "final" / "model.safetensors"), load_file(final_checkpoint / "model.safetensors")
@@ -64,14 +65,15 @@ def test_offline_llm_computes_exactly_the_trainers_weights(
 
 
 def test_delta_rounds_after_adamw_steps_make_vllm_compute_exactly_a_fresh_load(
-    vllm_python: Path, shm_engine: tuple[Path, dict]
+    vllm_python: Path, shm_engine: tuple[Path, EngineRun]
 ) -> None:
     """``delta=True`` inside vLLM: the rounds after the first carry only what AdamW changed (the
     frozen embedding nothing), the bridge reloads the whole checkpoint from its committed copy,
     and vLLM then computes exactly what a fresh vLLM loaded from the trainer's weights computes."""
     print(f"host CPU flags: {cpu_flags()}")
-    out_dir, result = shm_engine
-    check_delta_scenario(vllm_python, result["delta"], out_dir / "delta-final", tp=1)
+    out_dir, run = shm_engine
+    check_delta_scenario(vllm_python, run.part("delta"), out_dir / "delta-final", tp=1)
+    run.assert_clean_exit()
 
 
 def check_delta_scenario(python: Path, result: dict, final: Path, tp: int) -> None:

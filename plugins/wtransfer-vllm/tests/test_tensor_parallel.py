@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from test_offline_sync import check_delta_scenario
-from vllm_harness import ROUNDS, TP_ENV, cpu_flags, run_script
+from vllm_harness import ROUNDS, TP_ENV, EngineRun, cpu_flags, engine_run, run_script
 
 
 @pytest.fixture(scope="module")
@@ -27,19 +27,21 @@ def reference_tp2(vllm_python: Path, final_checkpoint: Path, tmp_path_factory: p
 
 
 @pytest.fixture(scope="module")
-def tp2_engine(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """One TP=2 LLM, its scenarios in turn: the RL-order sync and the killed trainers, then a delta trainer's rounds."""
+def tp2_engine(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, EngineRun]:
+    """One TP=2 LLM, its scenarios in turn: the RL-order sync, a delta trainer's rounds, the killed trainers."""
     out_dir = tmp_path_factory.mktemp("tp2-engine")
-    run_script(vllm_python, "tp_sync.py", str(tiny_llama), str(out_dir / "tp.json"), str(ROUNDS),
-               str(out_dir / "delta-final"), env=TP_ENV, timeout=900)
-    return out_dir, json.loads((out_dir / "tp.json").read_text())
+    return out_dir, engine_run(vllm_python, "tp_sync.py", out_dir / "tp.json", str(tiny_llama), str(out_dir / "tp.json"),
+                               str(ROUNDS), str(out_dir / "delta-final"), env=TP_ENV)
 
 
 def test_tp2_sync_equals_a_fresh_tp2_load_and_a_trainer_killed_before_commit_changes_nothing(
-    tp2_engine: tuple[Path, dict], reference_tp2: dict
+    tp2_engine: tuple[Path, EngineRun], reference_tp2: dict
 ) -> None:
     print(f"host CPU flags: {cpu_flags()}")
-    _, result = tp2_engine
+    _, run = tp2_engine
+    run.part("kills")  # the last scenario: it ran, and the script ended cleanly
+    run.assert_clean_exit()
+    result = run.result
 
     assert result["before"] != result["after"], "the sync changed nothing vLLM computes"
     assert result["after"] == reference_tp2["outputs"]  # tokens and logprobs, exactly
@@ -64,10 +66,10 @@ def test_tp2_sync_equals_a_fresh_tp2_load_and_a_trainer_killed_before_commit_cha
 
 
 def test_tp2_delta_rounds_after_adamw_steps_make_vllm_compute_exactly_a_fresh_tp2_load(
-    vllm_python: Path, tp2_engine: tuple[Path, dict]
+    vllm_python: Path, tp2_engine: tuple[Path, EngineRun]
 ) -> None:
     """``delta=True`` at TP=2: both of vLLM's workers rebuild the same deltas on their own copies and
     each loads its shard of every tensor (a fresh TP=2 load of the trainer's weights is the reference)."""
     print(f"host CPU flags: {cpu_flags()}")
-    out_dir, result = tp2_engine
-    check_delta_scenario(vllm_python, result["delta"], out_dir / "delta-final", tp=2)
+    out_dir, run = tp2_engine
+    check_delta_scenario(vllm_python, run.part("delta"), out_dir / "delta-final", tp=2)

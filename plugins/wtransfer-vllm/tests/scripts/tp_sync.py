@@ -121,6 +121,7 @@ if __name__ == "__main__":
     llm.shutdown_weight_transfer_engine()
     result.update(after=greedy(llm), again=greedy(llm), checksums=checksums(llm),
                   weight_version=llm.get_weight_version())
+    write_json(out, result)  # each scenario's part as soon as it is done
     if delta_final:
         from delta_sync import delta_scenario
 
@@ -128,6 +129,7 @@ if __name__ == "__main__":
             result["delta"] = delta_scenario(llm, "shm", model_dir, delta_final, tp=TP)
         except Exception:
             result["delta"] = {"error": traceback.format_exc()}
+        write_json(out, result)
     # what the killed trainers must leave as it is
     result["before_kills"] = {"outputs": greedy(llm), "checksums": checksums(llm),
                               "weight_version": llm.get_weight_version()}
