@@ -253,8 +253,8 @@ class EngineConformance:
                 time.sleep(0.1)
             require(open_fd_count() <= fds_before, "a trainer shut down after a failed round leaks no descriptors",
                     f"at most {fds_before} open", open_fd_count())
-            require(_shm_names() <= shm_before, "a failed round leaves nothing in /dev/shm",
-                    "no new names", sorted(_shm_names() - shm_before))
+            left = shm_left_since(shm_before)
+            require(not left, "a failed round leaves nothing in /dev/shm", "no new names", left)
 
     def test_reconnects_to_workers_that_restarted(
         self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any]
@@ -346,8 +346,8 @@ class EngineConformance:
             require(all(s["fds"] <= before for s, before in zip(stats, fds_before)),
                     "a failed round leaks no file descriptors on the workers",
                     f"at most {fds_before}", [s["fds"] for s in stats])
-            require(_shm_names() <= shm_before, "a failed round leaves nothing in /dev/shm",
-                    "no new names", sorted(_shm_names() - shm_before))
+            left = shm_left_since(shm_before)
+            require(not left, "a failed round leaves nothing in /dev/shm", "no new names", left)
             model = matrix_model(seed=5)
             fresh = self._trainer(pool, model, trainer_init_info, commit)
             try:
@@ -442,6 +442,18 @@ def _shm_names() -> set[str]:
     shared by every process on the host, and any of them may hold one for a moment."""
     names = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     return {name for name in names if not name.startswith("sem.mp-")}
+
+
+def shm_left_since(before: set[str], grace_s: float = 60.0) -> list[str]:
+    """The /dev/shm names new since ``before`` that are still there after ``grace_s``. Other
+    processes (another test running beside this one) may hold segments of their own for a while;
+    those go when they finish, while a leaked segment stays: only names that never go count."""
+    left = _shm_names() - before
+    deadline = time.monotonic() + grace_s
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left &= _shm_names()
+    return sorted(left)
 
 
 def _trainer_killed_in_round_two(conn: Any, engine: str, init_info_json: str, commit: str) -> None:
