@@ -104,6 +104,7 @@ def install_package(python: Path, source_dir: Path, site: Path, name: str, packa
 ROUNDS = 3
 """Update rounds every sync test runs (the reference checkpoint takes the same steps)."""
 
+
 def _own_core() -> int:
     """The core the KV tests' compared vLLM runs compute on: pytest-xdist worker N takes the N-th
     core this process may use (modulo their number), so with two workers on two cores their KV
