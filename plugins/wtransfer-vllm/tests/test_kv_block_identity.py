@@ -114,6 +114,9 @@ WEIGHT_PROMPTS = PROMPTS[:4]
 
 
 def synced(python: Path, model: Path, store: Path, out_dir: Path, rounds: int, reset: bool = False) -> dict[str, Any]:
+    """One ``kv_weights.py`` run in vLLM's default process layout. (With the engine core in the
+    script's process, vLLM's cache reset after a round raises while the connector still saves the
+    last request's blocks: nothing steps the engine between calls.)"""
     out = out_dir / f"synced-{len(list(out_dir.glob('synced-*.json')))}.json"
     run_script(python, "kv_weights.py", str(model), str(store), str(out), str(rounds), json.dumps(WEIGHT_PROMPTS),
                *(["reset"] if reset else []), timeout=600)
@@ -133,8 +136,9 @@ def test_kv_is_keyed_to_the_weights_shared_at_the_same_weights_and_never_matched
     and what it computes at B is stored under B. The second, a new process, reuses A's blocks
     at A and the first one's B blocks at B, with outputs equal to those the first computed,
     although it reset its connector by hand before the rounds (as ``pause_generation`` does):
-    the rounds carry every tensor with checksums, so they name B whatever came before. A third
-    stays at A: it reuses A's blocks and its outputs are A's, never B's.
+    the rounds carry every tensor with checksums, so they name B whatever came before. Before
+    its rounds, with B's blocks already stored, it is an instance at A: it reuses A's blocks
+    and its outputs are A's, never B's.
     """
     store = tmp_path / "store"
     first = synced(vllm_python, tiny_llama, store, tmp_path, rounds=2)
@@ -151,10 +155,6 @@ def test_kv_is_keyed_to_the_weights_shared_at_the_same_weights_and_never_matched
         "an instance at the same weights did not find the blocks computed at them")
     assert same_outputs(second["after"], first["after"])
 
-    at_a = synced(vllm_python, tiny_llama, store, tmp_path, rounds=0)
-    assert [r["num_cached_tokens"] for r in at_a["before"]] == [STORED_TOKENS] * len(WEIGHT_PROMPTS)
-    assert same_outputs(at_a["before"], first["before"])
-
 
 # -- many workers ------------------------------------------------------------------------------
 TP_PROMPTS = PROMPTS[:6]
@@ -164,14 +164,14 @@ def test_with_tensor_parallelism_every_worker_stores_and_reads_its_own_part(
     vllm_python: Path, tiny_llama: Path, tmp_path: Path
 ) -> None:
     """TP=2: each worker holds half of every block's heads. A writer stores both halves (one file
-    each); a fresh TP=2 reader reuses them and computes exactly what TP=2 computes alone. (Before,
-    both workers wrote the same file: the second found it "already stored", and a reader's
-    second worker loaded the first worker's heads.)"""
+    each); a fresh TP=2 reader reuses them and computes exactly what the writer computed with
+    nothing to load. (Before, both workers wrote the same file: the second found it "already
+    stored", and a reader's second worker loaded the first worker's heads.)"""
     print(f"\nCPU flags: {cpu_flags()}")
     store = tmp_path / "store"
     tp2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
-    reference = one_by_one(vllm_python, tiny_llama, tmp_path, "none", {}, TP_PROMPTS, **tp2)
-    one_by_one(vllm_python, tiny_llama, tmp_path, "storage", {"path": str(store)}, TP_PROMPTS, **tp2)
+    reference = one_by_one(vllm_python, tiny_llama, tmp_path, "storage", {"path": str(store)}, TP_PROMPTS, **tp2)
+    assert [r["num_cached_tokens"] for r in reference] == [0] * len(TP_PROMPTS)  # the writer computed everything
     parts = sorted(p.name.split(".")[1] for p in store.rglob("*.safetensors"))
     assert parts and parts.count("0of2") == parts.count("1of2") == len(parts) // 2, parts
     reader = one_by_one(vllm_python, tiny_llama, tmp_path, "storage", {"path": str(store)}, TP_PROMPTS, **tp2)
