@@ -100,8 +100,9 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
     try:
         init_info = SLOW_INIT_INFO if fault == "slow-writer" else INIT_INFO
         if rank == 0:
+            served = {"dtype": "bfloat16"} if fault == "bf16-workers" else {}  # the ranks keep fp32 masters
             pool = LocalWorkerPool(init_info["world_size"] - 1, "wtransfer.testing.models:tied_lm", backend=backend,
-                                   factory_kwargs={"seed": 1}, timeout_s=TIMEOUT, torch_threads=1)
+                                   factory_kwargs={"seed": 1, **served}, timeout_s=TIMEOUT, torch_threads=1)
         source: Any = wtransfer.ModuleSource(model)
         if fault == "gathered":  # a wrapper of the user's: rank 0 gathers and sends every tensor
             source = _PassThrough(source)
@@ -178,10 +179,12 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
                 return
             full = {name: p.full_tensor() for name, p in model.named_parameters()}  # a collective: every rank
             if pool is not None:
-                expected = {name: tensor_checksum(t.detach()) for name, t in full.items()}
+                as_served = torch.bfloat16 if fault == "bf16-workers" else None
+                expected = {name: tensor_checksum(t.detach().to(as_served or t.dtype)) for name, t in full.items()}
                 last = expected
                 workers = pool.digests()
                 say(event="round", version=stats["version"], sender=True, seconds=time.monotonic() - started,
+                    cast=stats["cast_tensors"], tensors=stats["tensors"],
                     wrong=[sorted(n for n in expected if d.get(n) != expected[n]) for d in workers],
                     worker_versions=[s["weight_version"] for s in pool.stats()])
             else:
@@ -394,20 +397,24 @@ def run_ranks(world: int, backend: str, rounds: int, victim: int = -1, limit: fl
 @pytest.mark.parametrize(("world", "backend", "mode"), [(2, "shm", "writes"), (4, "shm", "writes"),
                                                        (2, "gloo", "writes"), (4, "gloo", "writes"),
                                                        (2, "shm", "checksums"), (4, "gloo", "checksums"),
-                                                       (2, "shm", "gathers"), (2, "gloo", "gathers")])
+                                                       (2, "shm", "gathers"), (2, "gloo", "gathers"),
+                                                       (2, "shm", "bf16-workers"), (2, "gloo", "bf16-workers")])
 def test_fsdp2_trainer_ranks_sync_the_unsharded_state_after_optimizer_steps(world: int, backend: str,
                                                                             mode: str) -> None:
     """``writes``: every rank sends its own shards (a ModuleSource on every rank): into shm's buffers,
     or on gloo groups of its own with the workers; ``gathers``: rank 0 gathers and sends (a wrapper
     of the user's); ``checksums``: every rank writes or sends its own shards, and the workers verify
-    digests computed as the bytes moved."""
-    events = run_ranks(world, backend, rounds=3, fault={"gathers": "gathered", "checksums": "checksums"}.get(mode, ""))
+    digests computed as the bytes moved; ``bf16-workers``: the ranks keep fp32 master shards, the
+    workers load bf16, and every rank casts its own shards as it writes them (no gathers)."""
+    events = run_ranks(world, backend, rounds=3, fault={"gathers": "gathered", "checksums": "checksums",
+                                                "bf16-workers": "bf16-workers"}.get(mode, ""))
     assert [e for e in events if e["event"] in ("error", "crash")] == []
     sender = [e for e in events if e["event"] == "round" and e["sender"]]
     assert [e["version"] for e in sender] == [1, 2, 3]
     for event in sender:
         assert event["wrong"] == [[], []], f"round {event['version']}: workers differ in {event['wrong']}"
         assert event["worker_versions"] == [event["version"]] * 2
+        assert event["cast"] == (event["tensors"] if mode == "bf16-workers" else 0)  # every parameter, or none
     others = [e for e in events if e["event"] == "round" and not e["sender"]]
     assert len(others) == 3 * (world - 1)  # every rank took part in every round
     assert all(e["wrote_shards"] == (mode != "gathers") for e in others), others

@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "WeightTransferInitRequest": "wtransfer.engines._base",
     "WeightTransferUpdateRequest": "wtransfer.engines._base",
     "module_loader": "wtransfer.engines._loader",
+    "served_dtypes": "wtransfer.engines._cast",
     # weight transfer, trainer side
     "create_trainer": "wtransfer.engines._trainer",
     "TrainerWeightTransferEngine": "wtransfer.engines._trainer",

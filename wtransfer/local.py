@@ -97,6 +97,7 @@ def _worker_main(
 
     from wtransfer._probes import PeakRss, open_fd_count
     from wtransfer.config import ParallelConfig, WeightTransferConfig
+    from wtransfer.engines._cast import served_dtypes
     from wtransfer.engines._factory import WeightTransferEngineFactory
     from wtransfer.engines._loader import module_loader
     from wtransfer.engines._manifest import tensor_checksum
@@ -113,6 +114,7 @@ def _worker_main(
             WeightTransferConfig(backend=backend, options=json.loads(engine_options)),
             ParallelConfig(rank=rank, world_size=num_workers, data_parallel_index=0),
         )
+        engine.served_dtypes = served_dtypes(model)  # the trainer sends each tensor in its parameter's dtype
     except BaseException as exc:
         _send(conn, _error_reply(exc))
         return

@@ -33,6 +33,8 @@ from wtransfer.engines._packing import LoadWeights  # noqa: F401  (where engines
 if TYPE_CHECKING:
     import torch
 
+    from wtransfer.engines._cast import ServedDtypes
+
 TInitInfo = TypeVar("TInitInfo", bound="WeightTransferInitInfo")
 TUpdateInfo = TypeVar("TUpdateInfo", bound="WeightTransferUpdateInfo")
 
@@ -131,6 +133,10 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         self.parallel_config = parallel_config if parallel_config is not None else ParallelConfig()
         self.options: Any = self.parse_options(config.options)
         """The parsed ``options_cls`` instance (or ``config.options`` as given, if undeclared)."""
+        self.served_dtypes: ServedDtypes | None = None
+        """What this worker's model loads (``wtransfer.served_dtypes(model)``): set it before
+        ``init_transfer_engine`` and the built-in engines tell the trainer at rendezvous, so each
+        floating tensor travels in the dtype the model takes (fp32 masters reach a bf16 model as bf16)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

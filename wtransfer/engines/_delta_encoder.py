@@ -33,6 +33,7 @@ from wtransfer.engines._manifest import (
     DeltaPlan,
     DeltaTensor,
     TensorEntry,
+    dtype_name,
     entry_for,
     position_blocks,
     positions_header_bytes,
@@ -44,6 +45,8 @@ from wtransfer.errors import TransferError
 
 if TYPE_CHECKING:
     import torch
+
+    from wtransfer.engines._cast import CastPlan
 
 logger = logging.getLogger("wtransfer")
 
@@ -252,8 +255,11 @@ class DeltaEncoder:
         if wire_bytes >= RATE_SAMPLE_BYTES and seconds > 0:
             self.link_bytes_per_s = max(self.link_bytes_per_s or 0.0, wire_bytes / seconds)
 
-    def encode(self, source: WeightSource, version: int) -> DeltaRound:
+    def encode(self, source: WeightSource, version: int, cast: CastPlan | None = None) -> DeltaRound:
         """Walk ``source`` once; the round against :attr:`base` (a full one if it has none).
+
+        With ``cast``, each floating tensor is compared and kept in the dtype it travels in (a
+        cast copy of one tensor at a time): the base is what the workers hold.
 
         Tensors are encoded on every core, at most one per core at a time, in the walk's order
         (the XOR, the compression and the hashing release the GIL): a source that makes each
@@ -272,15 +278,20 @@ class DeltaEncoder:
         encoded: list[_Encoded] = []
         pool, width = _pool(), _pool_size()
         in_flight: list[Future[_Encoded]] = []
+        wire = {} if cast is None else {e.name: e for e in cast.entries(source.metadata())}
         try:
             for name, tensor in source:
                 new = tensor.detach()
                 on_host = new.device.type == "cpu"
                 if not on_host:
                     new = new.cpu()
+                entry = wire.get(name)
+                cast_here = entry is not None and entry.dtype != dtype_name(new.dtype)
+                if cast_here:
+                    new = new.to(entry.torch_dtype())
                 base, fresh = self._base_for(name, new)
                 known = None if fresh else self.digests.get(name)
-                defer = keeps and on_host and new.is_contiguous()
+                defer = keeps and on_host and new.is_contiguous() and not cast_here
                 in_flight.append(pool.submit(_encode_one, name, new, base, None if fresh else against, known, defer,
                                              self._room, choices))
                 del tensor, new

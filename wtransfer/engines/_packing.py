@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from wtransfer.engines._cast import wire_bytes
 from wtransfer.engines._manifest import Manifest, TensorEntry, entry_for, tensor_bytes
 from wtransfer.engines._protocol import ALIGN, check_bucket_bytes
 from wtransfer.errors import TransferError
@@ -168,8 +169,10 @@ class Packer:
     """
 
     def __init__(self, manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor]],
-                 digests: RoundDigests | None = None) -> None:
+                 digests: RoundDigests | None = None, source_entries: tuple[TensorEntry, ...] | None = None) -> None:
         self._entries = manifest.entries
+        self._source_entries = manifest.entries if source_entries is None else source_entries
+        """What the source holds: a floating tensor whose entry says another dtype is cast as it is packed."""
         self.digests = digests
         """With checksums: every byte packed is hashed into its tensor's digest (on a helper thread)."""
         self._tensors = tensors
@@ -200,7 +203,7 @@ class Packer:
                     f"listed {len(self._entries)}; a source must yield what metadata() describes"
                 ) from None
             self._index += 1
-            expected = self._entries[self._index]
+            expected = self._source_entries[self._index]
             got = entry_for(name, tensor)
             if got != expected:
                 raise TransferError(
@@ -224,10 +227,15 @@ class Packer:
             tensor = self._whole_tensor(piece.index) if piece.whole else self._advance_to(piece.index)
             if piece.length == 0:
                 continue
+            entry = self._entries[piece.index]
             if piece.whole:
-                # copy_ reads any strides/storage offset directly: no temporary for views.
-                copy_tensor(_typed_view(data, piece, self._entries[piece.index]), tensor)
+                # copy_ reads any strides/storage offset directly (no temporary for views), and casts.
+                copy_tensor(_typed_view(data, piece, entry), tensor)
                 read.append(tensor)
+            elif tensor.dtype != entry.torch_dtype():  # cast: only this piece's elements
+                cast = wire_bytes(tensor, entry.torch_dtype(), piece.start, piece.start + piece.length)
+                copy_tensor(data[piece.offset : piece.offset + piece.length], cast)
+                read.append(cast)
             else:
                 if self._flat is None:
                     self._flat = tensor_bytes(tensor)  # a contiguous copy if the tensor is not
@@ -246,7 +254,7 @@ class Packer:
             return None
         piece = bucket.pieces[0]
         tensor = self._advance_to(piece.index)
-        if not tensor.is_contiguous() or tensor.device != device:
+        if not tensor.is_contiguous() or tensor.device != device or tensor.dtype != self._entries[piece.index].torch_dtype():
             return None
         view = tensor_bytes(tensor)[piece.start : piece.start + piece.length]
         if self.digests is not None:

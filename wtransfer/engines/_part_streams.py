@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from wtransfer.engines._manifest import TensorEntry
 from wtransfer.engines._packing import Bucket, Piece, copy_tensor
 from wtransfer.engines._protocol import PROTOCOL_VERSION
-from wtransfer.engines._shards import LocalPart, entries_digest, part_bytes, part_span, place_part
+from wtransfer.engines._shards import LocalPart, entries_digest, part_range, part_span, place_part
 from wtransfer.errors import TransferError
 
 if TYPE_CHECKING:
@@ -138,11 +138,10 @@ def pack_runs(runs: list[Run], parts: list[LocalPart | None], buffer: torch.Tens
     """The bytes this rank sends for a bucket: in place for one run, else packed into ``buffer``."""
     if len(runs) == 1:
         run = runs[0]
-        return part_bytes(parts[run.piece.index])[run.low : run.high]  # type: ignore[arg-type]
+        return part_range(parts[run.piece.index], run.low, run.high)  # type: ignore[arg-type]
     at = 0
     for run in runs:
-        source = part_bytes(parts[run.piece.index])  # type: ignore[arg-type]
-        copy_tensor(buffer[at : at + run.nbytes], source[run.low : run.high])
+        copy_tensor(buffer[at : at + run.nbytes], part_range(parts[run.piece.index], run.low, run.high))  # type: ignore[arg-type]
         at += run.nbytes
     return buffer[:at]
 

@@ -44,6 +44,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from wtransfer.engines._agreement import CONNECT_WAIT_S
+from wtransfer.engines._cast import CastPlan
 from wtransfer.engines._manifest import TensorEntry
 from wtransfer.engines._protocol import RoundCalledOff
 from wtransfer.engines._source import WeightSource, wrapped_sources
@@ -207,7 +208,7 @@ class ParticipantTrainer:
         tensors = nbytes = 0
         try:
             if self.sender is not None:  # this rank writes its own shards: no gather anywhere
-                tensors, nbytes = self.sender.serve_round(step)
+                tensors, nbytes = self.sender.serve_round(step, CastPlan.from_dict(heard.get("cast")))
             else:
                 for _name, tensor in self.source:
                     tensors += 1

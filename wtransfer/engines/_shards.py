@@ -17,6 +17,7 @@ shards (FSDP over tensor parallelism) are refused with the placement named.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -24,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from wtransfer.engines._cast import matches_dtype, wire_bytes
 from wtransfer.engines._manifest import TensorEntry
 from wtransfer.engines._packing import Bucket, copy_tensor
 from wtransfer.errors import TransferError
@@ -42,6 +44,12 @@ class LocalPart:
     first: int
     end: int
     local: torch.Tensor
+    wire: torch.dtype | None = None
+    """The dtype the round carries it in, when it is not ``local``'s: cast as it is written."""
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        return self.local.dtype if self.wire is None else self.wire
 
 
 class UnsupportedPlacement(TransferError, ValueError):
@@ -121,10 +129,14 @@ def rank_parts(named: Iterable[tuple[str, Any]], trainer_rank: int,
         if [name for name, _ in named] != [entry.name for entry in entries]:
             raise TransferError("the module's tensors are not the round's (names or order differ); pass the "
                                 "same model on every trainer rank, and change nothing during a round")
-        for entry, part in zip(entries, parts):
-            if part is not None and (part.local.dtype != entry.torch_dtype() or part.rows * part.width != entry.numel):
+        for index, (entry, part) in enumerate(zip(entries, parts)):
+            if part is None:
+                continue
+            if not matches_dtype(part.local, entry) or part.rows * part.width != entry.numel:
                 raise TransferError(f"{entry.name!r}: this rank holds {part.local.dtype} of a "
                                     f"{part.rows * part.width}-element tensor, the round sends {entry}")
+            if part.local.dtype != entry.torch_dtype():
+                parts[index] = dataclasses.replace(part, wire=entry.torch_dtype())
     return parts
 
 
@@ -182,16 +194,17 @@ def place_part(dst: torch.Tensor, start: int, width: int, first: int, end: int, 
 
 
 def byte_geometry(part: LocalPart) -> tuple[int, int, int]:
-    """``(width, first, end)`` of a part in bytes."""
-    size = part.local.element_size()
+    """``(width, first, end)`` of a part in bytes, as the round carries it."""
+    import torch
+
+    size = torch.empty((), dtype=part.wire_dtype).element_size()
     return part.width * size, part.first * size, part.end * size
 
 
-def part_bytes(part: LocalPart) -> torch.Tensor:
-    """The part as this rank holds it, as flat bytes (a view: ``local`` is contiguous)."""
-    import torch
-
-    return part.local.reshape(-1).view(torch.uint8)
+def part_range(part: LocalPart, low: int, high: int) -> torch.Tensor:
+    """The part's bytes ``low:high`` as the round carries them (rows of ``end - first`` elements,
+    one after the other): a view of ``local``, or just those elements cast to the wire dtype."""
+    return wire_bytes(part.local, part.wire_dtype, low, high)
 
 
 def write_part(dst: torch.Tensor, start: int, part: LocalPart) -> None:
@@ -200,7 +213,7 @@ def write_part(dst: torch.Tensor, start: int, part: LocalPart) -> None:
     width, first, end = byte_geometry(part)
     low, high = part_span(start, start + dst.numel(), width, first, end)
     if low < high:
-        place_part(dst, start, width, first, end, part_bytes(part)[low:high])
+        place_part(dst, start, width, first, end, part_range(part, low, high))
 
 
 def write_bucket(bucket: Bucket, data: torch.Tensor, entries: tuple[TensorEntry, ...],

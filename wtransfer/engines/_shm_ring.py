@@ -13,6 +13,7 @@ import mmap
 import os
 from typing import TYPE_CHECKING, Any
 
+from wtransfer.engines._cast import CastPlan
 from wtransfer.engines._control import ControlChannel, PeerClosedError, connect
 from wtransfer.engines._packing import plan_buckets
 from wtransfer.engines._protocol import PROTOCOL_VERSION
@@ -144,7 +145,7 @@ class SharedMemorySender:
             pass
         return message
 
-    def serve_round(self, attempt: int) -> tuple[int, int]:
+    def serve_round(self, attempt: int, cast: CastPlan | None = None) -> tuple[int, int]:
         """Write this rank's shards into every bucket it holds bytes of; returns (tensors, bytes) held here.
 
         Each wait is bounded: rank 0 waits at most ``timeout_s`` for the workers between two
@@ -161,7 +162,7 @@ class SharedMemorySender:
             message = self._next(attempt, wait)
             if message.get("op") != "round":
                 raise TransferError(f"protocol violation: expected a round from trainer rank 0, got {message!r}")
-            entries = tuple(self.source.metadata())
+            entries = (cast or CastPlan()).entries(self.source.metadata())  # as rank 0 casts them
             if entries_digest(entries) != message.get("digest"):
                 raise TransferError("this rank's model lists other tensors (names, dtypes or shapes) than trainer "
                                     "rank 0's; every rank must pass the same model")
@@ -208,7 +209,7 @@ class SharedMemorySender:
             if inbox is not None:
                 inbox.close()
         held = [p for p in parts if p is not None]
-        return len(held), sum(p.local.numel() * p.local.element_size() for p in held)
+        return len(held), sum(p.local.numel() * p.wire_dtype.itemsize for p in held)
 
     def _heard(self, inbox: Inbox, attempt: int, version: Any, freed: list[int], wait: float, what: str) -> None:
         """Take one message: a reader done with a bucket (counted in ``freed``), or rank 0's word."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from wtransfer.engines._cast import CastPlan
 from wtransfer.engines._digests import RoundDigests, as_words
 from wtransfer.engines._packing import Bucket, plan_buckets
 from wtransfer.engines._protocol import RoundCalledOff
@@ -134,13 +135,13 @@ class TorchDistributedSender(TorchDistributedSending):
             self.close()
             raise
 
-    def serve_round(self, attempt: int) -> tuple[int, int]:
+    def serve_round(self, attempt: int, cast: CastPlan | None = None) -> tuple[int, int]:
         """Send this rank's part of round ``attempt``; returns (tensors, bytes) held here."""
         if not self._groups:
             raise TransferError(f"trainer rank {self.rank}: this sender was closed (or failed a round)")
         works: list[tuple[Any, Any] | None] = [None] * len(self._buffers)
         try:
-            entries = tuple(self.source.metadata())
+            entries = (cast or CastPlan()).entries(self.source.metadata())  # as rank 0 casts them
             parts = rank_parts(self.source.named_tensors(), self.rank, entries)
             buckets = plan_buckets(entries, self.info.bucket_bytes, self.info.direct_min_bytes)
             if not self.send_own_parts(entries, parts, buckets, works, self.timeout_s):
@@ -155,7 +156,7 @@ class TorchDistributedSender(TorchDistributedSending):
         finally:
             works.clear()
         held = [p for p in parts if p is not None]
-        return len(held), sum(p.local.numel() * p.local.element_size() for p in held)
+        return len(held), sum(p.local.numel() * p.wire_dtype.itemsize for p in held)
 
     def close(self) -> None:
         self.release_own_groups(failed=False)

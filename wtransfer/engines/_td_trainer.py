@@ -11,6 +11,8 @@ backend (:mod:`._td_backend`) and the init info (:mod:`._td_options`).
 
 from __future__ import annotations
 
+import json
+
 import logging
 import time
 from typing import Any, ClassVar
@@ -116,6 +118,9 @@ class TorchDistributedTrainer(TorchDistributedSending, TrainerWeightTransferEngi
                     f"within {self.timeout_s:g} s"
                 )
             time.sleep(0.01)
+        for rank in ranks:  # what each worker's model loads (an older worker wrote "1")
+            said = self._prefixed.get(f"joined/{rank}").decode()
+            self.served_answers[rank] = json.loads(said).get("served_dtypes") if said.startswith("{") else None
         try:
             self._groups = self.make_groups(self._prefixed, 0, self.world_size, self.timeout_s, self.channels)
         except RuntimeError as exc:
@@ -176,7 +181,7 @@ class TorchDistributedTrainer(TorchDistributedSending, TrainerWeightTransferEngi
 
     def _pack_and_broadcast(self, manifest: Manifest, buckets: list[Bucket], works: list[tuple[Any, Any] | None],
                             digests: RoundDigests | None) -> None:
-        packer = Packer(manifest, iter(self.source), digests)
+        packer = Packer(manifest, iter(self.source), digests, self.source_entries)
         device = self.device()
         for bucket in buckets:
             slot = bucket.index % len(self._buffers)

@@ -10,6 +10,8 @@ only the backend (:mod:`._td_backend`) and the init info (:mod:`._td_options`).
 
 from __future__ import annotations
 
+import json
+
 import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -75,7 +77,8 @@ class TorchDistributedWeightTransferEngine(
             # keep the Python store referenced: torch calls into it while the groups live
             self._kv = store(client, init_info.timeout_s)
             prefixed = PrefixStore(init_info.group_name, self._kv)
-            prefixed.set(f"joined/{self.rank}", "1")
+            served = None if self.served_dtypes is None else self.served_dtypes.to_dict()
+            prefixed.set(f"joined/{self.rank}", json.dumps({"served_dtypes": served}))
             buffers = self.allocate(init_info.bucket_bytes, init_info.num_buffers)
             groups = self.make_groups(
                 prefixed, self.rank, init_info.world_size, init_info.timeout_s, init_info.channels

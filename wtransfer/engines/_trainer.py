@@ -23,6 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from wtransfer.engines._cast import CastPlan, agreed, check_dtype_option
 from wtransfer.engines._client import WeightSyncClient
 from wtransfer.engines._commit import DEFAULT_COMMIT
 from wtransfer.engines._manifest import COMMIT_MODES, CommitPlan, DeltaPlan, Manifest, TensorEntry, build_manifest
@@ -271,6 +272,7 @@ class TrainerWeightTransferEngine(ABC):
         sharded: bool = False,
         commit: str = DEFAULT_COMMIT,
         delta: bool = False,
+        dtype: Any = None,
     ) -> None:
         if delta and sharded:
             raise ValueError("create_trainer(): delta=True needs an unsharded trainer (one process holding the "
@@ -305,6 +307,11 @@ class TrainerWeightTransferEngine(ABC):
         self.bucket_bytes: int = self.init_options.bucket_bytes
         self.num_buffers: int = self.init_options.num_buffers
         self.checksums = bool(checksums)
+        self.cast = CastPlan(None, check_dtype_option(dtype))
+        """The dtype each floating tensor travels in: ``dtype`` if given, else what the workers said at
+        rendezvous they load (see :mod:`wtransfer.engines._cast`)."""
+        self.source_entries: tuple[TensorEntry, ...] = ()
+        """The current round's tensors as the source holds them (the manifest has them as they travel)."""
         self.delta: DeltaEncoder | None = None
         """With ``delta=True``: the version the workers committed, and each round's encoding against it."""
         if delta:
@@ -418,6 +425,8 @@ class TrainerWeightTransferEngine(ABC):
     def _rendezvous(self) -> None:
         """Prepare the transport and have every worker join it; on failure the other trainer ranks
         hear why before the caller releases the transport."""
+        self.served_answers: dict[int, Any] = {}
+        """What each worker said at rendezvous its model loads (rank -> served dtypes dict or None)."""
         try:
             worker_info = self.prepare_workers()
             if self.agreement is not None and self.parallel_senders and self.senders_join_with_workers:
@@ -428,6 +437,7 @@ class TrainerWeightTransferEngine(ABC):
             except BaseException as exc:
                 self._raise_preferring_client(exc, call)
             call.result(self.timeout_s)
+            self.cast = CastPlan(agreed(self.served_answers), self.cast.dtype)
         except BaseException as exc:
             if self.told_ranks and self.agreement is not None:
                 # The other ranks are joining the transport this closes: they hear why first.
@@ -504,8 +514,8 @@ class TrainerWeightTransferEngine(ABC):
         self._attempt += 1
         if self.agreement is not None:  # no rank enters a gather unless every rank will
             try:
-                self.agreement.decide(f"round/{self._attempt}", {"ok": refusal is None, "reason": refusal},
-                                      self.timeout_s)
+                self.agreement.decide(f"round/{self._attempt}", {"ok": refusal is None, "reason": refusal,
+                                                                  "cast": self.cast.to_dict()}, self.timeout_s)
             except Exception as exc:  # a rank missing, or the store gone
                 if refusal is None:
                     self._broken = f"the trainer ranks could not agree on a round: {exc}"
@@ -574,7 +584,7 @@ class TrainerWeightTransferEngine(ABC):
         assert self.delta is not None
         source, started, refused, encoded = self.source, time.perf_counter(), None, None
         try:
-            encoded = self.delta.encode(source, self.weight_version + 1)
+            encoded = self.delta.encode(source, self.weight_version + 1, self.cast)
             self.source = encoded
             try:
                 stats = self._run_round(label, encoded)
@@ -594,7 +604,9 @@ class TrainerWeightTransferEngine(ABC):
                 encoded.settle()  # a failed round: none of its encoding keeps writing the base
         seconds = time.perf_counter() - started  # the encoding (and a refused attempt) included
         counts = encoded.stats  # final: every tensor is done
-        return {**stats, "delta_refused": refused, "seconds": seconds,
+        held = source.metadata()  # the encoder cast what it compared: count against the source
+        cast = sum(a.dtype != b.dtype for a, b in zip(held, self.cast.entries(held)))
+        return {**stats, "delta_refused": refused, "seconds": seconds, "cast_tensors": cast,
                 "gb_per_s": stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
                 "changed_fraction": counts.changed_elements / max(counts.elements, 1),
                 "unchanged_tensors": counts.unchanged_tensors, "sparse_tensors": counts.sparse_tensors,
@@ -604,8 +616,9 @@ class TrainerWeightTransferEngine(ABC):
         # A round's time is the whole round as the caller waits for it: manifest, plan and
         # every client call included, as the benchmarks time their peers.
         started = time.perf_counter()
-        entries = self.source.metadata()
-        manifest = self._manifest(entries, encoded.plan if encoded is not None else None)
+        self.source_entries = tuple(self.source.metadata())
+        entries = self.cast.entries(self.source_entries)
+        manifest = self._manifest(list(entries), encoded.plan if encoded is not None else None)
         buckets = self.plan(manifest)
         update_info = self._update_info(manifest)
         self._call("start_weight_update").result(self.timeout_s)
@@ -623,11 +636,13 @@ class TrainerWeightTransferEngine(ABC):
         sharded = {"wrote_shards": self.parallel_senders} if self.sharded else {}
         delta = {} if encoded is None else {"delta": "full" if encoded.plan.base is None else "delta"}
         model_bytes = total if encoded is None else encoded.plan.model_bytes
+        cast = sum(a.dtype != b.dtype for a, b in zip(self.source_entries, manifest.entries))
         return {
             **sharded,
             **delta,
             "backend": self.backend,
             "version": manifest.version,
+            "cast_tensors": cast,
             "commit": self.commit,
             "workers": self.num_workers,
             "tensors": len(manifest.entries),
@@ -782,6 +797,12 @@ def create_trainer(
     checked against the trainer's digest before the round commits, and a
     worker without that version gets a full round automatically. The trainer keeps one host
     copy of the model for it; ``stats["wire_bytes"]`` is what crossed the transport.
+    Each floating-point tensor travels in the dtype the workers load (vLLM's model dtype, a plain
+    worker's parameter dtype; they say at rendezvous), cast on the rank that holds it as its
+    bytes are packed or written: fp32 master weights reach a bf16 vLLM as bf16, at half the
+    bytes. ``dtype="bfloat16"`` (or a ``torch.dtype``) casts every floating tensor to that
+    instead. A cast rounds as ``tensor.to(dtype)`` does: fp32 values beyond bf16's range become inf.
+    ``stats["cast_tensors"]`` counts the tensors cast in a round.
 
     A sharded trainer (FSDP2 / DTensor parameters, one process per rank) calls this on every
     rank with its ``rank`` and the same source: rank 0 is the sender (it needs the client and
@@ -807,7 +828,7 @@ def create_trainer(
             f"side: its class sets no 'trainer_cls'. Use a backend that has one (shm, gloo, nccl) "
             f"or drive this engine's workers with the trainer code its plugin documents."
         )
-    accepted = {"checksums", "is_checkpoint_format", "commit", "delta"}
+    accepted = {"checksums", "is_checkpoint_format", "commit", "delta", "dtype"}
     unknown = sorted(set(options) - accepted)
     if unknown:
         raise TypeError(

@@ -115,7 +115,8 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
             self.shutdown()
         check_buffer_budget(self, init_info.bucket_bytes, init_info.num_buffers)
         self.rank = global_rank(self, init_info.rank_offset, init_info.world_size)
-        hello = {"op": "hello", "rank": self.rank, "token": init_info.token, "protocol_version": PROTOCOL_VERSION}
+        hello = {"op": "hello", "rank": self.rank, "token": init_info.token, "protocol_version": PROTOCOL_VERSION,
+                 "served_dtypes": None if self.served_dtypes is None else self.served_dtypes.to_dict()}
         self._channel, self._ring = join_ring(init_info.address, hello, init_info.bucket_bytes, init_info.num_buffers,
                                               init_info.timeout_s, f"worker rank {self.rank}")
         self._info = init_info
@@ -500,6 +501,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             channel.send({"ok": True}, fds=[self._fd], timeout=self.timeout_s)
             pending.pop(channel.fileno())
             self._channels[rank] = channel
+            self.served_answers[rank] = message.get("served_dtypes")
         elif op == "ready":
             ready.add(next(r for r, c in self._channels.items() if c is channel))
         else:
@@ -611,7 +613,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             return
         if not buckets:  # the workers wait for a word either way: a call-off, or this
             self._tell_workers({"op": "empty"}, manifest.version)
-        packer = Packer(manifest, iter(self.source), digests)
+        packer = Packer(manifest, iter(self.source), digests, self.source_entries)
         for bucket in buckets:
             slot = bucket.index % len(self._ring.slots)
             if holders[slot]:

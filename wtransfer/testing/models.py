@@ -86,11 +86,11 @@ class TiedLM(torch.nn.Module):
         return self.head(self.norm(hidden))
 
 
-def tied_lm(seed: int = 0, vocab: int = 512, hidden: int = 64, layers: int = 2) -> TiedLM:
+def tied_lm(seed: int = 0, vocab: int = 512, hidden: int = 64, layers: int = 2, dtype: str = "float32") -> TiedLM:
     """:class:`TiedLM` with weights that depend on ``seed`` only (same on every rank that asks)."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        return TiedLM(vocab, hidden, layers)
+        return TiedLM(vocab, hidden, layers).to(getattr(torch, dtype))
 
 
 def tiny_llama(seed: int = 0, hidden: int = 128, layers: int = 2, vocab: int = 1024, dtype: str = "bfloat16",

@@ -50,9 +50,20 @@ def fsdp_vllm_run(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.
 MODES = {"shm": ["writes", "gathers"], "gloo": ["writes"]}
 
 
+def checkpoint_bytes(model_dir: Path) -> int:
+    """The tensor bytes of a safetensors checkpoint (a bf16 one here), from its header."""
+    import struct
+
+    with open(model_dir / "model.safetensors", "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    return sum(end - start for name, info in header.items() if name != "__metadata__"
+               for start, end in [info["data_offsets"]])
+
+
 @pytest.mark.parametrize(("backend", "mode"), [("shm", "writes"), ("gloo", "writes"), ("shm", "gathers")])
 def test_a_vllm_llm_synced_by_fsdp2_ranks_through_vllms_trainer_factory(
-    backend: str, mode: str, fsdp_vllm_run, reference: dict
+    backend: str, mode: str, fsdp_vllm_run, reference: dict, tiny_llama: Path
 ) -> None:
     # vLLM 0.32 calls trainer_init and send_weights on every trainer rank; rank 0 holds the LLM.
     # The ranks take the same deterministic steps as the reference checkpoint, so vLLM must
@@ -60,6 +71,7 @@ def test_a_vllm_llm_synced_by_fsdp2_ranks_through_vllms_trainer_factory(
     # and every rank sends its own shards (into shm's buffers, or on gloo groups of its own with
     # vLLM's worker); "gathers": vLLM's source behind a wrapper of the user's, so rank 0 gathers.
     # On shm both modes run on one LLM, "gathers" second: its trainer starts from the checkpoint again.
+    # The ranks keep fp32 masters (bf16 compute) that equal the reference only if cast by rounding.
     run, rank1 = fsdp_vllm_run(backend)
     result = run.part(mode)
     other = json.loads(rank1.read_text()) if rank1.exists() else {}
@@ -77,3 +89,5 @@ def test_a_vllm_llm_synced_by_fsdp2_ranks_through_vllms_trainer_factory(
     assert len(other["stats"]) == ROUNDS
     for rank, stats in ((0, result["stats"]), (1, other["stats"])):
         assert [s["wrote_shards"] for s in stats] == [mode == "writes"] * ROUNDS, f"rank {rank}: {stats}"
+    assert all(s["cast_tensors"] == s["tensors"] for s in result["stats"])  # every tensor left fp32 as bf16
+    assert all(s["bytes"] == checkpoint_bytes(tiny_llama) for s in result["stats"]), result["stats"]  # bf16 on the wire

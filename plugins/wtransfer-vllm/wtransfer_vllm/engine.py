@@ -61,6 +61,10 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
                 data_parallel_index=getattr(parallel, "data_parallel_index", 0),
             ),
         )
+        # every floating tensor travels in the dtype vLLM computes in: fp32 masters are cast by the trainer
+        served = vllm_config.model_config.dtype
+        if served.is_floating_point and served.itemsize >= 2:
+            self.inner.served_dtypes = wtransfer.served_dtypes(served)
         self._loaders: dict[int, VllmModelLoader] = {}
         self._receiving_round: str | None = None
         self.committed_round: str | None = None

@@ -44,7 +44,7 @@ def _info_class(backend: str) -> type[WTransferTrainerInitInfo]:
 
 def trainer_init_info(
     backend: str, *, rank: int = 0, checksums: bool = False, sharded: bool = False, commit: str = "atomic",
-    **init_info: Any,
+    dtype: Any = None, **init_info: Any,
 ) -> WTransferTrainerInitInfo:
     """``TrainerInitInfo`` for ``WeightTransferTrainerFactory.trainer_init``.
 
@@ -53,9 +53,11 @@ def trainer_init_info(
     A sharded trainer calls ``trainer_init`` on every rank with ``rank=R, sharded=True`` and
     the same source; ``send_weights()`` then runs on every rank (rank 0 drives the round). ``commit`` is
     ``create_trainer``'s (inside vLLM rounds are always staged on the host and loaded at commit).
+    Floating tensors travel in vLLM's model dtype (fp32 masters are cast by the rank that holds
+    them), or in ``dtype`` when given.
     """
-    return _info_class(backend)(rank=rank, init_info=init_info, options={"checksums": checksums, "commit": commit},
-                                sharded=sharded)
+    options = {"checksums": checksums, "commit": commit, **({"dtype": dtype} if dtype is not None else {})}
+    return _info_class(backend)(rank=rank, init_info=init_info, options=options, sharded=sharded)
 
 
 class _VLLMSource(wtransfer.WeightSource):

@@ -15,6 +15,11 @@ of the user's, which wtransfer must read as it yields, so rank 0 gathers every p
 deterministic steps as the ``final_checkpoint`` fixture (``perturb`` of the unsharded weights,
 scattered into the shards), so vLLM must then compute exactly what a fresh vLLM loaded from that
 checkpoint computes.
+
+The ranks keep fp32 master shards and compute in bf16 (``MixedPrecisionPolicy``), as RL trainers
+do; vLLM serves bf16, so every rank casts what it sends. Each master element is the step's bf16
+value less a quarter of its last bf16 place: rounded to nearest it is that bf16 value again,
+truncated it would be one place lower, so vLLM equals the fresh load only if the cast rounds.
 """
 
 import datetime
@@ -37,9 +42,16 @@ class _Wrapped:
         return iter(self.source)
 
 
+def _a_quarter_place_below(bf16: "torch.Tensor") -> "torch.Tensor":
+    """fp32 values that round to ``bf16`` but truncate to the bf16 value below it (zeros stay zero)."""
+    exact = bf16.float()
+    below = (exact.view(torch.int32) - 0x4000).view(torch.float32)  # 0.75 of a bf16 place above the one below
+    return torch.where(exact == 0, exact, below)
+
+
 def rank_main(rank: int, backend: str, model_dir: str, out: str, rounds: int, port: int, modes: list[str]) -> None:
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import distribute_tensor
     from vllm.distributed.weight_transfer.base import ModuleSource as VLLMModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -62,10 +74,11 @@ def rank_main(rank: int, backend: str, model_dir: str, out: str, rounds: int, po
     results = {}
     for mode in modes:
         unsharded = load_trainer_model(model_dir)  # the steps are taken here, then scattered into the shards
-        model = load_trainer_model(model_dir)
+        model = load_trainer_model(model_dir).float()  # fp32 masters, bf16 compute
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
         trainer = WeightTransferTrainerFactory.trainer_init(
             trainer_init_info(backend, rank=rank, sharded=True, world_size=2), client=client,
             source=VLLMModuleSource(model) if mode == "writes" else _Wrapped(VLLMModuleSource(model)),
@@ -76,8 +89,8 @@ def rank_main(rank: int, backend: str, model_dir: str, out: str, rounds: int, po
             perturb(unsharded, step)
             with torch.no_grad():
                 for name, shard in model.named_parameters():
-                    shard.to_local().copy_(distribute_tensor(whole[name].detach(), shard.device_mesh,
-                                                             shard.placements).to_local())
+                    bf16 = distribute_tensor(whole[name].detach(), shard.device_mesh, shard.placements).to_local()
+                    shard.to_local().copy_(_a_quarter_place_below(bf16))
             stats.append(trainer.send_weights())
             if rank == 0 and step == 0:  # a mode that moved nothing would leave the previous mode's outputs
                 results[mode] = {"after_first": greedy(llm)}

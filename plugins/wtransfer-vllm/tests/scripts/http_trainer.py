@@ -5,6 +5,10 @@ usage: http_trainer.py MODE BASE_URL BACKEND MODEL_DIR OUT_JSON
   kill      send changed weights, but SIGKILL this process half-way through the round
   mismatch  send weights with one tensor renamed: vLLM must refuse the round
   resend    send MODEL_DIR's weights unchanged, labelled "resent"
+  trl       TRL's protocol calls, in TRL's order, through TRL's own VLLMClient and
+            wtransfer_vllm.trl: a round whose iterator dies half-way, then ROUNDS rounds of
+            fp32 masters (each the reference step's bf16 value less a quarter of its last bf16
+            place: only a cast that rounds makes them the reference's weights)
   BACKEND may differ from the server's: the trainer's error must then carry the server's reason
 """
 
@@ -12,9 +16,10 @@ import os
 import signal
 import sys
 
+import torch
 import wtransfer
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-from wtransfer_vllm.testing import load_trainer_model, perturb, write_json
+from wtransfer_vllm.testing import load_trainer_model, perturb, served_greedy, write_json
 
 
 class DiesMidRound(wtransfer.ModuleSource):
@@ -28,9 +33,59 @@ class DiesMidRound(wtransfer.ModuleSource):
             yield item
 
 
+def fp32_masters(model):
+    """TRL's ``_streaming_iter``: ``(name, tensor)`` per parameter, fp32, once."""
+    for name, parameter in model.named_parameters():
+        exact = parameter.detach().float()
+        below = (exact.view(torch.int32) - 0x4000).view(torch.float32)  # rounds up to exact, truncates below it
+        yield name, torch.where(exact == 0, exact, below)
+
+
+def dies_half_way(tensors):
+    items = list(tensors)
+    yield from items[: len(items) // 2]
+    raise RuntimeError("a trainer rank died while its tensors were gathered")
+
+
+def trl_steps(base_url, backend, model_dir, rounds):
+    """What TRL 1.16's AsyncGRPOTrainer calls on its weight_transfer, in its order (main process)."""
+    import requests
+    from trl.experimental.async_grpo.vllm_client import VLLMClient
+
+    from wtransfer_vllm.trl import WTransferWeightTransfer
+
+    model = load_trainer_model(model_dir)
+    transfer = WTransferWeightTransfer(VLLMClient(base_url), backend, init_info={"timeout_s": 60,
+                                                                              "bucket_bytes": 64 << 10})
+    result = {"stats": [], "error": None}
+    transfer.init_weight_transfer()
+    for step in range(rounds):
+        perturb(model, step)
+        transfer.pause()
+        transfer.send_weights(fp32_masters(model))
+        transfer.resume()
+        result["stats"].append(transfer.last_stats)
+        if step == 0:  # a round that dies with bytes already moving (streamed, after the first)
+            before = served_greedy(base_url, model_dir)
+            stray = load_trainer_model(model_dir)
+            perturb(stray, 99)
+            transfer.pause()
+            try:
+                transfer.send_weights(dies_half_way(fp32_masters(stray)))  # TRL would not resume() after this
+            except Exception as exc:
+                result["error"] = f"{type(exc).__name__}: {exc}"
+            result["paused_after_failure"] = requests.get(f"{base_url}/is_paused", timeout=10).json()["is_paused"]
+            result["kept_weights"] = served_greedy(base_url, model_dir) == before
+    transfer.destroy()
+    return result
+
+
 if __name__ == "__main__":
     mode, base_url, backend, model_dir, out = sys.argv[1:6]
     rounds = int(os.environ.get("ROUNDS", "3"))
+    if mode == "trl":
+        write_json(out, trl_steps(base_url, backend, model_dir, rounds))
+        raise SystemExit(0)
     client = HTTPVLLMWeightSyncClient(base_url, timeout=120)
     model = load_trainer_model(model_dir)
     # Small buckets, so that a round is many buckets and a kill lands between them.

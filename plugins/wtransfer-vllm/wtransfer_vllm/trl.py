@@ -1,0 +1,112 @@
+"""TRL's ``AsyncGRPOTrainer(weight_transfer=...)`` over any wtransfer engine.
+
+TRL 1.16's async GRPO trainer takes a ``weight_transfer`` object (its ``WeightTransferProtocol``)
+and calls it on its main process only: ``init_weight_transfer()`` once, then each sync
+``pause()``, ``send_weights(iterator)``, ``resume()``, and ``destroy()`` when training ends. The
+iterator yields ``(name, tensor)`` once per parameter, in the trainer's dtype (fp32 by default)
+and gathered whole under FSDP2. :class:`WTransferWeightTransfer` sends it as a wtransfer round
+through TRL's own ``VLLMClient`` (``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1`` and
+``--weight-transfer-config '{"backend": "shm"}'``, or ``gloo`` across hosts): each tensor is cast
+to vLLM's dtype as it is packed, and a round commits whole or not at all.
+
+TRL does not call ``resume()`` when a sync raises, so the server would stay paused and every
+later generation request hang: here a failed round resumes the server before it raises (vLLM
+keeps the weights it had), and the next ``send_weights`` reconnects and sends whole again.
+
+The first round holds the iterator's tensors until it is sent (it learns the tensors' names,
+dtypes and shapes from them); later rounds stream them, a bucket at a time, as the iterator
+yields (TRL's names and shapes do not change between steps; if they do, that round fails
+before it commits and the next one learns them again).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import wtransfer
+
+logger = logging.getLogger("wtransfer_vllm")
+
+
+class _TrainerStream(wtransfer.WeightSource):
+    """One round's ``(name, tensor)`` iterator, described by the tensors the last round carried."""
+
+    def __init__(self) -> None:
+        self.entries: list[wtransfer.TensorEntry] | None = None
+        self.tensors: Iterator[tuple[str, Any]] = iter(())
+
+    def metadata(self) -> list[wtransfer.TensorEntry]:
+        assert self.entries is not None
+        return list(self.entries)
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return self.tensors
+
+
+class WTransferWeightTransfer:
+    """TRL's ``WeightTransferProtocol`` over a wtransfer trainer.
+
+    ``vllm_client`` is TRL's ``trl.experimental.async_grpo.vllm_client.VLLMClient`` (or anything
+    with its methods); ``backend`` is the engine ``vllm serve`` was started with; ``init_info``
+    adds wtransfer trainer settings (``timeout_s``, ``bucket_bytes``, ...; ``world_size`` is the
+    server's workers plus one, asked from the server); ``options`` are ``create_trainer``'s
+    (``checksums``, ``dtype``, ...)."""
+
+    def __init__(self, vllm_client: Any, backend: str = "shm", *, init_info: dict[str, Any] | None = None,
+                 **options: Any) -> None:
+        self.vllm_client = vllm_client
+        self.backend = backend
+        self.init_info = dict(init_info or {})
+        self.options = options
+        self.trainer: Any = None
+        self.last_stats: dict[str, Any] | None = None
+        """The stats of the last round that landed (``trainer.send_weights()``'s)."""
+        self._stream = _TrainerStream()
+        self._failed = False
+
+    def init_weight_transfer(self) -> None:
+        workers = int(self.vllm_client.get_world_size())
+        self.trainer = wtransfer.create_trainer(
+            self.backend, client=self.vllm_client, source=self._stream,
+            init_info={**self.init_info, "world_size": workers + 1}, **self.options)
+
+    def pause(self) -> None:
+        self.vllm_client.pause()
+
+    def send_weights(self, iterator: Iterator[tuple[str, Any]]) -> None:
+        if self.trainer is None:
+            raise wtransfer.WTransferError("send_weights() before init_weight_transfer()")
+        try:
+            if self._failed:  # the last round failed: a clean start (the server's workers join again)
+                self.trainer.reconnect()
+                self._failed = False
+            if self._stream.entries is None:  # the first round: learn what the trainer sends
+                held = list(iterator)
+                self._stream.entries = [wtransfer.TensorEntry(n, wtransfer.dtype_name(t.dtype), tuple(t.shape))
+                                        for n, t in held]
+                iterator = iter(held)
+            self._stream.tensors = iter(iterator)
+            self.last_stats = self.trainer.send_weights()
+        except BaseException as exc:
+            self._failed, self._stream.entries = True, None
+            try:  # TRL leaves the server paused after a failed sync: its generation would hang
+                self.vllm_client.resume()
+            except Exception as resume_error:
+                logger.warning("wtransfer-vllm: could not resume the server after a failed round: %s", resume_error)
+            if isinstance(exc, Exception) and not isinstance(exc, wtransfer.WTransferError):
+                raise wtransfer.WTransferError(
+                    f"the weight sync failed and the server kept its previous weights (it was resumed): "
+                    f"{type(exc).__name__}: {exc}") from exc
+            raise
+        finally:
+            self._stream.tensors = iter(())
+
+    def resume(self) -> None:
+        self.vllm_client.resume()
+
+    def destroy(self) -> None:
+        if self.trainer is not None:
+            self.trainer.shutdown()
+            self.trainer = None

@@ -1,0 +1,112 @@
+"""fp32 master weights reach bf16 workers as bf16: the trainer casts while it packs.
+
+The trainer's model is a real transformers Llama in fp32 trained by AdamW (TRL's default
+dtype); the workers' is the same Llama in bf16. Every check compares the workers' tensors with
+the trainer's cast by ``tensor.to(torch.bfloat16)``, bit for bit, after every round.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import wtransfer  # noqa: E402
+from wtransfer.errors import ManifestMismatchError  # noqa: E402
+from wtransfer.local import LocalWorkerPool  # noqa: E402
+from wtransfer.testing.models import digests, tiny_llama  # noqa: E402
+
+TIMEOUT = 60.0
+BUCKET = 64 * 1024  # the embedding (256 KiB in bf16) is split over buckets: its pieces are cast too
+
+
+def _bf16_workers(backend: str) -> LocalWorkerPool:
+    return LocalWorkerPool(2, "wtransfer.testing.models:tiny_llama", backend=backend,
+                           factory_kwargs={"seed": 1, "dtype": "bfloat16"}, timeout_s=TIMEOUT, torch_threads=1)
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    ids = torch.randint(0, 1024, (2, 32), generator=torch.Generator().manual_seed(step))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _assert_workers_hold_bf16_of(pool: LocalWorkerPool, model: torch.nn.Module, when: str) -> None:
+    expected = digests(copy.deepcopy(model).to(torch.bfloat16))
+    for rank, got in enumerate(pool.digests()):
+        wrong = sorted(name for name in expected if got.get(name) != expected[name])
+        assert not wrong, f"{when}: worker {rank} differs from the trainer's weights cast to bf16 in {wrong[:5]}"
+
+
+@pytest.mark.parametrize(("backend", "options"), [
+    ("shm", {}), ("shm", {"commit": "streaming"}), ("gloo", {"checksums": True}), ("shm", {"delta": True}),
+])
+def test_fp32_masters_reach_bf16_workers_as_bf16_at_half_the_bytes(backend: str, options: dict[str, Any]) -> None:
+    model = tiny_llama(seed=0, dtype="float32")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    params = dict(model.named_parameters())
+    fp32_bytes = sum(p.numel() * 4 for p in params.values())
+    with _bf16_workers(backend) as pool:
+        trainer = wtransfer.create_trainer(backend, client=pool, source=model, **options,
+                                           init_info={"world_size": 3, "timeout_s": TIMEOUT, "bucket_bytes": BUCKET})
+        try:
+            for step in range(3):
+                stats = trainer.send_weights()
+                _assert_workers_hold_bf16_of(pool, model, f"round {step + 1}")
+                assert stats["cast_tensors"] == len(params)
+                assert stats["bytes"] == fp32_bytes // 2  # the wire carries bf16
+                if options.get("delta") and step:
+                    assert stats["wire_bytes"] < stats["bytes"]  # deltas are taken in the dtype served
+                _train(model, optimizer, step)
+            assert [s["weight_version"] for s in pool.stats()] == [3, 3]
+        finally:
+            trainer.shutdown()
+
+
+def test_the_dtype_option_overrides_what_the_workers_load_and_is_validated_by_them() -> None:
+    """``dtype="float16"`` sends fp16, which the bf16 workers refuse (nothing written; the trainer
+    stays usable); ``dtype=torch.bfloat16`` then lands."""
+    model = tiny_llama(seed=0, dtype="float32")
+    with _bf16_workers("shm") as pool:
+        before = pool.digests()
+        info = {"world_size": 3, "timeout_s": TIMEOUT, "bucket_bytes": BUCKET}
+        with wtransfer.create_trainer("shm", client=pool, source=model, init_info=info, dtype="float16") as trainer:
+            with pytest.raises(Exception, match="dtype float16 != model bfloat16"):
+                trainer.send_weights()
+        assert pool.digests() == before
+        with wtransfer.create_trainer("shm", client=pool, source=model, init_info=info,
+                                      dtype=torch.bfloat16) as trainer:
+            trainer.send_weights()
+        _assert_workers_hold_bf16_of(pool, model, "after dtype=torch.bfloat16")
+    with pytest.raises(ValueError, match="dtype='int8' must be one of"):
+        wtransfer.create_trainer("shm", client=pool, source=model, init_info=info, dtype="int8")
+
+
+def test_workers_that_load_different_dtypes_fail_the_rendezvous_naming_both() -> None:
+    from wtransfer.engines._cast import ServedDtypes, agreed
+
+    same = ServedDtypes("bfloat16").to_dict()
+    assert agreed({1: same, 2: same}) == ServedDtypes("bfloat16")
+    assert agreed({1: None, 2: None}) is None
+    with pytest.raises(wtransfer.WTransferError, match="workers 1 and 2 load different dtypes"):
+        agreed({1: same, 2: ServedDtypes("float16").to_dict()})
+    with pytest.raises(ValueError, match="served dtype 'int8'"):
+        agreed({1: {"default": "int8", "names": {}}})
+
+
+def test_integer_tensors_and_tensors_already_in_the_served_dtype_travel_as_they_are() -> None:
+    from wtransfer.engines._cast import CastPlan, ServedDtypes
+    from wtransfer.engines._manifest import TensorEntry
+
+    entries = [TensorEntry("w", "float32", (4,)), TensorEntry("ids", "int64", (4,)),
+               TensorEntry("norm", "float32", (4,)), TensorEntry("b", "bfloat16", (4,)),
+               TensorEntry("scale", "float8_e4m3fn", (4,))]
+    served = ServedDtypes("bfloat16", {"norm": "float32"})
+    assert [e.dtype for e in CastPlan(served).entries(entries)] == [
+        "bfloat16", "int64", "float32", "bfloat16", "float8_e4m3fn"]
+    assert [e.dtype for e in CastPlan(None).entries(entries)] == [e.dtype for e in entries]

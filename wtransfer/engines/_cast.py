@@ -1,0 +1,165 @@
+"""The dtype a round carries each tensor in: the one the receiving model loads.
+
+RL trainers keep fp32 master weights (TRL's default ``dtype``, FSDP2 with a
+``MixedPrecisionPolicy``) while inference serves bf16. Each worker says at rendezvous which
+dtypes its model loads (:class:`ServedDtypes`, the engine's ``served_dtypes``); the trainer
+casts every floating-point tensor whose dtype differs on the rank that holds it, while its
+bytes are packed or written (one bucket at a time, never a copy of the model), so the wire
+carries what is served: half an fp32 model's bytes for bf16. ``create_trainer(...,
+dtype=...)`` casts every floating-point tensor to one dtype instead. Integer and bool tensors
+are never cast. A cast rounds as ``tensor.to(dtype)`` does (values beyond bf16's range
+become inf), as vLLM's own loaders do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from wtransfer._dtypes import dtype_name
+from wtransfer.engines._manifest import TensorEntry
+from wtransfer.errors import TransferError
+
+if TYPE_CHECKING:
+    import torch
+
+FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
+"""The dtypes a round casts between. float8 needs scales a plain cast does not make: never cast."""
+
+
+@dataclass(frozen=True)
+class ServedDtypes:
+    """The dtypes a worker's model loads: ``names`` per tensor, ``default`` for any other name."""
+
+    default: str | None = None
+    names: Mapping[str, str] = field(default_factory=dict)
+
+    def dtype_for(self, name: str) -> str | None:
+        return self.names.get(name, self.default)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"default": self.default, "names": dict(self.names)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ServedDtypes:
+        """Parse what a worker sent; ``ValueError`` on anything but names of floating dtypes."""
+        if not isinstance(data, dict) or not isinstance(data.get("names", {}), dict):
+            raise ValueError(f"served dtypes must be {{'default': dtype|None, 'names': {{name: dtype}}}}, got {data!r}")
+        default, names = data.get("default"), data.get("names", {})
+        for dtype in [default, *names.values()]:
+            if dtype is not None and dtype not in FLOATING:
+                raise ValueError(f"served dtype {dtype!r} is not one of {', '.join(sorted(FLOATING))}")
+        return cls(default, dict(names))
+
+    @classmethod
+    def of_tensors(cls, named: Iterable[tuple[str, torch.Tensor]]) -> ServedDtypes:
+        """What a module whose tensors are ``named`` loads: its most common floating dtype, and
+        every floating tensor of another dtype by name."""
+        floating = {name: dtype for name, t in named if (dtype := dtype_name(t.dtype)) in FLOATING}
+        counts: dict[str, int] = {}
+        for dtype in floating.values():
+            counts[dtype] = counts.get(dtype, 0) + 1
+        default = max(counts, key=lambda d: counts[d]) if counts else None
+        return cls(default, {name: dtype for name, dtype in floating.items() if dtype != default})
+
+
+def served_dtypes(model: Any) -> ServedDtypes:
+    """What a worker's model loads, for its engine's ``served_dtypes`` (set before
+    ``init_transfer_engine``): a ``torch.nn.Module`` (each floating tensor in its parameter's
+    dtype), or one dtype for every floating tensor (a ``torch.dtype`` or its name, as vLLM's
+    model dtype)."""
+    if isinstance(model, str) or not hasattr(model, "named_parameters"):
+        name = model if isinstance(model, str) else dtype_name(model)
+        if name not in FLOATING:
+            raise ValueError(f"served_dtypes(): {model!r} is not one of {', '.join(sorted(FLOATING))}")
+        return ServedDtypes(name)
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    return ServedDtypes.of_tensors(named)
+
+
+def agreed(answers: Mapping[int, Any]) -> ServedDtypes | None:
+    """The served dtypes every worker sent (rank -> dict or None); None if none sent any.
+
+    Workers that hold one model agree; workers that disagree on a name cannot share a wire
+    dtype for it, and the rendezvous fails naming both."""
+    parsed = {rank: ServedDtypes.from_dict(data) for rank, data in sorted(answers.items()) if data is not None}
+    if not parsed:
+        return None
+    (first_rank, first), *others = parsed.items()
+    for rank, other in others:
+        names = set(first.names) | set(other.names)
+        differing = [n for n in sorted(names) if first.dtype_for(n) != other.dtype_for(n)]
+        if first.default != other.default or differing:
+            what = ", ".join(f"{n!r} ({first.dtype_for(n)} vs {other.dtype_for(n)})" for n in differing[:4]) or (
+                f"floating tensors ({first.default} vs {other.default})")
+            raise TransferError(f"workers {first_rank} and {rank} load different dtypes for {what}; one round "
+                                f"cannot carry both: pass create_trainer(..., dtype=...)")
+    return first
+
+
+@dataclass(frozen=True)
+class CastPlan:
+    """What a trainer casts: to ``dtype`` if the user chose one, else to what the workers serve.
+
+    Rank 0 tells every other rank of a sharded trainer its plan with each round, so ranks that
+    write their own shards cast them alike."""
+
+    served: ServedDtypes | None = None
+    dtype: str | None = None
+
+    def entries(self, entries: Iterable[TensorEntry]) -> tuple[TensorEntry, ...]:
+        """The round's entries as they travel: each floating tensor in the planned dtype; every
+        other tensor as the source holds it."""
+        out = []
+        for entry in entries:
+            target = self.dtype if self.dtype is not None else (
+                self.served.dtype_for(entry.name) if self.served is not None else None)
+            if target is not None and target != entry.dtype and entry.dtype in FLOATING and target in FLOATING:
+                entry = TensorEntry(entry.name, target, entry.shape)
+            out.append(entry)
+        return tuple(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"served": None if self.served is None else self.served.to_dict(), "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CastPlan:
+        if data is None:
+            return cls()
+        served = data.get("served")
+        return cls(None if served is None else ServedDtypes.from_dict(served), data.get("dtype"))
+
+
+def check_dtype_option(value: Any) -> str | None:
+    """``create_trainer(..., dtype=...)``: a floating dtype (name or ``torch.dtype``) or None."""
+    if value is None:
+        return None
+    name = value if isinstance(value, str) else dtype_name(value)
+    if name not in FLOATING:
+        raise ValueError(f"create_trainer(): dtype={value!r} must be one of {', '.join(sorted(FLOATING))} (or None: "
+                         f"the dtypes the workers load)")
+    return name
+
+
+def matches_dtype(tensor: torch.Tensor, entry: TensorEntry) -> bool:
+    """Whether ``tensor`` can travel as ``entry`` says: in its own dtype, or a floating one cast."""
+    held = dtype_name(tensor.dtype)
+    return held == entry.dtype or (held in FLOATING and entry.dtype in FLOATING)
+
+
+def wire_bytes(tensor: torch.Tensor, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
+    """Bytes ``start:stop`` of ``tensor`` as it travels in ``dtype``: a view when no cast is
+    needed, else only those elements, cast (``start``/``stop`` fall on element boundaries: tensors
+    start 64-byte aligned and buckets are multiples of 64 bytes)."""
+    import torch
+
+    from wtransfer.engines._manifest import tensor_bytes
+
+    if tensor.dtype == dtype:
+        return tensor_bytes(tensor)[start:stop]
+    size = torch.empty((), dtype=dtype).element_size()
+    if start % size or stop % size:
+        raise TransferError(f"internal error: bytes {start}:{stop} of a {dtype} tensor cut an element")
+    flat = tensor.detach().reshape(-1)
+    return flat[start // size : stop // size].to(dtype).view(torch.uint8)
