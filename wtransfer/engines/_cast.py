@@ -64,16 +64,14 @@ class ServedDtypes:
         return cls(default, {name: dtype for name, dtype in floating.items() if dtype != default})
 
 
-def served_dtypes(model: Any) -> ServedDtypes:
+def served_dtypes(model: Any, names: Mapping[str, str] | None = None) -> ServedDtypes:
     """What a worker's model loads, for its engine's ``served_dtypes`` (set before
     ``init_transfer_engine``): a ``torch.nn.Module`` (each floating tensor in its parameter's
     dtype), or one dtype for every floating tensor (a ``torch.dtype`` or its name, as vLLM's
-    model dtype)."""
+    model dtype) but the tensors ``names`` gives another (name -> dtype name)."""
     if isinstance(model, str) or not hasattr(model, "named_parameters"):
         name = model if isinstance(model, str) else dtype_name(model)
-        if name not in FLOATING:
-            raise ValueError(f"served_dtypes(): {model!r} is not one of {', '.join(sorted(FLOATING))}")
-        return ServedDtypes(name)
+        return ServedDtypes.from_dict({"default": name, "names": dict(names or {})})
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
     return ServedDtypes.of_tensors(named)
 

@@ -437,7 +437,8 @@ class TrainerWeightTransferEngine(ABC):
             except BaseException as exc:
                 self._raise_preferring_client(exc, call)
             call.result(self.timeout_s)
-            self.cast = CastPlan(agreed(self.served_answers), self.cast.dtype)
+            if self.cast.dtype is None:  # the user's dtype needs no agreement on what the workers load
+                self.cast = CastPlan(agreed(self.served_answers), None)
         except BaseException as exc:
             if self.told_ranks and self.agreement is not None:
                 # The other ranks are joining the transport this closes: they hear why first.

@@ -61,10 +61,7 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
                 data_parallel_index=getattr(parallel, "data_parallel_index", 0),
             ),
         )
-        # every floating tensor travels in the dtype vLLM computes in: fp32 masters are cast by the trainer
-        served = vllm_config.model_config.dtype
-        if served.is_floating_point and served.itemsize >= 2:
-            self.inner.served_dtypes = wtransfer.served_dtypes(served)
+        self.inner.served_dtypes = served_dtypes(vllm_config.model_config)
         self._loaders: dict[int, VllmModelLoader] = {}
         self._receiving_round: str | None = None
         self.committed_round: str | None = None
@@ -131,6 +128,21 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
         if key not in self._loaders:
             self._loaders[key] = VllmModelLoader(self.model, self.model_config)
         return self._loaders[key]
+
+
+def served_dtypes(model_config: Any) -> Any:
+    """What the trainer casts floating tensors to: vLLM's model dtype, but a checkpoint tensor stored
+    in another floating dtype (a bf16 checkpoint's fp32 router bias, which vLLM keeps in fp32) in
+    that one, so nothing loses precision it had at start-up. None for a model dtype no round casts to."""
+    model_dtype = wtransfer.dtype_name(model_config.dtype)
+    if model_dtype not in CAST_DTYPES:
+        return None
+    stored = checkpoint_tensors(model_config) or {}
+    kept = {name: t.dtype for name, t in stored.items() if t.dtype in CAST_DTYPES and t.dtype != model_dtype}
+    return wtransfer.served_dtypes(model_dtype, kept)
+
+
+CAST_DTYPES = ("float64", "float32", "float16", "bfloat16")
 
 
 def round_identity(manifest: Any, whole: bool) -> str | None:

@@ -9,14 +9,16 @@ through TRL's own ``VLLMClient`` (``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1``
 ``--weight-transfer-config '{"backend": "shm"}'``, or ``gloo`` across hosts): each tensor is cast
 to vLLM's dtype as it is packed, and a round commits whole or not at all.
 
-TRL does not call ``resume()`` when a sync raises, so the server would stay paused and every
-later generation request hang: here a failed round resumes the server before it raises (vLLM
-keeps the weights it had), and the next ``send_weights`` reconnects and sends whole again.
+TRL does not call ``resume()`` when a sync raises, so the server would stay paused (any other
+client's generation requests would wait): here a failed round reads the rest of the iterator
+(TRL's other ranks gather each tensor with it and would otherwise wait in that collective),
+resumes the server and raises; vLLM keeps the weights it had. TRL then stops training; a caller
+that catches the error and syncs again gets a new rendezvous and a whole round.
 
-The first round holds the iterator's tensors until it is sent (it learns the tensors' names,
-dtypes and shapes from them); later rounds stream them, a bucket at a time, as the iterator
-yields (TRL's names and shapes do not change between steps; if they do, that round fails
-before it commits and the next one learns them again).
+The first round holds the iterator's tensors until it is sent: it learns their names, dtypes
+and shapes from them (under FSDP2 that is a whole copy of the model on the main process, where
+TRL's own NCCL client streams). Later rounds stream them, a bucket at a time, as the iterator
+yields; if TRL's tensors ever change, that round fails naming the tensor.
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ class WTransferWeightTransfer:
         self._failed = False
 
     def init_weight_transfer(self) -> None:
+        ready = getattr(self.vllm_client, "wait_for_server_ready", None)
+        if callable(ready):  # TRL's client waits for /health; with a weight_transfer of its own TRL does not
+            ready()
         workers = int(self.vllm_client.get_world_size())
         self.trainer = wtransfer.create_trainer(
             self.backend, client=self.vllm_client, source=self._stream,
@@ -90,14 +95,21 @@ class WTransferWeightTransfer:
             self._stream.tensors = iter(iterator)
             self.last_stats = self.trainer.send_weights()
         except BaseException as exc:
-            self._failed, self._stream.entries = True, None
-            try:  # TRL leaves the server paused after a failed sync: its generation would hang
+            self._failed = True
+            try:  # TRL's other ranks run a gather per tensor as this iterator advances: let them finish
+                for _ in iterator:
+                    pass
+            except Exception:
+                pass  # the iterator itself failed: nothing more to walk
+            resumed = "it was resumed"
+            try:  # TRL leaves the server paused after a failed sync
                 self.vllm_client.resume()
             except Exception as resume_error:
+                resumed = f"resuming it failed too: {resume_error}"
                 logger.warning("wtransfer-vllm: could not resume the server after a failed round: %s", resume_error)
             if isinstance(exc, Exception) and not isinstance(exc, wtransfer.WTransferError):
                 raise wtransfer.WTransferError(
-                    f"the weight sync failed and the server kept its previous weights (it was resumed): "
+                    f"the weight sync failed and the server kept its previous weights ({resumed}): "
                     f"{type(exc).__name__}: {exc}") from exc
             raise
         finally:

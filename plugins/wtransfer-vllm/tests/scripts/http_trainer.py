@@ -50,10 +50,12 @@ def dies_half_way(tensors):
 def trl_steps(base_url, backend, model_dir, rounds):
     """What TRL 1.16's AsyncGRPOTrainer calls on its weight_transfer, in its order (main process)."""
     import requests
+    from accelerate import PartialState
     from trl.experimental.async_grpo.vllm_client import VLLMClient
 
     from wtransfer_vllm.trl import WTransferWeightTransfer
 
+    PartialState()  # TRL's trainer has accelerate's state by then; its client logs through it
     model = load_trainer_model(model_dir)
     transfer = WTransferWeightTransfer(VLLMClient(base_url), backend, init_info={"timeout_s": 60,
                                                                               "bucket_bytes": 64 << 10})
@@ -74,7 +76,9 @@ def trl_steps(base_url, backend, model_dir, rounds):
                 transfer.send_weights(dies_half_way(fp32_masters(stray)))  # TRL would not resume() after this
             except Exception as exc:
                 result["error"] = f"{type(exc).__name__}: {exc}"
-            result["paused_after_failure"] = requests.get(f"{base_url}/is_paused", timeout=10).json()["is_paused"]
+            paused = result["paused_after_failure"] = requests.get(f"{base_url}/is_paused", timeout=10).json()["is_paused"]
+            if paused:  # a completion would wait for a resume that never comes
+                break
             result["kept_weights"] = served_greedy(base_url, model_dir) == before
     transfer.destroy()
     return result
