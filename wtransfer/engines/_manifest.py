@@ -253,6 +253,9 @@ class Manifest:
     """The algorithm of the digests the trainer sends after the data, or None (no checksums)."""
     delta: DeltaPlan | None = None
     """A delta round: what each wire tensor rebuilds, and against which committed round."""
+    partial: bool = False
+    """The trainer sends any subset of the model's tensors (``create_trainer(..., partial=True)``):
+    a tensor a round does not carry keeps its committed value, so workers do not refuse it as missing."""
 
     @property
     def total_bytes(self) -> int:
@@ -266,6 +269,7 @@ class Manifest:
             "digests": self.digests,
             "commit": self.commit.to_dict() if self.commit is not None else None,
             "delta": self.delta.to_dict() if self.delta is not None else None,
+            **({"partial": True} if self.partial else {}),
         }
 
     @classmethod
@@ -297,8 +301,11 @@ class Manifest:
             raise ValueError(f"manifest 'digests' must be null or one of {DIGEST_ALGORITHMS}, got {digests!r}")
         commit = data.get("commit")
         delta = data.get("delta")
+        partial = data.get("partial", False)
+        if not isinstance(partial, bool):
+            raise ValueError(f"manifest 'partial' must be a bool, got {partial!r}")
         return cls(entries, version, None, CommitPlan.from_dict(commit) if commit is not None else None, digests,
-                   DeltaPlan.from_dict(delta, entries) if delta is not None else None)
+                   DeltaPlan.from_dict(delta, entries) if delta is not None else None, partial)
 
 
 def _parse_entry(index: int, item: Any) -> TensorEntry:
@@ -326,8 +333,9 @@ def build_manifest(
     digests: str | None = None,
     commit: CommitPlan | None = None,
     delta: DeltaPlan | None = None,
+    partial: bool = False,
 ) -> Manifest:
-    return Manifest(tuple(entries), version, None, commit, digests, delta)
+    return Manifest(tuple(entries), version, None, commit, digests, delta, partial)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -273,7 +273,11 @@ class TrainerWeightTransferEngine(ABC):
         commit: str = DEFAULT_COMMIT,
         delta: bool = False,
         dtype: Any = None,
+        partial: bool = False,
     ) -> None:
+        if delta and partial:
+            raise ValueError("create_trainer(): delta=True already sends only what changed; partial=True is for "
+                             "sources that yield a subset of the model's tensors: choose one")
         if delta and sharded:
             raise ValueError("create_trainer(): delta=True needs an unsharded trainer (one process holding the "
                              "whole model); sharded trainers send every round whole")
@@ -307,6 +311,8 @@ class TrainerWeightTransferEngine(ABC):
         self.bucket_bytes: int = self.init_options.bucket_bytes
         self.num_buffers: int = self.init_options.num_buffers
         self.checksums = bool(checksums)
+        self.partial = bool(partial)
+        """Rounds may carry any subset of the model's tensors (the rest keep their committed values)."""
         self.cast = CastPlan(None, check_dtype_option(dtype))
         """The dtype each floating tensor travels in: ``dtype`` if given, else what the workers said at
         rendezvous they load (see :mod:`wtransfer.engines._cast`)."""
@@ -669,7 +675,8 @@ class TrainerWeightTransferEngine(ABC):
         from wtransfer.engines._digests import ALGORITHM
 
         plan = CommitPlan(self.commit, self._staging_key, self.timeout_s)
-        return build_manifest(entries, self.weight_version + 1, ALGORITHM if self.checksums else None, plan, delta)
+        return build_manifest(entries, self.weight_version + 1, ALGORITHM if self.checksums else None, plan, delta,
+                              self.partial)
 
     def _update_info(self, manifest: Manifest) -> dict[str, Any]:
         """The JSON-safe dict every worker's ``parse_update_info`` receives."""
@@ -804,6 +811,10 @@ def create_trainer(
     bytes. ``dtype="bfloat16"`` (or a ``torch.dtype``) casts every floating tensor to that
     instead. A cast rounds as ``tensor.to(dtype)`` does: fp32 values beyond bf16's range become inf.
     ``stats["cast_tensors"]`` counts the tensors cast in a round.
+    ``partial=True``: a round may carry any subset of the model's tensors (a source that yields only
+    what trained); every tensor it does not carry keeps its committed value on every worker, and
+    atomicity covers the tensors it does carry. vLLM keeps a host copy of the checkpoint from the
+    first round of such a trainer on (which must then be whole) to reload every touched layer whole.
 
     A sharded trainer (FSDP2 / DTensor parameters, one process per rank) calls this on every
     rank with its ``rank`` and the same source: rank 0 is the sender (it needs the client and
@@ -829,7 +840,7 @@ def create_trainer(
             f"side: its class sets no 'trainer_cls'. Use a backend that has one (shm, gloo, nccl) "
             f"or drive this engine's workers with the trainer code its plugin documents."
         )
-    accepted = {"checksums", "is_checkpoint_format", "commit", "delta", "dtype"}
+    accepted = {"checksums", "is_checkpoint_format", "commit", "delta", "dtype", "partial"}
     unknown = sorted(set(options) - accepted)
     if unknown:
         raise TypeError(

@@ -76,6 +76,32 @@ def test_delta_rounds_after_adamw_steps_make_vllm_compute_exactly_a_fresh_load(
     run.assert_clean_exit()
 
 
+def test_partial_rounds_keep_what_they_leave_out_and_equal_a_fresh_load(
+    shm_engine: tuple[Path, EngineRun], reference: dict
+) -> None:
+    """``partial=True`` inside vLLM: rounds of only the MLP weights, then of everything but the
+    embedding, merged with what vLLM committed before, equal a fresh load of the merged weights."""
+    _, run = shm_engine
+    check_partial_scenario(run.part("partial"), reference)
+    run.assert_clean_exit()
+
+
+def check_partial_scenario(result: dict, reference: dict) -> None:
+    """What ``scripts/partial_sync.py``'s scenario must show, at any TP (``reference``: a fresh load
+    of the reference checkpoint at that TP)."""
+    assert "error" not in result, f"the partial scenario raised:\n{result['error']}"
+    outputs, stats = result["outputs"], result["stats"]
+    assert outputs["whole"] != reference["outputs"]  # its MLP weights were elsewhere
+    assert outputs["mlp"] == reference["outputs"]  # only the MLP travelled: the rest was kept
+    assert outputs["rest elsewhere"] != reference["outputs"]
+    assert outputs["rest"] == reference["outputs"]  # the embedding kept since the first round
+    assert result["checksums"] == reference["checksums"]
+    assert stats[1]["bytes"] == result["mlp_bytes"] < stats[0]["bytes"]  # the wire carried the subset only
+    assert stats[3]["tensors"] < stats[0]["tensors"]
+    assert "unknown tensor 'model.layers.0.mlp.down_proj.wieght'" in result["refused"], result["refused"]
+    assert outputs["after refused"] == reference["outputs"]
+
+
 def check_delta_scenario(python: Path, result: dict, final: Path, tp: int) -> None:
     """What ``scripts/delta_sync.py``'s scenario must show, at any TP (a fresh load at that TP is the reference)."""
     assert "error" not in result, f"the delta scenario raised:\n{result['error']}"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_offline_sync import check_delta_scenario
+from test_offline_sync import check_delta_scenario, check_partial_scenario
 from vllm_harness import ROUNDS, TP_ENV, EngineRun, cpu_flags, engine_run, run_script
 
 
@@ -73,3 +73,12 @@ def test_tp2_delta_rounds_after_adamw_steps_make_vllm_compute_exactly_a_fresh_tp
     print(f"host CPU flags: {cpu_flags()}")
     out_dir, run = tp2_engine
     check_delta_scenario(vllm_python, run.part("delta"), out_dir / "delta-final", tp=2)
+
+
+def test_tp2_partial_rounds_keep_what_they_leave_out_and_equal_a_fresh_tp2_load(
+    tp2_engine: tuple[Path, EngineRun], reference_tp2: dict
+) -> None:
+    """``partial=True`` at TP=2: each worker completes the touched layers from its own committed copy."""
+    print(f"host CPU flags: {cpu_flags()}")
+    _, run = tp2_engine
+    check_partial_scenario(run.part("partial"), reference_tp2)

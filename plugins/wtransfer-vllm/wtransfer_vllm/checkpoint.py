@@ -156,12 +156,14 @@ def check_round(
     entries: list[tuple[str, str, tuple[int, ...]]],
     expected: dict[str, CheckpointTensor] | None,
     model_dtype: str,
+    kept: set[str] | None = None,
 ) -> list[str]:
     """Every reason the round ``entries`` (name, dtype, shape) cannot load; empty if it can.
 
     A name must be a checkpoint tensor with the same shape; its dtype must be the
     checkpoint's or the model's (vLLM converts while loading). Every checkpoint tensor
-    must be present: vLLM's layerwise reload processes a layer once all of its weights
+    must be present, in the round or in ``kept`` (the committed copy a partial round is
+    completed from): vLLM's layerwise reload processes a layer once all of its weights
     arrived, and a layer missing some would be rebuilt from uninitialised memory.
     """
     if expected is None:
@@ -186,8 +188,10 @@ def check_round(
             problems.append(f"{name!r}: shape {list(shape)} != checkpoint {list(want.shape)}")
         if dtype not in (want.dtype, model_dtype):
             problems.append(f"{name!r}: dtype {dtype} is neither the checkpoint's {want.dtype} nor the model's {model_dtype}")
-    missing = sorted(set(expected) - seen)
+    missing = sorted(set(expected) - seen - (kept or set()))
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        problems.append(f"missing {len(missing)} checkpoint tensor(s): {shown}")
+        problems.append(f"missing {len(missing)} checkpoint tensor(s): {shown}" + (
+            " (a partial=True trainer's first round must be whole: the tensors later rounds leave out are "
+            "reloaded from the copy it leaves)" if kept is not None else ""))
     return problems

@@ -103,7 +103,9 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
 
         manifest = getattr(update_info, "parsed", None)
         delta = isinstance(manifest, Manifest) and manifest.delta is not None
-        self._loader().keep(delta)  # a delta=True trainer's round: keep what its next delta applies to
+        partial = isinstance(manifest, Manifest) and manifest.partial
+        # a delta=True or partial=True trainer's round: keep what its next round applies to or leaves out
+        self._loader().keep(delta or partial)
         self.inner.receive_weights(update_info, self._loader())  # validated, then staged whole on the node
         manifest = getattr(update_info, "parsed", None)  # again: receiving adds the verified checksums
         if isinstance(manifest, Manifest):
@@ -180,6 +182,9 @@ class VllmModelLoader:
 
     whole_round = True
     delta_ready = True
+    """Partial rounds (``create_trainer(..., partial=True)``) are loaded the same way: the tensors a
+    round carries with every other checkpoint tensor from the committed copy, so each layer vLLM
+    reloads is whole (a layer given only some of its tensors would be processed from unset memory)."""
     """Delta rounds (``create_trainer(..., delta=True)``): handed the tensors that changed, this
     loader loads them with every other checkpoint tensor from its committed copy, so vLLM always
     reloads the whole checkpoint and its processing (fused q/k/v, re-packing) stays correct."""
@@ -205,7 +210,9 @@ class VllmModelLoader:
 
     def validate_manifest(self, manifest: Any) -> None:
         entries = [(e.name, e.dtype, tuple(e.shape)) for e in manifest.entries]
-        problems = check_round(entries, self.expected, self.model_dtype)
+        # a partial round's absent tensors are reloaded from the committed copy: it must hold them
+        kept = set(self._committed) if getattr(manifest, "partial", False) else None
+        problems = check_round(entries, self.expected, self.model_dtype, kept)
         if problems:
             raise wtransfer.ManifestMismatchError(
                 f"update manifest (version {manifest.version}) cannot be loaded into this vLLM model; "

@@ -44,7 +44,7 @@ def _info_class(backend: str) -> type[WTransferTrainerInitInfo]:
 
 def trainer_init_info(
     backend: str, *, rank: int = 0, checksums: bool = False, sharded: bool = False, commit: str = "atomic",
-    dtype: Any = None, **init_info: Any,
+    dtype: Any = None, partial: bool = False, **init_info: Any,
 ) -> WTransferTrainerInitInfo:
     """``TrainerInitInfo`` for ``WeightTransferTrainerFactory.trainer_init``.
 
@@ -56,7 +56,8 @@ def trainer_init_info(
     Floating tensors travel in vLLM's model dtype (fp32 masters are cast by the rank that holds
     them), or in ``dtype`` when given.
     """
-    options = {"checksums": checksums, "commit": commit, **({"dtype": dtype} if dtype is not None else {})}
+    options = {"checksums": checksums, "commit": commit, **({"dtype": dtype} if dtype is not None else {}),
+               **({"partial": True} if partial else {})}
     return _info_class(backend)(rank=rank, init_info=init_info, options=options, sharded=sharded)
 
 

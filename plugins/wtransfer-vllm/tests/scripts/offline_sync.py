@@ -6,8 +6,8 @@ usage: offline_sync.py BACKEND MODEL_DIR FINAL_DIR OUT_JSON [ROUNDS] [wtransfer|
 ``WeightTransferTrainerFactory.trainer_init`` with vLLM's own ``ModuleSource``.
 Writes: outputs before and after, vLLM's digests and weight version, per-round stats;
 saves the trainer's final weights to FINAL_DIR (the reference loads them fresh). With
-DELTA_FINAL_DIR, the same LLM then runs ``delta_sync.delta_scenario`` (its result under "delta"):
-one vLLM start for both.
+DELTA_FINAL_DIR, the same LLM then runs ``delta_sync.delta_scenario`` (its result under "delta")
+and ``partial_sync.partial_scenario`` (under "partial"): one vLLM start for all three.
 """
 
 import sys
@@ -62,4 +62,11 @@ if __name__ == "__main__":
             result["delta"] = delta_scenario(llm, backend, model_dir, delta_final, tp=1)
         except Exception:
             result["delta"] = {"error": traceback.format_exc()}
+        write_json(out, result)
+        from partial_sync import partial_scenario
+
+        try:
+            result["partial"] = partial_scenario(llm, backend, model_dir, rounds, tp=1)
+        except Exception:
+            result["partial"] = {"error": traceback.format_exc()}
         write_json(out, result)

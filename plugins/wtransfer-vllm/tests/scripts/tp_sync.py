@@ -9,8 +9,8 @@ usage: tp_sync.py MODEL_DIR OUT_JSON ROUNDS [DELTA_FINAL_DIR]
    for the round's last tensor, one the moment vLLM says every TP worker received the round
    whole, before it can call finish_weight_update. No worker may commit, so vLLM must compute
    exactly what it computed before.
-With DELTA_FINAL_DIR, ``delta_sync.delta_scenario`` runs on the same engine between 1. and 2.
-(its result under "delta"): one TP=2 start for both. The killed trainers must leave vLLM as it was
+With DELTA_FINAL_DIR, ``delta_sync.delta_scenario`` and ``partial_sync.partial_scenario`` run on
+the same engine between 1. and 2. (their results under "delta" and "partial"): one TP=2 start. The killed trainers must leave vLLM as it was
 just before them ("before_kills").
 Writes outputs, vLLM's per-worker digests and versions at each point.
 """
@@ -129,6 +129,13 @@ if __name__ == "__main__":
             result["delta"] = delta_scenario(llm, "shm", model_dir, delta_final, tp=TP)
         except Exception:
             result["delta"] = {"error": traceback.format_exc()}
+        write_json(out, result)
+        from partial_sync import partial_scenario
+
+        try:
+            result["partial"] = partial_scenario(llm, "shm", model_dir, rounds, tp=TP)
+        except Exception:
+            result["partial"] = {"error": traceback.format_exc()}
         write_json(out, result)
     # what the killed trainers must leave as it is
     result["before_kills"] = {"outputs": greedy(llm), "checksums": checksums(llm),

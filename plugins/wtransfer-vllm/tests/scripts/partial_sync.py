@@ -1,0 +1,61 @@
+"""A scenario for an offline vLLM already running: a ``partial=True`` trainer's rounds.
+
+Imported by the scripts that hold an ``LLM`` (``offline_sync.py`` at TP=1, ``tp_sync.py`` at TP=2)
+and run after their other scenarios on the same engine. Every round's outputs are compared with
+the reference checkpoint (``final_checkpoint``: ROUNDS ``perturb`` steps), which needs no new vLLM:
+
+1. a whole round of the reference's weights but for the MLP weights, which are elsewhere;
+2. only the MLP weights, the reference's: merged, vLLM holds the reference;
+3. everything but the embedding, elsewhere; 4. everything but the embedding, the reference's:
+   merged with the embedding kept since round 1, vLLM holds the reference again;
+5. a round naming a tensor vLLM's model lacks: refused, nothing written.
+"""
+
+import wtransfer
+from wtransfer_vllm import LLMClient
+from wtransfer_vllm.testing import checksums, greedy, load_trainer_model, perturb
+
+
+def partial_scenario(llm, backend: str, model_dir: str, rounds: int, tp: int) -> dict:
+    final, other = load_trainer_model(model_dir), load_trainer_model(model_dir)
+    for step in range(rounds):
+        perturb(final, step)
+    perturb(other, 77)
+    theirs, elsewhere = dict(final.named_parameters()), dict(other.named_parameters())
+
+    def mlp(name: str) -> bool:
+        return ".mlp." in name
+
+    def embedding(name: str) -> bool:
+        return "embed_tokens" in name
+
+    tensors = {name: (elsewhere if mlp(name) else theirs)[name].detach() for name in theirs}
+    trainer = wtransfer.create_trainer(backend, client=LLMClient(llm), source=wtransfer.TensorSource(tensors),
+                                       init_info={"world_size": tp + 1}, partial=True)
+    outputs, stats = {}, []
+
+    def send(label: str, pick, source: dict) -> None:
+        tensors.clear()
+        tensors.update({name: source[name].detach() for name in theirs if pick(name)})
+        stats.append(trainer.send_weights())
+        outputs[label] = greedy(llm)
+
+    try:  # the engine is left free for the next scenario, whatever happens here
+        stats.append(trainer.send_weights())
+        outputs["whole"] = greedy(llm)
+        send("mlp", mlp, theirs)
+        send("rest elsewhere", lambda name: not embedding(name), elsewhere)
+        send("rest", lambda name: not embedding(name), theirs)
+        tensors.clear()
+        tensors["model.layers.0.mlp.down_proj.wieght"] = theirs["model.layers.0.mlp.down_proj.weight"].detach()
+        try:
+            trainer.send_weights()
+            refused = None
+        except Exception as exc:
+            refused = f"{type(exc).__name__}: {exc}"
+        outputs["after refused"] = greedy(llm)
+    finally:
+        trainer.shutdown()
+        llm.shutdown_weight_transfer_engine()
+    return {"outputs": outputs, "stats": stats, "refused": refused, "checksums": checksums(llm),
+            "mlp_bytes": sum(t.numel() * t.element_size() for n, t in theirs.items() if mlp(n))}
