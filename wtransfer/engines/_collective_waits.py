@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from wtransfer.engines._trainer import ClientCall
 
 _POLL_S = 0.0005
+CLIENT_FAILURE_GRACE_S = 5.0
+"""How long a poll that saw the client call fail still waits for its collective to complete: a
+worker fails its call only after it voted, so a vote that does not complete by then never will."""
 WATCHDOG_MARGIN_S = 60.0
 """Without ``host_waits``, a group's own timeout exceeds ``timeout_s`` by this much at least
 (or by ``timeout_s``): wtransfer's deadline, which aborts the group, always comes first."""
@@ -56,9 +59,15 @@ class CollectiveWaits:
             if call is None and self.host_waits:
                 work.wait()
                 return
+            failed_at = None
             while not work.is_completed():
-                if call is not None:
-                    call.raise_if_failed()
+                if call is not None and call.error is not None:
+                    # Workers that refuse the round vote first and then fail their call: under load that
+                    # failure can be seen before the vote's own completion. The vote gets a moment to
+                    # complete (the verdict then says why, and the refusal stays clean).
+                    failed_at = time.monotonic() if failed_at is None else failed_at
+                    if time.monotonic() - failed_at > CLIENT_FAILURE_GRACE_S:
+                        call.raise_if_failed()
                 if time.monotonic() > deadline:
                     raise TransferTimeoutError(f"{what} did not complete within {timeout_s:g} s")
                 time.sleep(_POLL_S)
