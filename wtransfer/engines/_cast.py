@@ -71,7 +71,8 @@ def served_dtypes(model: Any, names: Mapping[str, str] | None = None) -> ServedD
     model dtype) but the tensors ``names`` gives another (name -> dtype name)."""
     if isinstance(model, str) or not hasattr(model, "named_parameters"):
         name = model if isinstance(model, str) else dtype_name(model)
-        return ServedDtypes.from_dict({"default": name, "names": dict(names or {})})
+        kept = {n: d for n, d in (names or {}).items() if d in FLOATING}  # float8 and integers never cast
+        return ServedDtypes(name if name in FLOATING else None, kept)
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
     return ServedDtypes.of_tensors(named)
 
@@ -118,6 +119,11 @@ class CastPlan:
             out.append(entry)
         return tuple(out)
 
+    def cast_count(self, entries: Iterable[TensorEntry]) -> int:
+        """How many of the source's ``entries`` this plan casts."""
+        held = list(entries)
+        return sum(a.dtype != b.dtype for a, b in zip(held, self.entries(held)))
+
     def to_dict(self) -> dict[str, Any]:
         return {"served": None if self.served is None else self.served.to_dict(), "dtype": self.dtype}
 
@@ -156,7 +162,7 @@ def wire_bytes(tensor: torch.Tensor, dtype: torch.dtype, start: int, stop: int) 
 
     if tensor.dtype == dtype:
         return tensor_bytes(tensor)[start:stop]
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if start % size or stop % size:
         raise TransferError(f"internal error: bytes {start}:{stop} of a {dtype} tensor cut an element")
     flat = tensor.detach().reshape(-1)

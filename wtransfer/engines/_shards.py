@@ -195,9 +195,7 @@ def place_part(dst: torch.Tensor, start: int, width: int, first: int, end: int, 
 
 def byte_geometry(part: LocalPart) -> tuple[int, int, int]:
     """``(width, first, end)`` of a part in bytes, as the round carries it."""
-    import torch
-
-    size = torch.empty((), dtype=part.wire_dtype).element_size()
+    size = part.wire_dtype.itemsize
     return part.width * size, part.first * size, part.end * size
 
 

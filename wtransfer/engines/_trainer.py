@@ -611,8 +611,7 @@ class TrainerWeightTransferEngine(ABC):
                 encoded.settle()  # a failed round: none of its encoding keeps writing the base
         seconds = time.perf_counter() - started  # the encoding (and a refused attempt) included
         counts = encoded.stats  # final: every tensor is done
-        held = source.metadata()  # the encoder cast what it compared: count against the source
-        cast = sum(a.dtype != b.dtype for a, b in zip(held, self.cast.entries(held)))
+        cast = self.cast.cast_count(source.metadata())  # the encoder cast what it compared: count the source
         return {**stats, "delta_refused": refused, "seconds": seconds, "cast_tensors": cast,
                 "gb_per_s": stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
                 "changed_fraction": counts.changed_elements / max(counts.elements, 1),
@@ -643,7 +642,7 @@ class TrainerWeightTransferEngine(ABC):
         sharded = {"wrote_shards": self.parallel_senders} if self.sharded else {}
         delta = {} if encoded is None else {"delta": "full" if encoded.plan.base is None else "delta"}
         model_bytes = total if encoded is None else encoded.plan.model_bytes
-        cast = sum(a.dtype != b.dtype for a, b in zip(self.source_entries, manifest.entries))
+        cast = self.cast.cast_count(self.source_entries)
         return {
             **sharded,
             **delta,

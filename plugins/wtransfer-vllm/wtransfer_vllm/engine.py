@@ -135,16 +135,10 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
 def served_dtypes(model_config: Any) -> Any:
     """What the trainer casts floating tensors to: vLLM's model dtype, but a checkpoint tensor stored
     in another floating dtype (a bf16 checkpoint's fp32 router bias, which vLLM keeps in fp32) in
-    that one, so nothing loses precision it had at start-up. None for a model dtype no round casts to."""
+    that one, so nothing loses precision it had at start-up."""
     model_dtype = wtransfer.dtype_name(model_config.dtype)
-    if model_dtype not in CAST_DTYPES:
-        return None
     stored = checkpoint_tensors(model_config) or {}
-    kept = {name: t.dtype for name, t in stored.items() if t.dtype in CAST_DTYPES and t.dtype != model_dtype}
-    return wtransfer.served_dtypes(model_dtype, kept)
-
-
-CAST_DTYPES = ("float64", "float32", "float16", "bfloat16")
+    return wtransfer.served_dtypes(model_dtype, {name: t.dtype for name, t in stored.items() if t.dtype != model_dtype})
 
 
 def round_identity(manifest: Any, whole: bool) -> str | None:
