@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from wtransfer.engines._source import WeightSource
+from wtransfer.local import worker_context
 
 TIMEOUT = 30.0
 INIT_INFO = {"world_size": 3, "timeout_s": TIMEOUT, "bucket_bytes": 16384, "num_buffers": 2}
@@ -33,6 +34,9 @@ SLOW_INIT_INFO = {"world_size": 2, "timeout_s": 6.0, "bucket_bytes": 4096, "num_
 """A round longer than its timeout: rank 1 writes its half of the embedding (a run of buckets that
 rank 0 holds nothing of, 16 of them) at SLOW_WRITE_S a bucket, 12 s without a word for rank 0."""
 SLOW_WRITE_S = 0.75
+LATE_TIMEOUT = 12.0
+LATE_INIT_INFO = {**INIT_INFO, "timeout_s": LATE_TIMEOUT}
+"""The late-rank-0 test waits out a whole timeout: a shorter one (a round here takes about a second)."""
 LINGER_S = 8.0
 """Rank 0 lives on this long after its failure, as a trainer that goes on would: a rank still
 waiting in a gather then is not freed by rank 0's process exiting."""
@@ -98,7 +102,7 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     pool = None
     try:
-        init_info = SLOW_INIT_INFO if fault == "slow-writer" else INIT_INFO
+        init_info = {"slow-writer": SLOW_INIT_INFO, "late": LATE_INIT_INFO}.get(fault, INIT_INFO)
         if rank == 0:
             served = {"dtype": "bfloat16"} if fault == "bf16-workers" else {}  # the ranks keep fp32 masters
             pool = LocalWorkerPool(init_info["world_size"] - 1, "wtransfer.testing.models:tied_lm", backend=backend,
@@ -150,7 +154,7 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
             optimizer.step()
             optimizer.zero_grad()
             if rank == 0 and step == 1 and fault == "late":
-                time.sleep(TIMEOUT + 5)  # rank-0-only work (an eval) longer than the others wait
+                time.sleep(LATE_TIMEOUT + 5)  # rank-0-only work (an eval) longer than the others wait
             if step == 1 and fault == "reject":  # every rank: a tensor the workers' models do not have
                 model.extra = torch.nn.Parameter(torch.zeros(4))
             started = time.monotonic()
@@ -361,7 +365,7 @@ class _MetadataFails(WeightSource):
 def run_ranks(world: int, backend: str, rounds: int, victim: int = -1, limit: float = 300,
               fault: str = "") -> list[dict[str, Any]]:
     """Start ``world`` trainer ranks; return every event they reported (each stamped on arrival)."""
-    context = multiprocessing.get_context("spawn")
+    context = worker_context()  # forked from a server that imported torch once, like the pool's workers
     port = _free_port()
     pipes, processes = [], []
     for rank in range(world):
@@ -525,7 +529,7 @@ def _gather_check(rank: int, world: int, port: int, conn: Any) -> None:
 def test_row_sharded_parameters_are_gathered_slice_by_slice_exactly() -> None:
     # the slice-by-slice gather must equal full_tensor() for torch.chunk's layouts: uneven rows,
     # ranks with no rows, 1-D tensors, empty tensors, and slices that do not divide a shard
-    context = multiprocessing.get_context("spawn")
+    context = worker_context()
     port, pipes, processes = _free_port(), [], []
     for rank in range(3):
         mine, theirs = context.Pipe(duplex=False)
@@ -606,7 +610,7 @@ def test_rank_0_arriving_after_the_others_stopped_waiting_starts_no_round_anywhe
     errors = {e["rank"]: e for e in events if e["event"] == "error"}
     assert sorted(errors) == [0, 1, 2], events
     for rank in (1, 2):
-        assert TIMEOUT - 1 < errors[rank]["seconds"] < TIMEOUT + 10, errors[rank]
+        assert LATE_TIMEOUT - 1 < errors[rank]["seconds"] < LATE_TIMEOUT + 10, errors[rank]
     assert errors[0]["seconds"] < 10, errors[0]  # at once: the others' side of the group is gone
     assert "did not start the round" in errors[0]["message"], errors[0]
     assert errors[0]["worker_versions"] == [1, 1] and errors[0]["changed"] == [[], []]

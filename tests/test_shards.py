@@ -12,12 +12,13 @@ refused with its placements named.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import socket
 import traceback
 from typing import Any
 
 import pytest
+
+from wtransfer.local import worker_context
 
 WORLD = 4
 
@@ -105,7 +106,7 @@ def _layouts_rank(rank: int, port: int, conn: Any) -> None:
 
 
 def test_every_rank_writing_its_shards_gives_the_unsharded_buckets_byte_for_byte() -> None:
-    context = multiprocessing.get_context("spawn")
+    context = worker_context()
     port = _free_port()
     pipes, processes = [], []
     for rank in range(WORLD):

@@ -32,7 +32,6 @@ import itertools
 import json
 import math
 import mmap
-import multiprocessing
 import os
 import select
 import signal
@@ -44,6 +43,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from wtransfer._bench.report import median_item
+from wtransfer.local import worker_context
 
 _MESSAGE = struct.Struct("<q")  # a bucket index
 _WAIT_S = 60.0
@@ -313,7 +313,7 @@ def run_fresh(model: str, dtype: str, writers: int, bucket_bytes: int, buffers: 
     """The figures of the round with the median GB/s of ``rounds`` rounds (see :func:`_round_figures`:
     each from that one round, so they derive from one another), measured in a fresh process (so
     the forks carry no threads)."""
-    context = multiprocessing.get_context("spawn")
+    context = worker_context()
     mine, theirs = context.Pipe(duplex=False)
     process = context.Process(target=_main, args=(model, dtype, writers, bucket_bytes, buffers, rounds, theirs))
     process.start()

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import multiprocessing
 import socket
 import statistics
 import time
@@ -31,6 +30,7 @@ from typing import Any
 
 from wtransfer._bench import ring_alone
 from wtransfer._bench.report import add_report_arguments, figures_report, median_item, table
+from wtransfer.local import worker_context
 
 TARGET_RATIO = {"writes": 0.8, "gathers": 0.8}
 WRITES_TARGET_ON_SHM = 1.0
@@ -219,7 +219,7 @@ def unsharded_digests(model: Any) -> dict[str, int]:
 
 def run_trainer(ranks: int, args: argparse.Namespace, mode: str = "writes", checksums: bool = False) -> list[dict[str, Any]]:
     """Run one configuration (1 = unsharded) in fresh processes; every rank's report."""
-    context = multiprocessing.get_context("spawn")
+    context = worker_context()
     port = _free_port()
     options = json.dumps({"model": args.model, "dtype": args.dtype, "workers": args.workers, "mode": mode,
                           "checksums": checksums,

@@ -7,7 +7,6 @@ import argparse
 import datetime
 import json
 import logging
-import multiprocessing
 import os
 import statistics
 import tempfile
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from wtransfer._bench.report import MarkdownLines, MarkdownTable, add_report_arguments, figures_report
 from wtransfer.engines._protocol import MIB
+from wtransfer.local import worker_context
 from wtransfer.testing.models import build_model, digests, mutate, parse_model, worker_model
 
 if TYPE_CHECKING:
@@ -319,7 +319,7 @@ class GlooPeer:
         spec = json.dumps([[shape for _, shape, *_ in shapes], dtype])
         size = receivers + 1
         self._helpers = [
-            multiprocessing.get_context("spawn").Process(
+            worker_context().Process(
                 target=_gloo_peer_receiver, args=(int(self._store.port), spec, timeout_s, rank, size), daemon=True
             )
             for rank in range(1, size)

@@ -291,7 +291,7 @@ class EngineConformance:
         timeout, holds round one's weights bit for bit (atomic) or says it is torn (streaming),
         holds no more file descriptors than before the trainer existed, leaves nothing in
         /dev/shm, and takes a fresh trainer's round afterwards."""
-        import multiprocessing
+        from wtransfer.local import worker_context
 
         from wtransfer.errors import TransferError
         from wtransfer.testing.models import matrix_model
@@ -301,7 +301,7 @@ class EngineConformance:
             shm_before = _shm_names()
             init_info = {"world_size": pool.world_size, "bucket_bytes": BUCKET_BYTES, "timeout_s": self.timeout_s,
                          **trainer_init_info}
-            context = multiprocessing.get_context("spawn")
+            context = worker_context()
             relay, child_end = context.Pipe()
             trainer = context.Process(target=_trainer_killed_in_round_two, daemon=True,
                                       args=(child_end, self.engine, json.dumps(init_info), commit))
