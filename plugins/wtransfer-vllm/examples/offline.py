@@ -1,22 +1,28 @@
-"""Sync an offline ``vllm.LLM`` from a trainer in the same process, and check the result.
+"""Keep an offline ``vllm.LLM`` in sync with a trainer, set up as RL teams run it, and check the result.
 
 usage: python offline.py MODEL_DIR [--backend shm] [--rounds 3]
 
-The "trainer" is the same checkpoint in transformers; each round stands in for an
-optimizer step (every parameter changes), then ``send_weights()`` pushes it into vLLM. In
-the RL order: vLLM generates first (its prefix cache then holds the prompts' KV), then the
-rounds, then it generates again; a fresh ``LLM`` loaded from the trainer's weights must
-compute the same greedy tokens and logprobs. Takes about a minute on a 2-core machine (two
-vLLM starts); the last line is the result.
+vLLM starts as a rollout engine does: ``load_format="dummy"`` from a copy of MODEL_DIR's config
+and tokenizer, with no weights in it (random weights; each round is checked against what vLLM's
+own model loads). The trainer holds fp32 master weights of MODEL_DIR; each round reaches vLLM as
+its bf16 (cast while packed). Round 1 fills vLLM whole; then the embedding and final norm stay
+frozen and each later round carries only the decoder layers, which train (``partial=True``: vLLM
+keeps what a round leaves out). In the RL order: vLLM generates first, then the rounds, then it
+generates again; a fresh ``LLM`` loaded from the trainer's weights must compute the same greedy
+tokens and logprobs. About a minute on a 2-core machine (two vLLM starts); the last line is the result.
 """
 
 import argparse
+import shutil
 import tempfile
+from pathlib import Path
 
+import torch
+import transformers
 import wtransfer
 from vllm import LLM
 from wtransfer_vllm import LLMClient
-from wtransfer_vllm.testing import greedy, llm_kwargs, load_trainer_model, perturb, write_tokenizer
+from wtransfer_vllm.testing import greedy, llm_kwargs, perturb
 
 if __name__ == "__main__":  # vLLM starts processes: keep the guard
     parser = argparse.ArgumentParser(description=__doc__)
@@ -24,26 +30,36 @@ if __name__ == "__main__":  # vLLM starts processes: keep the guard
     parser.add_argument("--backend", default="shm")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    work = Path(tempfile.mkdtemp())
 
-    llm = LLM(**llm_kwargs(args.model_dir, weight_transfer_config={"backend": args.backend}))
-    greedy(llm)  # rollouts with the current weights (their KV stays in vLLM's prefix cache)
-    model = load_trainer_model(args.model_dir)
-    trainer = wtransfer.create_trainer(
-        args.backend, client=LLMClient(llm), source=wtransfer.ModuleSource(model), init_info={"world_size": 2}
-    )
+    config_only = work / "config-only"  # what a rollout engine starts from: no weights
+    shutil.copytree(args.model_dir, config_only, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    llm = LLM(**llm_kwargs(config_only, load_format="dummy", weight_transfer_config={"backend": args.backend}))
+    greedy(llm)  # rollouts with the weights vLLM has (their KV stays in its prefix cache)
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)  # fp32 masters
+    sending = dict(model.named_parameters())  # read at every round: what it names is what travels
+    trainer = wtransfer.create_trainer(args.backend, client=LLMClient(llm), source=wtransfer.TensorSource(sending),
+                                       init_info={"world_size": 2}, partial=True)
+    rounds = [trainer.send_weights()]  # round 1: every tensor, over vLLM's random weights
+    training = {name: p for name, p in model.named_parameters() if ".layers." in name}
+    sending.clear()
+    sending.update(training)  # from now on only the decoder layers travel
     for step in range(args.rounds):
-        perturb(model, step)
-        stats = trainer.send_weights()
-        print(f"round {stats['version']}: {stats['bytes'] / 1e6:.1f} MB in {stats['seconds']:.3f} s")
+        perturb(model.model.layers, step)  # a stand-in for an optimizer step of the layers that train
+        rounds.append(trainer.send_weights())
+    for stats in rounds:
+        print(f"round {stats['version']}: {stats['tensors']} tensors, {stats['bytes'] / 1e6:.1f} MB as bf16 "
+              f"({stats['cast_tensors']} cast from fp32) in {stats['seconds']:.3f} s")
     synced = greedy(llm)
     trainer.shutdown()
     print(f"vLLM weight version: {llm.get_weight_version()}")
     del llm
 
-    with tempfile.TemporaryDirectory() as folder:  # the check: a fresh load of the trainer's weights
-        model.save_pretrained(folder)
-        write_tokenizer(folder, model.config.vocab_size)
-        fresh = greedy(LLM(**llm_kwargs(folder)))
-    print(f"result: after {args.rounds} rounds over {args.backend}, vLLM's tokens and logprobs are "
+    model.save_pretrained(work / "final")  # the check: a fresh load of the trainer's weights
+    shutil.copy(config_only / "tokenizer.json", work / "final")
+    fresh = greedy(LLM(**llm_kwargs(work / "final")))
+    shutil.rmtree(work)
+    print(f"result: after {len(rounds)} rounds over {args.backend}, vLLM's tokens and logprobs are "
           f"identical to a fresh load: {synced == fresh}")
     raise SystemExit(0 if synced == fresh else 1)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_harness import ROUNDS, cpu_flags, ensure_vllm_venv, run_script
+from vllm_harness import IN_PROCESS_ENV, ROUNDS, cpu_flags, ensure_vllm_venv, run_script
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -32,6 +32,17 @@ def tiny_llama(vllm_python: Path, once_per_run) -> Path:
         vllm_python, "-c", "import sys; from wtransfer_vllm.testing import write_model; write_model(sys.argv[1])",
         str(path)))
 
+
+@pytest.fixture(scope="session")
+def config_only_llama(tiny_llama: Path, once_per_run) -> Path:
+    """tiny_llama's directory without its weights (config and tokenizer only): what a rollout
+    engine started with ``load_format="dummy"`` has, and a round must fill."""
+    def write(path: Path) -> None:
+        path.mkdir()
+        for file in tiny_llama.iterdir():
+            if file.is_file() and file.suffix not in (".safetensors", ".bin"):
+                (path / file.name).write_bytes(file.read_bytes())
+    return once_per_run("config-only-llama", write)
 
 
 @pytest.fixture(scope="session")
@@ -57,5 +68,6 @@ def final_checkpoint(vllm_python: Path, tiny_llama: Path, once_per_run) -> Path:
 def reference(vllm_python: Path, final_checkpoint: Path, once_per_run) -> dict:
     """What a fresh vLLM loaded from the final checkpoint computes (its own process, once per run)."""
     out = once_per_run("reference.json",
-                       lambda path: run_script(vllm_python, "reference.py", str(final_checkpoint), str(path)))
+                       lambda path: run_script(vllm_python, "reference.py", str(final_checkpoint), str(path),
+                                               env=IN_PROCESS_ENV))
     return json.loads(out.read_text())

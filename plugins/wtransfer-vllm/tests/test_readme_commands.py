@@ -64,7 +64,11 @@ def test_offline_then_serve_commands_run_as_written(vllm_python: Path, readme_mo
     offline = run_block(vllm_python, "vllm-offline", timeout=600)
     (result,) = [line for line in offline.stdout.splitlines() if line.startswith("result: ")]  # one clear line
     assert result.endswith("identical to a fresh load: True"), result
-    assert re.search(r"round 3: [\d.]+ MB", offline.stdout)
+    # vLLM started with no weights; the trainer's fp32 tensors all cast; after round 1 only the layers
+    rounds = re.findall(r"round (\d): (\d+) tensors, [\d.]+ MB as bf16 \((\d+) cast from fp32\)", offline.stdout)
+    assert [int(version) for version, _, _ in rounds] == [1, 2, 3, 4], offline.stdout
+    assert all(tensors == cast for _, tensors, cast in rounds), rounds
+    assert all(int(tensors) < int(rounds[0][1]) for _, tensors, _ in rounds[1:]), rounds
 
     store = Path("/tmp/kv-store")  # the README's
     shutil.rmtree(store, ignore_errors=True)

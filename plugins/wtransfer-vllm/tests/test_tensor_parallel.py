@@ -27,11 +27,14 @@ def reference_tp2(vllm_python: Path, final_checkpoint: Path, tmp_path_factory: p
 
 
 @pytest.fixture(scope="module")
-def tp2_engine(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, EngineRun]:
-    """One TP=2 LLM, its scenarios in turn: the RL-order sync, a delta trainer's rounds, the killed trainers."""
+def tp2_engine(vllm_python: Path, tiny_llama: Path, config_only_llama: Path,
+               tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, EngineRun]:
+    """One TP=2 LLM, its scenarios in turn: the RL-order sync, a delta trainer's rounds, a partial
+    trainer's, the killed trainers. It starts ``load_format="dummy"`` from a directory with no
+    weights: the first round fills it, each worker checking it against its shard of vLLM's model."""
     out_dir = tmp_path_factory.mktemp("tp2-engine")
     return out_dir, engine_run(vllm_python, "tp_sync.py", out_dir / "tp.json", str(tiny_llama), str(out_dir / "tp.json"),
-                               str(ROUNDS), str(out_dir / "delta-final"), env=TP_ENV)
+                               str(ROUNDS), str(out_dir / "delta-final"), str(config_only_llama), env=TP_ENV)
 
 
 def test_tp2_sync_equals_a_fresh_tp2_load_and_a_trainer_killed_before_commit_changes_nothing(

@@ -24,7 +24,8 @@ from wtransfer_vllm.vllm_internals import INTERNALS, Internal
 PACKAGE = PLUGIN_ROOT / "wtransfer_vllm"
 ISOLATED = "vllm_internals.py"
 KINDS = {"dict", "classmethod", "method", "instance", "function"}
-NOT_VLLM = {"_parameters": "torch.nn.Module's own parameters (torch, not vLLM)"}
+NOT_VLLM = {"_parameters": "torch.nn.Module's own parameters (torch, not vLLM)",
+            "_buffers": "torch.nn.Module's own buffers (torch, not vLLM)"}
 """Private names the bridge reads that belong to other libraries (each checked by hand)."""
 LISTED = frozenset(internal.attribute for internal in INTERNALS)
 """The attributes ``INTERNALS`` lists: outside ``vllm_internals`` none may be used (load, store,
@@ -81,7 +82,7 @@ def test_internals_table_is_well_formed() -> None:
     for internal in INTERNALS:
         assert internal.path.startswith("vllm.") and internal.attribute and internal.use, internal
         assert internal.kind in KINDS, internal
-        assert not internal.params or internal.kind in {"classmethod", "method"}, internal
+        assert not internal.params or internal.kind in {"classmethod", "method", "function"}, internal
 
 
 def test_the_probes_layer_classes_are_listed() -> None:

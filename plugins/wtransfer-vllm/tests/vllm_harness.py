@@ -125,11 +125,12 @@ logprob of 40 prompts off in its last bits, tokens equal, with a connector that 
 Every such run computes on one core alone (each test worker's own: :func:`_own_core`)."""
 
 IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-"""Environment of the KV tests' one-worker runs: vLLM's engine core runs in the script's own
-process. A start then imports vLLM once instead of twice: 11 s instead of 27 s on a 2-core Intel
-Xeon, and the KV tests start vLLM two dozen times. What they check (blocks stored, found and
-loaded; tokens and logprobs) happens in the same scheduler and worker code either way; the
-weight-sync tests keep vLLM's default process layout, where errors cross a process boundary."""
+"""Environment of the KV tests' one-worker runs and of the fresh-load references: vLLM's engine
+core runs in the script's own process. A start then imports vLLM once instead of twice: 11 s
+instead of 27 s on a 2-core Intel Xeon, and the KV tests start vLLM two dozen times. What they
+check (blocks stored, found and loaded; tokens and logprobs) happens in the same scheduler and
+worker code either way (a reference computed so equals the synced engines' outputs bit for bit);
+the synced engines keep vLLM's default process layout, where errors cross a process boundary."""
 
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 """Environment of a vLLM run with tensor_parallel_size > 1: vLLM-CPU's 'auto' binding refuses TP=2 on one NUMA node."""

@@ -154,7 +154,7 @@ def _update_with_identity(digest: Any, model_config: Any) -> Any:
 
 def check_round(
     entries: list[tuple[str, str, tuple[int, ...]]],
-    expected: dict[str, CheckpointTensor] | None,
+    expected: dict[str, CheckpointTensor],
     model_dtype: str,
     kept: set[str] | None = None,
 ) -> list[str]:
@@ -166,14 +166,6 @@ def check_round(
     completed from): vLLM's layerwise reload processes a layer once all of its weights
     arrived, and a layer missing some would be rebuilt from uninitialised memory.
     """
-    if expected is None:
-        return [
-            "wtransfer-vllm cannot check this round: vLLM loaded the model without a local safetensors "
-            "checkpoint (a .bin checkpoint, a dummy load, or a hub model missing from the local cache), so "
-            "the names, shapes and completeness of a round cannot be verified, and a layer missing a tensor "
-            "would be rebuilt from uninitialised memory. Start vLLM from a local safetensors checkpoint "
-            "(save_pretrained(..., safe_serialization=True))"
-        ]
     problems: list[str] = []
     seen: set[str] = set()
     for name, dtype, shape in entries:

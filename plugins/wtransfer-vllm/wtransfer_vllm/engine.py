@@ -33,6 +33,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine as VLLMWe
 
 from wtransfer_vllm.adapters import adapter_classes
 from wtransfer_vllm.checkpoint import check_round, checkpoint_tensors
+from wtransfer_vllm.model_check import dry_run_round
 from wtransfer_vllm.probe import TOLERANCE as PROBE_TOLERANCE
 from wtransfer_vllm.probe import CommitProbe
 from wtransfer_vllm.probe import enabled as probe_enabled
@@ -62,6 +63,7 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
             ),
         )
         self.inner.served_dtypes = served_dtypes(vllm_config.model_config)
+        self._tp_size = parallel.tensor_parallel_size
         self._loaders: dict[int, VllmModelLoader] = {}
         self._receiving_round: str | None = None
         self.committed_round: str | None = None
@@ -109,10 +111,8 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
         self.inner.receive_weights(update_info, self._loader())  # validated, then staged whole on the node
         manifest = getattr(update_info, "parsed", None)  # again: receiving adds the verified checksums
         if isinstance(manifest, Manifest):
-            expected = self._loader().expected
-            # a delta round's entries are what travelled, and its weights depend on the base: never "whole"
-            whole = expected is not None and not delta and {e.name for e in manifest.entries} == set(expected)
-            self._receiving_round = round_identity(manifest, whole)
+            # a delta round's weights depend on its base: never "whole"
+            self._receiving_round = round_identity(manifest, not delta and self._loader().round_whole)
         logger.info("wtransfer-vllm round: %s received and staged in %.3f s",
                     self.wtransfer_backend, time.perf_counter() - started)
 
@@ -128,7 +128,7 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
         # One per target model (vLLM may retarget a round at a speculative draft model).
         key = id(self.model)
         if key not in self._loaders:
-            self._loaders[key] = VllmModelLoader(self.model, self.model_config)
+            self._loaders[key] = VllmModelLoader(self.model, self.model_config, self._tp_size)
         return self._loaders[key]
 
 
@@ -169,7 +169,9 @@ class VllmModelLoader:
     """The ``load_weights`` a wtransfer engine commits through: the whole round, at once.
 
     ``validate_manifest`` refuses (before any byte moves) a round vLLM cannot load: names,
-    shapes and dtypes against the checkpoint vLLM loaded. ``whole_round`` tells wtransfer that
+    shapes and dtypes against the checkpoint vLLM loaded, or, where vLLM started without a local
+    safetensors checkpoint (a dummy load, ``.bin`` weights), against what its model's own
+    ``load_weights`` accepts (:mod:`wtransfer_vllm.model_check`). ``whole_round`` tells wtransfer that
     the round must be staged and handed over in one call, because vLLM's layerwise reload
     keeps the tensors it is given until each layer is complete.
     """
@@ -183,11 +185,15 @@ class VllmModelLoader:
     loader loads them with every other checkpoint tensor from its committed copy, so vLLM always
     reloads the whole checkpoint and its processing (fused q/k/v, re-packing) stays correct."""
 
-    def __init__(self, model: Any, model_config: Any) -> None:
+    def __init__(self, model: Any, model_config: Any, tp_size: int = 1) -> None:
         self.model = model
         self.model_config = model_config
+        self.tp_size = tp_size
         self.expected = checkpoint_tensors(model_config)
+        """The checkpoint's names, dtypes and shapes; None without a local safetensors checkpoint."""
         self.model_dtype = wtransfer.dtype_name(model_config.dtype)
+        self.round_whole = False
+        """Whether the last round validated carries every tensor the model loads (no kept copy used)."""
         self._keep_base = False  # keep a host copy of the committed checkpoint (see keep())
         self._committed: dict[str, Any] = {}
 
@@ -206,7 +212,15 @@ class VllmModelLoader:
         entries = [(e.name, e.dtype, tuple(e.shape)) for e in manifest.entries]
         # a partial round's absent tensors are reloaded from the committed copy: it must hold them
         kept = set(self._committed) if getattr(manifest, "partial", False) else None
-        problems = check_round(entries, self.expected, self.model_dtype, kept)
+        names = {name for name, _, _ in entries}
+        if self.expected is not None:
+            problems = check_round(entries, self.expected, self.model_dtype, kept)
+            self.round_whole = not problems and names == set(self.expected)
+        else:  # no checkpoint to read: ask the model, the kept tensors completing a partial round
+            completing = [(name, wtransfer.dtype_name(t.dtype), tuple(t.shape)) for name, t in self._committed.items()
+                          if kept is not None and name not in names]
+            problems = dry_run_round(self.model, entries + completing, self.model_dtype, self.tp_size)
+            self.round_whole = not problems and not completing
         if problems:
             raise wtransfer.ManifestMismatchError(
                 f"update manifest (version {manifest.version}) cannot be loaded into this vLLM model; "

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 # Under vLLM's logger tree, like the rest of the bridge (wtransfer_vllm.engine).
@@ -62,6 +62,7 @@ _WORKER = "vllm.v1.worker.gpu_worker.Worker"
 _LINEAR_METHOD = "vllm.model_executor.layers.linear.UnquantizedLinearMethod"
 _EMBEDDING_METHOD = "vllm.model_executor.layers.vocab_parallel_embedding.UnquantizedEmbeddingMethod"
 _MTP_VALIDATION = "vllm.model_executor.model_loader.mtp_validation"
+_RELOAD = "vllm.model_executor.model_loader.reload"
 
 INTERNALS: tuple[Internal, ...] = (
     # -- registration (wtransfer_vllm.registration) ------------------------------------------
@@ -113,6 +114,15 @@ INTERNALS: tuple[Internal, ...] = (
              "sees each layer's weight as loaded, before processing (the probe matches this class by name); "
              "re-run on a tied LM head after a commit", "method", ("layer",)),
     # -- the commit's load (wtransfer_vllm.engine) ----------------------------------------------
+    # -- a round checked against vLLM's own model (wtransfer_vllm.model_check) -----------------
+    Internal(f"{_RELOAD}.layerwise", "get_layerwise_info", "each layer's checkpoint-form metadata, recorded when vLLM "
+             "built the model: the dry run that checks a round without a local checkpoint", "function", ("layer",)),
+    Internal(f"{_RELOAD}.meta", "restore_layer_on_meta", "puts a layer in checkpoint form on the meta device for the "
+             "dry run, as vLLM's layerwise reload does first", "function", ("layer", "info")),
+    Internal(f"{_RELOAD}.meta", "get_numel_loaded", "counts the elements a weight loader copies in the dry run",
+             "function", ("weight_loader", "args")),
+    Internal(f"{_RELOAD}.utils", "get_tensor_load_numel", "how many of a parameter's elements a checkpoint fills "
+             "(padding excluded)", "function", ("tensor",)),
     Internal(_MTP_VALIDATION, "disable_mtp_completeness_check", "around model.load_weights at a commit, as vLLM's "
              "own weight-transfer engines do: a round's load must not be refused as an incomplete MTP checkpoint",
              "function", ()),
@@ -368,3 +378,79 @@ def disable_mtp_completeness_check() -> contextlib.AbstractContextManager[None]:
                            "loaded with vLLM's MTP completeness check on", _MTP_VALIDATION, exc)
         return contextlib.nullcontext()
     return disable()
+
+
+# ============================================================== the dry run of a round
+@contextlib.contextmanager
+def layers_in_checkpoint_form(model: Any) -> Iterator[list[tuple[str, Any]]]:
+    """Every layer of ``model`` in checkpoint form with every tensor on the meta device, for the
+    duration; each layer's own tensors are put back afterwards, whatever happened.
+
+    Touches ``reload.layerwise.get_layerwise_info`` and ``reload.meta.restore_layer_on_meta``: the
+    checkpoint-form metadata vLLM recorded when it built the model, put back as vLLM's layerwise
+    reload does first. The tensors it leaves live (biases, layers it skips) are replaced by meta
+    copies too, and the restored ones by copies of their own, so nothing the dry run calls can
+    write the model's memory, and nothing it sets on a tensor reaches vLLM's stored metadata.
+    Yields ``(name, layer)`` for every module. The caller must not run the model meanwhile.
+    """
+    import torch
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
+
+    def meta_copy(tensor: Any) -> Any:
+        copy = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device="meta")
+        copy.__class__ = tensor.__class__
+        copy.__dict__ = dict(tensor.__dict__)
+        return copy
+
+    saved: list[tuple[Any, dict[str, Any], dict[str, Any], set[str], dict[str, Any]]] = []
+    layers = list(model.named_modules())
+    try:
+        for _, layer in layers:
+            plain = {key: value for key, value in vars(layer).items() if isinstance(value, torch.Tensor)}
+            saved.append((layer, dict(layer._parameters), dict(layer._buffers),
+                          set(layer._non_persistent_buffers_set), plain))
+            restore_layer_on_meta(layer, get_layerwise_info(layer))
+            for store in (layer._parameters, layer._buffers):
+                for key, tensor in list(store.items()):
+                    if tensor is not None:
+                        store[key] = meta_copy(tensor)
+        yield layers
+    finally:
+        for layer, parameters, buffers, non_persistent, plain in saved:
+            for store, own in ((layer._parameters, parameters), (layer._buffers, buffers)):
+                store.clear()
+                store.update(own)
+            layer._non_persistent_buffers_set = non_persistent
+            for key in [k for k, v in vars(layer).items() if isinstance(v, torch.Tensor) and k not in plain]:
+                delattr(layer, key)
+            for key, value in plain.items():
+                object.__setattr__(layer, key, value)
+
+
+def loaded_numel(loader: Callable[..., Any] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, Any]:
+    """Call a parameter's weight loader (None: vLLM's default one); returns how many elements it
+    copied into the parameter, and what it returned.
+
+    Touches ``reload.meta.get_numel_loaded``: the count (``copy_`` calls, capped at the parameter's
+    size) by which vLLM's layerwise reload decides that a layer is complete. A reload wrapper vLLM
+    left on the metadata (``online_process_loader``) is unwrapped first, as vLLM does itself.
+    """
+    import inspect
+
+    from vllm.model_executor.model_loader.reload.meta import get_numel_loaded
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    loader = loader or default_weight_loader
+    while getattr(loader, "__name__", "") == "online_process_loader" and hasattr(loader, "__wrapped__"):
+        loader = loader.__wrapped__
+    bound = inspect.signature(loader).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return get_numel_loaded(loader, bound)
+
+
+def load_numel(tensor: Any) -> int:
+    """How many of a parameter's elements a checkpoint fills (vLLM's ``get_tensor_load_numel``)."""
+    from vllm.model_executor.model_loader.reload.utils import get_tensor_load_numel
+
+    return int(get_tensor_load_numel(tensor))

@@ -1,6 +1,10 @@
 """One vLLM instance (offline LLM) synced by a wtransfer trainer in this process.
 
 usage: offline_sync.py BACKEND MODEL_DIR FINAL_DIR OUT_JSON [ROUNDS] [wtransfer|vllm-factory] [DELTA_FINAL_DIR]
+                       [DUMMY_DIR]
+
+With DUMMY_DIR (a config-only copy of MODEL_DIR), vLLM starts from it with ``load_format="dummy"``,
+as an RL rollout engine does, and the trainer's first round fills it.
 
 ``vllm-factory`` builds the trainer the way code written against vLLM does:
 ``WeightTransferTrainerFactory.trainer_init`` with vLLM's own ``ModuleSource``.
@@ -22,10 +26,12 @@ if __name__ == "__main__":
     backend, model_dir, final_dir, out = sys.argv[1:5]
     rounds = int(sys.argv[5]) if len(sys.argv) > 5 else 3
     via = sys.argv[6] if len(sys.argv) > 6 else "wtransfer"
-    delta_final = sys.argv[7] if len(sys.argv) > 7 else None
+    delta_final = sys.argv[7] if len(sys.argv) > 7 and sys.argv[7] else None
+    dummy_dir = sys.argv[8] if len(sys.argv) > 8 else None
     from vllm import LLM
 
-    llm = LLM(**llm_kwargs(model_dir, weight_transfer_config={"backend": backend}))
+    start = {"load_format": "dummy"} if dummy_dir else {}
+    llm = LLM(**llm_kwargs(dummy_dir or model_dir, weight_transfer_config={"backend": backend}, **start))
     before = greedy(llm)  # the RL order: generate, then sync, then generate
     # The block-filling prompts are in vLLM's prefix cache now: a repeat hits it (on every host).
     cached_before = [r["num_cached_tokens"] for r in generate_one_by_one(llm, BLOCK_FILLING_PROMPTS)]

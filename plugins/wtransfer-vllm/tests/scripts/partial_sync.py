@@ -8,12 +8,23 @@ the reference checkpoint (``final_checkpoint``: ROUNDS ``perturb`` steps), which
 2. only the MLP weights, the reference's: merged, vLLM holds the reference;
 3. everything but the embedding, elsewhere; 4. everything but the embedding, the reference's:
    merged with the embedding kept since round 1, vLLM holds the reference again;
-5. a round naming a tensor vLLM's model lacks: refused, nothing written.
+5. rounds vLLM's model cannot load, each refused before a byte moves, nothing written: one naming
+   a tensor the model lacks, one with a transposed shape, and (from a trainer that sends whole
+   rounds) one without layer 0's v_proj, which would leave the fused qkv_proj filled in part.
 """
 
 import wtransfer
 from wtransfer_vllm import LLMClient
 from wtransfer_vllm.testing import checksums, greedy, load_trainer_model, perturb
+
+
+def refusal(trainer) -> str | None:
+    """The error a round raised (None: it was taken)."""
+    try:
+        trainer.send_weights()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def partial_scenario(llm, backend: str, model_dir: str, rounds: int, tp: int) -> dict:
@@ -46,13 +57,19 @@ def partial_scenario(llm, backend: str, model_dir: str, rounds: int, tp: int) ->
         send("mlp", mlp, theirs)
         send("rest elsewhere", lambda name: not embedding(name), elsewhere)
         send("rest", lambda name: not embedding(name), theirs)
-        tensors.clear()
-        tensors["model.layers.0.mlp.down_proj.wieght"] = theirs["model.layers.0.mlp.down_proj.weight"].detach()
-        try:
-            trainer.send_weights()
-            refused = None
-        except Exception as exc:
-            refused = f"{type(exc).__name__}: {exc}"
+        refused = {}
+        down = "model.layers.0.mlp.down_proj.weight"
+        for label, bad in (("unknown", {down.replace("weight", "wieght"): theirs[down]}),
+                           ("shape", {down: theirs[down].t().contiguous()})):
+            tensors.clear()
+            tensors.update({name: t.detach() for name, t in bad.items()})
+            refused[label] = refusal(trainer)
+        trainer.shutdown()
+        llm.shutdown_weight_transfer_engine()
+        no_v = {name: t.detach() for name, t in theirs.items() if name != "model.layers.0.self_attn.v_proj.weight"}
+        trainer = wtransfer.create_trainer(backend, client=LLMClient(llm), source=wtransfer.TensorSource(no_v),
+                                           init_info={"world_size": tp + 1})
+        refused["incomplete"] = refusal(trainer)
         outputs["after refused"] = greedy(llm)
     finally:
         trainer.shutdown()

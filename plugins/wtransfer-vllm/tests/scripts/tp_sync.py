@@ -1,6 +1,9 @@
 """An offline vLLM with tensor_parallel_size=2 synced by wtransfer, then a trainer killed before commit.
 
-usage: tp_sync.py MODEL_DIR OUT_JSON ROUNDS [DELTA_FINAL_DIR]
+usage: tp_sync.py MODEL_DIR OUT_JSON ROUNDS [DELTA_FINAL_DIR] [DUMMY_DIR]
+
+With DUMMY_DIR (a config-only copy of MODEL_DIR), vLLM starts from it with ``load_format="dummy"``
+and the first round fills it.
 
 1. The RL order: generate, ROUNDS rounds through ``LLMClient`` (trainer world_size 3: this process
    and vLLM's two TP workers, one host staging copy shared by both), generate twice.
@@ -104,11 +107,13 @@ def serve_pipe(conn, client):
 if __name__ == "__main__":
     model_dir, out = sys.argv[1:3]
     rounds = int(sys.argv[3])
-    delta_final = sys.argv[4] if len(sys.argv) > 4 else None
+    delta_final = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] else None
+    dummy_dir = sys.argv[5] if len(sys.argv) > 5 else None
     from vllm import LLM
 
-    llm = LLM(**llm_kwargs(model_dir, tensor_parallel_size=TP, distributed_executor_backend="mp",
-                           weight_transfer_config={"backend": "shm"}))
+    start = {"load_format": "dummy"} if dummy_dir else {}
+    llm = LLM(**llm_kwargs(dummy_dir or model_dir, tensor_parallel_size=TP, distributed_executor_backend="mp",
+                           weight_transfer_config={"backend": "shm"}, **start))
     result = {"before": greedy(llm)}
     model = load_trainer_model(model_dir)
     trainer = wtransfer.create_trainer("shm", client=LLMClient(llm), source=wtransfer.ModuleSource(model),
