@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from wtransfer.engines._source import WeightSource
-from wtransfer.local import worker_context
+from wtransfer._fork_server import worker_process
 
 TIMEOUT = 30.0
 INIT_INFO = {"world_size": 3, "timeout_s": TIMEOUT, "bucket_bytes": 16384, "num_buffers": 2}
@@ -365,13 +365,12 @@ class _MetadataFails(WeightSource):
 def run_ranks(world: int, backend: str, rounds: int, victim: int = -1, limit: float = 300,
               fault: str = "") -> list[dict[str, Any]]:
     """Start ``world`` trainer ranks; return every event they reported (each stamped on arrival)."""
-    context = worker_context()  # forked from a server that imported torch once, like the pool's workers
     port = _free_port()
     pipes, processes = [], []
     for rank in range(world):
-        mine, theirs = context.Pipe(duplex=False)
-        process = context.Process(target=_trainer_rank,
-                                  args=(rank, world, port, backend, rounds, victim, theirs, fault))
+        mine, theirs = multiprocessing.Pipe(duplex=False)
+        process = worker_process(_trainer_rank, (rank, world, port, backend, rounds, victim, theirs, fault),
+                                 daemon=False)  # rank 0 starts the pool's workers
         process.start()
         theirs.close()
         pipes.append(mine)
@@ -529,11 +528,10 @@ def _gather_check(rank: int, world: int, port: int, conn: Any) -> None:
 def test_row_sharded_parameters_are_gathered_slice_by_slice_exactly() -> None:
     # the slice-by-slice gather must equal full_tensor() for torch.chunk's layouts: uneven rows,
     # ranks with no rows, 1-D tensors, empty tensors, and slices that do not divide a shard
-    context = worker_context()
     port, pipes, processes = _free_port(), [], []
     for rank in range(3):
-        mine, theirs = context.Pipe(duplex=False)
-        process = context.Process(target=_gather_check, args=(rank, 3, port, theirs))
+        mine, theirs = multiprocessing.Pipe(duplex=False)
+        process = worker_process(_gather_check, (rank, 3, port, theirs), daemon=False)
         process.start()
         theirs.close()
         pipes.append(mine)

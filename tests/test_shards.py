@@ -12,13 +12,14 @@ refused with its placements named.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import socket
 import traceback
 from typing import Any
 
 import pytest
 
-from wtransfer.local import worker_context
+from wtransfer._fork_server import worker_process
 
 WORLD = 4
 
@@ -106,12 +107,11 @@ def _layouts_rank(rank: int, port: int, conn: Any) -> None:
 
 
 def test_every_rank_writing_its_shards_gives_the_unsharded_buckets_byte_for_byte() -> None:
-    context = worker_context()
     port = _free_port()
     pipes, processes = [], []
     for rank in range(WORLD):
-        mine, theirs = context.Pipe(duplex=False)
-        process = context.Process(target=_layouts_rank, args=(rank, port, theirs))
+        mine, theirs = multiprocessing.Pipe(duplex=False)
+        process = worker_process(_layouts_rank, (rank, port, theirs), daemon=False)
         process.start()
         pipes.append(mine)
         processes.append(process)

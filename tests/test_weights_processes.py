@@ -19,7 +19,8 @@ from wtransfer.engines._manifest import TensorEntry
 from wtransfer.engines._source import TensorSource, WeightSource
 from wtransfer._probes import PeakRss, open_fd_count
 from wtransfer.errors import ManifestMismatchError, TransferError, WeightsTornError
-from wtransfer.local import LocalWorkerPool, worker_context
+from wtransfer._fork_server import worker_process
+from wtransfer.local import LocalWorkerPool
 from wtransfer.testing.conformance.engines import _shm_names, shm_left_since
 
 FACTORY = "wtransfer.testing.models:worker_model"
@@ -367,8 +368,8 @@ def _serve_worker(conn: Any, backend: str) -> tuple[Any, torch.nn.Module, list[B
 @pytest.mark.parametrize("kill", [False, True], ids=["own-client", "trainer-killed"])
 def test_own_client_and_a_trainer_killed_mid_round(backend: str, kill: bool) -> None:
     before = _shm_names()
-    parent, child = worker_context().Pipe()
-    trainer = worker_context().Process(target=_trainer_main, args=(child, backend, kill), daemon=True)
+    parent, child = multiprocessing.Pipe()
+    trainer = worker_process(_trainer_main, (child, backend, kill))
     trainer.start()
     child.close()
     started = time.monotonic()

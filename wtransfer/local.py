@@ -25,6 +25,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
+from wtransfer._fork_server import worker_process
 from wtransfer.errors import ManifestMismatchError, TransferError, TransferTimeoutError, WeightsTornError
 
 if TYPE_CHECKING:
@@ -91,11 +92,8 @@ def _worker_main(
     num_workers: int,
     strict: bool,
     torch_threads: int,
-    environment: str = "{}",
 ) -> None:
     """Entry point of one worker process: build the model and the engine, then serve requests."""
-    os.environ.clear()  # the caller's environment as the pool started, as a spawned worker has it
-    os.environ.update(json.loads(environment))
     import torch
 
     from wtransfer._probes import PeakRss, open_fd_count
@@ -178,23 +176,8 @@ def _worker_main(
             pass
 
 
-WORKER_PRELOAD = ("torch", "torch.distributed", "wtransfer.local")
-"""What the pool's fork server imports once, so that a worker starts in milliseconds, not seconds."""
-
-
-def worker_context() -> multiprocessing.context.BaseContext:
-    """How the pool starts its workers: forked from a fork server, a fresh process that imported
-    :data:`WORKER_PRELOAD` once. Like ``spawn``, a worker inherits nothing of the caller's state
-    (threads, an initialised CUDA, open groups) but its ``sys.path``, working directory and (passed
-    by the pool) environment as the pool starts; unlike it, a worker does not import torch again
-    (seconds of CPU each on a small host). The server starts with the first pool of a process."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(WORKER_PRELOAD))
-    return context
-
-
 class LocalWorkerPool:
-    """``num_workers`` spawned worker processes, driven as one :class:`WeightSyncClient`.
+    """``num_workers`` worker processes (forked from a fork server: :mod:`wtransfer._fork_server`), driven as one :class:`WeightSyncClient`.
 
     ``world_size`` (trainer + workers) is what the trainer's ``init_info`` needs.
     ``engine_options`` become ``WeightTransferConfig.options`` in every worker;
@@ -227,22 +210,18 @@ class LocalWorkerPool:
         self.timeout_s = float(timeout_s)
         self._lock = threading.Lock()
         self._closed = False
-        context = worker_context()
         reference = factory_reference(model_factory)
         self._conns: list[Connection] = []
         self._processes: list[multiprocessing.process.BaseProcess] = []
         try:
             for rank in range(num_workers):
-                parent, child = context.Pipe()
-                process = context.Process(
-                    target=_worker_main,
-                    args=(child, reference,
-                          json.dumps({**(factory_kwargs or {}), **(worker_factory_kwargs or [{}] * num_workers)[rank]}),
-                          backend,
-                          json.dumps(engine_options or {}), rank, num_workers, strict, torch_threads,
-                          json.dumps(dict(os.environ))),
+                parent, child = multiprocessing.Pipe()
+                process = worker_process(
+                    _worker_main,
+                    (child, reference,
+                     json.dumps({**(factory_kwargs or {}), **(worker_factory_kwargs or [{}] * num_workers)[rank]}),
+                     backend, json.dumps(engine_options or {}), rank, num_workers, strict, torch_threads),
                     name=f"wtransfer-worker-{rank}",
-                    daemon=True,
                 )
                 process.start()
                 child.close()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import multiprocessing
 import math
 import mmap
 import os
@@ -43,7 +44,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from wtransfer._bench.report import median_item
-from wtransfer.local import worker_context
+from wtransfer._fork_server import worker_process
 
 _MESSAGE = struct.Struct("<q")  # a bucket index
 _WAIT_S = 60.0
@@ -313,9 +314,8 @@ def run_fresh(model: str, dtype: str, writers: int, bucket_bytes: int, buffers: 
     """The figures of the round with the median GB/s of ``rounds`` rounds (see :func:`_round_figures`:
     each from that one round, so they derive from one another), measured in a fresh process (so
     the forks carry no threads)."""
-    context = worker_context()
-    mine, theirs = context.Pipe(duplex=False)
-    process = context.Process(target=_main, args=(model, dtype, writers, bucket_bytes, buffers, rounds, theirs))
+    mine, theirs = multiprocessing.Pipe(duplex=False)
+    process = worker_process(_main, (model, dtype, writers, bucket_bytes, buffers, rounds, theirs), daemon=False)
     process.start()
     theirs.close()
     if not mine.poll(_WAIT_S * (rounds + 2)):

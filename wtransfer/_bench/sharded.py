@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import socket
 import statistics
@@ -30,7 +31,7 @@ from typing import Any
 
 from wtransfer._bench import ring_alone
 from wtransfer._bench.report import add_report_arguments, figures_report, median_item, table
-from wtransfer.local import worker_context
+from wtransfer._fork_server import worker_process
 
 TARGET_RATIO = {"writes": 0.8, "gathers": 0.8}
 WRITES_TARGET_ON_SHM = 1.0
@@ -219,15 +220,14 @@ def unsharded_digests(model: Any) -> dict[str, int]:
 
 def run_trainer(ranks: int, args: argparse.Namespace, mode: str = "writes", checksums: bool = False) -> list[dict[str, Any]]:
     """Run one configuration (1 = unsharded) in fresh processes; every rank's report."""
-    context = worker_context()
     port = _free_port()
     options = json.dumps({"model": args.model, "dtype": args.dtype, "workers": args.workers, "mode": mode,
                           "checksums": checksums,
                           "rounds": args.rounds, "engine": args.engine, "timeout": args.timeout})
     pipes, processes = [], []
     for rank in range(ranks):
-        mine, theirs = context.Pipe(duplex=False)
-        process = context.Process(target=_rank_main, args=(rank, ranks, port, options, theirs))
+        mine, theirs = multiprocessing.Pipe(duplex=False)
+        process = worker_process(_rank_main, (rank, ranks, port, options, theirs), daemon=False)  # it starts workers
         process.start()
         theirs.close()
         pipes.append(mine)

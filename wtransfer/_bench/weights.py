@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from wtransfer._bench.report import MarkdownLines, MarkdownTable, add_report_arguments, figures_report
 from wtransfer.engines._protocol import MIB
-from wtransfer.local import worker_context
+from wtransfer._fork_server import worker_process
 from wtransfer.testing.models import build_model, digests, mutate, parse_model, worker_model
 
 if TYPE_CHECKING:
@@ -319,9 +319,7 @@ class GlooPeer:
         spec = json.dumps([[shape for _, shape, *_ in shapes], dtype])
         size = receivers + 1
         self._helpers = [
-            worker_context().Process(
-                target=_gloo_peer_receiver, args=(int(self._store.port), spec, timeout_s, rank, size), daemon=True
-            )
+            worker_process(_gloo_peer_receiver, (int(self._store.port), spec, timeout_s, rank, size))
             for rank in range(1, size)
         ]
         for helper in self._helpers:

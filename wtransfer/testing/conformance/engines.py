@@ -291,8 +291,9 @@ class EngineConformance:
         timeout, holds round one's weights bit for bit (atomic) or says it is torn (streaming),
         holds no more file descriptors than before the trainer existed, leaves nothing in
         /dev/shm, and takes a fresh trainer's round afterwards."""
-        from wtransfer.local import worker_context
+        import multiprocessing
 
+        from wtransfer._fork_server import worker_process
         from wtransfer.errors import TransferError
         from wtransfer.testing.models import matrix_model
 
@@ -301,10 +302,8 @@ class EngineConformance:
             shm_before = _shm_names()
             init_info = {"world_size": pool.world_size, "bucket_bytes": BUCKET_BYTES, "timeout_s": self.timeout_s,
                          **trainer_init_info}
-            context = worker_context()
-            relay, child_end = context.Pipe()
-            trainer = context.Process(target=_trainer_killed_in_round_two, daemon=True,
-                                      args=(child_end, self.engine, json.dumps(init_info), commit))
+            relay, child_end = multiprocessing.Pipe()
+            trainer = worker_process(_trainer_killed_in_round_two, (child_end, self.engine, json.dumps(init_info), commit))
             trainer.start()
             child_end.close()
             failure: tuple[BaseException, float] | None = None
