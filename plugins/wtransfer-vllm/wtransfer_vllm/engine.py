@@ -64,6 +64,8 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
         )
         self.inner.served_dtypes = served_dtypes(vllm_config.model_config)
         self._tp_size = parallel.tensor_parallel_size
+        # pipeline stages and expert ranks hold part of the names: another's is not unknown
+        self._names_span_workers = parallel.pipeline_parallel_size > 1 or bool(getattr(parallel, "enable_expert_parallel", False))
         self._loaders: dict[int, VllmModelLoader] = {}
         self._receiving_round: str | None = None
         self.committed_round: str | None = None
@@ -128,7 +130,7 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
         # One per target model (vLLM may retarget a round at a speculative draft model).
         key = id(self.model)
         if key not in self._loaders:
-            self._loaders[key] = VllmModelLoader(self.model, self.model_config, self._tp_size)
+            self._loaders[key] = VllmModelLoader(self.model, self.model_config, self._tp_size, self._names_span_workers)
         return self._loaders[key]
 
 
@@ -185,10 +187,11 @@ class VllmModelLoader:
     loader loads them with every other checkpoint tensor from its committed copy, so vLLM always
     reloads the whole checkpoint and its processing (fused q/k/v, re-packing) stays correct."""
 
-    def __init__(self, model: Any, model_config: Any, tp_size: int = 1) -> None:
+    def __init__(self, model: Any, model_config: Any, tp_size: int = 1, names_span_workers: bool = False) -> None:
         self.model = model
         self.model_config = model_config
         self.tp_size = tp_size
+        self.names_span_workers = names_span_workers
         self.expected = checkpoint_tensors(model_config)
         """The checkpoint's names, dtypes and shapes; None without a local safetensors checkpoint."""
         self.model_dtype = wtransfer.dtype_name(model_config.dtype)
@@ -219,7 +222,8 @@ class VllmModelLoader:
         else:  # no checkpoint to read: ask the model, the kept tensors completing a partial round
             completing = [(name, wtransfer.dtype_name(t.dtype), tuple(t.shape)) for name, t in self._committed.items()
                           if kept is not None and name not in names]
-            problems = dry_run_round(self.model, entries + completing, self.model_dtype, self.tp_size)
+            problems = dry_run_round(self.model, entries + completing, self.model_dtype, self.tp_size,
+                                     self.names_span_workers)
             self.round_whole = not problems and not completing
         if problems:
             raise wtransfer.ManifestMismatchError(

@@ -114,18 +114,18 @@ INTERNALS: tuple[Internal, ...] = (
              "sees each layer's weight as loaded, before processing (the probe matches this class by name); "
              "re-run on a tied LM head after a commit", "method", ("layer",)),
     # -- the commit's load (wtransfer_vllm.engine) ----------------------------------------------
+    Internal(_MTP_VALIDATION, "disable_mtp_completeness_check", "around model.load_weights at a commit, as vLLM's "
+             "own weight-transfer engines do: a round's load must not be refused as an incomplete MTP checkpoint",
+             "function", ()),
     # -- a round checked against vLLM's own model (wtransfer_vllm.model_check) -----------------
     Internal(f"{_RELOAD}.layerwise", "get_layerwise_info", "each layer's checkpoint-form metadata, recorded when vLLM "
              "built the model: the dry run that checks a round without a local checkpoint", "function", ("layer",)),
     Internal(f"{_RELOAD}.meta", "restore_layer_on_meta", "puts a layer in checkpoint form on the meta device for the "
              "dry run, as vLLM's layerwise reload does first", "function", ("layer", "info")),
-    Internal(f"{_RELOAD}.meta", "get_numel_loaded", "counts the elements a weight loader copies in the dry run",
-             "function", ("weight_loader", "args")),
+    Internal("vllm.model_executor.model_loader.weight_utils", "default_weight_loader", "the loader the dry run "
+             "counts for a parameter that has none of its own", "function", ("param", "loaded_weight")),
     Internal(f"{_RELOAD}.utils", "get_tensor_load_numel", "how many of a parameter's elements a checkpoint fills "
              "(padding excluded)", "function", ("tensor",)),
-    Internal(_MTP_VALIDATION, "disable_mtp_completeness_check", "around model.load_weights at a commit, as vLLM's "
-             "own weight-transfer engines do: a round's load must not be refused as an incomplete MTP checkpoint",
-             "function", ()),
 )
 """Every vLLM internal the bridge relies on (see :class:`Internal`)."""
 
@@ -428,25 +428,32 @@ def layers_in_checkpoint_form(model: Any) -> Iterator[list[tuple[str, Any]]]:
                 object.__setattr__(layer, key, value)
 
 
-def loaded_numel(loader: Callable[..., Any] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, Any]:
-    """Call a parameter's weight loader (None: vLLM's default one); returns how many elements it
-    copied into the parameter, and what it returned.
-
-    Touches ``reload.meta.get_numel_loaded``: the count (``copy_`` calls, capped at the parameter's
-    size) by which vLLM's layerwise reload decides that a layer is complete. A reload wrapper vLLM
-    left on the metadata (``online_process_loader``) is unwrapped first, as vLLM does itself.
-    """
-    import inspect
-
-    from vllm.model_executor.model_loader.reload.meta import get_numel_loaded
+def original_weight_loader(tensor: Any) -> Callable[..., Any]:
+    """The weight loader vLLM calls for ``tensor``: its own, or vLLM's ``default_weight_loader``,
+    unwrapped from any layerwise-reload wrapper (``online_process_loader``) vLLM left on it, as
+    vLLM's reload does itself. Touches ``weight_utils.default_weight_loader`` and that wrapper's
+    ``__wrapped__`` chain (what ``reload.layerwise._get_original_loader`` follows)."""
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-    loader = loader or default_weight_loader
+    loader = getattr(tensor, "weight_loader", None) or default_weight_loader
     while getattr(loader, "__name__", "") == "online_process_loader" and hasattr(loader, "__wrapped__"):
         loader = loader.__wrapped__
-    bound = inspect.signature(loader).bind(*args, **kwargs)
-    bound.apply_defaults()
-    return get_numel_loaded(loader, bound)
+    return loader
+
+
+@contextlib.contextmanager
+def torchao_reload_off(model: Any) -> Iterator[None]:
+    """``model._do_torchao_reload`` off for the duration, as vLLM's ``initialize_layerwise_reload``
+    turns it off: a torchao model's ``load_weights`` would otherwise run a real layerwise reload.
+    Touches that model attribute (set by vLLM's torchao support only; absent elsewhere)."""
+    flag = getattr(model, "_do_torchao_reload", None)
+    if flag:
+        model._do_torchao_reload = False
+    try:
+        yield
+    finally:
+        if flag:
+            model._do_torchao_reload = flag
 
 
 def load_numel(tensor: Any) -> int:
