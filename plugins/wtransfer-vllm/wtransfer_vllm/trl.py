@@ -19,10 +19,15 @@ The first round holds the iterator's tensors until it is sent: it learns their n
 and shapes from them (under FSDP2 that is a whole copy of the model on the main process, where
 TRL's own NCCL client streams). Later rounds stream them, a bucket at a time, as the iterator
 yields; if TRL's tensors ever change, that round fails naming the tensor.
+
+TRL's stable ``GRPOTrainer`` (``vllm_mode="server"``) has no such seam: its ``VLLMClient`` syncs
+through NCCL and refuses any device but CUDA. :func:`use_in_grpo_trainer` replaces the three
+methods it syncs through, until TRL has a seam there.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -80,13 +85,18 @@ class WTransferWeightTransfer:
     def pause(self) -> None:
         self.vllm_client.pause()
 
-    def send_weights(self, iterator: Iterator[tuple[str, Any]]) -> None:
+    def send_weights(self, iterator: Iterator[tuple[str, Any]],
+                     metadata: list[tuple[str, str, list[int]]] | None = None) -> None:
+        """One round of ``iterator``'s tensors; ``metadata`` (``(name, dtype, shape)`` per tensor, in
+        order, as TRL's ``GRPOTrainer`` has it) lets the first round stream too."""
         if self.trainer is None:
             raise wtransfer.WTransferError("send_weights() before init_weight_transfer()")
         try:
             if self._failed:  # the last round failed: a clean start (the server's workers join again)
                 self.trainer.reconnect()
                 self._failed = False
+            if metadata is not None:
+                self._stream.entries = [wtransfer.TensorEntry(n, d, tuple(s)) for n, d, s in metadata]
             if self._stream.entries is None:  # the first round: learn what the trainer sends
                 held = list(iterator)
                 self._stream.entries = [wtransfer.TensorEntry(n, wtransfer.dtype_name(t.dtype), tuple(t.shape))
@@ -102,8 +112,9 @@ class WTransferWeightTransfer:
             except Exception:
                 pass  # the iterator itself failed: nothing more to walk
             resumed = "it was resumed"
-            try:  # TRL leaves the server paused after a failed sync
-                self.vllm_client.resume()
+            try:  # TRL leaves the server paused after a failed sync (GRPOTrainer's client never pauses it)
+                if hasattr(self.vllm_client, "resume"):
+                    self.vllm_client.resume()
             except Exception as resume_error:
                 resumed = f"resuming it failed too: {resume_error}"
                 logger.warning("wtransfer-vllm: could not resume the server after a failed round: %s", resume_error)
@@ -122,3 +133,61 @@ class WTransferWeightTransfer:
         if self.trainer is not None:
             self.trainer.shutdown()
             self.trainer = None
+
+
+class _GRPOServer:
+    """The server as :class:`WTransferWeightTransfer` drives it, for TRL's GRPO ``VLLMClient``: its
+    world size from TRL's client, the four weight-sync calls through vLLM's own HTTP client."""
+
+    def __init__(self, trl_client: Any) -> None:
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+        self.trl_client = trl_client
+        self.http = HTTPVLLMWeightSyncClient(trl_client.base_url)
+
+    def get_world_size(self) -> int:
+        return int(self.trl_client.get_world_size())
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> Any:
+        return self.http.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> Any:
+        return self.http.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> Any:
+        return self.http.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> Any:
+        return self.http.finish_weight_update(weight_version)
+
+
+def use_in_grpo_trainer(backend: str = "shm", *, init_info: dict[str, Any] | None = None, **options: Any) -> None:
+    """Make TRL 1.16's ``GRPOTrainer`` (``vllm_mode="server"``) sync through ``backend``; call it before
+    the trainer is built.
+
+    The trainer's ``trl.generation.vllm_client.VLLMClient`` opens its NCCL group in
+    ``init_communicator`` (while the trainer is built), sends every parameter in
+    ``update_named_params(metadata, iterator)`` and closes in ``close_communicator``; those three are
+    replaced on the class by a :class:`WTransferWeightTransfer` round (``init_info`` and ``options``
+    are its). Everything else (generation, ``reset_prefix_cache``) stays TRL's. ``update_named_param``
+    (one tensor) would send a one-tensor round: pass ``partial=True`` for trainers that call it.
+    """
+    from trl.generation.vllm_client import VLLMClient
+
+    def init_communicator(self: Any, device: Any = 0) -> None:
+        self.communicator = WTransferWeightTransfer(_GRPOServer(self), backend, init_info=init_info, **options)
+        self.communicator.init_weight_transfer()
+        atexit.register(self.close_communicator)
+
+    def update_named_params(self: Any, metadata: list[tuple[str, str, list[int]]],
+                            named_params: Iterator[tuple[str, Any]]) -> None:
+        self.communicator.send_weights(named_params, metadata)
+
+    def close_communicator(self: Any) -> None:
+        if self.communicator is not None:
+            self.communicator.destroy()
+            self.communicator = None
+
+    VLLMClient.init_communicator = init_communicator
+    VLLMClient.update_named_params = update_named_params
+    VLLMClient.close_communicator = close_communicator
