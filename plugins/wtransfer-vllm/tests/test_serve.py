@@ -146,10 +146,12 @@ def test_serve_sync_kill_mismatch_and_resync(
     assert query(vllm_python, server, "compare", str(baseline)) == {"match": True, "mismatches": []}
 
     # 7. TRL's GRPOTrainer in server mode, its VLLMClient's three sync methods replaced
-    # (wtransfer_vllm.trl.use_in_grpo_trainer): its calls, in its order, from the checkpoint again.
+    # (wtransfer_vllm.trl.use_in_grpo_trainer): its calls, in its order, from the checkpoint again;
+    # the trainer is shut down by TRL's atexit hook, and the script must still exit cleanly.
     code, result = trainer(vllm_python, "grpo", server, tiny_llama, tmp_path)
     assert code == 0, result
+    assert result["initial"] == before  # the sync at step 0 sends the checkpoint's own weights
     assert result["after_first"] != reference["outputs"]  # round 1 moved the weights off the reference
-    assert [s["cast_tensors"] == s["tensors"] for s in result["stats"]] == [True] * ROUNDS, result["stats"]
+    assert [s["cast_tensors"] == s["tensors"] for s in result["stats"]] == [True] * (ROUNDS + 1), result["stats"]
     assert query(vllm_python, server, "outputs", model) == reference["outputs"]
     assert query(vllm_python, server, "compare", str(baseline)) == {"match": True, "mismatches": []}

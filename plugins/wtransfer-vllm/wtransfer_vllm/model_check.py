@@ -17,7 +17,8 @@ rebuild that layer from uninitialised memory. A padded vocabulary's padding (row
 itself) counts as filled. Not caught: at TP>1, a tensor larger than the model's along the
 dimension vLLM shards, which vLLM's loaders cut to each worker's slice, as at start-up. With
 pipeline or expert parallelism a name this worker holds nothing of is another worker's, not
-unknown.
+unknown; a misspelt name is then caught only in a whole round (the parameter it should fill stays
+unfilled on its owner), not in a partial one.
 """
 
 from __future__ import annotations
@@ -53,8 +54,6 @@ def dry_run_round(model: Any, entries: list[Entry], model_dtype: str, tp_size: i
 
 
 def _dry_run(model: Any, entries: list[Entry], model_dtype: str, tp_size: int, names_span_workers: bool) -> list[str]:
-    import torch
-
     problems: list[str] = []
     filled: dict[str, int] = {}  # "layer.parameter" -> elements the round writes into it
     landed: dict[str, int] = {}  # entry name -> elements of it copied anywhere
@@ -70,7 +69,7 @@ def _dry_run(model: Any, entries: list[Entry], model_dtype: str, tp_size: int, n
             # a region zeroed beside the copies is a padded vocabulary's padding; a whole one is not data
             padding = sum(numel for numel in writes.filled if numel < total)
             filled[key] = min(filled.get(key, 0) + min(writes.copied, total) + padding, total)
-            landed[current[0]] += writes.copied
+            landed[current[0]] += min(writes.copied, total)
             targets.setdefault(current[0], set()).add(str(parameters[key].dtype).removeprefix("torch."))
             return returned
         return count

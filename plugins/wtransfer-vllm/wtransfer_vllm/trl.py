@@ -111,9 +111,10 @@ class WTransferWeightTransfer:
                     pass
             except Exception:
                 pass  # the iterator itself failed: nothing more to walk
-            resumed = "it was resumed"
-            try:  # TRL leaves the server paused after a failed sync (GRPOTrainer's client never pauses it)
-                if hasattr(self.vllm_client, "resume"):
+            resumable = hasattr(self.vllm_client, "resume")  # GRPOTrainer's client never pauses the server
+            resumed = "it was resumed" if resumable else "it was not paused"
+            try:  # TRL's async trainer leaves the server paused after a failed sync
+                if resumable:
                     self.vllm_client.resume()
             except Exception as resume_error:
                 resumed = f"resuming it failed too: {resume_error}"
@@ -139,11 +140,11 @@ class _GRPOServer:
     """The server as :class:`WTransferWeightTransfer` drives it, for TRL's GRPO ``VLLMClient``: its
     world size from TRL's client, the four weight-sync calls through vLLM's own HTTP client."""
 
-    def __init__(self, trl_client: Any) -> None:
+    def __init__(self, trl_client: Any, timeout_s: float) -> None:
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
         self.trl_client = trl_client
-        self.http = HTTPVLLMWeightSyncClient(trl_client.base_url)
+        self.http = HTTPVLLMWeightSyncClient(trl_client.base_url, timeout=timeout_s)
 
     def get_world_size(self) -> int:
         return int(self.trl_client.get_world_size())
@@ -169,13 +170,16 @@ def use_in_grpo_trainer(backend: str = "shm", *, init_info: dict[str, Any] | Non
     ``init_communicator`` (while the trainer is built), sends every parameter in
     ``update_named_params(metadata, iterator)`` and closes in ``close_communicator``; those three are
     replaced on the class by a :class:`WTransferWeightTransfer` round (``init_info`` and ``options``
-    are its). Everything else (generation, ``reset_prefix_cache``) stays TRL's. ``update_named_param``
-    (one tensor) would send a one-tensor round: pass ``partial=True`` for trainers that call it.
+    are its). Everything else (generation, ``reset_prefix_cache``) stays TRL's. The class is shared
+    by TRL's other server-mode trainers; only ``GRPOTrainer``'s calls are served (online DPO's
+    ``update_named_param`` inside ``weight_update()`` is not). HTTP calls wait ``timeout_s`` (from
+    ``init_info``, default 300 s) plus a minute.
     """
     from trl.generation.vllm_client import VLLMClient
 
     def init_communicator(self: Any, device: Any = 0) -> None:
-        self.communicator = WTransferWeightTransfer(_GRPOServer(self), backend, init_info=init_info, **options)
+        server = _GRPOServer(self, float((init_info or {}).get("timeout_s", 300.0)) + 60.0)
+        self.communicator = WTransferWeightTransfer(server, backend, init_info=init_info, **options)
         self.communicator.init_weight_transfer()
         atexit.register(self.close_communicator)
 

@@ -114,8 +114,9 @@ INTERNALS: tuple[Internal, ...] = (
              "sees each layer's weight as loaded, before processing (the probe matches this class by name); "
              "re-run on a tied LM head after a commit", "method", ("layer",)),
     # -- the commit's load (wtransfer_vllm.engine) ----------------------------------------------
-    Internal(_MTP_VALIDATION, "disable_mtp_completeness_check", "around model.load_weights at a commit, as vLLM's "
-             "own weight-transfer engines do: a round's load must not be refused as an incomplete MTP checkpoint",
+    Internal(_MTP_VALIDATION, "disable_mtp_completeness_check", "around model.load_weights at a commit and in a "
+             "round's dry run, as vLLM's own weight-transfer engines do: a round's load must not be refused as an "
+             "incomplete MTP checkpoint",
              "function", ()),
     # -- a round checked against vLLM's own model (wtransfer_vllm.model_check) -----------------
     Internal(f"{_RELOAD}.layerwise", "get_layerwise_info", "each layer's checkpoint-form metadata, recorded when vLLM "

@@ -88,8 +88,10 @@ def trl_steps(base_url, backend, model_dir, rounds):
 
 def grpo_steps(base_url, backend, model_dir, rounds):
     """What TRL 1.16's GRPOTrainer in server mode calls on its VLLMClient (main process), in its
-    order: ``init_communicator`` while the trainer is built, then each step
-    ``update_named_params(metadata, iterator)`` and ``reset_prefix_cache()``; ``close_communicator``."""
+    order: ``init_communicator`` while the trainer is built; a sync of the initial weights at step 0
+    (its metadata from a first walk of the parameters), then one after each step, each
+    ``update_named_params(metadata, iterator)`` then ``reset_prefix_cache()``. ``close_communicator``
+    runs from the ``atexit`` hook ``init_communicator`` registers, as in TRL, when this script exits."""
     from accelerate import PartialState
     from trl.generation.vllm_client import VLLMClient
 
@@ -100,16 +102,16 @@ def grpo_steps(base_url, backend, model_dir, rounds):
     model = load_trainer_model(model_dir)
     client = VLLMClient(base_url=base_url, connection_timeout=60)
     client.init_communicator(device="cpu")  # TRL's own would refuse any device but CUDA
-    metadata = [(name, "float32", list(t.shape)) for name, t in model.named_parameters()]
+    metadata = [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in fp32_masters(model)]
     result = {"stats": []}
-    for step in range(rounds):
-        perturb(model, step)
+    for step in range(-1, rounds):  # -1: the sync at global step 0, of the initial weights
+        if step >= 0:
+            perturb(model, step)
         client.update_named_params(metadata, fp32_masters(model))
         client.reset_prefix_cache()
         result["stats"].append(client.communicator.last_stats)
-        if step == 0:
-            result["after_first"] = served_greedy(base_url, model_dir)
-    client.close_communicator()
+        if step <= 0:
+            result["initial" if step < 0 else "after_first"] = served_greedy(base_url, model_dir)
     return result
 
 
