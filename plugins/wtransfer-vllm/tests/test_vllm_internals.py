@@ -41,9 +41,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     **{("client.py", f"self.llm.{name}"): f"vllm.LLM.{name}: LLMClient adapts the offline LLM's weight-sync "
        f"methods (self.llm is the user's vllm.LLM)" for name in
        ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")},
-    **{("trl.py", f"self.http.{name}"): f"vllm's HTTPVLLMWeightSyncClient.{name} (public client of vllm serve's "
-       f"weight-sync API; self.http is one) for TRL's GRPOTrainer, not the Worker's" for name in
-       ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")},
     # -- the field of vLLM's public config / plugin dataclasses, not Worker.rank:
     ("engine.py", "parallel.rank"): "ParallelConfig.rank (parallel = vllm_config.parallel_config, handed to the "
                                     "engine's __init__ by vLLM)",

@@ -136,30 +136,14 @@ class WTransferWeightTransfer:
             self.trainer = None
 
 
-class _GRPOServer:
-    """The server as :class:`WTransferWeightTransfer` drives it, for TRL's GRPO ``VLLMClient``: its
-    world size from TRL's client, the four weight-sync calls through vLLM's own HTTP client."""
+def _grpo_server(trl_client: Any, timeout_s: float) -> Any:
+    """The server as :class:`WTransferWeightTransfer` drives it, for TRL's GRPO ``VLLMClient``: vLLM's
+    own HTTP weight-sync client, with the world size TRL's client asks the server for."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-    def __init__(self, trl_client: Any, timeout_s: float) -> None:
-        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-
-        self.trl_client = trl_client
-        self.http = HTTPVLLMWeightSyncClient(trl_client.base_url, timeout=timeout_s)
-
-    def get_world_size(self) -> int:
-        return int(self.trl_client.get_world_size())
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> Any:
-        return self.http.init_weight_transfer_engine(init_info)
-
-    def start_weight_update(self) -> Any:
-        return self.http.start_weight_update()
-
-    def update_weights(self, update_info: dict[str, Any]) -> Any:
-        return self.http.update_weights(update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> Any:
-        return self.http.finish_weight_update(weight_version)
+    server = HTTPVLLMWeightSyncClient(trl_client.base_url, timeout=timeout_s)
+    server.get_world_size = trl_client.get_world_size
+    return server
 
 
 def use_in_grpo_trainer(backend: str = "shm", *, init_info: dict[str, Any] | None = None, **options: Any) -> None:
@@ -178,7 +162,7 @@ def use_in_grpo_trainer(backend: str = "shm", *, init_info: dict[str, Any] | Non
     from trl.generation.vllm_client import VLLMClient
 
     def init_communicator(self: Any, device: Any = 0) -> None:
-        server = _GRPOServer(self, float((init_info or {}).get("timeout_s", 300.0)) + 60.0)
+        server = _grpo_server(self, float((init_info or {}).get("timeout_s", 300.0)) + 60.0)
         self.communicator = WTransferWeightTransfer(server, backend, init_info=init_info, **options)
         self.communicator.init_weight_transfer()
         atexit.register(self.close_communicator)
