@@ -155,9 +155,11 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
 
     @property
     def weight_version(self) -> int | None:
-        """Complete rounds loaded into the model; ``None`` while the model is torn.
+        """The trainer's version of the round the model holds; ``None`` while the model is torn.
 
-        Unchanged by a round that failed before commit (its model holds the previous version,
+        It is the trainer's ``stats["version"]`` for that round (0: the weights the model started
+        with), also after this worker restarted or the trainer reconnected. Unchanged by a round
+        that failed before commit (its model holds the previous version,
         bit for bit); ``None`` after a streamed round or a commit failed part-way, until a
         complete round lands.
         """

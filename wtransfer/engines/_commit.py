@@ -17,8 +17,11 @@ writing a line. The trainer picks the mode per round (it travels in the manifest
     until a complete round lands.
 
 Either way ``weight_version`` names a version only when every byte of the model is that
-version's: it counts committed rounds, and is ``None`` while the model is torn (a streamed
-round or a commit that failed part-way).
+version's: the trainer's number for the round it committed last (``stats["version"]`` on the
+trainer, the manifest's ``version``), so a worker that restarted, or a trainer that reconnected
+to new workers, agree on it; ``None`` while the model is torn (a streamed round or a commit
+that failed part-way). A round sent without a wtransfer manifest has no trainer's number: it
+counts one past the version before it.
 
 A delta round (:mod:`._delta`) adds one loader in front: it rebuilds each changed tensor on the
 model's committed copy and checks it, so the modes above see whole tensors; this worker also
@@ -157,7 +160,7 @@ class RoundState:
 
     def __init__(self, owner: str) -> None:
         self.owner = owner
-        self.committed = 0  # complete rounds loaded into the model
+        self.committed = 0  # the trainer's version of the last round loaded whole (0: the start-up weights)
         self.torn = False
         self.depth = 0  # > 0 while a wrapped method runs (super() calls pass through)
         self._loader: _Loader | None = None
@@ -300,7 +303,8 @@ class RoundState:
                 logger.error("%s", error)
                 _notify_failed(error)
                 raise error from exc
-        self.committed += 1
+        manifest = received.manifest
+        self.committed = manifest.version if manifest is not None else self.committed + 1
         self.torn = False
         self.delta_holds = received.delta_id
 

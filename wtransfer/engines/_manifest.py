@@ -79,6 +79,8 @@ def positions_payload_bytes(target: TensorEntry, changed: int) -> int:
 
 
 COMMIT_MODES = ("atomic", "streaming")
+IN_FLIGHT_MODES = ("recompute", "keep", "drain")
+"""What a serving engine does with the requests running when a round commits (see ``create_trainer``)."""
 """How a round reaches the model: staged then committed everywhere, or written as it arrives."""
 
 
@@ -91,9 +93,11 @@ class CommitPlan:
     """The trainer's staging key: its workers on one node share one staged copy under it."""
     timeout_s: float
     """How long a worker waits for its node's staged copy once its own receive ended."""
+    in_flight: str = "recompute"
+    """What a serving engine does with the requests running at the commit (engines serving nothing ignore it)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "key": self.key, "timeout_s": self.timeout_s}
+        return {"mode": self.mode, "key": self.key, "timeout_s": self.timeout_s, "in_flight": self.in_flight}
 
     @classmethod
     def from_dict(cls, data: Any) -> CommitPlan:
@@ -106,7 +110,10 @@ class CommitPlan:
             raise ValueError(f"manifest commit key {key!r} must be a non-empty [A-Za-z0-9_-] string")
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
             raise ValueError(f"manifest commit timeout_s must be a positive number, got {timeout_s!r}")
-        return cls(mode, key, float(timeout_s))
+        in_flight = data.get("in_flight", "recompute")  # absent from an older trainer's manifest
+        if in_flight not in IN_FLIGHT_MODES:
+            raise ValueError(f"manifest commit in_flight {in_flight!r} is not one of {', '.join(IN_FLIGHT_MODES)}")
+        return cls(mode, key, float(timeout_s), in_flight)
 
 
 

@@ -234,7 +234,7 @@ class ParticipantTrainer:
         if not outcome["ok"]:
             raise TransferError(f"trainer rank {self.rank}: round {version} failed on trainer rank 0 (the sender), "
                                 f"so the workers did not take it: {outcome.get('reason')}")
-        self.weight_version = version
+        self.weight_version = int(outcome.get("version", version))  # rank 0 numbers the rounds
         seconds = time.perf_counter() - started
         return {"backend": self.backend, "rank": self.rank, "sender": False, "version": self.weight_version,
                 "wrote_shards": self.sender is not None, "tensors": tensors, "bytes": nbytes, "seconds": seconds}

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from wtransfer.engines._cast import CastPlan, agreed, check_dtype_option
 from wtransfer.engines._client import WeightSyncClient
 from wtransfer.engines._commit import DEFAULT_COMMIT
-from wtransfer.engines._manifest import COMMIT_MODES, CommitPlan, DeltaPlan, Manifest, TensorEntry, build_manifest
+from wtransfer.engines._manifest import COMMIT_MODES, IN_FLIGHT_MODES, CommitPlan, DeltaPlan, Manifest, TensorEntry, build_manifest
 from wtransfer.engines._packing import Bucket, plan_buckets
 from wtransfer.engines._protocol import MIB, ManifestRejected, check_bucket_bytes, gc_paused
 from wtransfer.engines._source import ModuleSource, TensorSource, WeightSource
@@ -274,6 +274,7 @@ class TrainerWeightTransferEngine(ABC):
         delta: bool = False,
         dtype: Any = None,
         partial: bool = False,
+        in_flight: str = "recompute",
     ) -> None:
         if delta and partial:
             raise ValueError("create_trainer(): delta=True already sends only what changed; partial=True is for "
@@ -287,7 +288,13 @@ class TrainerWeightTransferEngine(ABC):
                 f"round leaves every worker's model as it was, for one host copy of the model per node) or "
                 f"'streaming' (buffers only; a failed round leaves the workers' models torn, and they say so)"
             )
+        if in_flight not in IN_FLIGHT_MODES:
+            raise ValueError(
+                f"create_trainer(): in_flight={in_flight!r} is not one of {', '.join(IN_FLIGHT_MODES)}: what a "
+                f"serving engine does with the requests running when a round commits"
+            )
         _check_client(client)
+        self.in_flight = in_flight
         self.commit: str = commit
         """How workers apply each round: ``atomic`` (staged, then committed everywhere) or ``streaming``."""
         self._staging_key = secrets.token_hex(8)
@@ -326,6 +333,8 @@ class TrainerWeightTransferEngine(ABC):
             self.delta = DeltaEncoder()
         self.is_checkpoint_format = bool(is_checkpoint_format)
         self.weight_version = 0
+        self._spent_version = 0  # a round whose commit failed: some worker may hold it, so it is never reused
+        self._commit_failed = False
         self._broken: str | None = None
         self._clean_rejection = False
         self._closed = False
@@ -529,7 +538,7 @@ class TrainerWeightTransferEngine(ABC):
                     refusal = f"this {self.backend} trainer did not start the round: {exc}"
         if refusal is not None:
             raise TransferError(refusal)
-        self._clean_rejection = False
+        self._clean_rejection = self._commit_failed = False
         try:
             with gc_paused():
                 gathered = self.sharded and not self.parallel_senders
@@ -540,7 +549,8 @@ class TrainerWeightTransferEngine(ABC):
                 else:
                     stats = self._run_round(weight_version)
         except BaseException as exc:
-            if self._broken is None and not self._clean_rejection and not isinstance(exc, KeyboardInterrupt):
+            usable = self._clean_rejection or self._commit_failed  # the transport is idle: rounds may follow
+            if self._broken is None and not usable and not isinstance(exc, KeyboardInterrupt):
                 # A client call that timed out may still be running: a retried round would overlap
                 # it (and its workers may hold half a round). Only a clean rejection keeps us usable.
                 self._broken = f"{type(exc).__name__}: {exc}"
@@ -591,7 +601,7 @@ class TrainerWeightTransferEngine(ABC):
         assert self.delta is not None
         source, started, refused, encoded = self.source, time.perf_counter(), None, None
         try:
-            encoded = self.delta.encode(source, self.weight_version + 1, self.cast)
+            encoded = self.delta.encode(source, self._next_version(), self.cast)
             self.source = encoded
             try:
                 stats = self._run_round(label, encoded)
@@ -599,7 +609,7 @@ class TrainerWeightTransferEngine(ABC):
                 if not (self._clean_rejection and encoded.plan.base is not None):
                     raise
                 logger.info("%s trainer: a worker cannot apply delta round %d (%s); sending it whole",
-                            self.backend, self.weight_version + 1, exc)
+                            self.backend, self._next_version(), exc)
                 self._clean_rejection, refused = False, str(exc)
                 self.source = encoded = self.delta.whole(encoded)  # from the base: the source is walked once
                 stats = self._run_round(label, encoded)
@@ -635,7 +645,15 @@ class TrainerWeightTransferEngine(ABC):
             self._raise_preferring_client(exc, call)
         call.result(self.timeout_s)
         version_label = (str(manifest.version if label is None else label),) if self._finish_takes_version else ()
-        self._call("finish_weight_update", *version_label).result(self.timeout_s)
+        finish = self._call("finish_weight_update", *version_label)
+        try:
+            finish.result(self.timeout_s)
+        except Exception:
+            # The commit returned an error: the transport is idle and nothing of the call runs on,
+            # so the next round may follow (it heals workers left torn). Its version is spent: some
+            # worker may hold it, so the next round never reuses it.
+            self._commit_failed, self._spent_version = finish.done, manifest.version
+            raise
         seconds = time.perf_counter() - started
         self.weight_version = manifest.version
         total = manifest.total_bytes
@@ -666,6 +684,10 @@ class TrainerWeightTransferEngine(ABC):
         self._last_call = ClientCall(method, getattr(self.client, method), *args, thread=self._client_thread)
         return self._last_call
 
+    def _next_version(self) -> int:
+        """The next round's version: one past the last committed, and past a round whose commit failed."""
+        return max(self.weight_version, self._spent_version) + 1
+
     def plan(self, manifest: Manifest) -> list[Bucket]:
         """The round's bucket layout; workers compute the same from the manifest and init info."""
         return plan_buckets(manifest.entries, self.bucket_bytes)
@@ -673,8 +695,8 @@ class TrainerWeightTransferEngine(ABC):
     def _manifest(self, entries: list[TensorEntry], delta: DeltaPlan | None = None) -> Manifest:
         from wtransfer.engines._digests import ALGORITHM
 
-        plan = CommitPlan(self.commit, self._staging_key, self.timeout_s)
-        return build_manifest(entries, self.weight_version + 1, ALGORITHM if self.checksums else None, plan, delta,
+        plan = CommitPlan(self.commit, self._staging_key, self.timeout_s, self.in_flight)
+        return build_manifest(entries, self._next_version(), ALGORITHM if self.checksums else None, plan, delta,
                               self.partial)
 
     def _update_info(self, manifest: Manifest) -> dict[str, Any]:
@@ -814,6 +836,12 @@ def create_trainer(
     what trained); every tensor it does not carry keeps its committed value on every worker, and
     atomicity covers the tensors it does carry. vLLM keeps a host copy of the checkpoint from the
     first round of such a trainer on (which must then be whole) to reload every touched layer whole.
+    ``in_flight`` says what a serving engine (vLLM) does with the requests running when a round
+    commits: ``"recompute"`` (the default: they are preempted and their KV recomputed with the new
+    weights, so every token is what a fresh load of the version it is labelled with computes after
+    the same prefix), ``"keep"`` (they go on with the KV they hold, nothing is recomputed; new
+    requests never meet KV of other weights) or ``"drain"`` (the commit waits for them to finish,
+    new requests queue meanwhile, for up to half the trainer's ``timeout_s``; then the rest are recomputed).
 
     A sharded trainer (FSDP2 / DTensor parameters, one process per rank) calls this on every
     rank with its ``rank`` and the same source: rank 0 is the sender (it needs the client and
@@ -839,7 +867,7 @@ def create_trainer(
             f"side: its class sets no 'trainer_cls'. Use a backend that has one (shm, gloo, nccl) "
             f"or drive this engine's workers with the trainer code its plugin documents."
         )
-    accepted = {"checksums", "is_checkpoint_format", "commit", "delta", "dtype", "partial"}
+    accepted = {"checksums", "is_checkpoint_format", "commit", "delta", "dtype", "partial", "in_flight"}
     unknown = sorted(set(options) - accepted)
     if unknown:
         raise TypeError(

@@ -155,8 +155,9 @@ class EngineConformance:
                     require(stats.get("bytes") == total, "send_weights() returns the round's stats",
                             f"stats['bytes'] == {total}", stats)
                 versions = [s["weight_version"] for s in pool.stats()]
-                require(versions == [2] * self.num_workers, "weight_version counts completed rounds",
-                        f"{[2] * self.num_workers}", versions)
+                require(versions == [stats["version"]] * self.num_workers, "a worker's weight_version is the "
+                        "trainer's version of the round it holds (stats['version'])",
+                        f"{[stats['version']] * self.num_workers}", versions)
             finally:
                 trainer.shutdown()
                 trainer.shutdown()  # idempotent
@@ -275,6 +276,9 @@ class EngineConformance:
                     stats = trainer.send_weights()
                     require(stats["version"] == 2, "reconnect() keeps the trainer's round count", 2,
                             stats["version"])
+                    versions = [s["weight_version"] for s in replacements.stats()]
+                    require(versions == [2] * self.num_workers, "workers that restarted hold the trainer's version "
+                            "once its round lands, not a count of their own", [2] * self.num_workers, versions)
                     expected = self._digests(model)
                     for rank, digests in enumerate(replacements.digests()):
                         wrong = sorted(n for n in expected if digests.get(n) != expected[n])
@@ -350,15 +354,16 @@ class EngineConformance:
             model = matrix_model(seed=5)
             fresh = self._trainer(pool, model, trainer_init_info, commit)
             try:
-                fresh.send_weights()
+                version = fresh.send_weights()["version"]  # a new trainer numbers its rounds from 1
             finally:
                 fresh.shutdown()
             expected = self._digests(model)
             require(all(d == expected for d in pool.digests()), "workers take a new trainer's round after a trainer "
                     "died, bit for bit", "the new trainer's weights", "some worker differs")
             states = [(s["weight_version"], s["weights_torn"]) for s in pool.stats()]
-            require(states == [(2, False)] * self.num_workers, "a complete round after a failed one counts and "
-                    "clears the torn state", [(2, False)] * self.num_workers, states)
+            require(states == [(version, False)] * self.num_workers, "a complete round after a failed one clears "
+                    "the torn state, and the workers hold the new trainer's version", [(version, False)] * self.num_workers,
+                    states)
 
     def test_a_live_but_silent_worker_fails_the_round_within_the_timeout(
         self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any], commit: str
