@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from vllm_harness import cpu_flags, install_package, run_script, script_env, vllm_env
+from vllm_harness import IN_PROCESS_ENV, cpu_flags, install_package, run_script, script_env, vllm_env
 
 PROMPTS = [[(k * 37 + 13 * i + (i * i) % 7) % 500 for i in range(96)] for k in range(40)]
 PRESSURE = {"num_gpu_blocks_override": 128, "enable_prefix_caching": False}
@@ -113,14 +113,14 @@ def test_blocks_offloaded_while_vllm_preempts_come_back_exactly(
 WEIGHT_PROMPTS = PROMPTS[:4]
 
 
-def synced(python: Path, model: Path, store: Path, out_dir: Path, rounds: int, reset: bool = False) -> dict[str, Any]:
-    """One ``kv_weights.py`` run in vLLM's default process layout. (With the engine core in the
-    script's process, vLLM's cache reset after a round raises while the connector still saves the
-    last request's blocks: nothing steps the engine between calls.)"""
+def synced(python: Path, model: Path, store: Path, out_dir: Path, rounds: int, reset: bool = False,
+           env: dict[str, str] | None = None) -> dict[str, Any]:
+    """One ``kv_weights.py`` run, in vLLM's default process layout unless ``env`` says otherwise.
+    Its output (vLLM logs to stdout) is kept under "log"."""
     out = out_dir / f"synced-{len(list(out_dir.glob('synced-*.json')))}.json"
-    run_script(python, "kv_weights.py", str(model), str(store), str(out), str(rounds), json.dumps(WEIGHT_PROMPTS),
-               *(["reset"] if reset else []), timeout=600)
-    return json.loads(out.read_text())
+    done = run_script(python, "kv_weights.py", str(model), str(store), str(out), str(rounds),
+                      json.dumps(WEIGHT_PROMPTS), *(["reset"] if reset else []), timeout=600, env=env)
+    return {**json.loads(out.read_text()), "log": done.stdout + done.stderr}
 
 
 def same_outputs(ours: list[dict], theirs: list[dict]) -> bool:
@@ -138,7 +138,8 @@ def test_kv_is_keyed_to_the_weights_shared_at_the_same_weights_and_never_matched
     although it reset its connector by hand before the rounds (as ``pause_generation`` does):
     the rounds carry every tensor with checksums, so they name B whatever came before. Before
     its rounds, with B's blocks already stored, it is an instance at A: it reuses A's blocks
-    and its outputs are A's, never B's.
+    and its outputs are A's, never B's. A third, on its own store, finds vLLM's cache reset
+    failing after its round (below).
     """
     store = tmp_path / "store"
     first = synced(vllm_python, tiny_llama, store, tmp_path, rounds=2)
@@ -154,6 +155,18 @@ def test_kv_is_keyed_to_the_weights_shared_at_the_same_weights_and_never_matched
     assert [r["num_cached_tokens"] for r in second["after"]] == [STORED_TOKENS] * len(WEIGHT_PROMPTS), (
         "an instance at the same weights did not find the blocks computed at them")
     assert same_outputs(second["after"], first["after"])
+
+    # A third: an engine core in the script's own process: nothing steps the engine between the last request
+    # and the round, so the connector still saves that request's blocks when the round commits, and
+    # vLLM's cache reset raises (it cannot free them). The round is committed on every worker:
+    # send_weights() returns and the log says what failed. What follows computes at B and reuses
+    # nothing of A: neither vLLM's prefix cache nor the store (whose fingerprint the failed reset
+    # did not switch) answers a request salted with the round.
+    third = synced(vllm_python, tiny_llama, tmp_path / "own-store", tmp_path, rounds=2, env=IN_PROCESS_ENV)
+    assert "committed on every worker, but resetting vLLM's caches failed" in third["log"], third["log"][-3000:]
+    assert [r["num_cached_tokens"] for r in third["after"]] == [0] * len(WEIGHT_PROMPTS), "KV of A matched at B"
+    assert [r["tokens"] for r in third["after"]] == [r["tokens"] for r in first["after"]]
+    assert same_outputs(third["again"], third["after"])
 
 
 # -- many workers ------------------------------------------------------------------------------

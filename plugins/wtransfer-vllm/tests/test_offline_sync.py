@@ -134,3 +134,29 @@ def check_delta_scenario(python: Path, result: dict, final: Path, tp: int) -> No
     if tp > 1:
         assert any(key.startswith("worker 1/") for key in result["checksums"])
     assert result["weight_version"] == "4"
+
+
+def test_a_fleet_whose_commit_fails_on_one_instance_says_where_each_stands_and_the_next_round_rejoins_them(
+    vllm_python: Path, tiny_llama: Path, reference: dict, tmp_path: Path
+) -> None:
+    """Two offline ``LLM``s behind one trainer (``FleetClient``). Instance 1's commit fails (its probe
+    finds a layer computing with other weights) while instance 0's lands: ``send_weights()`` raises
+    ``FleetCommitError`` naming what each holds, instance 0 answers at the new version, instance 1
+    refuses (torn); the trainer's next rounds bring both to one version, computing exactly what a
+    fresh load of the trainer's final weights computes."""
+    print(f"host CPU flags: {cpu_flags()}")
+    out = tmp_path / "fleet.json"
+    run_script(vllm_python, "fleet_sync.py", str(tiny_llama), str(out), str(ROUNDS), timeout=600)
+    result = json.loads(out.read_text())
+    assert result["first"] == 1 and result["first_versions"] == ["1", "1"]
+    assert result["stale_method"] == ["UnquantizedLinearMethod"]
+    assert result["error"] is not None and result["error_versions"] == ["2", None], result
+    assert "instance 0: version 2 (committed)" in result["error"], result["error"]
+    assert "instance 1: no version (torn" in result["error"], result["error"]
+    assert result["torn_versions"] == ["2", None]
+    assert all(a["finish_reason"] == "length" and a["versions"] == [["2", 0, 4]] for a in result["torn_answers"][0])
+    assert all(a["finish_reason"] == "error" and "weights are torn" in a["stop_reason"]
+               for a in result["torn_answers"][1]), result["torn_answers"][1]
+    assert [s["version"] for s in result["stats"]] == list(range(3, ROUNDS + 1))
+    assert result["versions"] == [str(ROUNDS)] * 2
+    assert result["outputs"] == [reference["outputs"]] * 2

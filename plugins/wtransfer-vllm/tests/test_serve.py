@@ -155,3 +155,53 @@ def test_serve_sync_kill_mismatch_and_resync(
     assert [s["cast_tensors"] == s["tensors"] for s in result["stats"]] == [True] * (ROUNDS + 1), result["stats"]
     assert query(vllm_python, server, "outputs", model) == reference["outputs"]
     assert query(vllm_python, server, "compare", str(baseline)) == {"match": True, "mismatches": []}
+
+
+def test_rounds_committed_while_requests_run_label_every_token_for_each_in_flight_choice(
+    server: str, vllm_python: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """Requests in flight while a round commits, for each ``in_flight`` choice (``scripts/inflight.py``).
+
+    The round changes only the final norm, so what the new version computes after any prefix is
+    known exactly whatever KV a request holds: each response's tokens before the switch its spans
+    report equal the old version's, and those after it what the new version computes after that
+    prefix. ``recompute`` preempts the running requests, ``keep`` and ``drain`` do not; ``drain``
+    answers them wholly at the old version and a request sent during the drain wholly at the new.
+    A request after the commit reuses no KV computed at the old version (its prompt was computed
+    then); the same request once more reuses the first's."""
+    out = tmp_path / "inflight.json"
+    run_script(vllm_python, "inflight.py", server, str(tiny_llama), str(out), timeout=600)
+    results = json.loads(out.read_text())
+    for choice, result in results.items():
+        a, b = result["a"], result["b"]
+        assert result["running_at_round"] >= 1, (choice, result["running_at_round"])
+        switched = 0
+        for index, (response, baseline, continued) in enumerate(
+                zip(result["inflight"], result["baseline"], result["continued"])):
+            spans, tokens = response["spans"], response["tokens"]
+            assert response["finish_reason"] == "length" and spans[0][1] == 0 and spans[-1][2] == len(tokens)
+            assert [s[0] for s in spans] in ([a], [a, b], [b]), (choice, index, spans)
+            cut = next((s[1] for s in spans if s[0] == b), len(tokens))
+            compared = len(baseline["tokens"])
+            head = min(cut, compared)
+            assert tokens[:head] == baseline["tokens"][:head], (choice, index, spans)  # computed at A
+            if cut < len(tokens):
+                assert cut < compared, (choice, index, spans)  # the switch came early enough to check both sides
+                assert tokens[cut:cut + compared] == continued["tokens"], (choice, index, spans)  # computed at B
+            switched += 0 < cut < len(tokens)
+        if choice == "drain":
+            assert switched == 0 and all(r["spans"] == [[a, 0, len(r["tokens"])]] for r in result["inflight"])
+            assert result["preempted"] == 0
+            late = result["late"][0]
+            assert late["spans"] == [[b, 0, len(late["tokens"])]], late
+            assert late["tokens"] == result["late_reference"][0]["tokens"]
+        else:
+            assert switched >= 1, (choice, [r["spans"] for r in result["inflight"]])  # a request spans the commit
+            if choice == "recompute":
+                assert result["preempted"] >= switched, (choice, result["preempted"])
+            else:
+                assert result["preempted"] == 0, (choice, result["preempted"])
+        assert [r["cached"] for r in result["fresh"]] == [0] * len(result["fresh"]), (choice, result["fresh"])
+        assert all(r["cached"] > 0 for r in result["again"]), (choice, result["again"])
+        assert [r["tokens"] for r in result["again"]] == [r["tokens"] for r in result["fresh"]]
+        assert all(r["spans"] == [[b, 0, len(r["tokens"])]] for r in result["fresh"])

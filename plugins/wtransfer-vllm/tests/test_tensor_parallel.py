@@ -85,3 +85,30 @@ def test_tp2_partial_rounds_keep_what_they_leave_out_and_equal_a_fresh_tp2_load(
     print(f"host CPU flags: {cpu_flags()}")
     _, run = tp2_engine
     check_partial_scenario(run.part("partial"), reference_tp2)
+
+
+def test_tp2_commit_failing_on_one_worker_serves_nothing_until_the_next_round_heals_it(
+    tp2_engine: tuple[Path, EngineRun], reference_tp2: dict
+) -> None:
+    """Worker 1's commit fails (its probe finds a layer computing with other weights) after worker 0's
+    landed: a mix of two versions. vLLM must report no version and answer no request from it (each
+    ends with an error saying the weights are torn); the same trainer's next round restores service,
+    under the trainer's version, computing exactly what a fresh TP=2 load computes."""
+    print(f"host CPU flags: {cpu_flags()}")
+    _, run = tp2_engine
+    torn = run.part("torn")
+    assert torn["stale_method"][1] == "UnquantizedLinearMethod", torn["stale_method"]  # worker 1 only
+    assert torn["stale_method"][0] is None
+    assert torn["error"] and "The model is torn" in torn["error"] and "worker 1" in torn["error"], torn["error"]
+    assert torn["torn_version"] is None
+    for answer in torn["torn_answers"]:  # refused, saying why; not one token from the mixed model
+        assert answer["finish_reason"] == "error" and answer["tokens"] == [], answer
+        assert "weights are torn" in str(answer["stop_reason"]), answer
+    stats = torn["healed_stats"]
+    assert "version 1, torn" in torn["error"], torn["error"]  # the new trainer's round 1: worker 0 holds it
+    assert stats["version"] == 2  # so the next round is not numbered 1 again
+    assert torn["healed_version"] == str(stats["version"])
+    assert torn["healed"] == reference_tp2["outputs"]
+    assert torn["healed_checksums"] == reference_tp2["checksums"]
+    for answer in torn["healed_answers"]:  # every token labelled with the version that computed it
+        assert answer["finish_reason"] == "length" and answer["versions"] == [[str(stats["version"]), 0, 8]], answer

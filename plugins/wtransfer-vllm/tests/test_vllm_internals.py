@@ -48,7 +48,13 @@ ALLOWED: dict[tuple[str, str], str] = {
                                        "vllm_config.parallel_config when the TP group is not up",
     ("trainer.py", "init_info.rank"): "TrainerInitInfo.rank, the documented keyword field of vLLM's trainer "
                                       "init info (the bridge's WTransferTrainerInitInfo subclasses it)",
+    # -- vLLM's public outputs, not EngineCoreOutput.stop_reason:
+    ("testing.py", "o.outputs[0].stop_reason"): "CompletionOutput.stop_reason of LLM.generate's RequestOutput",
+    # -- the KV connector interface's arguments (vLLM hands the connector its Request), not the salting:
+    ("connector.py", "request.cache_salt"): "the cache salt of the Request vLLM passes to the KV connector's "
+                                            "get_num_new_matched_tokens: it keys the KV the connector stores",
     # -- wtransfer's own objects, not vLLM's:
+    ("connector.py", "wtransfer.block_hashes"): "wtransfer's block_hashes function (import wtransfer)",
     ("engine.py", "wtransfer.WeightTransferEngineFactory.create_engine"): "wtransfer's factory (import wtransfer)",
     ("engine.py", "self.inner.start_weight_update"): "self.inner is the wtransfer engine the adapter created",
     ("engine.py", "self.inner.finish_weight_update"): "self.inner is the wtransfer engine the adapter created",

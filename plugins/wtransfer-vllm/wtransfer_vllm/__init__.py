@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "FleetClient": "wtransfer_vllm.fleet",
+    "FleetCommitError": "wtransfer_vllm.fleet",
     "LLMClient": "wtransfer_vllm.client",
     "register": "wtransfer_vllm.registration",
     "registration_plan": "wtransfer_vllm.naming",
@@ -33,6 +35,7 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from wtransfer_vllm.client import LLMClient
+    from wtransfer_vllm.fleet import FleetClient, FleetCommitError
     from wtransfer_vllm.naming import registration_plan
     from wtransfer_vllm.registration import register
     from wtransfer_vllm.trainer import trainer_init_info

@@ -36,3 +36,7 @@ class LLMClient:
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.llm.shutdown_weight_transfer_engine()
+
+    def get_weight_version(self) -> str | None:
+        """The version vLLM reports (the trainer's, see the bridge's README); None while torn."""
+        return self.llm.get_weight_version()

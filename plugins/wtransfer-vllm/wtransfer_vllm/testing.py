@@ -110,6 +110,20 @@ def greedy(llm: Any, prompts: list[list[int]] = PROMPTS, max_tokens: int = 8) ->
     return results
 
 
+def answers(llm: Any, prompts: list[list[int]] = PROMPTS, max_tokens: int = 8) -> list[dict[str, Any]]:
+    """Each prompt's greedy output as vLLM answers it: finish reason, the reason it carries,
+    tokens, and the weight versions that computed them (vLLM's spans, as ``[version, start, end]``)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [{"finish_reason": o.outputs[0].finish_reason, "stop_reason": o.outputs[0].stop_reason,
+             "tokens": list(o.outputs[0].token_ids),
+             "versions": [[v.version, v.start, v.end] for v in o.outputs[0].weight_versions or []]}
+            for o in outputs]
+
+
 def generate_one_by_one(llm: Any, prompts: list[list[int]], max_tokens: int = 4) -> list[dict[str, Any]]:
     """Greedy tokens, logprobs and vLLM's ``num_cached_tokens``, one ``generate`` per prompt
     (so a later prompt can hit what an earlier one stored)."""
@@ -133,9 +147,11 @@ def serve_command(python: str | Path, model: str | Path, port: int, backend: str
     up a distribution named ``vllm`` and fails)."""
     return [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "256",
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "512",
         "--block-size", "32", "--kv-cache-memory-bytes", str(64 << 20), "--enforce-eager",
         "--weight-transfer-config", json.dumps({"backend": backend}),
+        # /inference/v1/generate (its responses carry vLLM's weight_versions spans), cached prompt tokens
+        "--enable-scale-out", "--enable-prompt-tokens-details",
     ]
 
 

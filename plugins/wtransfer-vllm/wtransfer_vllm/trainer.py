@@ -44,7 +44,7 @@ def _info_class(backend: str) -> type[WTransferTrainerInitInfo]:
 
 def trainer_init_info(
     backend: str, *, rank: int = 0, checksums: bool = False, sharded: bool = False, commit: str = "atomic",
-    dtype: Any = None, partial: bool = False, **init_info: Any,
+    dtype: Any = None, partial: bool = False, in_flight: str = "recompute", **init_info: Any,
 ) -> WTransferTrainerInitInfo:
     """``TrainerInitInfo`` for ``WeightTransferTrainerFactory.trainer_init``.
 
@@ -54,10 +54,11 @@ def trainer_init_info(
     the same source; ``send_weights()`` then runs on every rank (rank 0 drives the round). ``commit`` is
     ``create_trainer``'s (inside vLLM rounds are always staged on the host and loaded at commit).
     Floating tensors travel in vLLM's model dtype (fp32 masters are cast by the rank that holds
-    them), or in ``dtype`` when given.
+    them), or in ``dtype`` when given. ``in_flight`` is ``create_trainer``'s: what vLLM does with
+    the requests running when a round commits.
     """
-    options = {"checksums": checksums, "commit": commit, **({"dtype": dtype} if dtype is not None else {}),
-               **({"partial": True} if partial else {})}
+    options = {"checksums": checksums, "commit": commit, "in_flight": in_flight,
+               **({"dtype": dtype} if dtype is not None else {}), **({"partial": True} if partial else {})}
     return _info_class(backend)(rank=rank, init_info=init_info, options=options, sharded=sharded)
 
 

@@ -87,6 +87,37 @@ INTERNALS: tuple[Internal, ...] = (
              "told which weights a commit delivered", "method"),
     Internal("vllm.v1.core.sched.scheduler.Scheduler", "running", "how many running requests a commit preempts "
              "(logged)", "instance"),
+    Internal(_ENGINE_CORE, "set_weight_version", "the trainer's version set at the commit itself, so every token "
+             "vLLM labels with it was computed by those weights", "method", ("weight_version",)),
+    Internal(_ENGINE_CORE, "add_request", "wrapped: while a failed commit left the model torn, a new request is "
+             "refused with an error instead of being answered by a mix of two versions", "method",
+             ("request", "request_wave")),
+    Internal("vllm.v1.core.sched.scheduler.Scheduler", "finish_requests", "the requests running when a commit "
+             "tore the model, ended with an error", "method", ("request_ids", "finished_status")),
+    Internal("vllm.v1.engine.core.EngineCoreProc", "output_queue", "where the refusals go to the request's "
+             "client", "instance"),
+    Internal("vllm.v1.engine.EngineCoreOutput", "stop_reason", "a refusal's reason, carried to the request's "
+             "output", "instance"),
+    Internal("vllm.v1.engine.EngineCoreOutputs", "finished_requests", "a refused request, finished", "instance"),
+    Internal("vllm.v1.engine.FinishReason", "ERROR", "what a refused request finishes with", "instance"),
+    Internal("vllm.v1.request.RequestStatus", "FINISHED_ERROR", "the status of a running request ended by a torn "
+             "commit", "instance"),
+    Internal("vllm.v1.request.Request", "cache_salt", "salted with the weights a request is computed with, so its "
+             "prefix-cache blocks never match a request at other weights", "instance"),
+    Internal("vllm.v1.request.Request", "block_hashes", "recomputed once the salt changed", "instance"),
+    Internal("vllm.v1.request.Request", "update_block_hashes", "recomputes them", "method"),
+    Internal("vllm.v1.core.sched.scheduler.Scheduler", "waiting", "the requests a commit salts again (those "
+             "with no computed token: Request.num_computed_tokens, which KV connectors read too)", "instance"),
+    Internal("vllm.v1.core.sched.interface.SchedulerInterface", "set_pause_state", "in_flight='drain': new "
+             "requests queue while the running ones finish, as vLLM's pause_generation(mode='wait') does",
+             "method", ("pause_state",)),
+    Internal("vllm.v1.core.sched.interface.PauseState", "PAUSED_NEW", "the pause state of a drain", "instance"),
+    Internal("vllm.v1.core.sched.interface.SchedulerInterface", "pause_state", "no drain while generation is "
+             "paused already (nothing runs; the caller's pause is left as it is)", "instance"),
+    Internal("vllm.v1.engine.core.EngineCoreProc", "_idle_state_callbacks", "a drained commit runs when the "
+             "engine core is idle, as vLLM's pause_generation(mode='wait') completes", "instance"),
+    Internal(_ENGINE_CORE, "step_fn", "wrapped during a drain, to commit at its timeout with requests still "
+             "running", "instance"),
     # -- the workers' side (wtransfer_vllm.worker_rpc) ----------------------------------------
     *(Internal(_WORKER, method, "wrapped: a wtransfer engine's failure is returned as a reply, not raised, so every "
                "worker replies", "method") for method in
@@ -181,14 +212,78 @@ def hook_engine_core_rpc(wrapper_for: Callable[[Callable[..., Any]], Callable[..
     update where the workers' replies can be checked and the caches reset. Returns True when the
     wrap is in place (whether put there now or before).
     """
+    return _hook_engine_core("collective_rpc", wrapper_for)
+
+
+def hook_engine_core_add_request(wrapper_for: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Replace ``EngineCore.add_request`` by ``wrapper_for(original)``, once per process.
+
+    The wrapper is called as ``(self, request, request_wave)``. Touches ``EngineCore.add_request``:
+    every request, from any client, enters the scheduler there, on the engine core's thread (the
+    one the commit runs on), and vLLM has no admission hook a plugin can use.
+    """
+    return _hook_engine_core("add_request", wrapper_for)
+
+
+def _hook_engine_core(name: str, wrapper_for: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
     from vllm.v1.engine.core import EngineCore
 
-    original = EngineCore.collective_rpc
+    original = getattr(EngineCore, name)
     if getattr(original, WRAPPED, False):
         return True
     wrapped = wrapper_for(original)
     setattr(wrapped, WRAPPED, True)
-    setattr(EngineCore, "collective_rpc", wrapped)
+    setattr(EngineCore, name, wrapped)
+    return True
+
+
+def set_engine_weight_version(engine_core: Any, version: str | None) -> None:
+    """``EngineCore.set_weight_version``: the label vLLM attaches to every step's outputs.
+
+    Touches an internal method: ``LLM.finish_weight_update(version)`` sets the same label, but as
+    a second call after the commit returned, so a step may run between them and label tokens the
+    new weights computed with the old version. Set here, on the engine core's thread, in the
+    commit itself. ``None`` while the model is torn (vLLM then reports no version).
+    """
+    engine_core.set_weight_version(version)
+
+
+def end_requests_with_error(engine_core: Any, request_ids: list[Any] | None, reason: str) -> int:
+    """End the engine core's requests (``None``: every one it holds) with an error output saying
+    ``reason``; returns how many.
+
+    Touches ``Scheduler.finish_requests`` (``RequestStatus.FINISHED_ERROR``), and
+    :func:`send_errors`. vLLM ends requests this way itself on a retryable internal error; no
+    public API ends a request with a reason.
+    """
+    from vllm.v1.request import RequestStatus
+
+    ended = engine_core.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
+    send_errors(engine_core, [(r.request_id, r.client_index) for r in ended], reason)
+    return len(ended)
+
+
+def send_errors(engine_core: Any, requests: list[tuple[str, int]], reason: str) -> bool:
+    """Tell each request's client (``(request_id, client_index)``) it finished with an error, the
+    reason in ``stop_reason``. False where the engine core runs in the client's process (no output
+    queue): the caller raises instead.
+
+    Touches ``EngineCoreProc.output_queue``, ``EngineCoreOutputs`` / ``EngineCoreOutput`` and
+    ``FinishReason.ERROR``: how vLLM's engine core answers a request it will not run (its
+    multimodal cache-miss path does the same).
+    """
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+    queue = getattr(engine_core, "output_queue", None)
+    if queue is None:
+        return False
+    by_client: dict[int, list[str]] = {}
+    for request_id, client_index in requests:
+        by_client.setdefault(client_index, []).append(request_id)
+    for client_index, ids in by_client.items():
+        outputs = [EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR, stop_reason=reason)
+                   for request_id in ids]
+        queue.put_nowait((client_index, EngineCoreOutputs(finished_requests=set(ids), outputs=outputs)))
     return True
 
 
@@ -462,3 +557,78 @@ def load_numel(tensor: Any) -> int:
     from vllm.model_executor.model_loader.reload.utils import get_tensor_load_numel
 
     return int(get_tensor_load_numel(tensor))
+
+
+# ============================================================== requests at a commit
+def salt_request(request: Any, salt: str | None) -> None:
+    """Key ``request``'s prefix-cache blocks to ``salt`` (the weights it is computed with) on top
+    of the salt its client gave it, and recompute its block hashes.
+
+    Touches ``Request.cache_salt``, ``Request.block_hashes`` and ``Request.update_block_hashes``:
+    vLLM's prefix cache serves a block to any request whose prefix hashes the same, and the
+    salt is the one input of that hash a request carries; a client's ``cache_salt`` cannot name
+    weights the client does not know are coming.
+    """
+    user = request.__dict__.setdefault("_wtransfer_client_salt", request.cache_salt)
+    salted = user if salt is None else (f"{user}|{salt}" if user else salt)
+    if salted == request.cache_salt:
+        return
+    request.cache_salt = salted
+    request.block_hashes = []
+    request.update_block_hashes()
+
+
+def requests_not_started(engine_core: Any) -> list[Any]:
+    """The waiting requests nothing was computed for yet (a preempted one starts again from 0).
+
+    Touches ``Scheduler.waiting`` and ``Request.num_computed_tokens``.
+    """
+    return [r for r in engine_core.scheduler.waiting if r.num_computed_tokens == 0]
+
+
+def drain_then(engine_core: Any, commit: Callable[[], Any], timeout_s: float) -> Any:
+    """Run ``commit()`` once the requests running now finished, or after ``timeout_s`` with those
+    still running; new requests queue meanwhile. Returns a ``concurrent.futures.Future`` of
+    ``commit()``'s result (vLLM's engine core answers a utility call when it completes), or None
+    where the engine core runs in the caller's process (nothing else steps it) or generation is
+    paused already: commit now.
+
+    Touches ``SchedulerInterface.set_pause_state`` (``PauseState.PAUSED_NEW``), the engine core
+    process's ``_idle_state_callbacks`` and ``step_fn``: how vLLM's own
+    ``pause_generation(mode="wait")`` drains, which a utility call cannot invoke on itself.
+    """
+    import time
+    from concurrent.futures import Future
+
+    from vllm.v1.core.sched.interface import PauseState
+
+    callbacks = getattr(engine_core, "_idle_state_callbacks", None)
+    if callbacks is None or engine_core.scheduler.pause_state != PauseState.UNPAUSED:
+        return None  # in the caller's process, or paused by the caller: nothing runs meanwhile
+    future: Future[Any] = Future()
+    step = engine_core.step_fn
+    deadline = time.monotonic() + timeout_s
+
+    def run(_engine: Any = None) -> None:
+        if future.done() or future.running():
+            return
+        future.set_running_or_notify_cancel()
+        engine_core.step_fn = step
+        engine_core.scheduler.set_pause_state(PauseState.UNPAUSED)
+        try:
+            future.set_result(commit())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    def step_until_deadline() -> Any:
+        if time.monotonic() >= deadline:
+            logger.warning("wtransfer-vllm: %d request(s) still running after the %g s drain: committing; "
+                           "their KV is recomputed with the new weights", len(engine_core.scheduler.running),
+                           timeout_s)
+            run()
+        return step()
+
+    engine_core.scheduler.set_pause_state(PauseState.PAUSED_NEW)
+    engine_core.step_fn = step_until_deadline
+    callbacks.append(run)
+    return future

@@ -21,7 +21,7 @@ before, naming every worker that failed.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from wtransfer_vllm.vllm_internals import (
     end_weight_update_session,
@@ -35,6 +35,9 @@ FAILED = "wtransfer_worker_failed"
 """The key of a worker's reply that carries its failure (a JSON-safe dict)."""
 COMMITTED = "wtransfer_committed_round"
 """The key of a worker's ``finish_weight_update`` reply naming the weights it committed."""
+VERSION = "wtransfer_weight_version"
+"""The key of a worker's ``finish_weight_update`` reply (either outcome) giving the trainer's version
+its model holds now, None while torn: the engine core tells a mixed model from a whole one by it."""
 
 
 def report_failures_as_replies(is_ours: Any) -> None:
@@ -53,25 +56,53 @@ def _replying(name: str, original: Any, is_ours: Any) -> Any:
         try:
             result = original(self, *args, **kwargs)
         except Exception as exc:
-            if name == "finish_weight_update":
-                end_weight_update_session(self)  # as vLLM's update_weights does on failure
-            return {FAILED: f"{type(exc).__name__}: {exc}", "rank": worker_rank(self)}
+            if name != "finish_weight_update":
+                return {FAILED: f"{type(exc).__name__}: {exc}", "rank": worker_rank(self)}
+            end_weight_update_session(self)  # as vLLM's update_weights does on failure
+            return {FAILED: f"{type(exc).__name__}: {exc}", "rank": worker_rank(self),
+                    VERSION: worker_weight_transfer_engine(self).weight_version}
         if name == "finish_weight_update":
-            return {COMMITTED: getattr(worker_weight_transfer_engine(self), "committed_round", None)}
+            engine = worker_weight_transfer_engine(self)
+            return {COMMITTED: engine.committed_round, VERSION: engine.weight_version}
         return result
 
     method.__name__ = name
     return method
 
 
-def committed_round(replies: Any) -> tuple[Any, str | None]:
-    """Engine-core side, after a successful ``finish_weight_update``: the replies as vLLM's own
-    workers give them (``None``), and the weights every worker committed (None unless all agree)."""
+class Commit(NamedTuple):
+    """How a ``finish_weight_update`` ended on an instance's workers, from their replies."""
+
+    replies: Any
+    """The replies as vLLM's own workers give them (``None`` each) where every worker committed."""
+    failures: list[dict[str, Any]]
+    versions: list[int | None]
+    """Per worker, the trainer's version its model holds now (None: torn)."""
+    weights: str | None
+    """What every worker committed (``engine.round_identity``); None unless all agree."""
+
+    @property
+    def version(self) -> int | None:
+        """The one version every worker holds; None when any is torn or they differ (a mixed model)."""
+        held = set(self.versions)
+        return held.pop() if len(held) == 1 and None not in held else None
+
+    def failure_message(self) -> str:
+        detail = "; ".join(f"worker {r.get('rank')}: {r[FAILED]}" for r in self.failures)
+        return (f"finish_weight_update failed on {len(self.failures)} worker(s): Worker failed with error "
+                f"'{detail}'")
+
+
+def commit_outcome(replies: Any) -> Commit:
+    """Engine-core side, after ``finish_weight_update`` on every worker."""
     listed = replies if isinstance(replies, list) else [replies]
-    named = {r.get(COMMITTED) for r in listed if isinstance(r, dict) and COMMITTED in r}
-    plain = [None if isinstance(r, dict) and COMMITTED in r else r for r in listed]
-    agreed = named.pop() if len(named) == 1 else None
-    return (plain if isinstance(replies, list) else plain[0]), agreed
+    ours = [isinstance(r, dict) and (COMMITTED in r or FAILED in r) for r in listed]
+    mine = [r for r, is_ours in zip(listed, ours) if is_ours]
+    failures = [r for r in mine if FAILED in r]
+    named = {r.get(COMMITTED) for r in mine if COMMITTED in r}
+    plain = [None if is_ours else r for r, is_ours in zip(listed, ours)]
+    return Commit(plain if isinstance(replies, list) else plain[0], failures, [r.get(VERSION) for r in mine],
+                  named.pop() if len(named) == 1 and not failures else None)
 
 
 def raise_worker_failures(method: str, replies: Any) -> None:

@@ -13,8 +13,10 @@ and the first round fills it.
    whole, before it can call finish_weight_update. No worker may commit, so vLLM must compute
    exactly what it computed before.
 With DELTA_FINAL_DIR, ``delta_sync.delta_scenario`` and ``partial_sync.partial_scenario`` run on
-the same engine between 1. and 2. (their results under "delta" and "partial"): one TP=2 start. The killed trainers must leave vLLM as it was
-just before them ("before_kills").
+the same engine between 1. and 2. (their results under "delta" and "partial"): one TP=2 start.
+Then ``torn_scenario`` (under "torn"): worker 1's commit fails while worker 0's lands, and the
+trainer's next round heals it. The killed trainers must leave vLLM as it was just before them
+("before_kills").
 Writes outputs, vLLM's per-worker digests and versions at each point.
 """
 
@@ -25,9 +27,11 @@ import signal
 import sys
 import traceback
 
+os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the torn scenario's hook travels to worker 1 as a callable
+
 import wtransfer
 from wtransfer_vllm import LLMClient
-from wtransfer_vllm.testing import checksums, greedy, llm_kwargs, load_trainer_model, perturb, write_json
+from wtransfer_vllm.testing import answers, checksums, greedy, llm_kwargs, load_trainer_model, perturb, write_json
 
 TP = 2
 INIT_INFO = {"world_size": TP + 1, "timeout_s": 60, "bucket_bytes": 64 << 10}
@@ -81,6 +85,62 @@ def killed_trainer(conn, model_dir, when):
         client, source = PipeClient(conn), DiesAtLastTensor(model)
     trainer = wtransfer.create_trainer("shm", client=client, source=source, init_info=INIT_INFO)
     trainer.send_weights()
+
+
+STALE_LAYER = "model.layers.0.mlp.down_proj"
+
+
+def stale_on_rank_1(worker, on):
+    """On TP worker 1 only: its commit probe finds STALE_LAYER computing with other weights (the
+    weight is scaled before vLLM processes it), so its commit fails after it loaded the round,
+    while worker 0's lands: the model is torn. ``on=False`` removes the hook."""
+    if worker.rank != 1:
+        return None
+    method = dict(worker.model_runner.model.named_modules())[STALE_LAYER].quant_method
+    if not on:
+        del method.process_weights_after_loading
+        return None
+    process = type(method).process_weights_after_loading
+
+    def stale_process(layer, *args, **kwargs):
+        layer.weight.data.mul_(0.5)
+        return process(method, layer, *args, **kwargs)
+
+    method.process_weights_after_loading = stale_process
+    return type(method).__name__
+
+
+def torn_scenario(llm, model_dir, rounds):
+    """One TP worker's commit fails while the other's lands: vLLM must serve nothing until the
+    trainer's next round, which must then compute exactly what a fresh TP=2 load of it does."""
+    import torch
+
+    final = load_trainer_model(model_dir)
+    for step in range(rounds):
+        perturb(final, step)  # the weights the TP=2 reference loaded
+    model = load_trainer_model(model_dir)
+    model.load_state_dict(final.state_dict())
+    perturb(model, 77)  # the torn round's weights: neither the old nor the final ones
+    trainer = wtransfer.create_trainer("shm", client=LLMClient(llm), source=wtransfer.ModuleSource(model),
+                                       init_info=INIT_INFO)
+    result = {"stale_method": llm.collective_rpc(stale_on_rank_1, args=(True,))}
+    try:
+        trainer.send_weights()
+        result["error"] = None
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    result["torn_version"] = llm.get_weight_version()
+    result["torn_answers"] = answers(llm)
+    llm.collective_rpc(stale_on_rank_1, args=(False,))
+    with torch.no_grad():
+        model.load_state_dict(final.state_dict())
+    result["healed_stats"] = trainer.send_weights()  # the same trainer's next round heals it
+    result["healed_version"] = llm.get_weight_version()
+    result["healed"] = greedy(llm)
+    result["healed_answers"] = answers(llm)
+    result["healed_checksums"] = checksums(llm)
+    trainer.shutdown()
+    return result
 
 
 def serve_pipe(conn, client):
@@ -142,6 +202,11 @@ if __name__ == "__main__":
         except Exception:
             result["partial"] = {"error": traceback.format_exc()}
         write_json(out, result)
+    try:
+        result["torn"] = torn_scenario(llm, model_dir, rounds)
+    except Exception:
+        result["torn"] = {"error": traceback.format_exc()}
+    write_json(out, result)
     # what the killed trainers must leave as it is
     result["before_kills"] = {"outputs": greedy(llm), "checksums": checksums(llm),
                               "weight_version": llm.get_weight_version()}

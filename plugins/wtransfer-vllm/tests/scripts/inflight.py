@@ -1,0 +1,201 @@
+"""Rounds committed while ``vllm serve`` generates, once per ``in_flight`` choice.
+
+usage: inflight.py BASE_URL MODEL_DIR OUT_JSON
+
+The server must run with ``--enable-scale-out`` (its ``/inference/v1/generate`` responses carry
+vLLM's ``weight_versions`` spans) and ``--enable-prompt-tokens-details`` (cached prompt tokens).
+For each of ``recompute``, ``keep`` and ``drain``, a trainer created with that ``in_flight``:
+
+1. sends the checkpoint whole (version A), and the long prompts are generated at A, all at once
+   ("baseline");
+2. starts the long prompts again (streamed) and sends a round (version B) whose commit (finish)
+   waits until each streamed 4 tokens, so it lands while they run; the round changes
+   only the final norm's weight: B computes other tokens from the same KV, so what any request
+   computes at B after a prefix is known exactly, whatever KV it holds. For ``drain``, a "late"
+   request is sent once the round's finish was called;
+3. generates, after the round, each in-flight response's continuation at B (its prompt and the
+   tokens it had at the switch), and twice the "probes", other long prompts computed at A only
+   (in step 1): the first ("fresh") must reuse no KV (any would be A's), the second ("again")
+   reuses the first's.
+
+Writes, per choice, the responses' tokens, spans and cached tokens, and the server's preemption
+count before and after the round.
+"""
+
+import json
+import re
+import sys
+import threading
+import time
+
+import requests
+import torch
+
+import wtransfer
+from wtransfer_vllm.testing import BLOCK_FILLING_PROMPTS, load_trainer_model, write_json
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+IN_FLIGHT_TOKENS = 400  # long enough to be running when the commit lands (the server's max_model_len is 512)
+COMPARED = 48
+"""Tokens compared on either side of a switch: the baseline's, and what B computes after it."""
+INIT_INFO = {"world_size": 2, "timeout_s": 60}
+
+
+def generate(base_url, prompts, max_tokens=COMPARED):
+    """All prompts at once (one request each, concurrently): tokens, spans, cached prompt tokens."""
+    results = [None] * len(prompts)
+
+    def one(index):
+        body = {"token_ids": prompts[index], "sampling_params": {"max_tokens": max_tokens[index] if isinstance(
+            max_tokens, list) else max_tokens, "temperature": 0.0, "ignore_eos": True}}
+        reply = requests.post(f"{base_url}/inference/v1/generate", json=body, timeout=120)
+        reply.raise_for_status()
+        data = reply.json()
+        choice = data["choices"][0]
+        details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
+        results[index] = {"tokens": choice["token_ids"], "finish_reason": choice["finish_reason"],
+                          "spans": [[s["version"], s["start"], s["end"]] for s in choice.get("weight_versions") or []],
+                          "cached": details.get("cached_tokens")}
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def streamed(base_url, prompts, progress):
+    """Like :func:`generate`, streamed: ``progress[i]`` counts prompt i's tokens as they come."""
+    results = [None] * len(prompts)
+
+    def one(index):
+        body = {"token_ids": prompts[index], "stream": True,
+                "sampling_params": {"max_tokens": IN_FLIGHT_TOKENS, "temperature": 0.0, "ignore_eos": True}}
+        tokens, spans, finish = [], [], None
+        with requests.post(f"{base_url}/inference/v1/generate", json=body, timeout=120, stream=True) as reply:
+            reply.raise_for_status()
+            for line in reply.iter_lines():
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                for choice in json.loads(line[6:]).get("choices") or []:
+                    tokens += choice.get("token_ids") or []
+                    progress[index] = len(tokens)
+                    finish = choice.get("finish_reason") or finish
+                    spans = [[s["version"], s["start"], s["end"]] for s in choice.get("weight_versions") or []] or spans
+        results[index] = {"tokens": tokens, "finish_reason": finish, "spans": spans}
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def metric(base_url, name):
+    text = requests.get(f"{base_url}/metrics", timeout=30).text
+    return sum(float(m.group(1)) for m in re.finditer(rf"^vllm:{name}\{{[^}}]*\}} (\S+)$", text, re.M))
+
+
+class Client(HTTPVLLMWeightSyncClient):
+    """vLLM's HTTP client whose ``finish_weight_update`` (the commit) waits, once armed, until every
+    request in flight streamed 4 tokens, so the round commits mid-generation. With ``freeze`` the
+    requests are held there by vLLM's pause (mode "keep": they stay running, nothing steps) from
+    just before the commit until it returned, as RL loops pause around a sync; so, on a busy host
+    too, they are running when it lands."""
+
+    def __init__(self, base_url):
+        super().__init__(base_url, timeout=120)
+        self.base_url = base_url
+        self.finishing = threading.Event()
+        self.armed = None  # each in-flight request's tokens so far
+        self.freeze = False
+        self.at_finish = None
+
+    def finish_weight_update(self, weight_version=None):
+        armed = self.armed
+        if armed is not None:
+            deadline = time.monotonic() + 10
+            while min(armed) < 4 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            if self.freeze:
+                pause(self.base_url)
+            self.at_finish = {"running": metric(self.base_url, "num_requests_running"),
+                              "preemptions": metric(self.base_url, "num_preemptions_total")}
+        self.finishing.set()
+        try:
+            return super().finish_weight_update(weight_version)
+        finally:
+            if armed is not None and self.freeze:
+                requests.post(f"{self.base_url}/resume", timeout=30).raise_for_status()
+
+
+def pause(base_url):
+    """vLLM's pause, mode "keep" (requests stay where they are), caches kept."""
+    requests.post(f"{base_url}/pause", params={"mode": "keep", "clear_cache": "false"}, timeout=30).raise_for_status()
+
+
+def one_choice(base_url, model_dir, in_flight):
+    model = load_trainer_model(model_dir)
+    client = Client(base_url)
+    trainer = wtransfer.create_trainer("shm", client=client, source=wtransfer.ModuleSource(model),
+                                       init_info=INIT_INFO, in_flight=in_flight)
+    prompts = BLOCK_FILLING_PROMPTS
+    probes = [list(reversed(p)) for p in prompts]  # computed at A only: after the round, any hit is A's KV
+    try:
+        a = trainer.send_weights()["version"]
+        result = {"a": str(a), "baseline": generate(base_url, prompts)}
+        generate(base_url, probes, 8)
+        streamed(base_url, prompts[:1], [0])  # the server's first streamed answer is slow to start
+        with torch.no_grad():  # version B: the final norm only, so every KV is the same at A and B
+            generator = torch.Generator().manual_seed(5)
+            norm = model.model.norm.weight
+            norm.mul_(1 + 0.5 * torch.randn(norm.shape, generator=generator))
+        inflight, late = {}, {}
+        progress = [0] * len(prompts)
+        client.armed, client.freeze = progress, in_flight != "drain"
+        # Held (vLLM's pause) until all of them are queued, so that they start together: on two
+        # cores a busy engine admits requests slowly, and one could end before another began.
+        pause(base_url)
+        started = threading.Thread(target=lambda: inflight.update(r=streamed(base_url, prompts, progress)))
+        started.start()
+        time.sleep(1.0)
+        requests.post(f"{base_url}/resume", timeout=30).raise_for_status()
+        late_thread = None
+        if in_flight == "drain":
+            def send_late():
+                client.finishing.wait(60)
+                time.sleep(0.2)  # the finish call is in the engine core: the drain has begun
+                late.update(r=generate(base_url, prompts[:1]))
+
+            late_thread = threading.Thread(target=send_late)
+            late_thread.start()
+        round_started = time.monotonic()
+        b = trainer.send_weights()["version"]
+        result["round_s"] = time.monotonic() - round_started
+        started.join()
+        if late_thread is not None:
+            late_thread.join()
+            result["late"] = late["r"]
+        client.armed = None
+        result.update(b=str(b), inflight=inflight["r"], running_at_round=client.at_finish["running"],
+                      preempted=metric(base_url, "num_preemptions_total") - client.at_finish["preemptions"])
+        # what B computes after each response's prefix at the switch (its whole output when it had none)
+        cut = [next((s[1] for s in r["spans"] if s[0] == str(b)), len(r["tokens"])) for r in result["inflight"]]
+        result["continued"] = generate(base_url, [p + r["tokens"][:k] for p, r, k in zip(prompts, result["inflight"], cut)])
+        result["fresh"] = generate(base_url, probes, 8)
+        result["again"] = generate(base_url, probes, 8)
+        if in_flight == "drain":
+            result["late_reference"] = generate(base_url, prompts[:1])
+        return result
+    finally:
+        trainer.shutdown()
+
+
+if __name__ == "__main__":
+    base_url, model_dir, out = sys.argv[1:4]
+    results = {}
+    for choice in ("recompute", "keep", "drain"):
+        results[choice] = one_choice(base_url, model_dir, choice)
+        write_json(out, results)
