@@ -217,6 +217,46 @@ def test_one_worker_rejecting_leaves_the_accepting_ones_unchanged_and_the_traine
         workers.shutdown()
 
 
+def test_a_commit_failing_on_one_worker_leaves_the_trainer_usable_and_its_next_round_heals_it() -> None:
+    """Worker 1's commit fails part-way (its loader raises on the second round, as out of memory
+    would) after worker 0's landed: the trainer raises the workers' error, says nothing committed,
+    and stays usable; its next round is numbered past the failed one (worker 0 holds that number)
+    and brings both workers to it, bit for bit."""
+    shapes = [["a.weight", [64, 64]], ["b.weight", [300, 70]]]
+    models = [build_model(shapes, "float32") for _ in range(2)]
+    workers = ThreadedWorkers("shm", models)
+    real, loads = workers.loaders[1], []
+
+    def out_of_memory_once(weights: list[tuple[str, torch.Tensor]]) -> None:
+        loads.append(len(weights))
+        if len(loads) == 2:
+            real(weights[:1])  # part of the round is in the model when it fails
+            raise RuntimeError("out of memory while loading the round")
+        real(weights)
+
+    workers.loaders[1] = out_of_memory_once
+    tensors = {name: torch.randn(shape) for name, shape in shapes}
+    trainer = wtransfer.create_trainer("shm", client=workers, source=TensorSource(tensors),
+                                       init_info={"world_size": workers.world_size, "timeout_s": TIMEOUT})
+    try:
+        assert trainer.send_weights()["version"] == 1
+        for tensor in tensors.values():
+            tensor.add_(1.0)
+        with pytest.raises(WeightsTornError, match="out of memory"):
+            trainer.send_weights()
+        assert trainer.weight_version == 1
+        assert [(e.weight_version, e.weights_torn) for e in workers.engines] == [(2, False), (None, True)]
+        for tensor in tensors.values():
+            tensor.add_(1.0)
+        assert trainer.send_weights()["version"] == 3
+        assert [(e.weight_version, e.weights_torn) for e in workers.engines] == [(3, False), (3, False)]
+        for model in models:
+            assert all(torch.equal(model.get_parameter(n), t) for n, t in tensors.items())
+    finally:
+        trainer.shutdown()
+        workers.shutdown()
+
+
 # -- the framework layer, for an engine that knows nothing about it ------------------------------------
 class HandEngine(wtransfer.WeightTransferEngine):
     """A third-party engine written against the seed API only: it calls ``load_weights`` per tensor and

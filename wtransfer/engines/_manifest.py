@@ -79,9 +79,9 @@ def positions_payload_bytes(target: TensorEntry, changed: int) -> int:
 
 
 COMMIT_MODES = ("atomic", "streaming")
+"""How a round reaches the model: staged then committed everywhere, or written as it arrives."""
 IN_FLIGHT_MODES = ("recompute", "keep", "drain")
 """What a serving engine does with the requests running when a round commits (see ``create_trainer``)."""
-"""How a round reaches the model: staged then committed everywhere, or written as it arrives."""
 
 
 @dataclass(frozen=True)

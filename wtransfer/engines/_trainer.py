@@ -648,11 +648,13 @@ class TrainerWeightTransferEngine(ABC):
         finish = self._call("finish_weight_update", *version_label)
         try:
             finish.result(self.timeout_s)
-        except Exception:
-            # The commit returned an error: the transport is idle and nothing of the call runs on,
-            # so the next round may follow (it heals workers left torn). Its version is spent: some
-            # worker may hold it, so the next round never reuses it.
-            self._commit_failed, self._spent_version = finish.done, manifest.version
+        except Exception as exc:
+            # The workers answered that the commit failed: the transport is idle and nothing of the
+            # call runs on, so the next round may follow (it heals workers left torn). Its version
+            # is spent: some worker may hold it, so the next round never reuses it. A call that
+            # timed out or lost its connection (OSError: socket, requests) may still be committing.
+            self._commit_failed = finish.done and not isinstance(exc, OSError)
+            self._spent_version = manifest.version
             raise
         seconds = time.perf_counter() - started
         self.weight_version = manifest.version

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import time
@@ -20,6 +21,8 @@ import pytest
 from vllm_harness import ROUNDS, run_script
 
 BACKEND = "shm"
+LOGS: dict[str, Path] = {}
+"""Each server's log, by its base URL."""
 
 
 def free_port() -> int:
@@ -35,6 +38,7 @@ def server(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPat
                          "print(json.dumps(serve_command(*sys.argv[1:3], int(sys.argv[3]), sys.argv[4])))",
                          str(vllm_python), str(tiny_llama), str(port), BACKEND).stdout.strip().splitlines()[-1]
     log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w")
+    LOGS[f"http://127.0.0.1:{port}"] = Path(log.name)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     process = subprocess.Popen(json.loads(command), stdout=log, stderr=subprocess.STDOUT,
                                env={**env, "VLLM_SERVER_DEV_MODE": "1"}, start_new_session=True)
@@ -162,19 +166,22 @@ def test_rounds_committed_while_requests_run_label_every_token_for_each_in_fligh
 ) -> None:
     """Requests in flight while a round commits, for each ``in_flight`` choice (``scripts/inflight.py``).
 
-    The round changes only the final norm, so what the new version computes after any prefix is
-    known exactly whatever KV a request holds: each response's tokens before the switch its spans
-    report equal the old version's, and those after it what the new version computes after that
-    prefix. ``recompute`` preempts the running requests, ``keep`` and ``drain`` do not; ``drain``
-    answers them wholly at the old version and a request sent during the drain wholly at the new.
-    A request after the commit reuses no KV computed at the old version (its prompt was computed
-    then); the same request once more reuses the first's."""
+    Each response's tokens before the switch its spans report equal the old version's, and those
+    after it what a fresh load of the new version computes after that prefix: for ``recompute`` the
+    round changes every weight (a request left on KV of the old weights would differ); for
+    ``keep``, whose requests go on with that KV by design, only the final norm, so the KV is the
+    same at both versions and the check is exact. ``recompute`` preempts the running requests,
+    ``keep`` and ``drain`` do not; ``drain`` answers them wholly at the old version and a request
+    sent during the drain wholly at the new. A request after the commit reuses no KV computed at
+    the old version (its prompt was computed then; under ``keep`` nothing was reset, so only the
+    salt keeps it off); the same request once more reuses the first's."""
     out = tmp_path / "inflight.json"
     run_script(vllm_python, "inflight.py", server, str(tiny_llama), str(out), timeout=600)
     results = json.loads(out.read_text())
     for choice, result in results.items():
         a, b = result["a"], result["b"]
-        assert result["running_at_round"] >= 1, (choice, result["running_at_round"])
+        if choice != "drain":  # a drain's commit runs once they are done: its log says how many it waited for
+            assert result["running_at_round"] >= 1, (choice, result["running_at_round"])
         switched = 0
         for index, (response, baseline, continued) in enumerate(
                 zip(result["inflight"], result["baseline"], result["continued"])):
@@ -190,6 +197,8 @@ def test_rounds_committed_while_requests_run_label_every_token_for_each_in_fligh
                 assert tokens[cut:cut + compared] == continued["tokens"], (choice, index, spans)  # computed at B
             switched += 0 < cut < len(tokens)
         if choice == "drain":
+            waited = re.findall(r"the commit waits for (\d+) running request", LOGS[server].read_text())
+            assert waited and int(waited[-1]) >= 1, waited  # requests were running when the commit came
             assert switched == 0 and all(r["spans"] == [[a, 0, len(r["tokens"])]] for r in result["inflight"])
             assert result["preempted"] == 0
             late = result["late"][0]

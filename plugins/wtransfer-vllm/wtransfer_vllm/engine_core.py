@@ -10,7 +10,8 @@ request enters), for wtransfer backends only; vLLM's own are left as vLLM made t
 weight version becomes the trainer's version of the round every worker now holds
 (``stats["version"]``). vLLM labels each step's tokens with it, so a response's
 ``weight_versions`` spans say which weights computed which tokens, and ``/weight_info``
-answers it.
+answers it. (Exact where vLLM runs one step at a time, as on CPU; with GPU async scheduling a
+step queued before the commit could be labelled after it: not tested.)
 
 **A torn commit.** When some worker's commit failed while another's landed, the model is a mix
 of two versions: vLLM's version becomes None, the requests running are ended with an error, and
@@ -34,7 +35,12 @@ trainer's ``in_flight`` choice says what becomes of the requests running at the 
     update); the salt keeps every new request off that KV.
 ``drain``
     New requests queue while the running ones finish; the commit runs once they did (or after
-    half the trainer's ``timeout_s``, recomputing those left), then as ``recompute``.
+    half the trainer's ``timeout_s``, recomputing those left), then as ``recompute``. Only where
+    the engine core has its own process (vLLM's default); in the caller's process nothing runs
+    during a commit anyway.
+
+With a KV connector, ``keep`` commits as ``recompute``: a kept request's blocks after the commit
+are neither version's KV, and a connector would store them where another instance looks.
 
 A cache reset that fails after every worker committed is logged as what it is; the round stays
 committed, and the salt keeps new requests off the old KV.
@@ -77,6 +83,8 @@ class EngineState:
     """Names the weights the model holds, salted into every request (None: the start-up weights)."""
     in_flight: tuple[str, float] = ("recompute", 0.0)
     """The round in progress's ``in_flight`` choice, and how long a drain may wait."""
+    draining: bool = False
+    """A commit waits for running requests (``drain``): no other weight call may start meanwhile."""
 
 
 STATES: weakref.WeakKeyDictionary[Any, EngineState] = weakref.WeakKeyDictionary()
@@ -99,15 +107,20 @@ def install(is_ours: Any) -> bool:
             config = getattr(engine_core_config(self), "weight_transfer_config", None)
             if method not in WORKER_METHODS or config is None or not is_ours(getattr(config, "backend", None)):
                 return original(self, method, timeout, args, kwargs)
+            state = state_of(self)
+            if state.draining:
+                raise RuntimeError(f"wtransfer-vllm: {method} while a commit waits for running requests to "
+                                   f"finish (in_flight='drain'); call it once that finish_weight_update returned")
             if method == "update_weights":
-                state_of(self).in_flight = in_flight_of(kwargs)
+                state.in_flight = in_flight_of(kwargs)
             if method != "finish_weight_update":
                 replies = original(self, method, timeout, args, kwargs)
                 raise_worker_failures(method, replies)  # the workers return failures (worker_rpc)
                 return replies
-            in_flight, drain_s = state_of(self).in_flight
+            in_flight, drain_s = state.in_flight
 
             def commit() -> Any:
+                state.draining = False
                 try:
                     replies = original(self, method, timeout, args, kwargs)
                 except BaseException as exc:  # no replies: what the workers hold is unknown
@@ -118,6 +131,9 @@ def install(is_ours: Any) -> bool:
             if in_flight == "drain" and engine_core_running_requests(self):
                 drained = drain_then(self, commit, drain_s)
                 if drained is not None:
+                    state.draining = True
+                    logger.info("wtransfer-vllm: the commit waits for %d running request(s) to finish "
+                                "(in_flight='drain'); new requests queue meanwhile", engine_core_running_requests(self))
                     return drained  # vLLM's engine core answers the call when it completes
             return commit()
 
@@ -154,7 +170,7 @@ def finish_round(engine_core: Any, replies: Any, in_flight: str = "recompute") -
     outcome = commit_outcome(replies)
     if outcome.failures:
         error = outcome.failure_message()
-        if outcome.version is None:  # some worker torn, or workers at different versions: a mixed model
+        if outcome.mixed:  # some worker committed and another did not, or one is torn
             held = ", ".join("torn" if v is None else f"version {v}" for v in outcome.versions)
             error += (f". The model is torn (its workers hold: {held}): vLLM refuses requests until a round "
                       f"commits on every worker (send the next round)")
@@ -164,7 +180,15 @@ def finish_round(engine_core: Any, replies: Any, in_flight: str = "recompute") -
     if outcome.version is not None:
         set_engine_weight_version(engine_core, str(outcome.version))
     resalt(engine_core, outcome.weights or f"commit:{uuid.uuid4().hex}")
+    if in_flight == "keep" and engine_core_kv_connector(engine_core) is not None:
+        # A kept request's blocks after the commit are neither version's KV, and a connector would
+        # store them under keys another instance may look up.
+        logger.warning("wtransfer-vllm: in_flight='keep' with a KV connector: round %s commits as 'recompute'",
+                       outcome.version)
+        in_flight = "recompute"
     if in_flight == "keep":
+        if getattr(engine_core_config(engine_core).model_config, "is_multimodal_model", False):
+            reset_encoder_cache(engine_core)  # keyed by the input alone: the salt does not reach it
         logger.info("wtransfer-vllm round %s committed; %d running request(s) keep their KV (in_flight='keep')",
                     outcome.version, engine_core_running_requests(engine_core))
         return outcome.replies

@@ -27,7 +27,8 @@ class FleetCommitError(wtransfer.TransferError):
     def __init__(self, message: str, versions: list[str | None]) -> None:
         super().__init__(message)
         self.versions = versions
-        """Per instance, the weight version it reports now (None: torn, or it could not say)."""
+        """Per instance, the weight version it reports now (None: torn, or it could not say; the
+        message tells which)."""
 
 
 class FleetClient:
@@ -71,10 +72,13 @@ class FleetClient:
                               label=weight_version)
         if not failures:
             return
-        versions = [weight_version_of(client) for client in self.clients]
+        reported = [weight_version_of(client) for client in self.clients]
+        versions = [version for _, version in reported]
         states = []
-        for index, version in enumerate(versions):
-            if version is None:
+        for index, (known, version) in enumerate(reported):
+            if not known:
+                state = "version unknown (its client cannot say)"
+            elif version is None:
                 state = "no version (torn: it refuses requests until a round commits on it)"
             elif weight_version is not None and version == weight_version:
                 state = f"version {version} (committed)"
@@ -130,18 +134,19 @@ def _takes_weight_version(function: Any) -> bool:
     return "weight_version" in parameters
 
 
-def weight_version_of(client: Any) -> str | None:
-    """The weight version an instance reports: ``client.get_weight_version()`` (``LLMClient``), or
-    ``GET <base_url>/weight_info`` (vLLM's HTTP client); None if it cannot say."""
+def weight_version_of(client: Any) -> tuple[bool, str | None]:
+    """Whether an instance said, and the weight version it reports (None: torn):
+    ``client.get_weight_version()`` (``LLMClient``), or ``GET <base_url>/weight_info`` (vLLM's
+    HTTP client)."""
     try:
         get = getattr(client, "get_weight_version", None)
         if callable(get):
-            return get()
+            return True, get()
         base_url = getattr(client, "base_url", None)
         if isinstance(base_url, str):
             import requests
 
-            return requests.get(f"{base_url}/weight_info", timeout=30).json().get("weight_version")
-    except Exception:  # an instance that cannot answer holds no version we can name
-        return None
-    return None
+            return True, requests.get(f"{base_url}/weight_info", timeout=30).json().get("weight_version")
+    except Exception:  # an instance that cannot answer: nothing to name
+        return False, None
+    return False, None

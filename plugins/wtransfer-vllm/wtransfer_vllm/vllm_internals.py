@@ -114,8 +114,8 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("vllm.v1.core.sched.interface.PauseState", "PAUSED_NEW", "the pause state of a drain", "instance"),
     Internal("vllm.v1.core.sched.interface.SchedulerInterface", "pause_state", "no drain while generation is "
              "paused already (nothing runs; the caller's pause is left as it is)", "instance"),
-    Internal("vllm.v1.engine.core.EngineCoreProc", "_idle_state_callbacks", "a drained commit runs when the "
-             "engine core is idle, as vLLM's pause_generation(mode='wait') completes", "instance"),
+    Internal(_ENGINE_CORE, "_idle_state_callbacks", "a drained commit runs when the engine core process is "
+             "idle, as vLLM's pause_generation(mode='wait') completes", "instance"),
     Internal(_ENGINE_CORE, "step_fn", "wrapped during a drain, to commit at its timeout with requests still "
              "running", "instance"),
     # -- the workers' side (wtransfer_vllm.worker_rpc) ----------------------------------------
@@ -602,9 +602,9 @@ def drain_then(engine_core: Any, commit: Callable[[], Any], timeout_s: float) ->
 
     from vllm.v1.core.sched.interface import PauseState
 
-    callbacks = getattr(engine_core, "_idle_state_callbacks", None)
-    if callbacks is None or engine_core.scheduler.pause_state != PauseState.UNPAUSED:
-        return None  # in the caller's process, or paused by the caller: nothing runs meanwhile
+    if getattr(engine_core, "output_queue", None) is None or engine_core.scheduler.pause_state != PauseState.UNPAUSED:
+        return None  # in the caller's process (only its process runs idle callbacks), or paused: nothing runs
+    callbacks = engine_core._idle_state_callbacks
     future: Future[Any] = Future()
     step = engine_core.step_fn
     deadline = time.monotonic() + timeout_s
@@ -614,7 +614,8 @@ def drain_then(engine_core: Any, commit: Callable[[], Any], timeout_s: float) ->
             return
         future.set_running_or_notify_cancel()
         engine_core.step_fn = step
-        engine_core.scheduler.set_pause_state(PauseState.UNPAUSED)
+        if engine_core.scheduler.pause_state == PauseState.PAUSED_NEW:  # a pause asked meanwhile stays
+            engine_core.scheduler.set_pause_state(PauseState.UNPAUSED)
         try:
             future.set_result(commit())
         except BaseException as exc:

@@ -83,9 +83,16 @@ class Commit(NamedTuple):
 
     @property
     def version(self) -> int | None:
-        """The one version every worker holds; None when any is torn or they differ (a mixed model)."""
+        """The one version every worker holds; None when any is torn or they differ."""
         held = set(self.versions)
         return held.pop() if len(held) == 1 and None not in held else None
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the model is a mix: some worker committed this round while another did not (equal
+        version numbers from two trainers do not hide it), or some worker is torn."""
+        committed = len(self.versions) - len(self.failures)
+        return (committed > 0 and bool(self.failures)) or None in self.versions or self.version is None
 
     def failure_message(self) -> str:
         detail = "; ".join(f"worker {r.get('rank')}: {r[FAILED]}" for r in self.failures)

@@ -9,10 +9,11 @@ For each of ``recompute``, ``keep`` and ``drain``, a trainer created with that `
 1. sends the checkpoint whole (version A), and the long prompts are generated at A, all at once
    ("baseline");
 2. starts the long prompts again (streamed) and sends a round (version B) whose commit (finish)
-   waits until each streamed 4 tokens, so it lands while they run; the round changes
-   only the final norm's weight: B computes other tokens from the same KV, so what any request
-   computes at B after a prefix is known exactly, whatever KV it holds. For ``drain``, a "late"
-   request is sent once the round's finish was called;
+   waits until each streamed 4 tokens, so it lands while they run. For ``recompute`` and
+   ``drain`` the round changes every weight (a request that kept KV of A would compute other
+   tokens than a fresh load of B after the same prefix); for ``keep``, only the final norm's
+   weight, so A and B compute the same KV and what a kept request computes at B after its prefix
+   is known exactly. For ``drain``, a "late" request is sent once the drain began;
 3. generates, after the round, each in-flight response's continuation at B (its prompt and the
    tokens it had at the switch), and twice the "probes", other long prompts computed at A only
    (in step 1): the first ("fresh") must reuse no KV (any would be A's), the second ("again")
@@ -32,7 +33,7 @@ import requests
 import torch
 
 import wtransfer
-from wtransfer_vllm.testing import BLOCK_FILLING_PROMPTS, load_trainer_model, write_json
+from wtransfer_vllm.testing import BLOCK_FILLING_PROMPTS, load_trainer_model, perturb, write_json
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
 IN_FLIGHT_TOKENS = 400  # long enough to be running when the commit lands (the server's max_model_len is 512)
@@ -99,11 +100,13 @@ def metric(base_url, name):
 
 
 class Client(HTTPVLLMWeightSyncClient):
-    """vLLM's HTTP client whose ``finish_weight_update`` (the commit) waits, once armed, until every
-    request in flight streamed 4 tokens, so the round commits mid-generation. With ``freeze`` the
-    requests are held there by vLLM's pause (mode "keep": they stay running, nothing steps) from
-    just before the commit until it returned, as RL loops pause around a sync; so, on a busy host
-    too, they are running when it lands."""
+    """vLLM's HTTP client whose ``finish_weight_update`` (the commit) lands, once armed, while the
+    requests in flight run. They were submitted under vLLM's pause (mode "keep") so that they start
+    together. With ``freeze`` (``recompute``, ``keep``) they are resumed before the round and held
+    by the pause again once each streamed 4 tokens, from just before the commit until it returned,
+    as RL loops pause around a sync: on a busy host too they are mid-generation when it lands.
+    Without (``drain``, which waits for running requests and so must not meet a pause), they are
+    resumed just before the commit is sent, 400 tokens from their end."""
 
     def __init__(self, base_url):
         super().__init__(base_url, timeout=120)
@@ -116,19 +119,25 @@ class Client(HTTPVLLMWeightSyncClient):
     def finish_weight_update(self, weight_version=None):
         armed = self.armed
         if armed is not None:
-            deadline = time.monotonic() + 10
-            while min(armed) < 4 and time.monotonic() < deadline:
-                time.sleep(0.001)
             if self.freeze:
+                deadline = time.monotonic() + 10
+                while min(armed) < 4 and time.monotonic() < deadline:
+                    time.sleep(0.001)
                 pause(self.base_url)
             self.at_finish = {"running": metric(self.base_url, "num_requests_running"),
                               "preemptions": metric(self.base_url, "num_preemptions_total")}
-        self.finishing.set()
+            if not self.freeze:
+                resume(self.base_url)  # and the commit right after it
+            self.finishing.set()  # the armed round's commit, not an earlier round's
         try:
             return super().finish_weight_update(weight_version)
         finally:
             if armed is not None and self.freeze:
-                requests.post(f"{self.base_url}/resume", timeout=30).raise_for_status()
+                resume(self.base_url)
+
+
+def resume(base_url):
+    requests.post(f"{base_url}/resume", timeout=30).raise_for_status()
 
 
 def pause(base_url):
@@ -148,10 +157,13 @@ def one_choice(base_url, model_dir, in_flight):
         result = {"a": str(a), "baseline": generate(base_url, prompts)}
         generate(base_url, probes, 8)
         streamed(base_url, prompts[:1], [0])  # the server's first streamed answer is slow to start
-        with torch.no_grad():  # version B: the final norm only, so every KV is the same at A and B
-            generator = torch.Generator().manual_seed(5)
-            norm = model.model.norm.weight
-            norm.mul_(1 + 0.5 * torch.randn(norm.shape, generator=generator))
+        if in_flight == "keep":
+            with torch.no_grad():  # version B: the final norm only, so every KV is the same at A and B
+                generator = torch.Generator().manual_seed(5)
+                norm = model.model.norm.weight
+                norm.mul_(1 + 0.5 * torch.randn(norm.shape, generator=generator))
+        else:
+            perturb(model, 7, scale=0.2)  # every weight: KV of A is not KV of B
         inflight, late = {}, {}
         progress = [0] * len(prompts)
         client.armed, client.freeze = progress, in_flight != "drain"
@@ -161,12 +173,17 @@ def one_choice(base_url, model_dir, in_flight):
         started = threading.Thread(target=lambda: inflight.update(r=streamed(base_url, prompts, progress)))
         started.start()
         time.sleep(1.0)
-        requests.post(f"{base_url}/resume", timeout=30).raise_for_status()
+        if in_flight != "drain":
+            resume(base_url)
         late_thread = None
         if in_flight == "drain":
             def send_late():
                 client.finishing.wait(60)
-                time.sleep(0.2)  # the finish call is in the engine core: the drain has begun
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:  # the drain holds new requests: it has begun
+                    if requests.get(f"{base_url}/is_paused", timeout=30).json().get("is_paused"):
+                        break
+                    time.sleep(0.005)
                 late.update(r=generate(base_url, prompts[:1]))
 
             late_thread = threading.Thread(target=send_late)
