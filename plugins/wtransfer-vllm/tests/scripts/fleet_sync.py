@@ -14,26 +14,16 @@ import sys
 
 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the hook travels to instance 1's worker as a callable
 
+import cloudpickle
+import stale_layer
 import wtransfer
+from stale_layer import stale
 from wtransfer_vllm import FleetClient, FleetCommitError, LLMClient
 from wtransfer_vllm.testing import PROMPTS, answers, greedy, llm_kwargs, load_trainer_model, perturb, write_json
 
+cloudpickle.register_pickle_by_value(stale_layer)  # the hook travels whole to vLLM's workers
+
 STALE_LAYER = "model.layers.0.mlp.down_proj"
-
-
-def stale(worker, on):
-    method = dict(worker.model_runner.model.named_modules())[STALE_LAYER].quant_method
-    if not on:
-        del method.process_weights_after_loading
-        return None
-    process = type(method).process_weights_after_loading
-
-    def stale_process(layer, *args, **kwargs):
-        layer.weight.data.mul_(0.5)  # the kernel computes with something other than the round
-        return process(method, layer, *args, **kwargs)
-
-    method.process_weights_after_loading = stale_process
-    return type(method).__name__
 
 
 if __name__ == "__main__":
@@ -49,7 +39,7 @@ if __name__ == "__main__":
     perturb(model, 0)
     result = {"first": trainer.send_weights()["version"],
               "first_versions": [llm.get_weight_version() for llm in llms]}
-    result["stale_method"] = llms[1].collective_rpc(stale, args=(True,))
+    result["stale_method"] = llms[1].collective_rpc(stale, args=(STALE_LAYER,))
     perturb(model, 1)
     try:
         trainer.send_weights()
@@ -58,7 +48,7 @@ if __name__ == "__main__":
         result.update(error=str(exc), error_versions=exc.versions)
     result["torn_versions"] = [llm.get_weight_version() for llm in llms]
     result["torn_answers"] = [answers(llm, PROMPTS[:3], max_tokens=4) for llm in llms]
-    llms[1].collective_rpc(stale, args=(False,))
+    llms[1].collective_rpc(stale, args=(STALE_LAYER, False))
     result["stats"] = []
     for step in range(2, rounds):
         perturb(model, step)

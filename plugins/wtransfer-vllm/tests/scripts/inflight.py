@@ -42,23 +42,14 @@ COMPARED = 48
 INIT_INFO = {"world_size": 2, "timeout_s": 60}
 
 
-def generate(base_url, prompts, max_tokens=COMPARED):
-    """All prompts at once (one request each, concurrently): tokens, spans, cached prompt tokens."""
-    results = [None] * len(prompts)
+def concurrently(one, count):
+    """``one(i)`` for every i at once, one thread each (each a request of its own); their results."""
+    results = [None] * count
 
-    def one(index):
-        body = {"token_ids": prompts[index], "sampling_params": {"max_tokens": max_tokens[index] if isinstance(
-            max_tokens, list) else max_tokens, "temperature": 0.0, "ignore_eos": True}}
-        reply = requests.post(f"{base_url}/inference/v1/generate", json=body, timeout=120)
-        reply.raise_for_status()
-        data = reply.json()
-        choice = data["choices"][0]
-        details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
-        results[index] = {"tokens": choice["token_ids"], "finish_reason": choice["finish_reason"],
-                          "spans": [[s["version"], s["start"], s["end"]] for s in choice.get("weight_versions") or []],
-                          "cached": details.get("cached_tokens")}
+    def run(index):
+        results[index] = one(index)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -66,9 +57,29 @@ def generate(base_url, prompts, max_tokens=COMPARED):
     return results
 
 
+def spans_of(choice):
+    return [[s["version"], s["start"], s["end"]] for s in choice.get("weight_versions") or []]
+
+
+def generate(base_url, prompts, max_tokens=COMPARED):
+    """All prompts at once: tokens, spans, cached prompt tokens."""
+
+    def one(index):
+        body = {"token_ids": prompts[index],
+                "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
+        reply = requests.post(f"{base_url}/inference/v1/generate", json=body, timeout=120)
+        reply.raise_for_status()
+        data = reply.json()
+        choice = data["choices"][0]
+        details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
+        return {"tokens": choice["token_ids"], "finish_reason": choice["finish_reason"], "spans": spans_of(choice),
+                "cached": details.get("cached_tokens")}
+
+    return concurrently(one, len(prompts))
+
+
 def streamed(base_url, prompts, progress):
     """Like :func:`generate`, streamed: ``progress[i]`` counts prompt i's tokens as they come."""
-    results = [None] * len(prompts)
 
     def one(index):
         body = {"token_ids": prompts[index], "stream": True,
@@ -83,15 +94,10 @@ def streamed(base_url, prompts, progress):
                     tokens += choice.get("token_ids") or []
                     progress[index] = len(tokens)
                     finish = choice.get("finish_reason") or finish
-                    spans = [[s["version"], s["start"], s["end"]] for s in choice.get("weight_versions") or []] or spans
-        results[index] = {"tokens": tokens, "finish_reason": finish, "spans": spans}
+                    spans = spans_of(choice) or spans
+        return {"tokens": tokens, "finish_reason": finish, "spans": spans}
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return results
+    return concurrently(one, len(prompts))
 
 
 def metric(base_url, name):

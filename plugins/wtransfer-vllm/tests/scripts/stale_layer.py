@@ -20,9 +20,16 @@ from wtransfer_vllm import LLMClient
 from wtransfer_vllm.testing import greedy, llm_kwargs, load_trainer_model, perturb, write_json
 
 
-def make_stale(worker, layer_name):
-    module = dict(worker.model_runner.model.named_modules())[layer_name]
-    method = module.quant_method
+def stale(worker, layer_name, on=True, rank=None):
+    """The hook, run on vLLM's workers (``rank``'s only, if given): once on, ``layer_name``'s weight
+    is scaled before vLLM processes it, so the kernel computes with something other than what was
+    loaded; ``on=False`` removes it. Returns the layer's method class name where it acted."""
+    if rank is not None and worker.rank != rank:
+        return None
+    method = dict(worker.model_runner.model.named_modules())[layer_name].quant_method
+    if not on:
+        del method.process_weights_after_loading
+        return None
     process = type(method).process_weights_after_loading
 
     def stale_process(layer, *args, **kwargs):
@@ -31,11 +38,6 @@ def make_stale(worker, layer_name):
 
     method.process_weights_after_loading = stale_process
     return type(method).__name__
-
-
-def heal(worker, layer_name):
-    module = dict(worker.model_runner.model.named_modules())[layer_name]
-    del module.quant_method.process_weights_after_loading
 
 
 def set_probe(worker, on):
@@ -65,10 +67,10 @@ if __name__ == "__main__":
     result = {"before": greedy(llm), "rounds": []}
     for step, (layer, probe) in enumerate([(name, True) for name in layers] + [(layers[0], False)]):
         llm.collective_rpc(set_probe, args=(probe,))
-        method = llm.collective_rpc(make_stale, args=(layer,))[0]
+        method = llm.collective_rpc(stale, args=(layer,))[0]
         result["rounds"].append({"layer": layer, "method": method, "probe": probe,
                                  "error": one_round(llm, model, step)})
-        llm.collective_rpc(heal, args=(layer,))
+        llm.collective_rpc(stale, args=(layer, False))
     llm.collective_rpc(set_probe, args=(True,))
     result["healed_error"] = one_round(llm, model, 10)
     result["after_heal"] = greedy(llm)

@@ -29,9 +29,14 @@ import traceback
 
 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the torn scenario's hook travels to worker 1 as a callable
 
+import cloudpickle
+import stale_layer
 import wtransfer
+from stale_layer import stale
 from wtransfer_vllm import LLMClient
 from wtransfer_vllm.testing import answers, checksums, greedy, llm_kwargs, load_trainer_model, perturb, write_json
+
+cloudpickle.register_pickle_by_value(stale_layer)  # the hook travels whole to vLLM's workers
 
 TP = 2
 INIT_INFO = {"world_size": TP + 1, "timeout_s": 60, "bucket_bytes": 64 << 10}
@@ -90,26 +95,6 @@ def killed_trainer(conn, model_dir, when):
 STALE_LAYER = "model.layers.0.mlp.down_proj"
 
 
-def stale_on_rank_1(worker, on):
-    """On TP worker 1 only: its commit probe finds STALE_LAYER computing with other weights (the
-    weight is scaled before vLLM processes it), so its commit fails after it loaded the round,
-    while worker 0's lands: the model is torn. ``on=False`` removes the hook."""
-    if worker.rank != 1:
-        return None
-    method = dict(worker.model_runner.model.named_modules())[STALE_LAYER].quant_method
-    if not on:
-        del method.process_weights_after_loading
-        return None
-    process = type(method).process_weights_after_loading
-
-    def stale_process(layer, *args, **kwargs):
-        layer.weight.data.mul_(0.5)
-        return process(method, layer, *args, **kwargs)
-
-    method.process_weights_after_loading = stale_process
-    return type(method).__name__
-
-
 def torn_scenario(llm, model_dir, rounds):
     """One TP worker's commit fails while the other's lands: vLLM must serve nothing until the
     trainer's next round, which must then compute exactly what a fresh TP=2 load of it does."""
@@ -123,7 +108,9 @@ def torn_scenario(llm, model_dir, rounds):
     perturb(model, 77)  # the torn round's weights: neither the old nor the final ones
     trainer = wtransfer.create_trainer("shm", client=LLMClient(llm), source=wtransfer.ModuleSource(model),
                                        init_info=INIT_INFO)
-    result = {"stale_method": llm.collective_rpc(stale_on_rank_1, args=(True,))}
+    # worker 1's commit probe finds STALE_LAYER computing with other weights: its commit fails after
+    # it loaded the round, while worker 0's lands
+    result = {"stale_method": llm.collective_rpc(stale, args=(STALE_LAYER, True, 1))}
     try:
         trainer.send_weights()
         result["error"] = None
@@ -131,7 +118,7 @@ def torn_scenario(llm, model_dir, rounds):
         result["error"] = f"{type(exc).__name__}: {exc}"
     result["torn_version"] = llm.get_weight_version()
     result["torn_answers"] = answers(llm)
-    llm.collective_rpc(stale_on_rank_1, args=(False,))
+    llm.collective_rpc(stale, args=(STALE_LAYER, False, 1))
     with torch.no_grad():
         model.load_state_dict(final.state_dict())
     result["healed_stats"] = trainer.send_weights()  # the same trainer's next round heals it
