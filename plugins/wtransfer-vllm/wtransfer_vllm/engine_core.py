@@ -179,7 +179,6 @@ def finish_round(engine_core: Any, replies: Any, in_flight: str = "recompute") -
     state_of(engine_core).torn = None
     if outcome.version is not None:
         set_engine_weight_version(engine_core, str(outcome.version))
-    resalt(engine_core, outcome.weights or f"commit:{uuid.uuid4().hex}")
     if in_flight == "keep" and engine_core_kv_connector(engine_core) is not None:
         # A kept request's blocks after the commit are neither version's KV, and a connector would
         # store them under keys another instance may look up.
@@ -191,14 +190,15 @@ def finish_round(engine_core: Any, replies: Any, in_flight: str = "recompute") -
             reset_encoder_cache(engine_core)  # keyed by the input alone: the salt does not reach it
         logger.info("wtransfer-vllm round %s committed; %d running request(s) keep their KV (in_flight='keep')",
                     outcome.version, engine_core_running_requests(engine_core))
-        return outcome.replies
-    try:
-        drop_stale_kv(engine_core, outcome.weights)
-    except Exception as exc:  # the round is in the model on every worker: it stays committed
-        logger.error("wtransfer-vllm: round %s committed on every worker, but resetting vLLM's caches failed "
-                     "(%s: %s); new requests are salted with the new weights, so none meets the old KV",
-                     outcome.version, type(exc).__name__, str(exc).rstrip("."))
-    resalt(engine_core, state_of(engine_core).salt)  # requests the reset preempted start again: salted anew
+    else:
+        try:
+            drop_stale_kv(engine_core, outcome.weights)
+        except Exception as exc:  # the round is in the model on every worker: it stays committed
+            logger.error("wtransfer-vllm: round %s committed on every worker, but resetting vLLM's caches failed "
+                         "(%s: %s); new requests are salted with the new weights, so none meets the old KV",
+                         outcome.version, type(exc).__name__, str(exc).rstrip("."))
+    # new requests, and the waiting ones nothing was computed for (those the reset preempted too)
+    resalt(engine_core, outcome.weights or f"commit:{uuid.uuid4().hex}")
     return outcome.replies
 
 

@@ -95,9 +95,7 @@ class Commit(NamedTuple):
         return (committed > 0 and bool(self.failures)) or None in self.versions or self.version is None
 
     def failure_message(self) -> str:
-        detail = "; ".join(f"worker {r.get('rank')}: {r[FAILED]}" for r in self.failures)
-        return (f"finish_weight_update failed on {len(self.failures)} worker(s): Worker failed with error "
-                f"'{detail}'")
+        return failure_message("finish_weight_update", self.failures)
 
 
 def commit_outcome(replies: Any) -> Commit:
@@ -116,5 +114,9 @@ def raise_worker_failures(method: str, replies: Any) -> None:
     """Engine-core side: raise if any worker's reply to ``method`` carries a failure."""
     failures = [r for r in (replies if isinstance(replies, list) else [replies]) if isinstance(r, dict) and FAILED in r]
     if failures:
-        detail = "; ".join(f"worker {r.get('rank')}: {r[FAILED]}" for r in failures)
-        raise RuntimeError(f"{method} failed on {len(failures)} worker(s): Worker failed with error '{detail}'")
+        raise RuntimeError(failure_message(method, failures))
+
+
+def failure_message(method: str, failures: list[dict[str, Any]]) -> str:
+    detail = "; ".join(f"worker {r.get('rank')}: {r[FAILED]}" for r in failures)
+    return f"{method} failed on {len(failures)} worker(s): Worker failed with error '{detail}'"
