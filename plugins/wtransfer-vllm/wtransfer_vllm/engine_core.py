@@ -186,8 +186,7 @@ def finish_round(engine_core: Any, replies: Any, in_flight: str = "recompute") -
                        outcome.version)
         in_flight = "recompute"
     if in_flight == "keep":
-        if getattr(engine_core_config(engine_core).model_config, "is_multimodal_model", False):
-            reset_encoder_cache(engine_core)  # keyed by the input alone: the salt does not reach it
+        reset_multimodal_encoder(engine_core)  # keyed by the input alone: the salt does not reach it
         logger.info("wtransfer-vllm round %s committed; %d running request(s) keep their KV (in_flight='keep')",
                     outcome.version, engine_core_running_requests(engine_core))
     else:
@@ -247,7 +246,12 @@ def drop_stale_kv(engine_core: Any, weights: str | None = None) -> None:
         if named is not None:
             named.weights_committed(None)  # a later reset must not name blocks after this round
         raise
-    if getattr(engine_core_config(engine_core).model_config, "is_multimodal_model", False):
-        reset_encoder_cache(engine_core)
+    reset_multimodal_encoder(engine_core)
     logger.info("wtransfer-vllm round ended: prefix cache and KV connector cache reset "
                 "(%d running request(s) preempted; their KV is recomputed with the new weights)", running)
+
+
+def reset_multimodal_encoder(engine_core: Any) -> None:
+    """A multimodal model's encoder cache, computed with the old weights, dropped."""
+    if getattr(engine_core_config(engine_core).model_config, "is_multimodal_model", False):
+        reset_encoder_cache(engine_core)

@@ -92,7 +92,7 @@ class Commit(NamedTuple):
         """Whether the model is a mix: some worker committed this round while another did not (equal
         version numbers from two trainers do not hide it), or some worker is torn."""
         committed = len(self.versions) - len(self.failures)
-        return (committed > 0 and bool(self.failures)) or None in self.versions or self.version is None
+        return (committed > 0 and bool(self.failures)) or self.version is None
 
     def failure_message(self) -> str:
         return failure_message("finish_weight_update", self.failures)

@@ -17,14 +17,11 @@ os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the hook travels to ins
 import cloudpickle
 import stale_layer
 import wtransfer
-from stale_layer import stale
+from stale_layer import STALE_LAYER, stale
 from wtransfer_vllm import FleetClient, FleetCommitError, LLMClient
 from wtransfer_vllm.testing import PROMPTS, answers, greedy, llm_kwargs, load_trainer_model, perturb, write_json
 
 cloudpickle.register_pickle_by_value(stale_layer)  # the hook travels whole to vLLM's workers
-
-STALE_LAYER = "model.layers.0.mlp.down_proj"
-
 
 if __name__ == "__main__":
     model_dir, out = sys.argv[1:3]

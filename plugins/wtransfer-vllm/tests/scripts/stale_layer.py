@@ -20,6 +20,10 @@ from wtransfer_vllm import LLMClient
 from wtransfer_vllm.testing import greedy, llm_kwargs, load_trainer_model, perturb, write_json
 
 
+STALE_LAYER = "model.layers.0.mlp.down_proj"
+"""The layer the torn-commit scenarios make stale on one worker (a row-parallel linear layer)."""
+
+
 def stale(worker, layer_name, on=True, rank=None):
     """The hook, run on vLLM's workers (``rank``'s only, if given): once on, ``layer_name``'s weight
     is scaled before vLLM processes it, so the kernel computes with something other than what was

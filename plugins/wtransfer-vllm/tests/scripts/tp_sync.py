@@ -32,7 +32,7 @@ os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the torn scenario's hoo
 import cloudpickle
 import stale_layer
 import wtransfer
-from stale_layer import stale
+from stale_layer import STALE_LAYER, stale
 from wtransfer_vllm import LLMClient
 from wtransfer_vllm.testing import answers, checksums, greedy, llm_kwargs, load_trainer_model, perturb, write_json
 
@@ -90,9 +90,6 @@ def killed_trainer(conn, model_dir, when):
         client, source = PipeClient(conn), DiesAtLastTensor(model)
     trainer = wtransfer.create_trainer("shm", client=client, source=source, init_info=INIT_INFO)
     trainer.send_weights()
-
-
-STALE_LAYER = "model.layers.0.mlp.down_proj"
 
 
 def torn_scenario(llm, model_dir, rounds):
