@@ -37,6 +37,7 @@ class FailingSource(WeightSource):
     def __init__(self, model: torch.nn.Module, fail_at: float | None = None) -> None:
         self.inner = TensorSource(dict(model.named_parameters()))
         self.fail_at = fail_at
+        self.on_fail: Any = None  # instead of raising: something else fails the round (a kill)
 
     def metadata(self) -> list[TensorEntry]:
         return self.inner.metadata()
@@ -47,7 +48,9 @@ class FailingSource(WeightSource):
         for name, tensor in self.inner:
             if self.fail_at is not None and read >= self.fail_at * total:
                 self.fail_at = None
-                raise RuntimeError("the trainer's weight source failed mid-round")
+                if self.on_fail is None:
+                    raise RuntimeError("the trainer's weight source failed mid-round")
+                self.on_fail()
             read += tensor.numel() * tensor.element_size()
             yield name, tensor
 
@@ -255,6 +258,136 @@ def test_a_commit_failing_on_one_worker_leaves_the_trainer_usable_and_its_next_r
     finally:
         trainer.shutdown()
         workers.shutdown()
+
+
+def _write_faults(tensor: torch.Tensor) -> int:
+    """Write one byte into ``tensor``'s memory from a forked child of this process; the signal that
+    ended the child (0: the write went through)."""
+    import ctypes
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        import faulthandler
+
+        faulthandler.disable()  # the fault is expected: no traceback on stderr
+        ctypes.memset(tensor.data_ptr(), 0xFF, 1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_a_worker_cannot_write_into_the_staged_round_it_commits_from(backend: str) -> None:
+    """shm: every worker maps the trainer's staged round read-only; gloo: the node's follower maps its
+    stager's copy read-only. A write into it faults (in a forked child of the worker, which the fault
+    kills) instead of changing what another worker commits, and the round commits bit-exact everywhere.
+    Broken by: handing out the writable descriptor (the write lands and the models differ)."""
+    import signal
+
+    from wtransfer.engines._commit import round_state
+
+    shapes = [["a.weight", [64, 64]], ["b.weight", [300, 70]]]
+    models = [build_model(shapes, "float32") for _ in range(2)]
+    workers = ThreadedWorkers(backend, models)
+    tried: list[tuple[int, str, int]] = []
+    for rank, real in enumerate(list(workers.loaders)):
+        def trying(weights: list[tuple[str, torch.Tensor]], rank: int = rank, real: Any = real) -> None:
+            node = round_state(workers.engines[rank])._staging
+            if node is None or not node.is_stager:  # shm stages nothing of its own; gloo: a follower
+                tried.extend((rank, name, _write_faults(tensor)) for name, tensor in weights)
+            real(weights)
+        workers.loaders[rank] = trying
+    tensors = {name: torch.randn(shape) for name, shape in shapes}
+    trainer = wtransfer.create_trainer(
+        backend, client=workers, source=TensorSource(tensors),
+        init_info={"world_size": workers.world_size, "timeout_s": TIMEOUT,
+                   **({"master_address": "127.0.0.1"} if backend == "gloo" else {})})
+    try:
+        trainer.send_weights()
+        assert tried and {signal_ for _, _, signal_ in tried} == {signal.SIGSEGV}, tried
+        assert len({rank for rank, _, _ in tried}) == (2 if backend == "shm" else 1), tried
+        for model in models:
+            assert all(torch.equal(model.get_parameter(n), t) for n, t in tensors.items())
+    finally:
+        trainer.shutdown()
+        workers.shutdown()
+
+
+def _stager(key: str, pids: list[int]) -> int:
+    """The index (in ``pids``) of the worker listening on its node's staging socket for trainer ``key``."""
+    with open("/proc/net/unix") as listing:
+        inodes = [line.split()[6] for line in listing
+                  if line.split()[-1] == f"@wtransfer-stage-{key}" and line.split()[3] == "00010000"]
+    assert len(inodes) == 1, inodes
+    for index, pid in enumerate(pids):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inodes[0]}]":
+                    return index
+            except OSError:
+                continue
+    raise AssertionError(f"no worker holds the staging socket of {key}")
+
+
+class _KillsStager:
+    """The pool, with the node's stager killed by SIGKILL during round 2: as its tensors arrive (the
+    trainer's source, half-way), or once every worker received the round and before the commit."""
+
+    def __init__(self, pool: Any, when: str) -> None:
+        self.pool, self.when, self.victim, self.rounds = pool, when, None, 0
+
+    def kill(self) -> None:
+        os.kill(self.pool.pids[self.victim], 9)
+        self.pool.processes[self.victim].join(10)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pool, name)
+
+    def update_weights(self, info: dict) -> Any:
+        self.rounds += 1
+        replies = self.pool.update_weights(info)
+        if self.rounds == 2 and self.when == "before commit":
+            self.kill()
+        return replies
+
+
+@pytest.mark.parametrize("when", ["receiving", "before commit"])
+def test_the_nodes_stager_dying_fails_the_round_and_the_next_lands_on_the_survivor_and_a_restarted_worker(
+        when: str) -> None:
+    """gloo, two workers on one node: one stages the atomic round for both. SIGKILLed mid-receive or
+    between receive and commit, the round fails within ``timeout_s`` naming it, the survivor's model
+    is untouched (round 1, bit for bit, version 1), and after a restart and ``reconnect()`` the next
+    round lands bit-exact on both. Broken by: a follower that commits a round its stager did not
+    finish, or a pool that commits on some workers while another is dead."""
+    import time
+
+    model = trainer_model()
+    with LocalWorkerPool(2, FACTORY, backend="gloo", factory_kwargs={"shapes": SHAPES, "dtype": "float32"},
+                         timeout_s=TIMEOUT, torch_threads=1) as pool:
+        client = _KillsStager(pool, when)
+        source = FailingSource(model)
+        trainer = send("gloo", client, source, "atomic", {})
+        trainer.send_weights()
+        v1 = digests(model)
+        assert pool.digests() == [v1, v1]
+        client.victim = _stager(trainer._staging_key, pool.pids)
+        for parameter in model.parameters():
+            parameter.data.add_(1.0)
+        if when == "receiving":  # half-way through the source: the workers are receiving the round
+            source.fail_at, source.on_fail = 0.5, client.kill
+        started = time.monotonic()
+        with pytest.raises(TransferError, match=f"local worker {client.victim}"):
+            trainer.send_weights()
+        assert time.monotonic() - started < TIMEOUT
+        survivor = 1 - client.victim
+        pool.restart(client.victim)
+        assert pool.digests()[survivor] == v1, "the stager's death changed the survivor's model"
+        assert pool.stats()[survivor]["weight_version"] == 1
+        trainer.reconnect()
+        # a failed commit spends its version (the trainer cannot tell which workers took it)
+        assert trainer.send_weights()["version"] == (3 if when == "before commit" else 2)
+        assert pool.digests() == [digests(model)] * 2
+        trainer.shutdown()
 
 
 # -- the framework layer, for an engine that knows nothing about it ------------------------------------

@@ -121,6 +121,21 @@ class Swallower(SharedMemoryWeightTransferEngine):
             pass
 '''
 
+PLAIN_WRAPPER_ENGINE = '''
+from wtransfer.engines.shm import SharedMemoryWeightTransferEngine
+
+
+class Plain(SharedMemoryWeightTransferEngine):
+    """shm with a faithful wrapper, as an author who logs or renames would write it: every tensor still
+    reaches load_weights, through a plain function that hides the framework loader's own methods."""
+
+    def receive_weights(self, update_info, load_weights):
+        def plain(batch):
+            load_weights(list(batch))
+
+        super().receive_weights(update_info, plain)
+'''
+
 TOKEN_KEYED_CONNECTOR = '''
 import dataclasses
 
@@ -178,6 +193,22 @@ def test_a_broken_engine_fails_exactly_its_point(fake_distribution, tmp_path: Pa
         ) for commit in ("atomic", "streaming")),
         "test_reconnects_to_workers_that_restarted",  # atomic: the round after reconnect() fails too
     ]), out.stdout
+
+
+def test_an_engine_that_wraps_its_loader_in_a_plain_function_passes_every_point(fake_distribution, tmp_path: Path):
+    # The framework checks each round against the model (and a delta round's base) before the engine
+    # runs, so rejection before any byte, delta rounds and both commit modes hold whatever the engine
+    # does with its loader. Broken by: checking only when the engine calls its loader's validate_manifest.
+    fake_distribution("acme-plain", {"wtransfer.engines": {"plain": "acme_plain:Plain"}},
+                      {"acme_plain": PLAIN_WRAPPER_ENGINE})
+    out = run_pytest(tmp_path, """
+        from wtransfer.testing.conformance import EngineConformance
+
+        class TestPlain(EngineConformance):
+            engine = "plain"
+    """)
+    assert out.returncode == 0 and failed_tests(out.stdout) == [], out.stdout
+    assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout
 
 
 def test_an_engine_that_tears_silently_fails_exactly_the_torn_round_point(fake_distribution, tmp_path: Path):

@@ -31,9 +31,9 @@ TIMEOUT = 30.0
 INIT_INFO = {"world_size": 3, "timeout_s": TIMEOUT, "bucket_bytes": 16384, "num_buffers": 2}
 """Small buckets: tensors split mid-row across buckets, and every buffer is reused many times a round."""
 SLOW_INIT_INFO = {"world_size": 2, "timeout_s": 6.0, "bucket_bytes": 4096, "num_buffers": 2}
-"""A round longer than its timeout: rank 1 writes its half of the embedding (a run of buckets that
-rank 0 holds nothing of, 16 of them) at SLOW_WRITE_S a bucket, 12 s without a word for rank 0."""
-SLOW_WRITE_S = 0.75
+"""A round longer than its timeout: rank 1 writes each of its parts at SLOW_WRITE_S a part, longer
+than the timeout in all, while rank 0 waits for its word."""
+SLOW_WRITE_S = 1.0
 LATE_TIMEOUT = 12.0
 LATE_INIT_INFO = {**INIT_INFO, "timeout_s": LATE_TIMEOUT}
 """The late-rank-0 test waits out a whole timeout: a shorter one (a round here takes about a second)."""
@@ -217,10 +217,12 @@ class _PassThrough(WeightSource):
         return iter(self.source)
 
 
+DIE_AT_PART = 3
+"""A writing rank (shm) dies before the part of a tensor it writes in this place (counting from 0): it
+has written some of its shards into the staged round, not all of them (the round is part-written)."""
 DIE_AT_BUCKET = 6
-"""A writing rank dies in the first bucket from this one on that it holds bytes of: with INIT_INFO's
-16 KiB buckets and 2 buffers, the workers have by then received and loaded buckets 0-4 of the
-round at least (the round is part-received)."""
+"""gloo: a sending rank dies in the first bucket from this one on that it holds bytes of: with
+INIT_INFO's 16 KiB buckets and 2 buffers, the workers have by then received buckets 0-4."""
 
 
 def _claim_nothing_in_round(round_to_lie: int) -> None:
@@ -257,47 +259,65 @@ def _before_each_bucket(owner: Any, name: str, act: Any) -> None:
     setattr(owner, name, wrapped)
 
 
+def _before_each_part(owner: Any, act: Any) -> None:
+    """Wrap ``owner.write_part`` (an shm rank writes each part of a tensor it holds into the staged
+    round) so that ``act(round, part)`` runs before it: rounds count ``owner.rank_parts`` calls (one
+    per round), parts count from 0 in each round."""
+    seen = {"rounds": 0, "parts": 0}
+    plan, write = owner.rank_parts, owner.write_part
+
+    def planning(*args: Any, **kwargs: Any) -> Any:
+        seen["rounds"], seen["parts"] = seen["rounds"] + 1, 0
+        return plan(*args, **kwargs)
+
+    def writing(*args: Any) -> Any:
+        act(seen["rounds"], seen["parts"])
+        seen["parts"] += 1
+        return write(*args)
+
+    owner.rank_parts, owner.write_part = planning, writing
+
+
 def _die_writing_round(round_to_die: int, backend: str) -> None:
-    """SIGKILL this trainer rank as it writes (shm) or sends (gloo) its shards of the first bucket
-    from DIE_AT_BUCKET on that it holds bytes of, in that round (the workers have loaded the
-    buckets before it)."""
+    """SIGKILL this trainer rank as it writes (shm) or sends (gloo) its shards in that round: before its
+    DIE_AT_PART-th part (shm; some of its shards are in the staged round), or in the first bucket from
+    DIE_AT_BUCKET on that it holds bytes of (gloo; the workers have received the buckets before it)."""
     from wtransfer.engines import _part_streams, _shm_ring
 
-    def die(round_: int, bucket: Any) -> None:
-        if round_ == round_to_die and bucket.index >= DIE_AT_BUCKET:
+    def die(round_: int, at: Any) -> None:
+        if round_ == round_to_die and (at >= DIE_AT_PART if backend == "shm" else at.index >= DIE_AT_BUCKET):
             os.kill(os.getpid(), signal.SIGKILL)
 
     if backend == "shm":
-        _before_each_bucket(_shm_ring, "write_bucket", die)
+        _before_each_part(_shm_ring, die)
     else:  # the sending loop asks which of its bytes each bucket holds, bucket by bucket
         _before_each_bucket(_part_streams.RankLayout, "runs", die)
 
 
 def _kill_a_worker_writing_round(round_to_kill: int, pid: int) -> None:
-    """Rank 0 (shm) SIGKILLs worker process ``pid`` as it writes its share of the first bucket
-    from DIE_AT_BUCKET on, in that round: the workers have loaded the buckets before it, and the
-    other rank is writing its own."""
+    """Rank 0 (shm) SIGKILLs worker process ``pid`` as it writes its DIE_AT_PART-th part in that round:
+    the staged round is part-written, and the other rank is writing its own shards."""
     from wtransfer.engines import shm
 
     killed: list[int] = []
 
-    def kill(round_: int, bucket: Any) -> None:
-        if round_ == round_to_kill and bucket.index >= DIE_AT_BUCKET and not killed:
+    def kill(round_: int, part: int) -> None:
+        if round_ == round_to_kill and part >= DIE_AT_PART and not killed:
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 
-    _before_each_bucket(shm, "write_bucket", kill)
+    _before_each_part(shm, kill)
 
 
 def _write_slowly_in_round(slow_round: int) -> None:
-    """This shm rank takes SLOW_WRITE_S over each of its buckets of the embedding in that round."""
+    """This shm rank takes SLOW_WRITE_S over each part it writes in that round."""
     from wtransfer.engines import _shm_ring
 
-    def slowly(round_: int, bucket: Any) -> None:
-        if round_ == slow_round and any(piece.index == 0 for piece in bucket.pieces):
+    def slowly(round_: int, part: int) -> None:
+        if round_ == slow_round:
             time.sleep(SLOW_WRITE_S)
 
-    _before_each_bucket(_shm_ring, "write_bucket", slowly)
+    _before_each_part(_shm_ring, slowly)
 
 
 def _ask_one_worker(pool: Any, rank: int, op: str) -> dict[str, Any]:
@@ -445,9 +465,9 @@ def test_a_trainer_rank_dying_mid_round_fails_every_rank_and_worker_within_the_t
 
 
 def test_a_worker_dying_mid_round_fails_every_trainer_rank_and_the_other_worker_keeps_its_weights() -> None:
-    """shm, 2 ranks writing their own shards: rank 0 SIGKILLs worker 1 part-way through round 2.
-    Every trainer rank raises within ``timeout_s`` (rank 1 hears it from its link to the dead
-    worker or from rank 0), and worker 0 still holds round 1's weights, tensor by tensor."""
+    """shm, 2 ranks writing their own shards: rank 0 SIGKILLs worker 1 part-way through writing round 2.
+    Every trainer rank raises within ``timeout_s`` (rank 1 hears it from rank 0), and worker 0 still
+    holds round 1's weights, tensor by tensor."""
     events = run_ranks(2, "shm", rounds=3, fault="worker-dies", limit=180)
     assert [e for e in events if e["event"] in ("crash", "create_failed")] == [], events
     assert [e["version"] for e in events if e["event"] == "round" and e["rank"] == 0] == [1]
@@ -456,18 +476,18 @@ def test_a_worker_dying_mid_round_fails_every_trainer_rank_and_the_other_worker_
     for rank, error in errors.items():  # told by the closed sockets, not by a timeout
         assert error["seconds"] < TIMEOUT, f"rank {rank} took {error['seconds']:.1f} s"
         assert error["type"] == "TransferError", error
-    # each names the dead worker: the pool's worker 1 is shm worker rank 2 (the trainer is rank 0)
+    # each names the dead worker (rank 1 in rank 0's words)
     assert "local worker 1 died" in errors[0]["message"], errors[0]
-    assert "shm worker rank 2" in errors[1]["message"], errors[1]
+    assert "local worker 1 died" in errors[1]["message"], errors[1]
     assert errors[0]["changed"] == [[]], "a cut round changed the surviving worker's weights"
     assert errors[0]["worker_versions"] == [1]  # worker 0
 
 
-def test_a_round_longer_than_the_timeout_goes_on_while_the_worker_says_it_makes_progress() -> None:
-    """shm, 2 ranks: rank 1 writes a long run of buckets slowly, longer than ``timeout_s``, while rank
-    0 has nothing to write and hears nothing about its own buffers: the worker's progress words
-    (every ``timeout_s / 4``) keep rank 0 from calling the round dead, and the round lands whole."""
-    assert _longest_run_without_rank_0() * SLOW_WRITE_S > 1.5 * SLOW_INIT_INFO["timeout_s"]
+def test_a_round_longer_than_the_timeout_goes_on_while_a_rank_says_it_makes_progress() -> None:
+    """shm, 2 ranks: rank 1 writes its shards slowly, longer than ``timeout_s`` in all, while rank 0,
+    done with its own, waits for it: rank 1's progress words (every ``timeout_s / 4``) keep rank 0
+    from calling the round dead, and the round lands whole."""
+    assert _rank_1_parts() * SLOW_WRITE_S > 1.5 * SLOW_INIT_INFO["timeout_s"]
     events = run_ranks(2, "shm", rounds=3, fault="slow-writer", limit=240)
     assert [e for e in events if e["event"] in ("error", "crash", "create_failed")] == [], events
     sender = [e for e in events if e["event"] == "round" and e["sender"]]
@@ -477,25 +497,15 @@ def test_a_round_longer_than_the_timeout_goes_on_while_the_worker_says_it_makes_
     assert sender[1]["seconds"] > 1.5 * SLOW_INIT_INFO["timeout_s"], sender[1]  # the slow round was slow
 
 
-def _longest_run_without_rank_0() -> int:
-    """The most buckets in a row, among those of the embedding (the ones rank 1 writes slowly),
-    that hold none of rank 0's bytes, for tied_lm over 2 ranks (``Shard(0)``: rank 0 holds the
-    first half of every tensor's rows) in SLOW_INIT_INFO's buckets."""
+def _rank_1_parts() -> int:
+    """The tensors rank 1 holds a part of, for tied_lm over 2 ranks (``Shard(0)``: each rank holds half
+    of every tensor's rows, rank 0 the first half): the parts it writes, slowly, in the slow round."""
     import wtransfer
     from wtransfer.engines._shards import _chunk
-    from wtransfer.engines.wire import plan_buckets
     from wtransfer.testing.models import tied_lm
 
-    entries = tuple(wtransfer.ModuleSource(tied_lm(seed=0)).metadata())
-    held = [_chunk(entry.shape[0], 2, 0)[1] * (entry.nbytes // entry.shape[0]) if entry.shape else entry.nbytes
-            for entry in entries]  # rank 0's bytes of each tensor (Shard(0)'s split): the first ones
-    longest = run = 0
-    for bucket in plan_buckets(entries, SLOW_INIT_INFO["bucket_bytes"]):
-        slow = any(piece.index == 0 for piece in bucket.pieces)
-        rank_0 = any(piece.start < held[piece.index] for piece in bucket.pieces if piece.length)
-        run = run + 1 if slow and not rank_0 else 0
-        longest = max(longest, run)
-    return longest
+    entries = wtransfer.ModuleSource(tied_lm(seed=0)).metadata()
+    return sum(1 for entry in entries if entry.shape and _chunk(entry.shape[0], 2, 1)[1] > 0)
 
 
 def _gather_check(rank: int, world: int, port: int, conn: Any) -> None:

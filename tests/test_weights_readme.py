@@ -55,12 +55,14 @@ def test_bench_verifies_rounds_and_reports_peers_as_json() -> None:
     assert set(document["peers_gb_per_s"]) == {
         "memcpy", "gloo per-tensor broadcast", "gloo one-tensor broadcast", "gloo raw, engine's groups/buckets/in-flight",
         "gloo per-tensor, new tensor + load (vLLM loop)", "memcpy into staging, then into the model",
+        "gloo raw at its best, then memcpy into the model",
         "safetensors save+load (/dev/shm)", "share_memory_() per update", "gloo per-tensor broadcast (small tensors)",
     }  # fmt: skip
     targets = {t["what"]: t for t in document["targets"]}
     assert set(targets) >= {"shm streaming / memcpy", "gloo streaming / gloo raw at its best",
                             "shm atomic / memcpy into staging, then into the model",
-                            "shm atomic host staging copies per node", "gloo atomic host staging copies per node"}
+                            "shm atomic host staging copies per node", "gloo atomic host staging copies per node",
+                            "shm atomic / shm streaming", "gloo atomic / gloo raw at its best, then memcpy into the model"}
     assert targets["shm atomic host staging copies per node"]["ok"]
 
 

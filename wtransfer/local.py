@@ -167,7 +167,7 @@ def _worker_main(
             except BaseException as exc:
                 logger.debug("local worker %d: %s failed: %s", rank, op, exc)
                 reply = _error_reply(exc)
-            _send(conn, reply)
+            _send(conn, {**reply, "seq": request.get("seq")})
     finally:
         engine.shutdown()
         try:
@@ -210,27 +210,52 @@ class LocalWorkerPool:
         self.timeout_s = float(timeout_s)
         self._lock = threading.Lock()
         self._closed = False
+        self._seq = 0  # requests sent: each reply names its request, so a late one is never taken for the next
         reference = factory_reference(model_factory)
+        self._start_timeout_s = start_timeout_s
+        self._arguments = [  # what each worker process is started with (restart() starts it again)
+            (reference, json.dumps({**(factory_kwargs or {}), **(worker_factory_kwargs or [{}] * num_workers)[rank]}),
+             backend, json.dumps(engine_options or {}), rank, num_workers, strict, torch_threads)
+            for rank in range(num_workers)
+        ]
         self._conns: list[Connection] = []
         self._processes: list[multiprocessing.process.BaseProcess] = []
         try:
             for rank in range(num_workers):
-                parent, child = multiprocessing.Pipe()
-                process = worker_process(
-                    _worker_main,
-                    (child, reference,
-                     json.dumps({**(factory_kwargs or {}), **(worker_factory_kwargs or [{}] * num_workers)[rank]}),
-                     backend, json.dumps(engine_options or {}), rank, num_workers, strict, torch_threads),
-                    name=f"wtransfer-worker-{rank}",
-                )
-                process.start()
-                child.close()
-                self._conns.append(parent)
+                conn, process = self._spawn(rank)
+                self._conns.append(conn)
                 self._processes.append(process)
             self.pids = [reply["pid"] for reply in self._collect("start", start_timeout_s)]
         except BaseException:
             self.shutdown()
             raise
+
+    def _spawn(self, rank: int) -> tuple[Connection, multiprocessing.process.BaseProcess]:
+        parent, child = multiprocessing.Pipe()
+        process = worker_process(_worker_main, (child, *self._arguments[rank]), name=f"wtransfer-worker-{rank}")
+        process.start()
+        child.close()
+        return parent, process
+
+    def restart(self, rank: int) -> None:
+        """Start worker ``rank`` again (killing it first if it still runs): a fresh process with a fresh
+        model, as after a crash. Its engine joins no trainer until one connects (``reconnect()``)."""
+        with self._lock:
+            old, conn = self._processes[rank], self._conns[rank]
+            if old.is_alive():
+                old.kill()
+            old.join(10)
+            conn.close()
+            if old.exitcode is not None:
+                old.close()  # its sentinel descriptor
+            self._conns[rank], self._processes[rank] = self._spawn(rank)
+            conns, processes = self._conns, self._processes
+            self._conns, self._processes = [self._conns[rank]], [self._processes[rank]]
+            try:  # collect the new worker's start alone
+                (reply,) = self._collect("start", self._start_timeout_s)
+            finally:
+                self._conns, self._processes = conns, processes
+            self.pids[rank] = reply["pid"]
 
     @property
     def world_size(self) -> int:
@@ -271,10 +296,15 @@ class LocalWorkerPool:
         if self._closed:
             raise TransferError("the local worker pool was shut down")
         with self._lock:
+            dead = [rank for rank, process in enumerate(self._processes) if process.exitcode is not None]
+            if dead:  # nothing is sent: a commit reaches every worker or none
+                raise TransferError(f"local worker {dead[0]} died before {op!r} ({self._exit_status(dead[0])}); "
+                                    f"no worker was asked to {op}")
             try:
+                self._seq += 1
                 for rank, conn in enumerate(self._conns):
                     try:
-                        _send(conn, {"op": op, "info": info})
+                        _send(conn, {"op": op, "info": info, "seq": self._seq})
                     except OSError as exc:
                         raise TransferError(f"local worker {rank} is gone ({self._exit_status(rank)})") from exc
                 return self._collect(op, self.timeout_s)
@@ -302,13 +332,17 @@ class LocalWorkerPool:
             ready = wait([*waiting, *sentinels], remaining)
             for item in ready:
                 if item in waiting:
-                    rank = waiting.pop(item)  # type: ignore[call-overload]
+                    rank = waiting[item]  # type: ignore[index]
                     try:
-                        replies[rank] = json.loads(item.recv_bytes())  # type: ignore[union-attr]
+                        reply = json.loads(item.recv_bytes())  # type: ignore[union-attr]
                     except (EOFError, OSError) as exc:
                         raise TransferError(
                             f"local worker {rank} died during {op!r} ({self._exit_status(rank)})"
                         ) from exc
+                    if reply.get("seq") not in (None, self._seq):
+                        continue  # the answer to an earlier request this pool stopped waiting for
+                    del waiting[item]  # type: ignore[arg-type]
+                    replies[rank] = reply
                 elif item in sentinels:
                     rank = sentinels.pop(item)  # type: ignore[call-overload]
                     if any(r == rank for r in waiting.values()):

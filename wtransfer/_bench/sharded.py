@@ -6,8 +6,8 @@ what a ``ModuleSource`` gets on a backend with senders) and rank 0 gathering and
 tensor (``gathers``: a source wrapper, or a backend without senders), with the FSDP gathers alone
 as that design's floor. Targets: writers >= 1.0x unsharded throughput on shm (more writers, same
 bytes), >= 0.8x on other engines (each rank streams its own bytes), every writer rank's peak
-extra RSS <= buffers x bucket + 64 MiB; gathers >= 0.8x, <= buffers x bucket + the largest
-parameter + 64 MiB. Every round is verified bit-exactly on every worker against the trainer's
+extra RSS <= what the transport holds (buffers x bucket, or on shm the node's one staged copy of the
+round, which every rank maps) + 64 MiB; gathers >= 0.8x, <= the same + the largest parameter. Every round is verified bit-exactly on every worker against the trainer's
 unsharded state. Every configuration runs ``--repeats`` times, in turns, in fresh processes: on
 a small host the same configuration varies from one set of processes to the next (the unsharded
 shm sync gave 6.2 to 8.6 GB/s in single runs on a 2-core AMD EPYC), so the row is the run with
@@ -29,7 +29,6 @@ import statistics
 import time
 from typing import Any
 
-from wtransfer._bench import ring_alone
 from wtransfer._bench.report import add_report_arguments, figures_report, median_item, table
 from wtransfer._fork_server import worker_process
 
@@ -121,10 +120,10 @@ def _rank_main(rank: int, ranks: int, port: int, options: str, conn: Any) -> Non
             checksums=args["checksums"],
         )
         if rank == 0:
-            buffers = trainer.num_buffers * trainer.bucket_bytes  # type: ignore[union-attr]
-            report["budget"] = buffers + SLACK + (largest if args["mode"] == "gathers" else 0)
+            # what the transport holds: a ring, or the node's staged copy (mapped by every rank that writes)
+            held = getattr(trainer, "staged_bytes", 0) or trainer.num_buffers * trainer.bucket_bytes  # type: ignore[union-attr]
+            report["budget"] = held + SLACK + (largest if args["mode"] == "gathers" else 0)
             report["wrote_shards"] = trainer.parallel_senders  # type: ignore[union-attr]
-            report["ring"] = [trainer.bucket_bytes, trainer.num_buffers]  # type: ignore[union-attr]
         for index in range(args["rounds"]):
             with torch.no_grad():
                 for parameter in model.parameters():  # new weights, shard by shard
@@ -263,29 +262,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.repeats} turn(s) of: one trainer process and FSDP2 trainer ranks (gloo default group), "
               f"{args.workers} worker(s), {args.rounds} rounds of {args.model} {args.dtype} over {args.engine}")
         runs: dict[tuple[str, int], list[list[dict[str, Any]]]] = {}
-        ring_runs: dict[int, list[dict[str, float]]] = {}  # writers -> the ring alone's figures, run by run
         for turn in range(args.repeats):  # in turns, so that a slow spell of the host hits every row alike
             for row, ranks, mode, checksums in configurations:
                 print(f"turn {turn + 1}: {_LABELS[row]}, {ranks} rank(s)")
                 runs.setdefault((row, ranks), []).append(run_trainer(ranks, args, mode, checksums))
-            if args.engine == "shm" and args.workers == 1:  # more writers on this host, the engine left out
-                bucket_bytes, buffers = runs[("unsharded", 1)][0][0]["ring"]
-                for count in [1, *writers]:
-                    print(f"turn {turn + 1}: the ring alone, {count} writer(s)")
-                    ring_runs.setdefault(count, []).append(
-                        ring_alone.run_fresh(args.model, args.dtype, count, bucket_bytes, buffers, args.rounds))
-        figures.update(summarize(args, [(row, ranks, sets) for (row, ranks), sets in runs.items()], ring_runs))
+        figures.update(summarize(args, [(row, ranks, sets) for (row, ranks), sets in runs.items()]))
         if not args.json and args.markdown is None:
             for line in markdown(figures):
                 print(line)
     return 0 if figures["ok"] else 1
 
 
-def summarize(args: argparse.Namespace, repeated: list[tuple[str, int, list[list[dict[str, Any]]]]],
-              ring_runs: dict[int, list[dict[str, float]]] | None = None) -> dict[str, Any]:
+def summarize(args: argparse.Namespace, repeated: list[tuple[str, int, list[list[dict[str, Any]]]]]) -> dict[str, Any]:
     """Rows from every configuration's runs (each: every rank's reports): the run with the median
-    GB/s stands for its configuration; memory is the worst of all runs. ``ring_runs``: the ring
-    alone's figures by writer count, run by run (shm with one worker; see :mod:`ring_alone`)."""
+    GB/s stands for its configuration; memory is the worst of all runs."""
     def rate(reports: list[dict[str, Any]]) -> float:
         return statistics.median(r["gb_per_s"] for r in reports[0]["rounds"])
 
@@ -320,13 +310,6 @@ def summarize(args: argparse.Namespace, repeated: list[tuple[str, int, list[list
         return statistics.median(sum(r["round_rank_wait"][i] for r in reports) / rounds[i]["seconds"]
                                  for i in range(len(rounds)))
 
-    ring_rows = []
-    if ring_runs:
-        median = {count: median_item(sets, lambda run: run["gb_per_s"]) for count, sets in ring_runs.items()}
-        ring_rows = [{"writers": count, **median[count], "runs": [run["gb_per_s"] for run in sets],
-                      "ratio": median[count]["gb_per_s"] / median[1]["gb_per_s"]}
-                     for count, sets in sorted(ring_runs.items())]
-    ring_alone_ratio = {row["writers"]: row["ratio"] for row in ring_rows}
     runs = [(mode, ranks, median_item(sets, rate)) for mode, ranks, sets in repeated]
     every_rate = {(mode, ranks): [rate(reports) for reports in sets] for mode, ranks, sets in repeated}
     plain_rate = rate(runs[0][2])
@@ -342,13 +325,12 @@ def summarize(args: argparse.Namespace, repeated: list[tuple[str, int, list[list
                      "ratio": ratio, "target": target,
                      "cores_busy": cores_busy(reports), "worker_busy": worker_busy(reports),
                      "worker_waiting": worker_waiting(reports), "ranks_waiting": ranks_waiting(reports),
-                     "ring_alone_ratio": ring_alone_ratio.get(ranks) if mode == "writes" and ranks > 1 else None,
                      "ok": target is None or ratio >= target})
         if mode == "gathers":
             gather_rate = first["rounds"][0]["bytes"] / first["gather_only_seconds"] / 1e9
             rows.append({"mode": "gather-only", "ranks": ranks, "gb_per_s": gather_rate, "runs": None,
                          "ratio": gather_rate / plain_rate, "target": None, "cores_busy": None, "worker_busy": None,
-                         "worker_waiting": None, "ranks_waiting": None, "ring_alone_ratio": None,
+                         "worker_waiting": None, "ranks_waiting": None,
                          "ok": True})
     for mode, ranks, sets in repeated:  # the worst of every run, rank by rank
         budget = sets[0][0]["budget"]
@@ -365,7 +347,7 @@ def summarize(args: argparse.Namespace, repeated: list[tuple[str, int, list[list
         "setup": (f"{args.model} parameters, {args.dtype}, {first['rounds'][0]['bytes'] / 1e9:.2f} GB, "
                   f"{args.engine}, {args.workers} worker(s), {args.rounds} rounds a run, {args.repeats} run(s) each in turns; "
                   f"largest parameter {first['largest_parameter'] / MIB:.0f} MiB"),
-        "unsharded_gb_per_s": plain_rate, "rows": rows, "memory": memory, "ring_alone": ring_rows,
+        "unsharded_gb_per_s": plain_rate, "rows": rows, "memory": memory,
         "ratio_ok": all(r["ok"] for r in rows), "memory_ok": all(m["ok"] for m in memory),
         "ok": all(r["ok"] for r in rows) and all(m["ok"] for m in memory),
     }
@@ -381,35 +363,7 @@ def markdown(figures: dict[str, Any]) -> list[str]:
     def target(row: dict[str, Any]) -> str:
         if row["target"] is None:
             return ""
-        verdict = f">= {row['target']}× {'ok' if row['ok'] else 'MISSED'}"
-        if row.get("ring_alone_ratio") is not None and row["ring_alone_ratio"] < row["target"]:
-            verdict += f" (the ring alone: {row['ring_alone_ratio']:.2f}×)"
-        return verdict
-
-    ring_lines = []
-    if figures.get("ring_alone"):
-        ring_lines = ["", *table(
-            "the ring alone on this host, no engine: the same buckets and buffers, each tensor split by rows "
-            "as Shard(0) splits it, N writer processes copying their rows in with memcpy, one reader doing a "
-            "worker's copies (every piece into a staging copy, then the commit into the model), and only "
-            "8-byte messages between them, writer to reader and reader to writer, no relay (GB/s: the median "
-            "of the rounds, from the run with the median GB/s; cores busy and commit share: that run's round "
-            "with the median GB/s; vs 1 writer: what spreading the same writes over more processes costs or "
-            "gains on this host when nothing else does)",
-            ["writers", "GB/s", "each run's GB/s", "vs 1 writer", "bucket phase: cores busy",
-             "commit: share of the round"],
-            [[str(c["writers"]), f"{c['gb_per_s']:.2f}", ", ".join(f"{value:.2f}" for value in c["runs"]),
-              f"{c['ratio']:.2f}×", f"{c['bucket_busy']:.2f} of {c['cores']}", f"{c['commit_share']:.2f}"]
-             for c in figures["ring_alone"]])]
-        one = figures["ring_alone"][0]
-        ring_lines += ["", (
-            f"With one writer, the buckets' copies keep {one['bucket_busy']:.2f} of this host's {one['cores']} "
-            f"cores busy while they run, and the commit, which the reader does alone whoever wrote, takes "
-            f"{one['commit_share']:.2f} of the round (the CPU each process measured for itself, in the round "
-            f"with the median GB/s). If more writers' copies cost the bucket phase the same CPU, spread over "
-            f"every core and never below the reader's own part, that round would get about "
-            f"{one['gain_estimate']:.2f}× faster: an estimate, not a bound (CPU time counts the cycles a copy "
-            f"stalls on memory, and those change with how the copies overlap).")]
+        return f">= {row['target']}× {'ok' if row['ok'] else 'MISSED'}"
 
     return [
         figures["setup"] + ".", "",
@@ -430,7 +384,6 @@ def markdown(figures: dict[str, Any]) -> list[str]:
                  "" if r["worker_waiting"] is None else f"{r['worker_waiting']:.2f}",
                  "" if r["ranks_waiting"] is None else f"{r['ranks_waiting']:.2f}"]
                 for r in figures["rows"]]),
-        *ring_lines,
         "",
         *table("peak extra RSS per trainer rank (MiB, the most of any run; round 1 counts the trainer's buffers and "
                "one-time set-up)",

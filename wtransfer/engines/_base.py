@@ -191,9 +191,17 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
 
         The ``load_weights`` an engine sees is the framework's: in atomic rounds it writes into
         the node's staging copy (and ``destination(name)`` returns staging, so transports can
-        receive in place), in streaming rounds into the model. Call its ``validate_manifest``
-        (``validate_with_loader``) before writing anything, and raise if the round is not whole.
+        receive in place), in streaming rounds into the model. The framework has already checked
+        the round against the model (and a delta round's base) when this runs: a transport with
+        an accept/reject step asks :meth:`validate_round` before any byte moves, so a refusal
+        stops every worker cleanly. Raise if the round is not whole.
         """
+
+    def validate_round(self) -> None:
+        """Raise :class:`~wtransfer.errors.ManifestMismatchError` if this worker's model cannot
+        take the round being received (checked by the framework, with the real loader and the
+        delta base, before ``receive_weights`` ran, whatever the engine does with its loader)."""
+        round_state(self).validate_round()
 
     def finish_weight_update(self) -> None:
         """A round ended on every worker. The framework has already loaded a staged round into the

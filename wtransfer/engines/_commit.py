@@ -53,15 +53,33 @@ DEFAULT_COMMIT = "atomic"
 
 
 class _Loader:
-    """Base of the loaders the framework hands an engine: the real loader's checks, kept."""
+    """Base of the loaders the framework hands an engine: the real loader's checks, run once.
+
+    The framework runs ``validate_manifest`` itself before the engine's ``receive_weights``
+    (:meth:`RoundState.begin`); the engine's own call, if it makes one, gets the same verdict. A
+    round that was refused is refused by every write too, so an engine that never asked (it
+    wrapped the loader) still writes nothing.
+    """
 
     def __init__(self, real: Any) -> None:
         self.real = real
+        self.rejection: ManifestMismatchError | None = None
+        self._checked = False
 
     def validate_manifest(self, manifest: Manifest) -> None:
-        check = getattr(self.real, "validate_manifest", None)
-        if callable(check):
-            check(manifest)
+        if not self._checked:
+            self._checked = True
+            check = getattr(self.real, "validate_manifest", None)
+            try:
+                if callable(check):
+                    check(manifest)
+            except ManifestMismatchError as exc:
+                self.rejection = exc
+        self.refuse_if_rejected()
+
+    def refuse_if_rejected(self) -> None:
+        if self.rejection is not None:
+            raise ManifestMismatchError(str(self.rejection))
 
 
 class StreamingLoader(_Loader):
@@ -76,43 +94,67 @@ class StreamingLoader(_Loader):
         self._real_destination = real_destination
 
     def _destination(self, name: str) -> torch.Tensor | None:
+        self.refuse_if_rejected()
         target = self._real_destination(name)  # type: ignore[misc]
         if target is not None:
             self.touched = True  # the engine may write into it from now on
         return target
 
     def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        self.refuse_if_rejected()
         self.touched = True
         self.real(weights)
 
 
-class StagingLoader(_Loader):
-    """The node's stager: every tensor goes into the staging segment, in place where it can."""
+class AtomicLoader(_Loader):
+    """An atomic round: nothing reaches the model before commit.
 
-    def __init__(self, real: Any, staging: NodeStaging, manifest: Manifest) -> None:
+    Either the engine hands over a staged copy of its own (:func:`adopt_staged`: ``shm``, whose
+    trainer writes the round into shared memory every worker maps read-only), or the node's
+    workers elect a stager (:mod:`._staging`) at the first write: the stager's tensors go into the
+    node's staging copy (in place, through ``destination``, where the engine can), a follower's
+    are dropped (``discards``) and it maps the stager's copy read-only once the round is whole.
+    """
+
+    def __init__(self, real: Any, state: RoundState, manifest: Manifest) -> None:
         super().__init__(real)
-        self._staging = staging
+        self._state = state
         self._manifest = manifest
-        self.views: dict[str, torch.Tensor] | None = None
+        self._node: NodeStaging | None = None
+        self._views: dict[str, torch.Tensor] | None = None  # the stager's: where each tensor goes
         self._delivered: set[str] = set()
+        self.adopted: dict[str, torch.Tensor] | None = None
 
-    def validate_manifest(self, manifest: Manifest) -> None:
-        super().validate_manifest(manifest)
-        self._open()
+    def node(self) -> NodeStaging:
+        """This node's staging, elected at the first write (an engine that adopts never elects)."""
+        if self._node is None:
+            assert self._manifest.commit is not None
+            self._node = self._state.node_staging(self._manifest.commit.key)
+        return self._node
 
-    def _open(self) -> dict[str, torch.Tensor]:
-        if self.views is None:  # an engine that skips validation still stages
-            self.views = self._staging.begin(self._manifest)
-        return self.views
+    @property
+    def discards(self) -> bool:
+        """A follower: takes part in the transport, keeps nothing (read by the ``Unpacker``)."""
+        return not self.node().is_stager
+
+    def _stage(self) -> dict[str, torch.Tensor] | None:
+        """The stager's views of this round in the node's copy; None for a follower."""
+        self.refuse_if_rejected()
+        if self._views is None and self.node().is_stager:
+            self._views = self.node().begin(self._manifest)
+        return self._views
 
     def destination(self, name: str) -> torch.Tensor | None:
-        target = self._open().get(name)
+        views = self._stage()
+        target = None if views is None else views.get(name)
         if target is not None:
             self._delivered.add(name)  # written in place; the engine checks it got every byte
         return target
 
     def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        views = self._open()
+        views = self._stage()
+        if views is None:
+            return
         for name, tensor in weights:
             target = views.get(name)
             if target is None:
@@ -126,25 +168,52 @@ class StagingLoader(_Loader):
                 copy_tensor(target, tensor)
             self._delivered.add(name)
 
-    def check_complete(self) -> dict[str, torch.Tensor]:
-        views = self._open()
-        missing = [name for name in views if name not in self._delivered]
-        if missing:
-            raise TransferError(
-                f"round {self._manifest.version} ended with {len(missing)} of {len(views)} tensors never "
-                f"delivered (first: {missing[:3]})"
-            )
-        return views
+    def adopt(self, views: dict[str, torch.Tensor]) -> None:
+        self.refuse_if_rejected()
+        expected = [(e.name, e.torch_dtype(), e.shape) for e in self._manifest.entries]
+        got = [(name, t.dtype, tuple(t.shape)) for name, t in views.items()]
+        if got != expected or self._views is not None:
+            raise TransferError(f"round {self._manifest.version}: the engine's staged copy is not the round's "
+                                f"tensors (or the engine also delivered some through load_weights)")
+        self.adopted = views
+
+    def staged(self) -> dict[str, torch.Tensor]:
+        """The receive returned: the whole round, in a copy nothing changes before commit."""
+        if self.adopted is not None:
+            return self.adopted
+        version = self._manifest.version
+        if self.node().is_stager:
+            views = self._stage()
+            assert views is not None
+            missing = [name for name in views if name not in self._delivered]
+            if missing:
+                raise TransferError(f"round {version} ended with {len(missing)} of {len(views)} tensors never "
+                                    f"delivered (first: {missing[:3]})")
+            self.node().settle(version, None)
+            return views
+        assert self._manifest.commit is not None
+        return self.node().await_staged(self._manifest, self._manifest.commit.timeout_s)
+
+    def failed(self, exc: BaseException) -> None:
+        """Tell the node's followers (their await fails now, not at its timeout)."""
+        if self._views is not None and self._node is not None:
+            self._node.settle(self._manifest.version, f"the node's stager failed round {self._manifest.version}: {exc}")
 
 
-class DiscardingLoader(_Loader):
-    """A follower: takes part in the transport, keeps nothing (the node's stager keeps the copy)."""
+def adopt_staged(engine: Any, load_weights: Any, views: dict[str, torch.Tensor]) -> bool:
+    """Hand the framework a round that is already whole in memory nothing writes before commit.
 
-    discards = True
-    """Read by :class:`~wtransfer.engines._packing.Unpacker`: do not assemble what is thrown away."""
-
-    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        return None
+    For an engine whose transport ends in such a copy (``shm``: the trainer writes the round into
+    shared memory each worker maps read-only): an atomic round then commits from it, with no
+    staging copy of its own. Only the framework's own loader of an atomic round takes it; a loader
+    the engine wrapped (to rename, filter, log) must see every tensor, so this returns False and
+    the engine delivers ``views`` through ``load_weights`` as usual.
+    """
+    loader = round_state(engine).loader
+    if load_weights is not loader or not isinstance(loader, AtomicLoader):
+        return False
+    loader.adopt(views)
+    return True
 
 
 @dataclass
@@ -163,12 +232,14 @@ class RoundState:
         self.committed = 0  # the trainer's version of the last round loaded whole (0: the start-up weights)
         self.torn = False
         self.depth = 0  # > 0 while a wrapped method runs (super() calls pass through)
+        self.loader: Any = None  # what the engine got this round (a DeltaLoader in front, for a delta round)
         self._loader: _Loader | None = None
         self._manifest: Manifest | None = None
         self._received: _Received | None = None
         self._staging: NodeStaging | None = None
         self._warned_no_manifest = False
         self._delta_id: str | None = None  # the round being received: its delta id
+        self.rejection: ManifestMismatchError | None = None  # this round cannot be taken here
         self.delta_holds: str | None = None
         """The delta id of the last round committed here (None: none, or the model is torn since)."""
 
@@ -180,17 +251,32 @@ class RoundState:
     def begin(self, update_info: Any, real: Any) -> Any:
         """A round starts: the loader the engine writes through."""
         self._received = None  # an earlier round received but never committed is dropped
-        self._loader = None
+        self._loader = self.loader = self.rejection = None
         manifest = getattr(update_info, "parsed", None)
-        self._manifest = manifest if isinstance(manifest, Manifest) else None
+        wire = self._manifest = manifest if isinstance(manifest, Manifest) else None
         delta = self._manifest.delta if self._manifest is not None else None
         self._delta_id = delta.id if delta is not None else None
         if delta is not None:  # the loaders below see the tensors it rebuilds, whole
             from wtransfer.engines._delta_loader import DeltaLoader
 
-            wire, self._manifest = self._manifest, delta.target_manifest(self._manifest)
-            return DeltaLoader(self._begin(real), real, wire, self.delta_holds)
-        return self._begin(real)
+            self._manifest = delta.target_manifest(wire)
+            self.loader = DeltaLoader(self._begin(real), real, wire, self.delta_holds)
+        else:
+            self.loader = self._begin(real)
+        if wire is not None:
+            # Checked here, before the engine runs, whatever the engine later does with its loader:
+            # a round this model cannot take (or a delta against a base it does not hold) is refused
+            # before any byte moves; the engine hears the verdict from validate_round().
+            try:
+                self.loader.validate_manifest(wire)
+            except ManifestMismatchError as exc:
+                self.rejection = exc
+        return self.loader
+
+    def validate_round(self) -> None:
+        """Raise the framework's verdict on the round being received, if it refused it."""
+        if self.rejection is not None:
+            raise ManifestMismatchError(str(self.rejection))
 
     def _begin(self, real: Any) -> Any:
         plan = self._manifest.commit if self._manifest is not None else None
@@ -211,15 +297,12 @@ class RoundState:
             self._loader = StreamingLoader(real)
             return self._loader
         assert plan is not None and self._manifest is not None
-        staging = self._staging_for(plan.key)
-        staging.rejoin_if_orphaned()
-        if staging.is_stager:
-            self._loader = StagingLoader(real, staging, self._manifest)
-        else:
-            self._loader = DiscardingLoader(real)
+        self._loader = AtomicLoader(real, self, self._manifest)
         return self._loader
 
-    def _staging_for(self, key: str) -> NodeStaging:
+    def node_staging(self, key: str) -> NodeStaging:
+        """This node's staging for the trainer ``key`` (elected once per trainer; a follower whose
+        stager left between rounds elects again)."""
         from wtransfer.engines._staging import NodeStaging
 
         if self._staging is not None and self._staging.key != key:
@@ -227,30 +310,27 @@ class RoundState:
             self._staging = None
         if self._staging is None:
             self._staging = NodeStaging(key)
+        self._staging.rejoin_if_orphaned()
         return self._staging
 
     def received(self, real: Any) -> None:
         """The engine's receive returned: the round is whole here (and, staged, on this node)."""
         loader, manifest = self._loader, self._manifest
+        self.validate_round()  # an engine that ignored the verdict (and so wrote nothing) still fails the round
         if isinstance(loader, StreamingLoader):
             if loader.touched:  # the new bytes are in, but the round counts only at finish: until then
                 self.torn, self.delta_holds = True, None  # neither the old version nor (yet) a counted new one
             self._received = _Received(manifest, None, real, self._delta_id)
             return
-        assert manifest is not None and manifest.commit is not None and self._staging is not None
-        if isinstance(loader, StagingLoader):
-            staged = loader.check_complete()
-            self._staging.settle(manifest.version, None)
-        else:
-            staged = self._staging.await_staged(manifest, manifest.commit.timeout_s)
-        self._received = _Received(manifest, staged, real, self._delta_id)
+        assert isinstance(loader, AtomicLoader) and manifest is not None
+        self._received = _Received(manifest, loader.staged(), real, self._delta_id)
 
     def failed(self, exc: BaseException) -> BaseException:
         """The round failed on this worker: tell the node's followers, say what the model holds."""
         loader, manifest = self._loader, self._manifest
         version = manifest.version if manifest is not None else "?"
-        if isinstance(loader, StagingLoader) and self._staging is not None and manifest is not None:
-            self._staging.settle(manifest.version, f"the node's stager failed round {version}: {exc}")
+        if isinstance(loader, AtomicLoader):
+            loader.failed(exc)
         if isinstance(loader, StreamingLoader) and loader.touched:
             self.torn = True
         if self.torn:
@@ -272,7 +352,7 @@ class RoundState:
         if self.torn:
             logger.error("%s: round %s failed; the model is torn until a complete round lands: %s",
                          self.owner, version, exc)
-        elif isinstance(loader, (StagingLoader, DiscardingLoader)):
+        elif isinstance(loader, AtomicLoader):
             logger.warning("%s: round %s failed before commit; the model still holds version %d: %s",
                            self.owner, version, self.committed, exc)
         self._loader = None

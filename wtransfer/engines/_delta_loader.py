@@ -64,9 +64,20 @@ class DeltaLoader:
         self.discards = getattr(inner, "discards", False) is True
         """A node's follower: the stager rebuilds and checks; this worker only checks its base."""
         self._validated = False
+        self._rejection: ManifestMismatchError | None = None
 
     def validate_manifest(self, manifest: Manifest) -> None:
-        """Before any byte moves: this worker holds the base the round is against (or it is full)."""
+        """Before any byte moves: this worker holds the base the round is against (or it is full).
+        Checked once (the framework asks first); later calls get the same verdict."""
+        if self._rejection is None and not self._validated:
+            try:
+                self._validate(manifest)
+            except ManifestMismatchError as exc:
+                self._rejection = exc
+        if self._rejection is not None:
+            raise ManifestMismatchError(str(self._rejection))
+
+    def _validate(self, manifest: Manifest) -> None:
         plan = self.plan
         if plan.base is not None:
             if self._holds != plan.base:
@@ -105,6 +116,8 @@ class DeltaLoader:
                     f"(changed outside wtransfer?): a full round is needed")
 
     def _require_validated(self) -> None:
+        if self._rejection is not None:
+            raise ManifestMismatchError(str(self._rejection))
         if self.plan.base is not None and not self._validated:  # an engine that skipped validate_manifest
             raise ManifestMismatchError(f"delta round {self.plan.id} arrived without its base checked (the engine "
                                         f"did not call validate_manifest): nothing was written")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from wtransfer.engines._manifest import Manifest, dtype_name
-from wtransfer.engines._packing import copy_tensor
+from wtransfer.engines._packing import PARALLEL_CHUNK, copy_parallel, copy_tensor
 from wtransfer.errors import ManifestMismatchError
 
 if TYPE_CHECKING:
@@ -61,17 +61,23 @@ class ModuleLoader:
     def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         import torch
 
+        pairs = []
+        for name, tensor in weights:  # every tensor checked before any is written
+            target = self._targets.get(name)
+            if target is None:
+                raise ManifestMismatchError(f"unknown tensor {name!r} for {type(self.module).__name__}")
+            if target.shape != tensor.shape or target.dtype != tensor.dtype:
+                raise ManifestMismatchError(
+                    f"{name!r}: got {tensor.dtype} {list(tensor.shape)}, "
+                    f"model has {target.dtype} {list(target.shape)}"
+                )
+            pairs.append((target, tensor))
         with torch.no_grad():
-            for name, tensor in weights:
-                target = self._targets.get(name)
-                if target is None:
-                    raise ManifestMismatchError(f"unknown tensor {name!r} for {type(self.module).__name__}")
-                if target.shape != tensor.shape or target.dtype != tensor.dtype:
-                    raise ManifestMismatchError(
-                        f"{name!r}: got {tensor.dtype} {list(tensor.shape)}, "
-                        f"model has {target.dtype} {list(target.shape)}"
-                    )
-                copy_tensor(target, tensor)
+            if sum(t.numel() * t.element_size() for _, t in pairs) >= 2 * PARALLEL_CHUNK:
+                copy_parallel(pairs)  # a whole staged round at commit: nothing else runs beside it
+            else:
+                for target, tensor in pairs:
+                    copy_tensor(target, tensor)
 
 
 def module_loader(module: torch.nn.Module, *, strict: bool = True) -> ModuleLoader:
@@ -80,7 +86,10 @@ def module_loader(module: torch.nn.Module, *, strict: bool = True) -> ModuleLoad
 
 
 def validate_with_loader(load_weights: Any, manifest: Manifest) -> None:
-    """Let a manifest-aware loader reject the round before any byte is received."""
+    """Let a manifest-aware loader reject the round before any byte is received.
+
+    Inside ``receive_weights`` an engine asks ``self.validate_round()`` instead: the framework
+    checked the round before the engine ran, also when the engine wrapped its loader."""
     check = getattr(load_weights, "validate_manifest", None)
     if callable(check):
         check(manifest)

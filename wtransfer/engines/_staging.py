@@ -9,13 +9,15 @@ so the workers of one trainer on one node share it:
   segment (``memfd``: never a name in ``/dev/shm``, gone with its last mapping) and writes the
   round into it while its engine receives;
 * the others (**followers**) take part in the transport as usual but keep nothing; when their
-  own receive ends they ask the stager whether the round landed whole, and it answers with the
-  segment's descriptor (``SCM_RIGHTS``) or the reason it did not.
+  own receive ends they ask the stager whether the round landed whole, and it answers with a
+  read-only descriptor of the segment (``SCM_RIGHTS``; they map it read-only) or the reason it did not.
 
 At commit every worker copies from the same pages into its own model. A stager that dies
 closes the socket, so its followers fail the round at once instead of waiting. Both sides check
 the other's user id (``SO_PEERCRED``): abstract names are visible to every user of the host.
-Where the kernel has no abstract sockets (not Linux) every worker stages for itself.
+Where the kernel has no abstract sockets (not Linux) every worker stages for itself. An engine
+whose transport already ends in such a copy hands it over instead (``shm``: see
+:func:`wtransfer.engines._commit.adopt_staged`), and no worker stages.
 """
 
 from __future__ import annotations
@@ -85,25 +87,60 @@ def peer_uid(sock: socket.socket) -> int | None:
     return uid
 
 
-class _Segment:
-    """A mapped ``memfd`` (the descriptor is kept so it can be handed to followers)."""
+def read_only_fd(fd: int) -> int:
+    """A new descriptor of ``fd``'s memory opened read-only: what a process that only reads a
+    staged round gets, so it can map it read-only and never map it writable (Linux; elsewhere a dup)."""
+    if os.path.isdir("/proc/self/fd"):
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    return os.dup(fd)  # pragma: no cover - not Linux
 
-    def __init__(self, fd: int, size: int) -> None:
+
+MADV_POPULATE_WRITE = 23
+"""Linux >= 5.14: fault every page in writable, its content unchanged (Python 3.11 has no name for it)."""
+
+
+def map_shared(fd: int, size: int, writable: bool) -> mmap.mmap:
+    """Map ``size`` bytes of ``fd`` shared, every page faulted in now (so no round pays for it):
+    read-only mappings with ``MAP_POPULATE``, writable ones with ``MADV_POPULATE_WRITE`` (a page
+    populated for reading would still take a fault at its first write)."""
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (0 if writable else populate), prot=prot)
+    if writable:
+        try:
+            mapped.madvise(MADV_POPULATE_WRITE)
+        except (OSError, ValueError, AttributeError):  # an older kernel: the first writes fault instead
+            pass
+    return mapped
+
+
+class SharedSegment:
+    """A mapped ``memfd`` holding one staged round (the descriptor is kept to hand it on).
+
+    Mapped read-only where it was handed over read-only (:func:`read_only_fd`): a process that
+    only commits from the round cannot change it, and a stray write there faults instead of
+    altering what another worker commits. Populated when mapped: no round pays its page faults.
+    """
+
+    def __init__(self, fd: int, size: int, writable: bool = True) -> None:
+        import warnings
+
         import torch
 
         self.fd = fd
         self.size = size
         try:
             self.inode = os.fstat(fd).st_ino
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self._map: mmap.mmap | None = mmap.mmap(fd, max(size, 1), flags=flags)
+            self._map: mmap.mmap | None = map_shared(fd, max(size, 1), writable)
         except BaseException:
             os.close(fd)
             raise
-        self.data = torch.frombuffer(self._map, dtype=torch.uint8)[:size]
+        with warnings.catch_warnings():  # torch warns that it cannot mark the tensor read-only: the mapping is
+            warnings.simplefilter("ignore", UserWarning)
+            self.data = torch.frombuffer(self._map, dtype=torch.uint8)[:size]
 
     @classmethod
-    def create(cls, size: int) -> _Segment:
+    def create(cls, size: int) -> SharedSegment:
         return cls(create_memfd(max(size, 1), "wtransfer-staging"), size)
 
     def views(self, manifest: Manifest, layout: tuple[list[int], int] | None = None) -> dict[str, torch.Tensor]:
@@ -142,7 +179,7 @@ class NodeStaging:
 
     def __init__(self, key: str) -> None:
         self.key = key
-        self.segment: _Segment | None = None
+        self.segment: SharedSegment | None = None
         self._server: socket.socket | None = None
         self._channel: ControlChannel | None = None  # a follower's connection to the stager
         self._lock = threading.Condition()
@@ -223,7 +260,7 @@ class NodeStaging:
                 old, self.segment = self.segment, None
                 if old is not None:
                     old.close()
-                self.segment = _Segment.create(total)
+                self.segment = SharedSegment.create(total)
                 logger.debug("node staging %s: %d-byte segment", self.key, total)
             return self.segment.views(manifest, layout)
 
@@ -270,7 +307,7 @@ class NodeStaging:
                         or any(v > version for v in self._outcomes), timeout_s)
                     outcome = self._outcomes.get(version)
                     segment = self.segment
-                    fd = os.dup(segment.fd) if outcome is not None and outcome.error is None and segment else -1
+                    fd = read_only_fd(segment.fd) if outcome is not None and outcome.error is None and segment else -1
                 try:
                     if outcome is None or segment is None:
                         why = "the stager timed out waiting for it" if not settled else "the stager moved on or closed"
@@ -315,7 +352,7 @@ class NodeStaging:
                 if self.segment is not None:
                     self.segment.close()
                 self.segment = None
-                self.segment = _Segment(fds.pop(), int(reply["size"]))
+                self.segment = SharedSegment(fds.pop(), int(reply["size"]), writable=False)
             return self.segment.views(manifest)
         finally:
             for fd in fds:

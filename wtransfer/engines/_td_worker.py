@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from wtransfer.engines._base import LoadWeights, WeightTransferEngine
 from wtransfer.engines._digests import RoundDigests, check, from_words
-from wtransfer.engines._loader import validate_with_loader
 from wtransfer.engines._manifest import Manifest
 from wtransfer.engines._packing import Bucket, Unpacker, plan_buckets
 from wtransfer.engines._protocol import RoundCalledOff, gc_paused
@@ -119,7 +118,7 @@ class TorchDistributedWeightTransferEngine(
         info, manifest = self._info, update_info.parsed
         rejection: TransferError | None = None
         try:
-            validate_with_loader(load_weights, manifest)
+            self.validate_round()
         except ManifestMismatchError as exc:
             rejection = exc
         layouts = None

@@ -454,6 +454,7 @@ class TrainerWeightTransferEngine(ABC):
             call.result(self.timeout_s)
             if self.cast.dtype is None:  # the user's dtype needs no agreement on what the workers load
                 self.cast = CastPlan(agreed(self.served_answers), None)
+            self.connected()
         except BaseException as exc:
             if self.told_ranks and self.agreement is not None:
                 # The other ranks are joining the transport this closes: they hear why first.
@@ -764,6 +765,10 @@ class TrainerWeightTransferEngine(ABC):
     @abstractmethod
     def release(self) -> None:
         """Free buffers, sockets and groups (idempotent: it may run twice, and before any prepare)."""
+
+    def connected(self) -> None:
+        """Every worker joined and said what it loads (``self.cast`` is final): allocate what depends
+        on the round's size. The default does nothing."""
 
     def open_senders(self) -> dict[str, Any]:
         """Backends with a ``sender_cls``: the JSON-safe dict the other trainer ranks join with."""

@@ -231,6 +231,7 @@ class EngineConformance:
 
         with self._pool(engine_options) as pool:
             victim = pool.processes[-1]
+            held = pool.digests()[:-1]  # what the survivors hold before the round
             fds_before, shm_before = open_fd_count(), _shm_names()
             source = _KillsMidRound(matrix_model(seed=1), victim.pid)
             trainer = self._trainer(pool, source, trainer_init_info, "atomic")
@@ -256,6 +257,11 @@ class EngineConformance:
                     f"at most {fds_before} open", open_fd_count())
             left = shm_left_since(shm_before)
             require(not left, "a failed round leaves nothing in /dev/shm", "no new names", left)
+            pool.restart(self.num_workers - 1)  # the survivors answer only beside a live pool
+            survivors = pool.digests()[:-1]
+            require(survivors == held, "an atomic round a worker died in changes no surviving worker's model",
+                    "the survivors' weights as before the round", "changed tensors: " + str(
+                        [sorted(n for n in before if got.get(n) != before[n]) for got, before in zip(survivors, held)]))
 
     def test_reconnects_to_workers_that_restarted(
         self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any]
