@@ -19,7 +19,7 @@ import wtransfer
 from wtransfer.engines import WeightSource
 from wtransfer.engines.wire import Manifest, TensorEntry
 from wtransfer.engines._source import TensorSource
-from wtransfer.engines._staging import staging_segments
+from wtransfer._probes import staging_segments
 from wtransfer.errors import ManifestMismatchError, TransferError, WeightsTornError
 from wtransfer.local import LocalWorkerPool
 from wtransfer.testing.models import build_model, digests, mutate

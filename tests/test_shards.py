@@ -40,8 +40,10 @@ def _layouts_rank(rank: int, port: int, conn: Any) -> None:
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
         from wtransfer.engines._manifest import build_manifest, entry_for
-        from wtransfer.engines._packing import Packer, plan_buckets
-        from wtransfer.engines._shards import UnsupportedPlacement, rank_parts, write_bucket
+        from wtransfer.engines._packing import Packer
+        from wtransfer.engines._shards import UnsupportedPlacement, rank_parts, write_part
+        from wtransfer.engines._staging import staging_offsets
+        from wtransfer.engines.shm import segment_pieces
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                                 timeout=datetime.timedelta(seconds=60))
@@ -77,23 +79,21 @@ def _layouts_rank(rank: int, port: int, conn: Any) -> None:
             "one_row": distribute_tensor(whole["one_row"], hsdp, [Shard(0), Shard(1)]),
         }
         manifest = build_manifest([entry_for(n, t) for n, t in whole.items()], 1)
-        for bucket_bytes in (4096, 1 << 20):  # split mid-row across buckets, and all in one
-            buckets = plan_buckets(manifest.entries, bucket_bytes)
-            mine = torch.zeros(len(buckets), bucket_bytes, dtype=torch.uint8)
-            parts = rank_parts(placed.items(), rank, manifest.entries)
-            for bucket in buckets:
-                write_bucket(bucket, mine[bucket.index], manifest.entries, parts)
-            summed = mine.to(torch.int32)
-            dist.all_reduce(summed)
-            expected = torch.zeros(len(buckets), bucket_bytes, dtype=torch.uint8)
-            packer = Packer(manifest, iter(whole.items()))
-            for bucket in buckets:
-                packer.pack(bucket, expected[bucket.index])
-            for bucket in buckets:
-                got = summed[bucket.index, : bucket.nbytes]
-                if not torch.equal(got, expected[bucket.index, : bucket.nbytes].to(torch.int32)):
-                    raise AssertionError(f"bucket_bytes {bucket_bytes}: bucket {bucket.index} differs "
-                                         f"(max {int(got.max())}: a byte written twice?)")
+        offsets, total = staging_offsets(manifest.entries)  # the staged round, as shm's ranks write it
+        mine = torch.zeros(total, dtype=torch.uint8)
+        parts = rank_parts(placed.items(), rank, manifest.entries)
+        for entry, offset, part in zip(manifest.entries, offsets, parts):
+            if part is not None and entry.nbytes:
+                write_part(mine[offset : offset + entry.nbytes], 0, part)
+        summed = mine.to(torch.int32)
+        dist.all_reduce(summed)
+        expected = torch.zeros(total, dtype=torch.uint8)  # one unsharded writer
+        Packer(manifest, iter(whole.items())).pack_staged(segment_pieces(manifest), expected)
+        if not torch.equal(summed, expected.to(torch.int32)):
+            wrong = [e.name for e, o in zip(manifest.entries, offsets)
+                     if not torch.equal(summed[o : o + e.nbytes], expected[o : o + e.nbytes].to(torch.int32))]
+            raise AssertionError(f"the ranks' parts differ from the unsharded round in {wrong} "
+                                 f"(max {int(summed.max())}: a byte written twice?)")
         two_dims = distribute_tensor(value(8, 8), hsdp, [Shard(0), Shard(1)])
         try:
             rank_parts([("two_dims", two_dims)], rank)
@@ -106,7 +106,7 @@ def _layouts_rank(rank: int, port: int, conn: Any) -> None:
         conn.send_bytes(json.dumps(["error", traceback.format_exc()]).encode())
 
 
-def test_every_rank_writing_its_shards_gives_the_unsharded_buckets_byte_for_byte() -> None:
+def test_every_rank_writing_its_shards_gives_the_unsharded_round_byte_for_byte() -> None:
     port = _free_port()
     pipes, processes = [], []
     for rank in range(WORLD):

@@ -100,7 +100,7 @@ def run_engine(
     """
     from wtransfer._probes import PeakRss
     from wtransfer.engines._source import ModuleSource
-    from wtransfer.engines._staging import staging_segments
+    from wtransfer._probes import staging_segments
     from wtransfer.engines._trainer import create_trainer
     from wtransfer.local import LocalWorkerPool
 

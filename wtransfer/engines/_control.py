@@ -1,6 +1,6 @@
 """Small JSON control messages over a stream socket (length-prefixed frames, never pickle).
 
-Used by the ``shm`` engine for bucket hand-off; a frame may carry file descriptors
+Used by the ``shm`` engine and node staging; a frame may carry file descriptors
 (``SCM_RIGHTS``) so a shared-memory segment can be handed over without ever having a
 name on disk.
 """
@@ -115,13 +115,6 @@ class ControlChannel:
     def take_fds(self) -> list[int]:
         fds, self._fds = self._fds, []
         return fds
-
-    def take_fd(self) -> int:
-        """The oldest descriptor received and not taken yet: one per message that carried one,
-        in the order they came, however the reads grouped them."""
-        if not self._fds:
-            raise TransferError(f"{self.peer} sent a message that should carry a descriptor, without one")
-        return self._fds.pop(0)
 
     def close(self) -> None:
         for fd in self.take_fds():

@@ -1,8 +1,8 @@
-"""Which bytes of a round each trainer rank holds, and writing them straight into a bucket.
+"""Which bytes of a round each trainer rank holds, and writing them straight into place.
 
 A sharded trainer's ranks can send a round without a single gather: each writes the part of
-every tensor it holds at that part's place in the round's bucket layout, and the buckets the
-workers receive are byte for byte what one unsharded sender would have packed. This module
+every tensor it holds at that part's place (in the staged round on ``shm``, in a bucket on ``gloo``),
+and what the workers receive is byte for byte what one unsharded sender would have written. This module
 says, for one rank, what its part of each tensor is (:func:`rank_parts`) and writes it into any
 byte range of the tensor (:func:`write_part`).
 
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from wtransfer.engines._cast import matches_dtype, wire_bytes
 from wtransfer.engines._manifest import TensorEntry
-from wtransfer.engines._packing import Bucket, copy_tensor
+from wtransfer.engines._packing import copy_tensor
 from wtransfer.errors import TransferError
 
 if TYPE_CHECKING:
@@ -212,15 +212,6 @@ def write_part(dst: torch.Tensor, start: int, part: LocalPart) -> None:
     low, high = part_span(start, start + dst.numel(), width, first, end)
     if low < high:
         place_part(dst, start, width, first, end, part_range(part, low, high))
-
-
-def write_bucket(bucket: Bucket, data: torch.Tensor, entries: tuple[TensorEntry, ...],
-                 parts: list[LocalPart | None]) -> None:
-    """Write this rank's parts of ``bucket`` into ``data`` (the bucket's bytes)."""
-    for piece in bucket.pieces:
-        part = parts[piece.index]
-        if part is not None and piece.length:
-            write_part(data[piece.offset : piece.offset + piece.length], piece.start, part)
 
 
 def entries_digest(entries: Iterable[TensorEntry]) -> str:

@@ -384,22 +384,3 @@ class NodeStaging:
             self.segment.close()
             self.segment = None
 
-
-def staging_segments(pids: list[int]) -> dict[int, int]:
-    """inode -> size of every node staging segment the processes ``pids`` map (Linux).
-
-    How a benchmark or a test sees that a node holds one staged copy however many workers it runs.
-    """
-    found: dict[int, int] = {}
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/maps") as handle:
-                lines = handle.readlines()
-        except OSError:
-            continue
-        for line in lines:
-            parts = line.split()
-            if len(parts) >= 6 and parts[5] == "/memfd:wtransfer-staging":
-                start, end = (int(x, 16) for x in parts[0].split("-"))
-                found[int(parts[4])] = max(found.get(int(parts[4]), 0), end - start)
-    return found
