@@ -281,7 +281,7 @@ def test_a_worker_cannot_write_into_the_staged_round_it_commits_from(backend: st
     """shm: every worker maps the trainer's staged round read-only; gloo: the node's follower maps its
     stager's copy read-only. A write into it faults (in a forked child of the worker, which the fault
     kills) instead of changing what another worker commits, and the round commits bit-exact everywhere.
-    Broken by: handing out the writable descriptor (the write lands and the models differ)."""
+    Broken by: a writable mapping there (the write lands, and with it the models would differ)."""
     import signal
 
     from wtransfer.engines._commit import round_state
@@ -357,8 +357,9 @@ def test_the_nodes_stager_dying_fails_the_round_and_the_next_lands_on_the_surviv
     """gloo, two workers on one node: one stages the atomic round for both. SIGKILLed mid-receive or
     between receive and commit, the round fails within ``timeout_s`` naming it, the survivor's model
     is untouched (round 1, bit for bit, version 1), and after a restart and ``reconnect()`` the next
-    round lands bit-exact on both. Broken by: a follower that commits a round its stager did not
-    finish, or a pool that commits on some workers while another is dead."""
+    round lands bit-exact on both. Broken by: a follower that commits a round the transport did not
+    bring whole, or a pool that commits on some workers while another is dead; a death noticed only
+    at a timeout fails the time check."""
     import time
 
     model = trainer_model()

@@ -196,7 +196,7 @@ class AtomicLoader(_Loader):
 
     def failed(self, exc: BaseException) -> None:
         """Tell the node's followers (their await fails now, not at its timeout)."""
-        if self._views is not None and self._node is not None:
+        if self._node is not None and self._node.is_stager:
             self._node.settle(self._manifest.version, f"the node's stager failed round {self._manifest.version}: {exc}")
 
 

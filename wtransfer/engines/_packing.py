@@ -145,18 +145,16 @@ def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
 PARALLEL_CHUNK = 32 << 20
 """Bytes per job of :func:`copy_parallel`: large enough that a job's overhead vanishes, small enough
 that one large tensor spreads over every thread."""
-_copy_pool: Any = None
-
 
 class ParallelCopier:
-    """Copies spread over this machine's cores (at most 8 threads) in chunks of ``PARALLEL_CHUNK``
-    bytes, as :func:`copy_tensor` does them; :meth:`finish` waits for them.
+    """Copies spread over the cores this process may use (at most 8 threads) in chunks of
+    ``PARALLEL_CHUNK`` bytes, as :func:`copy_tensor` does them; :meth:`finish` waits for them.
 
     For copies that nothing else runs beside: an atomic round's write into its staged copy, and its
-    commit. There one thread leaves the other cores idle (two threads copied 1 GB at 1.9 x one
-    thread's rate on a 2-core Xeon); a streamed round's copies overlap the other side's instead and
-    stay on one thread. Copies that are not plain memcpys (casts, strides) run at once, on torch's
-    threads. ``limit_bytes``: at most that many bytes in flight (the sources are held until copied).
+    commit. There one thread leaves the other cores and part of the memory bandwidth idle; a
+    streamed round's bucket copies overlap the other side's instead and stay on one thread. Copies
+    that are not plain memcpys (casts, strides) run at once, on torch's threads. ``limit_bytes``:
+    at most that many bytes in flight (the sources are held until copied).
     """
 
     _pool: Any = None
@@ -195,8 +193,15 @@ class ParallelCopier:
         job.result()  # numpy releases the GIL while it copies
 
     def finish(self) -> None:
+        """Wait for every copy (none still writes once this returns or raises); the first error raises."""
+        error: BaseException | None = None
         while self._jobs:
-            self._wait_oldest()
+            try:
+                self._wait_oldest()
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
 
     @classmethod
     def _executor(cls) -> Any:
@@ -204,12 +209,18 @@ class ParallelCopier:
             import os
             from concurrent.futures import ThreadPoolExecutor
 
-            cls._pool = ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, 8), thread_name_prefix="wtransfer-copy")
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            cls._pool = ThreadPoolExecutor(max_workers=max(1, min(cores, 8)), thread_name_prefix="wtransfer-copy")
+            os.register_at_fork(after_in_child=cls._forget_pool)  # a forked child has none of its threads
         return cls._pool
+
+    @classmethod
+    def _forget_pool(cls) -> None:
+        cls._pool = None
 
 
 def copy_parallel(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Every ``dst.copy_(src)`` of ``pairs``, on every core (see :class:`ParallelCopier`)."""
+    """Every ``dst.copy_(src)`` of ``pairs``, on several cores (see :class:`ParallelCopier`)."""
     copier = ParallelCopier()
     try:
         for dst, src in pairs:
@@ -324,15 +335,19 @@ class Packer:
             self.digests.update_pieces(bucket.pieces, data, buffer)
         return read
 
-    def pack_staged(self, pieces: list[Piece], data: torch.Tensor, limit_bytes: int = 256 << 20) -> None:
+    def pack_staged(self, pieces: list[Piece], data: torch.Tensor, limit_bytes: int = 256 << 20,
+                    tick: Callable[[], None] | None = None) -> None:
         """Write whole tensors at their places in ``data`` (a staged round: nothing reads it before the
-        end) on every core (:class:`ParallelCopier`), at most ``limit_bytes`` of the source held."""
+        end) on several cores (:class:`ParallelCopier`), at most ``limit_bytes`` of the source held;
+        ``tick()`` after each tensor (a long write tells the workers it goes on)."""
         copier = ParallelCopier(limit_bytes)
         try:
             for piece in pieces:
                 tensor = self._advance_to(piece.index)
                 if piece.length:
                     copier.copy(_typed_view(data, piece, self._entries[piece.index]), tensor)
+                if tick is not None:
+                    tick()
         finally:
             copier.finish()
         if self.digests is not None:

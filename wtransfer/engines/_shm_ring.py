@@ -122,9 +122,10 @@ class SharedMemorySender:
         assert self._channel is not None
         while True:
             message = self._channel.recv(wait)
-            if message.get("attempt") != attempt:
-                for fd in self._channel.take_fds():
-                    os.close(fd)
+            if message.get("attempt") != attempt:  # an earlier, failed round's; its segment is rank 0's still
+                if message.get("op") == "go":
+                    self._segment = SharedSegment.handed_over(self._segment, self._channel.take_fds(),
+                                                              int(message["size"]), writable=True)
                 continue
             if message.get("op") == "abort":
                 raise TrainerAborted(f"trainer rank 0 aborted the round: {message.get('reason')}")
@@ -181,16 +182,7 @@ class SharedMemorySender:
     def _map_segment(self, size: int) -> None:
         """Map the segment that came with rank 0's ``go`` (a new one: the first round, or grown)."""
         assert self._channel is not None
-        fds = self._channel.take_fds()
-        try:
-            if fds:
-                if self._segment is not None:
-                    self._segment.close()
-                self._segment = None
-                self._segment = SharedSegment(fds.pop(), size, writable=True)
-        finally:
-            for fd in fds:
-                os.close(fd)
+        self._segment = SharedSegment.handed_over(self._segment, self._channel.take_fds(), size, writable=True)
         if self._segment is None:
             raise TransferError("protocol violation: rank 0 said go without its segment")
 

@@ -129,6 +129,7 @@ class SharedSegment:
 
         self.fd = fd
         self.size = size
+        self.writable = writable
         try:
             self.inode = os.fstat(fd).st_ino
             self._map: mmap.mmap | None = map_shared(fd, max(size, 1), writable)
@@ -142,6 +143,21 @@ class SharedSegment:
     @classmethod
     def create(cls, size: int) -> SharedSegment:
         return cls(create_memfd(max(size, 1), "wtransfer-staging"), size)
+
+    @classmethod
+    def handed_over(cls, current: SharedSegment | None, fds: list[int], size: int,
+                    writable: bool) -> SharedSegment | None:
+        """The segment a peer sent with a message (``fds``: what came with it, all closed or kept
+        here), replacing ``current``; ``current`` when it sent none."""
+        try:
+            if not fds:
+                return current
+            if current is not None:
+                current.close()
+            return cls(fds.pop(), size, writable)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def views(self, manifest: Manifest, layout: tuple[list[int], int] | None = None) -> dict[str, torch.Tensor]:
         """Every tensor of the round as a typed view of this segment, in manifest order
@@ -256,7 +272,8 @@ class NodeStaging:
         total = layout[1]
         with self._lock:
             self._outcomes.pop(manifest.version, None)
-            if self.segment is None or self.segment.size < total:
+            if self.segment is None or self.segment.size < total or not self.segment.writable:
+                # (a follower elected stager maps its old stager's copy read-only: it stages anew)
                 old, self.segment = self.segment, None
                 if old is not None:
                     old.close()
@@ -348,11 +365,10 @@ class NodeStaging:
                 raise TransferError(f"round {version} did not reach this node whole: {reply.get('error')}")
             if len(fds) != 1:
                 raise TransferError(f"the node's stager sent {len(fds)} descriptors, expected one")
-            if self.segment is None or self.segment.inode != os.fstat(fds[0]).st_ino:
-                if self.segment is not None:
-                    self.segment.close()
-                self.segment = None
-                self.segment = SharedSegment(fds.pop(), int(reply["size"]), writable=False)
+            if self.segment is not None and self.segment.inode == os.fstat(fds[0]).st_ino:
+                os.close(fds.pop())  # the copy it maps already
+            self.segment = SharedSegment.handed_over(self.segment, fds, int(reply["size"]), writable=False)
+            assert self.segment is not None
             return self.segment.views(manifest)
         finally:
             for fd in fds:

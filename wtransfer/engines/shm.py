@@ -206,16 +206,9 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         """The trainer wrote the whole round into its segment: check it, then commit from it (adopted)
         or hand its tensors to ``load_weights`` (a streamed round, or a loader the engine wrapped)."""
         assert self._channel is not None
-        fds = self._channel.take_fds()
-        try:
-            if fds:  # a new segment (the first staged round, or one that had to grow)
-                if self._staged is not None:
-                    self._staged.close()
-                self._staged = None
-                self._staged = SharedSegment(fds.pop(), int(message["size"]), writable=False)
-        finally:
-            for fd in fds:
-                os.close(fd)
+        # a new segment comes with the first staged round, or one that had to grow
+        self._staged = SharedSegment.handed_over(self._staged, self._channel.take_fds(), int(message["size"]),
+                                                 writable=False)
         if self._staged is None:
             raise TransferError("protocol violation: a staged round without the trainer's segment")
         views = self._staged.views(manifest)
@@ -539,27 +532,23 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
 
     def tell_workers(self, message: dict[str, Any], version: int, fds: Callable[[int], list[int]] | None = None) -> None:
         """Send ``message`` to every worker (with ``fds(rank)``, if given); one that died fails the round."""
-        for rank, channel in self._channels.items():
-            handed = fds(rank) if fds is not None else []
-            try:
-                channel.send(message, fds=handed, timeout=self.timeout_s)
-            except PeerClosedError as exc:
-                raise TransferError(f"shm worker rank {rank} died during round {version}: {exc}") from exc
-            finally:
-                for fd in handed:  # the peer has its own copy now
-                    os.close(fd)
+        self._tell(self._channels, message, fds, "shm worker rank", f"round {version}")
 
     def tell_senders(self, message: dict[str, Any], fds: Callable[[int], list[int]] | None = None) -> None:
         """Send ``message`` to the other trainer ranks (it names this attempt: a sender skips stale ones)."""
         message["attempt"] = self._attempt
-        for rank, channel in self._senders.items():
+        self._tell(self._senders, message, fds, "trainer rank", "the round")
+
+    def _tell(self, peers: dict[int, ControlChannel], message: dict[str, Any], fds: Callable[[int], list[int]] | None,
+              who: str, during: str) -> None:
+        for rank, channel in peers.items():
             handed = fds(rank) if fds is not None else []
             try:
                 channel.send(message, fds=handed, timeout=self.timeout_s)
             except PeerClosedError as exc:
-                raise TransferError(f"trainer rank {rank} died during the round: {exc}") from exc
+                raise TransferError(f"{who} {rank} died during {during}: {exc}") from exc
             finally:
-                for fd in handed:
+                for fd in handed:  # the peer has its own copy now
                     os.close(fd)
 
     def stop_senders(self, reason: str) -> None:
@@ -684,7 +673,14 @@ class _Round:
                     digests.update_pieces(pieces, segment.data)
             else:
                 packer = Packer(manifest, iter(trainer.source), digests, trainer.source_entries)
-                packer.pack_staged(pieces, segment.data)
+                told = [time.monotonic()]
+
+                def tick() -> None:  # a write longer than timeout_s / 4: the workers hear it goes on
+                    if time.monotonic() - told[0] > trainer.timeout_s / 4:
+                        trainer.tell_workers({"op": "progress"}, manifest.version)
+                        told[0] = time.monotonic()
+
+                packer.pack_staged(pieces, segment.data, tick=tick)
                 packer.drain()
             values = digests.digests() if digests is not None else None
         finally:
