@@ -334,9 +334,16 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
 
     def connected(self) -> None:
         """The workers said what they load: a staged trainer allocates its segment now, pre-faulted,
-        so that no round (the first included) pays its page faults."""
-        if not self.uses_ring:
-            self._segment_for(staging_offsets(self.cast.entries(self.source.metadata()))[1])
+        so that no round (the first included) pays its page faults; a source that cannot say
+        what it holds before its first round gets it then."""
+        if self.uses_ring:
+            return
+        try:
+            entries = self.cast.entries(self.source.metadata())
+        except Exception as exc:  # a source that knows its tensors only once a round starts (TRL's stream)
+            logger.debug("shm trainer: the staged copy is sized at the first round (%s: %s)", type(exc).__name__, exc)
+            return
+        self._segment_for(staging_offsets(entries)[1])
 
     def _segment_for(self, size: int) -> SharedSegment:
         """The staged round's segment, at least ``size`` bytes (reused; replaced when too small)."""
