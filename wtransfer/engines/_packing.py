@@ -158,6 +158,7 @@ class ParallelCopier:
     """
 
     _pool: Any = None
+    _forks_watched = False
 
     def __init__(self, limit_bytes: int | None = None) -> None:
         from collections import deque
@@ -210,8 +211,10 @@ class ParallelCopier:
             from concurrent.futures import ThreadPoolExecutor
 
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            if not cls._forks_watched:
+                os.register_at_fork(after_in_child=cls._forget_pool)  # a forked child has none of its threads
+                cls._forks_watched = True
             cls._pool = ThreadPoolExecutor(max_workers=max(1, min(cores, 8)), thread_name_prefix="wtransfer-copy")
-            os.register_at_fork(after_in_child=cls._forget_pool)  # a forked child has none of its threads
         return cls._pool
 
     @classmethod

@@ -584,7 +584,8 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         for channel in [*getattr(self, "_channels", {}).values(), *getattr(self, "_senders", {}).values()]:
             channel.close()
         self._channels, self._senders = {}, {}
-        self._close_listener() if getattr(self, "_listener", None) is not None else None
+        if getattr(self, "_listener", None) is not None:
+            self._close_listener()
         if getattr(self, "_ring_fd", None) is not None:
             os.close(self._ring_fd)  # type: ignore[arg-type]
             self._ring_fd = None
