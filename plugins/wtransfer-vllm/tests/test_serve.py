@@ -181,7 +181,7 @@ def test_rounds_committed_while_requests_run_label_every_token_for_each_in_fligh
     for choice, result in results.items():
         a, b = result["a"], result["b"]
         if choice != "drain":  # a drain's commit runs once they are done: its log says how many it waited for
-            assert result["running_at_round"] >= 1, (choice, result["running_at_round"])
+            assert result["running_at_round"] >= 1, (choice, result["running_at_round"], result["tokens_at_round"])
         switched = 0
         for index, (response, baseline, continued) in enumerate(
                 zip(result["inflight"], result["baseline"], result["continued"])):

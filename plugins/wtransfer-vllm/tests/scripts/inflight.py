@@ -9,7 +9,8 @@ For each of ``recompute``, ``keep`` and ``drain``, a trainer created with that `
 1. sends the checkpoint whole (version A), and the long prompts are generated at A, all at once
    ("baseline");
 2. starts the long prompts again (streamed) and sends a round (version B) whose commit (finish)
-   waits until each streamed 4 tokens, so it lands while they run. For ``recompute`` and
+   lands while they run (for ``recompute`` and ``keep``, held by vLLM's pause once each streamed
+   4 tokens). For ``recompute`` and
    ``drain`` the round changes every weight (a request that kept KV of A would compute other
    tokens than a fresh load of B after the same prefix); for ``keep``, only the final norm's
    weight, so A and B compute the same KV and what a kept request computes at B after its prefix
@@ -108,11 +109,11 @@ def metric(base_url, name):
 class Client(HTTPVLLMWeightSyncClient):
     """vLLM's HTTP client whose ``finish_weight_update`` (the commit) lands, once armed, while the
     requests in flight run. They were submitted under vLLM's pause (mode "keep") so that they start
-    together. With ``freeze`` (``recompute``, ``keep``) they are resumed before the round and held
-    by the pause again once each streamed 4 tokens, from just before the commit until it returned,
-    as RL loops pause around a sync: on a busy host too they are mid-generation when it lands.
-    Without (``drain``, which waits for running requests and so must not meet a pause), they are
-    resumed just before the commit is sent, 400 tokens from their end."""
+    together. With ``freeze`` (``recompute``, ``keep``) they are stepped (:func:`step_until_started`)
+    until each streamed 4 tokens and stay paused through the round until its commit returned, as RL
+    loops pause around a sync: however fast the server decodes, they are mid-generation when it
+    lands. Without (``drain``, which waits for running requests and so must not meet a pause), they
+    are resumed just before the commit is sent, 400 tokens from their end."""
 
     def __init__(self, base_url):
         super().__init__(base_url, timeout=120)
@@ -125,13 +126,9 @@ class Client(HTTPVLLMWeightSyncClient):
     def finish_weight_update(self, weight_version=None):
         armed = self.armed
         if armed is not None:
-            if self.freeze:
-                deadline = time.monotonic() + 10
-                while min(armed) < 4 and time.monotonic() < deadline:
-                    time.sleep(0.001)
-                pause(self.base_url)
             self.at_finish = {"running": metric(self.base_url, "num_requests_running"),
-                              "preemptions": metric(self.base_url, "num_preemptions_total")}
+                              "preemptions": metric(self.base_url, "num_preemptions_total"),
+                              "tokens": list(armed)}
             if not self.freeze:
                 resume(self.base_url)  # and the commit right after it
             self.finishing.set()  # the armed round's commit, not an earlier round's
@@ -140,6 +137,18 @@ class Client(HTTPVLLMWeightSyncClient):
         finally:
             if armed is not None and self.freeze:
                 resume(self.base_url)
+
+
+def step_until_started(base_url, progress):
+    """Resume the paused server for 20 ms at a time until every request streamed 4 tokens; it is
+    left paused. Watching the stream while the server runs freely races its decoding: on a busy
+    host the client saw each request's 400 tokens arrive at once, already finished."""
+    deadline = time.monotonic() + 60
+    while min(progress) < 4 and time.monotonic() < deadline:
+        resume(base_url)
+        time.sleep(0.02)
+        pause(base_url)
+        time.sleep(0.05)  # the stream's reader catches up with what the pause let out
 
 
 def resume(base_url):
@@ -180,7 +189,7 @@ def one_choice(base_url, model_dir, in_flight):
         started.start()
         time.sleep(1.0)
         if in_flight != "drain":
-            resume(base_url)
+            step_until_started(base_url, progress)
         late_thread = None
         if in_flight == "drain":
             def send_late():
@@ -203,6 +212,7 @@ def one_choice(base_url, model_dir, in_flight):
             result["late"] = late["r"]
         client.armed = None
         result.update(b=str(b), inflight=inflight["r"], running_at_round=client.at_finish["running"],
+                      tokens_at_round=client.at_finish["tokens"],
                       preempted=metric(base_url, "num_preemptions_total") - client.at_finish["preemptions"])
         # what B computes after each response's prefix at the switch (its whole output when it had none)
         cut = [next((s[1] for s in r["spans"] if s[0] == str(b)), len(r["tokens"])) for r in result["inflight"]]
