@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -14,7 +15,8 @@ from wtransfer.engines._manifest import Manifest, build_manifest, dtype_from_nam
 from wtransfer.engines._packing import Packer, Unpacker, plan_buckets
 from wtransfer.engines.shm import SharedMemoryWeightTransferEngine
 from wtransfer.engines._source import ModuleSource, TensorSource
-from wtransfer.errors import ManifestMismatchError, TransferError
+from wtransfer.errors import (
+    ManifestMismatchError, TransferError, TransferTimeoutError, WeightsTornError, error_from_text, error_to_text)
 
 DTYPES = [
     "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float64",
@@ -173,6 +175,29 @@ def test_every_dtype_and_layout_round_trips_bit_exactly(loader_kind: str) -> Non
         assert _same_bits(state[name].detach(), tensor), name
 
 
+def test_a_workers_error_crosses_a_text_only_boundary_as_its_class_with_workers_grouped() -> None:
+    """vLLM carries a worker's error to the trainer as text only: it comes back as its own class,
+    one line per cause, workers with the same message named together."""
+    error = ManifestMismatchError.listing("round 3 does not match", [("dtype float32 != model bfloat16", f"w{i}")
+                                                                     for i in range(20)], ["cast", "cast"])
+    text = ("Call to collective_rpc method failed: update_weights failed on 2 worker(s): "
+            + error_to_text(error, 0) + " " + error_to_text(error, 1))
+    again = error_from_text(text)
+    assert type(again) is ManifestMismatchError
+    assert str(again).splitlines() == [
+        "workers 0, 1: round 3 does not match; nothing was written.",
+        "- dtype float32 != model bfloat16 (20 tensors): 'w0', 'w1', 'w2', 'w3' and 16 more",
+        "What to do: cast"]
+    torn = error_from_text(error_to_text(ValueError("x"), 0) + " " + error_to_text(WeightsTornError("y"), "the engine core"))
+    assert type(torn) is WeightsTornError and str(torn) == "worker 0: ValueError: x\nthe engine core: y"
+    refused = error_from_text(error_to_text(error, 0) + error_to_text(TransferTimeoutError("called off"), 1))
+    assert type(refused) is ManifestMismatchError  # one refused, so the other stopped: a refusal
+    # through vLLM's HTTP server the text arrives inside a JSON body, its lines and quotes escaped
+    body = json.loads(json.dumps({"error": {"message": "Call to collective_rpc failed: " + error_to_text(error, 3)}}))
+    assert type(error_from_text(body["error"]["message"])) is ManifestMismatchError
+    assert error_from_text("a plain failure, no worker's error in it") is None
+
+
 def test_module_loader_rejects_mismatches_listing_all_and_writes_nothing() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -184,9 +209,11 @@ def test_module_loader_rejects_mismatches_listing_all_and_writes_nothing() -> No
     with pytest.raises(ManifestMismatchError) as info:
         module_loader(model).validate_manifest(bad)
     message = str(info.value)
-    for fragment in ("'0.bias': shape [4] != model [3]", "'1.weight': dtype float16", "unknown tensor 'nope'",
-                     "missing parameters (strict=True): 1.bias", "nothing was written"):  # fmt: skip
-        assert fragment in message
+    for fragment in ("shape [4] != model [3] (1 tensor): '0.bias'", "dtype float16 != model float32 (1 tensor): '1.weight'",
+                     "unknown tensor, not a parameter or buffer of Sequential (1 tensor): 'nope'",
+                     "missing parameters (strict=True) (1 tensor): '1.bias'", "nothing was written",
+                     "What to do: leave create_trainer's dtype= unset"):  # fmt: skip
+        assert fragment in message, message
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
     module_loader(model, strict=False).validate_manifest(
         build_manifest(ModuleSource(model).metadata()[:2], 1)

@@ -57,6 +57,30 @@ class WeightsTornError(TransferError):
 class ManifestMismatchError(WTransferError, ValueError):
     """An update manifest does not match the receiving model; nothing was written."""
 
+    @classmethod
+    def listing(cls, headline: str, problems: list[tuple[str, str | None]], todo: list[str]) -> ManifestMismatchError:
+        """One error for every reason a round cannot load, one line per cause.
+
+        ``problems`` are ``(cause, tensor name or None)`` pairs; the tensors of one cause are
+        counted and the first few named ("dtype float32, the model holds bfloat16 (20 tensors):
+        'a', 'b', 'c', 'd' and 16 more"), so a model-wide mistake reads as one line, not one per
+        tensor. ``todo`` says what to do, once each, last.
+        """
+        causes: dict[str, list[str]] = {}
+        for cause, name in problems:
+            causes.setdefault(cause, [])
+            if name is not None:
+                causes[cause].append(repr(name))
+        lines = []
+        for cause, names in causes.items():
+            if not names:
+                lines.append(f"- {cause}")
+                continue
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            lines.append(f"- {cause} ({len(names)} tensor{'s' if len(names) > 1 else ''}): {shown}")
+        advice = "".join(f"\nWhat to do: {line}" for line in dict.fromkeys(todo))
+        return cls(f"{headline}; nothing was written.\n" + "\n".join(lines) + advice)
+
 
 __all__ = [
     "AmbiguousComponentError",
@@ -64,14 +88,68 @@ __all__ = [
     "DisabledComponentError",
     "DuplicateComponentError",
     "InvalidComponentError",
+    "InvalidOptionError",
     "ManifestMismatchError",
     "TransferError",
     "TransferTimeoutError",
     "UnknownComponentError",
     "WTransferError",
     "WeightsTornError",
+    "error_from_text",
+    "error_to_text",
 ]
 
 
 class InvalidOptionError(WTransferError, ValueError):
     """A component's options are wrong: an unknown key, a missing one, or a value of the wrong type."""
+
+
+def error_to_text(error: BaseException, worker: object) -> str:
+    """``error`` as text that survives a process boundary which carries only strings (vLLM's
+    RPC replies, an HTTP error body), for :func:`error_from_text` to raise again as its class
+    on the trainer's side. ``worker``: a rank (written "worker 3") or who else raised it. The
+    text reads as a sentence too: "[wtransfer ManifestMismatchError from worker 0] ... [/wtransfer]"."""
+    exported = _exported()
+    cls = next((c for c in type(error).__mro__ if exported.get(c.__name__) is c), None)
+    name = cls.__name__ if cls is not None else type(error).__name__
+    source = f"worker {worker}" if isinstance(worker, int) else str(worker)
+    return f"[wtransfer {name} from {source}] {error} [/wtransfer]"
+
+
+def error_from_text(text: str) -> WTransferError | None:
+    """The wtransfer errors that :func:`error_to_text` embedded in ``text``, raised as one of their
+    class, or None if there is none.
+
+    Workers that failed for the same reason are named together ("workers 0, 1: ..."). The class
+    is :class:`WeightsTornError` if any says the weights are torn (what the user must act on),
+    else :class:`ManifestMismatchError` if any refused the round (the others then stopped), else
+    theirs if they agree, else :class:`TransferError`; an error not of this module keeps its
+    class name in the message.
+    """
+    import re
+
+    exported = _exported()
+    found = re.findall(r"\[wtransfer (\w+) from ([^\]]+)\] (.*?) \[/wtransfer\]", text, re.S)
+    if not found:
+        return None
+    classes = {exported.get(name, TransferError) for name, _, _ in found}
+    for cls in (WeightsTornError, ManifestMismatchError):
+        if cls in classes:
+            break
+    else:
+        cls = classes.pop() if len(classes) == 1 else TransferError
+    by_message: dict[str, list[str]] = {}
+    for name, source, message in found:
+        by_message.setdefault(message if name in exported else f"{name}: {message}", []).append(source)
+    parts = []
+    for message, sources in by_message.items():
+        ranks = [s.removeprefix("worker ") for s in sources if s.startswith("worker ")]
+        others = [s for s in sources if not s.startswith("worker ")]
+        named = ([f"worker{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}"] if ranks else []) + others
+        parts.append(f"{' and '.join(named)}: {message}")
+    return cls("\n".join(parts))
+
+
+def _exported() -> dict[str, type[WTransferError]]:
+    return {name: obj for name, obj in globals().items()
+            if isinstance(obj, type) and issubclass(obj, WTransferError) and obj.__module__ == __name__}

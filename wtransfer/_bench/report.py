@@ -91,7 +91,7 @@ class MarkdownTable:
         self.columns: list[str] = []
         self.rows: list[list[str]] = []
 
-    def add_column(self, name: str) -> None:
+    def add_column(self, name: str, **rich_options: Any) -> None:  # no_wrap and the like: Markdown never cuts
         self.columns.append(name)
 
     def add_row(self, *cells: str) -> None:

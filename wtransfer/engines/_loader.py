@@ -30,29 +30,34 @@ class ModuleLoader:
         self._parameters: dict[str, torch.Tensor] = dict(module.named_parameters())
 
     def validate_manifest(self, manifest: Manifest) -> None:
-        """Raise :class:`ManifestMismatchError` listing every mismatch; write nothing."""
-        problems: list[str] = []
+        """Raise :class:`ManifestMismatchError` naming every mismatch, grouped by cause; write nothing."""
+        problems: list[tuple[str, str | None]] = []
+        todo: list[str] = []
+        model = type(self.module).__name__
         covered: set[int] = set()
         for entry in manifest.entries:
             target = self._targets.get(entry.name)
             if target is None:
-                problems.append(f"unknown tensor {entry.name!r} (the model has no such parameter or buffer)")
+                problems.append((f"unknown tensor, not a parameter or buffer of {model}", entry.name))
+                todo.append(f"send the names {model}.named_parameters() gives (the trainer's model must be the same class)")
                 continue
             covered.add(id(target))
             if tuple(target.shape) != entry.shape:
-                problems.append(f"{entry.name!r}: shape {list(entry.shape)} != model {list(target.shape)}")
+                problems.append((f"shape {list(entry.shape)} != model {list(target.shape)}", entry.name))
+                todo.append("build the trainer's model and the worker's from the same config")
             if dtype_name(target.dtype) != entry.dtype:
-                problems.append(f"{entry.name!r}: dtype {entry.dtype} != model {dtype_name(target.dtype)}")
+                problems.append((f"dtype {entry.dtype} != model {dtype_name(target.dtype)}", entry.name))
+                todo.append("leave create_trainer's dtype= unset: the trainer then casts each tensor to the dtype "
+                            "the workers load")
         if self.strict and not manifest.partial:  # a partial round leaves the others as committed
-            missing = [name for name, p in self._parameters.items() if id(p) not in covered]
-            if missing:
-                problems.append(f"missing parameters (strict=True): {', '.join(missing)}")
+            for name, p in self._parameters.items():
+                if id(p) not in covered:
+                    problems.append(("missing parameters (strict=True)", name))
+                    todo.append("send every parameter, or create_trainer(..., partial=True) to keep the ones a "
+                                "round leaves out")
         if problems:
-            raise ManifestMismatchError(
-                f"update manifest (version {manifest.version}) does not match "
-                f"{type(self.module).__name__}; nothing was written. "
-                f"{len(problems)} problem(s): " + "; ".join(problems)
-            )
+            raise ManifestMismatchError.listing(
+                f"update manifest (version {manifest.version}) does not match {model}", problems, todo)
 
     def destination(self, name: str) -> torch.Tensor | None:
         """The tensor ``name`` is written into, so engines can fill split tensors in place."""

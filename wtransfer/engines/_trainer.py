@@ -92,6 +92,8 @@ class ClientCall:
         self._result: Any = None
         self._error: BaseException | None = None
         self._done = threading.Event()
+        self.answered = False
+        """Whether the call failed with the far side's answer (a worker's error, an HTTP reply): it ran to its end."""
         self.finished_at: float | None = None
         """``time.monotonic()`` when the call returned or raised."""
 
@@ -106,6 +108,7 @@ class ClientCall:
             self._result = function(*args)
         except BaseException as exc:  # re-raised in the trainer's thread
             self._error = with_server_reason(self.what, exc)
+            self.answered = self._error is not exc
         finally:
             self.finished_at = time.monotonic()
             self._done.set()
@@ -139,24 +142,38 @@ class ClientCall:
 
 
 def with_server_reason(what: str, exc: BaseException) -> BaseException:
-    """An HTTP client's error with the server's reason in it.
+    """A client's error as the workers' own: their wtransfer error again, else the server's reason.
 
-    ``requests``' ``raise_for_status`` says "500 Server Error ... for url"; why the workers
-    refused (a backend other than the server's, an init_info it cannot parse) is in the
-    response body, which the error keeps but does not show. Errors without a body pass as is.
+    A worker's wtransfer error crosses vLLM as text (:func:`wtransfer.errors.error_to_text`)
+    inside vLLM's own exception or HTTP error body; it is raised here as its class again (a
+    ``ManifestMismatchError`` stays one), naming the workers. Otherwise ``requests``'
+    ``raise_for_status`` says "500 Server Error ... for url", and why the workers refused (a
+    backend other than the server's, an init_info it cannot parse) is in the response body,
+    which the error keeps but does not show. Errors without either pass as is.
     """
     import json
 
-    text = getattr(getattr(exc, "response", None), "text", None)
-    if not isinstance(text, str) or not text.strip():
+    from wtransfer.errors import error_from_text
+
+    if isinstance(exc, WTransferError):  # typed already (a FleetClient's FleetCommitError, ...)
         return exc
-    try:
-        body = json.loads(text)
-        inner = body.get("error") if isinstance(body, dict) else None
-        reason = (inner.get("message") if isinstance(inner, dict) else None) or body.get("message") or body.get(
-            "detail") or text
-    except (ValueError, AttributeError):
-        reason = text
+    text = getattr(getattr(exc, "response", None), "text", None)
+    reason: object = None
+    if isinstance(text, str) and text.strip():
+        try:
+            body = json.loads(text)
+            inner = body.get("error") if isinstance(body, dict) else None
+            reason = (inner.get("message") if isinstance(inner, dict) else None) or body.get("message") or body.get(
+                "detail") or text
+        except (ValueError, AttributeError):
+            reason = text
+    typed = error_from_text(str(exc) if reason is None else str(reason))
+    if typed is not None:
+        error = type(typed)(f"client.{what}() failed on the workers: {typed}")
+        error.__cause__ = exc
+        return error
+    if reason is None:
+        return exc
     error = TransferError(f"client.{what}() failed: {exc}. The server's reason: {str(reason)[:2000]}")
     error.__cause__ = exc
     return error
@@ -654,7 +671,7 @@ class TrainerWeightTransferEngine(ABC):
             # call runs on, so the next round may follow (it heals workers left torn). Its version
             # is spent: some worker may hold it, so the next round never reuses it. A call that
             # timed out or lost its connection (OSError: socket, requests) may still be committing.
-            self._commit_failed = finish.done and not isinstance(exc, OSError)
+            self._commit_failed = finish.done and (finish.answered or not isinstance(exc, OSError))
             self._spent_version = manifest.version
             raise
         seconds = time.perf_counter() - started

@@ -9,7 +9,8 @@ its bf16 (cast while packed). Round 1 fills vLLM whole; then the embedding and f
 frozen and each later round carries only the decoder layers, which train (``partial=True``: vLLM
 keeps what a round leaves out). In the RL order: vLLM generates first, then the rounds, then it
 generates again; a fresh ``LLM`` loaded from the trainer's weights must compute the same greedy
-tokens and logprobs. About a minute on a 2-core machine (two vLLM starts); the last line is the result.
+tokens and logprobs. About a minute on a 2-core machine (two vLLM starts); the last line says
+PASS or FAIL, and the exit status with it.
 """
 
 import argparse
@@ -54,12 +55,18 @@ if __name__ == "__main__":  # vLLM starts processes: keep the guard
     synced = greedy(llm)
     trainer.shutdown()
     print(f"vLLM weight version: {llm.get_weight_version()}")
-    del llm
+    llm.llm_engine.engine_core.shutdown()  # vLLM 0.32's LLM has no close(): stop its engine now, not at exit
 
     model.save_pretrained(work / "final")  # the check: a fresh load of the trainer's weights
     shutil.copy(config_only / "tokenizer.json", work / "final")
-    fresh = greedy(LLM(**llm_kwargs(work / "final")))
+    fresh_llm = LLM(**llm_kwargs(work / "final"))
+    fresh = greedy(fresh_llm)
+    fresh_llm.llm_engine.engine_core.shutdown()
     shutil.rmtree(work)
-    print(f"result: after {len(rounds)} rounds over {args.backend}, vLLM's tokens and logprobs are "
-          f"identical to a fresh load: {synced == fresh}")
-    raise SystemExit(0 if synced == fresh else 1)
+    differ = [i for i, (a, b) in enumerate(zip(synced, fresh)) if a != b]
+    if differ:
+        print(f"FAIL: after {len(rounds)} rounds over {args.backend}, vLLM's greedy tokens or logprobs differ from "
+              f"a fresh load of the trainer's weights for prompts {differ}")
+        raise SystemExit(1)
+    print(f"PASS: after {len(rounds)} rounds over {args.backend}, vLLM's greedy tokens and logprobs are identical "
+          f"to a fresh load of the trainer's weights ({len(synced)} prompts)")

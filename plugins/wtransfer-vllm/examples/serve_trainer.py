@@ -5,17 +5,21 @@ usage: python serve_trainer.py BASE_URL MODEL_DIR [--backend shm] [--rounds 3]
 The server must run with VLLM_SERVER_DEV_MODE=1 (on loopback: --host 127.0.0.1, its dev
 endpoints must not face a network) and --weight-transfer-config naming the same backend.
 Waits for the server (it prints progress; a first start takes about a minute on a 2-core
-machine), prints each round and what the server reports at /weight_info; the last line is
-the result.
+machine), prints each round and what the server reports at /weight_info. The last line says
+PASS (the server reports the last round's version and its greedy outputs moved off the
+checkpoint's) or FAIL, and the exit status with it. That vLLM then computes exactly what a fresh
+load of the trainer's weights computes is what ``offline.py`` checks.
 """
 
 import argparse
 import time
 
 import requests
+import torch
+import transformers
 import wtransfer
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-from wtransfer_vllm.testing import load_trainer_model, perturb, served_greedy
+from wtransfer_vllm.testing import perturb, served_greedy
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
@@ -42,16 +46,24 @@ if __name__ == "__main__":
                   flush=True)
         time.sleep(1)
     before = served_greedy(args.base_url, args.model_dir)
-    model = load_trainer_model(args.model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)  # fp32 masters
     trainer = wtransfer.create_trainer(
         args.backend, client=HTTPVLLMWeightSyncClient(args.base_url), source=wtransfer.ModuleSource(model),
         init_info={"world_size": 2},
     )
     for step in range(args.rounds):
-        perturb(model, step)
-        stats = trainer.send_weights(f"step-{step}")
-        print(f"round {stats['version']}: {stats['bytes'] / 1e6:.1f} MB in {stats['seconds']:.3f} s")
+        perturb(model, step)  # a stand-in for an optimizer step
+        label = f"step-{step}"  # the version the server reports: the trainer's step
+        stats = trainer.send_weights(label)
+        print(f"round {stats['version']}: {stats['bytes'] / 1e6:.1f} MB as bf16 in {stats['seconds']:.3f} s")
     trainer.shutdown()
-    print("weight_info:", requests.get(f"{args.base_url}/weight_info", timeout=10).json())
+    info = requests.get(f"{args.base_url}/weight_info", timeout=10).json()
+    print("weight_info:", info)
     changed = served_greedy(args.base_url, args.model_dir) != before
-    print(f"result: {args.rounds} rounds synced into vllm serve over {args.backend}; outputs changed: {changed}")
+    if info.get("weight_version") == label and changed:
+        print(f"PASS: {args.rounds} rounds synced into vllm serve over {args.backend}; it serves version "
+              f"{label} and its greedy outputs changed")
+    else:
+        print(f"FAIL: after {args.rounds} rounds over {args.backend} the server reports version "
+              f"{info.get('weight_version')!r} (expected {label!r}); outputs changed: {changed}")
+        raise SystemExit(1)

@@ -106,9 +106,18 @@ def check_partial_scenario(result: dict, reference: dict) -> None:
     assert stats[1]["bytes"] == result["mlp_bytes"] < stats[0]["bytes"]  # the wire carried the subset only
     assert stats[3]["tensors"] < stats[0]["tensors"]
     # vLLM started without a checkpoint: each refusal is its own model's verdict, before a byte moved
+    # each as the workers' own ManifestMismatchError, one line per cause, what to do last
     refused = result["refused"]
-    assert "unknown tensor 'model.layers.0.mlp.down_proj.wieght'" in refused["unknown"], refused
-    assert "'model.layers.0.mlp.down_proj.weight': shape [" in refused["shape"], refused
+    assert all(r.startswith("ManifestMismatchError: client.") for r in refused.values()), refused
+    assert re.search(r"unknown tensor, .*\(1 tensor\): 'model\.layers\.0\.mlp\.down_proj\.wieght'", refused["unknown"])
+    assert re.search(r"shape \[\d+, \d+\] .*\(1 tensor\): 'model\.layers\.0\.mlp\.down_proj\.weight'", refused["shape"])
+    # every tensor cast to float16 where vLLM serves bfloat16: one line for all, every worker named once
+    dtype = refused["dtype"].splitlines()
+    assert re.match(r"ManifestMismatchError: client\.\w+\(\) failed on the workers: workers? 0(, 1)?: ", dtype[0]), dtype
+    (cast,) = [line for line in dtype if "float16" in line]
+    assert cast.startswith("- dtype float16, neither the ") and f"({result['tensors']} tensors): '" in cast, dtype
+    assert dtype[-1].startswith("What to do: leave create_trainer's dtype= unset"), dtype
+    assert len(dtype) == 3 and len(refused["dtype"]) < 1000, refused["dtype"]
     filled = re.search(r"model\.layers\.0\.self_attn\.qkv_proj\.weight \((\d+)/(\d+) elements\)", refused["incomplete"])
     assert filled and 0 < int(filled[1]) < int(filled[2]), refused  # q and k loaded, v's part not
     assert outputs["after refused"] == reference["outputs"]

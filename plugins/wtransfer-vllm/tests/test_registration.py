@@ -150,3 +150,42 @@ def test_unknown_connector_error_lists_wtransfer_names_with_did_you_mean(vllm_py
     """)
     assert "Invalid KV connector: 'storag'. Did you mean 'storage'" in got
     assert "ExampleConnector" in got and "wtransfer:multi" in got
+
+
+def test_a_mistyped_name_fails_where_the_user_built_llm_before_any_engine_starts(
+    vllm_python: Path, tiny_llama: Path
+) -> None:
+    """``LLM(...)`` with a backend or connector name nobody provides raises the bridge's
+    did-you-mean in the user's process, as the last thing printed, typed as wtransfer's; vLLM
+    alone would start an engine core and fail in its worker, under "See root cause above"."""
+    code = """
+import sys
+from vllm import LLM
+from vllm.config import KVTransferConfig
+from wtransfer_vllm.testing import llm_kwargs
+extra = ({"weight_transfer_config": {"backend": "shmm"}} if sys.argv[2] == "engine" else
+         {"kv_transfer_config": KVTransferConfig(kv_connector="storag", kv_role="kv_both")})
+try:
+    LLM(**llm_kwargs(sys.argv[1], **extra))
+except Exception as exc:
+    import wtransfer
+    print("caught as UnknownComponentError:", isinstance(exc, wtransfer.UnknownComponentError), file=sys.stderr)
+    raise
+"""
+    for kind, expected in (("engine", "Invalid weight transfer backend: 'shmm'. Did you mean 'shm'"),
+                           ("connector", "Invalid KV connector: 'storag'. Did you mean 'storage'")):
+        done = run_script(vllm_python, "-c", code, str(tiny_llama), kind, timeout=300, check=False)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 1, (done.returncode, done.stderr[-3000:])
+        assert lines[-1].startswith(f"wtransfer_vllm.registration.UnknownVLLMBackendError: {expected}"), lines[-5:]
+        assert "caught as UnknownComponentError: True" in lines
+        assert "EngineCore" not in done.stdout + done.stderr, done.stderr[-3000:]  # no engine process started
+    # vllm serve (as the README starts it): the same check, where it parses its arguments
+    as_module = "import runpy; runpy.run_module('vllm.entrypoints.openai.api_server', run_name='__main__', alter_sys=True)"
+    serve = run_script(vllm_python, "-c", as_module, "--model", str(tiny_llama),
+                       "--host", "127.0.0.1", "--port", "1", "--block-size", "32",
+                       "--weight-transfer-config", '{"backend": "shmm"}', timeout=300, check=False)
+    lines = serve.stderr.strip().splitlines()
+    assert serve.returncode == 1 and lines[-1].startswith(
+        "wtransfer_vllm.registration.UnknownVLLMBackendError: Invalid weight transfer backend: 'shmm'"), lines[-5:]
+    assert "EngineCore" not in serve.stdout + serve.stderr

@@ -152,13 +152,23 @@ def _update_with_identity(digest: Any, model_config: Any) -> Any:
     return folder
 
 
+Problem = tuple[str, "str | None", str]
+"""Why a round cannot load: the cause, the tensor it concerns (None: the round as a whole), what to do."""
+CAST_TODO = ("leave create_trainer's dtype= unset: the trainer then casts each tensor to the dtype vLLM's workers "
+             "load")
+NAMES_TODO = ("send the tensors under the names of the checkpoint vLLM loaded (the Hugging Face model's "
+              "named_parameters()), not vLLM's fused ones such as qkv_proj")
+SHAPE_TODO = "train the model vLLM serves: load the trainer's model from the same checkpoint or config"
+
+
 def check_round(
     entries: list[tuple[str, str, tuple[int, ...]]],
     expected: dict[str, CheckpointTensor],
     model_dtype: str,
     kept: set[str] | None = None,
-) -> list[str]:
-    """Every reason the round ``entries`` (name, dtype, shape) cannot load; empty if it can.
+) -> list[Problem]:
+    """Every reason the round ``entries`` (name, dtype, shape) cannot load, as (cause, tensor,
+    what to do); empty if it can.
 
     A name must be a checkpoint tensor with the same shape; its dtype must be the
     checkpoint's or the model's (vLLM converts while loading). Every checkpoint tensor
@@ -166,24 +176,28 @@ def check_round(
     completed from): vLLM's layerwise reload processes a layer once all of its weights
     arrived, and a layer missing some would be rebuilt from uninitialised memory.
     """
-    problems: list[str] = []
+    problems: list[Problem] = []
     seen: set[str] = set()
     for name, dtype, shape in entries:
         if name in seen:
-            problems.append(f"{name!r} appears twice")
+            problems.append(("sent twice in one round", name, "send each tensor once a round"))
         seen.add(name)
         want = expected.get(name)
         if want is None:
-            problems.append(f"unknown tensor {name!r} (not in the checkpoint vLLM loaded)")
+            problems.append(("unknown tensor, not in the checkpoint vLLM loaded", name, NAMES_TODO))
             continue
         if tuple(shape) != want.shape:
-            problems.append(f"{name!r}: shape {list(shape)} != checkpoint {list(want.shape)}")
+            problems.append((f"shape {list(shape)} != checkpoint {list(want.shape)}", name, SHAPE_TODO))
         if dtype not in (want.dtype, model_dtype):
-            problems.append(f"{name!r}: dtype {dtype} is neither the checkpoint's {want.dtype} nor the model's {model_dtype}")
-    missing = sorted(set(expected) - seen - (kept or set()))
-    if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        problems.append(f"missing {len(missing)} checkpoint tensor(s): {shown}" + (
-            " (a partial=True trainer's first round must be whole: the tensors later rounds leave out are "
-            "reloaded from the copy it leaves)" if kept is not None else ""))
+            problems.append((f"dtype {dtype}, neither the checkpoint's {want.dtype} nor the model's {model_dtype}",
+                             name, CAST_TODO))
+    for name in sorted(set(expected) - seen - (kept or set())):
+        if kept is None:
+            problems.append(("missing: in the checkpoint, not in the round", name,
+                             "send every tensor, or create_trainer(..., partial=True) to keep the ones a round "
+                             "leaves out"))
+        else:
+            problems.append(("missing from a partial=True trainer's first round", name,
+                             "make the first round whole: the tensors later rounds leave out are reloaded from "
+                             "the copy it leaves"))
     return problems

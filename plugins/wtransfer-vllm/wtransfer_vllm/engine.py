@@ -226,10 +226,9 @@ class VllmModelLoader:
                                      self.names_span_workers)
             self.round_whole = not problems and not completing
         if problems:
-            raise wtransfer.ManifestMismatchError(
-                f"update manifest (version {manifest.version}) cannot be loaded into this vLLM model; "
-                f"nothing was written. {len(problems)} problem(s): " + "; ".join(problems)
-            )
+            raise wtransfer.ManifestMismatchError.listing(
+                f"update manifest (version {manifest.version}) cannot be loaded into this vLLM model",
+                [(cause, name) for cause, name, _ in problems], [todo for _, _, todo in problems])
 
     def __call__(self, weights: list[tuple[str, Any]]) -> None:
         started = time.perf_counter()

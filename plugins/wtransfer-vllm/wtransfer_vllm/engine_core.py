@@ -54,6 +54,7 @@ import uuid
 import weakref
 from typing import Any
 
+from wtransfer.errors import WeightsTornError, error_to_text
 from wtransfer_vllm.vllm_internals import (
     drain_then,
     end_requests_with_error,
@@ -172,9 +173,11 @@ def finish_round(engine_core: Any, replies: Any, in_flight: str = "recompute") -
         error = outcome.failure_message()
         if outcome.mixed:  # some worker committed and another did not, or one is torn
             held = ", ".join("torn" if v is None else f"version {v}" for v in outcome.versions)
-            error += (f". The model is torn (its workers hold: {held}): vLLM refuses requests until a round "
-                      f"commits on every worker (send the next round)")
-            torn(engine_core, error)
+            reason = (f"finish_weight_update failed on {len(outcome.failures)} worker(s). The model is torn (its "
+                      f"workers hold: {held}): vLLM refuses requests until a round commits on every worker "
+                      f"(send the next round)")
+            torn(engine_core, reason)
+            error += " " + error_to_text(WeightsTornError(reason), "vLLM's engine core")
         raise RuntimeError(error)
     state_of(engine_core).torn = None
     if outcome.version is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from wtransfer_vllm.checkpoint import CAST_TODO, NAMES_TODO, SHAPE_TODO, Problem
 from wtransfer_vllm.vllm_internals import (
     disable_mtp_completeness_check,
     layers_in_checkpoint_form,
@@ -42,19 +43,19 @@ Entry = tuple[str, str, tuple[int, ...]]
 
 
 def dry_run_round(model: Any, entries: list[Entry], model_dtype: str, tp_size: int,
-                  names_span_workers: bool = False) -> list[str]:
-    """Every reason the round ``entries`` (name, dtype, shape) cannot load into ``model``; empty if it
-    can. ``names_span_workers``: pipeline or expert parallelism, where a name may be another
+                  names_span_workers: bool = False) -> list[Problem]:
+    """Every reason the round ``entries`` (name, dtype, shape) cannot load into ``model``, as (cause,
+    tensor, what to do); empty if it can. ``names_span_workers``: pipeline or expert parallelism, where a name may be another
     worker's. A dry run that fails for another reason is a refusal too, with its error."""
     try:
         return _dry_run(model, entries, model_dtype, tp_size, names_span_workers)
     except Exception as exc:  # never a hang or a bare error: the trainer is told why, before any byte
-        return [f"the dry run of the round through vLLM's model failed ({type(exc).__name__}: {str(exc)[:300]}); "
-                f"start vLLM from a local safetensors checkpoint to have rounds checked against it instead"]
+        return [(f"the dry run of the round through vLLM's model failed ({type(exc).__name__}: {str(exc)[:300]})",
+                 None, "start vLLM from a local safetensors checkpoint to have rounds checked against it instead")]
 
 
-def _dry_run(model: Any, entries: list[Entry], model_dtype: str, tp_size: int, names_span_workers: bool) -> list[str]:
-    problems: list[str] = []
+def _dry_run(model: Any, entries: list[Entry], model_dtype: str, tp_size: int, names_span_workers: bool) -> list[Problem]:
+    problems: list[Problem] = []
     filled: dict[str, int] = {}  # "layer.parameter" -> elements the round writes into it
     landed: dict[str, int] = {}  # entry name -> elements of it copied anywhere
     targets: dict[str, set[str]] = {}  # entry name -> dtypes of the parameters it loads into
@@ -94,34 +95,35 @@ def _dry_run(model: Any, entries: list[Entry], model_dtype: str, tp_size: int, n
     wrong_dtype: dict[str, list[str]] = {}
     for name, dtype, shape in entries:
         if name in seen:
-            problems.append(f"{name!r} appears twice")
+            problems.append(("sent twice in one round", name, "send each tensor once a round"))
         seen.add(name)
         got = landed.get(name, 0)
         if got == 0 and not names_span_workers:
-            problems.append(f"unknown tensor {name!r} (vLLM's model loads nothing from it)")
+            problems.append(("unknown tensor, vLLM's model loads nothing from it", name, NAMES_TODO))
         elif got > 0 and tp_size == 1 and got < _numel(shape):
-            problems.append(f"{name!r}: shape {list(shape)} does not match vLLM's model ({got} of its "
-                            f"{_numel(shape)} elements would load)")
+            problems.append((f"shape {list(shape)} does not match vLLM's model ({got} of its {_numel(shape)} "
+                             f"elements would load)", name, SHAPE_TODO))
         if got > 0 and dtype != model_dtype and dtype not in targets.get(name, set()):
             wrong_dtype.setdefault(dtype, []).append(name)
     for dtype, names in wrong_dtype.items():
-        problems.append(f"{len(names)} tensor(s) in {dtype}, neither the model's {model_dtype} nor the dtype of the "
-                        f"parameter they load into: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}")
+        problems += [(f"dtype {dtype}, neither the model's {model_dtype} nor the dtype of the parameter it loads "
+                      f"into", name, CAST_TODO) for name in names]
     short = sorted(key for key in required if filled.get(key, 0) < totals[key])
     if short:
         shown = ", ".join(f"{key} ({filled.get(key, 0)}/{totals[key]} elements)" for key in short[:8])
-        problems.append(f"the round leaves {len(short)} of vLLM's parameter(s) unfilled or filled in part: {shown}"
-                        + (f" and {len(short) - 8} more" if len(short) > 8 else "")
-                        + " (every tensor they load from must be in the round)")
+        problems.append((f"the round leaves {len(short)} of vLLM's parameter(s) unfilled or filled in part: {shown}"
+                         + (f" and {len(short) - 8} more" if len(short) > 8 else ""), None,
+                         "send every tensor those parameters load from (q, k and v together; gate and up together), "
+                         "or create_trainer(..., partial=True) to keep the ones a round leaves out"))
     return problems
 
 
-def _feed(model: Any, entries: list[Entry], current: list[str], landed: dict[str, int]) -> list[str]:
+def _feed(model: Any, entries: list[Entry], current: list[str], landed: dict[str, int]) -> list[Problem]:
     """Load ``entries`` as meta tensors through ``model.load_weights``; an entry it raises on is a
     problem (named), and the entries after it are loaded by a new call."""
     import torch
 
-    problems: list[str] = []
+    problems: list[Problem] = []
 
     def feed(rest: list[Entry]) -> Iterator[tuple[str, Any]]:
         for name, dtype, shape in rest:
@@ -139,12 +141,12 @@ def _feed(model: Any, entries: list[Entry], current: list[str], landed: dict[str
             reason = f"{type(exc).__name__}: {str(exc)[:300]}"
             at = next((i for i, entry in enumerate(remaining) if entry[0] == current[0]), None)
             if at is None:
-                problems.append(f"vLLM's model refused the round as a whole ({reason})")
+                problems.append((f"vLLM's model refused the round as a whole ({reason})", None, SHAPE_TODO))
                 break
             name, _, shape = remaining[at]
-            problems.append(f"unknown tensor {name!r} (vLLM's model loads no parameter from it: {reason})"
+            problems.append((f"unknown tensor, vLLM's model loads no parameter from it ({reason})", name, NAMES_TODO)
                             if name not in landed else
-                            f"{name!r}: shape {list(shape)} does not load into vLLM's model ({reason})")
+                            (f"shape {list(shape)} does not load into vLLM's model ({reason})", name, SHAPE_TODO))
             landed[name] = -1  # reported
             remaining = remaining[at + 1:]
     return problems

@@ -14,8 +14,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from wtransfer.errors import UnknownComponentError
 from wtransfer_vllm.naming import Registration, registration_plan
-from wtransfer_vllm.vllm_internals import registered_names, registry, wrap_factory_method
+from wtransfer_vllm.vllm_internals import check_before_engine_config, registered_names, registry, wrap_factory_method
 
 logger = logging.getLogger("wtransfer_vllm")
 
@@ -57,6 +58,10 @@ def register() -> None:
         _register_connectors()
     except Exception:
         logger.exception("wtransfer-vllm: could not register wtransfer's KV connectors; vLLM runs without them")
+    try:
+        check_before_engine_config(_check_names)
+    except Exception:
+        logger.exception("wtransfer-vllm: could not hook vLLM's config; an unknown backend name fails in a worker")
 
 
 def _register_engines() -> None:
@@ -139,7 +144,36 @@ def _explain_unknown(factory: Any, method: str, name_of: Any, what: str, kind: s
     wrap_factory_method(factory, method, wrapper_for)  # vLLM's lookup itself (see vllm_internals)
 
 
-class UnknownVLLMBackendError(ValueError):
+def _check_names(engine_args: Any) -> None:
+    """In the process that built ``LLM(...)`` or started ``vllm serve``, before any worker: an
+    unknown weight-transfer backend or KV connector name fails here, as the last thing printed.
+    Anything else going wrong in the check is logged: the worker's own check still runs."""
+    try:
+        _check_names_now(engine_args)
+    except UnknownVLLMBackendError:
+        raise
+    except Exception:
+        logger.exception("wtransfer-vllm: could not check the backend names before start-up (this vLLM version?)")
+
+
+def _check_names_now(engine_args: Any) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    def field(config: Any, key: str) -> Any:
+        return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+    weights, kv = engine_args.weight_transfer_config, engine_args.kv_transfer_config
+    checks = [(weights, "backend", WeightTransferEngineFactory, "weight transfer backend", "engines", REGISTERED)]
+    if kv is not None and not field(kv, "kv_connector_module_path"):
+        checks.append((kv, "kv_connector", KVConnectorFactory, "KV connector", "connectors", REGISTERED_CONNECTORS))
+    for config, key, factory, what, kind, ours in checks:
+        name, known = field(config, key) if config is not None else None, registry(factory)
+        if known is not None and isinstance(name, str) and name not in known:
+            raise UnknownVLLMBackendError(unknown_name_message(what, kind, name, sorted(known), ours))
+
+
+class UnknownVLLMBackendError(UnknownComponentError):
     """A ``weight_transfer_config.backend`` or ``kv_connector`` names nothing vLLM or wtransfer knows."""
 
 

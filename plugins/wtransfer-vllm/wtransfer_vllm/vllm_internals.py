@@ -201,6 +201,30 @@ def wrap_factory_method(factory: Any, method: str, wrapper_for: Callable[[Callab
     return True
 
 
+def check_before_engine_config(check: Callable[[Any], None]) -> bool:
+    """Run ``check(engine_args)`` first in ``EngineArgs.create_engine_config``, once per process.
+
+    Touches ``vllm.engine.arg_utils.EngineArgs.create_engine_config``: ``LLM(...)`` and ``vllm serve``
+    build the engine's config there, in the user's process, before any engine core or worker starts,
+    while vLLM checks a weight-transfer backend's name only when a worker creates its engine, where
+    the error ends up inside a worker's traceback under "Engine core initialization failed". Returns
+    False when the method was wrapped already.
+    """
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_engine_config
+    if getattr(original, WRAPPED, False):
+        return False
+
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        check(self)
+        return original(self, *args, **kwargs)
+
+    setattr(create_engine_config, WRAPPED, True)
+    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
+    return True
+
+
 # ============================================================== the engine core
 def hook_engine_core_rpc(wrapper_for: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
     """Replace ``EngineCore.collective_rpc`` by ``wrapper_for(original)``, once per process.

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from wtransfer.errors import error_to_text
 from wtransfer_vllm.vllm_internals import (
     end_weight_update_session,
     hook_worker_methods,
@@ -32,7 +33,8 @@ from wtransfer_vllm.vllm_internals import (
 
 WORKER_METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
 FAILED = "wtransfer_worker_failed"
-"""The key of a worker's reply that carries its failure (a JSON-safe dict)."""
+"""The key of a worker's reply that carries its failure, as :func:`wtransfer.errors.error_to_text`
+writes it: the trainer raises the worker's own error class again from vLLM's message."""
 COMMITTED = "wtransfer_committed_round"
 """The key of a worker's ``finish_weight_update`` reply naming the weights it committed."""
 VERSION = "wtransfer_weight_version"
@@ -56,11 +58,11 @@ def _replying(name: str, original: Any, is_ours: Any) -> Any:
         try:
             result = original(self, *args, **kwargs)
         except Exception as exc:
+            failed = {FAILED: error_to_text(exc, worker_rank(self)), "rank": worker_rank(self)}
             if name != "finish_weight_update":
-                return {FAILED: f"{type(exc).__name__}: {exc}", "rank": worker_rank(self)}
+                return failed
             end_weight_update_session(self)  # as vLLM's update_weights does on failure
-            return {FAILED: f"{type(exc).__name__}: {exc}", "rank": worker_rank(self),
-                    VERSION: worker_weight_transfer_engine(self).weight_version}
+            return {**failed, VERSION: worker_weight_transfer_engine(self).weight_version}
         if name == "finish_weight_update":
             engine = worker_weight_transfer_engine(self)
             return {COMMITTED: engine.committed_round, VERSION: engine.weight_version}
@@ -118,5 +120,5 @@ def raise_worker_failures(method: str, replies: Any) -> None:
 
 
 def failure_message(method: str, failures: list[dict[str, Any]]) -> str:
-    detail = "; ".join(f"worker {r.get('rank')}: {r[FAILED]}" for r in failures)
-    return f"{method} failed on {len(failures)} worker(s): Worker failed with error '{detail}'"
+    """What vLLM's caller reads: the workers' errors, each as the trainer's side decodes it."""
+    return f"{method} failed on {len(failures)} worker(s): " + " ".join(str(r[FAILED]) for r in failures)

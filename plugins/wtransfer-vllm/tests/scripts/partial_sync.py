@@ -9,8 +9,9 @@ the reference checkpoint (``final_checkpoint``: ROUNDS ``perturb`` steps), which
 3. everything but the embedding, elsewhere; 4. everything but the embedding, the reference's:
    merged with the embedding kept since round 1, vLLM holds the reference again;
 5. rounds vLLM's model cannot load, each refused before a byte moves, nothing written: one naming
-   a tensor the model lacks, one with a transposed shape, and (from a trainer that sends whole
-   rounds) one without layer 0's v_proj, which would leave the fused qkv_proj filled in part.
+   a tensor the model lacks, one with a transposed shape, (from a trainer that sends whole
+   rounds) one without layer 0's v_proj, which would leave the fused qkv_proj filled in part,
+   and one cast to float16 (``dtype="float16"``) where vLLM serves bfloat16.
 """
 
 import wtransfer
@@ -70,9 +71,15 @@ def partial_scenario(llm, backend: str, model_dir: str, rounds: int, tp: int) ->
         trainer = wtransfer.create_trainer(backend, client=LLMClient(llm), source=wtransfer.TensorSource(no_v),
                                            init_info={"world_size": tp + 1})
         refused["incomplete"] = refusal(trainer)
+        trainer.shutdown()
+        llm.shutdown_weight_transfer_engine()
+        whole = {name: t.detach() for name, t in theirs.items()}
+        trainer = wtransfer.create_trainer(backend, client=LLMClient(llm), source=wtransfer.TensorSource(whole),
+                                           init_info={"world_size": tp + 1}, dtype="float16")
+        refused["dtype"] = refusal(trainer)  # every tensor cast to a dtype the model does not hold
         outputs["after refused"] = greedy(llm)
     finally:
         trainer.shutdown()
         llm.shutdown_weight_transfer_engine()
-    return {"outputs": outputs, "stats": stats, "refused": refused, "checksums": checksums(llm),
+    return {"outputs": outputs, "stats": stats, "refused": refused, "checksums": checksums(llm), "tensors": len(theirs),
             "mlp_bytes": sum(t.numel() * t.element_size() for n, t in theirs.items() if mlp(n))}

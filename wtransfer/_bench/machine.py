@@ -1,0 +1,118 @@
+"""How busy the machine was around a benchmark, judged from outside the benchmark's own processes.
+
+Ratios are measured side by side in one run, so a miss on a machine other processes were using
+is often the machine's, and a miss on an idle one is the code's. The load average cannot tell
+them apart once the run has started: it then counts the benchmark itself. So the load is read
+*before* the run, and during it the CPU time the whole machine spent (``/proc/stat``) is compared
+with what this process and its descendants spent: the rest is other processes'.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+BUSY_SHARE = 0.10
+"""Other processes (or the hypervisor) taking this share of the machine's CPU time during the run
+make it "busy"."""
+BUSY_LOAD = 0.5
+"""Where ``/proc/stat`` cannot be read, a load average per core this high before the run does."""
+
+
+@dataclass(frozen=True)
+class MachineLoad:
+    cores: int
+    load_before: float | None
+    """The 1-minute load average when the run started (None where the platform has none). Shown,
+    not judged where CPU times are known: it still counts whatever ran in the minute before."""
+    others_share: float | None
+    """The share of the machine's CPU time that processes outside the run took during it."""
+    steal_share: float | None = None
+    """The share the hypervisor gave other machines (``steal``), during the run."""
+    own_share: float | None = None
+    """The share the run itself took (this process and its descendants)."""
+
+    @property
+    def busy(self) -> bool:
+        if self.others_share is None:
+            return (self.load_before or 0.0) / self.cores >= BUSY_LOAD
+        return self.others_share >= BUSY_SHARE or (self.steal_share or 0.0) >= BUSY_SHARE
+
+    def words(self) -> str:
+        """E.g. "idle: other processes took 0.4% of its CPU during the run (load average 0.12 on 2 cores before it)"."""
+        parts = []
+        if self.others_share is not None:
+            parts.append(f"other processes took {self.others_share:.1%} of its CPU during the run")
+            if self.steal_share:
+                parts.append(f"the hypervisor {self.steal_share:.1%}")
+        where = f"on {self.cores} cores"
+        load = f"load average {self.load_before:.2f} {where} before it" if self.load_before is not None else where
+        return f"{'busy' if self.busy else 'idle'}: {', '.join(parts) or 'CPU times unknown'} ({load})"
+
+    def to_dict(self) -> dict[str, object]:
+        return {"cores": self.cores, "load_before": self.load_before, "others_share": self.others_share,
+                "steal_share": self.steal_share, "own_share": self.own_share, "busy": self.busy,
+                "words": self.words()}
+
+
+class LoadWatch:
+    """Started before a run, finished after it: how much of the machine the run had to itself."""
+
+    def __init__(self) -> None:
+        self.cores = os.cpu_count() or 1
+        try:
+            self.load_before: float | None = os.getloadavg()[0]
+        except OSError:  # pragma: no cover - no load average on this platform
+            self.load_before = None
+        self._machine = _machine_seconds()
+        self._own = _own_seconds()
+        self._started = time.monotonic()
+
+    def finish(self) -> MachineLoad:
+        machine, own = _machine_seconds(), _own_seconds()
+        if machine is None or self._machine is None:
+            return MachineLoad(self.cores, self.load_before, None)
+        busy, steal, total = (end - start for end, start in zip(machine, self._machine))
+        if total <= 0:
+            return MachineLoad(self.cores, self.load_before, None)
+        mine = own - self._own
+        return MachineLoad(self.cores, self.load_before, max(0.0, busy - mine) / total, steal / total,
+                           min(mine, busy) / total)
+
+
+def _machine_seconds() -> tuple[float, float, float] | None:
+    """The machine's busy (without steal), steal and total CPU seconds since boot, all cores, or None."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    tick = os.sysconf("SC_CLK_TCK")
+    busy = user + nice + system + irq + softirq
+    return busy / tick, steal / tick, (busy + steal + idle + iowait) / tick
+
+
+def _own_seconds() -> float:
+    """CPU seconds of this process, its reaped children, and its live descendants (with theirs)."""
+    times = os.times()
+    own = times.user + times.system + times.children_user + times.children_system
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # it ended meanwhile
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        parents[int(entry.name)] = int(fields[1])
+        ticks[int(entry.name)] = sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    descendants, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - descendants
+        descendants |= frontier
+    return own + sum(ticks[pid] for pid in descendants) / tick
