@@ -28,6 +28,8 @@ if __name__ == "__main__":
     parser.add_argument("--backend", default="shm")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
     started = time.monotonic()  # the server may still be starting
     said = 0.0
