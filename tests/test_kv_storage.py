@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 import wtransfer
 from wtransfer import KVConnectorFactory, KVConnectorRole, KVTransferConfig
+from wtransfer.connectors._blockfile import BlockLayout
 from wtransfer.connectors._hashing import request_block_hashes
 from wtransfer.kvcache import KVCacheSpec
 from wtransfer.testing.conformance import ConnectorConformance
@@ -425,13 +426,13 @@ def test_eviction_goes_by_last_use_across_processes_sharing_the_store(tmp_path: 
     old_prompt, kept_prompt = PROMPT, [(5 * i + 1) % 500 for i in range(17)]
     with _engine(_config(tmp_path, capacity_bytes=capacity)) as engine:
         engine.generate({"kept": kept_prompt})
-    clock.sleep(0.05)
+    clock.sleep(1.1)  # a hit marks a file used only if its last use is over 1 s old
     with _engine(_config(tmp_path, capacity_bytes=capacity)) as engine:
         engine.generate({"old": old_prompt})
-    clock.sleep(0.05)
+    clock.sleep(1.1)  # a hit marks a file used only if its last use is over 1 s old
     with _engine(_config(tmp_path, capacity_bytes=capacity)) as engine:
         assert engine.generate({"kept-again": kept_prompt})["kept-again"].num_external_tokens == 16
-    clock.sleep(0.05)
+    clock.sleep(1.1)  # a hit marks a file used only if its last use is over 1 s old
     filler = run_python(f"""
         import dataclasses, sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
@@ -447,6 +448,47 @@ def test_eviction_goes_by_last_use_across_processes_sharing_the_store(tmp_path: 
         outs = engine.generate({"kept-3": kept_prompt, "old-3": old_prompt})
     assert outs["kept-3"].num_external_tokens == 16  # read last: kept
     assert outs["old-3"].num_external_tokens < 16  # saved later, never read: evicted first
+
+
+def test_a_namespace_no_instance_uses_is_evicted_before_older_blocks_in_use(tmp_path: Path) -> None:
+    """An instance serving some weights saved its blocks first and is still running; another
+    instance saved blocks of other weights after it and shut down (a weight sync: those weights
+    are served nowhere now). A third fills the store past its capacity: the dead namespace's
+    newer blocks go, the live one's older blocks stay (by last use alone it would be the
+    other way round)."""
+    import time as clock
+
+    capacity = 28 * 1024  # block files of 1288 bytes: the 23rd passes it, and evicting to 0.9x frees 3
+    served, old, filler = (dataclasses.replace(SPEC, model_fingerprint=name) for name in ("served", "old", "filler"))
+    with _engine(_config(tmp_path, capacity_bytes=capacity), served) as live:
+        live.generate({"kept": [(5 * i + 1) % 500 for i in range(17)]})
+        clock.sleep(0.05)
+        with _engine(_config(tmp_path, capacity_bytes=capacity), old) as engine:
+            engine.generate({"old": PROMPT})
+        clock.sleep(0.05)
+        namespaces = {p.name: len(_block_files(p)) for p in tmp_path.iterdir()}
+        assert sorted(namespaces.values()) == [4, 4], namespaces
+        with _engine(_config(tmp_path, capacity_bytes=capacity), filler) as engine:
+            engine.generate({f"f{k}": [(k * 31 + 3 * i) % 500 for i in range(17)] for k in range(4)})
+        after = {p.name: len(_block_files(p)) for p in tmp_path.iterdir()}
+    assert _store_bytes(tmp_path) <= capacity
+    # every file evicted was the dead namespace's; the live one's four, saved first, all stayed
+    served_dir, old_dir, filler_dir = (BlockLayout.for_spec(spec).namespace[:16] for spec in (served, old, filler))
+    assert (after[served_dir], after.get(old_dir, 0) < 4, after[filler_dir]) == (4, True, 16), (namespaces, after)
+
+
+def test_the_store_is_bounded_by_default(tmp_path: Path) -> None:
+    """Without ``capacity_bytes`` the store holds 64 GiB at most, or a quarter of its filesystem."""
+    stat = os.statvfs(tmp_path)
+    expected = min(64 << 30, stat.f_blocks * stat.f_frsize // 4)
+    connector = KVConnectorFactory.create_connector(_config(tmp_path), KVConnectorRole.SCHEDULER, SPEC)
+    try:
+        assert connector.budget is not None and connector.budget.capacity_bytes == expected
+    finally:
+        connector.shutdown()
+    unbounded = KVConnectorFactory.create_connector(_config(tmp_path, capacity_bytes=None), KVConnectorRole.SCHEDULER, SPEC)
+    assert unbounded.budget is None
+    unbounded.shutdown()
 
 
 def test_with_tensor_parallel_parts_a_block_is_stored_only_once_every_part_is(tmp_path: Path) -> None:

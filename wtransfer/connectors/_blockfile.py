@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import stat
 import struct
 import threading
@@ -266,11 +267,21 @@ def open_regular(path: str) -> BinaryIO:
         raise
 
 
-def check_header(path: str, layout: BlockLayout, block_hash: str) -> tuple[int, str]:
-    """Validate size and header without reading the data; ``(data_offset, checksum)`` or BlockFileError."""
+def check_header(path: str, layout: BlockLayout, block_hash: str, refresh_s: float | None = None) -> tuple[int, str]:
+    """Validate size and header without reading the data; ``(data_offset, checksum)`` or BlockFileError.
+
+    ``refresh_s``: a valid file last modified longer ago than that gets its modification time set
+    to now (its last use, for a capacity's eviction), through the open file: no second path lookup.
+    """
     try:
         with open_regular(path) as handle:
-            return _check_open_header(handle, path, layout, block_hash)
+            found = _check_open_header(handle, path, layout, block_hash)
+            if refresh_s is not None and os.fstat(handle.fileno()).st_mtime < time.time() - refresh_s:
+                try:
+                    os.utime(handle.fileno())
+                except OSError:
+                    pass  # a read-only store: eviction then goes by save time
+            return found
     except FileNotFoundError:
         raise
     except OSError as exc:

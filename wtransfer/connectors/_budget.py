@@ -2,8 +2,8 @@
 
 A KV store grows with every block saved; every weight update (and every cache reset) starts a
 new namespace whose predecessor may never be read again. So a store with a capacity evicts the
-least recently used block files, across all namespaces: a namespace nobody reads any more is
-never touched again and goes first. "Used" is a file's modification time: a save sets it, and a
+block files of namespaces no connector marked in use for ``IN_USE_TTL_S`` first (the weights
+they were keyed to are served nowhere), then the least recently used ones. "Used" is a file's modification time: a save sets it, and a
 load that hit refreshes it (:meth:`StoreBudget.touch`).
 
 Several processes may share the store (TP workers, instances, restarts): there is no shared
@@ -31,6 +31,46 @@ logger = logging.getLogger("wtransfer")
 LOW_WATER = 0.9
 """An eviction stops once the store is under this fraction of its capacity (not at the brim:
 every save would otherwise pay for a scan)."""
+IN_USE_PREFIX = ".in-use."
+"""A namespace's marker files, one per connector using it (``.in-use.<id>``): each refreshes its
+own (:func:`mark_in_use`) at most every ``IN_USE_REFRESH_S`` while it looks blocks up or saves
+them, and removes it when it shuts down."""
+IN_USE_REFRESH_S = 60.0
+IN_USE_TTL_S = 600.0
+"""A namespace whose marker is older than this (or missing) is used by no instance: the weights it
+was keyed to are served nowhere, and its files are evicted before any other namespace's."""
+
+
+def mark_in_use(namespace_dir: str, user: str) -> None:
+    """Say that the live connector ``user`` uses ``namespace_dir`` (its marker's mtime is now)."""
+    marker = os.path.join(namespace_dir, IN_USE_PREFIX + user)
+    try:
+        os.makedirs(namespace_dir, exist_ok=True)
+        with open(marker, "a"):
+            pass
+        os.utime(marker)
+    except OSError as exc:  # a read-only store: eviction then goes by last use alone
+        logger.debug("storage connector: could not mark %s in use: %s", namespace_dir, exc)
+
+
+def unmark_in_use(namespace_dir: str, user: str) -> None:
+    """The connector ``user`` no longer uses ``namespace_dir``."""
+    try:
+        os.unlink(os.path.join(namespace_dir, IN_USE_PREFIX + user))
+    except OSError:
+        pass
+
+
+def filesystem_share(root: str, share: float, most: int) -> int:
+    """``share`` of the size of the filesystem that holds ``root`` (or would), at most ``most``."""
+    path = os.path.abspath(root)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return most
+    return max(1, min(most, int(stat.f_blocks * stat.f_frsize * share)))
 
 
 class StoreBudget:
@@ -107,8 +147,10 @@ class StoreBudget:
         target = int(self.capacity_bytes * LOW_WATER)
         freed = removed = removed_bytes = 0
         if total > self.capacity_bytes:
-            # corrupt leftovers first, then by last use
-            files.sort(key=lambda entry: (not entry[0].endswith(CORRUPT_SUFFIX), entry[1]))
+            # corrupt leftovers first, then namespaces no instance uses, then by last use
+            live = self._live_namespaces()
+            files.sort(key=lambda entry: (not entry[0].endswith(CORRUPT_SUFFIX),
+                                          os.path.dirname(entry[0]) in live, entry[1]))
             for path, _, size in files:
                 if total - freed <= target:
                     break
@@ -161,13 +203,38 @@ class StoreBudget:
     def _scan_total(self) -> int:
         return sum(size for _, _, size in self._scan())
 
+    def _live_namespaces(self) -> set[str]:
+        """The namespace directories some connector marked in use within ``IN_USE_TTL_S``."""
+        live, oldest = set(), time.time() - IN_USE_TTL_S
+        try:
+            namespaces = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return live
+        for namespace in namespaces:
+            try:
+                markers = [entry for entry in os.scandir(namespace.path) if entry.name.startswith(IN_USE_PREFIX)]
+                if any(marker.stat().st_mtime >= oldest for marker in markers):
+                    live.add(namespace.path)
+            except OSError:
+                pass
+        return live
+
     def _remove_empty_namespaces(self) -> None:
         try:
             namespaces = list(os.scandir(self.root))
         except FileNotFoundError:
             return
+        live = self._live_namespaces()
         for namespace in namespaces:
             if namespace.is_dir(follow_symlinks=False):
+                if namespace.path not in live:  # stale markers (of crashed users) keep no namespace
+                    try:
+                        names = os.listdir(namespace.path)
+                        if all(name.startswith(IN_USE_PREFIX) for name in names):
+                            for name in names:
+                                os.unlink(os.path.join(namespace.path, name))
+                    except OSError:
+                        pass
                 try:
                     os.rmdir(namespace.path)  # only if empty; a writer recreates it when needed
                 except OSError:

@@ -10,11 +10,13 @@ Options (``kv_connector_extra_config``, declared in :class:`StorageOptions`):
 ``io_threads`` (default 2)
     Worker threads that read and write block files; loads of a step run in
     parallel, saves run in the background while the engine keeps computing.
-``capacity_bytes`` (default None: unbounded)
-    The most the store's block files may take, all namespaces together. Past it, the least
-    recently used files (saved or loaded longest ago) are deleted, by whichever process
-    sharing the store notices (see :mod:`wtransfer.connectors._budget`): namespaces of
-    earlier weights, never read again, go first.
+``capacity_bytes`` (default 64 GiB, or a quarter of the filesystem that holds ``path`` if that
+is less; ``None``: unbounded)
+    The most the store's block files may take, all namespaces together. Past it, files are
+    deleted by whichever process sharing the store notices (see
+    :mod:`wtransfer.connectors._budget`): first those of namespaces no instance has used for
+    10 minutes (every weight sync starts a new namespace: the old one's weights are served
+    nowhere), then the least recently used (saved or loaded longest ago).
 ``max_pending_save_bytes`` (default 256 MiB)
     Host memory for block copies waiting to be written. A save that would exceed
     it is dropped (counted as ``saves_dropped_backlog``): a later request
@@ -60,7 +62,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from wtransfer.connectors._base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
-from wtransfer.connectors._budget import StoreBudget
+from wtransfer.connectors._budget import IN_USE_REFRESH_S, StoreBudget, filesystem_share, mark_in_use, unmark_in_use
 from wtransfer.connectors._blockfile import (
     CORRUPT_SUFFIX,
     BlockFileError,
@@ -86,6 +88,19 @@ logger = logging.getLogger("wtransfer")
 
 
 
+LAST_USE_REFRESH_S = 1.0
+"""A lookup hit marks a block file used now only if its last use is older than this: a prefix
+looked up many times a second costs no write per lookup."""
+
+
+class _DefaultCapacity(int):
+    """The default ``capacity_bytes``: told apart from the same number given explicitly, since it
+    shrinks to a quarter of the store's filesystem where that is less."""
+
+
+DEFAULT_CAPACITY = _DefaultCapacity(64 << 30)
+
+
 @dataclass(frozen=True)
 class StorageOptions:
     """``kv_connector_extra_config`` of the storage connector (see the module docstring)."""
@@ -95,7 +110,9 @@ class StorageOptions:
     fsync: bool = option(False, doc="fsync each block file before renaming it into place (survives power loss)")
     io_timeout_s: float = option(60.0, doc="seconds the worker waits for a step's loads; later ones count as failed")
     capacity_bytes: int | None = option(
-        None, doc="most bytes the store's block files may take; least recently used are evicted (default: unbounded)"
+        DEFAULT_CAPACITY, doc="most bytes the store's block files may take, all namespaces together; namespaces no "
+        "instance uses are evicted first, then the least recently used (default 64 GiB, or a quarter of the "
+        "filesystem holding path if less; null: unbounded)"
     )
     max_pending_save_bytes: int = option(
         256 << 20, doc="host bytes of block copies waiting to be written; saves beyond it are dropped"
@@ -179,6 +196,8 @@ class BlockStore:
         self.counters = counters
         self.namespace_dir = os.path.join(self.root, layout.namespace[:16])
         self._made_dirs: set[str] = set()
+        self._marked_at = float("-inf")
+        self._user = f"{os.getpid()}-{id(self):x}"  # this connector's own in-use marker
         # every part's layout (tensor parallelism: one file per worker's part of a block)
         self._parts = [layout if shard == layout.shard else dataclasses.replace(layout, shard=shard)
                        for shard in range(layout.num_shards)]
@@ -188,6 +207,19 @@ class BlockStore:
         layout = self.layout if shard is None else self._parts[shard]
         return os.path.join(self.namespace_dir, f"{block_hash}{layout.file_suffix()}")
 
+    def mark_in_use(self) -> None:
+        """Tell other processes' evictions that this namespace is in use (at most once a minute)."""
+        import time
+
+        now = time.monotonic()
+        if now - self._marked_at >= IN_USE_REFRESH_S:
+            self._marked_at = now
+            mark_in_use(self.namespace_dir, self._user)
+
+    def release(self) -> None:
+        """This connector is done with the namespace (its marker goes; others' stay)."""
+        unmark_in_use(self.namespace_dir, self._user)
+
     def ensure_parent(self, path: str, *, recheck: bool = False) -> None:
         """Create the block's directory once per process (``recheck`` after someone removed it)."""
         parent = os.path.dirname(path)
@@ -195,23 +227,20 @@ class BlockStore:
             os.makedirs(parent, exist_ok=True)
             self._made_dirs.add(parent)
 
-    def contains(self, block_hash: str) -> bool:
+    def contains(self, block_hash: str, refresh_s: float | None = None) -> bool:
         """True if valid-looking files (size and header checked, data not read) hold every part of
-        the block: with tensor parallelism a block is stored only once every worker's part is."""
+        the block: with tensor parallelism a block is stored only once every worker's part is.
+        ``refresh_s``: mark each part used now if its last use is older (see ``check_header``)."""
         for shard, layout in enumerate(self._parts):
             path = self.path_for(block_hash, shard)
             try:
-                check_header(path, layout, block_hash)
+                check_header(path, layout, block_hash, refresh_s)
             except FileNotFoundError:
                 return False
             except BlockFileError as exc:
                 self.report_corrupt(path, exc)
                 return False
         return True
-
-    def touch_paths(self, block_hash: str) -> list[str]:
-        """Every part's file of a block (for last-use bookkeeping)."""
-        return [self.path_for(block_hash, shard) for shard in range(self.layout.num_shards)]
 
     def report_corrupt(self, path: str, error: Exception) -> None:
         """Count and log a bad entry, and move it aside so it is never read again and a save can replace it."""
@@ -280,7 +309,10 @@ class StorageConnector(KVConnectorBase):
                 f"({self.store.layout.data_bytes} bytes here): no block could ever be saved; raise it"
             )
         capacity = self.options.capacity_bytes
+        if capacity is DEFAULT_CAPACITY:
+            capacity = filesystem_share(self.store.root, 0.25, DEFAULT_CAPACITY)
         self.budget = StoreBudget(self.store.root, capacity, self.counters.add) if capacity is not None else None
+        self.store.mark_in_use()
         # scheduler state
         self._matches: dict[str, tuple[int, int]] = {}  # request -> (first block index, matched blocks)
         self._pending_loads: list[BlockTransfer] = []
@@ -309,12 +341,11 @@ class StorageConnector(KVConnectorBase):
         start = num_computed_tokens // self.block_size
         limit = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
         matched = 0
+        self.store.mark_in_use()
+        refresh_s = None if self.budget is None else LAST_USE_REFRESH_S  # about to be loaded: evicted last
         for index in range(start, limit):
-            if not self.store.contains(request.block_hashes[index]):
+            if not self.store.contains(request.block_hashes[index], refresh_s):
                 break
-            if self.budget is not None:  # about to be loaded: the last a capacity would evict
-                for path in self.store.touch_paths(request.block_hashes[index]):
-                    self.budget.touch(path)
             matched += 1
         self.counters.add("lookup_hit_blocks", matched)
         self.counters.add("lookup_miss_blocks", max(0, limit - start - matched))
@@ -474,6 +505,7 @@ class StorageConnector(KVConnectorBase):
                 logger.error("%s; abandoning them", exc)
             self._executor.shutdown(wait=True, cancel_futures=True)  # abandoned saves do not run on
             self._executor = None
+        self.store.release()  # unless another instance uses it, the namespace is evicted first now
         if self.budget is not None and self.budget.over_capacity():
             self.budget.evict()  # the last saves' eviction may have been cancelled: leave the store in bounds
 
@@ -575,6 +607,7 @@ class StorageConnector(KVConnectorBase):
         return copies
 
     def _write_block(self, transfer: BlockTransfer, path: str, raw: memoryview) -> None:
+        self.store.mark_in_use()
         try:
             self.store.ensure_parent(path)
             try:
