@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -250,6 +251,83 @@ def test_handle_preemptions_waits_for_stores_still_reading_a_preempted_requests_
     waiter.join(10)
     assert not worker._store_jobs_of.get("a")
     assert worker.get_kv_connector_stats()["preemption_waits"] == 1
+
+
+class StuckHandler(BlockCopyHandler):
+    """A third-party tier that hangs: it accepts jobs of one direction and never ends them, and
+    its ``wait`` ignores the timeout it is given (until ``release`` at the test's end)."""
+
+    stuck_medium = "device"  # jobs from this medium hang: "device" = stores, the tier's = loads
+    release = threading.Event()
+
+    def transfer_async(self, job_id: int, spec: Any) -> bool:
+        if self.src.medium == type(self).stuck_medium:
+            return True  # accepted, never done
+        return super().transfer_async(job_id, spec)
+
+    def wait(self, job_ids: Any, timeout: float | None = None) -> None:
+        if self.src.medium == type(self).stuck_medium:
+            StuckHandler.release.wait()
+            return
+        super().wait(job_ids, timeout)
+
+
+class StuckLoadHandler(StuckHandler):
+    stuck_medium = "cpu"
+
+
+class StuckLoadSpec(CPUOffloadingSpec):
+    handler_cls = StuckLoadHandler
+
+
+class StuckStoreSpec(CPUOffloadingSpec):
+    handler_cls = StuckHandler
+
+
+def test_a_tier_whose_loads_never_end_turns_them_into_recomputes_not_a_hang(
+    paged_engine: Engine, isolated_registry: None
+) -> None:
+    """Evicted prefixes come back through loads the tier never finishes: each step waits
+    ``transfer_timeout_s``, then the engine recomputes, bit-exact; while a load it gave up on is
+    unfinished no load goes to the tier (the others fail at once, no second wait)."""
+    registry_for(SPECS).register("stuck-load", StuckLoadSpec)
+    StuckHandler.release.clear()
+    engine = paged_engine(SPEC, 8, kv_transfer_config=offloading(spec_name="stuck-load", num_cpu_blocks=12,
+                                                                  block_size=8, transfer_timeout_s=0.5),
+                          capture_kv=True)
+    try:
+        prompts = {f"p{i}": prompt(i) for i in range(5)}
+        first = {name: engine.generate({f"{name}-1": tokens})[f"{name}-1"] for name, tokens in prompts.items()}
+        started = time.monotonic()
+        for name, tokens in prompts.items():
+            again = engine.generate({f"{name}-2": tokens})[f"{name}-2"]
+            assert again.output_token_ids == first[name].output_token_ids
+            assert_bit_exact(again)
+        assert time.monotonic() - started < 10  # one wait of 0.5 s, not one per prompt, and no hang
+    finally:
+        StuckHandler.release.set()
+    stats = engine.worker_connector.get_kv_connector_stats()
+    assert stats["timed_out_jobs"] == 1 and stats["failed_loads"] >= 2, stats
+
+
+def test_a_tier_whose_stores_never_end_frees_their_blocks_and_never_offers_them(
+    paged_engine: Engine, isolated_registry: None
+) -> None:
+    registry_for(SPECS).register("stuck-store", StuckStoreSpec)
+    StuckHandler.release.clear()
+    engine = paged_engine(SPEC, 8, kv_transfer_config=offloading(spec_name="stuck-store", num_cpu_blocks=8,
+                                                                  transfer_timeout_s=0.5))
+    try:
+        engine.add_request("a", prompt(6), max_new_tokens=1)
+        engine.run(timeout_s=10)  # the request's blocks wait for its store, which never ends: freed at 0.5 s
+        assert not engine.has_unfinished() and engine.allocator.num_free == 8
+        hashes = request_block_hashes(SPEC, prompt(6))
+        assert engine.scheduler_connector.manager.lookup(hashes) == 0  # never offered for loading
+        out = engine.generate({"b": prompt(6)})["b"]
+        assert out.num_external_tokens == 0 and out.num_load_errors == 0
+    finally:
+        StuckHandler.release.set()
+    assert engine.worker_connector.get_kv_connector_stats()["timed_out_jobs"] >= 1
 
 
 class RefusingStoreHandler(BlockCopyHandler):

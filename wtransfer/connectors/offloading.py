@@ -31,6 +31,13 @@ reported as stored. A store computed on top of a failed load is dropped (reporte
 Each request counts as one use of its blocks for the eviction policy: blocks already in
 the tier are touched once, when the request is first looked up; new blocks are admitted
 when they are stored.
+
+A tier that hangs never hangs the engine: every wait lasts ``transfer_timeout_s`` at most (an
+option of every spec, default 60), even if the tier's ``wait`` ignores its timeout. Loads
+still unfinished then fail (the engine recomputes, per vLLM's ``kv_load_failure_policy``),
+and the tier gets no load until they end, since they may still write into the cache; a store
+older than the deadline fails (its blocks are never offered, its request's blocks are freed).
+Each case logs an error.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +83,7 @@ class _StoreJob:
     keys: tuple[str, ...]  # "<step>:<request id>": how the scheduler names each planned store
     request_ids: tuple[str, ...]
     tier_block_ids: tuple[int, ...]
+    started: float = dataclasses.field(default_factory=time.monotonic)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,9 +290,11 @@ class OffloadingConnector(KVConnectorBase):
         self._failed_requests: set[str] = set()
         self._load_errors: set[int] = set()
         self._bad_tier_blocks: set[int] = set()
+        self._timeout_s = float(getattr(self.spec.options, "transfer_timeout_s", 60.0))
+        self._abandoned_loads: set[int] = set()  # given up on, not yet ended: the tier gets no load meanwhile
         self._worker_stats = {
             "load_jobs": 0, "store_jobs": 0, "bytes_loaded": 0, "bytes_stored": 0,
-            "failed_loads": 0, "failed_stores": 0, "preemption_waits": 0,
+            "failed_loads": 0, "failed_stores": 0, "preemption_waits": 0, "timed_out_jobs": 0,
         }
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -319,7 +331,7 @@ class OffloadingConnector(KVConnectorBase):
         for entry in meta.loads:
             source, destination = LoadStoreSpec.from_dict(entry["src"]), LoadStoreSpec.from_dict(entry["dst"])
             job_id = next(self._job_ids)
-            if self._bad_tier_blocks.intersection(source.block_ids) or not load.transfer_async(
+            if self._abandoned_loads or self._bad_tier_blocks.intersection(source.block_ids) or not load.transfer_async(
                 job_id, (source, destination)
             ):
                 self._fail_load(entry["request_id"], destination.block_ids)
@@ -336,8 +348,18 @@ class OffloadingConnector(KVConnectorBase):
         # one job carries every layer, so the first layer's wait is the step's only wait
         if self._loads_in_flight:
             _, load = self._handlers()
-            load.wait(list(self._loads_in_flight))
+            jobs = list(self._loads_in_flight)
+            self._wait(load, jobs)
             self._collect()
+            late = [job for job in jobs if job in self._loads_in_flight]
+            if late:  # recomputed instead; the tier gets no load until these end (they may still write)
+                logger.error("offloading: the tier did not finish load jobs %s within transfer_timeout_s=%.1fs; "
+                             "their requests recompute, and no load goes to the tier until they end", late,
+                             self._timeout_s)
+                for job in late:
+                    self._fail_load(*self._loads_in_flight.pop(job))
+                    self._abandoned_loads.add(job)
+                self._worker_stats["timed_out_jobs"] += len(late)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None, **kwargs: Any) -> None:
         """Nothing per layer: a store copies every layer of a block, so it starts in ``wait_for_save``."""
@@ -350,9 +372,11 @@ class OffloadingConnector(KVConnectorBase):
             return
         jobs = sorted({job for request_id in preempted for job in self._store_jobs_of.get(request_id, ())})
         if jobs:
-            self._store_handler.wait(jobs)
+            self._wait(self._store_handler, jobs)
             self._worker_stats["preemption_waits"] += 1
             self._collect()
+            # the next forward overwrites those blocks: a store still reading them cannot be trusted
+            self._give_up_stores([job for job in jobs if job in self._store_jobs])
 
     def wait_for_save(self) -> None:
         meta = self._meta()
@@ -394,8 +418,42 @@ class OffloadingConnector(KVConnectorBase):
         for request_id in request_ids:
             self._store_jobs_of.setdefault(request_id, set()).add(job_id)
 
+    def _wait(self, handler: OffloadingHandler, jobs: list[int]) -> None:
+        """``handler.wait(jobs)`` for ``transfer_timeout_s`` at most, even from a tier whose ``wait``
+        ignores its timeout (it then goes on in a thread of its own); what is still unfinished then
+        is the caller's to give up on."""
+        finished = threading.Event()
+
+        def wait() -> None:
+            try:
+                handler.wait(jobs, timeout=self._timeout_s)
+            except Exception as exc:  # a timeout (or the tier's own error): the jobs tell which ended
+                logger.debug("offloading: waiting for jobs %s: %s", jobs, exc)
+            finally:
+                finished.set()
+
+        threading.Thread(target=wait, name="wtransfer-offload-wait", daemon=True).start()
+        finished.wait(self._timeout_s + 1.0)
+
+    def _give_up_stores(self, jobs: list[int]) -> None:
+        """Count store ``jobs`` failed now: their blocks are never offered for loading, and their
+        requests' blocks are freed (a result that comes later is ignored)."""
+        if not jobs:
+            return
+        logger.error("offloading: the tier did not finish store jobs %s within transfer_timeout_s=%.1fs; "
+                     "their blocks count as not stored", jobs, self._timeout_s)
+        for job_id in jobs:
+            job = self._store_jobs.pop(job_id)
+            for request_id in job.request_ids:
+                self._store_jobs_of.get(request_id, set()).discard(job_id)
+            self._report["failed"].extend(job.keys)
+            self._bad_tier_blocks.update(job.tier_block_ids)
+        self._worker_stats["failed_stores"] += len(jobs)
+        self._worker_stats["timed_out_jobs"] += len(jobs)
+
     def _collect(self) -> None:
-        """Settle every job that ended: free finished requests, remember failures."""
+        """Settle every job that ended: free finished requests, remember failures; give up on
+        stores older than ``transfer_timeout_s``."""
         store, load = self._handlers()
         for result in store.get_finished():
             job = self._store_jobs.pop(result.job_id, None)
@@ -414,6 +472,7 @@ class OffloadingConnector(KVConnectorBase):
                 self._bad_tier_blocks.update(job.tier_block_ids)
                 self._worker_stats["failed_stores"] += 1
         for result in load.get_finished():
+            self._abandoned_loads.discard(result.job_id)  # ended late: the tier may take loads again
             entry = self._loads_in_flight.pop(result.job_id, None)
             if entry is None:
                 continue
@@ -424,6 +483,8 @@ class OffloadingConnector(KVConnectorBase):
                     "offloading: load job %d failed (%s); the engine recomputes", result.job_id, result.error
                 )
                 self._fail_load(*entry)
+        oldest = time.monotonic() - self._timeout_s
+        self._give_up_stores([job_id for job_id, job in self._store_jobs.items() if job.started < oldest])
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.role is not KVConnectorRole.WORKER:
@@ -463,11 +524,8 @@ class OffloadingConnector(KVConnectorBase):
         if self._closed:
             return
         self._closed = True
-        if self.role is KVConnectorRole.WORKER and self._store_handler is not None:
-            try:
-                self._store_handler.wait(list(self._store_jobs))
-            except Exception as exc:  # shutting down: report, then release threads anyway
-                logger.warning("offloading: stores still in flight at shutdown: %s", exc)
+        if self.role is KVConnectorRole.WORKER and self._store_handler is not None and self._store_jobs:
+            self._wait(self._store_handler, list(self._store_jobs))
         for handler in (getattr(self, "_store_handler", None), getattr(self, "_load_handler", None)):
             if handler is not None:
                 handler.shutdown()

@@ -204,10 +204,17 @@ class OffloadingSpecOptions:
     block_size: int | None = option(
         None, doc="tokens per offloaded block, a multiple of the engine's block size (default: the engine's)"
     )
+    transfer_timeout_s: float = option(
+        60.0, doc="seconds the connector waits for the tier's jobs: a load past it is recomputed, a store past it "
+        "fails, and no load goes to a tier while one it gave up on is unfinished"
+    )
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size <= 0:
             raise ValueError(f"kv_connector_extra_config['block_size'] must be > 0, got {self.block_size!r}")
+        if self.transfer_timeout_s <= 0:
+            raise ValueError(f"kv_connector_extra_config['transfer_timeout_s'] must be > 0 seconds, "
+                             f"got {self.transfer_timeout_s!r}")
 
 
 _BASE_KEYS = frozenset(f.name for f in dataclasses.fields(OffloadingSpecOptions))

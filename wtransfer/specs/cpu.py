@@ -7,7 +7,7 @@ Works whether the engine's cache is on a GPU or is itself made of CPU tensors. O
 * ``block_size``: tokens per offloaded block, a multiple of the engine's block size;
 * ``eviction_policy``: ``"lru"`` (default), ``"arc"`` or any ``wtransfer.policies`` entry point, bare or
   ``"distribution:name"``;
-* ``transfer_timeout_s``: how long ``wait`` blocks before raising (default 60);
+* ``transfer_timeout_s`` (every spec's): how long ``wait`` blocks before raising (default 60);
 * ``staging_blocks``: engine blocks per copy chunk (default 64), bounding the staging buffer.
 
 The tier is one tensor allocated (and faulted in) once, on the first ``get_handlers`` call;
@@ -60,9 +60,6 @@ class CPUSpecOptions(OffloadingSpecOptions):
     num_cpu_blocks: int | None = option(None, doc="tier size in offloaded blocks (or set cpu_bytes_to_use)")
     cpu_bytes_to_use: int | float | None = option(None, doc="tier size in bytes, e.g. 8 << 30 (or set num_cpu_blocks)")
     eviction_policy: str = option("lru", doc="eviction policy: 'lru', 'arc' or an installed wtransfer.policies name")
-    transfer_timeout_s: float = option(
-        DEFAULT_TRANSFER_TIMEOUT_S, doc="seconds a wait for transfers blocks before raising TransferTimeoutError"
-    )
     staging_blocks: int = option(DEFAULT_STAGING_BLOCKS, doc="engine blocks per copy chunk (bounds the staging buffer)")
 
 
