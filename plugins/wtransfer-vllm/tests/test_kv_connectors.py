@@ -152,17 +152,70 @@ def test_vllm_serve_takes_the_connector_by_name(vllm_python: Path, tiny_llama: P
 EVICTING = [[(k * 31 + 17 * i) % 500 for i in range(129)] for k in range(1, 4)]
 
 
+SMALL = {"num_gpu_blocks_override": 16}
+"""vLLM's cache cut to 16 blocks, so EVICTING pushes PROMPT out of it."""
+
+
+@pytest.fixture(scope="module")
+def evicted_plain(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
+    """PROMPT, EVICTING, PROMPT again, without a connector: what vLLM computes alone."""
+    return kv_run(vllm_python, tiny_llama, tmp_path_factory.mktemp("plain"), "none", {}, [PROMPT, *EVICTING, PROMPT],
+                  **SMALL)
+
+
 def test_offloading_brings_back_a_prompt_vllms_own_cache_evicted(
-    vllm_python: Path, tiny_llama: Path, tmp_path: Path
+    vllm_python: Path, tiny_llama: Path, evicted_plain: list[Any], tmp_path: Path
 ) -> None:
-    """vLLM's cache is cut to 16 blocks, so three other prompts push PROMPT out of it."""
-    prompts, small = [PROMPT, *EVICTING, PROMPT], {"num_gpu_blocks_override": 16}
-    plain = kv_run(vllm_python, tiny_llama, tmp_path, "none", {}, prompts, **small)
+    plain = evicted_plain
     offloaded = kv_run(vllm_python, tiny_llama, tmp_path, "offloading", {"spec_name": "cpu", "num_cpu_blocks": 64},
-                       prompts, **small)
+                       [PROMPT, *EVICTING, PROMPT], **SMALL)
     assert plain[-1]["num_cached_tokens"] < 128  # vLLM's own prefix cache lost (part of) it
     assert offloaded[-1]["num_cached_tokens"] == 128  # the rest came back from the CPU tier
     for ours, theirs in zip(offloaded, plain):
+        assert ours["tokens"] == theirs["tokens"] and ours["logprobs"] == theirs["logprobs"]
+
+
+STUCK_TIER = """
+import threading
+
+from wtransfer.specs.cpu import BlockCopyHandler, CPUOffloadingSpec
+
+
+class StuckLoads(BlockCopyHandler):
+    \"\"\"Loads (tier -> device) are accepted and never end; wait ignores its timeout.\"\"\"
+
+    def transfer_async(self, job_id, spec):
+        return True if self.src.medium != "device" else super().transfer_async(job_id, spec)
+
+    def wait(self, job_ids, timeout=None):
+        if self.src.medium != "device":
+            threading.Event().wait()
+        return super().wait(job_ids, timeout)
+
+
+class StuckLoadTier(CPUOffloadingSpec):
+    handler_cls = StuckLoads
+"""
+
+
+def test_a_third_party_tier_whose_loads_never_end_costs_a_recompute_not_a_hung_engine(
+    vllm_python: Path, tiny_llama: Path, evicted_plain: list[Any], tmp_path: Path
+) -> None:
+    """A tier (by ``spec_module_path``, as a third party ships one) takes PROMPT's blocks, then
+    never finishes loading them back and ignores every timeout: vLLM waits ``transfer_timeout_s``
+    once, recomputes (``kv_load_failure_policy="recompute"``) and answers as vLLM alone does."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "stuck_tier.py").write_text(STUCK_TIER)
+    out = tmp_path / "stuck.json"
+    options = {"spec_name": "StuckLoadTier", "spec_module_path": "stuck_tier", "num_cpu_blocks": 64,
+               "transfer_timeout_s": 2}
+    done = run_script(vllm_python, "kv_run.py", str(tiny_llama), str(out), "offloading", json.dumps(options),
+                      json.dumps([PROMPT, *EVICTING, PROMPT]), json.dumps({**SMALL, "kv_load_failure_policy": "recompute"}),
+                      env=vllm_env(1, site), timeout=300)
+    stuck = json.loads(out.read_text())["results"]
+    assert "the tier did not finish load jobs" in done.stdout + done.stderr  # said in the log
+    for ours, theirs in zip(stuck, evicted_plain):
         assert ours["tokens"] == theirs["tokens"] and ours["logprobs"] == theirs["logprobs"]
 
 
