@@ -598,3 +598,138 @@ def test_the_gloo_rendezvous_answers_only_holders_of_the_round_token() -> None:
             mutate(model, 1)
             trainer.send_weights()  # the outsiders changed nothing
             assert_workers_hold(pool, model)
+
+
+def _status(field: str) -> int:
+    """This process's ``VmRSS`` (KiB) or ``Threads`` from /proc/self/status."""
+    for line in open("/proc/self/status").read().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def test_strangers_at_the_gloo_rendezvous_cost_little_and_change_no_round() -> None:
+    """40 connections to the trainer's rendezvous each announce a 64 MiB frame and send its bytes
+    as fast as the trainer reads them; 8 more trickle a byte a second. Rounds sent meanwhile land
+    bit-exact, and the trainer (this process) grows by a few MiB and 16 threads at most: before
+    the limits it buffered every frame, +1.2 GiB and a thread per connection."""
+    import socket
+    import struct
+    import threading
+
+    seen: dict[str, Any] = {}
+
+    class RecordingPool(LocalWorkerPool):
+        def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> list[dict[str, Any]]:
+            seen.update(init_info)
+            return super().init_weight_transfer_engine(init_info)
+
+    model = build_model(MIXED, "float32", random=True, seed=4)
+    with RecordingPool(2, FACTORY, backend="gloo", factory_kwargs={"shapes": MIXED, "dtype": "float32"},
+                       timeout_s=TIMEOUT, torch_threads=1) as pool:  # fmt: skip
+        with wtransfer.create_trainer("gloo", client=pool, source=model, init_info={"world_size": 3}) as trainer:
+            trainer.send_weights()
+            rss, threads = _status("VmRSS"), _status("Threads")
+            stop = threading.Event()
+            chunk = b"\0" * (1 << 20)
+
+            def flood() -> None:
+                with socket.create_connection((seen["master_address"], seen["master_port"]), timeout=5) as sock:
+                    sock.settimeout(0.5)
+                    try:
+                        sock.sendall(struct.pack("!I", 64 << 20))
+                        for _ in range(63):  # one MiB short of the frame: it never completes
+                            if stop.is_set():
+                                return
+                            sock.sendall(chunk)
+                    except OSError:
+                        return  # dropped by the trainer: what should happen
+
+            def trickle() -> None:
+                with socket.create_connection((seen["master_address"], seen["master_port"]), timeout=5) as sock:
+                    try:
+                        while not stop.wait(1.0):
+                            sock.sendall(b"{")
+                    except OSError:
+                        return
+
+            attackers = [threading.Thread(target=flood) for _ in range(40)]
+            attackers += [threading.Thread(target=trickle) for _ in range(8)]
+            for thread in attackers:
+                thread.start()
+            try:
+                for step in range(3):
+                    mutate(model, step + 1)
+                    trainer.send_weights()
+                    assert_workers_hold(pool, model)
+                grown_mib, more_threads = (_status("VmRSS") - rss) / 1024, _status("Threads") - threads
+            finally:
+                stop.set()
+                for thread in attackers:
+                    thread.join(30)
+            print(f"trainer under 48 hostile connections: RSS +{grown_mib:.1f} MiB, threads +{more_threads} "
+                  f"(attacker threads still running included)")
+            assert grown_mib < 64, grown_mib
+            assert more_threads <= 48 + 16 + 4, more_threads  # the attackers' threads + 16 handshakes + slack
+
+
+def test_strangers_at_the_shm_rendezvous_are_dropped_and_the_round_goes_on(caplog: Any) -> None:
+    """While the workers are asked to join, local processes that are not workers connect to the
+    trainer's (visible) socket: an HTTP request, a stray op, ``ready`` from nobody, a frame
+    announcing 64 MiB, a hello with a wrong token, and, run as root, a process of another user.
+    Each is dropped and logged; the rendezvous completes and the round is bit-exact."""
+    import logging
+    import socket
+    import struct
+
+    def frame(message: dict[str, Any]) -> bytes:
+        payload = json.dumps(message).encode()
+        return struct.pack("!I", len(payload)) + payload
+
+    junk = [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", frame({"op": "bogus"}), frame({"op": "ready"}),
+            struct.pack("!I", 64 << 20) + b"\0" * 4096,
+            frame({"op": "hello", "rank": 1, "token": "0" * 32, "protocol_version": 0})]
+    other_user = os.getuid() == 0  # root can switch to another user; others cannot
+
+    class HostilePool(LocalWorkerPool):
+        def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> list[dict[str, Any]]:
+            target = "\0" + init_info["address"][1:]
+            sockets = []
+            for data in junk:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.connect(target)
+                sock.sendall(data)
+                sockets.append(sock)
+            if other_user:  # a forked child turned into user 65534 ("nobody"): no exec, no file access needed
+                child = os.fork()
+                if child == 0:
+                    try:
+                        os.setuid(65534)
+                        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                        sock.connect(target)
+                        sock.sendall(frame({"op": "ready"}))
+                        sock.settimeout(10)
+                        sock.recv(1)  # until the trainer closes it
+                    finally:
+                        os._exit(0)
+                os.waitpid(child, 0)
+            time.sleep(0.5)  # the trainer reads them while it waits for the workers
+            try:
+                return super().init_weight_transfer_engine(init_info)
+            finally:
+                for sock in sockets:
+                    sock.close()
+
+    model = build_model(MIXED, "float32", random=True, seed=5)
+    with caplog.at_level(logging.WARNING, logger="wtransfer"):
+        with HostilePool(2, FACTORY, backend="shm", factory_kwargs={"shapes": MIXED, "dtype": "float32"},
+                         timeout_s=TIMEOUT, torch_threads=1) as pool:  # fmt: skip
+            with wtransfer.create_trainer("shm", client=pool, source=model, init_info={"world_size": 3}) as trainer:
+                mutate(model, 1)
+                trainer.send_weights()
+                assert_workers_hold(pool, model)
+    dropped = [r.getMessage() for r in caplog.records if "dropped a connection" in r.getMessage()]
+    assert len(dropped) == len(junk), dropped  # each stranger, once; none aborted the rendezvous
+    refused = [r.getMessage() for r in caplog.records if "refused a connection from user id 65534" in r.getMessage()]
+    print(f"ran as uid {os.getuid()}: another user's connection {'refused' if refused else 'not tried'}")
+    assert bool(refused) == other_user

@@ -8,6 +8,7 @@ name on disk.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import struct
@@ -18,8 +19,27 @@ from typing import Any
 
 from wtransfer.errors import TransferError, TransferTimeoutError
 
+logger = logging.getLogger("wtransfer")
+
 _HEADER = struct.Struct("!I")
-_MAX_FRAME = 64 << 20
+MAX_FRAME = 64 << 20
+"""The largest frame a known peer may send."""
+STRANGER_FRAME = 4 << 10
+"""The largest frame a peer not yet identified (authenticated, or told its rank) may send: a
+stranger's frame is buffered before anyone knows who sent it."""
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The user id of the process at the other end of a Unix socket (None where unknown).
+
+    Abstract socket names are visible to every user of the host (``/proc/net/unix``), so each
+    side checks the other's credentials: only this user's processes join a round or map its
+    weights.
+    """
+    if not hasattr(socket, "SO_PEERCRED"):  # pragma: no cover - not Linux
+        return None
+    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid
 
 
 class PeerClosedError(TransferError):
@@ -29,9 +49,11 @@ class PeerClosedError(TransferError):
 class ControlChannel:
     """One peer connection: ``send(dict)``, ``recv(timeout)``, and fd passing for set-up."""
 
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+    def __init__(self, sock: socket.socket, peer: str, max_frame: int = MAX_FRAME) -> None:
         self.sock = sock
         self.peer = peer
+        self.max_frame = max_frame
+        """The largest frame accepted (a larger one is a protocol violation, before it is buffered)."""
         self._buffer = bytearray()
         self._fds: list[int] = []
 
@@ -58,7 +80,7 @@ class ControlChannel:
         if len(self._buffer) < _HEADER.size:
             return None
         (size,) = _HEADER.unpack_from(self._buffer)
-        if size > _MAX_FRAME:
+        if size > self.max_frame:
             raise TransferError(f"{self.peer} sent a {size}-byte control frame; protocol violation")
         end = _HEADER.size + size
         if len(self._buffer) < end:
@@ -129,6 +151,7 @@ class Listener:
     """A private Unix-socket listener: Linux abstract namespace (nothing on disk), else a 0700 dir."""
 
     def __init__(self, tag: str) -> None:
+        self.tag = tag
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._dir: str | None = None
         if sys.platform.startswith("linux"):
@@ -144,8 +167,15 @@ class Listener:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def accept(self) -> socket.socket:
+    def accept(self) -> socket.socket | None:
+        """The next connection, or None if it came from another user (refused, and logged)."""
         conn, _ = self.sock.accept()
+        stranger = peer_uid(conn)
+        if stranger is not None and stranger != os.getuid():
+            logger.warning("wtransfer %s: refused a connection from user id %d (only this user's processes may "
+                           "join)", self.tag, stranger)
+            conn.close()
+            return None
         return conn
 
     def close(self) -> None:

@@ -8,7 +8,8 @@ trainer's side group instead meets through :class:`RendezvousServer`, which
   user asks for ``0.0.0.0``),
 * makes every connection prove, before anything else, that it holds the round's token
   (HMAC-SHA256 over both sides' random nonces; the trainer proves it too, so a worker never
-  talks to an impostor), and drops connections that do not within a few seconds,
+  talks to an impostor), and drops connections that do not within a few seconds (from 16
+  strangers at once at most, each sending small frames only),
 * then serves ``set``/``get``/``wait``/``check``/``add``/``delete_key`` as JSON frames
   (values base64), which is all a gloo or NCCL group's rendezvous needs.
 
@@ -33,13 +34,17 @@ import threading
 import time
 from typing import Any
 
-from wtransfer.engines._control import ControlChannel
+from wtransfer.engines._control import MAX_FRAME, STRANGER_FRAME, ControlChannel
 from wtransfer.errors import TransferError, TransferTimeoutError
 
 logger = logging.getLogger("wtransfer")
 
 AUTH_TIMEOUT_S = 5.0
-"""How long a new connection has to authenticate before the server drops it."""
+"""How long a new connection has, in all, to authenticate before the server drops it."""
+MAX_STRANGERS = 16
+"""Connections authenticating at once; more are closed as they arrive. Before it proved the
+token a peer may send frames of ``STRANGER_FRAME`` bytes at most: strangers cost the trainer
+at most 16 threads and a few hundred KiB, however many connect and whatever they announce."""
 
 WILDCARD_ADDRESSES = ("0.0.0.0", "::", "")
 
@@ -125,7 +130,8 @@ class RendezvousServer:
         self.token = token
         self.timeout_s = timeout_s
         self.rejected = 0
-        """Connections dropped because they did not prove the token."""
+        """Connections dropped because they did not prove the token (or came when 16 strangers were)."""
+        self._strangers = threading.BoundedSemaphore(MAX_STRANGERS)
         host = resolve(address) if address not in WILDCARD_ADDRESSES else address
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
@@ -154,6 +160,10 @@ class RendezvousServer:
                 conn, peer = self._sock.accept()
             except OSError:
                 return
+            if not self._strangers.acquire(blocking=False):  # no thread, no buffer: closed at once
+                self.rejected += 1
+                conn.close()
+                continue
             with self._lock:
                 if self._closed:
                     conn.close()
@@ -165,12 +175,17 @@ class RendezvousServer:
             ).start()
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
-        channel = ControlChannel(conn, f"rendezvous peer {peer}")
+        channel = ControlChannel(conn, f"rendezvous peer {peer}", max_frame=STRANGER_FRAME)
         try:
-            if not self._authenticate(channel):
+            try:
+                proved = self._authenticate(channel)
+            finally:
+                self._strangers.release()
+            if not proved:
                 self.rejected += 1
                 logger.warning("wtransfer rendezvous: dropped a connection from %s that did not prove the token", peer)
                 return
+            channel.max_frame = MAX_FRAME
             while not self._closed:
                 request = channel.recv(timeout=1e9)
                 channel.send(self._answer(request), timeout=self.timeout_s)
@@ -182,14 +197,16 @@ class RendezvousServer:
             channel.close()
 
     def _authenticate(self, channel: ControlChannel) -> bool:
+        deadline = time.monotonic() + AUTH_TIMEOUT_S  # for the whole exchange: a trickle cannot stretch it
         try:
             hello = channel.recv(timeout=AUTH_TIMEOUT_S)
             client_nonce = hello.get("nonce")
             if not isinstance(client_nonce, str) or not 16 <= len(client_nonce) <= 128:
                 return False
             server_nonce = secrets.token_hex(16)
-            channel.send({"nonce": server_nonce, "proof": _proof(self.token, "server", client_nonce, server_nonce)})
-            answer = channel.recv(timeout=AUTH_TIMEOUT_S)
+            channel.send({"nonce": server_nonce, "proof": _proof(self.token, "server", client_nonce, server_nonce)},
+                         timeout=max(deadline - time.monotonic(), 0.001))
+            answer = channel.recv(timeout=max(deadline - time.monotonic(), 0.001))
         except TransferError:
             return False
         expected = _proof(self.token, "client", client_nonce, server_nonce)

@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from wtransfer.engines._control import ControlChannel, PeerClosedError
+from wtransfer.engines._control import ControlChannel, PeerClosedError, peer_uid
 from wtransfer.engines._manifest import Manifest, TensorEntry
 from wtransfer.engines._packing import align
 from wtransfer.errors import TransferError, TransferTimeoutError
@@ -70,21 +70,6 @@ def create_memfd(size: int, label: str) -> int:
         os.close(fd)
         raise
     return fd
-
-
-def peer_uid(sock: socket.socket) -> int | None:
-    """The user id of the process at the other end of a Unix socket (None where unknown).
-
-    Abstract socket names are visible to every user of the host (``/proc/net/unix``), so each
-    side checks the other's credentials: the staged weights are handed only to this user's
-    processes, and taken only from them.
-    """
-    import struct
-
-    if not hasattr(socket, "SO_PEERCRED"):  # pragma: no cover - not Linux
-        return None
-    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return uid
 
 
 def read_only_fd(fd: int) -> int:

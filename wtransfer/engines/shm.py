@@ -40,7 +40,7 @@ from typing import Any
 
 from wtransfer.engines._base import LoadWeights, WeightTransferEngine, WeightTransferInitInfo
 from wtransfer.engines._commit import adopt_staged
-from wtransfer.engines._control import ControlChannel, Listener, PeerClosedError
+from wtransfer.engines._control import MAX_FRAME, STRANGER_FRAME, ControlChannel, Listener, PeerClosedError
 from wtransfer.engines._digests import RoundDigests, check
 from wtransfer.engines._manifest import Manifest
 from wtransfer.engines._packing import Bucket, Packer, Piece, Unpacker, plan_buckets, tensor_bytes
@@ -381,22 +381,25 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                     )
                 for key, _ in self._selector.select(0.05):
                     if key.fileobj is self._listener:
-                        channel = ControlChannel(self._listener.accept(), "an shm worker")
-                        pending[channel.fileno()] = channel
-                        self._selector.register(channel, selectors.EVENT_READ, None)
+                        conn = self._listener.accept()  # None: another user's process, refused
+                        if conn is not None:
+                            channel = ControlChannel(conn, "an unidentified shm peer", max_frame=STRANGER_FRAME)
+                            pending[channel.fileno()] = channel
+                            self._selector.register(channel, selectors.EVENT_READ, None)
                         continue
                     channel = key.fileobj  # type: ignore[assignment]
                     try:
                         messages = channel.read_ready()
-                    except PeerClosedError:
-                        self._selector.unregister(channel)
-                        pending.pop(channel.fileno(), None)
+                    except TransferError as exc:  # closed, or garbage
                         if channel in self._channels.values():
                             raise
-                        channel.close()
+                        self._drop(channel, pending, None if isinstance(exc, PeerClosedError) else str(exc))
                         continue
                     for message in messages:
-                        self._handshake(channel, message, pending, ready)
+                        problem = self._handshake(channel, message, pending, ready)
+                        if problem is not None:
+                            self._drop(channel, pending, problem)
+                            break
         finally:
             for key in list(self._selector.get_map().values()):
                 self._selector.unregister(key.fileobj)
@@ -410,9 +413,19 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         if not self.parallel_senders:  # no one else joins
             self._close_listener()
 
+    def _drop(self, channel: ControlChannel, pending: dict[int, ControlChannel], problem: str | None) -> None:
+        """An unidentified peer leaves the rendezvous (logged when it misbehaved); the round goes on."""
+        if problem is not None:
+            logger.warning("shm rendezvous: dropped a connection that is not one of this round's workers: %s", problem)
+        self._selector.unregister(channel)
+        pending.pop(channel.fileno(), None)
+        channel.close()
+
     def _handshake(
         self, channel: ControlChannel, message: dict[str, Any], pending: dict[int, ControlChannel], ready: set[int]
-    ) -> None:
+    ) -> str | None:
+        """Take one rendezvous message; a problem (the channel is then dropped) from an unidentified
+        peer, whose messages never abort the rendezvous."""
         op = message.get("op")
         if op == "hello":
             rank = message.get("rank")
@@ -426,9 +439,13 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             elif rank in self._channels:
                 problem = f"rank {rank} joined twice; check every worker's ParallelConfig"
             if problem is not None:
-                channel.send({"ok": False, "error": problem}, timeout=self.timeout_s)
-                return
+                try:  # a misconfigured worker learns why
+                    channel.send({"ok": False, "error": problem}, timeout=1.0)
+                except TransferError:
+                    pass
+                return problem
             channel.peer = f"shm worker rank {rank}"
+            channel.max_frame = MAX_FRAME
             ring = [self._ring_fd] if self._ring_fd is not None else []
             channel.send({"ok": True, "ring": bool(ring)}, fds=ring, timeout=self.timeout_s)
             pending.pop(channel.fileno())
@@ -436,8 +453,11 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             self.served_answers[rank] = message.get("served_dtypes")
         elif op == "ready" and channel in self._channels.values():
             ready.add(next(r for r, c in self._channels.items() if c is channel))
+        elif channel in self._channels.values():
+            raise TransferError(f"unexpected message from {channel.peer} during shm rendezvous: {str(message)[:200]}")
         else:
-            raise TransferError(f"unexpected message during shm rendezvous: {message!r}")
+            return f"unexpected message {str(message)[:200]}"
+        return None
 
     def _close_listener(self) -> None:
         if self._listener is not None:
@@ -464,14 +484,27 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                 readable, _, _ = select.select([self._listener], [], [], min(remaining, 0.5))
                 if not readable:
                     continue
-                channel = ControlChannel(self._listener.accept(), "a trainer rank")
+                conn = self._listener.accept()  # None: another user's process, refused
+                if conn is None:
+                    continue
+                channel = ControlChannel(conn, "an unidentified trainer rank", max_frame=STRANGER_FRAME)
                 try:
-                    hello = channel.recv(min(max(deadline - time.monotonic(), 0.1), 30.0))
+                    hello = channel.recv(min(max(deadline - time.monotonic(), 0.1), 5.0))
+                except TransferError as exc:
+                    logger.warning("shm trainer: dropped a connection that did not say hello: %s", exc)
+                    channel.close()
+                    continue
+                if hello.get("token") != self._sender_token:  # not one of ours: it cannot fail the connect
+                    logger.warning("shm trainer: dropped a connection without this trainer's sender token")
+                    channel.close()
+                    continue
+                channel.max_frame = MAX_FRAME
+                try:
                     rank = hello.get("rank")
                     if hello.get("error"):
                         raise TransferError(f"trainer rank {rank} cannot write its shards: {hello['error']}")
-                    if hello.get("op") != "sender" or hello.get("token") != self._sender_token:
-                        raise TransferError("a process without this trainer's sender token tried to join")
+                    if hello.get("op") != "sender":
+                        raise TransferError(f"trainer rank {rank!r} sent {hello.get('op')!r} instead of 'sender'")
                     if rank not in ranks or rank in self._senders:
                         raise TransferError(f"trainer rank {rank!r} is not expected (or joined twice)")
                     channel.peer = f"trainer rank {rank}"
