@@ -45,7 +45,7 @@ class MachineLoad:
         parts = []
         if self.others_share is not None:
             parts.append(f"other processes took {self.others_share:.1%} of its CPU during the run")
-            if self.steal_share:
+            if (self.steal_share or 0.0) >= 0.005:
                 parts.append(f"the hypervisor {self.steal_share:.1%}")
         where = f"on {self.cores} cores"
         load = f"load average {self.load_before:.2f} {where} before it" if self.load_before is not None else where

@@ -93,6 +93,7 @@ def run_engine(
     references: dict[str, Callable[[], float]] | None = None,
     commit: str = "streaming",
     label: str | None = None,
+    checksums: bool = False,
 ) -> EngineResult:
     """Sync ``model`` ``args.rounds`` times, verifying every worker after each round.
 
@@ -105,7 +106,7 @@ def run_engine(
     from wtransfer.engines._trainer import create_trainer
     from wtransfer.local import LocalWorkerPool
 
-    label = label or f"{engine} {commit}"
+    label = label or f"{engine} {commit}" + (" + checksums" if checksums else "")
     result = EngineResult(label)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     kwargs = {"shapes": shapes, "dtype": DTYPES[args.dtype]}
@@ -120,7 +121,8 @@ def run_engine(
         if args.num_buffers:
             init_info["num_buffers"] = args.num_buffers
         rss = PeakRss()
-        trainer = create_trainer(engine, client=pool, source=ModuleSource(model), init_info=init_info, commit=commit)
+        trainer = create_trainer(engine, client=pool, source=ModuleSource(model), init_info=init_info, commit=commit,
+                                 checksums=checksums)
         try:
             # atomic: a worker may also hold (map) its node's staged copy of the model
             staged = total if commit == "atomic" else 0
@@ -399,6 +401,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --compare and gloo: the many-small-tensors model for the per-tensor comparison "
                              "(8192*2048: 2048 tensors of 8192 elements)")
     parser.add_argument("--timeout", type=float, default=120.0, help="timeout_s of every wait")
+    parser.add_argument("--checksums", action="store_true",
+                        help="also run every engine and commit with checksums=True, side by side (its cost)")
     parser.add_argument("--strict-targets", action="store_true",
                         help="exit 1 when a speed or memory target is missed (for CI); without it a missed target "
                              "is reported in words and the exit status says only whether every round was verified")
@@ -447,7 +451,7 @@ def run(args: argparse.Namespace) -> int:
         f"{total / 1e9:.2f} GB {dtype}; {args.workers} worker(s), {args.rounds} round(s)"
     )
     small_gloo = args.compare and "gloo" in engines
-    steps = len(engines) * len(commits) * (args.rounds + 1) + (2 if args.compare else 1) + (args.rounds + 2 if small_gloo else 0)
+    steps = len(engines) * len(commits) * (args.rounds + 1) * (2 if args.checksums else 1) + (2 if args.compare else 1) + (args.rounds + 2 if small_gloo else 0)
     results: list[EngineResult] = []
     peers: dict[str, float] = {}
     gloo_peer: GlooPeer | None = None
@@ -478,6 +482,8 @@ def run(args: argparse.Namespace) -> int:
                 paired = {name: references[name] for name in _PAIRED.get(engine, ()) if name in references}
                 for commit in commits:  # the modes' rows side by side: what safety costs
                     results.append(run_engine(engine, model, shapes, args, advance, paired, commit))
+                    if args.checksums:  # and what checking every byte end to end costs on top
+                        results.append(run_engine(engine, model, shapes, args, advance, paired, commit, checksums=True))
             for name, measure in references.items():  # peers not paired with any engine: once, now
                 if not any(name in r.paired_peers() for r in results):
                     results_for_peer = [measure() for _ in range(max(2, min(args.rounds, 3)))]
@@ -587,6 +593,13 @@ def _targets(results: list[EngineResult], peers: dict[str, float]) -> list[dict[
             ratio = result.gb_per_s / streamed.gb_per_s
             checks.append({"what": "shm atomic / shm streaming", "engine": result.engine, "peer": "shm streaming",
                            "value": ratio, "target": ">= 0.9", "ok": ratio >= 0.9, "applies": True})
+        if result.engine.endswith(" + checksums"):  # what end-to-end integrity costs, side by side
+            plain = next((r for r in results if r.engine == result.engine.removesuffix(" + checksums")), None)
+            if plain is not None:
+                ratio = result.gb_per_s / plain.gb_per_s
+                checks.append({"what": f"{result.engine} / {plain.engine}", "engine": result.engine,
+                               "peer": plain.engine, "value": ratio, "target": ">= 0.95", "ok": ratio >= 0.95,
+                               "applies": True})
         worst = max([result.trainer_extra_rss, *result.worker_extra_rss])
         checks.append({"what": f"{result.engine} peak extra RSS (MiB, worst side)", "engine": result.engine,
                        "peer": None, "value": worst / MIB, "target": f"<= {result.rss_budget / MIB:.0f}",
