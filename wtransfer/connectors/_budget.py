@@ -37,8 +37,10 @@ own (:func:`mark_in_use`) at most every ``IN_USE_REFRESH_S`` while it looks bloc
 them, and removes it when it shuts down."""
 IN_USE_REFRESH_S = 60.0
 IN_USE_TTL_S = 600.0
-"""A namespace whose marker is older than this (or missing) is used by no instance: the weights it
-was keyed to are served nowhere, and its files are evicted before any other namespace's."""
+"""A namespace whose markers are all older than this (or that has none) is taken as used by no
+instance: the weights it was keyed to are served nowhere (or by an instance that has neither
+looked a block up nor saved one for 10 minutes), and its files are evicted before any other
+namespace's."""
 
 
 def mark_in_use(namespace_dir: str, user: str) -> None:
@@ -232,7 +234,9 @@ class StoreBudget:
                         names = os.listdir(namespace.path)
                         if all(name.startswith(IN_USE_PREFIX) for name in names):
                             for name in names:
-                                os.unlink(os.path.join(namespace.path, name))
+                                marker = os.path.join(namespace.path, name)
+                                if os.stat(marker).st_mtime < time.time() - IN_USE_TTL_S:  # not marked meanwhile
+                                    os.unlink(marker)
                     except OSError:
                         pass
                 try:

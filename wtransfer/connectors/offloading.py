@@ -35,9 +35,12 @@ when they are stored.
 A tier that hangs never hangs the engine: every wait lasts ``transfer_timeout_s`` at most (an
 option of every spec, default 60), even if the tier's ``wait`` ignores its timeout. Loads
 still unfinished then fail (the engine recomputes, per vLLM's ``kv_load_failure_policy``),
-and the tier gets no load until they end, since they may still write into the cache; a store
-older than the deadline fails (its blocks are never offered, its request's blocks are freed).
-Each case logs an error.
+and the tier gets no load until they end. A load the tier finishes after its deadline may
+still write into cache blocks the engine has reused by then: wtransfer cannot stop a write the
+tier already started, so such a tier is broken, and the log says so. A store older than the
+deadline fails: its request's blocks are freed, and its tier slots stay taken until the tier
+reports the job ended, so a late write lands in no slot that is offered for loading. Each case
+logs an error.
 """
 
 from __future__ import annotations
@@ -292,6 +295,7 @@ class OffloadingConnector(KVConnectorBase):
         self._bad_tier_blocks: set[int] = set()
         self._timeout_s = float(getattr(self.spec.options, "transfer_timeout_s", 60.0))
         self._abandoned_loads: set[int] = set()  # given up on, not yet ended: the tier gets no load meanwhile
+        self._abandoned_stores: dict[int, _StoreJob] = {}  # given up on, not yet ended: their slots stay taken
         self._worker_stats = {
             "load_jobs": 0, "store_jobs": 0, "bytes_loaded": 0, "bytes_stored": 0,
             "failed_loads": 0, "failed_stores": 0, "preemption_waits": 0, "timed_out_jobs": 0,
@@ -436,8 +440,9 @@ class OffloadingConnector(KVConnectorBase):
         finished.wait(self._timeout_s + 1.0)
 
     def _give_up_stores(self, jobs: list[int]) -> None:
-        """Count store ``jobs`` failed now: their blocks are never offered for loading, and their
-        requests' blocks are freed (a result that comes later is ignored)."""
+        """Give up on store ``jobs``: their requests' engine blocks are freed now, but their tier
+        slots stay taken (neither stored nor free) until the tier reports the job ended, since it
+        may still write there; then they count as failed, never offered for loading."""
         if not jobs:
             return
         logger.error("offloading: the tier did not finish store jobs %s within transfer_timeout_s=%.1fs; "
@@ -446,7 +451,7 @@ class OffloadingConnector(KVConnectorBase):
             job = self._store_jobs.pop(job_id)
             for request_id in job.request_ids:
                 self._store_jobs_of.get(request_id, set()).discard(job_id)
-            self._report["failed"].extend(job.keys)
+            self._abandoned_stores[job_id] = job
             self._bad_tier_blocks.update(job.tier_block_ids)
         self._worker_stats["failed_stores"] += len(jobs)
         self._worker_stats["timed_out_jobs"] += len(jobs)
@@ -456,6 +461,10 @@ class OffloadingConnector(KVConnectorBase):
         stores older than ``transfer_timeout_s``."""
         store, load = self._handlers()
         for result in store.get_finished():
+            late = self._abandoned_stores.pop(result.job_id, None)
+            if late is not None:  # it ended at last: its slots may be freed (its bytes are not trusted)
+                self._report["failed"].extend(late.keys)
+                continue
             job = self._store_jobs.pop(result.job_id, None)
             if job is None:
                 continue

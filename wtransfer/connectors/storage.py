@@ -226,6 +226,9 @@ class BlockStore:
         if recheck or parent not in self._made_dirs:
             os.makedirs(parent, exist_ok=True)
             self._made_dirs.add(parent)
+        if recheck:  # the directory was removed, our marker with it: mark it again now
+            self._marked_at = float("-inf")
+            self.mark_in_use()
 
     def contains(self, block_hash: str, refresh_s: float | None = None) -> bool:
         """True if valid-looking files (size and header checked, data not read) hold every part of

@@ -204,4 +204,9 @@ def connect(address: str, timeout: float, peer: str) -> ControlChannel:
             f"cannot reach {peer} at {address!r} ({exc}); is the trainer running on this host "
             f"and still waiting for workers?"
         ) from exc
+    owner = peer_uid(sock)
+    if owner is not None and owner != os.getuid():  # the name is visible host-wide: anyone may hold it
+        sock.close()
+        raise TransferError(f"{peer} at {address!r} is run by user id {owner}, not by this user ({os.getuid()}); "
+                            f"nothing was sent to it")
     return ControlChannel(sock, peer)

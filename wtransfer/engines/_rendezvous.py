@@ -8,8 +8,8 @@ trainer's side group instead meets through :class:`RendezvousServer`, which
   user asks for ``0.0.0.0``),
 * makes every connection prove, before anything else, that it holds the round's token
   (HMAC-SHA256 over both sides' random nonces; the trainer proves it too, so a worker never
-  talks to an impostor), and drops connections that do not within a few seconds (from 16
-  strangers at once at most, each sending small frames only),
+  talks to an impostor), and drops connections that do not within a few seconds (16
+  handshakes at once at most, each with small frames only; the next waits for a slot),
 * then serves ``set``/``get``/``wait``/``check``/``add``/``delete_key`` as JSON frames
   (values base64), which is all a gloo or NCCL group's rendezvous needs.
 
@@ -42,9 +42,10 @@ logger = logging.getLogger("wtransfer")
 AUTH_TIMEOUT_S = 5.0
 """How long a new connection has, in all, to authenticate before the server drops it."""
 MAX_STRANGERS = 16
-"""Connections authenticating at once; more are closed as they arrive. Before it proved the
-token a peer may send frames of ``STRANGER_FRAME`` bytes at most: strangers cost the trainer
-at most 16 threads and a few hundred KiB, however many connect and whatever they announce."""
+"""Connections authenticating at once; the next waits (in the listen backlog) for a slot, at most
+``AUTH_TIMEOUT_S``. Before it proved the token a peer may send frames of ``STRANGER_FRAME``
+bytes at most: strangers cost the trainer at most 16 threads and about 1 MiB of buffers (a
+64 KiB read each), however many connect and whatever they announce."""
 
 WILDCARD_ADDRESSES = ("0.0.0.0", "::", "")
 
@@ -160,8 +161,10 @@ class RendezvousServer:
                 conn, peer = self._sock.accept()
             except OSError:
                 return
-            if not self._strangers.acquire(blocking=False):  # no thread, no buffer: closed at once
-                self.rejected += 1
+            # at most 16 handshakes at once: the next waits for a slot (connections queue in the
+            # backlog meanwhile), for AUTH_TIMEOUT_S at most, then is closed with no thread started
+            if not self._strangers.acquire(timeout=AUTH_TIMEOUT_S):
+                self._count_rejected()
                 conn.close()
                 continue
             with self._lock:
@@ -182,7 +185,7 @@ class RendezvousServer:
             finally:
                 self._strangers.release()
             if not proved:
-                self.rejected += 1
+                self._count_rejected()
                 logger.warning("wtransfer rendezvous: dropped a connection from %s that did not prove the token", peer)
                 return
             channel.max_frame = MAX_FRAME
@@ -195,6 +198,10 @@ class RendezvousServer:
             with self._lock:
                 self._connections.discard(conn)
             channel.close()
+
+    def _count_rejected(self) -> None:
+        with self._lock:
+            self.rejected += 1
 
     def _authenticate(self, channel: ControlChannel) -> bool:
         deadline = time.monotonic() + AUTH_TIMEOUT_S  # for the whole exchange: a trickle cannot stretch it

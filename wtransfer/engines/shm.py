@@ -40,7 +40,7 @@ from typing import Any
 
 from wtransfer.engines._base import LoadWeights, WeightTransferEngine, WeightTransferInitInfo
 from wtransfer.engines._commit import adopt_staged
-from wtransfer.engines._control import MAX_FRAME, STRANGER_FRAME, ControlChannel, Listener, PeerClosedError
+from wtransfer.engines._control import MAX_FRAME, ControlChannel, Listener, PeerClosedError
 from wtransfer.engines._digests import RoundDigests, check
 from wtransfer.engines._manifest import Manifest
 from wtransfer.engines._packing import Bucket, Packer, Piece, Unpacker, plan_buckets, tensor_bytes
@@ -70,6 +70,12 @@ from wtransfer.errors import ManifestMismatchError, TransferError, TransferTimeo
 from wtransfer.options import option
 
 logger = logging.getLogger("wtransfer")
+
+HELLO_FRAME = 16 << 20
+"""The largest frame a peer that has not said which worker it is may send. It passed the user-id
+check already; a worker's hello lists what its model loads (a name per tensor whose dtype is
+not the model's: a checkpoint kept in fp32 and served in bf16 lists every one), so it may be
+large, but never the 64 MiB a known peer may send."""
 
 
 @dataclass
@@ -383,7 +389,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                     if key.fileobj is self._listener:
                         conn = self._listener.accept()  # None: another user's process, refused
                         if conn is not None:
-                            channel = ControlChannel(conn, "an unidentified shm peer", max_frame=STRANGER_FRAME)
+                            channel = ControlChannel(conn, "an unidentified shm peer", max_frame=HELLO_FRAME)
                             pending[channel.fileno()] = channel
                             self._selector.register(channel, selectors.EVENT_READ, None)
                         continue
@@ -487,7 +493,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                 conn = self._listener.accept()  # None: another user's process, refused
                 if conn is None:
                     continue
-                channel = ControlChannel(conn, "an unidentified trainer rank", max_frame=STRANGER_FRAME)
+                channel = ControlChannel(conn, "an unidentified trainer rank", max_frame=HELLO_FRAME)
                 try:
                     hello = channel.recv(min(max(deadline - time.monotonic(), 0.1), 5.0))
                 except TransferError as exc:

@@ -215,6 +215,7 @@ def test_a_third_party_tier_whose_loads_never_end_costs_a_recompute_not_a_hung_e
                       env=vllm_env(1, site), timeout=300)
     stuck = json.loads(out.read_text())["results"]
     assert "the tier did not finish load jobs" in done.stdout + done.stderr  # said in the log
+    assert len(stuck) == len(evicted_plain)
     for ours, theirs in zip(stuck, evicted_plain):
         assert ours["tokens"] == theirs["tokens"] and ours["logprobs"] == theirs["logprobs"]
 

@@ -37,9 +37,11 @@ import wtransfer
 from wtransfer_vllm.testing import BLOCK_FILLING_PROMPTS, load_trainer_model, perturb, write_json
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-IN_FLIGHT_TOKENS = 400  # long enough to be running when the commit lands (the server's max_model_len is 512)
+IN_FLIGHT_TOKENS = 400  # long enough to be running when the commit lands
+MAX_MODEL_LEN = 512  # the server's
 COMPARED = 48
-"""Tokens compared on either side of a switch: the baseline's, and what B computes after it."""
+"""Tokens compared after a switch: what B computes after the prefix (fewer near the model's length).
+Before it, every token is compared with the baseline, which runs as long as the in-flight requests."""
 INIT_INFO = {"world_size": 2, "timeout_s": 60}
 
 
@@ -140,14 +142,13 @@ class Client(HTTPVLLMWeightSyncClient):
 
 
 def step_until_started(base_url, progress):
-    """Resume the paused server for 20 ms at a time until every request streamed 4 tokens; it is
-    left paused. Watching the stream while the server runs freely races its decoding: on a busy
+    """Resume the paused server and pause it again at once until every request streamed 4 tokens;
+    it is left paused. Watching the stream while the server runs freely races its decoding: on a busy
     host the client saw each request's 400 tokens arrive at once, already finished."""
     deadline = time.monotonic() + 60
     while min(progress) < 4 and time.monotonic() < deadline:
         resume(base_url)
-        time.sleep(0.02)
-        pause(base_url)
+        pause(base_url)  # at once: the round trips alone let a few steps run (over 200 tokens once, under load)
         time.sleep(0.05)  # the stream's reader catches up with what the pause let out
 
 
@@ -169,7 +170,7 @@ def one_choice(base_url, model_dir, in_flight):
     probes = [list(reversed(p)) for p in prompts]  # computed at A only: after the round, any hit is A's KV
     try:
         a = trainer.send_weights()["version"]
-        result = {"a": str(a), "baseline": generate(base_url, prompts)}
+        result = {"a": str(a), "baseline": generate(base_url, prompts, IN_FLIGHT_TOKENS)}
         generate(base_url, probes, 8)
         streamed(base_url, prompts[:1], [0])  # the server's first streamed answer is slow to start
         if in_flight == "keep":
@@ -216,7 +217,9 @@ def one_choice(base_url, model_dir, in_flight):
                       preempted=metric(base_url, "num_preemptions_total") - client.at_finish["preemptions"])
         # what B computes after each response's prefix at the switch (its whole output when it had none)
         cut = [next((s[1] for s in r["spans"] if s[0] == str(b)), len(r["tokens"])) for r in result["inflight"]]
-        result["continued"] = generate(base_url, [p + r["tokens"][:k] for p, r, k in zip(prompts, result["inflight"], cut)])
+        result["continued"] = [  # one by one: each may continue for as many tokens as its length leaves
+            generate(base_url, [p + r["tokens"][:k]], max(1, min(COMPARED, MAX_MODEL_LEN - len(p) - k)))[0]
+            for p, r, k in zip(prompts, result["inflight"], cut)]
         result["fresh"] = generate(base_url, probes, 8)
         result["again"] = generate(base_url, probes, 8)
         if in_flight == "drain":
