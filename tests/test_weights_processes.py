@@ -566,6 +566,16 @@ def test_a_world_size_larger_than_the_workers_is_found_at_once(backend: str, rea
         assert worker_error["weight_version"] == 0
 
 
+class RecordingPool(LocalWorkerPool):
+    """A pool that keeps the last ``init_info`` its workers were given (the rendezvous address, the token)."""
+
+    seen: dict[str, Any] = {}
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> list[dict[str, Any]]:
+        self.seen = dict(init_info)
+        return super().init_weight_transfer_engine(init_info)
+
+
 def test_the_gloo_rendezvous_answers_only_holders_of_the_round_token() -> None:
     # torch's TCPStore would hand every key to anyone who connects (list_keys) and take
     # writes from them; the trainer's rendezvous must not.
@@ -575,18 +585,11 @@ def test_the_gloo_rendezvous_answers_only_holders_of_the_round_token() -> None:
 
     from wtransfer.engines._rendezvous import RendezvousClient
 
-    seen: dict[str, Any] = {}
-
-    class RecordingPool(LocalWorkerPool):
-        def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> list[dict[str, Any]]:
-            seen.update(init_info)
-            return super().init_weight_transfer_engine(init_info)
-
     model = build_model(MIXED, "float32", random=True, seed=3)
     with RecordingPool(1, FACTORY, backend="gloo", factory_kwargs={"shapes": MIXED, "dtype": "float32"},
                        timeout_s=TIMEOUT, torch_threads=1) as pool:  # fmt: skip
         with wtransfer.create_trainer("gloo", client=pool, source=model, init_info={"world_size": 2}) as trainer:
-            address, port, token = seen["master_address"], seen["master_port"], seen["token"]
+            address, port, token = pool.seen["master_address"], pool.seen["master_port"], pool.seen["token"]
             assert len(token) >= 32
             with pytest.raises(TransferError, match="does not hold this round's token"):
                 RendezvousClient.connect(address, port, "0" * 32, timeout_s=5)
@@ -617,13 +620,6 @@ def test_strangers_at_the_gloo_rendezvous_cost_little_and_change_no_round() -> N
     import struct
     import threading
 
-    seen: dict[str, Any] = {}
-
-    class RecordingPool(LocalWorkerPool):
-        def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> list[dict[str, Any]]:
-            seen.update(init_info)
-            return super().init_weight_transfer_engine(init_info)
-
     model = build_model(MIXED, "float32", random=True, seed=4)
     with RecordingPool(2, FACTORY, backend="gloo", factory_kwargs={"shapes": MIXED, "dtype": "float32"},
                        timeout_s=TIMEOUT, torch_threads=1) as pool:  # fmt: skip
@@ -634,7 +630,7 @@ def test_strangers_at_the_gloo_rendezvous_cost_little_and_change_no_round() -> N
             chunk = b"\0" * (1 << 20)
 
             def flood() -> None:
-                with socket.create_connection((seen["master_address"], seen["master_port"]), timeout=5) as sock:
+                with socket.create_connection((pool.seen["master_address"], pool.seen["master_port"]), timeout=5) as sock:
                     sock.settimeout(0.5)
                     try:
                         sock.sendall(struct.pack("!I", 64 << 20))
@@ -646,7 +642,7 @@ def test_strangers_at_the_gloo_rendezvous_cost_little_and_change_no_round() -> N
                         return  # dropped by the trainer: what should happen
 
             def trickle() -> None:
-                with socket.create_connection((seen["master_address"], seen["master_port"]), timeout=5) as sock:
+                with socket.create_connection((pool.seen["master_address"], pool.seen["master_port"]), timeout=5) as sock:
                     try:
                         while not stop.wait(1.0):
                             sock.sendall(b"{")
