@@ -181,16 +181,26 @@ def one_choice(base_url, model_dir, in_flight):
         else:
             perturb(model, 7, scale=0.2)  # every weight: KV of A is not KV of B
         inflight, late = {}, {}
-        progress = [0] * len(prompts)
-        client.armed, client.freeze = progress, in_flight != "drain"
-        # Held (vLLM's pause) until all of them are queued, so that they start together: on two
-        # cores a busy engine admits requests slowly, and one could end before another began.
-        pause(base_url)
-        started = threading.Thread(target=lambda: inflight.update(r=streamed(base_url, prompts, progress)))
-        started.start()
-        time.sleep(1.0)
-        if in_flight != "drain":
+        for attempt in range(5):
+            progress = [0] * len(prompts)
+            client.armed, client.freeze = progress, in_flight != "drain"
+            # Held (vLLM's pause) until all of them are queued, so that they start together: on two
+            # cores a busy engine admits requests slowly, and one could end before another began.
+            pause(base_url)
+            started = threading.Thread(target=lambda: inflight.update(r=streamed(base_url, prompts, progress)))
+            started.start()
+            time.sleep(1.0)
+            if in_flight == "drain":
+                break
             step_until_started(base_url, progress)
+            started.join(0.5)
+            if started.is_alive():  # some are mid-generation, held by the pause: the round may come
+                break
+            # on a loaded host one resume/pause round trip let every request run to its end: the
+            # round would find none running, so the requests are sent again (at A: no round yet)
+            print(f"in-flight attempt {attempt + 1}: every request ended within one step; sending them again",
+                  flush=True)
+            resume(base_url)
         late_thread = None
         if in_flight == "drain":
             def send_late():
