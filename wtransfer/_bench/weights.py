@@ -624,6 +624,12 @@ _KNOWN_MISSES = {  # target -> (most cores of the hosts it was measured on, why 
 """Misses measured on idle hosts and explained: there the verdict says why instead of advising a rerun."""
 
 
+def _known_miss(what: str, cores: int) -> str | None:
+    """Why target ``what`` misses on a host with ``cores`` cores, where that is known; else None."""
+    known = _KNOWN_MISSES.get(what)
+    return known[1] if known and 0 < cores <= known[0] else None
+
+
 def _verdicts(targets: list[dict[str, Any]], strict: bool = False, machine: dict[str, Any] | None = None) -> list[str]:
     """The result in words: each engine against each reference and target, and the exit status.
 
@@ -647,9 +653,9 @@ def _verdicts(targets: list[dict[str, Any]], strict: bool = False, machine: dict
             verdict = f"reported only: the {t['target']}x target applies to many-small-tensor models"
         else:
             verdict = f"target {t['target']}x {'met' if t['ok'] else 'MISSED'}"
-            known = _KNOWN_MISSES.get(t["what"])
-            if not t["ok"] and known and 0 < cores <= known[0]:
-                verdict += f"; a known miss on hosts with {known[0]} cores: {known[1]}"
+            known = _known_miss(t["what"], cores)
+            if not t["ok"] and known:
+                verdict += f"; a known miss on hosts with {cores} cores: {known}"
         lines.append(f"{engine} runs at {t['value']:.2f}x {peer} ({verdict})")
     missed = [t["what"] for t in targets if t["applies"] and not t["ok"]]
     words = f"machine {machine['words']}" if machine else "machine load not measured"
@@ -657,7 +663,7 @@ def _verdicts(targets: list[dict[str, Any]], strict: bool = False, machine: dict
         lines.append(f"every round verified bit-exact; all targets that apply are met (exit 0); {words}")
         return lines
     status = "exit 1 (--strict-targets)" if strict else "every round verified bit-exact (exit 0)"
-    known = [what for what in missed if what in _KNOWN_MISSES and 0 < cores <= _KNOWN_MISSES[what][0]]
+    known = [what for what in missed if _known_miss(what, cores)]
     if len(known) == len(missed):
         advice = f"each is a known miss on hosts with {cores} cores (said above): a rerun would not change it"
     elif machine is not None and machine.get("busy"):

@@ -167,7 +167,7 @@ class StoreBudget:
                 freed += size
                 removed += 1
                 removed_bytes += size
-            self._remove_empty_namespaces()
+            self._remove_empty_namespaces(live)
         with self._lock:
             self._estimate = total - freed + self._added_since_scan  # never less than the truth
         if removed:
@@ -221,12 +221,12 @@ class StoreBudget:
                 pass
         return live
 
-    def _remove_empty_namespaces(self) -> None:
+    def _remove_empty_namespaces(self, live: set[str]) -> None:
+        """Remove namespace directories left empty; ``live``: those in use (their markers stay)."""
         try:
             namespaces = list(os.scandir(self.root))
         except FileNotFoundError:
             return
-        live = self._live_namespaces()
         for namespace in namespaces:
             if namespace.is_dir(follow_symlinks=False):
                 if namespace.path not in live:  # stale markers (of crashed users) keep no namespace
