@@ -238,25 +238,6 @@ def test_a_trainer_whose_options_drop_its_bases_keys_is_refused() -> None:
     assert (defaults["bucket_bytes"], defaults["num_buffers"], defaults["channels"]) == (16 << 20, 8, 2)
 
 
-@pytest.mark.parametrize("legacy", ["default_bucket_bytes", "default_num_buffers", "backend_init_defaults"])
-def test_the_old_default_attributes_fail_loudly(legacy: str) -> None:
-    """Catches: a plugin written for 0.1 silently losing its defaults (they were class attributes),
-    also when set on a mixin or after the class was defined."""
-    value = {} if legacy == "backend_init_defaults" else 3
-    with pytest.raises(TypeError, match=f"Tuned sets {legacy}: trainer defaults now come only from init_options_cls"):
-        type("Tuned", (SharedMemoryTrainer,), {legacy: value})
-    mixin = type("Defaults", (), {legacy: value})
-    with pytest.raises(TypeError, match=f"sets {legacy}"):
-        type("Tuned", (mixin, SharedMemoryTrainer), {})
-
-    class Late(SharedMemoryTrainer):
-        pass
-
-    setattr(Late, legacy, value)
-    with pytest.raises(TypeError, match=f"Late sets {legacy}"):
-        Late(client=UntouchedClient(), source={}, init_info={"world_size": 2})
-
-
 def test_nccl_declares_its_own_tables(monkeypatch: pytest.MonkeyPatch) -> None:
     """Catches: NCCL inheriting gloo's local_address/interface (which it would ignore) or gloo's channels."""
     monkeypatch.syspath_prepend(str(ROOT / "plugins" / "wtransfer-nccl"))

@@ -1,9 +1,8 @@
 """wtransfer: move model state between processes, with backends as entry-point plugins.
 
-This module stays thin: every public name is imported on first access (PEP 562),
-so ``import wtransfer`` loads neither torch nor pluggy nor importlib.metadata, nor even
-``typing``. Plugin authors import their toolkit from ``wtransfer.engines``,
-``wtransfer.connectors`` and ``wtransfer.specs``; ``_``-modules are private.
+Every public name is imported on first access (PEP 562), so ``import wtransfer`` loads neither torch, pluggy,
+importlib.metadata nor ``typing``. Plugin authors import from ``wtransfer.engines``, ``wtransfer.connectors`` and
+``wtransfer.specs``; ``_``-modules are private.
 """
 
 from wtransfer._lazy import lazy_exports

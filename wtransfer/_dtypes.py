@@ -1,8 +1,7 @@
 """Dtype names shared by every component: torch's own names without the ``torch.`` prefix.
 
-One table serves weight manifests, KV block files and offloading tiers, so "bfloat16"
-means the same thing on every wire. torch is imported on first use; a torch without some
-dtype (say the fnuz float8 types) still works, and that name is then just unsupported.
+One table serves weight manifests, KV block files and offloading tiers, so "bfloat16" means the same on every wire.
+torch is imported on first use; a dtype this torch lacks (the fnuz float8 types, say) is just unsupported.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """How wtransfer starts the processes it runs: pool workers, benchmark ranks, the kit's trainer.
 
-Each is forked from a fork server, a fresh process that imported torch once: a process started
-with ``spawn`` imports torch again, seconds of CPU each on a small host, and a test run or a
-benchmark starts hundreds. Like ``spawn``, a process inherits nothing of its parent's state
-(threads, an initialised CUDA, open process groups); it gets the parent's ``sys.path`` and working
-directory (multiprocessing's preparation data) and its environment as the process starts (passed
-here as JSON). What the fork server read at its own start stays as it read it: variables read at
-interpreter start or at torch's import (``OMP_NUM_THREADS``, ``LD_PRELOAD``), and torch itself,
-from the path the server started with. Where there is no fork server (Windows), ``spawn``.
+Each is forked from a fork server that imported torch once (``spawn`` would import it again, seconds of CPU each,
+hundreds of times per test run). Like ``spawn``, a child inherits none of the parent's state (threads, CUDA,
+process groups); it gets the parent's ``sys.path``, working directory and current environment (passed as JSON).
+What the server read at its own start stays as read: variables read at interpreter start or torch's import
+(``OMP_NUM_THREADS``, ``LD_PRELOAD``), and torch itself. Without a fork server (Windows): ``spawn``.
 """
 
 from __future__ import annotations
@@ -32,8 +29,8 @@ def _context() -> multiprocessing.context.BaseContext:
 
 def worker_process(target: Callable[..., Any], args: tuple[Any, ...] = (), *, name: str | None = None,
                    daemon: bool = True) -> multiprocessing.process.BaseProcess:
-    """An unstarted process that runs ``target(*args)`` (a module-level function) with this
-    process's environment as it is now."""
+    """An unstarted process running ``target(*args)`` (a module-level function) with this process's environment as
+    it is now."""
     return _context().Process(target=_run, args=(json.dumps(dict(os.environ)), target, args), name=name,
                               daemon=daemon)
 

@@ -1,8 +1,5 @@
-"""Plain configuration dataclasses, kept name-for-name with vLLM's for migrating users.
-
-They import nothing heavy so that a control plane (an API server, a launcher) can
-build and serialise them without pulling in torch.
-"""
+"""Plain configuration dataclasses, name-for-name with vLLM's; they import nothing heavy, so a control plane can
+build and serialise them without torch."""
 
 from __future__ import annotations
 
@@ -17,10 +14,8 @@ KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 class WeightTransferConfig:
     """Which weight-transfer engine a worker uses.
 
-    ``backend`` is a bare (``"shm"``) or qualified (``"wtransfer-nccl:nccl"``) name.
-    ``module_path`` is the seed fallback: when ``backend`` is not a known name, the
-    class called ``backend`` is imported from that module.
-    """
+    ``backend`` is a bare (``"shm"``) or qualified (``"wtransfer-nccl:nccl"``) name. ``module_path`` is the seed
+    fallback: when ``backend`` is not a known name, the class called ``backend`` is imported from that module."""
 
     backend: str = "shm"
     module_path: str | None = None
@@ -52,10 +47,8 @@ class ParallelConfig:
 class KVTransferConfig:
     """Which KV connector an engine uses and how it is configured (vLLM's names).
 
-    ``kv_connector_extra_config`` carries connector- and spec-specific options;
-    ``kv_connector_module_path`` is the seed fallback for connectors that are not
-    installed as plugins.
-    """
+    ``kv_connector_extra_config`` carries connector and spec options; ``kv_connector_module_path`` is the seed
+    fallback for connectors not installed as plugins."""
 
     kv_connector: str
     kv_role: str = "kv_both"

@@ -1,9 +1,7 @@
 """The public exception hierarchy.
 
-Every error wtransfer raises derives from :class:`WTransferError`, and each one also
-derives from the builtin a vLLM user would already catch (``ValueError`` for bad
-names, ``ImportError`` for broken plugins, ``TypeError`` for wrong classes), so
-code written against the seed factories keeps working.
+Every error derives from :class:`WTransferError` and also from the builtin a vLLM user would already catch
+(``ValueError`` for bad names, ``ImportError`` for broken plugins, ``TypeError`` for wrong classes).
 """
 
 from __future__ import annotations
@@ -48,10 +46,9 @@ class TransferTimeoutError(TransferError, TimeoutError):
 class WeightsTornError(TransferError):
     """A round failed after part of it reached the model: it holds two versions until a whole round lands.
 
-    Raised by a streamed round that failed after its first write, or by an atomic commit that
-    failed part-way; the worker's ``weight_version`` is ``None`` and ``weights_torn`` is True.
-    Send a complete round (a new trainer if this one broke) before serving from that model.
-    """
+    Raised by a streamed round failing after its first write, or an atomic commit failing part-way; the worker's
+    ``weight_version`` is ``None`` and ``weights_torn`` True. Send a complete round (from a new trainer if this one
+    broke) before serving from that model."""
 
 
 class ManifestMismatchError(WTransferError, ValueError):
@@ -59,13 +56,9 @@ class ManifestMismatchError(WTransferError, ValueError):
 
     @classmethod
     def listing(cls, headline: str, problems: list[tuple[str, str | None]], todo: list[str]) -> ManifestMismatchError:
-        """One error for every reason a round cannot load, one line per cause.
-
-        ``problems`` are ``(cause, tensor name or None)`` pairs; the tensors of one cause are
-        counted and the first few named ("dtype float32, the model holds bfloat16 (20 tensors):
-        'a', 'b', 'c', 'd' and 16 more"), so a model-wide mistake reads as one line, not one per
-        tensor. ``todo`` says what to do, once each, last.
-        """
+        """One error for every reason a round cannot load, one line per cause. ``problems`` are
+        ``(cause, tensor name or None)`` pairs; a cause's tensors are counted and the first few named, so a
+        model-wide mistake reads as one line. ``todo`` says what to do, once each, last."""
         causes: dict[str, list[str]] = {}
         for cause, name in problems:
             causes.setdefault(cause, [])
@@ -105,10 +98,9 @@ class InvalidOptionError(WTransferError, ValueError):
 
 
 def error_to_text(error: BaseException, worker: object) -> str:
-    """``error`` as text that survives a process boundary which carries only strings (vLLM's
-    RPC replies, an HTTP error body), for :func:`error_from_text` to raise again as its class
-    on the trainer's side. ``worker``: a rank (written "worker 3") or who else raised it. The
-    text reads as a sentence too: "[wtransfer ManifestMismatchError from worker 0] ... [/wtransfer]"."""
+    """``error`` as text that survives a strings-only process boundary (vLLM's RPC replies, an HTTP error body),
+    for :func:`error_from_text` to raise again as its class. ``worker``: a rank ("worker 3") or who else raised it.
+    It reads as a sentence too: "[wtransfer ManifestMismatchError from worker 0] ... [/wtransfer]"."""
     exported = _exported()
     cls = next((c for c in type(error).__mro__ if exported.get(c.__name__) is c), None)
     name = cls.__name__ if cls is not None else type(error).__name__
@@ -117,15 +109,11 @@ def error_to_text(error: BaseException, worker: object) -> str:
 
 
 def error_from_text(text: str) -> WTransferError | None:
-    """The wtransfer errors that :func:`error_to_text` embedded in ``text``, raised as one of their
-    class, or None if there is none.
+    """The wtransfer errors :func:`error_to_text` embedded in ``text``, as one error, or None if there are none.
 
-    Workers that failed for the same reason are named together ("workers 0, 1: ..."). The class
-    is :class:`WeightsTornError` if any says the weights are torn (what the user must act on),
-    else :class:`ManifestMismatchError` if any refused the round (the others then stopped), else
-    theirs if they agree, else :class:`TransferError`; an error not of this module keeps its
-    class name in the message.
-    """
+    Workers that failed alike are named together ("workers 0, 1: ..."). The class is :class:`WeightsTornError` if
+    any says the weights are torn (what the user must act on), else :class:`ManifestMismatchError` if any refused the
+    round, else theirs if they agree, else :class:`TransferError`; a foreign error keeps its class name in the text."""
     import re
 
     exported = _exported()

@@ -1,22 +1,18 @@
 """Engine-neutral descriptions of a paged KV cache, shared by connectors and offloading specs.
 
-Plain dataclasses with no engine types, so any engine with a paged KV cache can
-describe itself to any connector plugin, and so they serialise to JSON.
-
-The per-layer memory layout is part of the description (``KVCacheSpec.layout``),
-because engines differ and a connector that copies blocks must know where a block's
-bytes are. The layouts wtransfer knows (:data:`KV_LAYOUTS`):
+Plain JSON-serialisable dataclasses with no engine types, so any engine with a paged KV cache can describe itself
+to any connector plugin. The per-layer memory layout (``KVCacheSpec.layout``) is part of the description, since a
+connector that copies blocks must know where their bytes are. Known layouts (:data:`KV_LAYOUTS`):
 
 ``"wtransfer"``
-    ``[2, num_blocks, block_size, num_kv_heads, head_size]``: keys then values, the
-    layout of wtransfer's tiny paged engine. A block is two runs of bytes.
+    ``[2, num_blocks, block_size, num_kv_heads, head_size]``: keys then values (the tiny paged engine's). A block is
+    two runs of bytes.
 ``"vllm-cpu"``
-    ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``: vLLM's CPU attention
-    cache. A block is one run of bytes (vLLM splits it into keys and values itself).
+    ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``: vLLM's CPU attention cache. A block is one run of
+    bytes.
 
-Block-moving connectors treat a block as opaque bytes: :func:`block_view` gives every
-layer as ``[segments, num_blocks, elements]`` whatever the layout, so one copy loop
-serves all of them. The layout is also part of every block hash's namespace, so KV
+Block-moving connectors treat a block as opaque bytes: :func:`block_view` gives every layer as
+``[segments, num_blocks, elements]`` whatever the layout. The layout is part of every block hash's namespace, so KV
 stored under one layout is never read as another.
 """
 
@@ -41,13 +37,10 @@ DEFAULT_LAYOUT = "wtransfer"
 class KVCacheSpec:
     """The shape of an engine's KV cache and the identity of the model that filled it.
 
-    ``dtype`` is a torch dtype name (``"bfloat16"``, ``"float32"``). ``model_fingerprint``
-    identifies the weights: KV produced under another fingerprint or layout never matches.
-    ``layout`` names the per-layer tensor layout (a key of :data:`KV_LAYOUTS`).
-    ``shard`` of ``num_shards``: with tensor parallelism every worker holds part of each block
-    (``num_kv_heads`` is its own share); a block is whole only when every part is there. The
-    scheduler side, which holds no part, uses shard 0.
-    """
+    ``dtype`` is a torch dtype name (``"bfloat16"``). ``model_fingerprint`` identifies the weights: KV produced under
+    another fingerprint or ``layout`` (a key of :data:`KV_LAYOUTS`) never matches. ``shard`` of ``num_shards``: with
+    tensor parallelism each worker holds part of each block (``num_kv_heads`` is its share); a block is whole only
+    when every part is there. The scheduler side, holding no part, uses shard 0."""
 
     layer_names: tuple[str, ...]
     block_size: int
@@ -104,11 +97,8 @@ class KVCacheSpec:
 
 
 def check_layout(spec: KVCacheSpec | None, component: type, what: str) -> None:
-    """Refuse, before anything is created, a cache layout that ``component`` does not declare.
-
-    Components declare ``supported_layouts`` (default: only ``"wtransfer"``, so a plugin
-    written before layouts existed is never handed bytes it would misread).
-    """
+    """Refuse, before anything is created, a cache layout that ``component`` does not declare in
+    ``supported_layouts`` (default only ``"wtransfer"``, so an older plugin never gets bytes it would misread)."""
     if spec is not None and spec.num_shards > 1 and not getattr(component, "handles_parts", False):
         raise ValueError(
             f"{what} {component.__name__} has not declared that it handles one part of each block "
@@ -126,12 +116,9 @@ def check_layout(spec: KVCacheSpec | None, component: type, what: str) -> None:
 
 
 def block_view(spec: KVCacheSpec, name: str, cache: torch.Tensor, *, who: str, cpu_only: bool = True) -> torch.Tensor:
-    """Layer ``name``'s cache as ``[segments, num_blocks, elements]`` (a view: no copy).
-
-    Checks the tensor against the spec first; ``ValueError`` naming ``who``, the layer,
-    what it got and what the layout expects. The cache must be contiguous, and on the
-    CPU unless ``cpu_only`` is False (copies with a device's own kernels).
-    """
+    """Layer ``name``'s cache as ``[segments, num_blocks, elements]`` (a view: no copy). ``ValueError`` naming ``who``,
+    the layer, what it got and what the layout expects unless the tensor matches the spec, is contiguous, and is on
+    the CPU (unless ``cpu_only`` is False)."""
     from wtransfer._dtypes import dtype_name
 
     axis = 0 if spec.layout == "vllm-cpu" else 1

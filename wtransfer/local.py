@@ -1,10 +1,9 @@
 """A local worker pool: N spawned inference-worker processes behind a ``WeightSyncClient``.
 
-For the CLI (``wtransfer bench``), examples and tests. Each worker process builds its own
-model with a user-given factory (``"package.module:function"`` or a module-level
-function), creates a worker engine with ``ParallelConfig(rank, num_workers, 0)`` and
-serves the four ``WeightSyncClient`` calls over a pipe. Only JSON travels on the pipe
-(``send_bytes``/``recv_bytes``): no user object is ever pickled.
+For the CLI (``wtransfer bench``), examples and tests. Each worker builds its own model with a user-given factory
+(``"package.module:function"`` or a module-level function), creates a worker engine with
+``ParallelConfig(rank, num_workers, 0)`` and serves the ``WeightSyncClient`` calls over a pipe. Only JSON travels on
+the pipe: no user object is ever pickled.
 
     with LocalWorkerPool(2, "mypkg.models:make_model", backend="shm") as pool:
         trainer = wtransfer.create_trainer("shm", client=pool, source=ModuleSource(model),
@@ -177,13 +176,12 @@ def _worker_main(
 
 
 class LocalWorkerPool:
-    """``num_workers`` worker processes (forked from a fork server: :mod:`wtransfer._fork_server`), driven as one :class:`WeightSyncClient`.
+    """``num_workers`` worker processes (forked from :mod:`wtransfer._fork_server`), driven as one
+    :class:`WeightSyncClient`.
 
-    ``world_size`` (trainer + workers) is what the trainer's ``init_info`` needs.
-    ``engine_options`` become ``WeightTransferConfig.options`` in every worker;
-    ``torch_threads`` > 0 pins each worker's intra-op threads (useful on small machines).
-    ``worker_factory_kwargs`` (one dict per worker) override ``factory_kwargs`` per worker, for
-    workers whose models differ (a test of one worker rejecting a round).
+    ``engine_options`` become ``WeightTransferConfig.options`` in every worker; ``torch_threads`` > 0 pins each
+    worker's intra-op threads; ``worker_factory_kwargs`` (one dict per worker) override ``factory_kwargs`` per worker,
+    for workers whose models differ.
     """
 
     def __init__(
@@ -238,8 +236,8 @@ class LocalWorkerPool:
         return parent, process
 
     def restart(self, rank: int) -> None:
-        """Start worker ``rank`` again (killing it first if it still runs): a fresh process with a fresh
-        model, as after a crash. Its engine joins no trainer until one connects (``reconnect()``)."""
+        """Start worker ``rank`` again (killing it first if needed): a fresh process and model, as after a crash. Its
+        engine joins no trainer until one connects (``reconnect()``)."""
         with self._lock:
             old, conn = self._processes[rank], self._conns[rank]
             if old.is_alive():

@@ -1,20 +1,18 @@
 """Typed options: a component declares them once, as a dataclass; its base class parses them once.
 
-Every kind of component takes a free-form dict from the user (``WeightTransferConfig.options``,
-``kv_connector_extra_config``, a trainer's ``init_info``). A component names what it accepts
-in a dataclass whose fields are made with :func:`option` (type annotation, default, one-line
-doc); :func:`parse_options` turns the user's dict into that dataclass or raises
-:class:`~wtransfer.errors.InvalidOptionError` naming the key, a "did you mean", the valid
-keys, or the expected type. ``wtransfer show KIND NAME`` prints :func:`describe_options`.
+A component names what it accepts from the user's free-form dict (``WeightTransferConfig.options``,
+``kv_connector_extra_config``, a trainer's ``init_info``) in a dataclass of :func:`option` fields;
+:func:`parse_options` builds it or raises :class:`~wtransfer.errors.InvalidOptionError` naming the key, a "did you
+mean", the valid keys, or the expected type. ``wtransfer show KIND NAME`` prints :func:`describe_options`.
 
     @dataclass
     class StorageOptions:
         path: str = option(doc="directory that holds the blocks")
         io_threads: int = option(2, doc="threads that read and write block files")
 
-A field's ``__post_init__`` may check ranges; its ``ValueError`` is reported the same way.
-Only these types are understood: ``int``, ``float`` (an int is accepted), ``bool``, ``str``,
-``list``/``list[X]``, ``dict``/``dict[K, V]``, ``Any``, ``Literal[...]`` and ``X | None``.
+A ``ValueError`` from ``__post_init__`` (range checks) is reported the same way. Understood types: ``int``,
+``float`` (an int is accepted), ``bool``, ``str``, ``list``/``list[X]``, ``dict``/``dict[K, V]``, ``Any``,
+``Literal[...]`` and ``X | None``.
 """
 
 from __future__ import annotations
@@ -34,11 +32,8 @@ _REQUIRED = dataclasses.MISSING
 
 
 def option(default: Any = _REQUIRED, *, doc: str | None = None, default_factory: Any = _REQUIRED) -> Any:
-    """A dataclass field with a one-line ``doc``; no default means the option is required.
-
-    Leave ``doc`` out only to redeclare a base class's option with another default (that is
-    how a backend sets its own defaults): the base's doc is kept.
-    """
+    """A dataclass field with a one-line ``doc``; no default means the option is required. Leave ``doc`` out only to
+    redeclare a base class's option with another default (the base's doc is kept)."""
     metadata = {"inherits_doc": True} if doc is None else {"doc": doc}
     if default_factory is not _REQUIRED:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
@@ -145,10 +140,8 @@ def unknown_keys_message(unknown: list[str], valid: list[str]) -> str:
 
 def parse_options(options_cls: type[T], raw: Mapping[str, Any] | None, *, owner: str, where: str = "options") -> T:
     """Check ``raw`` against ``options_cls`` and build it; :class:`InvalidOptionError` names what is wrong.
-
-    ``owner`` names the component in messages ("storage connector"), ``where`` the dict the
-    user wrote ("kv_connector_extra_config").
-    """
+    ``owner`` names the component in messages ("storage connector"), ``where`` the user's dict
+    ("kv_connector_extra_config")."""
     if isinstance(raw, options_cls):
         return raw
     raw = dict(raw or {})
@@ -186,12 +179,8 @@ def parse_options(options_cls: type[T], raw: Mapping[str, Any] | None, *, owner:
 
 
 def parse_declared(options_cls: type | None, raw: Mapping[str, Any] | None, *, owner: str, where: str) -> Any:
-    """:func:`parse_options` for a component's ``options_cls``, which may be ``None`` (undeclared).
-
-    An undeclared component gets a copy of its dict, unchecked: components written before
-    options were declared read their own keys and keep working. Every kind's base class
-    parses through here, so the rule is the same for engines, connectors and specs.
-    """
+    """:func:`parse_options` for an ``options_cls`` that may be ``None`` (undeclared: the component gets an unchecked
+    copy of its dict). Every kind's base class parses through here, so engines, connectors and specs share the rule."""
     if options_cls is None:
         return dict(raw or {})
     return parse_options(options_cls, raw, owner=owner, where=where)

@@ -16,11 +16,8 @@ RUNTIME_ORIGIN = "runtime"
 
 @dataclass(eq=False)
 class ComponentRef:
-    """Where a component comes from and how to load it, without loading it.
-
-    Hook plugins return these from ``wtransfer_components``. ``target`` is
-    ``"module:Class"``; a runtime registration of a class object passes ``obj``.
-    """
+    """Where a component comes from and how to load it, without loading it (``wtransfer_components`` returns these).
+    ``target`` is ``"module:Class"``; a runtime registration of a class object passes ``obj``."""
 
     kind: str
     name: str
@@ -53,7 +50,7 @@ class ComponentRef:
             where = f"{self.origin} registration"
         elif self.origin in ("entry-point", "hook"):
             where = f"distribution '{self.distribution}' {self.version or ''}".rstrip()
-        else:  # e.g. a components file: say which file, the distribution is only its label
+        else:  # another origin: the distribution is only its label
             where = f"{self.origin} (as '{self.distribution}')"
         return f"{resolve_kind(self.kind).singular} '{self.name}' ({self.target}) from {where}"
 

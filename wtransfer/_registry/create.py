@@ -1,9 +1,5 @@
-"""The one ``create`` behind the three seed factories: resolve, check, instantiate, announce.
-
-``WeightTransferEngineFactory.create_engine``, ``KVConnectorFactory.create_connector`` and
-``OffloadingSpecFactory.create_spec`` differ only in which config field names the
-component and which arguments its constructor takes; everything else happens here, once.
-"""
+"""The one ``create`` behind the three seed factories (engines, connectors, specs): resolve, check, instantiate,
+announce. They differ only in which config field names the component and what its constructor takes."""
 
 from __future__ import annotations
 
@@ -28,10 +24,8 @@ def create(
 ) -> Any:
     """Instantiate component ``name`` of ``kind`` with ``*args`` and call its created-hook.
 
-    ``module_path`` is the seed fallback for unregistered names; ``check`` may refuse the
-    class before anything is built (a KV layout it does not declare, say); ``context`` is
-    appended to the log line.
-    """
+    ``module_path`` is the seed fallback for unregistered names; ``check`` may refuse the class before anything is
+    built (an undeclared KV layout, say); ``context`` is appended to the log line."""
     component_cls = registry_for(kind).get_class(name, module_path)
     if check is not None:
         check(component_cls)

@@ -1,10 +1,8 @@
 """Entry-point discovery: one metadata scan per process, kept as plain records.
 
-``importlib.metadata.entry_points()`` builds an ``EntryPoint`` object for every entry
-point of every installed distribution. wtransfer only cares about its own groups, so
-:func:`scan` reads each distribution's ``entry_points.txt`` once, skips the text of
-distributions that never mention ``wtransfer.``, and only parses the rest. It keeps
-the stdlib's rule that the first distribution of a given name on ``sys.path`` wins.
+Rather than ``importlib.metadata.entry_points()`` (an object per entry point of every distribution), :func:`scan`
+reads each ``entry_points.txt`` once and parses only those mentioning ``wtransfer.``. As in the stdlib, the first
+distribution of a given name on ``sys.path`` wins.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Known backends that live in separately installed distributions (registry as data).
-
-When a user asks for one of these and it is not installed, the error says what to
-install instead of only "unknown name".
-"""
+"""Known backends that live in separately installed distributions: when one is asked for but not installed, the
+error says what to install instead of only "unknown name"."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The hook specifications and the ``hookimpl`` / ``hookspec`` markers.
-
-A hook plugin is a module listed in the ``wtransfer.plugins`` entry-point group; its
-``@wtransfer.hookimpl`` functions are registered with the process's plugin manager.
-"""
+"""The hook specifications and the ``hookimpl``/``hookspec`` markers. A hook plugin is a module in the
+``wtransfer.plugins`` entry-point group; its ``@wtransfer.hookimpl`` functions join the process's plugin manager."""
 
 from __future__ import annotations
 
@@ -20,11 +17,9 @@ class WTransferHookSpecs:
 
     @hookspec
     def wtransfer_components(self, kind: str) -> list[Any]:
-        """Contribute lazy :class:`~wtransfer._registry.ComponentRef` objects of ``kind``
-        (``"engines"``, ``"connectors"``, ``"specs"`` or ``"policies"``; more kinds may be
-        added, so return an empty list for any kind you do not contribute to). The
-        built-in implementations read the entry-point groups and the TOML files named by
-        ``WTRANSFER_COMPONENTS``; references stay lazy (the class is imported on first use)."""
+        """Contribute lazy :class:`~wtransfer._registry.ComponentRef` objects of ``kind`` (``"engines"``,
+        ``"connectors"``, ``"specs"``, ``"policies"``; more kinds may come, so return ``[]`` for any other). The
+        built-in implementation reads the entry-point groups; classes are imported on first use."""
 
     @hookspec
     def wtransfer_engine_created(self, engine: Any) -> None:

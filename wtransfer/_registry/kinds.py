@@ -14,8 +14,8 @@ class Kind:
     group: str  # entry-point group
     base: str  # "module:Class" of the base class every component must subclass
     created_hook: str | None = None
-    """Hook called with each new instance; ``None`` for kinds whose instances are small
-    internal parts of another component (a policy belongs to its spec, which is announced)."""
+    """Hook called with each new instance; ``None`` for kinds whose instances are internal parts of another component
+    (a policy belongs to its spec, which is announced)."""
 
     def base_class(self) -> type:
         from wtransfer._registry.loading import import_target

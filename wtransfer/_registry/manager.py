@@ -1,17 +1,14 @@
 """The process's pluggy plugin manager, created on first use (never at import).
 
-Two jobs, two mechanisms. **Hook plugins** (modules in the ``wtransfer.plugins`` group:
-observers, and contributors of components) are pluggy plugins handled pluggy's way:
-loaded by ``load_setuptools_entrypoints``, blocked with ``set_blocked`` (what
-``WTRANSFER_DISABLE_PLUGINS`` and a broken plugin get), checked with ``check_pending``
-(a misspelled hook). **Components** (engines, connectors, specs, policies) are answered
-by the ``wtransfer_components`` hook as lazy :class:`ComponentRef` objects: pluggy has no
-lazy loading (registering a plugin means importing it), and importing every installed
-engine to list them would cost seconds and fail on a missing CUDA. The built-in
-implementations read the entry-point groups and the files ``WTRANSFER_COMPONENTS`` names.
+**Hook plugins** (modules in the ``wtransfer.plugins`` group: observers, contributors of components) are handled
+pluggy's way: loaded by ``load_setuptools_entrypoints``, blocked with ``set_blocked`` (``WTRANSFER_DISABLE_PLUGINS``,
+a broken plugin), checked with ``check_pending``. **Components** (engines, connectors, specs, policies) come from the
+``wtransfer_components`` hook as lazy :class:`ComponentRef` objects: pluggy cannot load lazily, and importing every
+installed engine to list them would be slow and fail without CUDA. The built-in implementation reads the entry-point
+groups.
 
-One hook plugin that fails (import, registration, an unknown hook) is logged, blocked and
-remembered for ``wtransfer list`` and ``check``; it never stops the others.
+A hook plugin that fails (import, registration, unknown hook) is logged, blocked and remembered for
+``wtransfer list`` and ``check``; it never stops the others.
 """
 
 from __future__ import annotations
@@ -32,7 +29,6 @@ from wtransfer._registry.kinds import HOOK_PLUGIN_GROUP, resolve_kind
 logger = logging.getLogger("wtransfer")
 TRACE_ENV = "WTRANSFER_TRACE"
 BUILTIN_PLUGIN_NAME = "wtransfer.entry-points"
-COMPONENTS_FILES_PLUGIN_NAME = "wtransfer.components-files"
 
 
 class EntryPointComponents:
@@ -67,11 +63,8 @@ _lock = threading.RLock()
 def plugin_manager() -> pluggy.PluginManager:
     """The process-wide manager; built (and hook plugins imported) on first call.
 
-    A hook module may use wtransfer while it is being imported (register an engine, look
-    one up): that call re-enters here from the same thread and gets the manager being
-    built, rather than building a second one that would import (and warn about) every
-    hook plugin again. See :func:`building`.
-    """
+    A hook module that uses wtransfer while being imported re-enters here from the same thread and gets the manager
+    being built, rather than building (and importing every hook plugin) again. See :func:`building`."""
     global _manager, _building, _builder
     with _lock:  # an RLock: only the building thread itself gets past it while _building is set
         if _manager is not None:
@@ -91,17 +84,13 @@ def plugin_manager() -> pluggy.PluginManager:
 
 
 def building() -> bool:
-    """Whether this thread is importing hook plugins right now (other threads wait for it).
-
-    What the manager answers meanwhile may lack contributions of plugins not yet
-    registered, so callers must not cache it (the registries do not). Takes no lock.
-    """
+    """Whether this thread is importing hook plugins right now (other threads wait for it). Takes no lock.
+    The manager's answers meanwhile may lack plugins not yet registered, so callers must not cache them."""
     return _builder == threading.get_ident()
 
 
 def hook_plugins() -> list[HookPluginStatus]:
-    """Every module of the ``wtransfer.plugins`` group and what became of it (imports them
-    on first use, as the manager does anyway; each broken one was warned about once)."""
+    """Every module of the ``wtransfer.plugins`` group and what became of it (imports them on first use)."""
     plugin_manager()
     return list(_hook_plugins)
 
@@ -115,23 +104,18 @@ def reset() -> None:
 
 
 def _new_manager() -> pluggy.PluginManager:
-    from wtransfer._registry.components_file import ComponentsFiles
-
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(WTransferHookSpecs)
     pm.register(EntryPointComponents(), name=BUILTIN_PLUGIN_NAME)
-    pm.register(ComponentsFiles(), name=COMPONENTS_FILES_PLUGIN_NAME)
     return pm
 
 
 def _load_hook_plugins(pm: pluggy.PluginManager, statuses: list[HookPluginStatus]) -> None:
-    """Load every hook module with pluggy's own loader, one entry point at a time so that one
-    failure blocks only that plugin, recording each one's status in ``statuses``.
+    """Load every hook module with pluggy's loader, one entry point at a time so a failure blocks only that plugin;
+    record each one's status in ``statuses``.
 
-    pluggy knows a plugin by its entry point's name alone (as pytest does with ``pytest11``),
-    so of two distributions declaring the same hook-plugin name it would load whichever comes
-    first on ``sys.path``, even a disabled one. Neither is loaded, and both are reported
-    (never a silent winner): the fix is to uninstall one.
+    pluggy knows a plugin by its entry point's name alone, so of two distributions declaring the same name it would
+    load whichever comes first on ``sys.path``, even a disabled one. Neither is loaded, and both are reported.
     """
     disabled = discovery.disabled_from_env()
     records = [r for r in discovery.cached_scan() if r.group == HOOK_PLUGIN_GROUP]
@@ -174,9 +158,8 @@ def _broken(statuses: list[HookPluginStatus], record: discovery.EntryPointRecord
 
 
 def _check_hooks_exist(pm: pluggy.PluginManager, name: str) -> None:
-    """pluggy's ``check_pending``, run after each plugin (so only that one can be pending): a
-    ``@hookimpl`` whose name matches no hook spec would simply never be called. The error
-    names the function and suggests the hook that was probably meant."""
+    """pluggy's ``check_pending``, after each plugin (so only it can be pending): a ``@hookimpl`` matching no hook
+    spec would never be called. The error names the function and suggests the hook probably meant."""
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
@@ -194,11 +177,8 @@ def _check_hooks_exist(pm: pluggy.PluginManager, name: str) -> None:
 
 
 def notify(hook_name: str, **kwargs: Any) -> None:
-    """Call an observer hook (created / update finished / failed).
-
-    Observers are for metrics and logging; one that raises is logged, never allowed
-    to break the transfer that triggered it.
-    """
+    """Call an observer hook (created / update finished / failed); one that raises is logged, never allowed to break
+    the transfer that triggered it."""
     caller = getattr(plugin_manager().hook, hook_name)
     try:
         caller(**kwargs)

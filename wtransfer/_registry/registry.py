@@ -1,10 +1,8 @@
 """One generic lazy registry; each kind (engines, connectors, specs, policies) gets an instance.
 
-Components come from two places: what the hook manager's ``wtransfer_components``
-contributes (installed entry points, plus anything hook plugins add), discovered once
-per process; and runtime ``register`` calls, which belong to the calling process only.
-Resolution never picks a silent winner: a bare name with two providers is an error
-naming the qualified names that resolve it.
+Components come from the hook manager's ``wtransfer_components`` (installed entry points plus what hook plugins
+add), discovered once per process, and from runtime ``register`` calls, which belong to the calling process only.
+A bare name with two providers is an error naming the qualified names, never a silent pick.
 """
 
 from __future__ import annotations
@@ -73,8 +71,8 @@ class ComponentRegistry:
 
                 discovered, self._disabled = self._discover()
                 if manager.building():
-                    # Asked by a hook module while it is imported: plugins registered after
-                    # it may still contribute, so answer without keeping the answer.
+                    # Asked by a hook module while it is imported: later plugins may still contribute, so
+                    # answer without keeping the answer.
                     return discovered
                 self._discovered = discovered
             return self._discovered

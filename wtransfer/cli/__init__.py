@@ -1,8 +1,5 @@
-"""The ``wtransfer`` command: ``list``, ``show``, ``check`` and ``bench``.
-
-Each subcommand is a small module with ``add_parser(subparsers)``; it sets
-``func`` on its parser, which returns the exit status.
-"""
+"""The ``wtransfer`` command: ``list``, ``show``, ``check`` and ``bench``. Each subcommand module has
+``add_parser(subparsers)`` and sets ``func`` on its parser, which returns the exit status."""
 
 from __future__ import annotations
 
@@ -45,6 +42,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `wtransfer list | head`
         sys.stderr.close()
         return 0
-    except InvalidComponentError as exc:  # e.g. a malformed WTRANSFER_COMPONENTS file: say it, no traceback
+    except InvalidComponentError as exc:  # e.g. a broken entry point: say it, no traceback
         print(f"wtransfer: {exc}", file=sys.stderr)
         return 2

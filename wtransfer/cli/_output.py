@@ -22,10 +22,8 @@ def print_table(
 ) -> None:
     """A table that rich draws, as wide as the terminal (160 columns when stdout is not one).
 
-    The columns named in ``whole`` (names, qualified names, providers: what a user copies
-    or greps for) are never wrapped, cut or folded; the others fold to fit. When the whole
-    columns alone do not fit, the table grows wider than the terminal instead.
-    """
+    Columns in ``whole`` (what a user copies or greps for) are never wrapped or cut, the others fold to fit; when the
+    whole columns alone do not fit, the table grows wider than the terminal."""
     from rich.cells import cell_len
     from rich.console import Console
     from rich.table import Table

@@ -30,8 +30,8 @@ def collect() -> list[dict[str, Any]]:
             if info.status == "disabled":
                 row["problem"] = DISABLED
             else:
-                # A provider that cannot be loaded says why, whatever else shares its name;
-                # "conflict" is for rows that load and are ambiguous only.
+                # A provider that cannot be loaded says why, whatever shares its name; "conflict" is for rows
+                # that load and are ambiguous only.
                 try:
                     ref.load()
                 except WTransferError as exc:

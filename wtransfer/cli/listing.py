@@ -1,8 +1,7 @@
 """``wtransfer list [KIND | plugins] [--json]``: what is installed.
 
-Components come from metadata only (none is imported). Hook plugins (the modules of the
-``wtransfer.plugins`` group) are listed as the hook manager found them: it imports them to
-register their hooks, listing or not, so a broken one shows as ``broken`` with its error.
+Components come from metadata only (none is imported). Hook plugins are listed as the hook manager found them (it
+imports them to register their hooks), so a broken one shows as ``broken`` with its error.
 """
 
 from __future__ import annotations
@@ -27,14 +26,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 HOOK_PLUGIN_KIND = "hook plugin"
-"""The ``kind`` of hook-plugin rows in ``list --json`` and ``check --json``: no component kind is
-spelled with a space, so a consumer tells the rows apart by it."""
+"""The ``kind`` of hook-plugin rows in ``list --json`` and ``check --json``: no component kind has a space in it."""
 HOOK_PLUGIN_CHOICES = ("plugins", "plugin")
 
 
 def hook_plugin_rows() -> list[dict[str, Any]]:
-    """One row per module of the ``wtransfer.plugins`` group: status loaded / broken / disabled,
-    and the import or validation error of a broken one in ``problem``."""
+    """One row per module of the ``wtransfer.plugins`` group: status loaded / broken / disabled, and a broken one's
+    error in ``problem``."""
     from wtransfer._registry.manager import hook_plugins
 
     return [

@@ -1,8 +1,5 @@
-"""``wtransfer show KIND NAME``: load one component and describe the options a user passes it.
-
-Only user-facing options are listed (a component's declared ``options_cls``; for an engine,
-also its trainer's ``init_info``), never the wire dataclasses the trainer sends the workers.
-"""
+"""``wtransfer show KIND NAME``: load one component and describe the options a user passes it (its declared
+``options_cls``; for an engine also its trainer's ``init_info``), never the wire dataclasses."""
 
 from __future__ import annotations
 

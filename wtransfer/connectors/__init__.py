@@ -1,16 +1,15 @@
 """The KV-connector toolkit: everything a connector author may import, and nothing else.
 
 Base and data types
-    ``KVConnectorBase``, ``KVConnectorRole``, ``KVConnectorMetadata``, ``KVRequest``,
-    ``ScheduledRequest``, ``SchedulerStep``, ``KVConnectorOutput``, ``KVCacheSpec``,
-    ``KV_LAYOUTS``, ``block_view`` (any layout's cache as ``[segments, blocks, elements]``).
+    ``KVConnectorBase``, ``KVConnectorRole``, ``KVConnectorMetadata``, ``KVRequest``, ``ScheduledRequest``,
+    ``SchedulerStep``, ``KVConnectorOutput``, ``KVCacheSpec``, ``KV_LAYOUTS``, ``block_view`` (any layout's cache as
+    ``[segments, blocks, elements]``).
 Block identity
-    ``block_hashes`` (chained per-block hashes), ``kv_namespace`` (what a hash is rooted
-    in: model fingerprint, layout, geometry), ``full_block_range``.
-Connectors to derive from or compose live in their own public modules:
-    ``StorageConnector`` in :mod:`wtransfer.connectors.storage`, ``MultiConnector`` in
-    :mod:`wtransfer.connectors.multi`, ``OffloadingConnector`` in
-    :mod:`wtransfer.connectors.offloading`. ``KVConnectorFactory`` is :mod:`wtransfer`'s.
+    ``block_hashes`` (chained per-block hashes), ``kv_namespace`` (their root: model fingerprint, layout, geometry),
+    ``full_block_range``.
+Connectors to derive from or compose live in their own modules: ``StorageConnector`` in
+    :mod:`wtransfer.connectors.storage`, ``MultiConnector`` in :mod:`wtransfer.connectors.multi`,
+    ``OffloadingConnector`` in :mod:`wtransfer.connectors.offloading`. ``KVConnectorFactory`` is :mod:`wtransfer`'s.
 """
 
 from wtransfer._lazy import lazy_exports
@@ -32,11 +31,4 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = sorted(_EXPORTS)
-# Names this module exported before 0.2: importing one says where it went.
-_MOVED: dict[str, str] = {
-    "KVConnectorFactory": "wtransfer",
-    "StorageConnector": "wtransfer.connectors.storage",
-    "MultiConnector": "wtransfer.connectors.multi",
-    "OffloadingConnector": "wtransfer.connectors.offloading",
-}
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, _MOVED)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

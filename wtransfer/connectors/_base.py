@@ -1,18 +1,15 @@
 """The KV connector contract: vLLM V1's method names and meanings, with no engine types.
 
-A connector moves KV-cache blocks between an engine's paged cache and something
-outside it (a shared store, another instance, a slower tier). As in vLLM V1 it is
-created twice, once per role, usually in two processes:
+A connector moves KV-cache blocks between an engine's paged cache and something outside it (a shared store,
+another instance, a slower tier). As in vLLM V1 it is created twice, once per role, usually in two processes:
 
-* the **scheduler** instance decides *what* to load and save: it answers lookups,
-  learns which cache blocks the engine allocated, and describes each step's work
-  in a :class:`KVConnectorMetadata`;
-* the **worker** instance does the moving: it holds the engine's KV tensors and
-  executes the metadata it is bound to around the model's forward pass.
+* the **scheduler** instance decides *what* to load and save: it answers lookups, learns which blocks the engine
+  allocated, and describes each step's work in a :class:`KVConnectorMetadata`;
+* the **worker** instance does the moving: it holds the KV tensors and executes the bound metadata around the
+  forward pass.
 
-Metadata crosses from the scheduler to the worker as a JSON-safe dict, never a
-pickle: ``metadata.to_dict()`` on one side, ``connector.metadata_cls.from_dict``
-on the other.
+Metadata crosses from scheduler to worker as a JSON-safe dict, never a pickle (``metadata.to_dict()``, then
+``connector.metadata_cls.from_dict``).
 
 Call order for one engine step (``wtransfer.testing.paged_engine`` implements it)::
 
@@ -39,12 +36,9 @@ Call order for one engine step (``wtransfer.testing.paged_engine`` implements it
     # scheduler: what the workers said (the only way back from worker to scheduler)
     sched.update_connector_output(KVConnectorOutput(sending, receiving, failed, [report]))
 
-Blocks of a request whose ``request_finished`` returned ``delay_free=True`` stay
-allocated until the worker reports the request in ``sending``; a request whose
-lookup returned ``load_async=True`` is not computed until it appears in
-``receiving``.
-
-This module imports no torch: the registry imports it to check plugin classes.
+Blocks of a request whose ``request_finished`` returned ``delay_free=True`` stay allocated until the worker reports
+the request in ``sending``; a request whose lookup returned ``load_async=True`` is not computed until it appears in
+``receiving``. This module imports no torch: the registry imports it to check plugin classes.
 """
 
 from __future__ import annotations
@@ -80,12 +74,9 @@ class KVConnectorRole(enum.Enum):
 class KVConnectorMetadata:
     """What the scheduler instance tells the worker instance to do in one step.
 
-    Subclass it as a dataclass of JSON-safe fields (str, int, float, bool, None,
-    lists and str-keyed dicts of those). The defaults of :meth:`to_dict` and
-    :meth:`from_dict` handle flat dataclasses; override both for nested ones.
-    The engine always sends metadata through JSON, even inside one process, so a
-    field that would not survive the trip fails loudly in tests instead of in
-    production.
+    Subclass it as a dataclass of JSON-safe fields (str, int, float, bool, None, lists and str-keyed dicts of those);
+    the default :meth:`to_dict`/:meth:`from_dict` handle flat dataclasses, override both for nested ones. The engine
+    sends metadata through JSON even inside one process, so an unsafe field fails in tests, not in production.
     """
 
     def to_dict(self) -> dict[str, Any]:
@@ -113,27 +104,23 @@ class KVConnectorMetadata:
 class KVConnectorBase(ABC):
     """Base class of KV connectors (vLLM V1's ``KVConnectorBase_V1`` contract, engine-neutral).
 
-    ``config.kv_connector_extra_config`` carries the connector's own options; declare them
-    in ``options_cls`` and read the parsed ``self.options``.
-    ``kv_cache_spec`` describes the engine's cache; block hashes in requests are
-    rooted in it (see :mod:`wtransfer.connectors._hashing`).
+    Declare the connector's options (``config.kv_connector_extra_config``) in ``options_cls`` and read the parsed
+    ``self.options``. Block hashes in requests are rooted in ``kv_cache_spec`` (:mod:`wtransfer.connectors._hashing`).
     """
 
     metadata_cls: ClassVar[type[KVConnectorMetadata]] = KVConnectorMetadata
     """The metadata class the worker rebuilds from the scheduler's dict."""
 
     supported_layouts: ClassVar[tuple[str, ...]] = ("wtransfer",)
-    """KV cache layouts (:data:`wtransfer.kvcache.KV_LAYOUTS`) this connector reads and writes
-    correctly; the factory refuses any other before creating it."""
+    """KV cache layouts (:data:`wtransfer.kvcache.KV_LAYOUTS`) this connector handles; the factory refuses others."""
     handles_parts: ClassVar[bool] = False
-    """Whether it keeps tensor-parallel workers' parts of a block apart (``KVCacheSpec.shard``);
-    the factories refuse an engine with ``num_shards > 1`` otherwise."""
+    """Whether it keeps tensor-parallel workers' parts of a block apart (``KVCacheSpec.shard``); the factories
+    refuse an engine with ``num_shards > 1`` otherwise."""
 
     options_cls: ClassVar[type | None] = None
-    """The dataclass (fields made with :func:`wtransfer.options.option`) declaring what this
-    connector accepts in ``kv_connector_extra_config``. ``None`` (the default) means "not
-    declared": the dict is not checked, so connectors written before options were declared,
-    which read ``extra_config`` themselves, keep working; ``self.options`` is then that dict."""
+    """The dataclass (fields made with :func:`wtransfer.options.option`) declaring the accepted
+    ``kv_connector_extra_config`` keys. ``None`` (default): the dict is not checked, for connectors that read
+    ``extra_config`` themselves; ``self.options`` is then that dict."""
 
     options_owner: ClassVar[str] = ""
     """How option errors name this connector ("storage connector"); default: its class name."""
@@ -153,13 +140,9 @@ class KVConnectorBase(ABC):
 
     @classmethod
     def parse_options(cls, raw: Mapping[str, Any] | None) -> Any:
-        """Check ``kv_connector_extra_config`` once, at creation (in both roles), against ``options_cls``.
-
-        A typo (``io_thread``) or a string where a number belongs must fail here, naming the
-        option and the valid ones, not be ignored or blow up in an ``int()`` deep inside.
-        Connectors that pass part of the dict on (``offloading``) override this to parse only
-        their own keys.
-        """
+        """Check ``kv_connector_extra_config`` against ``options_cls`` once, at creation, in both roles: a typo or a
+        wrong type fails here, naming the option and the valid ones. Connectors that pass part of the dict on
+        (``offloading``) override this to parse only their own keys."""
         owner = cls.options_owner or f"KV connector {cls.__name__}"
         return _options.parse_declared(cls.options_cls, raw, owner=owner, where="kv_connector_extra_config")
 
@@ -199,22 +182,15 @@ class KVConnectorBase(ABC):
         return self._connector_metadata is not None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:  # noqa: B027 - optional
-        """Engine, worker, once after allocating its cache: layer name -> paged KV tensor.
-
-        Each tensor is in ``kv_cache_spec.layout`` (``[2, num_blocks, block_size,
-        num_kv_heads, head_size]`` for ``"wtransfer"``; see :data:`wtransfer.kvcache.KV_LAYOUTS`
-        and :func:`wtransfer.kvcache.block_view`). The connector keeps references and reads
-        or writes blocks in place; it must not resize or replace them.
-        """
+        """Engine, worker, once after allocating its cache: layer name -> paged KV tensor in ``kv_cache_spec.layout``
+        (see :data:`wtransfer.kvcache.KV_LAYOUTS`, :func:`wtransfer.kvcache.block_view`). The connector keeps
+        references and reads or writes blocks in place; it must not resize or replace them."""
 
     @abstractmethod
     def start_load_kv(self, **kwargs: Any) -> None:
-        """Engine, worker, before the forward pass: begin loading this step's external blocks.
-
-        May return before the data has arrived; ``wait_for_layer_load`` is the barrier.
-        Loads that fail are reported through :meth:`get_block_ids_with_load_errors`,
-        never raised here (one bad entry must not fail the whole batch).
-        """
+        """Engine, worker, before the forward pass: begin loading this step's external blocks. May return before the
+        data arrives (``wait_for_layer_load`` is the barrier). Failed loads are reported through
+        :meth:`get_block_ids_with_load_errors`, never raised: one bad entry must not fail the batch."""
 
     @abstractmethod
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -222,120 +198,80 @@ class KVConnectorBase(ABC):
 
     @abstractmethod
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None, **kwargs: Any) -> None:
-        """Engine, worker, after computing ``layer_name``: start saving that layer's due blocks.
-
-        ``kv_layer`` is the layer's whole paged cache; the metadata says which blocks.
-        May return before the data is saved; must not modify ``kv_layer``.
-        """
+        """Engine, worker, after computing ``layer_name``: start saving the due blocks (the metadata says which) of
+        ``kv_layer``, the layer's whole paged cache. May return before they are saved; must not modify ``kv_layer``."""
 
     def handle_preemptions(self, connector_metadata: KVConnectorMetadata) -> None:  # noqa: B027 - optional hook
-        """Engine, worker, before the step's forward pass (before ``bind_connector_metadata``),
-        with the step's metadata: the scheduler preempted requests while scheduling it
-        (``SchedulerStep.preempted_req_ids``; the scheduler side puts what its worker needs in
-        the metadata). Their blocks are already free and this step's forward may overwrite
-        them, and the engine does not wait for ``get_finished`` for a preempted request. A
-        connector still reading such blocks (an asynchronous save of an earlier step) must
-        finish those reads here. Connectors whose ``wait_for_save`` copies everything out
-        before returning have nothing to do (vLLM's ``handle_preemptions``).
-        """
+        """Engine, worker, before the step's forward pass and ``bind_connector_metadata``: the scheduler preempted
+        ``SchedulerStep.preempted_req_ids`` (its scheduler side puts what the worker needs in the metadata). Their
+        blocks are already free and this forward may overwrite them; the engine does not wait for ``get_finished``.
+        A connector still reading such blocks (an asynchronous save) must finish those reads here; one whose
+        ``wait_for_save`` copies everything out before returning has nothing to do."""
 
     @abstractmethod
     def wait_for_save(self) -> None:
-        """Engine, worker, after the forward pass: when this returns, the engine may hand any
-        block of the step to another request at once (a request preempted in the next step is
-        not waited for). So either every read of the step's blocks is done, or the connector
-        keeps reading only blocks the engine keeps for it: those of finished requests whose free
-        it delayed (``request_finished``) until :meth:`get_finished` reports them, and those of
+        """Engine, worker, after the forward pass: when this returns the engine may hand any block of the step to
+        another request. So every read of the step's blocks is done, except of blocks the engine keeps for it:
+        those of finished requests whose free it delayed until :meth:`get_finished` reports them, and those of
         preempted requests until :meth:`handle_preemptions` returns."""
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Engine, worker, after each step: ``(done_sending, done_receiving)`` request ids.
-
-        ``finished_req_ids`` are the requests the scheduler finished since the last
-        step. A request is reported in ``done_sending`` once it is finished *and* its
-        asynchronous saves completed (the engine then frees its blocks), and in
-        ``done_receiving`` once its asynchronous loads completed. Each id is reported
-        once. ``None`` means nothing to report.
-        """
+        """Engine, worker, after each step: ``(done_sending, done_receiving)`` request ids, ``None`` for nothing.
+        ``finished_req_ids``: the requests finished since the last step. A request is in ``done_sending`` once
+        finished *and* its asynchronous saves completed (the engine then frees its blocks), in ``done_receiving``
+        once its asynchronous loads completed. Each id is reported once."""
         return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Engine, worker, after the step: cache blocks whose load failed since the last call.
-
-        The engine recomputes those blocks (and everything after them in the same
-        request) instead of using what is in them. Reported once. A connector must
-        not save what a request computed in a step on top of its own failed loads.
-        """
+        """Engine, worker, after the step: cache blocks whose load failed since the last call (reported once). The
+        engine recomputes them and everything after them in the request; a connector must not save what a request
+        computed on top of its own failed loads."""
         return set()
 
     def skip_saves(self, request_ids: set[str]) -> None:  # noqa: B027 - optional hook
-        """Composite connectors (or engines), worker, before ``save_kv_layer``/``wait_for_save``:
-        these requests computed this step on top of blocks that failed to load *elsewhere*;
-        save none of their blocks from this step (they are recomputed and offered again).
-
-        A wtransfer addition to vLLM's contract: without it, one child of a composite
-        would store KV derived from another child's failed load under valid hashes.
-        """
+        """Composite connectors (or engines), worker, before ``save_kv_layer``/``wait_for_save``: these requests
+        computed this step on top of blocks that failed to load *elsewhere*; save none of their blocks from it. A
+        wtransfer addition to vLLM's contract: otherwise one child of a composite would store KV derived from
+        another child's failed load under valid hashes."""
 
     def build_connector_worker_meta(self) -> dict[str, Any] | None:
-        """Engine, worker, after ``get_finished`` each step: JSON-safe facts the scheduler instance
-        must learn (which stores landed or failed, say), or ``None`` when there is nothing new.
-
-        The engine hands it, through JSON, to the scheduler instance's
-        :meth:`update_connector_output` in ``KVConnectorOutput.worker_meta``: the one channel
-        from worker to scheduler (vLLM's ``build_connector_worker_meta``).
-        """
+        """Engine, worker, after ``get_finished`` each step: JSON-safe facts the scheduler must learn (stores that
+        landed or failed), or ``None``. The engine passes it to :meth:`update_connector_output` in
+        ``KVConnectorOutput.worker_meta``: the only channel from worker to scheduler."""
         return None
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:  # noqa: B027 - optional hook
-        """Engine, scheduler, after each step: what the workers reported (finished transfers,
-        failed loads, and each worker's :meth:`build_connector_worker_meta`)."""
+        """Engine, scheduler, after each step: what the workers reported (finished transfers, failed loads, and each
+        worker's :meth:`build_connector_worker_meta`)."""
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """Anyone: JSON-safe counters (hits, misses, bytes, corrupt entries) for logs and metrics."""
         return None
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
-        """Engine, either role, at teardown: finish or abandon in-flight work, join threads.
-
-        Idempotent; after it no thread of the connector is left running.
-        """
+        """Engine, either role, at teardown: finish or abandon in-flight work; idempotent, leaves no thread running."""
 
     # ---------------------------------------------------------- scheduler side
     @abstractmethod
     def get_num_new_matched_tokens(self, request: KVRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Engine, scheduler, when considering a waiting request: how many tokens past
-        ``num_computed_tokens`` (the local prefix hits) the connector can provide.
-
-        Returns ``(count, load_async)``. ``count`` is ``None`` when the answer is not
-        known yet (the engine asks again in a later step). ``load_async`` True means
-        the loads complete outside the forward pass and the request waits for
-        ``done_receiving``. Must not load anything, nor assume the request will be
-        scheduled: the engine may still reject it for lack of blocks.
-        """
+        """Engine, scheduler, for a waiting request: ``(count, load_async)``, how many tokens past
+        ``num_computed_tokens`` (the local prefix hits) the connector can provide. ``count`` ``None``: not known yet
+        (asked again in a later step). ``load_async``: the loads complete outside the forward pass and the request
+        waits for ``done_receiving``. Must not load anything nor assume admission: the engine may still lack blocks."""
 
     @abstractmethod
     def update_state_after_alloc(self, request: KVRequest, block_ids: list[int], num_external_tokens: int) -> None:
-        """Engine, scheduler, after allocating blocks for a request it admits.
-
-        ``block_ids`` are all of the request's blocks, in token order; the external
-        tokens start at ``request.num_computed_tokens`` (the local hits). Remember
-        what to load; it goes into the next :meth:`build_connector_meta`.
-        """
+        """Engine, scheduler, after allocating blocks for an admitted request: ``block_ids`` are all its blocks, in
+        token order; the external tokens start at ``request.num_computed_tokens``. Remember what to load for the
+        next :meth:`build_connector_meta`."""
 
     @abstractmethod
     def build_connector_meta(self, step: SchedulerStep) -> KVConnectorMetadata:
-        """Engine, scheduler, once per step after scheduling: this step's loads and saves.
-
-        Resets the per-step state collected by ``update_state_after_alloc`` so that
-        nothing is loaded twice. Must not touch KV data (it has none).
-        """
+        """Engine, scheduler, once per step after scheduling: this step's loads and saves. Resets the per-step state
+        from ``update_state_after_alloc`` so nothing loads twice; touches no KV data."""
 
     def request_finished(self, request: KVRequest, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Engine, scheduler, when a request finishes or is aborted, before its blocks are freed.
-
-        Returns ``(delay_free, kv_transfer_params)``: ``delay_free`` True keeps the
-        blocks until the worker reports the request in ``done_sending``;
-        ``kv_transfer_params`` (JSON-safe) go back to the client with the response.
-        """
+        """Engine, scheduler, when a request finishes or is aborted, before its blocks are freed:
+        ``(delay_free, kv_transfer_params)``. ``delay_free`` keeps the blocks until the worker reports the request in
+        ``done_sending``; ``kv_transfer_params`` (JSON-safe) go back to the client with the response."""
         return False, None

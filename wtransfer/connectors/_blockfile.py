@@ -1,30 +1,21 @@
 """One KV block as one safetensors file: written atomically, checked before a byte reaches the cache.
 
-The file is a standard safetensors file (any safetensors reader opens it) holding
-one tensor ``"kv"`` of shape ``[num_layers, *block_shape]`` (one block of every
-layer, as its bytes lie in the engine's cache layout, e.g. ``[num_layers, 2,
-block_size, num_kv_heads, head_size]`` for the ``"wtransfer"`` layout) plus string
-metadata: the layout, the model fingerprint, the block hash and a checksum of the
-tensor bytes. We write and read the format ourselves
-instead of calling ``safetensors.torch.save_file``/``load_file`` so that the bytes
-go straight from a reused buffer to the file and back, with no per-block
+A standard safetensors file (any reader opens it) holding one tensor ``"kv"`` of shape
+``[num_layers, *block_shape]`` (one block of every layer, as its bytes lie in the cache layout) plus string metadata:
+the layout, the model fingerprint, the block hash and a checksum of the data. The format is written and read here,
+not through ``safetensors.torch``, so bytes go straight between a reused buffer and the file, with no per-block
 allocation.
 
-Checks on read, in order, each one making the entry a *miss*, never a load:
-size against the header (truncation), header JSON and metadata against the
-expected layout and hash (wrong model, wrong layout, garbage), then the checksum
-over the data (bit rot, torn or zeroed pages, reordered pages). Writes go to a
-unique temporary name in the same directory and are renamed into place, so
-readers see the whole file or nothing.
+Checks on read, in order, each making the entry a *miss*, never a load: size against the header (truncation),
+header and metadata against the expected layout and hash (wrong model, wrong layout, garbage), then the checksum
+(bit rot, torn, zeroed or reordered pages). Writes go to a unique temporary name in the same directory and are
+renamed into place, so readers see the whole file or nothing.
 
-The checksum (``wsum64``) is two sums over the data as little-endian 64-bit
-words, modulo 2**64: ``sum(w[i])`` and ``sum((2*i + 1) * w[i])``. Any change
-confined to one word is always caught (odd weights are invertible modulo 2**64),
-moved or swapped words change the weighted sum, and random damage slips through
-with odds around 2**-64. It runs at memory speed (numpy, about 10 GB/s here,
-where zlib's CRC-32 manages about 4), which is what keeps checked loads at the
-speed of unchecked ones. It guards against accidents, not against an attacker
-who can write to the store.
+The checksum (``wsum64``) is two sums over the data as little-endian 64-bit words, modulo 2**64: ``sum(w[i])`` and
+``sum((2*i + 1) * w[i])``. A change confined to one word is always caught (odd weights are invertible modulo
+2**64), moved or swapped words change the weighted sum, random damage slips through with odds around 2**-64. It
+runs at memory speed (faster than CRC-32), so checked loads cost what unchecked ones do. It guards against
+accidents, not against an attacker who can write to the store.
 """
 
 from __future__ import annotations
@@ -247,12 +238,9 @@ def _expect(actual: object, expected: object, what: str, path: str) -> None:
 def open_regular(path: str) -> BinaryIO:
     """Open ``path`` for reading only if it is a regular file, without ever blocking.
 
-    A plain ``open`` of a FIFO blocks until a writer appears (forever, if none does), and a
-    device node can be read without end: anyone who can write into a shared store could
-    stall every engine reading it. ``O_NONBLOCK`` makes the open itself return at once,
-    and ``fstat`` on the opened descriptor (not the name, which could be swapped in
-    between) refuses anything but a regular file.
-    """
+    A plain ``open`` of a FIFO blocks until a writer appears, and a device node reads without end: anyone who can
+    write into a shared store could stall every engine. ``O_NONBLOCK`` makes the open return at once, and ``fstat``
+    on the descriptor (not the name, which could be swapped) refuses anything but a regular file."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0))
     try:
         mode = os.fstat(fd).st_mode
@@ -270,9 +258,8 @@ def open_regular(path: str) -> BinaryIO:
 def check_header(path: str, layout: BlockLayout, block_hash: str, refresh_s: float | None = None) -> tuple[int, str]:
     """Validate size and header without reading the data; ``(data_offset, checksum)`` or BlockFileError.
 
-    ``refresh_s``: a valid file last modified longer ago than that gets its modification time set
-    to now (its last use, for a capacity's eviction), through the open file: no second path lookup.
-    """
+    ``refresh_s``: a valid file last modified longer ago gets its mtime set to now (its last use, for eviction),
+    through the open file."""
     try:
         with open_regular(path) as handle:
             found = _check_open_header(handle, path, layout, block_hash)
@@ -320,11 +307,8 @@ def _check_open_header(handle: object, path: str, layout: BlockLayout, block_has
 
 
 def read_block_file(path: str, layout: BlockLayout, block_hash: str, into: memoryview) -> None:
-    """Fill ``into`` (``layout.data_bytes`` long) with the block's data after every check passed.
-
-    ``into`` is the caller's reused buffer; on BlockFileError its content is undefined
-    and must not be used.
-    """
+    """Fill ``into`` (the caller's reused buffer, ``layout.data_bytes`` long) with the block's data once every check
+    passed; on BlockFileError its content is undefined."""
     if into.nbytes != layout.data_bytes:
         raise ValueError(f"read buffer has {into.nbytes} bytes, the layout needs {layout.data_bytes}")
     try:

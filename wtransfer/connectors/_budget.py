@@ -1,19 +1,15 @@
 """A byte budget for a directory of block files, shared by every process that writes to it.
 
-A KV store grows with every block saved; every weight update (and every cache reset) starts a
-new namespace whose predecessor may never be read again. So a store with a capacity evicts the
-block files of namespaces no connector marked in use for ``IN_USE_TTL_S`` first (the weights
-they were keyed to are served nowhere), then the least recently used ones. "Used" is a file's modification time: a save sets it, and a
-load that hit refreshes it (:meth:`StoreBudget.touch`).
+Every weight update (and cache reset) starts a new namespace whose predecessor may never be read again. A store
+with a capacity evicts first the files of namespaces no connector marked in use for ``IN_USE_TTL_S``, then the
+least recently used ("used": a file's mtime, set by a save and refreshed by a load hit, :meth:`StoreBudget.touch`).
 
-Several processes may share the store (TP workers, instances, restarts): there is no shared
-index to keep consistent. Each process keeps a running estimate of the store's size (a scan at
-first use, plus what it wrote since); when the estimate passes the capacity, it scans the
-directory for the truth and deletes the oldest files until the store is under
-``LOW_WATER`` × capacity. Two processes evicting at once may delete the same file (one of them
-gets ``FileNotFoundError``, ignored) or a little more than needed; block files are immutable and
-published by rename, so a reader either opens a whole file or none (a miss, recomputed).
-Between two scans the store may exceed the capacity by what other processes wrote since.
+Several processes may share the store (TP workers, instances, restarts) with no shared index. Each keeps an
+estimate of the store's size (a scan at first use, plus what it wrote since); past the capacity it scans for the
+truth and deletes the oldest files until under ``LOW_WATER`` × capacity. Two processes evicting at once may delete
+the same file (``FileNotFoundError``, ignored) or a little more than needed; files are immutable and published by
+rename, so a reader opens a whole file or none (a miss). Between scans the store may exceed the capacity by what
+other processes wrote since.
 """
 
 from __future__ import annotations
@@ -29,18 +25,16 @@ from wtransfer.connectors._blockfile import BLOCK_SUFFIX, CORRUPT_SUFFIX
 logger = logging.getLogger("wtransfer")
 
 LOW_WATER = 0.9
-"""An eviction stops once the store is under this fraction of its capacity (not at the brim:
-every save would otherwise pay for a scan)."""
+"""An eviction stops once the store is under this fraction of its capacity (not at the brim: every save would
+otherwise pay for a scan)."""
 IN_USE_PREFIX = ".in-use."
-"""A namespace's marker files, one per connector using it (``.in-use.<id>``): each refreshes its
-own (:func:`mark_in_use`) at most every ``IN_USE_REFRESH_S`` while it looks blocks up or saves
-them, and removes it when it shuts down."""
+"""A namespace's marker files, one per connector using it (``.in-use.<id>``): each refreshes its own
+(:func:`mark_in_use`) at most every ``IN_USE_REFRESH_S`` while it looks up or saves blocks, and removes it at
+shutdown."""
 IN_USE_REFRESH_S = 60.0
 IN_USE_TTL_S = 600.0
-"""A namespace whose markers are all older than this (or that has none) is taken as used by no
-instance: the weights it was keyed to are served nowhere (or by an instance that has neither
-looked a block up nor saved one for 10 minutes), and its files are evicted before any other
-namespace's."""
+"""A namespace whose markers are all older than this (seconds), or that has none, is used by no instance (or by one
+idle that long): its files are evicted before any other namespace's."""
 
 
 def mark_in_use(namespace_dir: str, user: str) -> None:
@@ -90,8 +84,8 @@ class StoreBudget:
         self._added_since_scan = 0
 
     def added(self, nbytes: int) -> bool:
-        """A file of ``nbytes`` was published; True if the store is (estimated) over its capacity
-        and no eviction was asked for since the last one began (the caller then runs :meth:`evict`)."""
+        """A file of ``nbytes`` was published; True if the store is (estimated) over capacity and no eviction was
+        asked for since the last one began (the caller then runs :meth:`evict`)."""
         with self._lock:
             self._added_since_scan += nbytes
             if self._estimate is None:
@@ -116,10 +110,10 @@ class StoreBudget:
             pass
 
     def evict(self) -> int:
-        """Delete the least recently used files until the store is under ``LOW_WATER`` × capacity.
-        Returns the bytes freed. One eviction runs at a time per process: a call while one runs
-        returns at once and the running one makes another pass, so a file published during a
-        pass is never left over the capacity."""
+        """Delete the least recently used files until under ``LOW_WATER`` × capacity; return the bytes freed.
+
+        One eviction runs at a time per process: a call meanwhile returns at once and the running one makes another
+        pass, so a file published during a pass is never left over the capacity."""
         with self._lock:
             self._wanted, self._queued = True, False
         freed = 0

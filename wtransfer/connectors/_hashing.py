@@ -1,14 +1,10 @@
 """Block identity: chained sha256 prefix hashes, stable across processes and hosts.
 
-A block's hash covers every token before it: ``hash_i = sha256(encode(hash_{i-1},
-tokens of block i, extra keys))``. The chain is rooted in a namespace digest of
-the model fingerprint and the KV layout (layer names, block size, heads, head
-size, dtype, and the memory layout of :data:`wtransfer.kvcache.KV_LAYOUTS`), so KV produced by another model or stored in another layout can
-never match, however the tokens agree.
-
-The encoding is canonical (fixed-width little-endian integers, length prefixes,
-sorted-key JSON for extra keys) and uses no Python ``hash()``, so it does not
-depend on ``PYTHONHASHSEED``, the platform or the interpreter.
+A block's hash covers every token before it: ``hash_i = sha256(encode(hash_{i-1}, tokens of block i, extra keys))``.
+The chain is rooted in a namespace digest of the model fingerprint and the KV layout (layer names, block size,
+heads, head size, dtype, memory layout), so KV of another model or layout never matches, however the tokens agree.
+The encoding is canonical (fixed-width little-endian integers, length prefixes, sorted-key JSON for extra keys),
+with no Python ``hash()``: independent of ``PYTHONHASHSEED``, platform and interpreter.
 """
 
 from __future__ import annotations
@@ -82,9 +78,8 @@ def block_hashes(
 ) -> list[str]:
     """Hashes of every full block of ``token_ids``, reusing ``parent_hashes`` already computed.
 
-    Pass the request's current hashes as ``parent_hashes`` when tokens were appended:
-    only the new full blocks are hashed, and the result is the whole list.
-    ``extra_keys`` (JSON-safe, e.g. a LoRA name or cache salt) go into every block.
+    After tokens were appended, pass the request's current hashes as ``parent_hashes``: only the new full blocks are
+    hashed, and the whole list is returned. ``extra_keys`` (JSON-safe: a LoRA name, a cache salt) go into every block.
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")

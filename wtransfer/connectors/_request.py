@@ -1,10 +1,8 @@
 """Engine-neutral descriptions of a request and of one scheduler step, as seen by a KV connector.
 
-vLLM hands its connectors engine objects (``Request``, ``SchedulerOutput``,
-``KVCacheBlocks``); a connector written against them only runs inside vLLM. These
-plain dataclasses carry just what a connector needs, so any engine with a paged
-KV cache can build them and any connector plugin can read them. All of them
-round-trip through ``to_dict`` / ``from_dict`` as JSON-safe dicts.
+vLLM hands connectors its own objects (``Request``, ``SchedulerOutput``, ``KVCacheBlocks``), tying them to vLLM.
+These plain dataclasses carry just what a connector needs, so any paged-KV engine can build them and any connector
+read them; all round-trip through ``to_dict``/``from_dict`` as JSON-safe dicts.
 """
 
 from __future__ import annotations
@@ -18,14 +16,11 @@ from typing import Any
 class KVRequest:
     """One request, as the scheduler side of a connector sees it.
 
-    ``token_ids`` holds every token known so far (prompt, then generated ones).
-    ``block_hashes`` holds one hex chained hash per *full* block of ``token_ids``
-    (see :mod:`wtransfer.connectors._hashing`); the engine keeps it up to date.
-    ``num_computed_tokens`` counts tokens whose KV is already in the engine's own
-    cache (its local prefix cache hits plus whatever it computed).
-    ``kv_transfer_params`` is the per-request connector dict from the API
-    (for instance where a remote prefill left its blocks); connectors may read it.
-    """
+    ``token_ids``: every token known so far (prompt, then generated). ``block_hashes``: one hex chained hash per
+    *full* block of ``token_ids`` (:mod:`wtransfer.connectors._hashing`), kept up to date by the engine.
+    ``num_computed_tokens``: tokens whose KV is already in the engine's cache (local prefix hits plus what it
+    computed). ``kv_transfer_params``: the per-request connector dict from the API (where a remote prefill left its
+    blocks, say)."""
 
     request_id: str
     token_ids: list[int]
@@ -61,12 +56,9 @@ class KVRequest:
 class ScheduledRequest:
     """A request the scheduler runs in this step.
 
-    ``request.num_computed_tokens`` counts the tokens whose KV is in the cache when
-    the forward pass starts (local hits, earlier steps, and the external tokens this
-    step's metadata loads); the step computes ``num_scheduled_tokens`` more, so after it the first
-    ``request.num_computed_tokens + num_scheduled_tokens`` tokens have KV in the
-    cache. ``block_ids`` are all of the request's blocks in the engine's cache, in
-    token order (block ``i`` holds tokens ``[i * block_size, (i + 1) * block_size)``).
+    ``request.num_computed_tokens`` counts tokens with KV in the cache when the forward pass starts (local hits,
+    earlier steps, and this step's external loads); the step computes ``num_scheduled_tokens`` more. ``block_ids``
+    are all the request's blocks, in token order (block ``i`` holds tokens ``[i * block_size, (i + 1) * block_size)``).
     """
 
     request: KVRequest
@@ -97,12 +89,9 @@ class ScheduledRequest:
 class SchedulerStep:
     """What the scheduler decided for one engine step: the argument of ``build_connector_meta``.
 
-    ``finished_req_ids`` are requests the scheduler finished (or aborted) since the
-    previous step; the engine also passes them to the worker side's ``get_finished``.
-    ``preempted_req_ids`` are requests it preempted while scheduling this step: their blocks
-    are already free, and other requests of this very step may write into them (see
-    :meth:`~wtransfer.connectors.KVConnectorBase.handle_preemptions`).
-    """
+    ``finished_req_ids``: requests finished (or aborted) since the previous step, also passed to the worker's
+    ``get_finished``. ``preempted_req_ids``: requests preempted while scheduling this step; their blocks are already
+    free and this step may write into them (see :meth:`~wtransfer.connectors.KVConnectorBase.handle_preemptions`)."""
 
     step: int
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -131,9 +120,8 @@ class SchedulerStep:
 class KVConnectorOutput:
     """What the workers told the engine after one step: the argument of ``update_connector_output``.
 
-    vLLM's ``KVConnectorOutput``, engine-neutral and JSON-safe. ``worker_meta`` holds one
-    entry per worker whose ``build_connector_worker_meta`` returned something this step.
-    """
+    vLLM's ``KVConnectorOutput``, engine-neutral and JSON-safe; ``worker_meta`` holds one entry per worker whose
+    ``build_connector_worker_meta`` returned something this step."""
 
     finished_sending: list[str] = field(default_factory=list)
     finished_recving: list[str] = field(default_factory=list)

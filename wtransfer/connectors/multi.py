@@ -1,18 +1,16 @@
 """``multi``: several connectors behind one, e.g. a fast local store in front of a shared one.
 
-``kv_connector_extra_config["connectors"]`` is a list of child configs, each a
-dict of :class:`~wtransfer.config.KVTransferConfig` fields (``kv_connector`` and
-usually ``kv_connector_extra_config``; ``kv_role`` and ``engine_id`` default to
-the parent's). Children are created through ``KVConnectorFactory``, so any
-installed connector plugin can be a child.
+``kv_connector_extra_config["connectors"]`` is a list of child configs, each a dict of
+:class:`~wtransfer.config.KVTransferConfig` fields (``kv_connector``, usually ``kv_connector_extra_config``;
+``kv_role`` and ``engine_id`` default to the parent's). Children are created through ``KVConnectorFactory``, so any
+installed connector plugin can be one.
 
-* Loads come from the first child, in list order, that reports a hit; the others
-  are told the request has no external tokens.
-* Saves go to every child (each one decides what it saves).
-* A finished request is reported done sending only when every child that delayed
-  its free has finished saving; done receiving as soon as the loading child is.
-* ``kv_transfer_params`` returned by the children are merged; two children
-  returning the same key with different values is an error, never a silent pick.
+* Loads come from the first child, in list order, that reports a hit; the others are told there are no external
+  tokens.
+* Saves go to every child (each decides what it saves).
+* A finished request is done sending once every child that delayed its free has finished saving; done receiving
+  once the loading child is.
+* The children's ``kv_transfer_params`` are merged; two children giving one key different values is an error.
 """
 
 from __future__ import annotations
@@ -39,14 +37,14 @@ logger = logging.getLogger("wtransfer")
 
 @dataclass
 class MultiConnectorMetadata(KVConnectorMetadata):
-    """Each child's metadata dict, in child order, plus how many children must report each
-    finished request before it counts as done sending."""
+    """Each child's metadata dict, in child order, plus how many children must report each finished request before
+    it counts as done sending."""
 
     children: list[dict[str, Any]] = field(default_factory=list)
     expected_senders: dict[str, int] = field(default_factory=dict)
     loads: dict[str, list[int]] = field(default_factory=dict)
-    """request id -> cache blocks a child loads for it this step (to tell the other children
-    which requests computed on top of a failed load)."""
+    """request id -> cache blocks a child loads for it this step (to tell the other children which requests computed
+    on top of a failed load)."""
 
 
 _CHILDREN_EXAMPLE = "[{'kv_connector': 'storage', 'kv_connector_extra_config': {'path': ...}}]"
@@ -233,8 +231,8 @@ class MultiConnector(KVConnectorBase):
             child.wait_for_save()
 
     def _stop_saves_after_failed_loads(self) -> None:
-        """As soon as loads are in (and again before saving): collect the children's load failures
-        and tell every child not to save what the affected requests compute on top of them."""
+        """As soon as loads are in (and again before saving): collect the children's load failures and tell every
+        child not to save what the affected requests compute on top of them."""
         if not self.has_connector_metadata():
             return
         failed: set[int] = set()

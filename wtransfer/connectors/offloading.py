@@ -1,46 +1,33 @@
-"""The ``offloading`` connector: KV blocks the engine computes go to an offloading spec's tier,
-and prefixes the engine's own cache has lost come back from it.
+"""The ``offloading`` connector: KV blocks the engine computes go to an offloading spec's tier, and prefixes the
+engine's own cache has lost come back from it.
 
-Options (``kv_connector_extra_config``) are the spec's: ``spec_name`` (default ``cpu``),
-``spec_module_path``, and whatever the spec declares (``cpu_bytes_to_use``, ``block_size``,
-``eviction_policy``...). The connector checks only the first two (:class:`OffloadingConnectorOptions`);
-the spec checks the whole dict against its own ``options_cls``, so a misspelled spec key is
-reported by the spec, with the spec's valid keys.
+Options (``kv_connector_extra_config``) are the spec's: ``spec_name`` (default ``cpu``), ``spec_module_path``, and
+whatever the spec declares (``cpu_bytes_to_use``, ``block_size``, ``eviction_policy``...). The connector checks only
+the first two (:class:`OffloadingConnectorOptions`); the spec checks the whole dict against its ``options_cls``, so
+it reports a misspelled key with its own valid keys.
 
 How the two halves agree
 ------------------------
-The scheduler instance owns the spec's manager; the worker instance owns its handlers.
-Per step ``N`` the scheduler puts in the metadata the loads it pinned during admission and
-the stores of blocks that become full during step ``N``. The worker
+The scheduler instance owns the spec's manager, the worker instance its handlers. Step ``N``'s metadata holds the
+loads pinned during admission and the stores of blocks that become full during step ``N``. The worker
 
-* submits the loads in ``start_load_kv`` and waits for them before the first layer is
-  computed (``wait_for_layer_load``): a load never outlives its step, so the scheduler
-  unpins step ``N``'s loads when it builds step ``N + 1``;
-* submits the stores once the forward pass has written every layer (``wait_for_save``)
-  and does *not* wait: they overlap with the following steps.
+* submits the loads in ``start_load_kv`` and waits for them before the first layer (``wait_for_layer_load``): a load
+  never outlives its step, so the scheduler unpins step ``N``'s loads when it builds step ``N + 1``;
+* submits the stores in ``wait_for_save``, after every layer is written, and does *not* wait for them.
 
-A store counts as stored only when the worker says it landed: each step's
-``build_connector_worker_meta`` lists the stores that finished (``stored``) and those that
-failed or were dropped (``failed``), and the scheduler's ``update_connector_output`` then
-completes them in the manager, or frees their slots. So a block is offered for loading
-exactly when its bytes are in the tier, never before, and a failed store is never
-reported as stored. A store computed on top of a failed load is dropped (reported
-``failed``). A finished request whose stores may still be reading its blocks is held
-(``request_finished`` -> ``delay_free``) until the worker reports it in ``done_sending``.
+A store counts as stored only when the worker says it landed: ``build_connector_worker_meta`` lists the stores that
+finished (``stored``) or failed or were dropped (``failed``), and ``update_connector_output`` completes them in the
+manager or frees their slots. So a block is offered for loading exactly when its bytes are in the tier, and a
+store computed on top of a failed load is dropped. A finished request whose stores may still read its blocks is
+held (``delay_free``) until the worker reports it in ``done_sending``. Each request counts as one use of its blocks
+for the eviction policy (touched at first lookup; new blocks are admitted when stored).
 
-Each request counts as one use of its blocks for the eviction policy: blocks already in
-the tier are touched once, when the request is first looked up; new blocks are admitted
-when they are stored.
-
-A tier that hangs never hangs the engine: every wait lasts ``transfer_timeout_s`` at most (an
-option of every spec, default 60), even if the tier's ``wait`` ignores its timeout. Loads
-still unfinished then fail (the engine recomputes, per vLLM's ``kv_load_failure_policy``),
-and the tier gets no load until they end. A load the tier finishes after its deadline may
-still write into cache blocks the engine has reused by then: wtransfer cannot stop a write the
-tier already started, so such a tier is broken, and the log says so. A store older than the
-deadline fails: its request's blocks are freed, and its tier slots stay taken until the tier
-reports the job ended, so a late write lands in no slot that is offered for loading. Each case
-logs an error.
+A hanging tier never hangs the engine: every wait lasts ``transfer_timeout_s`` at most (a spec option, default 60),
+even if the tier's ``wait`` ignores its timeout. Loads unfinished then fail (the engine recomputes, per vLLM's
+``kv_load_failure_policy``) and the tier gets no load until they end; a tier that finishes a load after its deadline
+may write into reused cache blocks, which wtransfer cannot stop: such a tier is broken. A store past the deadline
+fails: its request's blocks are freed, its tier slots stay taken until the tier reports the job ended, so a late
+write lands in no slot offered for loading. Each case logs an error.
 """
 
 from __future__ import annotations
@@ -72,8 +59,8 @@ logger = logging.getLogger("wtransfer")
 
 @dataclasses.dataclass
 class OffloadingConnectorMetadata(KVConnectorMetadata):
-    """One step's work for the worker; every entry is ``{"request_id", "src", "dst"}`` with
-    ``LoadStoreSpec.to_dict()`` forms (stores may list several request ids)."""
+    """One step's work for the worker; each entry is ``{"request_id", "src", "dst"}`` with ``LoadStoreSpec.to_dict()``
+    forms (stores may list several request ids)."""
 
     step: int = 0
     loads: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -91,10 +78,7 @@ class _StoreJob:
 
 @dataclasses.dataclass(frozen=True)
 class OffloadingConnectorOptions:
-    """The keys of ``kv_connector_extra_config`` the connector itself reads: which spec to create.
-
-    Every other key belongs to the spec, which checks it (see the module docstring).
-    """
+    """The ``kv_connector_extra_config`` keys the connector itself reads; every other key is the spec's."""
 
     spec_name: str = option("cpu", doc="which offloading spec to create (a registered name)")
     spec_module_path: str | None = option(None, doc="module to import the spec_name class from, if not registered")
@@ -119,8 +103,7 @@ class OffloadingConnector(KVConnectorBase):
 
     @classmethod
     def parse_options(cls, raw: Mapping[str, Any] | None) -> Any:
-        """Only ``spec_name``/``spec_module_path``: the rest is the spec's, and the spec (created
-        next, from the same dict) reports its unknown keys with its own valid ones."""
+        """Only ``spec_name``/``spec_module_path``: the spec, created next from the same dict, checks the rest."""
         return super().parse_options({k: v for k, v in (raw or {}).items() if k in _CONNECTOR_KEYS})
 
     def __init__(
@@ -208,8 +191,8 @@ class OffloadingConnector(KVConnectorBase):
         return OffloadingConnectorMetadata(step.step, loads, stores, preempted)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """Complete the stores every worker saw land (with tensor parallelism each worker stores
-        its own part of the blocks: one report is not the block); free the slots of failed ones."""
+        """Complete the stores every worker saw land (with tensor parallelism each worker stores its own part: one
+        report is not the block); free the slots of failed ones."""
         parts = self.kv_cache_spec.num_shards if self.kv_cache_spec is not None else 1
         for report in output.worker_meta:
             for key in report.get("stored", []):
@@ -369,8 +352,8 @@ class OffloadingConnector(KVConnectorBase):
         """Nothing per layer: a store copies every layer of a block, so it starts in ``wait_for_save``."""
 
     def handle_preemptions(self, connector_metadata: KVConnectorMetadata) -> None:
-        """Stores still copying blocks of requests the scheduler just preempted must finish now,
-        before this step's forward writes other requests' KV into those blocks."""
+        """Stores still reading blocks of just-preempted requests must finish before this step's forward reuses
+        those blocks."""
         preempted = getattr(connector_metadata, "preempted", None)
         if not preempted or self._store_handler is None:
             return
@@ -393,8 +376,8 @@ class OffloadingConnector(KVConnectorBase):
         request_ids: list[str] = []
         keys: list[str] = []
         for entry in meta.stores:
-            # Known from now on, even if its store is refused below: the scheduler delays the
-            # request's free for it, so get_finished must report it (with no job left) to free it.
+            # Known from now on, even if its store is refused below: the scheduler delays the request's free for it,
+            # so get_finished must report it (with no job left) to free it.
             self._store_jobs_of.setdefault(entry["request_id"], set())
             tier_ids = entry["dst"]["block_ids"]
             key = _store_key(meta.step, entry["request_id"])
@@ -423,9 +406,8 @@ class OffloadingConnector(KVConnectorBase):
             self._store_jobs_of.setdefault(request_id, set()).add(job_id)
 
     def _wait(self, handler: OffloadingHandler, jobs: list[int]) -> None:
-        """``handler.wait(jobs)`` for ``transfer_timeout_s`` at most, even from a tier whose ``wait``
-        ignores its timeout (it then goes on in a thread of its own); what is still unfinished then
-        is the caller's to give up on."""
+        """``handler.wait(jobs)`` for ``transfer_timeout_s`` at most, even if the tier's ``wait`` ignores its timeout
+        (it then goes on in its own thread); what is still unfinished is the caller's to give up on."""
         finished = threading.Event()
 
         def wait() -> None:
@@ -440,9 +422,8 @@ class OffloadingConnector(KVConnectorBase):
         finished.wait(self._timeout_s + 1.0)
 
     def _give_up_stores(self, jobs: list[int]) -> None:
-        """Give up on store ``jobs``: their requests' engine blocks are freed now, but their tier
-        slots stay taken (neither stored nor free) until the tier reports the job ended, since it
-        may still write there; then they count as failed, never offered for loading."""
+        """Give up on store ``jobs``: their requests' engine blocks are freed now, but their tier slots stay taken
+        until the tier reports the job ended (it may still write there); then they count as failed."""
         if not jobs:
             return
         logger.error("offloading: the tier did not finish store jobs %s within transfer_timeout_s=%.1fs; "
@@ -457,8 +438,8 @@ class OffloadingConnector(KVConnectorBase):
         self._worker_stats["timed_out_jobs"] += len(jobs)
 
     def _collect(self) -> None:
-        """Settle every job that ended: free finished requests, remember failures; give up on
-        stores older than ``transfer_timeout_s``."""
+        """Settle every ended job (free finished requests, remember failures); give up on stores older than
+        ``transfer_timeout_s``."""
         store, load = self._handlers()
         for result in store.get_finished():
             late = self._abandoned_stores.pop(result.job_id, None)

@@ -3,50 +3,36 @@
 Options (``kv_connector_extra_config``, declared in :class:`StorageOptions`):
 
 ``path`` (required)
-    Root directory. Blocks live at ``<path>/<namespace[:16]>/<hash>.safetensors``,
-    one safetensors file per block (see :mod:`wtransfer.connectors._blockfile`); with tensor
-    parallelism one file per worker's part, ``<hash>.<part>of<parts>.safetensors``, and a
-    block is stored only when every part is.
+    Root directory. Blocks live at ``<path>/<namespace[:16]>/<hash>.safetensors``, one safetensors file per block
+    (see :mod:`wtransfer.connectors._blockfile`); with tensor parallelism one file per worker's part,
+    ``<hash>.<part>of<parts>.safetensors``, and a block is stored only when every part is.
 ``io_threads`` (default 2)
-    Worker threads that read and write block files; loads of a step run in
-    parallel, saves run in the background while the engine keeps computing.
-``capacity_bytes`` (default 64 GiB, or a quarter of the filesystem that holds ``path`` if that
-is less; ``None``: unbounded)
-    The most the store's block files may take, all namespaces together. Past it, files are
-    deleted by whichever process sharing the store notices (see
-    :mod:`wtransfer.connectors._budget`): first those of namespaces no instance has used for
-    10 minutes (every weight sync starts a new namespace: the old one's weights are served
-    nowhere), then the least recently used (saved or loaded longest ago).
+    Threads that read and write block files: a step's loads run in parallel, saves in the background.
+``capacity_bytes`` (default 64 GiB, or a quarter of the filesystem holding ``path`` if less; ``None``: unbounded)
+    The most the block files may take, all namespaces together. Past it, whichever process sharing the store
+    notices deletes files (see :mod:`wtransfer.connectors._budget`): first those of namespaces no instance has used
+    for 10 minutes (each weight sync starts a new namespace), then the least recently saved or loaded.
 ``max_pending_save_bytes`` (default 256 MiB)
-    Host memory for block copies waiting to be written. A save that would exceed
-    it is dropped (counted as ``saves_dropped_backlog``): a later request
-    recomputes that block, nothing waits on slow storage.
+    Host memory for block copies waiting to be written. A save that would exceed it is dropped (counted as
+    ``saves_dropped_backlog``) and recomputed by a later request: nothing waits on slow storage.
 ``fsync`` (default False)
-    fsync each file before renaming it into place. Renaming already guarantees
-    readers never see a partial file; fsync adds durability across power loss.
+    fsync each file before renaming it into place. The rename already hides partial files from readers; fsync
+    adds durability across power loss.
 ``io_timeout_s`` (default 60)
-    How long the worker waits for a step's loads. Loads still running then count as failed
-    (reported through ``get_block_ids_with_load_errors``: vLLM recomputes them or fails the
-    request, per its ``kv_load_failure_policy``) and never write into the cache afterwards.
+    How long the worker waits for a step's loads. Loads still running then count as failed (reported through
+    ``get_block_ids_with_load_errors``: vLLM recomputes them or fails the request, per its
+    ``kv_load_failure_policy``) and never write into the cache afterwards.
 
-Matching is per block: if the first ``k`` blocks of a request (after its local
-hits) are stored and valid, the request gets ``k * block_size`` tokens; the
-first missing or bad block ends the match. Files that are truncated, corrupt or
-from another layout are misses: reported in the log and in
-:meth:`StorageConnector.get_kv_connector_stats`, moved aside (``.corrupt``) so a
-later save replaces them, and never copied into the cache. A block whose data
-fails its checksum at load time is reported through
-``get_block_ids_with_load_errors`` and the engine recomputes it.
+Matching is per block: if the first ``k`` blocks after a request's local hits are stored and valid, it gets
+``k * block_size`` tokens. Truncated, corrupt or foreign-layout files are misses: logged, counted in
+:meth:`StorageConnector.get_kv_connector_stats`, moved aside (``.corrupt``) so a later save replaces them, never
+copied into the cache. A block failing its checksum at load time is reported as a load error and recomputed.
 
 ``kv_role``: ``kv_producer`` only saves, ``kv_consumer`` only loads, ``kv_both`` does both.
 
-A stored block is always the KV its hash names. ``wait_for_save`` copies each new block out
-of the cache before it returns (vLLM may give a block to another request as soon as it
-returns: a preempted request's blocks are freed without the connector being told) and only
-the file write runs in the background, from that copy. A finished request is reported done
-(``get_finished``) once its files are written, so the next request finds them. A load whose
-step gave up waiting (``io_timeout_s``) is a failed load and never writes into the cache
-afterwards.
+A stored block is always the KV its hash names: ``wait_for_save`` copies each new block out of the cache before it
+returns (vLLM may then reuse the block) and only the file write runs in the background. A finished request is
+reported done (``get_finished``) once its files are written, so the next request finds them.
 """
 
 from __future__ import annotations
@@ -89,13 +75,12 @@ logger = logging.getLogger("wtransfer")
 
 
 LAST_USE_REFRESH_S = 1.0
-"""A lookup hit marks a block file used now only if its last use is older than this: a prefix
-looked up many times a second costs no write per lookup."""
+"""A lookup hit marks a block file used only if its last use is older than this (seconds): no write per lookup."""
 
 
 class _DefaultCapacity(int):
-    """The default ``capacity_bytes``: told apart from the same number given explicitly, since it
-    shrinks to a quarter of the store's filesystem where that is less."""
+    """The default ``capacity_bytes``, told apart from the same number given explicitly: it shrinks to a quarter
+    of the store's filesystem where that is less."""
 
 
 DEFAULT_CAPACITY = _DefaultCapacity(64 << 30)
@@ -231,8 +216,7 @@ class BlockStore:
             self.mark_in_use()
 
     def contains(self, block_hash: str, refresh_s: float | None = None) -> bool:
-        """True if valid-looking files (size and header checked, data not read) hold every part of
-        the block: with tensor parallelism a block is stored only once every worker's part is.
+        """True if valid-looking files (size and header checked, data not read) hold every part of the block.
         ``refresh_s``: mark each part used now if its last use is older (see ``check_header``)."""
         for shard, layout in enumerate(self._parts):
             path = self.path_for(block_hash, shard)
@@ -258,9 +242,7 @@ class BlockStore:
 def _raw_view(spec: KVCacheSpec, name: str, cache: torch.Tensor) -> np.ndarray:
     """The cache's memory as a ``[segments, num_blocks, block elements]`` integer numpy array (no copy).
 
-    Copies through numpy cost a fraction of torch's per-call overhead, never spawn
-    intra-op threads from the I/O threads, and work for dtypes numpy lacks (bfloat16, fp8).
-    """
+    Numpy copies avoid torch's per-call overhead and intra-op threads, and work for dtypes numpy lacks (bf16, fp8)."""
     import torch
 
     view = block_view(spec, name, cache, who="storage connector")
@@ -269,8 +251,8 @@ def _raw_view(spec: KVCacheSpec, name: str, cache: torch.Tensor) -> np.ndarray:
 
 
 class _LoadTicket:
-    """One load's state, read and set under the connector's cache-write lock: copied into the
-    cache, or abandoned by its step (then it never will be)."""
+    """One load's state, under the connector's cache-write lock: copied into the cache, or abandoned by its step
+    (then it never will be)."""
 
     __slots__ = ("abandoned", "copied")
 
@@ -388,9 +370,8 @@ class StorageConnector(KVConnectorBase):
         return meta
 
     def request_finished(self, request: KVRequest, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """A request with saves is reported done (and its blocks freed) once its files are written:
-        what a finished request stored is then in the store for the next one. Its blocks are no
-        longer read by then (``wait_for_save`` copied them); the delay buys read-your-writes."""
+        """A request with saves is reported done (and its blocks freed) once its files are written, so the next
+        request finds them (read-your-writes); ``wait_for_save`` already copied the blocks out."""
         self._matches.pop(request.request_id, None)
         delay = request.request_id in self._requests_with_saves
         self._requests_with_saves.discard(request.request_id)
@@ -428,14 +409,11 @@ class StorageConnector(KVConnectorBase):
             self._failed_from[request_id] = 0
 
     def wait_for_save(self) -> None:
-        """Copy this step's new blocks out of the cache, then return; files are written in the
-        background from those copies.
+        """Copy this step's new blocks out of the cache, then return; files are written in the background.
 
-        The copy must finish before this returns: from then on vLLM may hand any of these
-        blocks to another request (a request preempted in the next step loses its blocks at
-        once, and the connector is not told). Copying later is how another request's KV ends
-        up stored under this request's hash, with a valid checksum.
-        """
+        The copy must finish first: from then on vLLM may hand these blocks to another request (a request preempted
+        in the next step loses them at once, unannounced). Copying later stores another request's KV under this
+        request's hash, with a valid checksum."""
         meta = self._meta()
         self._await_loads()
         queued: set[str] = set()
@@ -552,9 +530,8 @@ class StorageConnector(KVConnectorBase):
         _, not_done = wait_futures([f for _, _, f in pending], timeout=self.io_timeout_s)
         late = 0
         if not_done:
-            # Those loads may still finish later, into blocks the engine will by then use for
-            # something else: under the lock, a load either copied already or is marked and
-            # never will; the ones not started are cancelled.
+            # Those loads may still finish later, into blocks the engine has reused: under the lock a load either
+            # copied already or is marked and never will; the ones not started are cancelled.
             with self._cache_writes:
                 for _, ticket, future in pending:
                     if not future.done() and not ticket.copied:
@@ -598,8 +575,8 @@ class StorageConnector(KVConnectorBase):
         return True
 
     def _copy_out(self, block_ids: list[int]) -> np.ndarray:
-        """The blocks ``block_ids`` of every layer, copied into new host memory: one gather per
-        layer for the whole step; ``result[i]`` is block ``block_ids[i]``'s file data, contiguous."""
+        """The blocks ``block_ids`` of every layer copied into new host memory, one gather per layer;
+        ``result[i]`` is block ``block_ids[i]``'s file data, contiguous."""
         import numpy as np
 
         views = self._views()

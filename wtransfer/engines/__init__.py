@@ -6,31 +6,23 @@ Two layers, each a promise of its own (the surface test holds both to these list
     For someone deriving from a built-in or writing a worker/trainer pair.
 
     Worker side: ``WeightTransferEngine`` (the seed's base class), ``WeightTransferInitInfo``,
-    ``WeightTransferUpdateInfo``, ``ManifestUpdateInfo`` (per-round info carrying the
-    manifest), ``LoadWeights`` (the loader callable's type), ``RoundGuard`` (a mixin:
-    ``finish_weight_update`` only after a whole round), ``global_rank`` (the seed's rank
-    rule), ``BufferBudgetOptions`` / ``check_buffer_budget`` (``max_buffer_bytes``),
-    ``module_loader``, ``validate_with_loader``. An engine declares its
-    ``WeightTransferConfig.options`` as ``options_cls`` (see :mod:`wtransfer.options`).
+    ``WeightTransferUpdateInfo``, ``ManifestUpdateInfo`` (per-round info carrying the manifest),
+    ``LoadWeights`` (the loader's type), ``global_rank`` (the seed's rank rule),
+    ``BufferBudgetOptions`` / ``check_buffer_budget`` (``max_buffer_bytes``), ``module_loader``,
+    ``validate_with_loader``. An engine declares its ``WeightTransferConfig.options`` as ``options_cls``.
 
-    Trainer side: ``TrainerWeightTransferEngine`` with its extension points
-    ``prepare_workers``, ``wait_for_workers``, ``send_round``, ``release`` (and optionally
-    ``plan``); ``TrainerInitOptions`` (the ``init_info`` every trainer takes, and its
-    defaults: a backend subclasses it as its ``init_options_cls``); ``ClientCall`` (a running
-    client call the engine watches); ``WeightSource``, ``ModuleSource``, ``TensorSource``
-    (a source's ``metadata()`` returns ``wtransfer.TensorEntry``), ``create_trainer``.
+    Trainer side: ``TrainerWeightTransferEngine`` with its extension points ``prepare_workers``,
+    ``wait_for_workers``, ``send_round``, ``release`` (optionally ``plan``); ``TrainerInitOptions``
+    (subclassed as a backend's ``init_options_cls``); ``ClientCall``; ``WeightSource``,
+    ``ModuleSource``, ``TensorSource``; ``create_trainer``.
 
-    Bases to derive from: the torch.distributed family (``TorchDistributedBackend``, the
-    mixin whose ``device``, ``make_process_group``, ``allocate`` ... a new collective
-    backend overrides; ``TorchDistributedWeightTransferEngine`` and its
-    ``TorchDistributedInitInfo``, ``TorchDistributedTrainer``,
-    ``TorchDistributedOptions``, ``TorchDistributedInitOptions``, and
-    ``TorchDistributedSender``: what the other ranks of a sharded trainer run, a backend's
-    trainer naming ``class MySender(MyBackend, TorchDistributedSender)`` as its ``sender_cls``
-    so that every rank sends its own shards) and the same-host family
-    (``SharedMemoryWeightTransferEngine``, ``SharedMemoryTrainer``, ``SharedMemoryInitOptions``).
-    A trainer's ``init_options_cls`` extends its base's. The leaves live in their
-    own public modules: :mod:`wtransfer.engines.gloo`, :mod:`wtransfer.engines.shm`.
+    Bases to derive from: the torch.distributed family (``TorchDistributedBackend``, whose ``device``,
+    ``make_process_group``, ``allocate`` ... a new collective backend overrides;
+    ``TorchDistributedWeightTransferEngine``, ``TorchDistributedInitInfo``, ``TorchDistributedTrainer``,
+    ``TorchDistributedOptions``, ``TorchDistributedInitOptions``, and ``TorchDistributedSender``, which a
+    backend's trainer names as ``sender_cls`` via ``class MySender(MyBackend, TorchDistributedSender)``)
+    and the same-host family (``SharedMemoryWeightTransferEngine``, ``SharedMemoryTrainer``,
+    ``SharedMemoryInitOptions``). The leaves: :mod:`wtransfer.engines.gloo`, :mod:`wtransfer.engines.shm`.
 
 ``wtransfer.engines.wire`` (the lower layer)
     For someone writing a brand-new transport: the wire protocol, the manifest, the packing
@@ -49,7 +41,6 @@ _EXPORTS: dict[str, str] = {
     "WeightTransferUpdateInfo": "wtransfer.engines._base",
     "LoadWeights": "wtransfer.engines._base",
     "ManifestUpdateInfo": "wtransfer.engines._worker",
-    "RoundGuard": "wtransfer.engines._worker",
     "global_rank": "wtransfer.engines._worker",
     "check_buffer_budget": "wtransfer.engines._worker",
     "BufferBudgetOptions": "wtransfer.engines._worker",
@@ -76,26 +67,5 @@ _EXPORTS: dict[str, str] = {
     "SharedMemoryInitOptions": "wtransfer.engines.shm",
 }
 
-# Names this module exported before the toolkit was cut in two: importing one says where it went.
-_WIRE = "wtransfer.engines.wire"
-_MOVED: dict[str, str] = {
-    **dict.fromkeys([
-        "PROTOCOL_VERSION", "MIB", "ALIGN", "check_int", "check_timeout", "check_protocol",
-        "check_bucket_bytes", "ManifestRejected", "gc_paused", "Manifest", "TensorEntry",
-        "build_manifest", "tensor_checksum", "Bucket", "plan_buckets", "Packer", "Unpacker",
-        "ControlChannel", "Listener", "connect", "PeerClosedError",
-    ], _WIRE),
-    "GlooWeightTransferEngine": "wtransfer.engines.gloo",
-    "GlooTrainer": "wtransfer.engines.gloo",
-    "GlooOptions": "wtransfer.engines.gloo",
-    "GlooInitOptions": "wtransfer.engines.gloo",
-    "SharedMemoryInitInfo": "wtransfer.engines.shm",
-    "WeightTransferEngineFactory": "wtransfer",
-    "WeightSyncClient": "wtransfer",
-    "NoTrainerSideError": "wtransfer",
-    "WeightTransferInitRequest": "wtransfer",
-    "WeightTransferUpdateRequest": "wtransfer",
-}
-
 __all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, _MOVED)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

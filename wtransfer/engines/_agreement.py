@@ -1,11 +1,9 @@
 """Sharded trainer ranks agree on every round, through the trainer group's key-value store.
 
-The gathers of a sharded round are collectives on the training group (FSDP's). A rank that
-enters one while rank 0 never will (its trainer is closed or broken, its rendezvous failed, it
-is still busy with rank-0-only work after the others stopped waiting) waits there until the
-training group's own timeout, often half an hour, or worse: it mismatches the next training
-collective. And a rank whose gathers completed cannot tell whether the workers took the round.
-So at three steps (rank 0 connected; a round starts; a round ended) the ranks agree:
+A sharded round's gathers are collectives on the training group. A rank that enters one rank 0 never
+will waits until the training group's timeout (or mismatches the next training collective), and a rank
+whose gathers completed cannot tell whether the workers took the round. So at three steps (rank 0
+connected; a round starts; a round ended) the ranks agree:
 
 * every other rank announces itself under the step's key and waits for rank 0's decision;
 * rank 0 waits for every announcement, **claims** each one, and publishes its decision;
@@ -14,10 +12,9 @@ So at three steps (rank 0 connected; a round starts; a round ended) the ranks ag
   claimed (it will hear the decision and follow it) or gone (rank 0 sees that, refuses the round
   and raises). Nobody is left in a gather that another rank will not enter.
 
-The store is ``torch.distributed``'s own (the default group's), under a prefix unique to this
-trainer; collectives with timeouts are not used for this, because a gloo operation whose wait
-timed out stays pending and would later complete against a peer that has already given up.
-Values are JSON text: nothing is pickled.
+The store is the default group's, under a prefix unique to this trainer. Not collectives with timeouts:
+a timed-out gloo operation stays pending and later completes against a peer that gave up. Values are
+JSON: nothing is pickled.
 """
 
 from __future__ import annotations
@@ -36,8 +33,7 @@ logger = logging.getLogger("wtransfer")
 CONNECT_WAIT_S = 600.0
 """How long the other ranks wait for rank 0's rendezvous (they do not know its timeout yet)."""
 TELL_WAIT_S = 30.0
-"""How long rank 0 waits for the others when it only has a failure to tell, and how long a rank
-that was claimed just as it gave up waits for the decision."""
+"""How long rank 0 waits for the others to tell a failure, and a rank claimed as it gave up waits for the decision."""
 GONE = "gone"
 TAKEN = "taken"
 
@@ -59,8 +55,7 @@ def trainer_group_ranks(source: Any) -> list[int]:
 
 
 class RankAgreement:
-    """The trainer ranks' agreement (a collective to build: every rank creates one, in
-    ``create_trainer``, before rank 0 connects)."""
+    """The trainer ranks' agreement (a collective to build: every rank creates one before rank 0 connects)."""
 
     def __init__(self, trainer_rank: int, source: Any) -> None:
         import secrets
@@ -75,9 +70,8 @@ class RankAgreement:
             )
         self.trainer_rank = trainer_rank
         ranks = trainer_group_ranks(source)
-        # One collective, at creation, to check the ranks and share a name for this trainer's keys.
-        # The group is kept (not destroyed): a destroyed group's name would be reused by the next
-        # trainer's, over rendezvous keys the store still holds.
+        # One collective to check the ranks and share a name for this trainer's keys. The group is kept:
+        # a destroyed group's name would be reused by the next trainer, over keys the store still holds.
         self._setup_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
         mine = torch.tensor([trainer_rank, secrets.randbits(62) if trainer_rank == 0 else 0], dtype=torch.int64)
         everyone = [torch.zeros(2, dtype=torch.int64) for _ in ranks]
@@ -94,10 +88,9 @@ class RankAgreement:
 
     # -- rank 0 -------------------------------------------------------------------------------
     def decide(self, step: str, decision: dict[str, Any], wait_s: float) -> None:
-        """Rank 0: publish ``decision`` (``{"ok": ...}``) for ``step``. A decision to go ahead
-        first waits (at most ``wait_s``) for every other rank and claims it; if one is missing or
-        gone, ``ok`` becomes False for everyone and :class:`TransferError` is raised here. A
-        refusal or a failure is published at once: nobody needs to be there for it."""
+        """Rank 0: publish ``decision`` (``{"ok": ...}``) for ``step``. Going ahead first claims every other
+        rank (waiting at most ``wait_s``); if one is missing, ``ok`` becomes False for everyone and
+        :class:`TransferError` is raised. A refusal is published at once."""
         if not decision.get("ok"):
             self.store.set(f"{step}/decision", json.dumps(decision))
             return
@@ -140,9 +133,8 @@ class RankAgreement:
 
     # -- every other rank ------------------------------------------------------------------------
     def follow(self, step: str, wait_s: float) -> dict[str, Any]:
-        """Another rank: announce this rank at ``step`` and return rank 0's decision; raises
-        :class:`TransferError` if none came within ``wait_s`` (this rank is then withdrawn, so
-        rank 0 cannot count on it) or rank 0 gave up on this rank first."""
+        """Another rank: announce itself at ``step`` and return rank 0's decision. Raises
+        :class:`TransferError` if none came within ``wait_s`` (the rank is withdrawn) or rank 0 gave up first."""
         key, announcement = f"{step}/r{self.trainer_rank}", "here"
         try:
             if self.store.compare_set(key, "", announcement).decode() != announcement:
@@ -157,8 +149,7 @@ class RankAgreement:
                         f"{wait_s:g} s; it died, hangs, or has not called send_weights() (raise timeout_s if "
                         f"rank 0 does long work of its own between rounds)"
                     ) from exc
-                # Claimed: rank 0 counts on this rank and decides once it has waited for the others
-                # (at most its own wait, which may have started later than ours).
+                # Claimed: rank 0 counts on this rank; its own wait may have started later than ours.
                 self.store.wait([f"{step}/decision"], datetime.timedelta(seconds=wait_s + TELL_WAIT_S))
             return json.loads(self.store.get(f"{step}/decision").decode())
         except TransferError:
@@ -168,8 +159,7 @@ class RankAgreement:
                                 f"{type(exc).__name__}: {exc}") from exc
 
     def decided(self, step: str, wait_s: float) -> dict[str, Any] | None:
-        """Rank 0's decision for ``step`` if it comes within ``wait_s``, without taking part in it
-        (a rank that failed on its own looks for rank 0's reason: often the cause of its own failure)."""
+        """Rank 0's decision for ``step`` if it comes within ``wait_s``, without taking part (to find its reason)."""
         try:
             self.store.wait([f"{step}/decision"], datetime.timedelta(seconds=wait_s))
             return json.loads(self.store.get(f"{step}/decision").decode())

@@ -1,7 +1,7 @@
 """The worker-side weight-transfer engine contract (vLLM's ``WeightTransferEngine``, kept).
 
-An engine lives inside one inference worker process. The trainer drives a round
-through the user's control plane; the worker's control-plane handler calls, in order::
+An engine lives inside one inference worker process. The trainer drives a round through the
+user's control plane; the worker's handler calls, in order::
 
     engine.init_transfer_engine(engine.parse_init_info(init_dict))   # once
     engine.start_weight_update()                                       # every round
@@ -10,12 +10,9 @@ through the user's control plane; the worker's control-plane handler calls, in o
     ...
     engine.shutdown()                                                  # idempotent
 
-The framework wraps every subclass's ``receive_weights``, ``finish_weight_update`` and
-``shutdown`` (see ``_commit``): the trainer's commit mode decides whether a round is staged
-and loaded into the model at ``finish_weight_update`` (``atomic``, the default: a failed
-round leaves the model bit-identical) or written as it arrives (``streaming``: a failed
-round leaves it torn, and it says so). ``weight_version`` names a version only when every
-byte of the model is that version's; it is ``None`` while ``weights_torn``.
+The framework wraps every subclass's ``receive_weights``, ``finish_weight_update`` and ``shutdown``
+to apply the trainer's commit mode (see ``_commit``): ``atomic`` (default; a failed round leaves the
+model bit-identical) or ``streaming`` (a failed round leaves it torn, and it says so).
 """
 
 from __future__ import annotations
@@ -39,7 +36,6 @@ TInitInfo = TypeVar("TInitInfo", bound="WeightTransferInitInfo")
 TUpdateInfo = TypeVar("TUpdateInfo", bound="WeightTransferUpdateInfo")
 
 
-
 @dataclass
 class WeightTransferInitInfo(ABC):  # noqa: B024 - a marker base, as in the seed
     """Base class for an engine's one-time initialisation info (a JSON-safe dict on the wire)."""
@@ -51,8 +47,7 @@ class WeightTransferUpdateInfo(ABC):  # noqa: B024
 
     _: KW_ONLY
     is_checkpoint_format: bool = True
-    """True if the weights are in checkpoint format and still need the model's own
-    processing (renaming, repacking); False if they are already in kernel format."""
+    """True if the weights still need the model's own processing (checkpoint format); False: kernel format."""
 
 
 @dataclass
@@ -96,11 +91,7 @@ def parse_info(owner: str, info_cls: type, data: Any, what: str) -> Any:
 
 
 def engine_label(cls: type) -> str:
-    """How messages name an engine class: "shm engine (SharedMemoryWeightTransferEngine)".
-
-    The backend comes from the trainer side (the worker class does not know the name it was
-    registered under); the class name tells subclasses (a plugin's tuned shm) apart.
-    """
+    """How messages name an engine class: "shm engine (SharedMemoryWeightTransferEngine)"."""
     backend = getattr(getattr(cls, "trainer_cls", None), "backend", None)
     if isinstance(backend, str) and backend != "?":
         return f"{backend} engine ({cls.__name__})"
@@ -117,14 +108,12 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
     init_info_cls: type[TInitInfo]
     update_info_cls: type[TUpdateInfo]
     trainer_cls: ClassVar[type | None] = None
-    """The trainer side (a ``TrainerWeightTransferEngine`` subclass) that ``create_trainer``
-    uses for this backend; ``None`` for worker-only engines. One entry point per backend
-    names the worker class, so the trainer side is found through it."""
+    """The trainer side (a ``TrainerWeightTransferEngine`` subclass) ``create_trainer`` uses for this
+    backend; ``None`` for worker-only engines."""
     options_cls: ClassVar[type | None] = None
-    """The dataclass (fields made with :func:`wtransfer.options.option`) declaring what this
-    engine accepts in ``WeightTransferConfig.options``. ``None`` (the default) means "not
-    declared": the dict is not checked, so engines written before options were declared, which
-    read ``config.options`` themselves, keep working; ``self.options`` is then that dict."""
+    """The dataclass (fields made with :func:`wtransfer.options.option`) declaring what this engine accepts
+    in ``WeightTransferConfig.options``. ``None``: undeclared, the dict is not checked and ``self.options``
+    is that dict."""
 
     def __init__(
         self, config: WeightTransferConfig, parallel_config: ParallelConfig | None = None
@@ -135,8 +124,7 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         """The parsed ``options_cls`` instance (or ``config.options`` as given, if undeclared)."""
         self.served_dtypes: ServedDtypes | None = None
         """What this worker's model loads (``wtransfer.served_dtypes(model)``): set it before
-        ``init_transfer_engine`` and the built-in engines tell the trainer at rendezvous, so each
-        floating tensor travels in the dtype the model takes (fp32 masters reach a bf16 model as bf16)."""
+        ``init_transfer_engine`` so floating tensors travel in the dtype the model takes."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -144,11 +132,8 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
 
     @classmethod
     def parse_options(cls, raw: Any) -> Any:
-        """Check ``WeightTransferConfig.options`` once, at creation, against ``options_cls``.
-
-        A typo (``max_buffer_byte``) must fail here, naming the valid keys, instead of being
-        ignored until it matters mid-transfer.
-        """
+        """Check ``WeightTransferConfig.options`` against ``options_cls`` at creation, so a typo fails
+        here (naming the valid keys) instead of being ignored."""
         return _options.parse_declared(
             cls.options_cls, raw, owner=engine_label(cls), where="WeightTransferConfig.options"
         )
@@ -157,11 +142,9 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
     def weight_version(self) -> int | None:
         """The trainer's version of the round the model holds; ``None`` while the model is torn.
 
-        It is the trainer's ``stats["version"]`` for that round (0: the weights the model started
-        with), also after this worker restarted or the trainer reconnected. Unchanged by a round
-        that failed before commit (its model holds the previous version,
-        bit for bit); ``None`` after a streamed round or a commit failed part-way, until a
-        complete round lands.
+        The trainer's ``stats["version"]`` for that round (0: the start-up weights), also across restarts
+        and reconnects. Unchanged by a round that failed before commit; ``None`` after a streamed round
+        or a commit failed part-way, until a complete round lands.
         """
         return round_state(self).weight_version
 
@@ -189,23 +172,19 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
     def receive_weights(self, update_info: TUpdateInfo, load_weights: LoadWeights) -> None:
         """Receive one round's weights, calling ``load_weights`` incrementally.
 
-        The ``load_weights`` an engine sees is the framework's: in atomic rounds it writes into
-        the node's staging copy (and ``destination(name)`` returns staging, so transports can
-        receive in place), in streaming rounds into the model. The framework has already checked
-        the round against the model (and a delta round's base) when this runs: a transport with
-        an accept/reject step asks :meth:`validate_round` before any byte moves, so a refusal
-        stops every worker cleanly. Raise if the round is not whole.
+        ``load_weights`` is the framework's: it writes into the node's staging copy (atomic) or the model
+        (streaming); ``destination(name)``, where offered, lets transports receive in place. A transport
+        with an accept/reject step asks :meth:`validate_round` before any byte moves, so a refusal stops
+        every worker cleanly. Raise if the round is not whole.
         """
 
     def validate_round(self) -> None:
-        """Raise :class:`~wtransfer.errors.ManifestMismatchError` if this worker's model cannot
-        take the round being received (checked by the framework, with the real loader and the
-        delta base, before ``receive_weights`` ran, whatever the engine does with its loader)."""
+        """Raise :class:`~wtransfer.errors.ManifestMismatchError` if this worker's model cannot take the round
+        being received (the framework checked it before ``receive_weights`` ran)."""
         round_state(self).validate_round()
 
     def finish_weight_update(self) -> None:
-        """A round ended on every worker. The framework has already loaded a staged round into the
-        model and counted it when this runs; engines override it for their own end-of-round work."""
+        """A round ended on every worker; the framework already committed it. Override for end-of-round work."""
 
     @abstractmethod
     def shutdown(self) -> None:

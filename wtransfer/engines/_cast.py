@@ -1,14 +1,10 @@
 """The dtype a round carries each tensor in: the one the receiving model loads.
 
-RL trainers keep fp32 master weights (TRL's default ``dtype``, FSDP2 with a
-``MixedPrecisionPolicy``) while inference serves bf16. Each worker says at rendezvous which
-dtypes its model loads (:class:`ServedDtypes`, the engine's ``served_dtypes``); the trainer
-casts every floating-point tensor whose dtype differs on the rank that holds it, while its
-bytes are packed or written (one bucket at a time, never a copy of the model), so the wire
-carries what is served: half an fp32 model's bytes for bf16. ``create_trainer(...,
-dtype=...)`` casts every floating-point tensor to one dtype instead. Integer and bool tensors
-are never cast. A cast rounds as ``tensor.to(dtype)`` does (values beyond bf16's range
-become inf), as vLLM's own loaders do.
+RL trainers often keep fp32 master weights while inference serves bf16. Each worker says at rendezvous
+which dtypes its model loads (:class:`ServedDtypes`); the trainer casts each floating tensor that differs
+on the rank that holds it, as its bytes are packed or written (never a copy of the model), so the wire
+carries what is served. ``create_trainer(..., dtype=...)`` forces one dtype instead. Integer and bool
+tensors are never cast; a cast rounds as ``tensor.to(dtype)`` does, as vLLM's loaders do.
 """
 
 from __future__ import annotations
@@ -54,8 +50,7 @@ class ServedDtypes:
 
     @classmethod
     def of_tensors(cls, named: Iterable[tuple[str, torch.Tensor]]) -> ServedDtypes:
-        """What a module whose tensors are ``named`` loads: its most common floating dtype, and
-        every floating tensor of another dtype by name."""
+        """Its most common floating dtype as default, and every floating tensor of another dtype by name."""
         floating = {name: dtype for name, t in named if (dtype := dtype_name(t.dtype)) in FLOATING}
         counts: dict[str, int] = {}
         for dtype in floating.values():
@@ -65,10 +60,8 @@ class ServedDtypes:
 
 
 def served_dtypes(model: Any, names: Mapping[str, str] | None = None) -> ServedDtypes:
-    """What a worker's model loads, for its engine's ``served_dtypes`` (set before
-    ``init_transfer_engine``): a ``torch.nn.Module`` (each floating tensor in its parameter's
-    dtype), or one dtype for every floating tensor (a ``torch.dtype`` or its name, as vLLM's
-    model dtype) but the tensors ``names`` gives another (name -> dtype name)."""
+    """What a worker's model loads, for its engine's ``served_dtypes``: from a ``torch.nn.Module``'s
+    parameters, or one dtype (``torch.dtype`` or name) for every floating tensor but those in ``names``."""
     if isinstance(model, str) or not hasattr(model, "named_parameters"):
         name = model if isinstance(model, str) else dtype_name(model)
         kept = {n: d for n, d in (names or {}).items() if d in FLOATING}  # float8 and integers never cast
@@ -78,10 +71,8 @@ def served_dtypes(model: Any, names: Mapping[str, str] | None = None) -> ServedD
 
 
 def agreed(answers: Mapping[int, Any]) -> ServedDtypes | None:
-    """The served dtypes every worker sent (rank -> dict or None); None if none sent any.
-
-    Workers that hold one model agree; workers that disagree on a name cannot share a wire
-    dtype for it, and the rendezvous fails naming both."""
+    """The served dtypes every worker sent (rank -> dict or None); None if none sent any. Workers that
+    disagree cannot share a wire dtype: the rendezvous fails naming both."""
     parsed = {rank: ServedDtypes.from_dict(data) for rank, data in sorted(answers.items()) if data is not None}
     if not parsed:
         return None
@@ -99,17 +90,14 @@ def agreed(answers: Mapping[int, Any]) -> ServedDtypes | None:
 
 @dataclass(frozen=True)
 class CastPlan:
-    """What a trainer casts: to ``dtype`` if the user chose one, else to what the workers serve.
-
-    Rank 0 tells every other rank of a sharded trainer its plan with each round, so ranks that
-    write their own shards cast them alike."""
+    """What a trainer casts: to ``dtype`` if the user chose one, else to what the workers serve (rank 0
+    sends it to the other ranks with each round, so they cast alike)."""
 
     served: ServedDtypes | None = None
     dtype: str | None = None
 
     def entries(self, entries: Iterable[TensorEntry]) -> tuple[TensorEntry, ...]:
-        """The round's entries as they travel: each floating tensor in the planned dtype; every
-        other tensor as the source holds it."""
+        """The round's entries as they travel: floating tensors in the planned dtype, the rest as held."""
         out = []
         for entry in entries:
             target = self.dtype if self.dtype is not None else (
@@ -153,9 +141,8 @@ def matches_dtype(tensor: torch.Tensor, entry: TensorEntry) -> bool:
 
 
 def wire_bytes(tensor: torch.Tensor, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
-    """Bytes ``start:stop`` of ``tensor`` as it travels in ``dtype``: a view when no cast is
-    needed, else only those elements, cast (``start``/``stop`` fall on element boundaries: tensors
-    start 64-byte aligned and buckets are multiples of 64 bytes)."""
+    """Bytes ``start:stop`` of ``tensor`` in ``dtype``: a view, or only those elements cast (the bounds fall on
+    element boundaries: tensors start 64-byte aligned, buckets are multiples of 64)."""
     import torch
 
     from wtransfer.engines._manifest import tensor_bytes

@@ -1,8 +1,7 @@
 """The trainer's view of the workers' control plane, implemented by the user.
 
-Each call may block until every worker has finished that step (as an HTTP call to an
-inference server does), which is why trainer engines run ``update_weights`` in another
-thread while they send. All arguments are JSON-safe dicts: forward them as they are.
+Each call may block until every worker finished that step (trainers run it on another thread while they
+send). All arguments are JSON-safe dicts: forward them as they are.
 """
 
 from __future__ import annotations
@@ -24,8 +23,4 @@ class WeightSyncClient(Protocol):
         """Workers: ``engine.receive_weights(engine.parse_update_info(update_info), load_weights)``."""
 
     def finish_weight_update(self, weight_version: str | None = None) -> Any:
-        """Workers: ``engine.finish_weight_update()``.
-
-        ``weight_version`` (optional in implementations) is the round's label, passed by
-        the trainer when the method accepts it, as vLLM's clients do.
-        """
+        """Workers: ``engine.finish_weight_update()``; ``weight_version`` (optional) is the round's label."""

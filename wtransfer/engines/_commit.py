@@ -1,32 +1,25 @@
 """How a round reaches the model: the framework's job, the same for every engine.
 
 Every worker engine's ``receive_weights`` and ``finish_weight_update`` are wrapped (see
-:meth:`WeightTransferEngine.__init_subclass__`), so a third-party engine gets this without
-writing a line. The trainer picks the mode per round (it travels in the manifest):
+:meth:`WeightTransferEngine.__init_subclass__`), so third-party engines get this for free. The trainer
+picks the mode per round (it travels in the manifest):
 
 ``atomic`` (the default)
-    ``receive_weights`` gives the engine a loader that writes into the node's staging copy
-    (:mod:`._staging`), never into the model, and returns only once the copy is whole on this
-    node. ``finish_weight_update`` — which the trainer calls only after *every* worker's
-    receive returned — loads the staged round into the model. A round that fails before that
+    The engine's loader writes into the node's staging copy (:mod:`._staging`), never the model;
+    ``receive_weights`` returns once the copy is whole on this node. ``finish_weight_update``, called only
+    after *every* worker's receive returned, loads it into the model. A round that fails before that
     leaves every model bit-identical to the previous version.
 ``streaming``
-    The engine writes into the model as bytes arrive (bounded memory: its buffers only). A
-    round that fails after the first write leaves the model **torn**: it says so
-    (``weights_torn``, ``weight_version`` None, :class:`~wtransfer.errors.WeightsTornError`)
-    until a complete round lands.
+    The engine writes into the model as bytes arrive (its buffers only). A round that fails after the
+    first write leaves the model **torn** and says so (``weights_torn``, ``weight_version`` None,
+    :class:`~wtransfer.errors.WeightsTornError`) until a complete round lands.
 
-Either way ``weight_version`` names a version only when every byte of the model is that
-version's: the trainer's number for the round it committed last (``stats["version"]`` on the
-trainer, the manifest's ``version``), so a worker that restarted, or a trainer that reconnected
-to new workers, agree on it; ``None`` while the model is torn (a streamed round or a commit
-that failed part-way). A round sent without a wtransfer manifest has no trainer's number: it
-counts one past the version before it.
+``weight_version`` names a version only when every byte of the model is that version's: the trainer's
+number for the round committed last (so restarted workers and reconnected trainers agree); ``None`` while
+torn. A round without a wtransfer manifest counts one past the version before it.
 
-A delta round (:mod:`._delta`) adds one loader in front: it rebuilds each changed tensor on the
-model's committed copy and checks it, so the modes above see whole tensors; this worker also
-remembers which delta-capable round it committed last (``delta_holds``), the base the next
-delta round must be against.
+A delta round (:mod:`._delta`) adds a loader in front that rebuilds changed tensors so the modes above see
+whole tensors; ``delta_holds`` remembers the base the next delta round must be against.
 """
 
 from __future__ import annotations
@@ -55,10 +48,8 @@ DEFAULT_COMMIT = "atomic"
 class _Loader:
     """Base of the loaders the framework hands an engine: the real loader's checks, run once.
 
-    The framework runs ``validate_manifest`` itself before the engine's ``receive_weights``
-    (:meth:`RoundState.begin`); the engine's own call, if it makes one, gets the same verdict. A
-    round that was refused is refused by every write too, so an engine that never asked (it
-    wrapped the loader) still writes nothing.
+    The framework validates before the engine runs (:meth:`RoundState.begin`); the engine's own call gets
+    the same verdict, and every write of a refused round is refused too, so nothing is ever written.
     """
 
     def __init__(self, real: Any) -> None:
@@ -109,11 +100,9 @@ class StreamingLoader(_Loader):
 class AtomicLoader(_Loader):
     """An atomic round: nothing reaches the model before commit.
 
-    Either the engine hands over a staged copy of its own (:func:`adopt_staged`: ``shm``, whose
-    trainer writes the round into shared memory every worker maps read-only), or the node's
-    workers elect a stager (:mod:`._staging`) at the first write: the stager's tensors go into the
-    node's staging copy (in place, through ``destination``, where the engine can), a follower's
-    are dropped (``discards``) and it maps the stager's copy read-only once the round is whole.
+    Either the engine hands over a staged copy of its own (:func:`adopt_staged`), or the node's workers
+    elect a stager (:mod:`._staging`) at the first write: the stager writes into the node's staging copy,
+    a follower drops its tensors (``discards``) and maps the stager's copy read-only once whole.
     """
 
     def __init__(self, real: Any, state: RoundState, manifest: Manifest) -> None:
@@ -201,13 +190,11 @@ class AtomicLoader(_Loader):
 
 
 def adopt_staged(engine: Any, load_weights: Any, views: dict[str, torch.Tensor]) -> bool:
-    """Hand the framework a round that is already whole in memory nothing writes before commit.
+    """Hand the framework a round already whole in memory that nothing writes before commit (``shm``'s
+    segment), so an atomic round commits from it without a staging copy.
 
-    For an engine whose transport ends in such a copy (``shm``: the trainer writes the round into
-    shared memory each worker maps read-only): an atomic round then commits from it, with no
-    staging copy of its own. Only the framework's own loader of an atomic round takes it; a loader
-    the engine wrapped (to rename, filter, log) must see every tensor, so this returns False and
-    the engine delivers ``views`` through ``load_weights`` as usual.
+    Returns False unless ``load_weights`` is the framework's own atomic loader (a wrapped loader must see
+    every tensor): the engine then delivers ``views`` through ``load_weights`` as usual.
     """
     loader = round_state(engine).loader
     if load_weights is not loader or not isinstance(loader, AtomicLoader):
@@ -264,9 +251,8 @@ class RoundState:
         else:
             self.loader = self._begin(real)
         if wire is not None:
-            # Checked here, before the engine runs, whatever the engine later does with its loader:
-            # a round this model cannot take (or a delta against a base it does not hold) is refused
-            # before any byte moves; the engine hears the verdict from validate_round().
+            # Checked before the engine runs, so a round this model cannot take is refused before any
+            # byte moves; the engine hears the verdict from validate_round().
             try:
                 self.loader.validate_manifest(wire)
             except ManifestMismatchError as exc:
@@ -301,8 +287,7 @@ class RoundState:
         return self._loader
 
     def node_staging(self, key: str) -> NodeStaging:
-        """This node's staging for the trainer ``key`` (elected once per trainer; a follower whose
-        stager left between rounds elects again)."""
+        """This node's staging for trainer ``key`` (elected once per trainer, again if the stager left)."""
         from wtransfer.engines._staging import NodeStaging
 
         if self._staging is not None and self._staging.key != key:
@@ -336,8 +321,7 @@ class RoundState:
         if self.torn:
             self.delta_holds = None
         if not isinstance(exc, (ManifestMismatchError, RoundCalledOff)) and self._staging is not None:
-            # A rejection keeps the trainer (and its next round); any other failure ends it, and a
-            # new trainer stages under a new key: free the copy and its sockets now.
+            # Any failure but a rejection ends the trainer (a new one stages under a new key): free it now.
             self._staging.close()
             self._staging = None
         error: BaseException = exc
@@ -413,8 +397,8 @@ def round_state(engine: Any) -> RoundState:
 
 
 def wrap_round_methods(cls: type) -> None:
-    """Give ``cls``'s own ``receive_weights`` / ``finish_weight_update`` / ``shutdown`` the commit
-    protocol. Methods reached through ``super()`` from a wrapped one run unwrapped."""
+    """Give ``cls``'s own ``receive_weights`` / ``finish_weight_update`` / ``shutdown`` the commit protocol
+    (``super()`` calls from a wrapped one run unwrapped)."""
     for name, body in (("receive_weights", _receive), ("finish_weight_update", _finish), ("shutdown", _shutdown)):
         method = cls.__dict__.get(name)
         if callable(method) and not getattr(method, "__wtransfer_round__", False):

@@ -1,8 +1,7 @@
 """Small JSON control messages over a stream socket (length-prefixed frames, never pickle).
 
-Used by the ``shm`` engine and node staging; a frame may carry file descriptors
-(``SCM_RIGHTS``) so a shared-memory segment can be handed over without ever having a
-name on disk.
+Used by ``shm`` and node staging; a frame may carry file descriptors (``SCM_RIGHTS``), so shared
+memory is handed over without a name on disk.
 """
 
 from __future__ import annotations
@@ -25,17 +24,12 @@ _HEADER = struct.Struct("!I")
 MAX_FRAME = 64 << 20
 """The largest frame a known peer may send."""
 STRANGER_FRAME = 4 << 10
-"""The largest frame a peer not yet identified (authenticated, or told its rank) may send: a
-stranger's frame is buffered before anyone knows who sent it."""
+"""The largest frame an unidentified peer may send (it is buffered before anyone knows who sent it)."""
 
 
 def peer_uid(sock: socket.socket) -> int | None:
-    """The user id of the process at the other end of a Unix socket (None where unknown).
-
-    Abstract socket names are visible to every user of the host (``/proc/net/unix``), so each
-    side checks the other's credentials: only this user's processes join a round or map its
-    weights.
-    """
+    """The user id of the process at the other end of a Unix socket (None where unknown); abstract socket
+    names are visible host-wide, so each side checks the other's."""
     if not hasattr(socket, "SO_PEERCRED"):  # pragma: no cover - not Linux
         return None
     _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))

@@ -1,67 +1,45 @@
 """Delta rounds: send only what changed since the version every worker committed, verified.
 
-Between two RL steps almost every bf16 element is bit-identical. With ``delta=True`` the
-trainer keeps a host copy of the last version the workers committed (its *base*) and turns a
-round into, per tensor:
+Between two RL steps almost every bf16 element is bit-identical. With ``delta=True`` the trainer keeps
+a host copy of the last version the workers committed (its *base*) and sends, per tensor:
 
-- nothing, for a tensor whose bits did not change;
-- ``positions``: the new values of its changed elements and their positions, when that is at
-  most ``POSITIONS_AT_MOST`` of the tensor (a few changed elements);
-- ``xor-zstd``: the XOR of its bits with the base's, compressed with zstd (the XOR of a slightly
-  changed tensor is mostly zero bytes), when that is at most ``SPARSE_AT_MOST`` of it;
+- nothing, if its bits did not change;
+- ``positions``: the new values of its changed elements and their positions, when that is at most
+  ``POSITIONS_AT_MOST`` of the tensor;
 - ``dense``: the tensor itself, otherwise (and for every tensor of a full round).
 
-It is a layer over every engine, not an engine: the round's wire manifest lists what moves (a
-payload travels as a ``uint8`` tensor under the tensor's own name), and ``delta`` says what each
-entry rebuilds. Engines move bytes as usual; on the worker, :class:`._delta_loader.DeltaLoader`
-sits between the engine and the commit layer, rebuilds each tensor sent as a payload on the
-worker's own committed copy, checks it against the trainer's digest of the new value, and hands
-the whole tensor on, so staging, the atomic commit and the model's loader see ordinary tensors.
-A tensor sent whole is received as in any round, in place (``checksums=True`` checks its bytes
-on the way).
+It is a layer over every engine: the wire manifest lists what moves (a payload travels as a ``uint8``
+tensor under the tensor's own name) and ``delta`` says what each entry rebuilds. On the worker,
+:class:`._delta_loader.DeltaLoader` sits between the engine and the commit layer, rebuilds each payload
+on the worker's committed copy, checks it against the trainer's digest, and hands whole tensors on.
 
-A worker applies a delta only onto the exact version it is against: it must have committed the
-round named ``base`` (the id of the trainer's last committed round), and every tensor it keeps
-or rebuilds from a payload must hash to the trainer's digest of its base; it checks both before
-any byte moves. A worker that cannot (new, restarted, torn, a model changed behind wtransfer's
-back, a loader that cannot show its tensors or needs every round whole) refuses the round
-cleanly, and the trainer sends the round whole at once, in the same ``send_weights()`` call,
-from its base (the source is walked once).
+A worker applies a delta only onto the exact version it is against: it must have committed the round
+named ``base``, and every tensor it keeps or rebuilds must hash to the trainer's digest of its base;
+both are checked before any byte moves. A worker that cannot (new, restarted, torn, a loader needing whole
+rounds) refuses cleanly, and the trainer sends the round whole in the same ``send_weights()`` call, from its
+base (the source is walked once).
 
-The trainer's side is :mod:`._delta_encoder`, the worker's :mod:`._delta_loader`; this module
-holds what both use: the chunked walks' settings and scratch, the threads, the digest, and the
-``positions`` payload's layout.
+The trainer's side is :mod:`._delta_encoder`, the worker's :mod:`._delta_loader`; this module holds what
+both use: chunk settings and scratch, the threads, the digest, and the ``positions`` layout.
 
-The round overlaps its own encoding: a first walk before the round reads each tensor beside its
-base once (compare, hash old and new) and gathers the changed elements of a tensor that may
-travel as ``positions`` as it goes, which fixes every encoding, payload size and digest; such a
-tensor's base is updated from its own payload at once, and the work of the tensors sent whole
-(updating the base, hashing it) runs on the encoding threads while the engine sends, a few
-tensors ahead of it (:class:`._delta_encoder.DeltaRound`). Only a XOR is compressed before the
-round, in a second walk (its size is not known until then). No large buffer is allocated per
-round on either side: the trainer walks each tensor in chunks through one scratch buffer per
-thread, its ``positions`` payloads are written into buffers kept across rounds, and the worker
-writes each rebuilt tensor straight where the round's commit reads it (the node's staging copy,
-or the model itself when the round streams). Fresh memory is expensive (the first touch of every
-page faults), and a round that allocated the model's size anew each time cost several times a
-dense round.
+Encoding overlaps sending: a first walk fixes every encoding, payload size and digest; the work for
+tensors sent whole (updating and hashing the base) runs a few tensors ahead of the engine
+(:class:`._delta_encoder.DeltaRound`). No large buffer is allocated per round on either side (first
+touches page-fault): walks go through per-thread scratch, payload buffers are kept across rounds, and
+the worker rebuilds straight where the commit reads.
 
 Wire form (the manifest's ``delta`` key)::
 
     {"id": "<trainer token>:<version>", "base": "<id>" | null,
-     "tensors": [[name, dtype, shape, "positions" | "xor-zstd", digest, base digest]
+     "tensors": [[name, dtype, shape, "positions", digest, base digest]
                  | [name, dtype, shape, "dense", null, null], ...],
      "unchanged": [[name, dtype, shape, digest], ...]}
 
-one row per wire entry, in the same order; digests are XXH3-64 as 16 hex digits. A ``positions``
-payload numbers the tensor's elements in blocks of 65536: one uint32 count of changed elements
-per block (padded to 8 bytes), then the K new values (elements of the tensor's dtype), then
-their K uint16 positions within their blocks, block after block, in order: two bytes a
-position, for a tensor of any size. The
-tensors left out are listed with the digest of the trainer's base, so a worker checks every
-tensor it keeps, not only those that change. A dense row names no digest: the trainer need not
-have hashed it before the round starts (its hashing overlaps the sending), the worker receives it
-as any round's tensor, and the next delta round checks it before applying anything to it.
+one row per wire entry, in order; digests are XXH3-64 as 16 hex digits. A ``positions`` payload numbers
+elements in blocks of 65536: one uint32 count per block (padded to 8 bytes), then the K new values (in the
+tensor's dtype), then their K uint16 positions within their blocks, in order. Unchanged tensors carry the
+base's digest, so a worker checks every tensor it keeps. A dense row names no digest (its hashing
+overlaps the sending); the next delta round checks it before applying anything to it.
 """
 
 from __future__ import annotations
@@ -79,26 +57,13 @@ from wtransfer.engines._manifest import (
     positions_header_bytes,
     tensor_bytes,
 )
-from wtransfer.errors import TransferError
 
 if TYPE_CHECKING:
     import torch
 
 CHUNK_BYTES = 1024 * 1024
-"""Every walk takes each tensor in chunks of (at most) this size, through one scratch buffer per
-thread of :func:`_pool`: small enough that the steps after the first on a chunk (count, hash,
-compress, copy) read it (new, base and XOR) from the last-level cache, not from memory."""
-
-ZSTD_LEVEL = 1
-
-
-def _zstd() -> Any:
-    try:
-        import zstandard
-    except ImportError as exc:  # pragma: no cover - a dependency of wtransfer
-        raise TransferError("delta rounds need the 'zstandard' package (pip install zstandard)") from exc
-    return zstandard
-
+"""Walks take each tensor in chunks of at most this size, small enough that the later steps on a chunk
+(count, hash, copy) read it from the last-level cache."""
 
 def digest(data: torch.Tensor) -> str:
     """XXH3-64 of a tensor's bytes, as 16 hex digits (a device tensor is copied to the host first)."""
@@ -111,9 +76,8 @@ def digest(data: torch.Tensor) -> str:
 
 
 def _bits(tensor: torch.Tensor) -> Any:
-    """The tensor's bits as a flat numpy array of integers, XOR works on them: of its element
-    size, or, for an element of 16 bytes (complex128), two 64-bit integers per element. A view
-    of the tensor when it is contiguous (writes through it land in the tensor)."""
+    """The tensor's bits as a flat integer numpy array (two int64 per complex128 element); a view of the
+    tensor when it is contiguous (writes land in the tensor)."""
     import torch
 
     flat = tensor.detach().reshape(-1)
@@ -131,9 +95,8 @@ def _hex(value: int, nbytes: int) -> str:
 
 def _positions_parts(payload: torch.Tensor, target: TensorEntry, changed: int, dtype: Any,
                      words: int) -> tuple[Any, Any, Any]:
-    """Views of a ``positions`` payload's three parts: its uint32 count per block (without the
-    padding), the ``changed`` new values (as :func:`_rows` of numpy ``dtype``) and their uint16
-    positions within their blocks. The one place both sides read the layout from."""
+    """Views of a ``positions`` payload's parts: uint32 count per block (no padding), the ``changed`` new
+    values (as :func:`_rows`) and their uint16 positions. The one place both sides read the layout from."""
     import numpy
 
     raw = tensor_bytes(payload).numpy()
@@ -149,16 +112,14 @@ def _words(tensor: torch.Tensor, bits: Any) -> int:
 
 
 def _rows(bits: Any, words: int) -> Any:
-    """Flat bits indexed by element: themselves, or rows of ``words`` integers (complex128), so
-    that indexing by positions picks whole elements. Flat indexing is twice as fast as rows."""
+    """Bits indexed by element: flat, or rows of ``words`` integers (complex128)."""
     return bits if words == 1 else bits.reshape(-1, words)
 
 
 def _position_spans(numel: int, counts: Any, lows: Any, values: Any,
                     elements: int) -> Iterator[tuple[int, int, Any, Any]]:
-    """A ``positions`` payload's changes span by span (whole blocks, about ``elements`` each):
-    ``(begin, end, positions relative to begin, their new values)``. Only a span's positions are
-    ever made as int64, never the whole tensor's."""
+    """A ``positions`` payload's changes as ``(begin, end, positions relative to begin, new values)`` per
+    span of whole blocks (about ``elements`` each), so only one span's positions are ever int64."""
     import numpy
 
     ends = numpy.cumsum(counts, dtype=numpy.int64)
@@ -208,9 +169,8 @@ def _pool_size() -> int:
 
 
 def _pool() -> Any:
-    """The threads delta rounds encode, rebuild and hash on: one per core (at most 8), made once
-    per process and kept, so their scratch buffers are touched once, not every round. XOR, zstd
-    and XXH3 release the GIL."""
+    """The threads delta rounds encode, rebuild and hash on (one per core, at most 8), kept per process so
+    their scratch buffers are touched once. numpy and XXH3 release the GIL."""
     from concurrent.futures import ThreadPoolExecutor
 
     with _threads_lock:

@@ -23,13 +23,11 @@ from wtransfer.engines._delta import (
     _rows,
     _scratch,
     _words,
-    _zstd,
 )
 from wtransfer.engines._manifest import (
     DENSE,
     POSITION_BLOCK,
     POSITIONS,
-    XOR_ZSTD,
     DeltaPlan,
     DeltaTensor,
     TensorEntry,
@@ -50,45 +48,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("wtransfer")
 
-POSITIONS_AT_MOST = 1 / 16
-"""A tensor travels as the positions and new values of its changed elements when that is at most
-this fraction of its bytes (a bf16 tensor with up to about 3 % of its elements changed, at two
-bytes a value and two a position). The first walk gathers them as it counts: no second walk."""
-
-POSITIONS_AT_MOST_ON_FAST_LINKS = 0.25
-""":data:`POSITIONS_AT_MOST` where the link is at least :data:`FAST_FOR_POSITIONS` (up to about
-12 % of a bf16 tensor's elements): there ``positions``, more bytes than a compressed XOR but
-gathered in the walk that counts, costs less time than compressing in a second walk."""
-
-FAST_FOR_POSITIONS = 75e6
-"""Bytes per second from which :data:`POSITIONS_AT_MOST_ON_FAST_LINKS` applies (0.6 Gbit/s: where
-the extra wire bytes of ``positions`` would cost as long as compressing XORs did, estimated from
-rounds of 5.8 % changed elements over 1 Gbit/s on a 2-core AMD EPYC; zstd's speed sets it). It
-was derived with 6-byte positions gathered in a second walk and not derived again for the 4-byte
-ones gathered as they are counted, which pay on somewhat slower links too."""
-
-XOR_PAYS_BELOW = 300e6
-"""Bytes per second under which a XOR is compressed for a tensor too changed for ``positions``;
-on a faster link such a tensor goes whole (compressing it took longer than sending it whole
-over 10 Gbit/s on a 2-core AMD EPYC; 2.4 Gbit/s is a conservative guess below that, no link in
-between was measured)."""
-
-RATE_SAMPLE_BYTES = 64 << 20
-"""A round that moved at least this many bytes measures the link (:meth:`DeltaEncoder.sent`)."""
-
-SPARSE_AT_MOST = 0.25
-"""A tensor travels as a compressed XOR only when that is at most this fraction of its bytes
-(the trainer holds the compressed XORs until they are sent: at most this much of the model)."""
+POSITIONS_AT_MOST = 0.25
+"""A changed tensor travels as ``positions`` when that payload is at most this fraction of its bytes (bf16:
+about 12 % of elements changed); else whole."""
 
 CHANGED_TO_TRY = 0.3
-"""A chunk whose XOR has more than this fraction of elements changed ends the first walk: the
-tensor goes dense (its XOR would not shrink below :data:`SPARSE_AT_MOST`, and compressing a dense
-XOR costs more CPU than sending the tensor over any link but a slow one)."""
+"""A chunk with more than this fraction of elements changed ends the first walk: the tensor goes dense
+(for a tensor too small to gather positions for, which is only counted, this is what ends the walk early)."""
 
 GLANCE_BYTES = 64 * 1024
-"""Before walking a tensor whose walk may be left pending, this much of its start is XORed: if
-more than :data:`CHANGED_TO_TRY` of it changed the tensor goes whole, and all of its walk runs
-while the round is sent (as a chunk proving it dense would decide, sooner)."""
+"""Before walking a tensor whose walk may be deferred, this much of its start is compared: more than
+:data:`CHANGED_TO_TRY` changed sends it whole at once, its whole walk deferred to the sending."""
 
 
 @dataclass
@@ -103,11 +73,8 @@ class DeltaStats:
 class DeltaRound(WeightSource):
     """One encoded round, as the engine reads it: the wire tensors, in order.
 
-    A tensor may still be *pending* when the round starts: one sent whole (the rest of its walk:
-    counting what changed, bringing the base up to the new value, hashing it). That work runs on
-    the encoding threads a few tensors ahead of the engine, and the tensor is yielded once done.
-    So the encoding overlaps the sending, instead of delaying the first byte by passes over the
-    whole model.
+    A tensor sent whole may still be *pending* (counting, updating the base, hashing): that runs on the
+    encoding threads a few tensors ahead of the engine, which gets the tensor once done.
     """
 
     def __init__(self, entries: list[TensorEntry], payloads: list[torch.Tensor], pending: list[_Encoded | None],
@@ -149,14 +116,12 @@ class DeltaRound(WeightSource):
         self._finisher.finish_all()
 
     def settle(self) -> None:
-        """Once this returns no encoding thread writes the base for this round (what had not started is
-        dropped): a round that failed leaves nothing running into the next one."""
+        """Stop the round's encoding: once this returns no thread writes the base for it (failed rounds)."""
         self._finisher.cancel()
 
 
 class _Finisher:
-    """Finishes a round's pending tensors on the encoding threads, in the order the engine reads
-    them, at most one per thread plus one ahead of the tensor the engine waits for."""
+    """Finishes pending tensors on the encoding threads in read order, at most one per thread plus one ahead."""
 
     def __init__(self, items: list[_Encoded], record: Any) -> None:
         from concurrent.futures import Future
@@ -205,9 +170,8 @@ class _Finisher:
 
 
 def _keeps_its_tensors(source: Any) -> bool:
-    """Whether every tensor ``source`` yields lives on after the walk moves past it (a module's
-    parameters, a mapping's tensors): then holding a pending tensor until it is sent costs no
-    memory. Any other source's tensors may be made as they are read, and are encoded at once."""
+    """Whether ``source``'s tensors outlive the walk (a module's, a dict's), so deferring costs no memory;
+    other sources may make tensors as read, and are encoded at once."""
     from wtransfer.engines._source import ModuleSource, TensorSource
 
     kind = type(source)
@@ -220,52 +184,32 @@ def _keeps_its_tensors(source: Any) -> bool:
 class DeltaEncoder:
     """The trainer's copy of the version its workers committed, and each round's encoding against it.
 
-    Memory: one host copy of the model (the base) and the digest of each of its tensors, plus the
-    compressed XORs of one round (each at most :data:`SPARSE_AT_MOST` of its tensor), the
-    ``positions`` payload buffer of each tensor that ever travelled so (at most
-    :data:`POSITIONS_AT_MOST_ON_FAST_LINKS` of it, kept across rounds; only the pages written are
-    resident), while a tensor is walked the changes it gathers (at most its payload once more),
-    and one :data:`~wtransfer.engines._delta.CHUNK_BYTES` scratch buffer (and a chunk's booleans) per encoding thread. A
-    device tensor is copied to the host
-    as it is encoded (at most one per thread at a time). The base takes the new values as the
-    round is encoded and sent (dense tensors are sent from it), so a round that fails leaves it
-    ahead of the workers: it is then marked invalid and the next round is full.
+    Memory: one host copy of the model (the base) and its digests, a kept ``positions`` payload buffer
+    per tensor that ever travelled so (only written pages resident), and per encoding thread one scratch
+    chunk and one device tensor copied to host. The base takes the new values as the round is encoded
+    (dense tensors are sent from it), so a failed round leaves it ahead of the workers: it is then marked
+    invalid and the next round is full.
     """
 
     def __init__(self) -> None:
         self._token = secrets.token_hex(8)
         self.base: dict[str, torch.Tensor] = {}
         self.digests: dict[str, str] = {}
-        """XXH3-64 of each base tensor as it is now (kept as the base changes, never recomputed)."""
+        """XXH3-64 of each base tensor, kept up to date as the base changes."""
         self.base_id: str | None = None
         """The id of the last round every worker committed, which :attr:`base` holds; None: full next."""
         self._unsettled: _Finisher | None = None
-        """The last round's pending work (not the round: its XORs are freed once it is sent)."""
+        """The last round's pending work (not the round: its payloads are freed once it is sent)."""
         self._payloads: dict[str, torch.Tensor] = {}
-        """Each tensor's ``positions`` payload buffer, kept across rounds: fresh memory costs a page
-        fault per page on first touch, and a round would otherwise pay that for every payload."""
-        self.link_bytes_per_s: float | None = None
-        """How fast rounds cross the transport: the highest throughput (wire bytes over the round's
-        seconds) of any round that moved at least :data:`RATE_SAMPLE_BYTES`; None until one did.
-        Each is a lower bound (a round whose time went to encoding reads slow), so the highest
-        counts. It sets which encodings pay (:func:`_choices`)."""
-
-    def sent(self, wire_bytes: int, seconds: float) -> None:
-        """A round moved ``wire_bytes`` in ``seconds``: the next rounds choose their encodings by it."""
-        if wire_bytes >= RATE_SAMPLE_BYTES and seconds > 0:
-            self.link_bytes_per_s = max(self.link_bytes_per_s or 0.0, wire_bytes / seconds)
+        """Each tensor's ``positions`` payload buffer, kept across rounds to avoid page faults on fresh memory."""
 
     def encode(self, source: WeightSource, version: int, cast: CastPlan | None = None) -> DeltaRound:
         """Walk ``source`` once; the round against :attr:`base` (a full one if it has none).
 
-        With ``cast``, each floating tensor is compared and kept in the dtype it travels in (a
-        cast copy of one tensor at a time): the base is what the workers hold.
-
-        Tensors are encoded on every core, at most one per core at a time, in the walk's order
-        (the XOR, the compression and the hashing release the GIL): a source that makes each
-        tensor as it yields it holds no more than that many at once. A tensor sent whole is left
-        pending when the source keeps its tensors: the rest of its work runs as the round is sent
-        (see :class:`DeltaRound`).
+        With ``cast``, floating tensors are compared and kept in their wire dtype: the base is what the
+        workers hold. Tensors are encoded on every core, at most one per core at a time, so a source that
+        makes tensors as it yields holds no more than that many. A tensor sent whole is left pending when
+        the source keeps its tensors (see :class:`DeltaRound`).
         """
         from concurrent.futures import Future
 
@@ -274,7 +218,6 @@ class DeltaEncoder:
         against = self.base_id
         self.base_id = None  # from here on the base holds this round's values, which no worker has yet
         keeps = _keeps_its_tensors(source)
-        choices = _choices(self.link_bytes_per_s)
         encoded: list[_Encoded] = []
         pool, width = _pool(), _pool_size()
         in_flight: list[Future[_Encoded]] = []
@@ -293,7 +236,7 @@ class DeltaEncoder:
                 known = None if fresh else self.digests.get(name)
                 defer = keeps and on_host and new.is_contiguous() and not cast_here
                 in_flight.append(pool.submit(_encode_one, name, new, base, None if fresh else against, known, defer,
-                                             self._room, choices))
+                                             self._room))
                 del tensor, new
                 if len(in_flight) >= width:  # one tensor per core at a time
                     encoded.append(in_flight.pop(0).result())
@@ -327,14 +270,13 @@ class DeltaEncoder:
         return DeltaRound(entries, payloads, pending, plan, encoded, finisher)
 
     def _room(self, name: str, size: int) -> torch.Tensor:
-        """``size`` bytes of the payload buffer of ``name`` (made once, as large as a ``positions``
-        payload of the tensor may be: only the pages written are ever resident)."""
+        """``size`` bytes of the payload buffer of ``name`` (made once at the largest ``positions`` size)."""
         import torch
 
         buffer = self._payloads.get(name)
         if buffer is None or buffer.numel() < size:
             base = self.base[name]
-            most = int(max(POSITIONS_AT_MOST, POSITIONS_AT_MOST_ON_FAST_LINKS) * base.numel() * base.element_size())
+            most = int(POSITIONS_AT_MOST * base.numel() * base.element_size())
             buffer = self._payloads[name] = torch.empty(max(size, most), dtype=torch.uint8)
         return buffer[:size]
 
@@ -343,9 +285,8 @@ class DeltaEncoder:
         self.digests[item.target.name] = item.digest
 
     def whole(self, encoded: DeltaRound) -> DeltaRound:
-        """The same round, every tensor whole, from the base (which holds its values, or will once
-        its pending tensors are done): for workers that cannot apply the delta. Nothing is walked
-        or hashed again."""
+        """The same round, every tensor whole from the base, for workers that cannot apply the delta.
+        Nothing is walked or hashed again."""
         finisher = encoded._finisher
         entries, payloads, pending, rows = [], [], [], []
         for item in encoded._items:
@@ -369,28 +310,9 @@ class DeltaEncoder:
         return base, True
 
     def committed(self, encoded: DeltaRound) -> None:
-        """Every worker committed the round: the base is what they hold (its pending tensors are
-        finished first, for a caller whose engine did not read every tensor)."""
+        """Every worker committed the round: the base is what they hold (pending tensors finished first)."""
         encoded.finish()
         self.base_id = encoded.plan.id
-
-
-@dataclass(frozen=True)
-class _Choices:
-    """Which payloads a round may use, by how fast its link is."""
-
-    positions_at_most: float = POSITIONS_AT_MOST
-    try_xor: bool = True
-
-
-def _choices(link_bytes_per_s: float | None) -> _Choices:
-    """On a link not yet measured, or a slow one: ``positions`` for a few changes, a compressed XOR
-    for more. On a fast one ``positions`` goes further; on a very fast one (or shared memory) a
-    tensor beyond it goes whole, as compressing would cost more than the wire saves."""
-    if link_bytes_per_s is None:
-        return _Choices()
-    fast = link_bytes_per_s >= FAST_FOR_POSITIONS
-    return _Choices(POSITIONS_AT_MOST_ON_FAST_LINKS if fast else POSITIONS_AT_MOST, link_bytes_per_s < XOR_PAYS_BELOW)
 
 
 @dataclass
@@ -404,12 +326,11 @@ class _Encoded:
     digest: str | None
     """The base's digest once this round's value is in it (None while the tensor is pending)."""
     rest: Any = None
-    """A pending tensor's remaining work (:func:`_walk_rest`, for one sent whole), returning the
-    elements it found changed and the base's digest; None once done."""
+    """A pending tensor's remaining work (:func:`_walk_rest`) -> (changed elements, base digest); None once done."""
 
     @property
     def target(self) -> TensorEntry:
-        """The model's tensor (``entry`` is what travels: a XOR's bytes, or the tensor itself)."""
+        """The model's tensor (``entry`` is what travels: a ``positions`` payload, or the tensor itself)."""
         return self.entry if self.row is None else self.row.target
 
     def finish(self) -> None:
@@ -420,8 +341,7 @@ class _Encoded:
 
 
 def _changed_elements(fresh: Any, old: Any, words: int) -> int:
-    """How many elements differ between ``fresh`` and ``old`` (an element of ``words`` integers
-    counts once), through a XOR in the thread's scratch."""
+    """How many elements differ between ``fresh`` and ``old`` (an element of ``words`` integers counts once)."""
     import numpy
 
     xor = _scratch.get(fresh.dtype, fresh.size)
@@ -440,10 +360,9 @@ def _changed_where(fresh: Any, old: Any, words: int) -> Any:
 
 def _walk_rest(new_bits: Any, base_bits: Any, start: int, step: int, words: int, hasher: Any,
                count: bool) -> tuple[int, str]:
-    """A dense tensor's walk from element ``start`` on, chunk by chunk: count the changed elements
-    (``count``; else none is counted here), copy the new bytes into the base, hash the base's new
-    bytes while the chunk is in cache. Returns the elements counted and the digest of the whole
-    base (``hasher`` has seen the chunks before ``start``)."""
+    """A dense tensor's walk from ``start``, chunk by chunk: count changes (if ``count``), copy the new bytes
+    into the base and hash them while cached. Returns (counted, digest of the whole base); ``hasher`` has
+    seen the chunks before ``start``."""
     import numpy
 
     changed = 0
@@ -461,31 +380,23 @@ def _walk_rest(new_bits: Any, base_bits: Any, start: int, step: int, words: int,
 
 
 def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str | None, known: str | None,
-                defer: bool, room: Any, choices: _Choices = _Choices()) -> _Encoded:
-    """Encode one tensor against its base, the base becoming the new value now or, for a pending
-    tensor, as the round is sent (a helper thread).
+                defer: bool, room: Any) -> _Encoded:
+    """Encode one tensor against its base (on a helper thread); the base takes the new value now or,
+    with ``defer``, as the round is sent.
 
-    A first walk only reads: it compares each chunk with its base, counts the changed elements
-    (gathering their positions and values while they may still fit a ``positions`` payload), and
-    hashes the old bytes (which must be what the workers hold, ``known``) and the new ones. Then,
-    by what changed:
+    A first walk only reads: it counts changed elements per chunk (gathering positions and values while
+    they may fit a ``positions`` payload) and hashes old bytes (which must match ``known``) and new. Then:
 
-    - nothing: the tensor stays out of the round;
-    - few enough elements for ``positions`` (:data:`POSITIONS_AT_MOST`): the payload is written
-      from what the walk gathered, and the base updated from the payload (its own decode);
-    - more: a second walk compresses the XOR while it updates the base, the tensor going whole
-      if that grows past :data:`SPARSE_AT_MOST`;
-    - a chunk with more than :data:`CHANGED_TO_TRY` of it changed (or, first, a glance at the
-      tensor's start), or no base to diff against: the tensor goes whole, the rest of its walk
-      (count, update the base, hash) left to the round's sending with ``defer``.
+    - nothing changed: the tensor stays out of the round;
+    - few enough for ``positions``: the payload is written from what was gathered, and the base updated
+      from the payload (its own decode);
+    - otherwise (or no base, or a glance/chunk above :data:`CHANGED_TO_TRY`): the tensor goes whole.
 
-    ``room(name, size)`` lends the payload buffer of a ``positions`` tensor (kept across rounds);
-    ``choices`` moves the limits by the link's speed (:func:`_choices`).
+    ``room(name, size)`` lends the payload buffer of a ``positions`` tensor.
     """
     import functools
 
     import numpy
-    import torch
     import xxhash
 
     target = entry_for(name, new)
@@ -512,7 +423,7 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
             return whole(walk_from_start(True), 0)
     changed = 0
     was, now = xxhash.xxh3_64(), xxhash.xxh3_64()
-    most = choices.positions_at_most * target.nbytes  # the largest positions payload this tensor may take
+    most = POSITIONS_AT_MOST * target.nbytes  # the largest positions payload this tensor may take
     counts = numpy.zeros(position_blocks(target), dtype=numpy.int64)
     # (values, positions) per chunk, while the changes still fit a positions payload
     found: list[tuple[Any, Any]] | None = [] if positions_payload_bytes(target, 1) <= most else None
@@ -525,8 +436,8 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
             where = _changed_where(fresh, old, words)
             here = where.size
             if positions_payload_bytes(target, changed + here) > most:
-                found = None  # too many for positions: only count from here on
-            elif here:
+                return whole(walk_from_start(True), 0)  # too many for positions; nothing written yet
+            if here:
                 at = where + start // words
                 found.append((_rows(fresh, words)[where], at.astype(numpy.uint16)))
                 first, last = start // words // POSITION_BLOCK, int(at[-1]) // POSITION_BLOCK + 1
@@ -556,28 +467,4 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
             base_rows[begin:end][positions] = news  # the base becomes the new value: the payload's own decode
         return _Encoded(TensorEntry(name, "uint8", (payload.numel(),)), payload,
                         DeltaTensor(target, POSITIONS, value, known), changed, value)
-    if not choices.try_xor:  # compressing would cost more than sending it whole
-        return whole(walk_from_start(False), changed)
-    limit = SPARSE_AT_MOST * target.nbytes
-    compressor = _zstd().ZstdCompressor(level=_delta.ZSTD_LEVEL).compressobj()
-    parts: list[bytes] = []
-    size = 0
-    hasher = xxhash.xxh3_64()
-    for start in range(0, new_bits.size, step):  # the second walk: compress, update the base
-        fresh, old = new_bits[start : start + step], base_bits[start : start + step]
-        xor = _scratch.get(new_bits.dtype, fresh.size)
-        numpy.bitwise_xor(fresh, old, out=xor)
-        part = compressor.compress(xor)
-        parts.append(part)
-        size += len(part)
-        numpy.copyto(old, fresh)
-        hasher.update(old)  # the chunk is still in cache
-        if size > limit:  # a XOR this large is no delta: the tensor goes whole (counted already)
-            rest = functools.partial(_walk_rest, new_bits, base_bits, start + step, step, words, hasher, False)
-            return whole(rest, changed)
-    parts.append(compressor.flush())
-    if size + len(parts[-1]) > limit:
-        return _Encoded(target, base, DeltaTensor(target, DENSE, None), changed, value)
-    blob = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
-    wire = TensorEntry(name, "uint8", (blob.numel(),))
-    return _Encoded(wire, blob, DeltaTensor(target, XOR_ZSTD, value, known), changed, value)
+    return whole(walk_from_start(False), changed)  # too many changes for positions

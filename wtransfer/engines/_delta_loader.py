@@ -15,22 +15,18 @@ from wtransfer.engines._delta import (
     _position_spans,
     _positions_parts,
     _rows,
-    _scratch,
     _words,
-    _zstd,
     digest,
 )
 from wtransfer.engines._manifest import (
     DENSE,
     POSITION_BLOCK,
-    XOR_ZSTD,
     DeltaTensor,
     Manifest,
     TensorEntry,
     entry_for,
     position_blocks,
     positions_header_bytes,
-    tensor_bytes,
 )
 from wtransfer.engines._packing import note_written
 from wtransfer.errors import ManifestMismatchError, TransferError
@@ -42,10 +38,9 @@ if TYPE_CHECKING:
 class DeltaLoader:
     """Between the engine and the commit layer: rebuilds each tensor sent as a payload and checks it.
 
-    ``base_of(name)`` is the worker's committed tensor (the model's own through ``destination()``,
-    read before the round writes it); ``holds`` the id of the round this worker last committed. A
-    loader that needs every round whole takes a delta only if it says ``delta_ready`` (it loads
-    the tensors a round leaves out from what its ``destination()`` shows, as the vLLM bridge does).
+    The base is the real loader's ``destination(name)`` (read before the round writes it); ``holds`` is
+    the id of the round this worker last committed. A loader that needs every round whole takes a delta
+    only if it says ``delta_ready``.
     """
 
     whole_round = False
@@ -60,15 +55,14 @@ class DeltaLoader:
         self._needs_whole_rounds = (getattr(real, "whole_round", False) is True
                                     and getattr(real, "delta_ready", False) is not True)
         self._rows = {t.target.name: t for t in self.plan.tensors}
-        _zstd()  # fails here, before the round, if the package is missing
         self.discards = getattr(inner, "discards", False) is True
         """A node's follower: the stager rebuilds and checks; this worker only checks its base."""
         self._validated = False
         self._rejection: ManifestMismatchError | None = None
 
     def validate_manifest(self, manifest: Manifest) -> None:
-        """Before any byte moves: this worker holds the base the round is against (or it is full).
-        Checked once (the framework asks first); later calls get the same verdict."""
+        """Before any byte moves: this worker holds the base the round is against. Checked once; later
+        calls get the same verdict."""
         if self._rejection is None and not self._validated:
             try:
                 self._validate(manifest)
@@ -97,7 +91,7 @@ class DeltaLoader:
         self._validated = True
 
     def _check_bases(self, expected: list[tuple[TensorEntry, str | None]]) -> None:
-        """Every tensor the round keeps or XORs is, bit for bit, what the trainer diffs against."""
+        """Every tensor the round keeps or patches is, bit for bit, what the trainer diffs against."""
         bases = []
         for entry, _ in expected:
             base = self._base_of(entry.name)  # type: ignore[misc]
@@ -123,9 +117,7 @@ class DeltaLoader:
                                         f"did not call validate_manifest): nothing was written")
 
     def destination(self, name: str) -> torch.Tensor | None:
-        """Where a tensor that travels whole is received in place: the commit's own destination
-        (the node's staging copy, or the model when the round streams), as in a round without
-        deltas. A payload (``positions``, a XOR) has none: it is assembled apart and rebuilt from."""
+        """A dense tensor is received in place at the commit's own destination; a payload has none."""
         row, where = self._rows.get(name), getattr(self.inner, "destination", None)
         if row is None or row.encoding != DENSE or not callable(where) or self.discards:
             return None
@@ -139,13 +131,11 @@ class DeltaLoader:
         unlisted = [name for name, _ in weights if name not in self._rows]
         if unlisted:
             raise ManifestMismatchError(f"engine delivered {unlisted[0]!r}, which delta round {self.plan.id} does not list")
-        # every payload rebuilt and checked on every core; the first failure (in order) is raised. A tensor
-        # that travels whole is handed on as it came, like one received in place through destination()
+        # payloads rebuilt and checked on every core, the first failure raised; dense tensors pass as they came
         from concurrent.futures import wait
 
         pool = _pool()
-        # a payload received into a device buffer (NCCL) is read on the host: copied here, on this
-        # thread, whose current stream is the one the engine received it on, before the buffer is reused
+        # a device payload (NCCL) is copied to host here, on the engine's current stream, before its buffer is reused
         jobs = [pool.submit(self._checked, name, payload if payload.device.type == "cpu" else payload.cpu(), row)
                 if row.encoding != DENSE else None
                 for name, payload in weights for row in (self._rows[name],)]
@@ -153,50 +143,16 @@ class DeltaLoader:
         self.inner([(name, payload) if job is None else job.result() for (name, payload), job in zip(weights, jobs)])
 
     def _checked(self, name: str, payload: torch.Tensor, row: DeltaTensor) -> tuple[str, torch.Tensor]:
-        payload, got = (self._rebuild if row.encoding == XOR_ZSTD else self._place)(name, payload, row)
+        payload, got = self._place(name, payload, row)
         if got != row.digest:
             raise TransferError(
                 f"delta round: {name!r} rebuilt here differs from the trainer's new value (digest {got} != "
                 f"{row.digest}); the round is not committed where the commit is atomic")
         return name, payload
 
-    def _rebuild(self, name: str, payload: torch.Tensor, row: DeltaTensor) -> tuple[torch.Tensor, str]:
-        """base XOR the decompressed bytes, written where the commit reads it (staging, or the model
-        itself when the round streams), in chunks through one scratch buffer, each chunk hashed
-        while it is still in cache; the rebuilt tensor and its digest."""
-        import numpy
-        import xxhash
-
-        base = self._base_of(name)  # type: ignore[misc]
-        value = self._destination(name, base)
-        base_bits, value_bits = _bits(base), _bits(value)  # value is contiguous: a view
-        step = max(1, _delta.CHUNK_BYTES // base_bits.itemsize)
-        reader = _zstd().ZstdDecompressor().stream_reader(tensor_bytes(payload).numpy())  # one per thread
-        hasher = xxhash.xxh3_64()
-        for start in range(0, base_bits.size, step):
-            xor = _scratch.get(base_bits.dtype, min(step, base_bits.size - start))
-            want, got = xor.nbytes, 0
-            view = memoryview(xor.view(numpy.uint8))
-            while got < want:
-                read = reader.readinto(view[got:])
-                if read == 0:
-                    break
-                got += read
-            if got != want:
-                raise TransferError(f"delta round: {name!r} decompressed to fewer bytes than its {row.target.nbytes}")
-            out = value_bits[start : start + xor.size]
-            numpy.bitwise_xor(base_bits[start : start + xor.size], xor, out=out)
-            hasher.update(out)
-        if reader.read(1):
-            raise TransferError(f"delta round: {name!r} decompressed to more bytes than its {row.target.nbytes}")
-        note_written(value)  # through numpy, behind autograd's back
-        return value, _hex(hasher.intdigest(), row.target.nbytes)
-
     def _place(self, name: str, payload: torch.Tensor, row: DeltaTensor) -> tuple[torch.Tensor, str]:
-        """The base with the changed elements of a ``positions`` payload put in place, written where
-        the commit reads it; the result and its digest. One pass, span by span: copy the base's
-        span, put its changed elements in place, hash it while it is in cache. Counts that do not
-        add up, or a position past the tensor's end, fail the round."""
+        """Rebuild a ``positions`` tensor where the commit reads it, in one pass per span (copy the base,
+        patch, hash while cached); returns it and its digest. A malformed payload fails the round."""
         import numpy
         import xxhash
 
@@ -228,10 +184,8 @@ class DeltaLoader:
         return value, _hex(hasher.intdigest(), target.nbytes)
 
     def _destination(self, name: str, base: torch.Tensor) -> torch.Tensor:
-        """Where the rebuilt tensor goes: the commit's own destination when it has one of the right
-        layout (staging; the model itself when streaming, where base and value are one tensor and
-        the XOR is applied in place, element by element), else a new tensor. Always contiguous:
-        the rebuild writes and hashes it through a view of its bytes."""
+        """Where the rebuilt tensor goes: the commit's own destination if contiguous and of the same layout
+        (when streaming, the base itself: patched in place), else a new contiguous tensor."""
         import torch
 
         where = getattr(self.inner, "destination", None)
@@ -244,6 +198,5 @@ class DeltaLoader:
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors' bytes share memory."""
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()

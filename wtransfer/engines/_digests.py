@@ -1,14 +1,11 @@
 """Per-tensor digests of a round, computed while its bytes move, on a core of their own.
 
-With ``checksums=True`` the trainer hashes every tensor's bytes as it packs them and sends the
-digests after the data; each worker hashes the same bytes as it unpacks them and compares before
-the round can commit. The source is walked once, and the hashing runs on a helper thread next to
-the packing (xxHash's XXH3 releases the GIL and hashes at several GB/s per core), so it costs a
-second core's time, not the round's.
+With ``checksums=True`` the trainer hashes every tensor's bytes as it packs them and sends the digests
+after the data; each worker hashes what it unpacks and compares before the round can commit. Hashing runs
+on a helper thread (XXH3 releases the GIL), costing a second core's time, not the round's.
 
-The helper thread reads buffers the transport reuses: a buffer's jobs must be done before it is
-written again, so every job names the buffer it reads and :meth:`RoundDigests.fence` waits for
-that buffer's jobs.
+The helper reads buffers the transport reuses: every job names its buffer, and
+:meth:`RoundDigests.fence` must be called before a buffer is written again.
 """
 
 from __future__ import annotations
@@ -25,8 +22,7 @@ if TYPE_CHECKING:
 
 
 class Span(Protocol):
-    """Where one tensor's bytes lie in a bucket (a packing plan's piece; named here, not imported,
-    so that the packing module may use this one without a circle)."""
+    """Where one tensor's bytes lie in a bucket (``_packing.Piece``, not imported to avoid a cycle)."""
 
     @property
     def index(self) -> int: ...  # the tensor's position in the manifest
@@ -69,8 +65,8 @@ class RoundDigests:
         self._thread.start()
 
     def update(self, key: int, data: torch.Tensor, buffer: int = -1) -> None:
-        """Hash ``data`` (uint8, contiguous) into ``key``'s digest; it is read later, so ``buffer``
-        (the transport buffer it lies in; -1: memory that stays as it is) must be fenced before reuse."""
+        """Hash ``data`` (uint8, contiguous) into ``key``'s digest later: fence ``buffer`` before reusing it
+        (-1: memory that stays as it is)."""
         if not data.numel():
             return
         if data.device.type != "cpu":  # a GPU transport's buffer: hashed from a host copy, taken now

@@ -1,18 +1,9 @@
 """Which local address a torch.distributed rank's gloo device binds and advertises.
 
-Across hosts each gloo rank advertises the local address on the route to the trainer
-(workers) or the address it listens on (trainer), not what its host name resolves to
-(127.0.0.1 on many hosts); ``local_address`` or ``interface`` (worker options, trainer
-``init_info``) or ``GLOO_SOCKET_IFNAME`` choose by hand.
-
-Every rank (a worker, the trainer, another sending trainer rank) makes this choice once,
-before its groups are built, from the same inputs: the user's options, ``GLOO_SOCKET_IFNAME``
-and an automatic choice its side passes in (the route to the trainer's rendezvous for workers
-and the other sending ranks, the address the rendezvous listens on for the trainer). It sits
-apart so those inputs are weighed in one place. The route lookup and the wildcard addresses
-belong to the rendezvous (:mod:`wtransfer.engines._rendezvous`). :class:`LocalAddressChoice`
-is mixed into :class:`~wtransfer.engines._td_backend.TorchDistributedBackend`; NCCL picks its
-own address (``NCCL_SOCKET_IFNAME``) and never builds a gloo device.
+Not what the host name resolves to (often 127.0.0.1): by default the address on the route to the trainer
+(workers, other sending ranks) or the one the rendezvous listens on (trainer). ``local_address`` or
+``interface`` (worker options, trainer ``init_info``) or ``GLOO_SOCKET_IFNAME`` choose by hand. Every
+rank chooses once, before its groups are built. NCCL picks its own (``NCCL_SOCKET_IFNAME``).
 """
 
 from __future__ import annotations
@@ -42,8 +33,7 @@ class LocalAddressChoice:
     """Or a network interface name, when the user named one."""
 
     def gloo_device(self) -> Any:
-        """The user's ``interface`` or ``local_address``, else ``GLOO_SOCKET_IFNAME``, else the
-        automatically chosen address (see the module docstring)."""
+        """The user's ``interface`` or ``local_address``, else ``GLOO_SOCKET_IFNAME``, else the automatic choice."""
         from torch._C._distributed_c10d import ProcessGroupGloo
 
         if self.local_interface:
@@ -59,11 +49,7 @@ class LocalAddressChoice:
         return bool(os.environ.get("GLOO_SOCKET_IFNAME")) and not self._address_chosen_by_user
 
     def choose_local_address(self, options: Any, automatic: Callable[[], str | None]) -> None:
-        """Apply a user's ``local_address``/``interface`` option, else ``automatic()``.
-
-        ``options`` is parsed options (a backend that declares neither field, like NCCL,
-        reads as None) or, from older callers, a plain dict.
-        """
+        """Apply a user's ``local_address``/``interface`` option (parsed options or a dict), else ``automatic()``."""
         address, interface = option_value(options, "local_address"), option_value(options, "interface")
         check_local_address(f"{type(self).__name__}: ", address, interface)
         self._address_chosen_by_user = bool(address or interface)

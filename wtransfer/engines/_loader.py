@@ -1,9 +1,8 @@
 """``module_loader``: a ready ``load_weights`` for plain torch modules.
 
-It copies in place under ``no_grad`` so tied weights stay tied and anything holding a
-parameter's storage (an optimizer, a CUDA graph, a compiled kernel) sees the update.
-Engines call ``validate_manifest`` before writing anything, so a manifest that does not
-fit the model is rejected with every mismatch listed and the model untouched.
+It copies in place under ``no_grad``, so tied weights stay tied and anything holding a parameter's storage
+(an optimizer, a CUDA graph) sees the update. ``validate_manifest`` runs before anything is written: a
+manifest that does not fit is rejected with every mismatch listed, the model untouched.
 """
 
 from __future__ import annotations
@@ -91,10 +90,8 @@ def module_loader(module: torch.nn.Module, *, strict: bool = True) -> ModuleLoad
 
 
 def validate_with_loader(load_weights: Any, manifest: Manifest) -> None:
-    """Let a manifest-aware loader reject the round before any byte is received.
-
-    Inside ``receive_weights`` an engine asks ``self.validate_round()`` instead: the framework
-    checked the round before the engine ran, also when the engine wrapped its loader."""
+    """Let a manifest-aware loader reject the round before any byte is received (inside
+    ``receive_weights`` use ``self.validate_round()``: the framework already checked)."""
     check = getattr(load_weights, "validate_manifest", None)
     if callable(check):
         check(manifest)

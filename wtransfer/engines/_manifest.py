@@ -1,8 +1,7 @@
 """The update manifest: which tensors a round carries, as a JSON-safe dict.
 
-Trainer and workers derive the byte layout of a round (see ``packing``) from the
-manifest and the trainer's bucket size alone, so both sides always agree on the
-wire geometry; nothing but this dict and raw bytes crosses the process boundary.
+Both sides derive a round's byte layout (``_packing``) from the manifest and the bucket size alone, so
+they always agree on it; nothing but this dict and raw bytes crosses the process boundary.
 
 Wire form::
 
@@ -12,19 +11,10 @@ Wire form::
      "commit": {"mode": "atomic", "key": "9f0c...", "timeout_s": 300.0} | None,
      "delta": None}
 
-A delta round (``create_trainer(..., delta=True)``, see ``_delta``) is format 5 and says in
-``delta`` what each wire tensor rebuilds.
-
-``digests`` says the trainer hashes every tensor as it sends it and sends the digests after
-the data (see ``_digests``): workers hash what they receive and compare before the round can
-commit. A worker that verified a round keeps the digests on its parsed manifest (``checksums``):
-the round's content, by value.
-
-``commit`` says how workers apply the round (see ``_commit``): ``atomic`` stages it in
-host memory and loads it into the model only at ``finish_weight_update``, after every
-worker received it whole; ``streaming`` writes into the model as bytes arrive. ``key``
-names the trainer, so its workers on one node share one staged copy. A manifest without
-it (a trainer that predates commit modes) is streamed, as such trainers always were.
+A delta round (see ``_delta``) is format 5 and says in ``delta`` what each wire tensor rebuilds.
+``digests``: the trainer sends per-tensor digests after the data (``_digests``), checked by every worker
+before the round can commit. ``commit``: how workers apply the round (``_commit``); ``key`` names the
+trainer, so its workers on one node share one staged copy. A manifest without ``commit`` is streamed.
 """
 
 from __future__ import annotations
@@ -41,24 +31,20 @@ if TYPE_CHECKING:
     import torch
 
 MANIFEST_FORMAT = 2
-"""2: per-tensor digests travel after the data (``digests``), no longer CRC32s in the manifest."""
+"""Every round's format but a delta round's."""
 DELTA_MANIFEST_FORMAT = 5
-"""A delta round's manifest (``delta``, see ``_delta``): a worker that predates it refuses the
-round by its format instead of loading compressed bytes as tensors. Other rounds stay format 2.
-4: the ``positions`` encoding, and rows sent whole name no digest (3 had neither). 5: ``positions``
-numbers elements in blocks of 65536 (16-bit positions, a count per block; 4 had 32-bit positions)."""
+"""A delta round's format, so a worker that cannot decode it refuses the round instead of loading
+payload bytes as tensors."""
 DIGEST_ALGORITHMS = ("xxh3_64",)
 
-XOR_ZSTD, POSITIONS, DENSE = "xor-zstd", "positions", "dense"
-DELTA_ENCODINGS = (XOR_ZSTD, POSITIONS, DENSE)
-"""How a delta round's wire tensor rebuilds its tensor: a compressed XOR with the base, the
-positions and new values of the elements that changed, or whole."""
+POSITIONS, DENSE = "positions", "dense"
+DELTA_ENCODINGS = (POSITIONS, DENSE)
+"""How a delta round's wire tensor rebuilds its tensor: changed elements' positions and values, or whole."""
 
 
 POSITION_BLOCK = 1 << 16
-"""A ``positions`` payload numbers its tensor's elements in blocks of this many: each changed
-element's position is 16 bits within its block, and a count per block says where each block's
-positions end. Two bytes a position instead of four, for any size of tensor."""
+"""A ``positions`` payload numbers elements in blocks of this many, so a position is 16 bits within its
+block (a count per block says where each block's positions end)."""
 
 
 def position_blocks(target: TensorEntry) -> int:
@@ -67,14 +53,12 @@ def position_blocks(target: TensorEntry) -> int:
 
 
 def positions_header_bytes(target: TensorEntry) -> int:
-    """A ``positions`` payload's head: one uint32 count per block, padded to 8 bytes so that the
-    values after it are aligned for any element size."""
+    """One uint32 count per block, padded to 8 bytes so the values after it are aligned."""
     return 8 * -(-position_blocks(target) // 2)
 
 
 def positions_payload_bytes(target: TensorEntry, changed: int) -> int:
-    """A ``positions`` payload's size: the block counts, then ``changed`` new values (elements of
-    the tensor's dtype), then their uint16 positions within their blocks."""
+    """A ``positions`` payload's size: block counts, ``changed`` values, their uint16 positions."""
     return positions_header_bytes(target) + changed * (dtype_itemsize(target.dtype) + 2)
 
 
@@ -116,7 +100,6 @@ class CommitPlan:
         return cls(mode, key, float(timeout_s), in_flight)
 
 
-
 @lru_cache(maxsize=None)
 def dtype_itemsize(name: str) -> int:
     import torch
@@ -154,12 +137,10 @@ class DeltaTensor:
     target: TensorEntry
     encoding: str
     digest: str | None
-    """XXH3-64 of the new value's bytes: the worker checks the tensor it rebuilt from a payload. None
-    for a tensor that travels whole (a digest there is ignored): it is received as in any round,
-    in place where it can be (``checksums=True`` checks its bytes on the way), and a worker checks
-    it against the trainer's base before the next delta round applies anything to it."""
+    """XXH3-64 of the new value: the worker checks the tensor it rebuilt from a payload. None for a dense
+    tensor (checked against the base before the next delta round applies anything to it)."""
     base_digest: str | None = None
-    """``xor-zstd``, ``positions``: XXH3-64 of the base's bytes the payload applies to."""
+    """``positions``: XXH3-64 of the base's bytes the payload applies to."""
 
     def to_list(self) -> list[Any]:
         t = self.target
@@ -176,8 +157,7 @@ class DeltaPlan:
     unchanged: tuple[TensorEntry, ...]
     """The model's tensors the round does not carry: the worker keeps its own."""
     unchanged_digests: tuple[str, ...] = ()
-    """XXH3-64 of each unchanged tensor as the trainer's base holds it: a worker checks its own copy
-    against it before any byte moves, so a model changed behind wtransfer's back is seen."""
+    """XXH3-64 of each unchanged tensor in the trainer's base: a worker checks its copy before any byte moves."""
 
     @property
     def model_bytes(self) -> int:
@@ -253,16 +233,14 @@ class Manifest:
     entries: tuple[TensorEntry, ...]
     version: int
     checksums: tuple[int, ...] | None = None
-    """On a worker, after the round: every tensor's digest, sent by the trainer and verified here.
-    Never on the wire (the trainer computes them while sending)."""
+    """On a worker, after the round: every tensor's verified digest. Never on the wire."""
     commit: CommitPlan | None = None
     digests: str | None = None
     """The algorithm of the digests the trainer sends after the data, or None (no checksums)."""
     delta: DeltaPlan | None = None
     """A delta round: what each wire tensor rebuilds, and against which committed round."""
     partial: bool = False
-    """The trainer sends any subset of the model's tensors (``create_trainer(..., partial=True)``):
-    a tensor a round does not carry keeps its committed value, so workers do not refuse it as missing."""
+    """A round may carry any subset of the tensors (the rest keep their committed values; none is missing)."""
 
     @property
     def total_bytes(self) -> int:

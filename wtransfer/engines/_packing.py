@@ -1,10 +1,9 @@
 """Bucket packing: how a round's tensors are laid out as raw bytes in fixed-size buckets.
 
-Both sides compute the same plan from the manifest and the trainer's ``bucket_bytes``,
-so only "bucket k is in buffer s" has to travel at run time. Tensors are packed whole
-and 64-byte aligned (so the receiver can view them in place, zero-copy); a tensor larger
-than a bucket is split across consecutive buckets and reassembled on the other side,
-straight into its destination when the loader offers one (``module_loader`` does).
+Both sides compute the same plan from the manifest and ``bucket_bytes``, so only "bucket k is in
+buffer s" travels at run time. Tensors are packed whole and 64-byte aligned (viewable in place); one
+larger than a bucket is split over consecutive buckets and reassembled, straight into the loader's
+destination when it offers one.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ class Bucket:
 
 
 def align(value: int) -> int:
-    """``value`` rounded up to a multiple of ``ALIGN``: where the next whole tensor may start."""
+    """Where the next whole tensor may start."""
     return (value + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -59,14 +58,10 @@ def plan_buckets(
 ) -> list[Bucket]:
     """Greedy layout: whole tensors while they fit, oversize ones split over fresh buckets.
 
-    With ``direct_min_bytes``, every tensor at least that large gets buckets of its own
-    (``direct``), so a transport that can read and write tensors in place (a broadcast)
-    skips packing them. Smaller tensors are still packed together, and the bucket being
-    filled stays open across the direct ones: a decoder's few small tensors per layer
-    share full buckets instead of each layer sending a small one (a collective costs the
-    same fixed overhead whatever its size). Such a bucket is sent after the direct buckets
-    that came while it filled, so the trainer's :class:`Packer` holds on to the small
-    tensors it passes until then (at most one bucket's worth).
+    With ``direct_min_bytes``, every tensor at least that large gets buckets of its own (``direct``), which
+    a transport that moves tensors in place skips packing. The bucket being filled stays open across
+    direct ones, so small tensors share full buckets (a collective has a fixed cost per call); it is
+    sent after those direct buckets, so :class:`Packer` holds the small tensors it passes until then.
     """
     check_bucket_bytes(bucket_bytes)
     buckets: list[Bucket] = []
@@ -113,11 +108,10 @@ _SERIAL_NUMEL = 32768
 
 
 def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``, as one plain single-threaded memcpy when both are contiguous CPU tensors.
+    """``dst.copy_(src)``, as one single-threaded memcpy when both are contiguous CPU tensors.
 
-    Copies are memory-bound: torch's intra-op threads add nothing but synchronisation (on
-    small machines they make a copy several times slower), and they compete with the other
-    side of the pipeline. Anything else (strides, devices, dtype casts) goes to ``copy_``.
+    Copies are memory-bound: torch's intra-op threads only add synchronisation and compete with the other
+    side of the pipeline. Anything else (strides, devices, casts) goes to ``copy_``.
     """
     if src.numel() < _SERIAL_NUMEL:  # torch copies these on one thread anyway, with less overhead
         dst.copy_(src)
@@ -143,18 +137,14 @@ def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 PARALLEL_CHUNK = 32 << 20
-"""Bytes per job of :func:`copy_parallel`: large enough that a job's overhead vanishes, small enough
-that one large tensor spreads over every thread."""
+"""Bytes per job of :class:`ParallelCopier`: large enough to amortise a job, small enough to spread a tensor."""
 
 class ParallelCopier:
-    """Copies spread over the cores this process may use (at most 8 threads) in chunks of
-    ``PARALLEL_CHUNK`` bytes, as :func:`copy_tensor` does them; :meth:`finish` waits for them.
+    """Copies spread over up to 8 threads in ``PARALLEL_CHUNK`` jobs; :meth:`finish` waits for them.
 
-    For copies that nothing else runs beside: an atomic round's write into its staged copy, and its
-    commit. There one thread leaves the other cores and part of the memory bandwidth idle; a
-    streamed round's bucket copies overlap the other side's instead and stay on one thread. Copies
-    that are not plain memcpys (casts, strides) run at once, on torch's threads. ``limit_bytes``:
-    at most that many bytes in flight (the sources are held until copied).
+    For copies nothing else runs beside (an atomic round's staging write and commit), where one thread
+    leaves bandwidth idle; streamed buckets overlap the other side and stay on one thread. Non-memcpy
+    copies (casts, strides) run at once. ``limit_bytes``: at most that many bytes in flight.
     """
 
     _pool: Any = None
@@ -233,9 +223,8 @@ def copy_parallel(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 def note_written(tensor: torch.Tensor) -> None:
-    """Tell autograd a tensor was written in place behind its back (through numpy), as ``copy_``
-    would: its version counter moves, so a graph that saved the old values refuses to use them.
-    Inference tensors have no counter."""
+    """Bump autograd's version counter after a write through numpy, as ``copy_`` would, so a graph that
+    saved the old values refuses them (inference tensors have none)."""
     import torch
 
     bump = getattr(torch.autograd.graph, "increment_version", None)
@@ -252,19 +241,17 @@ def _typed_view(data: torch.Tensor, piece: Piece, entry: TensorEntry) -> torch.T
 class Packer:
     """Trainer side: copies the source's tensors into bucket buffers, in plan order.
 
-    The source is consumed lazily (one tensor at a time), so a sharded tensor is only
-    materialised while its bytes are being packed. Small tensors passed on the way to a
-    direct bucket's tensor belong to the bucket still filling (see :func:`plan_buckets`):
-    they are held until that bucket is packed.
+    The source is consumed lazily, so a sharded tensor is materialised only while packed. Small tensors
+    passed on the way to a direct bucket are held until their bucket is packed (see :func:`plan_buckets`).
     """
 
     def __init__(self, manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor]],
                  digests: RoundDigests | None = None, source_entries: tuple[TensorEntry, ...] | None = None) -> None:
         self._entries = manifest.entries
         self._source_entries = manifest.entries if source_entries is None else source_entries
-        """What the source holds: a floating tensor whose entry says another dtype is cast as it is packed."""
+        """What the source holds: a tensor whose entry has another dtype is cast as packed."""
         self.digests = digests
-        """With checksums: every byte packed is hashed into its tensor's digest (on a helper thread)."""
+        """With checksums: every packed byte is hashed into its tensor's digest (on a helper thread)."""
         self._tensors = tensors
         self._index = -1
         self._tensor: torch.Tensor | None = None
@@ -273,7 +260,7 @@ class Packer:
         self._target = -1  # the last tensor asked for (others passed on the way are held)
 
     def _whole_tensor(self, index: int) -> torch.Tensor:
-        """Tensor ``index``: the source's next ones, or one held since it was passed."""
+        """Tensor ``index``: from the source, or held since it was passed."""
         if index >= self._index:
             return self._advance_to(index)
         held = self._held.pop(index, None)
@@ -308,9 +295,8 @@ class Packer:
     def pack(self, bucket: Bucket, data: torch.Tensor, buffer: int = -1) -> list[torch.Tensor]:
         """Fill ``data`` (a uint8 buffer of at least ``bucket.nbytes``) with the bucket's bytes.
 
-        Returns the source tensors read, for a transport whose copies are still in flight
-        (a GPU stream) and must keep them alive until done. With digests, the packed bytes are
-        hashed later from ``data``: fence ``buffer`` before writing into it again.
+        Returns the source tensors read, to keep alive while async copies (a GPU stream) are in flight.
+        With digests, ``data`` is hashed later: fence ``buffer`` before writing into it again.
         """
         read: list[torch.Tensor] = []
         for piece in bucket.pieces:
@@ -340,9 +326,8 @@ class Packer:
 
     def pack_staged(self, pieces: list[Piece], data: torch.Tensor, limit_bytes: int = 256 << 20,
                     tick: Callable[[], None] | None = None) -> None:
-        """Write whole tensors at their places in ``data`` (a staged round: nothing reads it before the
-        end) on several cores (:class:`ParallelCopier`), at most ``limit_bytes`` of the source held;
-        ``tick()`` after each tensor (a long write tells the workers it goes on)."""
+        """Write whole tensors at their places in a staged round's ``data`` on several cores, holding at most
+        ``limit_bytes`` of the source; ``tick()`` after each tensor."""
         copier = ParallelCopier(limit_bytes)
         try:
             for piece in pieces:
@@ -385,11 +370,9 @@ class Packer:
 class Unpacker:
     """Worker side: turns received buckets back into tensors and hands them to ``load_weights``.
 
-    Whole tensors are passed as views of the bucket (valid during the call only). Split
-    tensors go straight into ``load_weights.destination(name)`` when the loader offers a
-    contiguous destination; otherwise they are assembled in a temporary tensor first. A
-    loader that ``discards`` (a node's follower in an atomic round: another worker keeps the
-    copy) is only told what arrived, so nothing is assembled for it.
+    Whole tensors are passed as views of the bucket (valid during the call only). Split tensors go straight
+    into ``load_weights.destination(name)`` when contiguous, else into a temporary. For a loader that
+    ``discards`` (an atomic round's follower) nothing is assembled; arrivals are only counted.
     """
 
     def __init__(self, manifest: Manifest, load_weights: LoadWeights, digests: RoundDigests | None = None) -> None:
@@ -428,10 +411,8 @@ class Unpacker:
             self.delivered += 1
 
     def tensor_targets(self) -> list[torch.Tensor] | None:
-        """Every tensor's bytes in the loader's destination, in manifest order, where the loader
-        offers one for every tensor (None otherwise): an engine that receives pieces of tensors
-        from several senders writes them there directly instead of assembling buckets first.
-        All or none, so that a tensor split across buckets is never half placed, half unpacked."""
+        """Every tensor's bytes in the loader's destination, in manifest order, for engines that write
+        pieces from several senders in place. All or none (None), so a split tensor is never half placed."""
         if self._destination is None or self._discard:
             return None
         targets = []
@@ -448,8 +429,7 @@ class Unpacker:
         self.delivered += sum(1 for p in bucket.pieces if p.whole or p.start + p.length == entries[p.index].nbytes)
 
     def unpack(self, bucket: Bucket, data: torch.Tensor, buffer: int = -1) -> None:
-        """Hand the bucket's tensors on. With digests, ``data`` is hashed later: fence ``buffer``
-        before it is written again."""
+        """Hand the bucket's tensors on. With digests, fence ``buffer`` before it is written again."""
         if self.digests is not None:  # a discarding follower hashes too: every worker verifies
             self.digests.update_pieces(bucket.pieces, data, buffer)
         if self._discard:

@@ -1,23 +1,17 @@
 """Every trainer rank streams its own bytes of each bucket to the workers (gloo).
 
-On a network transport the ranks of a sharded trainer cannot write into one shared buffer, so
-each rank is the source of its own parts: it broadcasts, for every bucket, the bytes of the
-bucket it holds, in bucket order, on process groups of its own with the workers. Each byte
-leaves the trainer once, from the rank that holds it; nothing is gathered. The workers put
-every rank's bytes where one unsharded sender would have packed them, and unpack the bucket
-as usual, so staging, the atomic commit and the loaders do not change.
+Over a network the ranks cannot share a buffer, so each rank broadcasts, bucket by bucket, the bytes it
+holds, on process groups of its own with the workers: each byte leaves the trainer once, nothing is
+gathered. Workers place every rank's bytes where one unsharded sender would have packed them, so
+staging, the commit and the loaders do not change.
 
-A round starts with each rank's layout: a header (protocol, number of tensors, digest of the
-tensor list) and, per tensor, the rows and byte columns it holds (:mod:`._shards`' picture).
-Workers check that the layouts tile every tensor exactly once before they vote on the
-manifest, so a rank with another model, or parts that overlap or leave a gap, stops the round
-before any byte moves. Both sides then derive everything from the layouts and the bucket
-plan: which ranks send to a bucket, how many bytes, and where they go.
+A round starts with each rank's layout: a header (protocol, tensor count, digest of the tensor list) and,
+per tensor, the rows and byte columns it holds (:mod:`._shards`' picture). Workers check that the layouts
+tile every tensor exactly once before they vote, so a mismatched rank stops the round before any byte
+moves. Both sides derive everything else from the layouts and the bucket plan.
 
-Each rank's bytes of one bucket are contiguous in its own part when the bucket holds one piece
-of a tensor (a large tensor), so they are sent in place; pieces of several tensors are packed
-into one of the rank's buffers first. On the workers, bytes that land contiguously in the
-bucket are received in place; the others go through a scratch buffer and are placed row by row.
+A rank's bytes of a one-piece bucket are sent in place; several pieces are packed into a buffer first.
+Workers receive contiguous bytes in place, the rest through scratch, placed row by row.
 """
 
 from __future__ import annotations
@@ -148,9 +142,8 @@ def pack_runs(runs: list[Run], parts: list[LocalPart | None], buffer: torch.Tens
 
 def place_runs(runs: list[Run], received: torch.Tensor, data: torch.Tensor | None = None,
                targets: list[torch.Tensor] | None = None) -> None:
-    """Put one rank's bytes of a bucket (``received``, as :func:`pack_runs` sent them) where they
-    belong: into the bucket ``data``, or straight into each tensor's bytes ``targets`` (in
-    manifest order), which saves the worker a copy of every byte."""
+    """Put one rank's bytes of a bucket (``received``, as :func:`pack_runs` sent them) into the bucket
+    ``data``, or straight into each tensor's bytes ``targets`` (manifest order), saving a copy."""
     at = 0
     for run in runs:
         piece = run.piece
@@ -165,9 +158,8 @@ def place_runs(runs: list[Run], received: torch.Tensor, data: torch.Tensor | Non
 
 def in_place(runs: list[Run], offset: int, data: torch.Tensor | None = None,
              targets: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """Where a stream :func:`receive_plan` says is contiguous (bucket ``offset``) is received in
-    place: in the bucket ``data``, or in its tensor's bytes ``targets`` (it is one run, so it is
-    contiguous there as well)."""
+    """Where a contiguous stream (bucket ``offset``) is received in place: in ``data``, or in its tensor's
+    bytes ``targets`` (one run, so contiguous there too)."""
     nbytes = sum(run.nbytes for run in runs)
     if targets is None:
         assert data is not None
@@ -188,8 +180,7 @@ def receive_plan(layouts: list[RankLayout], bucket: Bucket) -> list[tuple[int, l
 
 
 def scratch_bytes(plans: list[list[tuple[int, list[Run], int | None]]]) -> int:
-    """The scratch a worker needs per buffer: the most bytes of one bucket not received in place
-    (``plans``: :func:`receive_plan` of every bucket)."""
+    """The scratch a worker needs per buffer: the most bytes of one bucket not received in place."""
     return max((sum(run.nbytes for _, runs, at in plan if at is None for run in runs) for plan in plans), default=0)
 
 

@@ -1,9 +1,6 @@
 """The trainer/worker wire protocol shared by the built-in engines: one module both sides import.
 
-The trainer side (``_trainer``) and the worker side (``_worker``) never import each other;
-what they must agree on lives here: the protocol version, the limits on wire parameters,
-the checks a worker runs on the trainer's init dict, the rejection a worker can answer
-with, and how a round keeps the cyclic GC out of its way.
+The trainer and worker sides never import each other; what they must agree on lives here.
 """
 
 from __future__ import annotations
@@ -16,8 +13,7 @@ from typing import Any
 from wtransfer.errors import TransferError
 
 PROTOCOL_VERSION = 5
-"""Bumped whenever the trainer/worker wire protocol changes; workers refuse other versions (and so
-do the other ranks of a sharded trainer: 5 made them hand buckets to the workers directly on ``shm``)."""
+"""Bumped whenever the wire protocol changes; workers and other trainer ranks refuse other versions."""
 
 MIB = 1 << 20
 """One mebibyte: the unit of every buffer size in wtransfer."""
@@ -29,8 +25,7 @@ MIN_BUCKET_BYTES = 4096
 
 
 class RoundCalledOff(TransferError):
-    """Worker side: another worker rejected the round's manifest, so it was called off before any
-    byte moved. The engine stays joined (the trainer goes on with its next round)."""
+    """Worker side: another worker rejected the round before any byte moved; the engine stays joined."""
 
 
 def check_int(owner: str, name: str, value: Any, minimum: int) -> None:
@@ -70,13 +65,8 @@ class ManifestRejected(TransferError):
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """Keep the cyclic GC out of a round's critical path.
-
-    A round allocates many short-lived objects (manifest entries, pieces, tensor views);
-    a full collection triggered mid-round walks the whole heap (every module and parameter
-    of the model) and stalls the pipeline for tens of milliseconds. Collection simply
-    resumes after the round (it is re-enabled only if it was enabled before).
-    """
+    """Keep the cyclic GC out of a round: a full collection mid-round walks the whole heap and stalls the
+    pipeline. Re-enabled afterwards only if it was enabled before."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

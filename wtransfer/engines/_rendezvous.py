@@ -1,25 +1,18 @@
 """An authenticated key-value store for a side group's rendezvous, and the addresses it uses.
 
-Why not torch's ``TCPStore``: it answers anyone who can connect (``list_keys`` hands out
-every key, ``set`` overwrites any of them) and its server listens on every interface. The
-trainer's side group instead meets through :class:`RendezvousServer`, which
+Not torch's ``TCPStore``: it answers anyone who connects (any key read or overwritten) and listens on
+every interface. :class:`RendezvousServer` instead
 
-* listens on one address (the one the workers are told to use; all interfaces only when a
-  user asks for ``0.0.0.0``),
-* makes every connection prove, before anything else, that it holds the round's token
-  (HMAC-SHA256 over both sides' random nonces; the trainer proves it too, so a worker never
-  talks to an impostor), and drops connections that do not within a few seconds (16
-  handshakes at once at most, each with small frames only; the next waits for a slot),
-* then serves ``set``/``get``/``wait``/``check``/``add``/``delete_key`` as JSON frames
-  (values base64), which is all a gloo or NCCL group's rendezvous needs.
+* listens on one address (all interfaces only when a user asks for ``0.0.0.0``),
+* makes every connection prove first that it holds the round's token (HMAC-SHA256 over both sides'
+  nonces; the trainer proves it too, so a worker never talks to an impostor), dropping those that do
+  not within :data:`AUTH_TIMEOUT_S` (see :data:`MAX_STRANGERS`),
+* then serves ``set``/``get``/``wait``/``check``/``add``/``delete_key`` as JSON frames (values base64):
+  all a gloo or NCCL group's rendezvous needs.
 
-:func:`store` wraps either end (the trainer's in-process table, or a worker's
-connection) in a ``torch.distributed.Store``, so process groups are built on it as on any
-store. The token travels only inside ``init_info``, through the user's own client.
-
-:func:`local_address_for` answers "which of my addresses reaches that host?" (a UDP
-``connect`` routes without sending anything), so a gloo rank advertises the interface that
-reaches the trainer instead of whatever its host name resolves to (often 127.0.0.1).
+:func:`store` wraps either end in a ``torch.distributed.Store``. The token travels only inside
+``init_info``, through the user's own client. :func:`local_address_for` picks the interface that
+reaches the trainer (a host name often resolves to 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -42,10 +35,8 @@ logger = logging.getLogger("wtransfer")
 AUTH_TIMEOUT_S = 5.0
 """How long a new connection has, in all, to authenticate before the server drops it."""
 MAX_STRANGERS = 16
-"""Connections authenticating at once; the next waits (in the listen backlog) for a slot, at most
-``AUTH_TIMEOUT_S``. Before it proved the token a peer may send frames of ``STRANGER_FRAME``
-bytes at most: strangers cost the trainer at most 16 threads and about 1 MiB of buffers (a
-64 KiB read each), however many connect and whatever they announce."""
+"""Connections authenticating at once (the next waits in the backlog, at most ``AUTH_TIMEOUT_S``). With
+``STRANGER_FRAME``-sized frames until proven, strangers cost at most 16 threads and about 1 MiB."""
 
 WILDCARD_ADDRESSES = ("0.0.0.0", "::", "")
 
@@ -161,8 +152,7 @@ class RendezvousServer:
                 conn, peer = self._sock.accept()
             except OSError:
                 return
-            # at most 16 handshakes at once: the next waits for a slot (connections queue in the
-            # backlog meanwhile), for AUTH_TIMEOUT_S at most, then is closed with no thread started
+            # at most MAX_STRANGERS handshakes at once; one that waits too long is closed, no thread started
             if not self._strangers.acquire(timeout=AUTH_TIMEOUT_S):
                 self._count_rejected()
                 conn.close()
@@ -276,8 +266,7 @@ class RendezvousClient:
     @classmethod
     def connect(cls, address: str, port: int, token: str, timeout_s: float,
                 retry_s: float | None = None) -> RendezvousClient:
-        """Connect (retrying while the trainer is not listening yet: at most ``retry_s``, by default
-        ``timeout_s``) and authenticate both ways."""
+        """Connect (retrying for ``retry_s``, default ``timeout_s``) and authenticate both ways."""
         deadline = time.monotonic() + (timeout_s if retry_s is None else retry_s)
         where = f"{address}:{port}"
         while True:
@@ -359,9 +348,8 @@ class RendezvousClient:
 def store(table: KeyTable | RendezvousClient, timeout_s: float) -> Any:
     """A ``torch.distributed.Store`` over the trainer's table or a worker's connection to it.
 
-    Keep the returned object referenced for as long as any group built on it lives: torch
-    holds only the C++ half, and once the Python object is collected its methods are gone
-    ("Not implemented" from c10d).
+    Keep the returned object referenced while any group built on it lives: torch holds only the C++ half
+    ("Not implemented" from c10d once the Python object is collected).
     """
     import torch.distributed as dist
 

@@ -1,39 +1,26 @@
 """Sharded trainers (FSDP2 / DTensor): every rank sends its own shards, or rank 0 gathers and sends.
 
-Where the backend has a ``sender_cls`` (``shm``, ``gloo``, the ``nccl`` plugin) and every rank's source is a plain
-``ModuleSource``, each rank sends the shards it holds: straight into the shared buffers
-(``shm``, :mod:`wtransfer.engines._shards`) or on groups of its own with the workers (``gloo``,
-:mod:`wtransfer.engines._part_streams`); nothing is gathered, and a :class:`ParticipantTrainer`
-is that rank's side of the transport (``sender``). Otherwise, as follows, rank 0 gathers.
+With a ``sender_cls`` backend and a plain ``ModuleSource`` on every rank, each rank sends the shards it
+holds (``shm``: into the shared segment, :mod:`._shards`; ``gloo``: on its own groups with the workers,
+:mod:`._part_streams`); a :class:`ParticipantTrainer`'s ``sender`` is that rank's side. Otherwise rank 0
+gathers:
 
-A sharded parameter becomes a whole tensor only through a collective (``full_tensor()``),
-which every rank of the trainer's group must enter, in the same order. So on every rank
-``create_trainer(..., rank=R)`` is called with the same source: rank 0 gets the usual
-trainer (client calls, rendezvous, transport); every other rank gets a
-:class:`ParticipantTrainer`, whose ``send_weights()`` walks the source in the same order,
-running each gather and dropping the result at once. Memory stays bounded on every rank:
-rank 0 gathers a parameter only when its bucket is packed (the packer pulls tensors as it
-fills buckets; in-place sends are off unless asked for), the others hold one at a time.
+A sharded parameter becomes whole only through a collective (``full_tensor()``) every rank must enter in
+the same order. So every rank calls ``create_trainer(..., rank=R)`` with the same source: rank 0 gets
+the usual trainer, the others a :class:`ParticipantTrainer` whose ``send_weights()`` walks the source in
+the same order, dropping each gathered tensor. Memory stays bounded: rank 0 gathers a parameter only when
+its bucket is packed, the others hold one at a time.
 
-The walk is a contract between ranks: every ``send_weights()`` walks the source exactly as
-many times on every rank, whether the round succeeds or fails. Rank 0 keeps it with a
-:class:`LockstepSource`: if its round fails part-way (a worker died, a manifest was
-rejected), it finishes the walk before raising, so no other rank is left waiting inside a
-gather for a rank that will never come. The gathers run on the source's own (FSDP's) group, as
-``full_tensor()`` runs them; wtransfer's transport never uses that group, nor the default one.
-If rank 0's walk itself died (a source wrapper raised on rank 0 alone, an allocation failed
-before a gather), the walk cannot be resumed through the dead iterator: a :class:`ModuleSource`
-underneath then runs the remaining gathers itself (``finish_walk``), from the first one rank 0
-did not complete.
+The walk is a contract: every ``send_weights()`` walks the source exactly once on every rank, whether the
+round succeeds or fails. Rank 0's :class:`LockstepSource` finishes a failed round's walk before raising,
+so no rank is left in a gather rank 0 never enters; if rank 0's iterator itself died, a
+:class:`ModuleSource` underneath runs the remaining gathers (``finish_walk``). Gathers run on the source's
+own (FSDP's) group; the transport never uses it, nor the default group.
 
-The ranks also agree (``_agreement.RankAgreement``: through torch.distributed's key-value
-store, every wait bounded) on whether rank 0 connected (if not, ``create_trainer`` raises on every
-rank), whether a round starts (a closed or broken trainer refuses it, and rank 0 gathers only
-once every rank said it will too) and whether the workers took it (if not, every rank's
-``send_weights()`` raises). One case stays out of reach: a source of the user's own making
-(no ``ModuleSource`` underneath) that raises on rank 0 alone inside a walk leaves the others in
-the gather it never enters, until the training group's own timeout; rank 0 logs an error
-saying so.
+The ranks also agree (:class:`~._agreement.RankAgreement`, every wait bounded) on whether rank 0
+connected, whether a round starts and whether the workers took it; a failure at any step raises on every
+rank. Out of reach: a user's own source (no ``ModuleSource`` underneath) raising on rank 0 alone leaves
+the others in their gather until the training group's timeout; rank 0 logs an error saying so.
 """
 
 from __future__ import annotations
@@ -58,17 +45,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger("wtransfer")
 
 TOLD_FAILURE_WAIT_S = 3.0
-"""A rank that could not join rank 0's transport waits this long for rank 0's own reason (rank 0
-failing its rendezvous, with the other ranks already joining, closes the transport under them)."""
+"""A rank that could not join rank 0's transport waits this long for rank 0's reason (it may have failed first)."""
 
 
 class LockstepSource(WeightSource):
-    """Rank 0's view of a sharded source: a round walks it once, and the walk can be finished.
-
-    ``begin_round()`` starts a round; ``__iter__`` is its walk; ``finish_round()`` runs what is
-    left of that walk (all of it, if the round stopped before walking), so the other ranks'
-    gathers complete even when the round stopped early.
-    """
+    """Rank 0's view of a sharded source: ``begin_round()``, ``__iter__`` (the walk), and ``finish_round()``,
+    which runs what is left of the walk (all, if none was walked) so the other ranks' gathers complete."""
 
     def __init__(self, source: WeightSource) -> None:
         self.inner = source
@@ -85,8 +67,7 @@ class LockstepSource(WeightSource):
         return self._current
 
     def _counted(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """One walk of the inner source, counted. Everything that can fail (even ``iter()`` of an
-        eager wrapper) happens in here, after the module source was told a walk starts."""
+        """One counted walk; everything that can fail (even ``iter()``) runs after ``begin_walk``."""
         self._yielded, self._complete = 0, False
         begin = getattr(_module_source_under(self.inner), "begin_walk", None)
         if callable(begin):
@@ -106,8 +87,7 @@ class LockstepSource(WeightSource):
         return 0 if walk is None else self._finish(walk)
 
     def _finish(self, walk: Iterator[tuple[str, torch.Tensor]]) -> int:
-        """Finish a walk; if its iterator died before the end, finish it in the module source.
-        Returns the tensors that took."""
+        """Finish a walk (in the module source if its iterator died); returns the tensors walked."""
         drained = 0
         error: Exception | None = None
         try:
@@ -136,12 +116,7 @@ def _module_source_under(source: Any) -> Any:
 
 
 class ParticipantTrainer:
-    """A trainer rank other than rank 0: it writes its own shards (``sender``), or runs the gathers.
-
-    Its ``send_weights()`` returns once this rank's share of the round (its writes, or the gathers) is done;
-    whether the workers took the round is rank 0's to report (its ``send_weights()`` raises if
-    they did not). A rank whose gather fails (another rank died) raises here.
-    """
+    """A trainer rank other than rank 0: it writes its own shards (``sender``), or runs the gathers."""
 
     def __init__(self, backend: str, rank: int, source: WeightSource, *, agreement: RankAgreement,
                  sender_cls: type | None = None) -> None:
@@ -189,11 +164,9 @@ class ParticipantTrainer:
         return sender
 
     def send_weights(self, weight_version: str | None = None) -> dict[str, Any]:
-        """Send this rank's shards, or walk the source in the order rank 0 does, dropping every tensor.
-
-        Rank 0 says first whether the round runs (a closed or broken trainer refuses it: no
-        gather is entered) and last whether the workers took it; this raises unless they did.
-        """
+        """Send this rank's shards, or walk the source as rank 0 does, dropping every tensor. Rank 0 says
+        first whether the round runs (else no gather is entered) and last whether the workers took it: this
+        raises unless they did, or if this rank's own gather fails."""
         self._attempt += 1
         step = self._attempt
         if self._closed:

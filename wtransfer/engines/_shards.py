@@ -1,18 +1,13 @@
 """Which bytes of a round each trainer rank holds, and writing them straight into place.
 
-A sharded trainer's ranks can send a round without a single gather: each writes the part of
-every tensor it holds at that part's place (in the staged round on ``shm``, in a bucket on ``gloo``),
-and what the workers receive is byte for byte what one unsharded sender would have written. This module
-says, for one rank, what its part of each tensor is (:func:`rank_parts`) and writes it into any
-byte range of the tensor (:func:`write_part`).
+Each rank writes the part of every tensor it holds at that part's place (the staged round on ``shm``, a
+bucket on ``gloo``), so the workers receive byte for byte what one unsharded sender would write, with no
+gather. :func:`rank_parts` says what a rank's parts are; :func:`write_part` writes one into any byte range.
 
-Every placement wtransfer writes this way reduces to one picture: the tensor seen as a
-``(rows, width)`` matrix, of which the rank holds the columns ``first:end``. ``Shard(d)`` of a
-tensor of shape ``(A0, .., An)`` is ``rows = A0*..*A(d-1)``, ``width = Ad*..*An``, and a column
-range in multiples of ``A(d+1)*..*An``; ``Shard(0)`` is one row, so its part is one contiguous
-run of bytes. ``Replicate`` mesh dimensions are sent by the ranks at coordinate 0 only (HSDP:
-one replica sends). Boxes sharded along two tensor dimensions, ``Partial`` sums and strided
-shards (FSDP over tensor parallelism) are refused with the placement named.
+Every supported placement is the tensor seen as a ``(rows, width)`` matrix of which the rank holds columns
+``first:end``: ``Shard(d)`` of shape ``(A0, .., An)`` has ``rows = A0*..*A(d-1)``, ``width = Ad*..*An``
+(``Shard(0)`` is one contiguous run). ``Replicate`` mesh dimensions are sent by coordinate 0 only (one
+HSDP replica). Two sharded tensor dimensions, ``Partial`` and strided shards are refused, naming the placement.
 """
 
 from __future__ import annotations
@@ -36,8 +31,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class LocalPart:
-    """The columns ``first:end`` of a tensor seen as ``(rows, width)``, held here as ``local``
-    (a ``(rows, end - first)`` view of this rank's shard)."""
+    """Columns ``first:end`` of a tensor seen as ``(rows, width)``; ``local`` is this rank's ``(rows, end - first)``."""
 
     rows: int
     width: int
@@ -45,7 +39,7 @@ class LocalPart:
     end: int
     local: torch.Tensor
     wire: torch.dtype | None = None
-    """The dtype the round carries it in, when it is not ``local``'s: cast as it is written."""
+    """The wire dtype when it is not ``local``'s: cast as written."""
 
     @property
     def wire_dtype(self) -> torch.dtype:
@@ -64,11 +58,8 @@ def _chunk(length: int, parts: int, index: int) -> tuple[int, int]:
 
 
 def local_part(name: str, tensor: Any, trainer_rank: int) -> LocalPart | None:
-    """This rank's part of ``tensor``, or None when another rank sends it.
-
-    A plain tensor is every rank's: trainer rank 0 sends it. A DTensor is sent by the ranks that
-    hold its shards in the first replica (coordinate 0 along every ``Replicate`` mesh dimension).
-    """
+    """This rank's part of ``tensor``, or None when another rank sends it (a plain tensor: rank 0; a
+    DTensor: the ranks of its first replica)."""
     placements = getattr(tensor, "placements", None)
     if placements is None:
         if trainer_rank != 0:
@@ -120,9 +111,8 @@ def local_part(name: str, tensor: Any, trainer_rank: int) -> LocalPart | None:
 
 def rank_parts(named: Iterable[tuple[str, Any]], trainer_rank: int,
                entries: tuple[TensorEntry, ...] | None = None) -> list[LocalPart | None]:
-    """This rank's part of every tensor, in the source's order (nothing gathered; a shard is copied
-    only if it is not contiguous). With ``entries`` (the round's manifest), each part is checked
-    against its entry: name, dtype and size, so no byte can land at another tensor's offsets."""
+    """This rank's part of every tensor, in source order. With ``entries`` each part is checked against its
+    entry (name, dtype, size), so no byte can land at another tensor's offsets."""
     named = list(named)
     parts = [local_part(name, tensor, trainer_rank) for name, tensor in named]
     if entries is not None:
@@ -141,8 +131,7 @@ def rank_parts(named: Iterable[tuple[str, Any]], trainer_rank: int,
 
 
 def writes_shards_as_is(source: Any) -> bool:
-    """Whether ranks may read ``source``'s shards themselves: a ``ModuleSource`` whose class changes
-    neither what it describes nor what it yields (a subclass or wrapper that does is read as it yields)."""
+    """Whether ranks may read ``source``'s shards themselves: a ``ModuleSource`` that overrides nothing it yields."""
     from wtransfer.engines._source import ModuleSource
 
     cls = type(source)
@@ -151,12 +140,8 @@ def writes_shards_as_is(source: Any) -> bool:
 
 
 def part_span(start: int, stop: int, width: int, first: int, end: int) -> tuple[int, int]:
-    """Where a range of a tensor lies in one rank's part of it, in bytes.
-
-    The tensor's bytes ``start:stop`` hold the part's bytes ``low:high`` (the part as this rank
-    keeps it: rows of ``end - first`` bytes, one after the other). ``width``, ``first`` and
-    ``end`` are the part's byte geometry: each of its rows covers ``first:end`` of ``width``.
-    """
+    """``(low, high)``: the part's bytes (rows of ``end - first``, back to back) in the tensor's bytes
+    ``start:stop``; ``width``, ``first``, ``end`` are the part's byte geometry."""
     held = end - first
 
     def before(position: int) -> int:  # the part's bytes that come before this tensor byte
@@ -167,9 +152,8 @@ def part_span(start: int, stop: int, width: int, first: int, end: int) -> tuple[
 
 
 def place_part(dst: torch.Tensor, start: int, width: int, first: int, end: int, src: torch.Tensor) -> None:
-    """Copy part bytes ``src`` to where they belong in ``dst``, the tensor's bytes ``start:`` (a
-    uint8 view of a bucket). ``src`` is exactly the part's bytes that fall there (see
-    :func:`part_span`): one run per row, and whole rows in between as one strided copy."""
+    """Copy ``src`` (exactly the part's bytes falling in ``dst``, see :func:`part_span`) to its place in
+    ``dst``, the tensor's bytes ``start:``; whole middle rows as one strided copy."""
     stop = start + dst.numel()
     if end <= first or stop <= start:
         return
@@ -200,14 +184,12 @@ def byte_geometry(part: LocalPart) -> tuple[int, int, int]:
 
 
 def part_range(part: LocalPart, low: int, high: int) -> torch.Tensor:
-    """The part's bytes ``low:high`` as the round carries them (rows of ``end - first`` elements,
-    one after the other): a view of ``local``, or just those elements cast to the wire dtype."""
+    """The part's bytes ``low:high`` in the wire dtype (a view of ``local``, or those elements cast)."""
     return wire_bytes(part.local, part.wire_dtype, low, high)
 
 
 def write_part(dst: torch.Tensor, start: int, part: LocalPart) -> None:
-    """Write the part's bytes that fall in ``dst``: the tensor's bytes ``start : start + dst.numel()``,
-    as a uint8 view of a bucket."""
+    """Write the part's bytes that fall in ``dst``, the tensor's bytes ``start : start + dst.numel()``."""
     width, first, end = byte_geometry(part)
     low, high = part_span(start, start + dst.numel(), width, first, end)
     if low < high:

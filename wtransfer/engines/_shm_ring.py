@@ -1,8 +1,7 @@
 """What the ``shm`` transport's processes share besides rank 0's round logic (:mod:`wtransfer.engines.shm`).
 
-The ring every process of a ring round maps, joining rank 0 (workers and the other ranks of a
-sharded trainer alike), and :class:`SharedMemorySender`: another trainer rank, which writes its
-own shards into the staged segment when rank 0 says so.
+The ring, joining rank 0 (workers and other trainer ranks alike), and :class:`SharedMemorySender`,
+another trainer rank writing its own shards into the staged segment.
 """
 
 from __future__ import annotations
@@ -29,8 +28,7 @@ logger = logging.getLogger("wtransfer")
 
 
 class SharedRing:
-    """A mapped segment viewed as ``num_buffers`` uint8 tensors of ``bucket_bytes`` each, every page
-    faulted in when mapped. Workers map it read-only (they only read it)."""
+    """A pre-faulted mapped segment as ``num_buffers`` uint8 tensors of ``bucket_bytes``; read-only on workers."""
 
     def __init__(self, fd: int, bucket_bytes: int, num_buffers: int, writable: bool = True) -> None:
         import warnings
@@ -60,10 +58,7 @@ class SharedRing:
 def join_trainer(address: str, hello: dict[str, Any], timeout_s: float, who: str,
                  peer: str = "the shm trainer") -> tuple[ControlChannel, dict[str, Any], list[int]]:
     """Say ``hello`` to rank 0; its reply and the descriptors that came with it (the caller's to close).
-
-    How a worker and another trainer rank both join. A ``hello`` carrying an ``error`` tells rank 0
-    why this process cannot join (so it stops waiting for it) and raises that error here.
-    """
+    A ``hello`` carrying an ``error`` tells rank 0 why this process cannot join, then raises it here."""
     channel = connect(address, timeout_s, peer)
     try:
         channel.send(hello, timeout=timeout_s)
@@ -86,13 +81,8 @@ class TrainerAborted(TransferError):
 
 
 class SharedMemorySender:
-    """Another rank of a sharded ``shm`` trainer: writes its own shards into rank 0's staged segment.
-
-    Rank 0 keeps the control plane: it starts each round, checks that the ranks' parts tile it
-    (this rank's ``layout``) and says ``go`` once the workers accepted; this rank then writes the
-    parts it holds at their places in the segment and says ``written``. Nothing is gathered;
-    every byte is written once, by the rank that holds it, and no rank waits for another's bytes.
-    """
+    """Another rank of a sharded ``shm`` trainer: writes its own shards into rank 0's staged segment. Rank 0
+    checks the ranks' ``layout`` tiles the round and says ``go`` once the workers accepted; then ``written``."""
 
     def __init__(self, info: dict[str, Any], trainer_rank: int, source: Any, timeout_s: float) -> None:
         self.rank = trainer_rank
@@ -117,8 +107,7 @@ class SharedMemorySender:
         self._segment: SharedSegment | None = None
 
     def _next(self, attempt: int, wait: float) -> dict[str, Any]:
-        """Rank 0's next message about round ``attempt`` (what an earlier, failed round left is skipped);
-        an abort raises."""
+        """Rank 0's next message about round ``attempt`` (an earlier round's are skipped); an abort raises."""
         assert self._channel is not None
         while True:
             message = self._channel.recv(wait)
@@ -134,10 +123,9 @@ class SharedMemorySender:
     def serve_round(self, attempt: int, cast: CastPlan | None = None) -> tuple[int, int]:
         """Write this rank's shards of one round; returns (tensors, bytes) held here.
 
-        Rank 0 says ``go`` once every worker accepted, within ``timeout_s`` of its ``round`` (it
-        waits at most that for them), so each wait here is bounded by ``2 * timeout_s + 30``. A
-        closed socket (rank 0 died) or an abort raises at once. A write longer than ``timeout_s / 4``
-        tells rank 0 it goes on (``progress``), so a slow rank is not taken for a dead one.
+        Each wait is bounded by ``2 * timeout_s + 30`` (rank 0 waits at most ``timeout_s`` for the workers);
+        rank 0 dying or aborting raises at once. A long write sends ``progress`` every ``timeout_s / 4`` so a
+        slow rank is not taken for a dead one.
         """
         if self._channel is None:
             raise TransferError(f"trainer rank {self.rank}: this sender was closed")

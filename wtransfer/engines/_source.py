@@ -1,8 +1,7 @@
 """Where the trainer's weights come from: a re-iterable stream of ``(name, tensor)``.
 
-A source describes a round before producing it (``metadata()``), so the manifest can be
-sent to the workers while nothing has been materialised yet; tensors are then produced
-one at a time, in the same order, while they are packed.
+A source describes a round (``metadata()``) before producing it, so the manifest goes out before
+anything is materialised; tensors are then produced one at a time, in the same order, as they are packed.
 """
 
 from __future__ import annotations
@@ -27,17 +26,12 @@ class WeightSource(ABC):
 
     @abstractmethod
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` pairs in ``metadata()`` order; called once per round.
-
-        A yielded tensor must not be overwritten during the round: engines read some after
-        later ones were yielded (in-place broadcasts still in flight, small tensors held for
-        a bucket they share). Yield a new tensor each time, never one reused scratch buffer.
-        """
+        """``(name, tensor)`` pairs in ``metadata()`` order; called once per round. A yielded tensor must not
+        be overwritten during the round (engines may read it later): never yield one reused scratch buffer."""
 
 
 def wrapped_sources(source: Any) -> Iterator[Any]:
-    """``source`` and the sources it wraps, outermost first, found through ``inner`` or ``source``
-    attributes (at most 8 deep): how sharded trainers find the module a user's wrapper reads."""
+    """``source`` and the sources it wraps (via ``inner`` or ``source``, at most 8 deep), outermost first."""
     for _ in range(8):
         if source is None:
             return
@@ -52,14 +46,9 @@ GATHER_SLICE_BYTES = 4 << 20
 def _unwrap(tensor: torch.Tensor, keep: bool = True) -> torch.Tensor:
     """A plain local tensor: a DTensor-style sharded tensor is gathered into its whole value.
 
-    Called as a source is iterated: every round of an unsharded trainer, and every rank of a
-    sharded trainer that gathers (see :class:`ModuleSource`); ranks that send their own shards
-    never call it. The common FSDP2 layout (rows sharded over a 1-D mesh) is gathered slice by
-    slice into one new tensor, so the gather costs the tensor plus a few MiB: ``full_tensor()``
-    over gloo briefly holds two copies of the whole parameter on some ranks (measured: 519 MiB
-    extra for a 260 MiB embedding), which would double what a sharded trainer must keep free.
-    Any other layout is gathered with ``full_tensor()``. With ``keep=False`` a row-sharded
-    tensor is only taken part in (see :func:`gather_rows_in_slices`).
+    Row-sharded tensors on a 1-D mesh (FSDP2's common layout) are gathered slice by slice, costing the
+    tensor plus a few MiB (``full_tensor()`` over gloo briefly holds two whole copies); other layouts use
+    ``full_tensor()``. With ``keep=False`` a row-sharded tensor is only taken part in.
     """
     placements = getattr(tensor, "placements", None)
     if placements is not None:
@@ -74,9 +63,8 @@ def _unwrap(tensor: torch.Tensor, keep: bool = True) -> torch.Tensor:
 def gather_rows_in_slices(
     tensor: Any, slice_bytes: int = GATHER_SLICE_BYTES, keep: bool = True
 ) -> torch.Tensor | None:
-    """The whole value of a DTensor sharded on dim 0 of a 1-D mesh (``torch.chunk`` layout), or
-    None for any other layout. A collective: every rank of the mesh calls it, in the same order.
-    With ``keep=False`` this rank only takes part (an empty tensor is returned, nothing assembled)."""
+    """The whole value of a DTensor sharded on dim 0 of a 1-D mesh, or None for any other layout. A
+    collective: every rank of the mesh calls it in the same order. ``keep=False``: take part only."""
     import math
 
     import torch
@@ -116,15 +104,10 @@ class ModuleSource(WeightSource):
     """The named parameters of a ``torch.nn.Module`` (tied parameters are sent once);
     ``include_buffers=True`` also sends persistent buffers.
 
-    Sharded (DTensor-style) parameters: on a backend with a ``sender_cls`` (``shm``, ``gloo``, the ``nccl`` plugin),
-    a sharded trainer does not iterate this source; every rank reads its own shards from
-    :meth:`named_tensors` and sends them itself (:mod:`wtransfer.engines._shards`), and nothing
-    is gathered. Otherwise (a backend without senders; a subclass or wrapper
-    that changes what it describes or yields; a placement ranks cannot write in place) every
-    rank iterates it in the same order and each parameter is gathered only while it is being
-    sent (:func:`_unwrap`: row-sharded ones slice by slice, other layouts with
-    ``full_tensor()``); rank 0 sends it, the others drop it at once
-    (:mod:`wtransfer.engines._sharded`).
+    Sharded parameters: with a ``sender_cls`` backend every rank sends its own shards from
+    :meth:`named_tensors` (:mod:`._shards`), nothing gathered. Otherwise every rank iterates it in the same
+    order, each parameter gathered only while sent (:func:`_unwrap`); rank 0 sends, the others drop it
+    (:mod:`._sharded`).
     """
 
     def __init__(self, module: torch.nn.Module, *, include_buffers: bool = False) -> None:
@@ -157,17 +140,15 @@ class ModuleSource(WeightSource):
             yield name, value
 
     def begin_walk(self) -> None:
-        """A walk starts now, before this source is read (its reader may fail before it reads)."""
+        """A walk starts now (its reader may fail before it reads)."""
         self._gathered = 0
 
     def finish_walk(self) -> int:
         """Run the collectives of the current walk's remaining tensors, keeping none of them.
 
-        For a sharded trainer's rank 0 whose walk stopped with an error raised by code of its
-        own (a wrapper around this source, an allocation failing before a gather): the other
-        ranks are in the next gather, and only taking part in every remaining one frees them.
-        Row-sharded parameters are taken part in without assembling them (a few MiB), so an
-        out-of-memory error does not simply recur. Returns how many tensors that took.
+        For a sharded trainer's rank 0 whose walk died on its own: the other ranks wait in the next gather,
+        and only taking part in every remaining one frees them. Row-sharded parameters are not assembled,
+        so an out-of-memory error does not simply recur. Returns how many tensors that took.
         """
         finished = 0
         for _name, tensor in itertools.islice(self.named_tensors(), self._gathered, None):

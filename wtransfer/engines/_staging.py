@@ -1,23 +1,17 @@
 """Node staging: one host copy of a round per node, shared by every worker of the node.
 
-An atomic round is received into host memory first and loaded into a model only once every
-worker has it whole. Holding that copy once per *worker* would cost TP x the model per node,
-so the workers of one trainer on one node share it:
+An atomic round is received into host memory and loaded into a model only once every worker has it
+whole. A copy per *worker* would cost TP x the model per node, so a node's workers of one trainer share it:
 
-* the first of them to start a round binds a private abstract Unix socket named after the
-  trainer's staging key and becomes the node's **stager**: it owns one anonymous shared-memory
-  segment (``memfd``: never a name in ``/dev/shm``, gone with its last mapping) and writes the
-  round into it while its engine receives;
-* the others (**followers**) take part in the transport as usual but keep nothing; when their
-  own receive ends they ask the stager whether the round landed whole, and it answers with a
-  read-only descriptor of the segment (``SCM_RIGHTS``; they map it read-only) or the reason it did not.
+* the first to start a round binds an abstract Unix socket named after the trainer's staging key and
+  becomes the node's **stager**: it owns one anonymous ``memfd`` segment and writes the round into it;
+* the others (**followers**) take part in the transport but keep nothing; when their receive ends they
+  ask the stager whether the round landed whole, and get a read-only descriptor (``SCM_RIGHTS``) or why not.
 
-At commit every worker copies from the same pages into its own model. A stager that dies
-closes the socket, so its followers fail the round at once instead of waiting. Both sides check
-the other's user id (``SO_PEERCRED``): abstract names are visible to every user of the host.
-Where the kernel has no abstract sockets (not Linux) every worker stages for itself. An engine
-whose transport already ends in such a copy hands it over instead (``shm``: see
-:func:`wtransfer.engines._commit.adopt_staged`), and no worker stages.
+At commit every worker copies from the same pages into its model. A dead stager closes the socket, so
+followers fail at once. Both sides check the other's user id (``SO_PEERCRED``): abstract names are
+visible host-wide. Without abstract sockets (not Linux) every worker stages for itself. An engine whose
+transport already ends in such a copy hands it over instead (:func:`~wtransfer.engines._commit.adopt_staged`).
 """
 
 from __future__ import annotations
@@ -73,8 +67,7 @@ def create_memfd(size: int, label: str) -> int:
 
 
 def read_only_fd(fd: int) -> int:
-    """A new descriptor of ``fd``'s memory opened read-only: what a process that only reads a
-    staged round gets, so it can map it read-only and never map it writable (Linux; elsewhere a dup)."""
+    """A read-only descriptor of ``fd``'s memory, so the receiver can never map it writable (elsewhere a dup)."""
     if os.path.isdir("/proc/self/fd"):
         return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
     return os.dup(fd)  # pragma: no cover - not Linux
@@ -85,9 +78,8 @@ MADV_POPULATE_WRITE = 23
 
 
 def map_shared(fd: int, size: int, writable: bool) -> mmap.mmap:
-    """Map ``size`` bytes of ``fd`` shared, every page faulted in now (so no round pays for it):
-    read-only mappings with ``MAP_POPULATE``, writable ones with ``MADV_POPULATE_WRITE`` (a page
-    populated for reading would still take a fault at its first write)."""
+    """Map ``size`` bytes of ``fd`` shared, every page faulted in now so no round pays for it (writable
+    ones with ``MADV_POPULATE_WRITE``: a page populated for reading still faults at its first write)."""
     populate = getattr(mmap, "MAP_POPULATE", 0)
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
     mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (0 if writable else populate), prot=prot)
@@ -100,12 +92,8 @@ def map_shared(fd: int, size: int, writable: bool) -> mmap.mmap:
 
 
 class SharedSegment:
-    """A mapped ``memfd`` holding one staged round (the descriptor is kept to hand it on).
-
-    Mapped read-only where it was handed over read-only (:func:`read_only_fd`): a process that
-    only commits from the round cannot change it, and a stray write there faults instead of
-    altering what another worker commits. Populated when mapped: no round pays its page faults.
-    """
+    """A mapped, pre-faulted ``memfd`` holding one staged round (the descriptor is kept to hand it on).
+    Read-only where handed over so: a stray write faults instead of altering what another worker commits."""
 
     def __init__(self, fd: int, size: int, writable: bool = True) -> None:
         import warnings
@@ -132,8 +120,7 @@ class SharedSegment:
     @classmethod
     def handed_over(cls, current: SharedSegment | None, fds: list[int], size: int,
                     writable: bool) -> SharedSegment | None:
-        """The segment a peer sent with a message (``fds``: what came with it, all closed or kept
-        here), replacing ``current``; ``current`` when it sent none."""
+        """The segment in ``fds`` (all consumed) replacing ``current``; ``current`` when none came."""
         try:
             if not fds:
                 return current
@@ -145,8 +132,7 @@ class SharedSegment:
                 os.close(fd)
 
     def views(self, manifest: Manifest, layout: tuple[list[int], int] | None = None) -> dict[str, torch.Tensor]:
-        """Every tensor of the round as a typed view of this segment, in manifest order
-        (``layout``: ``staging_offsets`` of the manifest, when the caller has it already)."""
+        """Every tensor of the round as a typed view of this segment, in manifest order."""
         offsets, total = layout or staging_offsets(manifest.entries)
         if total > self.size:
             raise TransferError(f"staging segment of {self.size} bytes is too small for a {total}-byte round")
@@ -360,8 +346,7 @@ class NodeStaging:
                 os.close(fd)
 
     def close(self) -> None:
-        """Release the copy and every socket. A stager's followers see their connection close, so
-        they elect a new stager before their next round instead of asking this one."""
+        """Release the copy and every socket; a stager's followers see it close and elect anew."""
         with self._lock:
             self._closed = True
             followers, self._followers = list(self._followers), set()

@@ -1,35 +1,21 @@
 """Packed broadcast over a private ``torch.distributed`` process group (gloo here, NCCL in its plugin).
 
-The group is built from the trainer's authenticated rendezvous store
-(:mod:`wtransfer.engines._rendezvous`: one listening address, a token-proving handshake;
-torch's ``TCPStore`` would answer anyone on every interface) + ``PrefixStore`` + the
-backend's ``ProcessGroup`` class directly: the default process group is never created,
-required or touched, so it coexists with whatever groups the trainer already runs. Ranks:
-the trainer is 0, workers take ``data_parallel_index * world_size + rank + rank_offset``
-(the seed's rule). The trainer's store binds port 0 when asked, and publishes the port it
-got: no race.
+The group is built from the trainer's authenticated rendezvous store (:mod:`._rendezvous`) +
+``PrefixStore`` + the backend's ``ProcessGroup`` class directly: the default process group is never
+created or touched, so it coexists with the trainer's own groups. Ranks: the trainer is 0, workers take
+``data_parallel_index * world_size + rank + rank_offset`` (the seed's rule).
 
-Each round starts with a one-integer all-reduce: every worker says whether its loader
-accepts the manifest, so a rejection stops everybody before any data moves. Buckets are
-then broadcast asynchronously from ``num_buffers`` reusable buffers: packing (trainer) and
-unpacking (workers) of one bucket overlap the transport of the next.
+Each round starts with a one-integer all-reduce (the manifest vote), so a rejection stops everybody
+before any data moves. Buckets are then broadcast asynchronously from ``num_buffers`` reusable buffers,
+packing/unpacking one overlapping the transport of the next, round-robin over ``channels`` groups with
+the same members (a gloo group moves data through one socket and one I/O thread; several run in
+parallel). Both sides derive everything from the bucket index.
 
-Buckets go round-robin over ``channels`` groups with the same members. Gloo moves each
-group's data through one socket serviced by one I/O thread, which a single stream keeps
-busy at a few GB/s; two groups move data in parallel (measured here: 1.1-1.3x one group,
-and more than one flat broadcast). Both sides derive everything from the bucket index,
-so no extra message is needed.
-
-Backend specifics sit behind the small methods of :class:`TorchDistributedBackend`
-(``device``, ``make_process_group``, ``allocate``, ``slot_stream``, ``packed_from``,
-``accepts_in_place``, ``synchronize``, ``release_groups``, ``host_waits`` and
-``transport_timeout_s``) so a plugin for another backend only overrides those.
-
-This module is the family's base, what every side shares: the per-backend hooks, the groups
-(built by every member in the same order, one per channel), the collectives they run and the
-manifest vote's bits; the overview above is here because every side runs it. The sides live in :mod:`._td_worker`, :mod:`._td_trainer` and :mod:`._td_sender` (the
-trainer ranks' send path); their options in :mod:`._td_options`; the gloo device's address in
-:mod:`._gloo_address`; how a collective is waited for in :mod:`._collective_waits`.
+Backend specifics sit behind the small methods of :class:`TorchDistributedBackend` (``device``,
+``make_process_group``, ``allocate``, ``slot_stream``, ``packed_from``, ``accepts_in_place``,
+``synchronize``, ``release_groups``, ``host_waits``, ``transport_timeout_s``): a plugin overrides those.
+The sides live in :mod:`._td_worker`, :mod:`._td_trainer` and :mod:`._td_sender`; options in
+:mod:`._td_options`; the gloo address in :mod:`._gloo_address`; waits in :mod:`._collective_waits`.
 """
 
 from __future__ import annotations
@@ -46,8 +32,7 @@ if TYPE_CHECKING:
     import torch
 
 REJECTED, DIGESTS = 1, 2
-"""The manifest vote's bits: a worker refuses the round; the round is hashed (the other sending
-trainer ranks learn it here: they do not see the manifest)."""
+"""The manifest vote's bits: a worker refuses; the round is hashed (other sending ranks learn it only here)."""
 
 
 class TorchDistributedBackend(LocalAddressChoice, CollectiveWaits):
@@ -85,12 +70,11 @@ class TorchDistributedBackend(LocalAddressChoice, CollectiveWaits):
         return [torch.zeros(nbytes, dtype=torch.uint8, device=self.device()) for _ in range(count)]
 
     def synchronize(self, timeout_s: float) -> None:
-        """End of a round's data movement: wait, at most ``timeout_s``, for the device (a GPU
-        sync; nothing on CPU). Raises :class:`TransferTimeoutError` when the device is not done."""
+        """End of a round's data movement: wait at most ``timeout_s`` for the device (nothing on CPU);
+        raises :class:`TransferTimeoutError` if it is not done."""
 
     def slot_stream(self, slot: int) -> contextlib.AbstractContextManager[None]:
-        """Where packing/unpacking of buffer ``slot`` runs. On CPU, inline; a GPU backend runs
-        each buffer on its own stream and makes the transport wait for it."""
+        """Where packing/unpacking of buffer ``slot`` runs: inline on CPU; a GPU backend's per-buffer stream."""
         return contextlib.nullcontext()
 
     _groups: list[Any]
@@ -103,9 +87,8 @@ class TorchDistributedBackend(LocalAddressChoice, CollectiveWaits):
         return groups[bucket_index % len(groups)]
 
     def packed_from(self, slot: int, tensors: list[torch.Tensor]) -> None:
-        """Called after packing buffer ``slot`` from ``tensors`` (trainer side). On CPU the copies
-        are done; a GPU backend marks the tensors as used by the slot's stream, so their memory
-        is not reused before that stream has read them."""
+        """After packing buffer ``slot`` from ``tensors``: a GPU backend marks them used by the slot's stream,
+        so their memory is not reused before it read them (nothing on CPU)."""
 
     def accepts_in_place(self, tensor: torch.Tensor) -> bool:
         """Whether the transport can write straight into ``tensor`` (it must be on our device)."""
@@ -139,13 +122,11 @@ class TorchDistributedBackend(LocalAddressChoice, CollectiveWaits):
             self.release_groups(groups, failed)
 
     def release_groups(self, groups: list[Any], failed: bool) -> None:
-        """Let go of this side's groups (the caller has dropped every other reference).
+        """Let go of this side's groups (the caller dropped every other reference).
 
-        Destroying a gloo group closes its connections, so peers still waiting in a
-        collective fail at once ("connection closed") instead of at their timeout;
-        ``abort()``/``shutdown()`` do not do that. Collect now so it happens immediately.
-        A GPU backend aborts its communicators first when ``failed``: a collective still
-        queued on the device would otherwise never end.
+        Destroying a gloo group (collected now) closes its connections, so waiting peers fail at once;
+        ``abort()``/``shutdown()`` do not. A GPU backend aborts its communicators first when ``failed``:
+        a collective queued on the device would otherwise never end.
         """
         groups.clear()
         gc.collect()

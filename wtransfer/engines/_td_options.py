@@ -1,10 +1,8 @@
 """What configures a torch.distributed engine (gloo, NCCL): the worker's options, the
 trainer's ``init_info``, and the init info the trainer hands its workers.
 
-These are the keys users write (``wtransfer show engine gloo`` lists them) and the message a
-worker checks before it joins. They sit apart from the engines because each is checked where
-it is built, before any rendezvous or group exists, and because a plugin for another backend
-(NCCL) derives its own options from them without touching the engines.
+Each is checked where it is built, before any rendezvous or group exists; a plugin for another backend
+(NCCL) derives its own options from them.
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ MAX_CHANNELS = 8
 
 
 def check_channels(prefix: str, channels: int) -> None:
-    """At most ``MAX_CHANNELS`` channels, in the trainer's ``init_info`` and in the workers' init
-    info alike (each caller checks the lower bound its own way); ``prefix`` names the owner."""
+    """At most ``MAX_CHANNELS`` channels (callers check the lower bound); ``prefix`` names the owner."""
     if channels > MAX_CHANNELS:
         raise ValueError(
             f"{prefix}'channels' must be at most {MAX_CHANNELS} (each is a process group), got {channels}"
@@ -54,8 +51,7 @@ class TorchDistributedInitInfo(WeightTransferInitInfo):
     channels: int = 1
     """Process groups the buckets are spread over (round-robin by bucket index)."""
     senders: int = 1
-    """Trainer ranks that send (a sharded trainer whose every rank sends its own shards): ranks
-    ``1..senders-1`` each have groups of their own with the workers."""
+    """Trainer ranks that send; ranks ``1..senders-1`` each have groups of their own with the workers."""
     token: str = ""
     """The rendezvous secret: only a holder may read or write the group's keys."""
     protocol_version: int = PROTOCOL_VERSION
@@ -119,8 +115,7 @@ class TorchDistributedInitOptions(TrainerInitOptions):
         2 * MIB, doc="tensors at least this large are sent in place, unpacked; None packs everything"
     )
     channels: int = option(2, doc=f"process groups the buckets are spread over (1..{MAX_CHANNELS})")
-    # 8 x 16 MiB: as much memory as 4 x 32 MiB, but enough collectives in flight to keep
-    # both channels busy (each gloo group runs its collectives on two threads).
+    # 8 x 16 MiB: enough collectives in flight to keep both channels busy.
     bucket_bytes: int = option(16 * MIB)
     num_buffers: int = option(8)
 

@@ -1,11 +1,9 @@
 """The send path of a torch.distributed trainer's ranks, and the sender the other ranks of a
 sharded trainer run.
 
-Rank 0 (:mod:`._td_trainer`) and every other sending rank (:class:`TorchDistributedSender`)
-end a round the same way (wait for the last buckets, then send the digests), and on a
-sharded trainer each streams its own parts of every bucket to the workers
-(:mod:`wtransfer.engines._part_streams`). That path sits apart from the backend because the
-workers never run it, and apart from the trainer because the other ranks run it without one.
+Rank 0 (:mod:`._td_trainer`) and every other sending rank (:class:`TorchDistributedSender`) end a round
+alike (last buckets, then digests); on a sharded trainer each streams its own parts of every bucket
+(:mod:`._part_streams`).
 """
 
 from __future__ import annotations
@@ -37,11 +35,8 @@ class TorchDistributedSending(TorchDistributedBackend):
     # -- a sharded trainer's ranks each sending their own parts (see _part_streams) --------------
     def send_own_parts(self, entries: tuple[TensorEntry, ...], parts: list[LocalPart | None], buckets: list[Bucket],
                        works: list[tuple[Any, Any] | None], timeout_s: float, call: ClientCall | None = None) -> bool:
-        """This trainer rank's side of a round: its layout, the manifest vote, then its bytes of every
-        bucket (hashed when the workers say the round is). False: the workers refused it, nothing moved.
-
-        The layout and the vote go on this rank's first channel: its header, its rows (one extra
-        word, so never empty), and the vote, in which it learns every worker's verdict."""
+        """This trainer rank's side of a round, on its first channel: its layout (header, rows plus one word
+        so never empty), the manifest vote, then its bytes of every bucket. False: refused, nothing moved."""
         import torch
 
         from wtransfer.engines._part_streams import RankLayout, header, layout_rows
@@ -65,8 +60,7 @@ class TorchDistributedSending(TorchDistributedBackend):
 
     def _stream_parts(self, buckets: list[Bucket], layout: RankLayout, parts: list[LocalPart | None],
                       works: list[tuple[Any, Any] | None], timeout_s: float, digests: RoundDigests | None) -> None:
-        """Broadcast this rank's bytes of every bucket, in bucket order, from ``num_buffers`` buffers;
-        with ``digests``, hash each tensor's part as it goes and send the digests last."""
+        """Broadcast this rank's bytes of every bucket from ``num_buffers`` buffers (hashed, digests last)."""
         from wtransfer.engines._part_streams import hash_runs, pack_runs
 
         sent = 0
@@ -104,14 +98,8 @@ class TorchDistributedSending(TorchDistributedBackend):
 
 
 class TorchDistributedSender(TorchDistributedSending):
-    """Another rank of a sharded trainer: sends its own parts of every bucket on groups of its own.
-
-    It joins rank 0's rendezvous with the workers' init info while the workers join (they build a
-    group set with each sending rank), and is rank 0 of its groups. Each round it announces its
-    layout, learns the workers' verdict in the manifest vote, and streams its bytes
-    (:mod:`wtransfer.engines._part_streams`). Failing, it drops its groups: the workers' receives
-    fail at once, they leave every group, and rank 0's round fails with them.
-    """
+    """Another rank of a sharded trainer: sends its own parts of every bucket on groups of its own (as their
+    rank 0). Failing, it drops its groups, so the workers' receives (and rank 0's round) fail at once."""
 
     def __init__(self, info: dict[str, Any], trainer_rank: int, source: Any, timeout_s: float) -> None:
         from torch.distributed import PrefixStore

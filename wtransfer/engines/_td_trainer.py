@@ -1,18 +1,15 @@
 """The trainer side of a torch.distributed engine (gloo, NCCL): rank 0 hosts the rendezvous,
 then broadcasts every round's packed buckets.
 
-It listens on the authenticated rendezvous (:mod:`wtransfer.engines._rendezvous`), waits for
-every worker to join (failing fast when ``world_size`` counts workers that never come), builds
-its groups, and each round runs the manifest vote and broadcasts the buckets from
-``num_buffers`` reusable buffers. On a sharded trainer every rank sends its own parts instead
-(:mod:`._td_sender`). It sits apart from the worker side because the two share only the
-backend (:mod:`._td_backend`) and the init info (:mod:`._td_options`).
+It hosts the authenticated rendezvous (:mod:`._rendezvous`), waits for every worker (failing fast when
+``world_size`` counts workers that never come), builds its groups, and each round runs the manifest vote
+and broadcasts the buckets from ``num_buffers`` buffers. On a sharded trainer every rank sends its own
+parts (:mod:`._td_sender`).
 """
 
 from __future__ import annotations
 
 import json
-
 import logging
 import time
 from typing import Any, ClassVar
@@ -99,9 +96,8 @@ class TorchDistributedTrainer(TorchDistributedSending, TrainerWeightTransferEngi
         deadline = time.monotonic() + self.timeout_s
         joined: set[int] = set()
         last_join = time.monotonic()
-        # Wait for every worker's key first, so a failing client call (or a world_size larger
-        # than the workers the client drives) is noticed at once instead of blocking inside
-        # the group constructor until its timeout.
+        # Every worker's key first, so a failing client call or a too-large world_size is noticed at
+        # once instead of blocking in the group constructor until its timeout.
         while True:
             now_joined = {rank for rank in ranks if self._prefixed.check([f"joined/{rank}"])}
             if now_joined != joined:
@@ -127,12 +123,8 @@ class TorchDistributedTrainer(TorchDistributedSending, TrainerWeightTransferEngi
             raise TransferError(f"creating the {self.backend} group failed: {exc}") from exc
 
     def check_stalled(self, joined: set[int], quiet_s: float) -> None:
-        """Fail fast when some workers joined and no other came for ``STALL_GRACE_S``.
-
-        A client must start every worker's init at once (each blocks in the group until all
-        are in), so workers join within moments of each other; a long silence after the first
-        means ``world_size`` counts workers that do not exist (or that never got the call).
-        """
+        """Fail fast when some workers joined and no other came for ``STALL_GRACE_S``: workers' inits run
+        at once, so a long silence means ``world_size`` counts workers that do not exist."""
         grace = min(self.STALL_GRACE_S, self.timeout_s)
         if joined and quiet_s >= grace:
             missing = [rank for rank in range(1, self.world_size) if rank not in joined]
@@ -168,7 +160,6 @@ class TorchDistributedTrainer(TorchDistributedSending, TrainerWeightTransferEngi
             raise
         finally:
             works.clear()  # a failure's traceback must not keep the collectives (and the group) alive
-
 
     def _broadcast_buckets(self, manifest: Manifest, buckets: list[Bucket], call: ClientCall,
                            works: list[tuple[Any, Any] | None]) -> None:

@@ -1,11 +1,10 @@
 """The worker side of a torch.distributed engine (gloo, NCCL): joins the trainer's groups and
 receives every round's buckets.
 
-A worker joins at ``init_transfer_engine`` (its rank from the seed's rule, its groups with the
-trainer and with every other sending trainer rank), votes on each round's manifest, then
-receives the buckets (in place where it can) and unpacks them as they come, checking the
-round's digests when it is hashed. It sits apart from the trainer side because the two share
-only the backend (:mod:`._td_backend`) and the init info (:mod:`._td_options`).
+A worker joins its groups (with the trainer and every other sending trainer rank) at
+``init_transfer_engine``, votes on each round's manifest, then receives the buckets (in place where it
+can), unpacks them and checks the round's digests. It shares only :mod:`._td_backend` and
+:mod:`._td_options` with the trainer side.
 """
 
 from __future__ import annotations
@@ -41,11 +40,8 @@ MAX_TENSORS = 10_000_000
 class TorchDistributedWeightTransferEngine(
     TorchDistributedBackend, WeightTransferEngine[TorchDistributedInitInfo, ManifestUpdateInfo]
 ):
-    """Worker side: joins the trainer's side group and receives broadcast buckets.
-
-    ``WeightTransferConfig.options``: ``max_buffer_bytes`` refuses larger buffer rings at init;
-    ``local_address`` or ``interface`` choose this worker's gloo address (see :class:`GlooOptions`).
-    """
+    """Worker side: joins the trainer's side group and receives broadcast buckets. Options (:class:`GlooOptions`):
+    ``max_buffer_bytes`` refuses larger rings at init; ``local_address`` or ``interface`` pick the gloo address."""
 
     options_cls: ClassVar[type | None] = GlooOptions
     init_info_cls = TorchDistributedInitInfo
@@ -154,9 +150,8 @@ class TorchDistributedWeightTransferEngine(
             update_info.parsed = dataclasses.replace(manifest, checksums=verified)
 
     def _leave_group(self, reason: str) -> None:
-        """After a failed round: drop the group now, so the trainer's pending collectives fail
-        at once instead of at their timeout. A new ``init_transfer_engine()`` joins a fresh one."""
-        self._close(failed=True)  # the group, its rendezvous connection and the buffers: nothing outlives the round
+        """After a failed round: drop the group now so the trainer's pending collectives fail at once."""
+        self._close(failed=True)  # nothing outlives the round
         self._broken = reason
 
     def _receive_layouts(self, manifest: Manifest) -> tuple[list[RankLayout] | None, str | None]:
@@ -273,10 +268,8 @@ class TorchDistributedWeightTransferEngine(
 
     def _receive_parts(self, buckets: list[Bucket], unpacker: Unpacker, layouts: list[RankLayout],
                        works: dict[int, Any], digests: RoundDigests | None) -> None:
-        """Every sending rank's bytes of each bucket: in place where they are contiguous there,
-        else through this buffer's scratch, placed row by row. Where the loader offers every
-        tensor's destination (staging, a module), the bytes go there directly; otherwise they
-        assemble the bucket, which then unpacks as usual (one copy more of every byte)."""
+        """Every sending rank's bytes of each bucket: in place where contiguous, else through scratch. They go
+        straight to the loader's destinations when it offers all of them; else they assemble the bucket."""
         from wtransfer.engines._part_streams import hash_runs, in_place, place_runs, receive_plan, scratch_bytes
 
         assert self._info is not None

@@ -1,14 +1,12 @@
 """The trainer side of a weight-transfer backend, and ``create_trainer``.
 
-A backend declares ONE entry point, naming its worker engine class; that class's
-``trainer_cls`` attribute names the trainer side. So a separately installed backend
-(``wtransfer-nccl``) is found by ``create_trainer("nccl", ...)`` without any registration.
+A backend declares one entry point, its worker engine class, whose ``trainer_cls`` names the trainer
+side: a separately installed backend (``wtransfer-nccl``) needs no other registration.
 
-The trainer owns the wire parameters (bucket size, number of buffers, protocol version):
-it derives the workers' init dict from its own ``init_info`` and sends it through the
-user's :class:`~wtransfer.engines._client.WeightSyncClient`. Client calls may block until
-all workers are done, so each runs in a background thread while the engine does its own
-side; a client call that raises aborts the engine's side promptly.
+The trainer owns the wire parameters (bucket size, buffers, protocol version) and sends the workers'
+init dict through the user's :class:`~wtransfer.engines._client.WeightSyncClient`. Client calls may
+block until all workers are done, so each runs on a background thread; one that raises aborts the
+engine's side promptly.
 """
 
 from __future__ import annotations
@@ -43,18 +41,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger("wtransfer")
 
 
-
 class NoTrainerSideError(WTransferError, ValueError):
     """The named engine only has a worker side (its class sets no ``trainer_cls``)."""
 
 
 class ClientThread:
-    """A reusable daemon thread for client calls.
-
-    Starting a thread per call costs milliseconds on a busy machine, several times per
-    round; one parked thread serves the calls instead. A call that never returns keeps it
-    busy, so later calls get a fresh thread: nothing ever queues behind a hung call.
-    """
+    """A reusable daemon thread for client calls. While a call hangs, later calls get a fresh thread:
+    nothing queues behind a hung call."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -93,7 +86,7 @@ class ClientCall:
         self._error: BaseException | None = None
         self._done = threading.Event()
         self.answered = False
-        """Whether the call failed with the far side's answer (a worker's error, an HTTP reply): it ran to its end."""
+        """The call failed with the far side's answer (a worker's error, an HTTP reply): it ran to its end."""
         self.finished_at: float | None = None
         """``time.monotonic()`` when the call returned or raised."""
 
@@ -118,7 +111,7 @@ class ClientCall:
         return self._done.is_set()
 
     def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the call to return (or raise); True if it did."""
+        """True if the call returned (or raised) within ``timeout`` seconds."""
         return self._done.wait(timeout)
 
     @property
@@ -144,12 +137,9 @@ class ClientCall:
 def with_server_reason(what: str, exc: BaseException) -> BaseException:
     """A client's error as the workers' own: their wtransfer error again, else the server's reason.
 
-    A worker's wtransfer error crosses vLLM as text (:func:`wtransfer.errors.error_to_text`)
-    inside vLLM's own exception or HTTP error body; it is raised here as its class again (a
-    ``ManifestMismatchError`` stays one), naming the workers. Otherwise ``requests``'
-    ``raise_for_status`` says "500 Server Error ... for url", and why the workers refused (a
-    backend other than the server's, an init_info it cannot parse) is in the response body,
-    which the error keeps but does not show. Errors without either pass as is.
+    A worker's wtransfer error crosses vLLM as text (:func:`wtransfer.errors.error_to_text`) and is
+    raised here as its class again. Otherwise the reason is taken from the HTTP response body, which
+    ``raise_for_status``'s message does not show. Errors with neither pass as is.
     """
     import json
 
@@ -191,11 +181,7 @@ def _check_client(client: Any) -> None:
 
 
 def accepts_weight_version(method: Callable[..., Any]) -> bool:
-    """Whether a client's ``finish_weight_update`` takes the round's version label.
-
-    The four-method protocol started without it; vLLM's clients take
-    ``finish_weight_update(weight_version=None)``. Clients written for either work.
-    """
+    """Whether a client's ``finish_weight_update`` takes the round's version label (vLLM's do; older clients not)."""
     import inspect
 
     try:
@@ -215,11 +201,9 @@ def at_least(name: str, value: float, minimum: float) -> None:
 class TrainerInitOptions:
     """The ``init_info`` every trainer takes, and its defaults: the one place they come from.
 
-    A backend with keys of its own, or defaults of its own, subclasses the options class of
-    the trainer it derives from (this one, ``SharedMemoryInitOptions``,
-    ``TorchDistributedInitOptions`` ...) and names the subclass as its trainer's
-    ``init_options_cls``; a class that does not extend its parent's is refused. A default is
-    changed by redeclaring the field (the doc is kept when left out)::
+    A backend with keys or defaults of its own subclasses its parent trainer's options class and names
+    the subclass as its ``init_options_cls`` (one that does not extend the parent's is refused). A default
+    is changed by redeclaring the field (the doc is kept when left out)::
 
         @dataclass(frozen=True)
         class SmallRingInitOptions(SharedMemoryInitOptions):
@@ -268,12 +252,10 @@ class TrainerWeightTransferEngine(ABC):
 
     backend: ClassVar[str] = "?"
     init_options_cls: ClassVar[type[TrainerInitOptions]] = TrainerInitOptions
-    """What ``init_info`` accepts, with its defaults: a :class:`TrainerInitOptions` subclass
-    (fields made with :func:`wtransfer.options.option`)."""
+    """What ``init_info`` accepts, with its defaults: a :class:`TrainerInitOptions` subclass."""
     sender_cls: ClassVar[type | None] = None
-    """Sharded trainers: the class with which every other trainer rank sends its own shards: into
-    this backend's buffers (``shm``), or on groups of its own with the workers (``gloo``). None:
-    rank 0 gathers every tensor and sends it alone."""
+    """Sharded trainers: the class with which every other rank sends its own shards. None: rank 0 gathers
+    every tensor and sends it alone."""
     senders_join_with_workers: ClassVar[bool] = False
     """Whether the other ranks join while the workers do (their groups include the workers, who
     build them at init), so they are told before the workers' init call, not after it."""
@@ -313,7 +295,6 @@ class TrainerWeightTransferEngine(ABC):
         _check_client(client)
         self.in_flight = in_flight
         self.commit: str = commit
-        """How workers apply each round: ``atomic`` (staged, then committed everywhere) or ``streaming``."""
         self._staging_key = secrets.token_hex(8)
         self.client = client
         self.sharded = bool(sharded)
@@ -327,9 +308,8 @@ class TrainerWeightTransferEngine(ABC):
             self.source = LockstepSource(self.source)
         self._check_defaults_declaration()  # also set after the class was defined
         self.init_options: Any = self._parse_init_info(dict(init_info or {}))
-        """The parsed ``init_info``: an instance of :attr:`init_options_cls`."""
         self.init_info: dict[str, Any] = options_dict(self.init_options)
-        """The same as a dict (every key filled in), for code that reads ``init_info[...]``."""
+        """The same as a dict, every key filled in."""
         self.world_size: int = self.init_options.world_size
         self.timeout_s: float = self.init_options.timeout_s
         self.bucket_bytes: int = self.init_options.bucket_bytes
@@ -338,8 +318,7 @@ class TrainerWeightTransferEngine(ABC):
         self.partial = bool(partial)
         """Rounds may carry any subset of the model's tensors (the rest keep their committed values)."""
         self.cast = CastPlan(None, check_dtype_option(dtype))
-        """The dtype each floating tensor travels in: ``dtype`` if given, else what the workers said at
-        rendezvous they load (see :mod:`wtransfer.engines._cast`)."""
+        """The dtype each floating tensor travels in (see :mod:`wtransfer.engines._cast`)."""
         self.source_entries: tuple[TensorEntry, ...] = ()
         """The current round's tensors as the source holds them (the manifest has them as they travel)."""
         self.delta: DeltaEncoder | None = None
@@ -372,25 +351,8 @@ class TrainerWeightTransferEngine(ABC):
 
     @classmethod
     def _check_defaults_declaration(cls) -> None:
-        """Where a trainer's defaults and keys come from, checked at class definition and again
-        at creation (for attributes set afterwards): whatever this fails on would otherwise
-        change a plugin's defaults or drop its base's keys without a word.
-
-        * The 0.1 class attributes for defaults are refused, wherever in the bases they are set.
-        * ``init_options_cls`` must extend the options class of every trainer it derives from
-          (``SharedMemoryInitOptions`` for a ``SharedMemoryTrainer`` subclass, ...), also when a
-          mixin is what sets it.
-        """
-        legacy = sorted({name for klass in cls.__mro__
-                         for name in ("default_bucket_bytes", "default_num_buffers", "backend_init_defaults")
-                         if name in vars(klass)})
-        if legacy:
-            raise TypeError(
-                f"{cls.__qualname__} sets {', '.join(legacy)}: trainer defaults now come only from "
-                f"init_options_cls. Subclass {cls.init_options_cls.__name__} and redeclare the fields "
-                f"with your defaults (e.g. `bucket_bytes: int = option(4 * MIB)`), then set "
-                f"init_options_cls to it; see TrainerInitOptions and CHANGELOG.md"
-            )
+        """``init_options_cls`` must extend that of every trainer class it derives from, else a plugin's
+        defaults or its base's keys would be lost silently. Checked at class definition and at creation."""
         own = cls.init_options_cls
         for base in cls.__mro__[1:]:
             required = base.__dict__.get("init_options_cls")
@@ -424,13 +386,8 @@ class TrainerWeightTransferEngine(ABC):
     """How long the rendezvous still waits for workers after the client's init call returned."""
 
     def check_shortfall(self, call: ClientCall, joined: set[int]) -> None:
-        """Fail fast when ``world_size`` is larger than the workers the client really drives.
-
-        The client's ``init_weight_transfer_engine`` returns once every worker it fans out to
-        has joined; if fewer than ``world_size - 1`` did (after a short grace for clients
-        that return early), waiting ``timeout_s`` more would only end in a timeout that
-        blames ranks that do not exist.
-        """
+        """Fail fast when ``world_size`` is larger than the workers the client drives: its init call
+        returned (plus a short grace) with fewer joined, and a timeout would blame ranks that do not exist."""
         if not call.done or call.error is not None or len(joined) >= self.num_workers:
             return
         assert call.finished_at is not None
@@ -484,20 +441,14 @@ class TrainerWeightTransferEngine(ABC):
     def reconnect(self, client: WeightSyncClient | None = None) -> None:
         """Rendezvous again with workers that restarted (through ``client``, or the same client).
 
-        The transport is released and prepared anew, and every worker is asked to init again,
-        as at creation. What the trainer keeps is its round count and, with ``delta=True``, its
-        base: a restarted worker holds no committed round, so it refuses the next delta and
-        gets that round whole at once; the trainer never needs to know which workers
-        restarted. It is also how a trainer left unusable by a failed round (a worker died in
-        it) is used again once the workers are back.
+        The transport is released and prepared anew, as at creation; the trainer keeps its round count
+        and, with ``delta=True``, its base (a restarted worker refuses the next delta and gets it whole).
+        This is also how a trainer left unusable by a failed round is used again.
 
-        The workers must be as many as ``init_info["world_size"]`` says, as at creation. A client
-        call of an earlier round that is still running is waited for (``timeout_s``), so no
-        call of the old round overlaps the new rendezvous. If the rendezvous fails (the workers
-        are not back yet), the trainer stays unusable but not closed, with ``client`` (when given)
-        kept as its client: call ``reconnect()`` again.
-        Not while a round runs (from another thread). Unsharded trainers only: a sharded
-        trainer's ranks are created together.
+        The workers must be ``init_info["world_size"]`` as at creation. A still-running client call of an
+        earlier round is waited for (``timeout_s``) so it never overlaps the new rendezvous. If the
+        rendezvous fails, the trainer stays unusable but open (keeping ``client``): call ``reconnect()``
+        again. Not while a round runs; unsharded trainers only.
         """
         if self.sharded:
             raise TransferError(f"reconnect() needs an unsharded {self.backend} trainer; a sharded trainer's "
@@ -530,9 +481,8 @@ class TrainerWeightTransferEngine(ABC):
     def send_weights(self, weight_version: str | None = None) -> dict[str, Any]:
         """Run one whole update round; returns its stats (bytes, tensors, seconds, GB/s, buckets).
 
-        ``weight_version`` labels the round for clients whose ``finish_weight_update``
-        takes one (vLLM's clients show it at ``/weight_info``); the default is the round's
-        number, ``str(stats["version"])``.
+        ``weight_version`` labels the round for clients whose ``finish_weight_update`` takes one
+        (default: ``str(stats["version"])``).
         """
         from wtransfer._registry.manager import notify
 
@@ -569,8 +519,7 @@ class TrainerWeightTransferEngine(ABC):
         except BaseException as exc:
             usable = self._clean_rejection or self._commit_failed  # the transport is idle: rounds may follow
             if self._broken is None and not usable and not isinstance(exc, KeyboardInterrupt):
-                # A client call that timed out may still be running: a retried round would overlap
-                # it (and its workers may hold half a round). Only a clean rejection keeps us usable.
+                # A timed-out client call may still be running: a retried round would overlap it.
                 self._broken = f"{type(exc).__name__}: {exc}"
             if self.parallel_senders:  # the other ranks wait for this round's next step: there is none
                 self.stop_senders(f"{type(exc).__name__}: {exc}")
@@ -599,9 +548,8 @@ class TrainerWeightTransferEngine(ABC):
         try:
             stats = self._run_round(label)
         except BaseException:
-            # The other ranks still wait in their next gather: walk on (sending nothing) so that
-            # they finish too. If that fails as well (a rank died), the round's own error is the
-            # one to report.
+            # The other ranks still wait in their next gather: walk on (sending nothing) so they
+            # finish too. If that fails as well, the round's own error is the one to report.
             try:
                 drained = source.finish_round()  # type: ignore[attr-defined]
                 logger.info("%s trainer: walked %d more tensor(s) after a failed round so the other "
@@ -632,7 +580,6 @@ class TrainerWeightTransferEngine(ABC):
                 self.source = encoded = self.delta.whole(encoded)  # from the base: the source is walked once
                 stats = self._run_round(label, encoded)
             self.delta.committed(encoded)
-            self.delta.sent(stats["wire_bytes"], stats["seconds"])  # how fast the link is, for the next choices
         finally:
             self.source = source
             if encoded is not None:
@@ -647,8 +594,7 @@ class TrainerWeightTransferEngine(ABC):
                 "dense_tensors": counts.dense_tensors}
 
     def _run_round(self, label: str | None, encoded: DeltaRound | None = None) -> dict[str, Any]:
-        # A round's time is the whole round as the caller waits for it: manifest, plan and
-        # every client call included, as the benchmarks time their peers.
+        # A round's time is the whole round as the caller waits for it, client calls included.
         started = time.perf_counter()
         self.source_entries = tuple(self.source.metadata())
         entries = self.cast.entries(self.source_entries)
@@ -667,10 +613,9 @@ class TrainerWeightTransferEngine(ABC):
         try:
             finish.result(self.timeout_s)
         except Exception as exc:
-            # The workers answered that the commit failed: the transport is idle and nothing of the
-            # call runs on, so the next round may follow (it heals workers left torn). Its version
-            # is spent: some worker may hold it, so the next round never reuses it. A call that
-            # timed out or lost its connection (OSError: socket, requests) may still be committing.
+            # The workers answered that the commit failed: the transport is idle, so the next round may
+            # follow (it heals torn workers). Its version is spent: some worker may hold it. A call that
+            # timed out or lost its connection (OSError) may still be committing.
             self._commit_failed = finish.done and (finish.answered or not isinstance(exc, OSError))
             self._spent_version = manifest.version
             raise
@@ -766,10 +711,9 @@ class TrainerWeightTransferEngine(ABC):
     # -- backend hooks -----------------------------------------------------------------------
     @abstractmethod
     def prepare_workers(self) -> dict[str, Any]:
-        """Allocate the transport; return the JSON-safe init dict for every worker.
+        """Allocate a fresh transport; return the JSON-safe init dict for every worker.
 
-        Called again after :meth:`release` when the trainer reconnects (``reconnect()``): a
-        backend allocates a fresh transport each time, as if the trainer were new."""
+        Called again after :meth:`release` on ``reconnect()``."""
 
     @abstractmethod
     def wait_for_workers(self, call: ClientCall) -> None:
@@ -809,8 +753,8 @@ class TrainerWeightTransferEngine(ABC):
 
 
 def _ranks_can_send(sender_cls: type | None, source: WeightSource) -> bool:
-    """Whether a sharded trainer's ranks send their own shards: the backend can, and the source is a
-    module's (a wrapper of the user's may rename or convert, so it is gathered and sent as it yields)."""
+    """Whether a sharded trainer's ranks send their own shards: the backend can, and the source is a module's
+    (a user's wrapper may rename or convert, so its tensors are gathered and sent as yielded)."""
     from wtransfer.engines._shards import UnsupportedPlacement, rank_parts, writes_shards_as_is
 
     if sender_cls is None or not writes_shards_as_is(source):
@@ -824,7 +768,6 @@ def _ranks_can_send(sender_cls: type | None, source: WeightSource) -> bool:
     return True
 
 
-
 def create_trainer(
     backend: str,
     *,
@@ -836,48 +779,36 @@ def create_trainer(
 ) -> TrainerWeightTransferEngine | ParticipantTrainer:
     """Create the trainer side of ``backend`` and rendezvous with the workers.
 
-    ``backend`` is a bare or qualified engine name; its worker class's ``trainer_cls``
-    is used. ``options`` are trainer options: ``checksums`` (every tensor hashed as it is sent,
-    the digests verified by every worker before the round commits), ``is_checkpoint_format`` and
-    ``commit``: ``"atomic"``
-    (the default; each node's workers stage the round in one shared host copy and load it
-    into their models only after every worker received it whole, so a failed round leaves
-    every model bit-identical) or ``"streaming"`` (written as it arrives, buffers only; a
-    failed round leaves the models torn: ``weight_version`` None, ``weights_torn`` True).
-    ``delta=True`` (unsharded trainers) sends only what changed since the version every worker
-    committed: unchanged tensors cost nothing, slightly changed ones travel as the positions and
-    values of their changed elements or as a compressed XOR, each tensor rebuilt from these is
-    checked against the trainer's digest before the round commits, and a
-    worker without that version gets a full round automatically. The trainer keeps one host
-    copy of the model for it; ``stats["wire_bytes"]`` is what crossed the transport.
-    Each floating-point tensor travels in the dtype the workers load (vLLM's model dtype, a plain
-    worker's parameter dtype; they say at rendezvous), cast on the rank that holds it as its
-    bytes are packed or written: fp32 master weights reach a bf16 vLLM as bf16, at half the
-    bytes. ``dtype="bfloat16"`` (or a ``torch.dtype``) casts every floating tensor to that
-    instead. A cast rounds as ``tensor.to(dtype)`` does: fp32 values beyond bf16's range become inf.
-    ``stats["cast_tensors"]`` counts the tensors cast in a round.
-    ``partial=True``: a round may carry any subset of the model's tensors (a source that yields only
-    what trained); every tensor it does not carry keeps its committed value on every worker, and
-    atomicity covers the tensors it does carry. vLLM keeps a host copy of the checkpoint from the
-    first round of such a trainer on (which must then be whole) to reload every touched layer whole.
-    ``in_flight`` says what a serving engine (vLLM) does with the requests running when a round
-    commits: ``"recompute"`` (the default: they are preempted and their KV recomputed with the new
-    weights, so every token is what a fresh load of the version it is labelled with computes after
-    the same prefix), ``"keep"`` (they go on with the KV they hold, nothing is recomputed; new
-    requests never meet KV of other weights) or ``"drain"`` (the commit waits for them to finish,
-    new requests queue meanwhile, for up to half the trainer's ``timeout_s``; then the rest are recomputed).
+    ``backend`` is a bare or qualified engine name; its worker class's ``trainer_cls`` is used. Options:
 
-    A sharded trainer (FSDP2 / DTensor parameters, one process per rank) calls this on every
-    rank with its ``rank`` and the same source: rank 0 is the sender (it needs the client and
-    the ``init_info``; it returns the usual trainer), every other rank gets a
-    :class:`~wtransfer.engines._sharded.ParticipantTrainer` (``client`` may be None there). On a
-    backend with a ``sender_cls`` (``shm``, ``gloo``, the ``nccl`` plugin) and a plain ``ModuleSource``, every rank sends
-    its own shards (no gathers); otherwise the participants run the gathers and
-    rank 0 sends every tensor. Call ``send_weights()`` on every rank each round.
-    Rank 0 tells the others what happened, on a small gloo group built here (a collective:
-    torch.distributed must be initialised): if its rendezvous fails, ``create_trainer`` raises on
-    every rank; if it refuses or fails a round, every rank's ``send_weights()`` raises, and no
-    rank waits in a gather that rank 0 will not run.
+    - ``checksums``: every tensor is hashed as sent and verified by every worker before the round commits.
+    - ``commit``: ``"atomic"`` (default: each node stages the round in one shared host copy, loaded only
+      once every worker received it whole, so a failed round leaves every model bit-identical) or
+      ``"streaming"`` (buffers only; a failed round leaves the models torn: ``weight_version`` None,
+      ``weights_torn`` True).
+    - ``delta=True`` (unsharded only): send only what changed since the version every worker committed
+      (changed elements' positions and values, or whole), each rebuilt tensor checked against the
+      trainer's digest before commit; a worker without that version gets a full round automatically.
+      Costs one host copy of the model; ``stats["wire_bytes"]`` is what crossed the transport.
+    - ``dtype``: floating tensors travel in the dtype the workers load (they say at rendezvous), cast on
+      the rank that holds them; ``dtype="bfloat16"`` (or a ``torch.dtype``) forces one. A cast rounds as
+      ``tensor.to(dtype)`` does (fp32 beyond bf16's range becomes inf); ``stats["cast_tensors"]`` counts them.
+    - ``partial=True``: a round may carry any subset of the tensors; the rest keep their committed values
+      and atomicity covers what it carries. vLLM then keeps a host copy of the checkpoint from the first
+      round on (which must be whole) to reload touched layers whole.
+    - ``in_flight``: what a serving engine does with running requests at commit: ``"recompute"`` (default:
+      preempted, KV recomputed with the new weights), ``"keep"`` (they go on with the KV they hold; new
+      requests never meet KV of other weights) or ``"drain"`` (the commit waits for them, up to half of
+      ``timeout_s``, new requests queue; then the rest are recomputed).
+
+    A sharded trainer (FSDP2 / DTensor, one process per rank) calls this on every rank with its ``rank``
+    and the same source: rank 0 is the sender (it needs ``client`` and ``init_info``), every other rank
+    gets a :class:`~wtransfer.engines._sharded.ParticipantTrainer` (``client`` may be None). With a
+    ``sender_cls`` backend and a plain ``ModuleSource`` every rank sends its own shards; otherwise rank 0
+    sends what the ranks gather. Call ``send_weights()`` on every rank each round. Rank 0 tells the others
+    its decisions on a gloo group built here (a collective: torch.distributed must be initialised): a
+    failed rendezvous raises on every rank, a refused or failed round raises in every ``send_weights()``,
+    and no rank waits in a gather rank 0 will not run.
     """
     from wtransfer._registry.kinds import ENGINES
     from wtransfer._registry.manager import notify
@@ -921,8 +852,7 @@ def create_trainer(
         trainer.agreement = agreement
         trainer.connect()
     except BaseException as exc:
-        # The other ranks wait to hear whether there is a trainer to follow (ranks told already, to join
-        # while the workers do, heard why from connect() itself).
+        # The other ranks wait to hear whether there is a trainer to follow (unless connect() told them).
         if agreement is not None and not (trainer is not None and trainer.told_ranks):
             try:
                 agreement.decide("connect", {"ok": False, "reason": f"{type(exc).__name__}: {exc}"}, TELL_WAIT_S)

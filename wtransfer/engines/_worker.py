@@ -1,7 +1,6 @@
 """Worker-side helpers shared by the built-in engines (and reusable by plugins).
 
-The update info every built-in engine receives (the manifest), the seed's rank rule,
-and the checks that let a worker refuse wire parameters at init rather than mid-round.
+The manifest update info, the seed's rank rule, and refusing wire parameters at init rather than mid-round.
 """
 
 from __future__ import annotations
@@ -57,11 +56,8 @@ def global_rank(engine: WeightTransferEngine, rank_offset: int, world_size: int)
 
 
 def check_buffer_budget(engine: WeightTransferEngine, bucket_bytes: int, num_buffers: int) -> None:
-    """Refuse at init (never mid-transfer) wire parameters this worker was told not to accept.
-
-    Reads the parsed ``max_buffer_bytes`` option; an engine that declares no ``options_cls``
-    still has it read from its raw ``config.options``.
-    """
+    """Refuse at init (never mid-transfer) more buffer memory than ``max_buffer_bytes`` allows (read from the
+    raw ``config.options`` when the engine declares no ``options_cls``)."""
     limit = option_value(getattr(engine, "options", engine.config.options), "max_buffer_bytes")
     if limit is not None and bucket_bytes * num_buffers > int(limit):
         raise ValueError(
@@ -71,12 +67,4 @@ def check_buffer_budget(engine: WeightTransferEngine, bucket_bytes: int, num_buf
         )
 
 
-class RoundGuard:
-    """Kept for engines that list it: the framework itself now refuses ``finish_weight_update()``
-    without a completed ``receive_weights()`` (see ``wtransfer.engines._commit``)."""
-
-    def _mark_round_received(self) -> None:
-        """No-op: a ``receive_weights`` that returns is what counts."""
-
-
-__all__ = ["BufferBudgetOptions", "ManifestUpdateInfo", "RoundGuard", "check_buffer_budget", "global_rank"]
+__all__ = ["BufferBudgetOptions", "ManifestUpdateInfo", "check_buffer_budget", "global_rank"]

@@ -1,18 +1,12 @@
 """``gloo``: weight sync across hosts over a private gloo process group (CPU tensors).
 
-All the logic lives in the torch.distributed modules (:mod:`wtransfer.engines._td_backend`
-and the modules it names); this module only names the gloo flavour. Trainer
-``init_info`` (:class:`GlooInitOptions`) adds ``master_address`` (default ``127.0.0.1``; use
-an address of the trainer's host that the workers can reach: the authenticated rendezvous
-listens there only), ``master_port`` (default 0: a free port is picked), ``listen_address``,
-``direct_min_bytes``, ``channels``, ``local_address`` and ``interface``; workers take
-``max_buffer_bytes`` and ``local_address`` or ``interface`` in
-``WeightTransferConfig.options`` (:class:`GlooOptions`; by default, their address on the
-route to the trainer). ``wtransfer show engine gloo`` prints both tables.
-
-A sharded trainer (``create_trainer(..., rank=R)`` on every rank, a ``ModuleSource``) has every
-rank send its own shards on process groups of its own with the workers; nothing is gathered
-(:mod:`wtransfer.engines._part_streams`).
+The logic lives in the torch.distributed modules (:mod:`wtransfer.engines._td_backend`); this module names
+the gloo flavour. Trainer ``init_info`` (:class:`GlooInitOptions`) adds ``master_address`` (default
+``127.0.0.1``: set an address of the trainer's host the workers can reach; the rendezvous listens there
+only), ``master_port`` (0: a free port), ``listen_address``, ``direct_min_bytes``, ``channels``,
+``local_address`` and ``interface``; workers take ``max_buffer_bytes`` and ``local_address`` or
+``interface`` (:class:`GlooOptions`). ``wtransfer show engine gloo`` prints both tables. A sharded
+trainer's ranks each send their own shards (:mod:`wtransfer.engines._part_streams`).
 """
 
 from __future__ import annotations

@@ -2,27 +2,20 @@
 
 A round crosses one of two ways, as the trainer's commit mode asks:
 
-**Staged** (atomic rounds, and every round of a sharded trainer). The trainer writes every
-tensor at its place in one segment that holds the whole round, created and pre-faulted once
-the workers said what they load, and reused by every round (grown if a round needs more).
-Every rank of a sharded trainer writes its own shards there, side by side: nothing is gathered
-and nothing is handed over bucket by bucket. Each worker maps the segment read-only and commits
-from it (:func:`~wtransfer.engines._commit.adopt_staged`): the model's bytes are copied once
-into the segment and once into each model, and the node holds one host copy of the round.
+**Staged** (atomic rounds, and every round of a sharded trainer): the trainer writes every tensor at
+its place in one segment holding the whole round (pre-faulted, reused, grown when needed); every rank
+of a sharded trainer writes its own shards there, nothing gathered. Each worker maps it read-only and
+commits from it (:func:`~wtransfer.engines._commit.adopt_staged`): the node holds one host copy.
 
-**Ring** (streaming and delta rounds): ``num_buffers`` buffers of ``bucket_bytes``, pre-touched
-once. The trainer packs bucket k into buffer ``k % num_buffers`` and announces it; workers load
-it from their read-only view and release it; packing the next bucket overlaps their loading.
-Memory: the ring only.
+**Ring** (streaming and delta rounds): ``num_buffers`` buffers of ``bucket_bytes``. The trainer packs
+bucket k into buffer ``k % num_buffers`` and announces it; workers load and release it, overlapping
+the packing of the next.
 
-Either memory is an anonymous ``memfd`` (elsewhere a POSIX segment unlinked at once), owner-only,
-handed to each process over a private Unix socket (``SCM_RIGHTS``): nothing has a name in
-``/dev/shm``, so nothing can leak, whoever is killed. Workers get read-only descriptors.
+Either memory is an anonymous owner-only ``memfd`` handed over a private Unix socket (``SCM_RIGHTS``):
+nothing is named in ``/dev/shm``, so nothing leaks whoever is killed. Workers get read-only descriptors.
 
-Per round each worker answers ``accept`` (or ``reject``, before any byte moves, if the framework
-found that its model cannot take the round) and, once its tensors are loaded or adopted,
-``loaded``. Every wait is bounded by ``timeout_s``; a peer that dies is noticed at once (its
-socket closes).
+Per round each worker answers ``accept`` (or ``reject``, before any byte moves) and, once loaded,
+``loaded``. Every wait is bounded by ``timeout_s``; a dead peer is noticed at once (its socket closes).
 """
 
 from __future__ import annotations
@@ -72,10 +65,8 @@ from wtransfer.options import option
 logger = logging.getLogger("wtransfer")
 
 HELLO_FRAME = 16 << 20
-"""The largest frame a peer that has not said which worker it is may send. It passed the user-id
-check already; a worker's hello lists what its model loads (a name per tensor whose dtype is
-not the model's: a checkpoint kept in fp32 and served in bf16 lists every one), so it may be
-large, but never the 64 MiB a known peer may send."""
+"""The largest frame an unidentified peer may send: a hello lists the served dtypes (possibly one name per
+tensor), so it may be large, but never the 64 MiB a known peer may."""
 
 
 @dataclass
@@ -117,9 +108,7 @@ def segment_pieces(manifest: Manifest) -> list[Piece]:
 
 class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo, ManifestUpdateInfo]):
     """Worker side of ``shm``: maps the trainer's memory read-only and loads (or adopts) rounds from it.
-
-    ``WeightTransferConfig.options``: ``max_buffer_bytes`` refuses rings larger than that at init.
-    """
+    Options: ``max_buffer_bytes`` refuses larger rings at init."""
 
     options_cls = BufferBudgetOptions
     init_info_cls = SharedMemoryInitInfo
@@ -186,8 +175,7 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         except RoundCalledOff:
             raise  # the trainer knows; this worker stays connected for the next round
         except (PeerClosedError, TrainerAborted) as exc:
-            # That trainer will never send again: drop its socket and memory now (a mapping would
-            # keep its shared memory alive) instead of at the next init or shutdown.
+            # That trainer will never send again: drop its socket and memory now (a mapping keeps it alive).
             self.shutdown()
             raise TransferError(f"round {manifest.version} failed on worker rank {self.rank}: {exc}") from exc
         except BaseException as exc:
@@ -209,8 +197,7 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         return message
 
     def _load_staged(self, message: dict[str, Any], manifest: Manifest, load_weights: LoadWeights) -> list[int] | None:
-        """The trainer wrote the whole round into its segment: check it, then commit from it (adopted)
-        or hand its tensors to ``load_weights`` (a streamed round, or a loader the engine wrapped)."""
+        """Check the staged round, then adopt it or hand its tensors to ``load_weights``."""
         assert self._channel is not None
         # a new segment comes with the first staged round, or one that had to grow
         self._staged = SharedSegment.handed_over(self._staged, self._channel.take_fds(), int(message["size"]),
@@ -279,12 +266,9 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
 
 @dataclass(frozen=True)
 class SharedMemoryInitOptions(TrainerInitOptions):
-    """Trainer ``init_info`` of ``shm``: the common keys, with a ring sized for the cache.
-
-    A small ring (16 MiB) stays in the last-level cache: workers read what the trainer just
-    wrote from cache instead of DRAM, so the two copies do not fight for memory bandwidth.
-    Measured when chosen: 4 MiB x 4 synced ~20 % faster than 32 MiB x 4. Staged rounds use no
-    ring: ``bucket_bytes`` and ``num_buffers`` apply to streaming and delta rounds.
+    """Trainer ``init_info`` of ``shm``: a small ring (16 MiB) that stays in the last-level cache, so workers
+    read what the trainer just wrote without both copies competing for DRAM bandwidth. Staged rounds use
+    no ring: ``bucket_bytes`` and ``num_buffers`` apply to streaming and delta rounds.
     """
 
     bucket_bytes: int = option(4 * MIB)
@@ -299,8 +283,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
 
     @property
     def uses_ring(self) -> bool:
-        """Streaming rounds of one sender, and delta rounds (small on the wire), go through the ring;
-        every other round is staged whole."""
+        """Streaming rounds of one sender, and delta rounds, go through the ring; the rest are staged whole."""
         return self.delta is not None or (self.commit == "streaming" and not self.parallel_senders)
 
     def prepare_workers(self) -> dict[str, Any]:
@@ -339,9 +322,8 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         return segment.size if segment is not None else 0
 
     def connected(self) -> None:
-        """The workers said what they load: a staged trainer allocates its segment now, pre-faulted,
-        so that no round (the first included) pays its page faults; a source that cannot say
-        what it holds before its first round gets it then."""
+        """A staged trainer allocates its pre-faulted segment now, so no round pays page faults (a source
+        that cannot list its tensors before its first round gets it then)."""
         if self.uses_ring:
             return
         try:
@@ -430,8 +412,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
     def _handshake(
         self, channel: ControlChannel, message: dict[str, Any], pending: dict[int, ControlChannel], ready: set[int]
     ) -> str | None:
-        """Take one rendezvous message; a problem (the channel is then dropped) from an unidentified
-        peer, whose messages never abort the rendezvous."""
+        """Take one rendezvous message; returns a problem to drop an unidentified peer (which never aborts)."""
         op = message.get("op")
         if op == "hello":
             rank = message.get("rank")
@@ -542,8 +523,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                 handle(rank, message)
         while not done():
             if call.error is not None:
-                # A worker answers before it raises (a rejection, a failure), so its message is
-                # already here when the client's error is: read it first, it may end the wait cleanly.
+                # A worker answers before it raises, so its message is here already: it may end the wait cleanly.
                 self._dispatch(0.0, what, handle)
                 if done():
                     return
@@ -606,10 +586,8 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                 pass
 
     def _abort(self, reason: str, only: list[int] | None = None, clean: bool = False) -> None:
-        """Best effort: tell live workers (and the other trainer ranks, first) to drop the round.
-        ``clean``: before any byte moved (a rejection), so they keep their connection for the next
-        round. ``send_weights`` tells the other ranks again for failures outside the transport; a
-        sender skips the second abort (it names a round that already ended there)."""
+        """Best effort: tell the other trainer ranks, then live workers, to drop the round. ``clean``: no
+        byte moved (a rejection), so workers stay connected for the next round."""
         self.stop_senders(reason)
         for rank, channel in self._channels.items():
             if only is not None and rank not in only:
@@ -640,8 +618,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
 
 
 class _Round:
-    """One round on rank 0: the workers' verdicts, then the bytes (staged or through the ring),
-    then every worker's ``loaded``."""
+    """One round on rank 0: the workers' verdicts, the bytes (staged or ring), every worker's ``loaded``."""
 
     def __init__(self, trainer: SharedMemoryTrainer, manifest: Manifest, call: ClientCall) -> None:
         self.trainer, self.manifest, self.call = trainer, manifest, call
@@ -737,8 +714,7 @@ class _Round:
                              fds=lambda rank: trainer._segment_fds(rank, writable=False))
 
     def _write_sharded(self, segment: SharedSegment, pieces: list[Piece]) -> None:
-        """Every trainer rank writes the parts of each tensor it holds at their place in the segment, once
-        the ranks' parts tile the round (checked before any byte is written); rank 0 waits for them all."""
+        """Every trainer rank writes its parts into the segment, once they are checked to tile the round."""
         trainer, manifest = self.trainer, self.manifest
         parts = rank_parts(trainer.source.named_tensors(), 0, manifest.entries)  # type: ignore[attr-defined]
         self.layouts[0] = RankLayout(manifest.entries, layout_rows(parts))

@@ -1,17 +1,15 @@
 """The KV-offloading toolkit: everything a spec or eviction-policy author may import.
 
 Base and data types (vLLM's names)
-    ``OffloadingSpec``, ``OffloadingSpecOptions`` (the keys every spec takes; extend it),
-    ``OffloadingManager``, ``OffloadingHandler``, ``LoadStoreSpec``,
-    ``TransferResult``, ``PrepareStoreOutput``, ``OffloadingEvent``, ``KVCacheSpec``,
-    ``block_view``; the media names ``DEVICE_MEDIUM`` and ``CPU_MEDIUM``.
+    ``OffloadingSpec``, ``OffloadingSpecOptions`` (the keys every spec takes; extend it), ``OffloadingManager``,
+    ``OffloadingHandler``, ``LoadStoreSpec``, ``TransferResult``, ``PrepareStoreOutput``, ``OffloadingEvent``,
+    ``KVCacheSpec``, ``block_view``; the media names ``DEVICE_MEDIUM`` and ``CPU_MEDIUM``.
 Parts the built-in tier is made of
-    ``BlockTableManager`` (a manager over a fixed table of slots, with any eviction
-    policy), ``BlockCopyHandler`` (copies block rows between two tensors on a thread),
-    ``EvictionPolicy`` (the base of the fourth plugin kind, ``wtransfer.policies``),
+    ``BlockTableManager`` (a fixed table of slots, any eviction policy), ``BlockCopyHandler`` (copies block rows
+    between two tensors on a thread), ``EvictionPolicy`` (base of the ``wtransfer.policies`` plugin kind),
     ``LRUPolicy``, ``ARCPolicy``, ``create_policy``.
-Specs to derive from live in their own public modules: ``CPUOffloadingSpec`` in
-    :mod:`wtransfer.specs.cpu`. ``OffloadingSpecFactory`` is :mod:`wtransfer`'s.
+Specs to derive from live in their own modules: ``CPUOffloadingSpec`` in :mod:`wtransfer.specs.cpu`.
+    ``OffloadingSpecFactory`` is :mod:`wtransfer`'s.
 """
 
 from wtransfer._lazy import lazy_exports
@@ -38,6 +36,4 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = sorted(_EXPORTS)
-# Names this module exported before 0.2: importing one says where it went.
-_MOVED: dict[str, str] = {"OffloadingSpecFactory": "wtransfer", "CPUOffloadingSpec": "wtransfer.specs.cpu"}
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, _MOVED)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

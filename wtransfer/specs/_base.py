@@ -1,17 +1,12 @@
 """The KV offloading contract: a spec, its scheduler-side manager and its worker-side handlers.
 
-A spec splits offloading in two halves that live in different places:
+* the **manager** (scheduler side) is pure bookkeeping: which block hashes the tier holds, where, which are pinned
+  by loads or in flight, and which to evict to make room;
+* the **handlers** (worker side) move bytes between the engine's paged KV cache and the tier, asynchronously, and
+  report when each job is done.
 
-* the **manager** (scheduler side) is pure bookkeeping: which block hashes the tier holds,
-  where, which are pinned by loads or in flight, and which to evict to make room;
-* the **handlers** (worker side) move bytes between the engine's paged KV cache and the
-  tier, asynchronously, and report when each job is done.
-
-Only small dataclasses travel between the two (``LoadStoreSpec`` has ``to_dict`` /
-``from_dict``), so the halves can sit in different processes without pickle.
-
-This module imports no torch at top level: the registry imports it to check that a
-plugin subclasses :class:`OffloadingSpec`, and that must stay cheap.
+Only small dataclasses with ``to_dict``/``from_dict`` travel between the halves, so they can sit in different
+processes without pickle. No torch at top level: the registry imports this module to check plugin classes.
 """
 
 from __future__ import annotations
@@ -44,12 +39,10 @@ CPU_MEDIUM = "cpu"
 class LoadStoreSpec:
     """Where some blocks live on one medium: block ids in transfer order.
 
-    On the device medium the ids are engine blocks; when the offloaded block size is
-    ``k`` engine blocks, each run of ``k`` consecutive ids forms one offloaded block.
-    A load may give fewer engine blocks than its offloaded blocks cover (by less than
-    ``k``): the engine already holds the leading part of the first offloaded block, so
-    handlers skip that many leading engine blocks of the source.
-    """
+    On the device medium the ids are engine blocks; with an offloaded block of ``k`` engine blocks, each run of
+    ``k`` consecutive ids forms one offloaded block. A load may give fewer engine blocks than its offloaded blocks
+    cover (by less than ``k``): the engine already holds the leading part of the first one, so handlers skip that
+    many leading engine blocks of the source."""
 
     medium: str
     block_ids: tuple[int, ...]
@@ -91,9 +84,8 @@ class TransferResult:
 class PrepareStoreOutput:
     """What ``prepare_store`` decided: the blocks to write, where, and what was evicted for them.
 
-    ``block_hashes_to_store`` excludes blocks that are already stored or in flight, so it
-    may be empty; ``store_spec.block_ids[i]`` is the tier slot of ``block_hashes_to_store[i]``.
-    """
+    ``block_hashes_to_store`` excludes blocks already stored or in flight (it may be empty);
+    ``store_spec.block_ids[i]`` is the tier slot of ``block_hashes_to_store[i]``."""
 
     block_hashes_to_store: tuple[BlockHash, ...]
     store_spec: LoadStoreSpec
@@ -132,8 +124,7 @@ class OffloadingManager(ABC):
 
     The call protocol, per block: ``prepare_store`` -> (worker writes) -> ``complete_store``;
     ``lookup`` -> ``prepare_load`` (pins) -> (worker reads) -> ``complete_load`` (unpins).
-    Pinned and in-flight blocks are never evicted; a failed store frees its slot.
-    """
+    Pinned and in-flight blocks are never evicted; a failed store frees its slot."""
 
     @abstractmethod
     def lookup(self, block_hashes: Iterable[BlockHash]) -> int:
@@ -153,11 +144,8 @@ class OffloadingManager(ABC):
 
     @abstractmethod
     def prepare_store(self, block_hashes: Iterable[BlockHash]) -> PrepareStoreOutput | None:
-        """Reserve slots for the blocks not yet held, evicting if needed.
-
-        ``None`` when room cannot be made without evicting pinned or in-flight blocks;
-        in that case nothing changed.
-        """
+        """Reserve slots for the blocks not yet held, evicting if needed; ``None`` (and nothing changed) when room
+        cannot be made without evicting pinned or in-flight blocks."""
 
     @abstractmethod
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
@@ -169,11 +157,8 @@ class OffloadingManager(ABC):
 
 
 class OffloadingHandler(ABC):
-    """Worker-side mover of blocks between two media.
-
-    ``transfer_async`` must return promptly and do the copy elsewhere (a thread, a CUDA
-    stream, a remote call): the engine keeps running while blocks move.
-    """
+    """Worker-side mover of blocks between two media; ``transfer_async`` must return promptly and copy elsewhere (a
+    thread, a CUDA stream, a remote call)."""
 
     @abstractmethod
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
@@ -193,11 +178,8 @@ class OffloadingHandler(ABC):
 
 @dataclass(frozen=True)
 class OffloadingSpecOptions:
-    """The ``kv_connector_extra_config`` keys every spec takes: which spec, and the offloaded block size.
-
-    A spec's own ``options_cls`` subclasses this, so one dict (the offloading connector's
-    extra config) is checked once, with every valid key in the error.
-    """
+    """The ``kv_connector_extra_config`` keys every spec takes: which spec, and the offloaded block size. A spec's
+    ``options_cls`` subclasses this, so the offloading connector's one dict is checked once, every valid key named."""
 
     spec_name: str = option("cpu", doc="which offloading spec to create (a registered name)")
     spec_module_path: str | None = option(None, doc="module to import the spec_name class from, if not registered")
@@ -223,24 +205,20 @@ _BASE_KEYS = frozenset(f.name for f in dataclasses.fields(OffloadingSpecOptions)
 class OffloadingSpec(ABC):
     """Base class of KV offloading specs: where evicted KV blocks go, and how.
 
-    Options come from ``config.kv_connector_extra_config``; declare them in ``options_cls``
-    (a subclass of :class:`OffloadingSpecOptions`) and read the parsed ``self.options``.
-    ``block_size`` there is the offloaded block size in tokens and must be a multiple of the
-    engine's block size (default: the engine's). ``kv_cache_spec`` describes the engine's
-    paged cache.
+    Declare options (``config.kv_connector_extra_config``) in ``options_cls``, a subclass of
+    :class:`OffloadingSpecOptions`, and read the parsed ``self.options``. ``block_size`` there is the offloaded block
+    size in tokens, a multiple of the engine's (default: the engine's).
     """
 
     supported_layouts: ClassVar[tuple[str, ...]] = ("wtransfer",)
-    """KV cache layouts (:data:`wtransfer.kvcache.KV_LAYOUTS`) whose blocks this spec copies
-    correctly; the factory refuses any other before creating it."""
+    """KV cache layouts (:data:`wtransfer.kvcache.KV_LAYOUTS`) this spec copies; the factory refuses others."""
     handles_parts: ClassVar[bool] = False
     """Whether its tier keeps tensor-parallel workers' parts of a block apart (``KVCacheSpec.shard``)."""
 
     options_cls: ClassVar[type | None] = None
     """The dataclass declaring this spec's ``kv_connector_extra_config`` (best: a subclass of
-    :class:`OffloadingSpecOptions`). ``None`` (the default) means "not declared": the dict is not
-    checked, so specs written before options were declared, which read ``extra_config``
-    themselves, keep working; ``self.options`` is then that dict."""
+    :class:`OffloadingSpecOptions`). ``None`` (default): the dict is not checked, for specs that read
+    ``extra_config`` themselves; ``self.options`` is then that dict."""
 
     options_owner: ClassVar[str] = ""
     """How option errors name this spec ("cpu offloading spec"); default: its class name."""
@@ -260,13 +238,9 @@ class OffloadingSpec(ABC):
 
     @classmethod
     def parse_options(cls, raw: Mapping[str, Any] | None) -> Any:
-        """Check ``kv_connector_extra_config`` once, at creation, against ``options_cls``.
-
-        A misspelled key (``num_cpu_block``) must fail as unknown, with a "did you mean",
-        rather than surface later as some other complaint ("needs a size"). The keys of
-        :class:`OffloadingSpecOptions` that ``options_cls`` does not declare are left to the
-        factory and this base class, not reported as unknown.
-        """
+        """Check ``kv_connector_extra_config`` against ``options_cls`` once, at creation: a misspelled key fails as
+        unknown, with a "did you mean". Keys of :class:`OffloadingSpecOptions` that ``options_cls`` does not declare
+        are left to the factory and this class."""
         if cls.options_cls is None:
             return dict(raw or {})
         declared = {f.name for f in dataclasses.fields(cls.options_cls)}

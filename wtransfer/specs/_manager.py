@@ -1,11 +1,8 @@
 """``BlockTableManager``: the policy-agnostic bookkeeping of a tier with a fixed number of slots.
 
-It maps block hashes to tier slots, tracks which blocks are ready (their store finished),
-pinned (a load is reading them) or in flight (a store is writing them), and asks an
-:class:`~wtransfer.specs.policies.EvictionPolicy` for victims among the blocks that may go.
-Any spec whose tier is "N equal slots" can reuse it with its own policy.
-
-Not thread-safe by design: it lives in the scheduler, which calls it from one thread.
+It maps block hashes to slots, tracks which blocks are ready (stored), pinned (being loaded) or in flight (being
+stored), and asks an :class:`~wtransfer.specs.policies.EvictionPolicy` for victims among those that may go. Any spec
+whose tier is "N equal slots" can reuse it. Not thread-safe by design: the scheduler calls it from one thread.
 """
 
 from __future__ import annotations
@@ -108,8 +105,8 @@ class BlockTableManager(OffloadingManager):
         return LoadStoreSpec(self.medium, tuple(slot.block_id for slot in slots))
 
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
-        # Reverse order: a prefix's first blocks end up most recently used, so a chain is
-        # evicted from its tail (a head block is useful without its tail, not vice versa).
+        # Reverse order: a prefix's first blocks end up most recently used, so a chain is evicted from its tail
+        # (a head block is useful without its tail, not vice versa).
         for block_hash in reversed(list(block_hashes)):
             slot = self._table.get(block_hash)
             if slot is not None and slot.ready:

@@ -1,7 +1,6 @@
-"""The built-in ``cpu`` spec: a host-memory tier for KV blocks evicted from the engine's cache.
+"""The built-in ``cpu`` spec: a host-memory tier for KV blocks evicted from the engine's cache (GPU or CPU).
 
-Works whether the engine's cache is on a GPU or is itself made of CPU tensors. Options
-(``kv_connector_extra_config``, declared in :class:`CPUSpecOptions`):
+Options (``kv_connector_extra_config``, declared in :class:`CPUSpecOptions`):
 
 * ``num_cpu_blocks`` or ``cpu_bytes_to_use``: the tier's size, in offloaded blocks or bytes;
 * ``block_size``: tokens per offloaded block, a multiple of the engine's block size;
@@ -10,8 +9,8 @@ Works whether the engine's cache is on a GPU or is itself made of CPU tensors. O
 * ``transfer_timeout_s`` (every spec's): how long ``wait`` blocks before raising (default 60);
 * ``staging_blocks``: engine blocks per copy chunk (default 64), bounding the staging buffer.
 
-The tier is one tensor allocated (and faulted in) once, on the first ``get_handlers`` call;
-every transfer reuses it and one preallocated staging buffer per direction.
+The tier is one tensor allocated (and faulted in) on the first ``get_handlers`` call; every transfer reuses it and
+one preallocated staging buffer per direction.
 """
 
 from __future__ import annotations
@@ -99,11 +98,8 @@ class _Job:
 
 
 class BlockCopyHandler(OffloadingHandler):
-    """Copies blocks from ``src`` to ``dst`` on a worker thread with vectorised index copies.
-
-    Each chunk is one ``index_select`` into a preallocated staging buffer and one
-    ``index_copy_`` out of it, per layer: no per-block Python loop, no allocation per job.
-    """
+    """Copies blocks from ``src`` to ``dst`` on a worker thread: per chunk and layer one ``index_select`` into a
+    preallocated staging buffer and one ``index_copy_`` out of it (no per-block loop, no allocation per job)."""
 
     def __init__(
         self,

@@ -1,14 +1,11 @@
 """Eviction policies for offloading tiers: one small interface, ``lru`` and ``arc`` built in.
 
-A policy only orders keys; the manager owns slots, pins and in-flight state and tells
-the policy what happened. ``evict`` is asked for victims with a predicate that says which
-keys may go (not pinned, not in flight), so a policy never needs to know about pins.
+A policy only orders keys; the manager owns slots, pins and in-flight state. ``evict`` gets a predicate saying which
+keys may go, so a policy never needs to know about pins.
 
-Policies are the fourth plugin kind: a distribution ships one as an entry point in the
-``wtransfer.policies`` group (``fifo = "acme.fifo:FIFOPolicy"``) and every process can
-then name it, bare (``"fifo"``) or qualified (``"acme:fifo"``), through the same registry
-as engines, connectors and specs. Code that builds a :class:`BlockTableManager` itself may
-hand it a policy instance instead of a name.
+Policies are a plugin kind: a distribution ships one in the ``wtransfer.policies`` entry-point group
+(``fifo = "acme.fifo:FIFOPolicy"``), named bare (``"fifo"``) or qualified (``"acme:fifo"``) through the same
+registry as engines, connectors and specs. A :class:`BlockTableManager` also takes a policy instance.
 """
 
 from __future__ import annotations
@@ -31,10 +28,8 @@ CanEvict = Callable[[Key], bool]
 class EvictionPolicy(ABC):
     """Decides which resident keys leave a tier of ``capacity`` slots first.
 
-    Calls, all from the manager: ``insert`` when a key is admitted (a miss), ``touch`` on a
-    hit, ``remove`` when a key leaves for another reason (a failed store), and ``evict``
-    to choose and drop victims. ``evict`` is all-or-nothing.
-    """
+    Calls, all from the manager: ``insert`` on admission (a miss), ``touch`` on a hit, ``remove`` when a key leaves
+    for another reason (a failed store), ``evict`` to choose and drop victims (all-or-nothing)."""
 
     name: ClassVar[str] = ""
 
@@ -123,12 +118,10 @@ class LRUPolicy(EvictionPolicy):
 class ARCPolicy(EvictionPolicy):
     """Adaptive replacement (Megiddo & Modha, FAST 2003), adapted to batched, pin-aware eviction.
 
-    ``T1`` holds keys seen once recently, ``T2`` keys seen at least twice; the ghost lists
-    ``B1`` / ``B2`` remember keys recently evicted from each. A new key that hits ``B1``
-    means ``T1`` was too small, so the target size ``p`` of ``T1`` grows; a hit in ``B2``
-    shrinks it. Eviction takes from ``T1`` while it is above ``p``, else from ``T2``. One-off
-    keys (a scan) therefore churn through ``T1`` and leave the frequently used ``T2`` alone.
-    """
+    ``T1`` holds keys seen once recently, ``T2`` keys seen at least twice; ghost lists ``B1``/``B2`` remember keys
+    recently evicted from each. A new key hitting ``B1`` grows ``T1``'s target size ``p``, one hitting ``B2``
+    shrinks it; eviction takes from ``T1`` while it is above ``p``, else from ``T2``. A scan thus churns through
+    ``T1`` and leaves the frequently used ``T2`` alone."""
 
     name = "arc"
 
@@ -236,11 +229,8 @@ def _registry() -> ComponentRegistry:
 
 
 def policy_class(name: str | type[EvictionPolicy]) -> type[EvictionPolicy]:
-    """A policy name (bare ``"lru"`` or qualified ``"distribution:name"``) or a class -> the class.
-
-    Names resolve through the registry, so unknown names suggest close ones and an
-    ambiguous bare name lists the qualified names to use.
-    """
+    """A policy name (bare ``"lru"`` or qualified ``"distribution:name"``) or a class -> the class; unknown names
+    suggest close ones, an ambiguous bare name lists the qualified ones."""
     from wtransfer._registry.component import check_subclass
     from wtransfer.errors import UnknownComponentError
 

@@ -1,9 +1,5 @@
-"""Write real installed-distribution folders (``.dist-info``) for discovery tests.
-
-``importlib.metadata`` finds them like any pip-installed package once their parent
-directory is on ``sys.path`` (or ``PYTHONPATH`` for a subprocess), so tests exercise
-the real discovery path with no mocking of importlib.
-"""
+"""Write real installed-distribution folders (``.dist-info``) for discovery tests: ``importlib.metadata`` finds
+them like any pip-installed package once their parent is on ``sys.path`` (or ``PYTHONPATH``), so no mocking."""
 
 from __future__ import annotations
 
@@ -20,8 +16,8 @@ EntryPoints = Mapping[str, Mapping[str, str]]  # group -> {name: "module:Class"}
 
 @contextlib.contextmanager
 def site_on_path(site_dir: str | Path) -> Iterator[Path]:
-    """Put ``site_dir`` first on ``sys.path`` (rescanning components) for the block; afterwards
-    remove it, forget every module imported from it, and rescan again."""
+    """Put ``site_dir`` first on ``sys.path`` (rescanning components) for the block; afterwards remove it, forget
+    every module imported from it, and rescan again."""
     from wtransfer._registry.registry import refresh
 
     site = str(site_dir)
@@ -59,9 +55,7 @@ def write_distribution(
 ) -> Path:
     """Create ``<site_dir>/<name>-<version>.dist-info`` plus source modules; return the dist-info path.
 
-    ``modules`` maps a dotted module name to its source; packages get ``__init__.py``
-    files as needed. The written code is dedented, so tests can use triple quotes.
-    """
+    ``modules`` maps a dotted module name to its source (dedented; packages get ``__init__.py`` as needed)."""
     site = Path(site_dir)
     site.mkdir(parents=True, exist_ok=True)
     stem = re.sub(r"[-_.]+", "_", name)
@@ -115,9 +109,6 @@ class {cls}(WeightTransferEngine):
 
 
 def demo_engine_module(cls: str = "DemoEngine", prefix: str = "") -> str:
-    """Source of a module defining a concrete (do-nothing) engine class ``cls``, for discovery tests.
-
-    ``prefix`` is module-level code run when it is imported (say, a line that raises, or
-    one that records the import in a file).
-    """
+    """Source of a module defining a concrete do-nothing engine class ``cls``, for discovery tests; ``prefix`` is
+    module-level code run at import (a line that raises, say)."""
     return _DEMO_ENGINE.format(cls=cls, prefix=prefix)

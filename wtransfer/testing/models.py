@@ -1,10 +1,8 @@
 """Small models for weight-transfer tests, importable by spawned workers as ``module:function``.
 
-:func:`matrix_model` holds one parameter per awkward case a transport must get right:
-bf16/fp16/fp8/bool/int/complex dtypes, a 0-dim scalar, an empty tensor, a transposed
-(non-contiguous) view, a view with a storage offset, and a tensor larger than a bucket.
-Values depend on ``seed`` only, so a trainer and its workers build the same layout with
-different contents.
+:func:`matrix_model` holds one parameter per awkward case a transport must get right: bf16/fp16/fp8/bool/int/complex
+dtypes, a 0-dim scalar, an empty tensor, a transposed view, a view with a storage offset, and a tensor larger than a
+bucket. Values depend on ``seed`` only, so trainer and workers build the same layout with different contents.
 """
 
 from __future__ import annotations
@@ -29,8 +27,8 @@ def _values(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generat
 
 
 def matrix_model(seed: int = 0, variant: str = "default") -> torch.nn.Module:
-    """The dtype/shape matrix as a module. ``variant="mismatch"`` changes one shape (for
-    manifest-mismatch tests); ``variant="extra"`` adds a parameter the trainer does not have."""
+    """The dtype/shape matrix as a module. ``variant="mismatch"`` changes one shape; ``variant="extra"`` adds a
+    parameter the trainer does not have."""
     generator = torch.Generator().manual_seed(seed)
     module = torch.nn.Module()
 
@@ -64,9 +62,8 @@ def matrix_model(seed: int = 0, variant: str = "default") -> torch.nn.Module:
 class TiedLM(torch.nn.Module):
     """A tiny language model with tied input and output embeddings, as many LLMs have.
 
-    For sharded-trainer tests (FSDP2 shards each block and the root): the output head's
-    weight *is* the embedding, so a transport must send it once and a loader must tie it.
-    """
+    For sharded-trainer tests: the output head's weight *is* the embedding, so a transport must send it once and a
+    loader must tie it."""
 
     def __init__(self, vocab: int = 512, hidden: int = 64, layers: int = 2) -> None:
         super().__init__()
@@ -95,9 +92,8 @@ def tied_lm(seed: int = 0, vocab: int = 512, hidden: int = 64, layers: int = 2, 
 
 def tiny_llama(seed: int = 0, hidden: int = 128, layers: int = 2, vocab: int = 1024, dtype: str = "bfloat16",
                frozen_embedding: bool = False) -> torch.nn.Module:
-    """A real ``transformers`` Llama (built from a config: nothing downloaded), bf16 by default,
-    with weights that depend on ``seed`` only. ``frozen_embedding``: the embedding does not train
-    (a frozen part of the model, as a vision tower or a base under LoRA)."""
+    """A real ``transformers`` Llama (built from a config, nothing downloaded), bf16 by default, weights depending on
+    ``seed`` only. ``frozen_embedding``: the embedding does not train (as a vision tower or a base under LoRA)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
@@ -171,10 +167,7 @@ def parse_model(spec: str) -> list[tuple[str, list[int]]]:
 
 
 def build_model(shapes: list[list[Any]], dtype: str, random: bool = False, seed: int = 0) -> torch.nn.Module:
-    """A module holding the given parameters under their dotted names (nested submodules).
-
-    Each item is ``[name, shape]`` or ``[name, shape, dtype_name]`` (overriding ``dtype``).
-    """
+    """A module holding ``[name, shape]`` or ``[name, shape, dtype_name]`` parameters under their dotted names."""
     from wtransfer._dtypes import dtype_from_name
 
     root = torch.nn.Module()

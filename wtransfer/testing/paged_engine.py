@@ -8,67 +8,38 @@ Connector authors use it to test their plugin end to end without vLLM:
 
 What is real here
 -----------------
-* **Paged cache.** One tensor per layer in the spec's layout (``KVCacheSpec.cache_shape``: by default
-  ``[2, num_blocks, block_size, num_kv_heads, head_size]``, or vLLM-CPU's, see :func:`kv_planes`)
-  (0 = keys, 1 = values), in the spec's dtype. These exact tensors are given to
-  the worker connector's ``register_kv_caches``; connectors read and write blocks in place.
-* **Block allocator with prefix caching.** Full blocks are identified by their
-  chained hash (:mod:`wtransfer.connectors._hashing`). A finished request's blocks
-  keep their contents and stay findable until evicted; allocation takes never-used
-  blocks first, then evicts the least recently freed cached block (tail blocks of
-  a request before its head). A working set larger than the cache therefore
-  pushes earlier prefixes out, and a connector can bring them back.
-* **A model that reads its cache.** Per layer and token, attention over every
-  earlier token's K and V as read back from the paged cache:
-  ``a_t = softmax(K_{<t} (x_t Wq)) V_{<t}``, ``k_t = tanh(x_t Wk + a_t U)``,
-  ``v_t = tanh(x_t Wv + k_t)``, next layer's ``x = x + v``. KV is thus a
-  deterministic function of the whole token prefix (weights seeded from the model
-  fingerprint), every token is computed with the same one-row operations however
-  the work is chunked, and a wrongly loaded block changes every later KV and the
-  generated tokens. :func:`reference_kv` recomputes from scratch for bit-exact checks.
+* **Paged cache.** One tensor per layer in the spec's layout and dtype (``KVCacheSpec.cache_shape``; keys and
+  values via :func:`kv_planes`). These exact tensors go to the worker's ``register_kv_caches``.
+* **Block allocator with prefix caching.** Full blocks are found by chained hash
+  (:mod:`wtransfer.connectors._hashing`); a finished request's blocks stay findable until evicted. Allocation takes
+  never-used blocks first, then the least recently freed cached block (a request's tail before its head), so a
+  working set larger than the cache pushes earlier prefixes out, and a connector can bring them back.
+* **A model that reads its cache.** Per layer and token, attention over every earlier token's K and V as read back
+  from the cache: ``a_t = softmax(K_{<t} (x_t Wq)) V_{<t}``, ``k_t = tanh(x_t Wk + a_t U)``,
+  ``v_t = tanh(x_t Wv + k_t)``, next ``x = x + v``. KV is a deterministic function of the whole prefix, computed
+  with the same one-row operations however the work is chunked, so a wrongly loaded block changes every later KV
+  and the generated tokens. :func:`reference_kv` recomputes from scratch for bit-exact checks.
 
-How a connector is driven (call order of one :meth:`PagedKVEngine.step`)
------------------------------------------------------------------------
-Scheduler half (``sched`` = the ``KVConnectorRole.SCHEDULER`` instance):
+One :meth:`PagedKVEngine.step` (the call order of :mod:`wtransfer.connectors._base`)
+-----------------------------------------------------------------------------------
+1. Running requests are scheduled for their remaining tokens (1 when decoding); requests waiting for
+   asynchronous loads stay parked until reported received.
+2. Waiting requests, in arrival order: local prefix hits ``n_local`` (full blocks, at least one prompt token left)
+   -> ``sched.get_num_new_matched_tokens(request, n_local)`` (``None``: ask again next step) -> blocks for the
+   whole request (if short, admission stops) -> ``sched.update_state_after_alloc`` with
+   ``request.num_computed_tokens == n_local``. With ``load_async`` the request is parked.
+3. ``sched.build_connector_meta(SchedulerStep(...))``; its ``to_json()`` always crosses to the worker, even
+   in-process, and is bound there.
+4. ``start_load_kv``; per layer ``wait_for_layer_load``, compute, ``save_kv_layer`` (a step with nothing
+   scheduled skips the layers but still runs the rest, so asynchronous transfers progress); ``wait_for_save``.
+5. Requests with a block in ``get_block_ids_with_load_errors()`` roll back to it and recompute (no token sampled).
+6. Tokens are sampled, newly full blocks join the prefix cache, requests at ``max_new_tokens`` finish through
+   ``sched.request_finished`` (with ``delay_free`` their blocks stay allocated).
+7. ``worker.get_finished``: ``sending`` frees delayed blocks, ``receiving`` un-parks requests; then
+   ``build_connector_worker_meta``, ``clear_connector_metadata``, and ``sched.update_connector_output`` through JSON.
 
-1. Running requests are scheduled for their remaining tokens (1 when decoding).
-2. Requests waiting for asynchronous loads stay parked until reported received.
-3. Waiting requests, in arrival order: local prefix hits (``n_local``, full blocks,
-   at least one prompt token left to compute) ->
-   ``sched.get_num_new_matched_tokens(request, n_local)`` (``None``: ask again
-   next step) -> blocks for the whole request are allocated (hits first; if
-   short, the request waits and admission stops) ->
-   ``sched.update_state_after_alloc(request, block_ids, n_ext)`` with
-   ``request.num_computed_tokens == n_local``. With ``load_async`` the request is
-   parked; otherwise it is scheduled with ``num_computed_tokens = n_local + n_ext``.
-4. ``meta = sched.build_connector_meta(SchedulerStep(...))``; the step lists the
-   scheduled requests and the ids finished since the previous step.
-5. ``meta.to_json()`` is what crosses to the worker, always, even in-process.
-
-Worker half (``worker`` = the ``KVConnectorRole.WORKER`` instance; ``register_kv_caches``
-was called once at construction):
-
-6. ``worker.bind_connector_metadata(type(worker).metadata_cls.from_json(payload))``
-7. ``worker.start_load_kv()``
-8. for each layer: ``worker.wait_for_layer_load(name)``, compute the layer for all
-   scheduled tokens, ``worker.save_kv_layer(name, kv_caches[name])`` (skipped in a
-   step with nothing scheduled, which still runs 6, 7, 9, 12 and 13 so that
-   asynchronous transfers make progress)
-9. ``worker.wait_for_save()``
-10. ``failed = worker.get_block_ids_with_load_errors()``: requests with a failed
-    block roll back to that block and recompute it next step (no token sampled).
-11. Tokens are sampled; newly full blocks join the local prefix cache; requests that
-    reached ``max_new_tokens`` finish: ``sched.request_finished(request, block_ids)``;
-    with ``delay_free`` their blocks stay allocated.
-12. ``sending, receiving = worker.get_finished(set(step.finished_req_ids))``:
-    ``sending`` frees delayed blocks; ``receiving`` un-parks requests.
-13. ``report = worker.build_connector_worker_meta()``, then ``worker.clear_connector_metadata()``
-14. ``sched.update_connector_output(KVConnectorOutput(sending, receiving, failed, [report]))``,
-    through JSON: the one way back from worker to scheduler (stores that landed or failed).
-
-:meth:`PagedKVEngine.run` steps until every request is done (delayed frees
-included), raising :class:`~wtransfer.errors.TransferTimeoutError` instead of
-hanging when a connector never reports.
+:meth:`PagedKVEngine.run` steps until every request is done (delayed frees included), raising
+:class:`~wtransfer.errors.TransferTimeoutError` instead of hanging when a connector never reports.
 """
 
 from __future__ import annotations
@@ -106,11 +77,7 @@ __all__ = [
 
 
 class TinyModel:
-    """Deterministic weights seeded from the model fingerprint; one-row ops for bit-exact replays.
-
-    Each layer attends over every earlier token's K and V (read back from the paged
-    cache), so a token's KV depends on the whole prefix, as in a transformer.
-    """
+    """Deterministic weights seeded from the model fingerprint; one-row ops for bit-exact replays."""
 
     def __init__(self, spec: KVCacheSpec, vocab_size: int = 512) -> None:
         self.spec = spec
@@ -134,8 +101,8 @@ class TinyModel:
     def layer_step(
         self, layer: int, x: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One token through one layer given the earlier tokens' ``[t, hidden]`` K and V:
-        ``(k, v, next_x)``, each ``[1, hidden]`` float32."""
+        """One token through one layer given the earlier tokens' ``[t, hidden]`` K and V: ``(k, v, next_x)``, each
+        ``[1, hidden]`` float32."""
         wq, wk, wv, u = self.layers[layer]
         pre_k = x @ wk
         if past_k.shape[0]:
@@ -271,8 +238,8 @@ class _Request:
 
 
 class PagedKVEngine:
-    """The tiny engine. Pass a ``KVTransferConfig`` (created through ``KVConnectorFactory``)
-    or ready ``connectors=(scheduler_instance, worker_instance)``, or neither."""
+    """The tiny engine. Pass a ``KVTransferConfig`` (connectors created through ``KVConnectorFactory``), ready
+    ``connectors=(scheduler_instance, worker_instance)``, or neither."""
 
     def __init__(
         self,
@@ -354,8 +321,7 @@ class PagedKVEngine:
         return any(r.status is not RequestStatus.DONE for r in self._requests.values())
 
     def run(self, *, timeout_s: float = 60.0, max_steps: int = 100_000) -> dict[str, RequestOutput]:
-        """Step until every request is done (delayed frees included); return every output not
-        returned before (requests finished by earlier manual ``step()`` calls included)."""
+        """Step until every request is done (delayed frees included); return every output not returned before."""
         deadline = time.monotonic() + timeout_s
         for _ in range(max_steps):
             if not self.has_unfinished() and not self._finished_since_last_step:
@@ -624,12 +590,10 @@ class PagedKVEngine:
 
 
 def kv_planes(spec: KVCacheSpec, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of one layer's cache as ``[num_blocks, block_size, heads, head_size]`` views.
+    """Keys and values of one layer's cache as ``[num_blocks, block_size, heads, head_size]`` views (writable).
 
-    Writing into them writes the cache. For ``"vllm-cpu"`` the block is split as vLLM's
-    CPU attention splits it: viewed as ``[heads, 2 * block_size, head_size]``, the first
-    ``block_size`` rows are keys and the rest values.
-    """
+    For ``"vllm-cpu"`` the block is split as vLLM's CPU attention does: viewed as
+    ``[heads, 2 * block_size, head_size]``, the first ``block_size`` rows are keys, the rest values."""
     if spec.layout == "vllm-cpu":
         num_blocks = cache.shape[0]
         halves = cache.view(num_blocks, spec.num_kv_heads, 2 * spec.block_size, spec.head_size).chunk(2, dim=2)
@@ -640,9 +604,7 @@ def kv_planes(spec: KVCacheSpec, cache: torch.Tensor) -> tuple[torch.Tensor, tor
 def reference_kv(spec: KVCacheSpec, token_ids: Sequence[int], *, vocab_size: int = 512) -> dict[str, torch.Tensor]:
     """KV of ``token_ids`` recomputed from scratch (no connector, no prefix cache): the ground truth.
 
-    Layer -> ``[2, len(token_ids), heads, head_size]`` in the spec's dtype; compare with
-    ``RequestOutput.kv`` of a one-token generation over the same prompt.
-    """
+    Layer -> ``[2, len(token_ids), heads, head_size]`` in the spec's dtype, comparable with ``RequestOutput.kv``."""
     blocks = -(-len(token_ids) // spec.block_size)
     engine = PagedKVEngine(spec, blocks, enable_prefix_caching=False, capture_kv=True, vocab_size=vocab_size)
     output = engine.generate({"reference": token_ids}, max_new_tokens=1)["reference"]

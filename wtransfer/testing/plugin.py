@@ -2,19 +2,17 @@
 
 Installing wtransfer gives every test suite these fixtures:
 
-* ``isolated_registry`` — runtime registrations made during the test are undone after it,
-  and installed distributions are rescanned before and after.
-* ``fake_distribution`` — ``fake_distribution(name, entry_points, modules=..., version=...)``
-  writes a real ``.dist-info`` (plus modules) into a private site directory that is on
-  ``sys.path`` and on ``PYTHONPATH`` (so subprocesses see it too), then rescans.
-* ``paged_engine`` — a factory for the tiny paged KV engine (see
-  :mod:`wtransfer.testing.paged_engine`).
+* ``isolated_registry`` — runtime registrations made during the test are undone after it, and installed
+  distributions are rescanned before and after.
+* ``fake_distribution`` — ``fake_distribution(name, entry_points, modules=..., version=...)`` writes a real
+  ``.dist-info`` (plus modules) into a private site directory on ``sys.path`` and ``PYTHONPATH`` (so subprocesses
+  see it too), then rescans.
+* ``paged_engine`` — a factory for the tiny paged KV engine (:mod:`wtransfer.testing.paged_engine`).
 
-and the conformance classes in :mod:`wtransfer.testing.conformance` to subclass.
-Keep this module light: pytest imports it at start-up in every project that has
-wtransfer installed. For the same reason it changes nothing until a test asks for one of its
-fixtures: no autouse fixture, no marker, no command-line option, no hook that runs in an
-unrelated project's session (``tests/test_pytest_plugin_inert.py`` holds it to that).
+and the conformance classes in :mod:`wtransfer.testing.conformance` to subclass. pytest imports this module at
+start-up in every project with wtransfer installed, so it stays light and changes nothing until a test asks for a
+fixture: no autouse fixture, marker, option or hook that runs in an unrelated session
+(``tests/test_pytest_plugin_inert.py`` holds it to that).
 """
 
 from __future__ import annotations
@@ -76,8 +74,8 @@ def fake_distribution(
 
 @pytest.fixture
 def paged_engine() -> Iterator[Callable[..., Any]]:
-    """Factory for the tiny paged KV engine (same arguments as ``PagedKVEngine``); engines
-    made through it are shut down after the test."""
+    """Factory for the tiny paged KV engine (same arguments as ``PagedKVEngine``); engines made through it are shut
+    down after the test."""
     from wtransfer.testing.paged_engine import PagedKVEngine
 
     engines: list[PagedKVEngine] = []

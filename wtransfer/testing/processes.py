@@ -18,11 +18,8 @@ def run_python(
     timeout: float = 120,
     check: bool = True,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` (dedented) with ``path`` prepended to ``PYTHONPATH``; return the finished process.
-
-    With ``check`` a non-zero exit raises ``AssertionError`` showing stdout and stderr,
-    which is what a failing test wants to print.
-    """
+    """Run ``code`` (dedented) with ``path`` prepended to ``PYTHONPATH``; return the finished process. With
+    ``check`` a non-zero exit raises ``AssertionError`` showing stdout and stderr."""
     full_env = dict(os.environ)
     full_env.update(env or {})
     entries = [str(p) for p in path]

@@ -10,8 +10,8 @@ Subclass it, name the connector and give its options (``tmp_path`` is available)
         def connector_options(self, tmp_path):
             return {"path": str(tmp_path / "kv")}
 
-The engine runs with its own prefix cache off, so every reused token must come through
-the connector, and every reloaded block is checked bit-exactly against recomputation.
+The engine runs with its own prefix cache off, so every reused token comes through the connector, and every
+reloaded block is checked bit-exactly against recomputation.
 """
 
 from __future__ import annotations
@@ -126,9 +126,8 @@ class ConnectorConformance:
             out = other.generate({"x": PROMPT + [1, 2]})["x"]
             require(out.num_external_tokens == 0, "KV saved under another model fingerprint never matches",
                     "0 external tokens", out.num_external_tokens)
-        # The same connector instance, the same tokens, hashed as another model's (as after a
-        # weight update re-roots an engine's hashes): a plugin that keys blocks by tokens, or by
-        # its own idea of the model instead of the request's block hashes, matches here.
+        # The same connector instance and tokens, hashed as another model's (as after a weight update): a plugin
+        # keying blocks by tokens, or by its own idea of the model instead of the request's hashes, matches here.
         from wtransfer.connectors._hashing import kv_namespace
 
         engine.namespace = kv_namespace(other_spec)

@@ -9,13 +9,12 @@ Subclass it, name the engine, and give its options if it needs any::
         def trainer_init_info(self):
             return {"master_address": "127.0.0.1"}   # merged into the trainer's init_info
 
-Every round runs through ``create_trainer`` and ``WeightTransferEngineFactory.create_engine``
-with a trainer in this process and workers in spawned processes (``LocalWorkerPool``),
-on :func:`wtransfer.testing.models.matrix_model` (bf16, fp8, bool, 0-dim, empty,
-non-contiguous, offset views, a tensor larger than a bucket) and checked bit for bit.
-Rounds run in both commit modes (``atomic`` and ``streaming``), and every failure point
-compares the workers' weights, never only their ``weight_version``: after a failed round a
-worker holds the previous version bit for bit (atomic), or says it is torn (streaming).
+Every round runs through ``create_trainer`` and ``WeightTransferEngineFactory.create_engine``, with the trainer in
+this process and workers in spawned processes (``LocalWorkerPool``), on :func:`wtransfer.testing.models.matrix_model`
+(bf16, fp8, bool, 0-dim, empty, non-contiguous, offset views, a tensor larger than a bucket), checked bit for bit,
+in both commit modes (``atomic`` and ``streaming``). Every failure point compares the workers' weights, not only
+their ``weight_version``: after a failed round a worker holds the previous version bit for bit (atomic), or says
+it is torn (streaming).
 """
 
 from __future__ import annotations
@@ -85,8 +84,8 @@ class EngineConformance:
 
     @staticmethod
     def _require_honest(pool: Any, previous: dict[str, int], commit: str, what: str) -> None:
-        """After a failed round: atomic workers hold ``previous`` bit for bit; a streaming worker
-        either does too, or says it is torn. ``weight_version`` never names a version the weights are not."""
+        """After a failed round: atomic workers hold ``previous`` bit for bit; a streaming worker does too or says
+        it is torn. ``weight_version`` never names a version the weights are not."""
         for rank, (digests, stats) in enumerate(zip(pool.digests(), pool.stats())):
             changed = sorted(n for n in previous if digests.get(n) != previous[n])
             if commit == "atomic":
@@ -165,11 +164,9 @@ class EngineConformance:
     def test_delta_rounds_rebuild_the_trainers_weights_bit_exactly(
         self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any], commit: str
     ) -> None:
-        """``delta=True`` is a layer over every engine: after a full round, a round carrying a few
-        changed bytes of most tensors (the larger ones as payloads, positions or XORs) and one
-        tensor changed all over (whole), then a round with nothing changed (no tensor on the wire
-        at all), each lands on every worker bit for bit; the first moves fewer bytes than the
-        model, the second none."""
+        """``delta=True`` over every engine: after a full round, a round changing a few bytes of most tensors (sent
+        as ``positions`` payloads) and one tensor all over (whole), then a round with nothing changed, each
+        lands bit for bit; the first moves fewer bytes than the model, the second no tensor at all."""
         import torch
 
         from wtransfer.testing.models import matrix_model
@@ -221,9 +218,8 @@ class EngineConformance:
     def test_dead_worker_raises_within_the_timeout(
         self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any]
     ) -> None:
-        """A worker SIGKILLed mid-round, after half the tensors were handed to the engine (so
-        buckets are already moving): the trainer must raise within the timeout, and its round
-        must not count. Killing the worker before the round would only test the pool's client."""
+        """A worker SIGKILLed mid-round, after half the tensors were handed to the engine (buckets are moving): the
+        trainer raises within the timeout and the round does not count. (Killing it earlier tests only the pool.)"""
         from wtransfer.errors import WTransferError
         from wtransfer.testing.models import matrix_model
 
@@ -248,8 +244,8 @@ class EngineConformance:
                         0, trainer.weight_version)
             finally:
                 trainer.shutdown()
-            # The client's call may still be winding down in its thread (a wait() holds an epoll
-            # descriptor for a moment): a leak is what is still open once everything settled.
+            # The client's call may still be winding down in its thread (a wait() holds an epoll descriptor for a
+            # moment): a leak is what is still open once everything settled.
             settled = time.monotonic() + 10
             while open_fd_count() > fds_before and time.monotonic() < settled:
                 time.sleep(0.1)
@@ -266,10 +262,9 @@ class EngineConformance:
     def test_reconnects_to_workers_that_restarted(
         self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any]
     ) -> None:
-        """``trainer.reconnect(client=...)`` releases the transport and prepares it again on the same
-        trainer (``release()`` then ``prepare_workers()``, a second time): workers in new processes,
-        whose models start from other weights, get the next round bit for bit, while the old
-        workers still live (replacements brought up before the old ones are torn down)."""
+        """``trainer.reconnect(client=...)`` releases the transport and prepares it again on the same trainer:
+        workers in new processes, with other starting weights, get the next round bit for bit while the old
+        workers still live (replacements come up before the old ones are torn down)."""
         from wtransfer.testing.models import matrix_model
 
         model = matrix_model(seed=1)
@@ -296,11 +291,10 @@ class EngineConformance:
     def test_dead_trainer_fails_the_workers_within_the_timeout(
         self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any], commit: str
     ) -> None:
-        """The trainer's process SIGKILLed mid-round (round two carries new weights), when the
-        engine asks for the last tensor (every bucket before it was sent): every worker raises a TransferError within the
-        timeout, holds round one's weights bit for bit (atomic) or says it is torn (streaming),
-        holds no more file descriptors than before the trainer existed, leaves nothing in
-        /dev/shm, and takes a fresh trainer's round afterwards."""
+        """The trainer's process SIGKILLed mid-round two (new weights), when the engine asks for the last tensor:
+        every worker raises a TransferError within the timeout, holds round one's weights bit for bit (atomic) or
+        says it is torn (streaming), holds no more file descriptors than before, leaves nothing in /dev/shm, and
+        takes a fresh trainer's round afterwards."""
         import multiprocessing
 
         from wtransfer._fork_server import worker_process
@@ -374,9 +368,8 @@ class EngineConformance:
     def test_a_live_but_silent_worker_fails_the_round_within_the_timeout(
         self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any], commit: str
     ) -> None:
-        """A worker stopped (SIGSTOP) mid-round: its sockets stay open, nothing closes. The trainer
-        must raise within its ``timeout_s`` plus a little, never wait forever; once the worker runs
-        again, every worker holds its old weights bit for bit (atomic) or says it is torn."""
+        """A worker stopped (SIGSTOP) mid-round, its sockets open: the trainer raises within ``timeout_s`` plus a
+        little; once the worker runs again, every worker holds its old weights bit for bit or says it is torn."""
         from wtransfer.errors import WTransferError
         from wtransfer.testing.models import matrix_model
 
@@ -403,8 +396,8 @@ class EngineConformance:
     def test_one_worker_rejecting_leaves_every_worker_unchanged_and_the_trainer_usable(
         self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any], commit: str
     ) -> None:
-        """The last worker's model has another shape for 'bf16', the others accept the round: no
-        worker may load it, and the trainer's next round (which they all accept) must land."""
+        """The last worker's 'bf16' has another shape, the others accept the round: no worker may load it, and the
+        next round (which all accept) must land."""
         from wtransfer.engines._source import TensorSource
         from wtransfer.testing.models import matrix_model
 
@@ -448,16 +441,14 @@ class EngineConformance:
 
 
 def _shm_names() -> set[str]:
-    """Names in /dev/shm, less Python multiprocessing's own semaphores (``sem.mp-*``): /dev/shm is
-    shared by every process on the host, and any of them may hold one for a moment."""
+    """Names in /dev/shm, less multiprocessing's own semaphores (``sem.mp-*``), which any process may hold."""
     names = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     return {name for name in names if not name.startswith("sem.mp-")}
 
 
 def shm_left_since(before: set[str], grace_s: float = 60.0) -> list[str]:
-    """The /dev/shm names new since ``before`` that are still there after ``grace_s``. Other
-    processes (another test running beside this one) may hold segments of their own for a while;
-    those go when they finish, while a leaked segment stays: only names that never go count."""
+    """The /dev/shm names new since ``before`` still there after ``grace_s``: other processes' segments go when
+    they finish, a leaked one stays."""
     left = _shm_names() - before
     deadline = time.monotonic() + grace_s
     while left and time.monotonic() < deadline:
@@ -467,9 +458,8 @@ def shm_left_since(before: set[str], grace_s: float = 60.0) -> list[str]:
 
 
 def _trainer_killed_in_round_two(conn: Any, engine: str, init_info_json: str, commit: str) -> None:
-    """A trainer process whose client relays every call to the test process over ``conn``
-    (JSON); one whole round of ``matrix_model(seed=1)``, then new weights (seed 7), and its
-    source SIGKILLs the process half-way through round two."""
+    """A trainer process whose client relays every call to the test process over ``conn`` (JSON): one round of
+    ``matrix_model(seed=1)``, then new weights (seed 7), and its source SIGKILLs it half-way through round two."""
     import torch
 
     from wtransfer.engines._trainer import create_trainer

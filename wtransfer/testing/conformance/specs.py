@@ -9,8 +9,8 @@ Subclass it in a test module, name the spec, and (optionally) override the fixtu
         def spec_options(self):
             return {"num_cpu_blocks": 8}
 
-The suite never assumes a capacity or a medium name: it discovers the tier's capacity by
-filling it, and takes media from what ``get_handlers`` yields.
+The suite assumes no capacity or medium name: it finds the capacity by filling the tier, and takes media from
+``get_handlers``.
 """
 
 from __future__ import annotations
