@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from wtransfer._probes import cpu_seconds, run_queue_seconds
+from benchmarks.probes import cpu_seconds, run_queue_seconds
 
 SPIN = "import time\nend = time.process_time() + {seconds}\nwhile time.process_time() < end: pass\n"
 

@@ -526,6 +526,9 @@ def test_core_never_names_the_nccl_plugin_module():
 def test_bench_help_reaches_the_suite():
     import subprocess
 
-    out = subprocess.run([sys.executable, "-m", "wtransfer", "bench", "discovery", "--help"],
+    out = subprocess.run([sys.executable, "-m", "wtransfer", "bench", "--help"],
                          capture_output=True, text=True, timeout=60, check=True)
-    assert "--dists" in out.stdout and "suites: weights, discovery" in out.stdout
+    assert "--engine" in out.stdout and "wtransfer bench weights" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "discovery", "--help"], cwd=Path(__file__).parent.parent,
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert "--dists" in out.stdout and "python -m benchmarks discovery" in out.stdout

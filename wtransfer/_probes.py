@@ -1,6 +1,5 @@
-"""Resource probes for benchmarks and conformance tests: how much memory and how many file
-descriptors this process holds (and how much CPU time a worker process used, and how long it
-waited for a core).
+"""Resource probes for the bench and conformance tests: how much memory and how many file
+descriptors this process holds, and which staged copies of a round processes map.
 
 On Linux everything is read from ``/proc`` and nothing needs installing. Only where ``/proc``
 is unavailable (macOS, Windows) is ``psutil`` imported, lazily, on first use; without it
@@ -136,54 +135,7 @@ def open_fd_count() -> int:
         return int(_psutil().Process().num_fds())
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds process ``pid`` (this one or a child) has used so far."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            stat = handle.read()
-    except FileNotFoundError:
-        if os.path.isdir("/proc/self"):
-            raise ProcessLookupError(f"no process {pid}") from None
-        stat = b""
-    except OSError:
-        stat = b""
-    if stat:
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the
-        # last ')'. utime and stime are fields 14 and 15 of proc(5), in clock ticks.
-        fields = stat[stat.rindex(b")") + 2:].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    times = _psutil().Process(pid).cpu_times()  # pragma: no cover - no /proc
-    return float(times.user + times.system)
-
-
-def run_queue_seconds(pid: int) -> float | None:
-    """Seconds the threads of process ``pid`` spent runnable but waiting for a core, so far.
-
-    The second field of ``/proc/<pid>/task/<tid>/schedstat`` (the kernel's run delay: time
-    runnable but not running, wake-up latency included), summed over the process's threads; a
-    thread that already exited is no longer counted, so a difference of two readings leaves out
-    threads that ended in between. None where the kernel does not keep these statistics (no
-    ``/proc``, or every field zero).
-    """
-    try:
-        threads = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return None
-    ran = waited = 0
-    for tid in threads:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as handle:
-                fields = handle.read().split()
-            ran, waited = ran + int(fields[0]), waited + int(fields[1])
-        except (OSError, IndexError, ValueError):
-            if tid == str(pid):  # the main thread has no schedstat: the kernel keeps none
-                return None
-    if ran == 0:  # a process that ran reads all zeros where the kernel keeps no run-queue statistics
-        return None
-    return waited / 1e9
-
-
-__all__ = ["PeakRss", "cpu_seconds", "open_fd_count", "run_queue_seconds"]
+__all__ = ["PeakRss", "open_fd_count", "staging_segments"]
 
 
 def staging_segments(pids: list[int]) -> dict[int, int]:

@@ -1,15 +1,8 @@
-"""Benchmarks behind ``wtransfer bench [SUITE]``: each prints figures and ratios measured side by side.
+"""The benchmark behind ``wtransfer bench``: weight transfer, measured side by side in one run.
 
-A suite is a module here with ``add_arguments(parser)`` and ``run(args) -> int``;
-``SUITES`` maps the suite name to its module (the first one is the default).
+A suite is a module with ``add_arguments(parser)`` and ``run(args) -> int``. The wheel ships the weight-sync suite;
+the others live in the repository's ``benchmarks/`` (``python -m benchmarks SUITE``) and share this runner.
 """
 
-SUITES: dict[str, str] = {
-    "weights": "wtransfer._bench.weights",
-    "discovery": "wtransfer._bench.discovery",
-    "storage": "wtransfer._bench.storage",
-    "offload": "wtransfer._bench.offload",
-    "sharded": "wtransfer._bench.sharded",
-    "delta": "wtransfer._bench.delta",
-}
+SUITES: dict[str, str] = {"weights": "wtransfer._bench.weights"}
 DEFAULT_SUITE = "weights"

@@ -1,10 +1,8 @@
 """How busy the machine was around a benchmark, judged from outside the benchmark's own processes.
 
-Ratios are measured side by side in one run, so a miss on a machine other processes were using
-is often the machine's, and a miss on an idle one is the code's. The load average cannot tell
-them apart once the run has started: it then counts the benchmark itself. So the load is read
-*before* the run, and during it the CPU time the whole machine spent (``/proc/stat``) is compared
-with what this process and its descendants spent: the rest is other processes'.
+A miss on a machine other processes were using is often the machine's; on an idle one, the code's. The load
+average counts the benchmark itself once it runs, so it is read *before* the run; during it, the CPU time the whole
+machine spent (``/proc/stat``) minus what this process and its descendants spent is other processes'.
 """
 
 from __future__ import annotations
@@ -15,8 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BUSY_SHARE = 0.10
-"""Other processes (or the hypervisor) taking this share of the machine's CPU time during the run
-make it "busy"."""
+"""Other processes (or the hypervisor) taking this share of the machine's CPU time during the run make it "busy"."""
 BUSY_LOAD = 0.5
 """Where ``/proc/stat`` cannot be read, a load average per core this high before the run does."""
 
@@ -25,8 +22,8 @@ BUSY_LOAD = 0.5
 class MachineLoad:
     cores: int
     load_before: float | None
-    """The 1-minute load average when the run started (None where the platform has none). Shown,
-    not judged where CPU times are known: it still counts whatever ran in the minute before."""
+    """The 1-minute load average when the run started (None where there is none); shown, not judged where CPU times
+    are known."""
     others_share: float | None
     """The share of the machine's CPU time that processes outside the run took during it."""
     steal_share: float | None = None

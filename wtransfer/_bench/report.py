@@ -1,11 +1,8 @@
-"""How a suite reports: tables for people, ``--json`` for programs, ``--markdown`` for READMEs.
+"""How a suite reports: tables for people, ``--json`` for programs, ``--markdown`` for BENCHMARKS.md.
 
-A suite prints its human-readable lines as it measures and records its figures in a dict.
-With ``--json`` those lines go to stderr (progress) and the dict goes to stdout as one
-document. With ``--markdown`` the suite renders the dict as a Markdown block that names the
-machine plainly and the command that made it; ``--markdown FILE`` replaces that block between
-its markers in FILE (README's figures are generated this way, never typed), ``--markdown``
-alone prints it.
+A suite prints human-readable lines as it measures and records its figures in a dict. ``--json``: the lines go to
+stderr, the dict to stdout. ``--markdown``: the dict rendered as a Markdown block naming the machine and the command;
+``--markdown FILE`` replaces that block between its markers in FILE (BENCHMARKS.md's figures are never typed).
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON document on stdout (lines go to stderr)")
     parser.add_argument(
         "--markdown", nargs="?", const="-", default=None, metavar="FILE",
-        help="a Markdown block of the figures: printed, or written between its markers in FILE (e.g. README.md)",
+        help="a Markdown block of the figures: printed, or written between its markers in FILE (e.g. BENCHMARKS.md)",
     )
     parser.add_argument("--markdown-block", default=None, metavar="NAME",
                         help="the block's name in FILE (None: the suite's name)")
@@ -125,8 +122,8 @@ class MarkdownLines:
 
 
 def median_item(items: list[Any], key: Callable[[Any], float]) -> Any:
-    """The item whose ``key`` is the median (the lower of the middle two for an even count): a run
-    that really happened stands for its set, with every figure of its own."""
+    """The item whose ``key`` is the median (the lower middle one for an even count): a run that really happened
+    stands for its set."""
     return sorted(items, key=key)[(len(items) - 1) // 2]
 
 

@@ -77,11 +77,11 @@ class EngineResult:
 
 
 STAGED_FLOOR = "memcpy into staging, then into the model"
-"""shm's atomic floor: the model's bytes copied twice (into the node's staged copy, then into the
-model), at the memcpy rate measured right after the round."""
+"""shm's atomic floor: the model's bytes copied twice (into the node's staged copy, then into the model) at the
+memcpy rate measured right after the round."""
 GLOO_STAGED_FLOOR = "gloo raw at its best, then memcpy into the model"
-"""gloo's atomic floor: the round received into the node's staged copy at raw gloo's best rate, then
-copied into the model at the memcpy rate, one after the other (the commit waits for the round)."""
+"""gloo's atomic floor: the round received into the staged copy at raw gloo's best rate, then copied into the
+model at the memcpy rate, one after the other (the commit waits for the round)."""
 
 
 def run_engine(
@@ -97,9 +97,8 @@ def run_engine(
 ) -> EngineResult:
     """Sync ``model`` ``args.rounds`` times, verifying every worker after each round.
 
-    ``references`` (peer name -> GB/s of that peer on the same tensors) are measured right
-    after each round, so a machine whose load changes during the run skews both alike.
-    """
+    ``references`` (peer name -> GB/s on the same tensors) are measured right after each round, so a change of the
+    machine's load during the run skews both alike."""
     from wtransfer._probes import PeakRss
     from wtransfer.engines._source import ModuleSource
     from wtransfer._probes import staging_segments
@@ -171,11 +170,8 @@ def _timed(repeats: int, setup: Callable[[], Any], body: Callable[[Any], None]) 
 
 
 def memcpy_reference(tensors: list[torch.Tensor]) -> Callable[[], float]:
-    """A callable measuring GB/s of one copy of every tensor into resident memory.
-
-    The destinations are allocated (and touched) here, once, before any engine runs, so
-    they never count in an engine's peak RSS.
-    """
+    """A callable measuring GB/s of one copy of every tensor into resident memory; the destinations are allocated
+    and touched here, before any engine runs, so they never count in an engine's peak RSS."""
     from wtransfer.engines._packing import copy_tensor
 
     destinations = [t.clone() for t in tensors]
@@ -191,11 +187,8 @@ def memcpy_reference(tensors: list[torch.Tensor]) -> Callable[[], float]:
 
 
 def safetensors_reference(tensors: list[torch.Tensor]) -> Callable[[], float]:
-    """GB/s of ``safetensors`` save to /dev/shm, load back and copy into the (resident) model.
-
-    The copy into the model is part of it because the engines' figures include it too. The
-    file is removed after every measurement.
-    """
+    """GB/s of ``safetensors`` save to /dev/shm, load back and copy into the resident model (the engines' figures
+    include that copy too); the file is removed after every measurement."""
     from safetensors.torch import load_file, save_file
 
     from wtransfer.engines._packing import copy_tensor
@@ -247,8 +240,8 @@ def raw_geometry() -> tuple[int, int, int]:
 
 
 def chunked_broadcast(backend: Any, groups: list[Any], flat: torch.Tensor, chunk: int, in_flight: int) -> None:
-    """Raw gloo at its best: ``flat`` in ``chunk``-byte async broadcasts, round-robin over
-    ``groups``, at most ``in_flight`` outstanding (the engine's channels and ring, no packing)."""
+    """Raw gloo at its best: ``flat`` in ``chunk``-byte async broadcasts, round-robin over ``groups``, at most
+    ``in_flight`` outstanding (the engine's channels and ring, no packing)."""
     works: list[Any] = []
     for index, start in enumerate(range(0, flat.numel(), chunk)):
         if len(works) >= in_flight:
@@ -299,18 +292,15 @@ def _gloo_peer_receiver(port: int, spec: str, timeout_s: float, rank: int, size:
 
 
 class GlooPeer:
-    """The plain gloo alternatives, against ``receivers`` helper processes (as many as the
-    engine has workers) holding the same tensors.
+    """The plain gloo alternatives, against ``receivers`` helper processes (one per engine worker) holding the same
+    tensors; it has its own groups, so it can be measured between an engine's rounds.
 
-    ``per_tensor()``: one synchronous broadcast per tensor, received in place (the strictest
-    per-tensor figure: no allocation, no load step);
-    ``per_tensor_loop()``: the same as inference engines run it (vLLM's unpacked path): each
-    tensor received into a fresh tensor, then loaded into the model;
-    ``one_tensor()``: a single broadcast of all the bytes at once, on one group;
-    ``chunked()``: raw gloo at its best, with the engine's geometry: the same bytes in
-    bucket-sized async broadcasts over as many groups as the engine has channels, as many
-    in flight as it has buffers (no packing, no manifest). The engine's ceiling is the
-    better of the two. Its own side groups, so it can be measured between an engine's rounds.
+    ``per_tensor()``: one synchronous broadcast per tensor, received in place (no allocation, no load step);
+    ``per_tensor_loop()``: the same as vLLM's unpacked path runs it, into a fresh tensor, then loaded into the model;
+    ``one_tensor()``: a single broadcast of all the bytes, on one group;
+    ``chunked()``: raw gloo at its best with the engine's geometry (bucket-sized async broadcasts over as many groups
+    as it has channels, as many in flight as it has buffers; no packing, no manifest). The engine's ceiling is the
+    better of the last two.
     """
 
     def __init__(
@@ -456,8 +446,8 @@ def run(args: argparse.Namespace) -> int:
     peers: dict[str, float] = {}
     gloo_peer: GlooPeer | None = None
     references: dict[str, Callable[[], float]] = {}
-    # memcpy is always measured: the main command checks the engine against it in every run.
-    # Every reference allocates its memory now, before any engine's RSS is measured.
+    # memcpy is always measured (the engine is checked against it in every run); every reference allocates its
+    # memory now, before any engine's RSS is measured.
     references["memcpy"] = memcpy_reference(tensors)
     if args.compare:
         references["safetensors save+load (/dev/shm)"] = safetensors_reference(tensors)
@@ -529,14 +519,14 @@ def run(args: argparse.Namespace) -> int:
             _print_tables(console, results, peers, targets, Table)
             for line in _verdicts(targets, args.strict_targets, document["machine"]):
                 console.print(line, soft_wrap=True)  # one line each, whatever the width: grep and logs read them
-    # Every round was verified bit-exact (run_engine raises otherwise): that is what the exit status
-    # says by default. Targets are ratios on a shared, noisy machine: fatal only when asked.
+    # Every round was verified bit-exact (run_engine raises otherwise): that is the exit status by default.
+    # Targets are ratios on a shared, noisy machine: fatal only when asked.
     missed = [t for t in targets if t["applies"] and not t["ok"]]
     return 1 if missed and args.strict_targets else 0
 
 
 def markdown(document: dict[str, Any]) -> list[str]:
-    """The run as README shows it: model, the three tables, the verdicts in words."""
+    """The run as BENCHMARKS.md shows it: model, the three tables, the verdicts in words."""
     model = document["model"]
     out = MarkdownLines()
     out.print(
@@ -564,9 +554,8 @@ _PAIRED = {  # the references measured right after each round of an engine (thos
 _RATIO_TARGETS = {  # row -> (peer, minimum ratio, does the target apply to this model?)
     "shm streaming": [("memcpy", 0.6, True), ("safetensors save+load (/dev/shm)", 4.0, True)],
     "shm atomic": [(STAGED_FLOOR, 0.9, True), ("safetensors save+load (/dev/shm)", 4.0, True)],
-    # The 3x per-tensor target is for many-small-tensor models ("gloo ... (small tensors)"): on a
-    # model whose bytes sit in large matrices, per-tensor broadcast already runs near one flat
-    # broadcast, so there the ratio is reported but not held against the engine.
+    # The 3x per-tensor target is for many-small-tensor models: where the bytes sit in large matrices, per-tensor
+    # broadcast already runs near one flat broadcast, so the ratio is reported, not held against the engine.
     "gloo streaming": [(RAW_BEST, 0.85, True), ("gloo per-tensor broadcast", 3.0, False)],
     "gloo atomic": [(GLOO_STAGED_FLOOR, 0.9, True), ("gloo per-tensor broadcast", 3.0, False)],
     "gloo streaming (small tensors)": [("gloo per-tensor broadcast (small tensors)", 3.0, True)],
@@ -621,7 +610,7 @@ _KNOWN_MISSES = {  # target -> (most cores of the hosts it was measured on, why 
            "the model), where streaming overlaps its two copies through a cache-sized ring; with 2 cores "
            "both copies are bound by the same memory bandwidth"),
 }
-"""Misses measured on idle hosts and explained: there the verdict says why instead of advising a rerun."""
+"""Misses explained for idle hosts of up to that many cores: the verdict says why instead of advising a rerun."""
 
 
 def _known_miss(what: str, cores: int) -> str | None:
@@ -633,10 +622,8 @@ def _known_miss(what: str, cores: int) -> str | None:
 def _verdicts(targets: list[dict[str, Any]], strict: bool = False, machine: dict[str, Any] | None = None) -> list[str]:
     """The result in words: each engine against each reference and target, and the exit status.
 
-    A miss is judged against how busy the machine was (``machine``, from :class:`LoadWatch`): on a
-    busy machine it may be the machine's, so a rerun is advised; on an idle one it is how wtransfer
-    runs on this host, said as such, with the reason where it is known.
-    """
+    A miss on a busy machine (``machine``, from :class:`LoadWatch`) may be the machine's, so a rerun is advised; on
+    an idle one it is how wtransfer runs on this host, said so, with the reason where known."""
     lines = []
     cores = (machine or {}).get("cores") or 0
     for t in targets:

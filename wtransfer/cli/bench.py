@@ -1,4 +1,4 @@
-"""``wtransfer bench [SUITE] ...``: the benchmarks; without a suite, weight transfer (the main job)."""
+"""``wtransfer bench [weights] ...``: the weight-sync benchmark (the main job)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help=f"run a benchmark (suites: {', '.join(SUITES)}; default {DEFAULT_SUITE})",
+        help="measure weight sync on this machine, side by side with the alternatives",
         description="Measure wtransfer against the alternatives, side by side in one run.",
-        add_help=False,  # `wtransfer bench [SUITE] --help` is answered by the suite's own parser
+        add_help=False,  # `wtransfer bench --help` is answered by the suite's own parser
     )
-    # Suites have their own options: everything after `bench` is parsed by the chosen suite.
+    # The suite has its own options: everything after `bench` is parsed by it.
     parser.set_defaults(func=run, accepts_extra=True)
 
 
@@ -29,21 +29,24 @@ def run(args: argparse.Namespace) -> int:
     return run_suite(list(args.extra))
 
 
-def run_suite(argv: list[str]) -> int:
-    suite = DEFAULT_SUITE
+def run_suite(argv: list[str], suites: dict[str, str] = SUITES, default: str | None = DEFAULT_SUITE,
+              prog: str = "wtransfer bench") -> int:
+    """Parse ``argv`` (``[SUITE] options``) with the suite's own parser and run it (also ``python -m benchmarks``)."""
+    suite = default
     if argv and not argv[0].startswith("-"):
         suite, argv = argv[0], argv[1:]
-    if suite not in SUITES:
-        print(f"error: unknown bench suite {suite!r}; choose from {', '.join(SUITES)}", file=sys.stderr)
+    if suite not in suites:
+        more = "; the other suites run from a checkout: python -m benchmarks SUITE" if prog == "wtransfer bench" else ""
+        print(f"error: unknown bench suite {suite!r}; choose from {', '.join(suites)}{more}", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUITES[suite])
+    module = importlib.import_module(suites[suite])
     parser = argparse.ArgumentParser(
-        prog=f"wtransfer bench {suite}",
+        prog=f"{prog} {suite}",
         description=module.__doc__,
-        epilog=f"suites: {', '.join(SUITES)} (default {DEFAULT_SUITE}); `wtransfer bench SUITE --help` for each",
+        epilog=f"suites: {', '.join(suites)}; `{prog} SUITE --help` for each",
         formatter_class=_HelpFormatter,
     )
     module.add_arguments(parser)
     args = parser.parse_args(argv)
-    args.command_line = shlex.join(["wtransfer", "bench", suite, *argv])  # what regenerates a --markdown block
+    args.command_line = shlex.join([*prog.split(), suite, *argv])  # what regenerates a --markdown block
     return int(module.run(args) or 0)

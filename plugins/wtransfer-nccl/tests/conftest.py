@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from wtransfer.testing.distributions import is_installed
-from wtransfer.testing.venvs import layered_venv, pip
+from venvs import layered_venv, pip
 
 PLUGIN_ROOT = Path(__file__).resolve().parents[1]
 

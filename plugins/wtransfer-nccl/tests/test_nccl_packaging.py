@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from wtransfer.testing.venvs import pip
+from venvs import pip
 
 CUDA_PROBE = "import torch; print(torch.cuda.is_available())"
 

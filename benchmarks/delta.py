@@ -71,7 +71,7 @@ def measure(engine: str, args: argparse.Namespace) -> dict[str, Any]:
     model = tiny_llama(seed=0, **shape)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     where = {"netns": args.worker_netns} if args.worker_netns else {}
-    factory = "wtransfer._bench.delta:llama_in_netns" if where else "wtransfer.testing.models:tiny_llama"
+    factory = "benchmarks.delta:llama_in_netns" if where else "wtransfer.testing.models:tiny_llama"
     pools = {kind: LocalWorkerPool(1, factory, backend=engine, factory_kwargs={"seed": 1, **shape, **where},
                                    timeout_s=args.timeout, torch_threads=1)
              for kind in ("dense", "delta")}
@@ -182,7 +182,7 @@ def _shaped(rate: str, args: argparse.Namespace) -> dict[str, Any]:
                                      "burst", "1mb", "latency", "100ms"], capture_output=True, text=True)
             if shaped.returncode:
                 return {"link": label, "error": f"tc cannot shape the link: {shaped.stderr.strip()}"}
-        command = [sys.executable, "-m", "wtransfer", "bench", "delta", "--inside", args.link_engine,
+        command = [sys.executable, "-m", "benchmarks", "delta", "--inside", args.link_engine,
                    "--worker-netns", worker_ns, "--master-address", "10.213.9.1", "--hidden", str(args.hidden), "--layers", str(args.layers),
                    "--vocab", str(args.vocab), "--lrs", str(args.lrs), "--repeats", str(args.repeats),
                    "--timeout", str(args.timeout)]

@@ -83,7 +83,8 @@ def _rank_main(rank: int, ranks: int, port: int, options: str, conn: Any) -> Non
     import torch
 
     from wtransfer._bench.weights import DTYPES
-    from wtransfer._probes import PeakRss, cpu_seconds, run_queue_seconds
+    from benchmarks.probes import cpu_seconds, run_queue_seconds
+    from wtransfer._probes import PeakRss
     from wtransfer.testing.models import build_model, parse_model, worker_model
     from wtransfer.engines._source import ModuleSource
     from wtransfer.engines._trainer import create_trainer

@@ -1,0 +1,48 @@
+"""CPU probes for the sharded benchmark (Linux): CPU time a process used, and how long its threads
+waited for a core. Both read the kernel's own accounting in ``/proc``."""
+
+from __future__ import annotations
+
+import os
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` (this one or a child) has used so far."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+    except FileNotFoundError:
+        if os.path.isdir("/proc/self"):
+            raise ProcessLookupError(f"no process {pid}") from None
+        raise OSError("cpu_seconds reads /proc, which this system lacks") from None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the
+    # last ')'. utime and stime are fields 14 and 15 of proc(5), in clock ticks.
+    fields = stat[stat.rindex(b")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_queue_seconds(pid: int) -> float | None:
+    """Seconds the threads of process ``pid`` spent runnable but waiting for a core, so far.
+
+    The second field of ``/proc/<pid>/task/<tid>/schedstat`` (the kernel's run delay: time
+    runnable but not running, wake-up latency included), summed over the process's threads; a
+    thread that already exited is no longer counted, so a difference of two readings leaves out
+    threads that ended in between. None where the kernel does not keep these statistics (no
+    ``/proc``, or every field zero).
+    """
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    ran = waited = 0
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as handle:
+                fields = handle.read().split()
+            ran, waited = ran + int(fields[0]), waited + int(fields[1])
+        except (OSError, IndexError, ValueError):
+            if tid == str(pid):  # the main thread has no schedstat: the kernel keeps none
+                return None
+    if ran == 0:  # a process that ran reads all zeros where the kernel keeps no run-queue statistics
+        return None
+    return waited / 1e9
