@@ -582,3 +582,32 @@ def test_node_staging_refuses_other_users_on_both_sides() -> None:
         stager.close()
     assert "held by a process of user id 0" in outcome["follower"], outcome
     assert outcome["stager_closed"] is True, outcome
+
+
+def test_a_worker_waits_for_a_stager_caught_between_bind_and_listen() -> None:
+    """The other worker has bound the node's staging name but does not listen yet (a busy host
+    descheduled it there): this worker keeps trying and follows it once it listens. The election
+    used to retry 50 times without a pause, over within microseconds, and failed the round
+    ("could neither stage nor reach this node's stager") under a loaded CI host."""
+    import secrets
+    import socket
+
+    from wtransfer.engines._staging import NodeStaging
+
+    key = secrets.token_hex(8)
+    stager = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stager.bind(f"\0wtransfer-stage-{key}")
+    late = threading.Timer(0.3, stager.listen, args=(4,))
+    late.start()
+    node = None
+    try:
+        node = NodeStaging(key)
+        assert not node.is_stager  # it follows the worker that bound the name first
+        stager.settimeout(5)
+        follower, _ = stager.accept()
+        follower.close()
+    finally:
+        late.cancel()
+        if node is not None:
+            node.close()
+        stager.close()

@@ -2,8 +2,7 @@
 
 Every check compares weights: the workers' tensors, digest by digest, against the trainer's after
 every round, never a label. The trainer trains in bf16 at the learning rates RL uses, so most
-elements do not change from one round to the next and most changed tensors travel as the positions
-and values of their changed elements.
+elements do not change from one round to the next and most tensors travel as compressed XORs.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
+pytest.importorskip("zstandard")
 
 import wtransfer  # noqa: E402
 from wtransfer.engines._delta_encoder import DeltaEncoder  # noqa: E402
@@ -22,6 +22,7 @@ from wtransfer.engines._delta_loader import DeltaLoader  # noqa: E402
 from wtransfer.engines._manifest import (  # noqa: E402
     POSITION_BLOCK,
     POSITIONS,
+    XOR_ZSTD,
     build_manifest,
     position_blocks,
     positions_header_bytes,
@@ -81,7 +82,7 @@ def test_delta_rounds_after_real_adamw_steps_are_bit_exact_and_small(backend: st
                 _assert_workers_hold(pool, model, f"round {step} (lr {lr:g})")
                 print(f"round {step}, lr {lr:g}: {stats['changed_fraction']:.4%} of elements changed, wire "
                       f"{stats['wire_bytes']} of {stats['bytes']} bytes ({stats['wire_bytes'] / stats['bytes']:.4f}), "
-                      f"{stats['sparse_tensors']} as positions, {stats['dense_tensors']} dense, "
+                      f"{stats['sparse_tensors']} as XOR, {stats['dense_tensors']} dense, "
                       f"{stats['unchanged_tensors']} unchanged")
                 assert stats["delta"] == "delta" and stats["version"] == step
                 assert 0 < stats["changed_fraction"] < 0.2
@@ -108,7 +109,7 @@ def test_a_delta_against_a_base_the_workers_do_not_hold_becomes_a_full_round() -
             _train(model, optimizer, 1e-5, 2)
             name = "model.layers.0.mlp.up_proj.weight"
             trainer.delta.base[name].view(-1)[:8].add_(1)  # the trainer's idea of the workers' weights is wrong
-            stats = trainer.send_weights()  # a payload would rebuild something else: that tensor goes whole
+            stats = trainer.send_weights()  # its XOR would rebuild something else: that tensor goes whole
             assert stats["delta"] == "delta" and stats["version"] == 2 and stats["dense_tensors"] >= 1
             _assert_workers_hold(pool, model, "the round after the trainer's base changed behind its back")
             _train(model, optimizer, 1e-5, 3)
@@ -156,9 +157,8 @@ def test_workers_restarted_between_rounds_get_the_next_round_whole_and_deltas_af
 
 def test_a_delta_that_rebuilds_wrong_values_fails_the_round_and_every_worker_keeps_its_weights(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """One changed value of a positions payload altered after the trainer hashed the new value:
-    every worker rebuilds, sees the digest differ, and the atomic round leaves both models at the
-    previous version."""
+    """One XOR changed after the trainer hashed the new value: every worker rebuilds, sees the
+    digest differ, and the atomic round leaves both models at the previous version."""
     model = tiny_llama(seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     with _pool("shm") as pool:
@@ -173,11 +173,17 @@ def test_a_delta_that_rebuilds_wrong_values_fails_the_round_and_every_worker_kee
 
             def corrupting(self: DeltaEncoder, *args: Any, **kwargs: Any) -> Any:
                 encoded = encode(self, *args, **kwargs)
-                sparse = [i for i, row in enumerate(encoded.plan.tensors) if row.encoding == POSITIONS]
+                sparse = [i for i, row in enumerate(encoded.plan.tensors) if row.encoding == XOR_ZSTD]
+                import zstandard
+
                 index = sparse[0]
-                blob = bytearray(encoded.payloads[index].numpy().tobytes())
-                blob[positions_header_bytes(encoded.plan.tensors[index].target)] ^= 0x01  # the first new value, one bit
-                encoded.payloads[index] = torch.frombuffer(blob, dtype=torch.uint8)
+                xor = bytearray(zstandard.ZstdDecompressor().decompress(
+                    encoded.payloads[index].numpy().tobytes(), max_output_size=encoded.plan.tensors[index].target.nbytes))
+                xor[5] ^= 0x01  # one bit of one element
+                blob = zstandard.ZstdCompressor(level=1).compress(bytes(xor))
+                encoded.payloads[index] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+                entry = encoded.entries[index]
+                encoded.entries[index] = type(entry)(entry.name, "uint8", (len(blob),))
                 return encoded
 
             monkeypatch.setattr(DeltaEncoder, "encode", corrupting)
@@ -236,7 +242,7 @@ def test_a_worker_whose_kept_tensor_changed_behind_wtransfers_back_refuses_the_d
 
     real = module_loader(worker_model)
     with torch.no_grad():
-        model.lm_head.weight.view(-1)[:64].mul_(1.5)  # trained: travels as positions
+        model.lm_head.weight.view(-1)[:64].mul_(1.5)  # trained: travels as a XOR
         worker_model.model.embed_tokens.weight.view(-1)[3] += 1  # frozen, but edited on the worker
     delta = encoder.encode(ModuleSource(model), 2)
     assert "model.embed_tokens.weight" in {entry.name for entry in delta.plan.unchanged}
@@ -277,9 +283,10 @@ def digest_of(tensor: torch.Tensor) -> str:
 
 @pytest.mark.parametrize("chunk_bytes", [4096, 4098 * 2])
 def test_tensors_spanning_many_chunks_round_trip_bit_exactly(chunk_bytes: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The chunked paths (positions gathered chunk by chunk, old-bytes digest, a short tail) on
-    tensors of many chunks: every round is bit-exact, a change of a few elements or of some per
-    cent travels as positions, a change dense in a later chunk only goes whole."""
+    """The chunked paths (positions gathered chunk by chunk, XOR, compression, old-bytes digest,
+    chunked decompression with a short tail) on tensors of many chunks: every round is bit-exact,
+    a change of a few elements travels as positions, one of some per cent as a XOR, a change
+    dense in a later chunk only goes whole."""
     import wtransfer.engines._delta as delta_module
     from wtransfer.engines._loader import module_loader
 
@@ -289,14 +296,14 @@ def test_tensors_spanning_many_chunks_round_trip_bit_exactly(chunk_bytes: int, m
     real = module_loader(worker_model)
     encoder = DeltaEncoder()
     holds = None
-    expected = {"sparse": POSITIONS, "some": POSITIONS, "late-dense": "dense"}
+    expected = {"sparse": POSITIONS, "some": XOR_ZSTD, "late-dense": "dense"}
     for version, change in enumerate(["none", "sparse", "some", "late-dense", "sparse"], start=1):
         with torch.no_grad():
             weight = model.lm_head.weight.view(-1)  # 1024 x 128 bf16: 64 chunks of 4 KiB
             if change == "sparse":
                 weight[:: 997].add_(1.0)  # 0.1 % of the elements
             elif change == "some":
-                weight[3 :: 16].add_(1.0)  # 6 %: positions take 12.5 % of the bytes
+                weight[3 :: 16].add_(1.0)  # 6 %: positions would take 12.5 % of the bytes, a XOR less
             elif change == "late-dense":
                 weight[weight.numel() // 2 :].mul_(1.01)  # the first half unchanged: dense only later
         encoded = encoder.encode(ModuleSource(model), version)
@@ -389,11 +396,13 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
     short chunks (CHUNK_BYTES 4100: 4100 bytes for elements of up to 4 bytes, 4096 for 8 and 16, a
     size the scratch buffer must take for any dtype): every round bit-exact, rebuilt in place or
     into a separate staging copy, changed elements counted as elements (a complex128 whose two
-    halves moved is one), sent as positions (about 1 % and 11 % changed; 1-byte elements at 11 %
-    go whole, their positions would pass a quarter of their bytes), and a positions payload wrong
-    only in its last element fails the round (staged: with the worker's model untouched) and is followed by a full round. From a mapping (its tensors
+    halves moved is one), sent as positions (about 1 % changed) and as XORs (11 %), and a
+    positions payload or a XOR wrong only in its last element fails the round (staged: with the
+    worker's model untouched) and is followed by a full round. From a mapping (its tensors
     kept: the work of tensors sent whole or as positions is left pending and done as the round
     is read) and from a one-shot iterator (every tensor encoded before the round)."""
+    import zstandard
+
     import wtransfer.engines._delta as delta_module
 
     monkeypatch.setattr(delta_module, "CHUNK_BYTES", 4100)
@@ -422,12 +431,18 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
         if corrupt is not None:
             at = [name for name, _ in batch].index(corrupt)
             row = next(row for row in encoded.plan.tensors if row.target.name == corrupt)
-            assert row.encoding == POSITIONS
-            blob = bytearray(_raw(batch[at][1]))
-            target = row.target
-            pairs = (len(blob) - positions_header_bytes(target)) // (trainer[corrupt].element_size() + 2)
-            last_value = positions_header_bytes(target) + pairs * trainer[corrupt].element_size() - 1
-            blob[last_value] ^= 0x10  # the last changed element's new value, one bit off
+            if row.encoding == XOR_ZSTD:
+                size = trainer[corrupt].numel() * trainer[corrupt].element_size()
+                xor = bytearray(zstandard.ZstdDecompressor().decompress(_raw(batch[at][1]), max_output_size=size))
+                xor[-3] ^= 0x10  # wrong in the tensor's last chunk only
+                blob = zstandard.ZstdCompressor().compress(bytes(xor))
+            else:
+                assert row.encoding == POSITIONS
+                blob = bytearray(_raw(batch[at][1]))
+                target = row.target
+                pairs = (len(blob) - positions_header_bytes(target)) // (trainer[corrupt].element_size() + 2)
+                last_value = positions_header_bytes(target) + pairs * trainer[corrupt].element_size() - 1
+                blob[last_value] ^= 0x10  # the last changed element's new value, one bit off
             batch[at] = (corrupt, torch.frombuffer(bytearray(blob), dtype=torch.uint8))
         loader(batch)
         encoder.committed(encoded)
@@ -457,11 +472,10 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
     with torch.no_grad():
         for name, tensor in trainer.items():
             if name not in ("strided", "empty"):
-                tensor[1::9] += 1  # 11 %: positions for wide elements, whole for bytes
+                tensor[1::9] += 1  # 11 %: positions would be too large, a compressed XOR is not
     encoded = send(3)
-    rows = {row.target.name: row.encoding for row in encoded.plan.tensors}
-    assert (rows["f64"], rows["c128"], rows["u8"]) == (POSITIONS, POSITIONS, "dense")
-    assert_worker_holds("a round of 11 % changes")
+    assert {row.target.name for row in encoded.plan.tensors if row.encoding == XOR_ZSTD} >= {"f64", "c128", "u8"}
+    assert_worker_holds("a round of XORs")
     with torch.no_grad():
         for name in ("f64", "c128"):
             trainer[name][-1] += 1  # in the last chunk only
@@ -470,7 +484,7 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
     assert send(5).stats.changed_elements == 0
     assert_worker_holds("a round with nothing changed")
 
-    for step, every in enumerate((50, 9)):  # a wrong positions payload, sparse then denser
+    for step, every in enumerate((50, 9)):  # a wrong positions payload, then a wrong XOR
         before = {name: _raw(t) for name, t in model.tensors.items()}
         with torch.no_grad():
             trainer["f64"][::every] += 1
@@ -621,10 +635,11 @@ def test_a_positions_payload_that_does_not_fit_its_tensor_is_refused() -> None:
         assert {name: _raw(t) for name, t in committed.tensors.items()} == before
 
 
-def test_a_tensor_travels_as_positions_up_to_a_quarter_of_its_bytes_then_whole() -> None:
-    """A bf16 tensor with 6 % of its elements changed travels as positions (12.5 % of its bytes);
-    one with 17 % changed goes whole (its positions would take a third of its bytes). Every round
-    bit-exact."""
+def test_the_link_speed_sets_which_payloads_pay() -> None:
+    """A round that moved enough bytes measures the link. On a fast one a tensor with 6 % of its
+    elements changed travels as positions and one with 17 % whole (compressing would cost more
+    than the wire saves); on a slow one a tensor with 6 % and one with 12 % as compressed XORs,
+    the smallest on the wire. Every round bit-exact."""
     from wtransfer.engines._loader import module_loader
 
     model, worker = tiny_llama(seed=0), tiny_llama(seed=1)
@@ -645,5 +660,14 @@ def test_a_tensor_travels_as_positions_up_to_a_quarter_of_its_bytes_then_whole()
         return {row.target.name: row.encoding for row in encoded.plan.tensors}["lm_head.weight"]
 
     send(1, 16)  # full
+    encoder.sent(10**9, 1.0)  # 1 GB/s
+    encoder.sent(10**3, 10.0)  # too few bytes to say anything about the link
+    assert encoder.link_bytes_per_s == 1e9
     assert send(2, 16) == POSITIONS
     assert send(3, 6) == "dense"
+    encoder.sent(10**9, 100.0)  # a round that read slow (its time went to encoding): the link is no slower
+    assert encoder.link_bytes_per_s == 1e9
+    encoder.link_bytes_per_s = None
+    encoder.sent(10**9, 100.0)  # 10 MB/s
+    assert send(4, 16) == XOR_ZSTD
+    assert send(5, 8) == XOR_ZSTD

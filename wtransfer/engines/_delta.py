@@ -1,45 +1,43 @@
 """Delta rounds: send only what changed since the version every worker committed, verified.
 
-Between two RL steps almost every bf16 element is bit-identical. With ``delta=True`` the trainer keeps
-a host copy of the last version the workers committed (its *base*) and sends, per tensor:
+Between two RL steps almost every bf16 element is bit-identical. With ``delta=True`` the trainer keeps a host copy
+of the last version the workers committed (its *base*) and sends, per tensor:
 
 - nothing, if its bits did not change;
-- ``positions``: the new values of its changed elements and their positions, when that is at most
-  ``POSITIONS_AT_MOST`` of the tensor;
+- ``positions``: its changed elements' new values and positions, when that is at most ``POSITIONS_AT_MOST`` of it;
+- ``xor-zstd``: its bits XOR the base's, zstd-compressed (mostly zero bytes), when that is at most ``SPARSE_AT_MOST``
+  of it and the link, as measured in past rounds, is slow enough for compressing to pay;
 - ``dense``: the tensor itself, otherwise (and for every tensor of a full round).
 
-It is a layer over every engine: the wire manifest lists what moves (a payload travels as a ``uint8``
-tensor under the tensor's own name) and ``delta`` says what each entry rebuilds. On the worker,
-:class:`._delta_loader.DeltaLoader` sits between the engine and the commit layer, rebuilds each payload
-on the worker's committed copy, checks it against the trainer's digest, and hands whole tensors on.
+It is a layer over every engine: the manifest lists what moves (a payload is a ``uint8`` tensor under the tensor's
+own name), ``delta`` what each entry rebuilds. On the worker, :class:`._delta_loader.DeltaLoader` (between engine
+and commit layer) rebuilds each payload on the committed copy, checks it against the trainer's digest and hands
+whole tensors on; dense ones are received in place as in any round (``checksums=True`` checks their bytes).
 
-A worker applies a delta only onto the exact version it is against: it must have committed the round
-named ``base``, and every tensor it keeps or rebuilds must hash to the trainer's digest of its base;
-both are checked before any byte moves. A worker that cannot (new, restarted, torn, a loader needing whole
-rounds) refuses cleanly, and the trainer sends the round whole in the same ``send_weights()`` call, from its
-base (the source is walked once).
+A worker applies a delta only onto the exact version it is against: it must have committed the round named ``base``,
+and every tensor it keeps or rebuilds must hash to the trainer's digest of its base, both checked before any byte
+moves. Else (new, restarted, torn, model changed behind wtransfer's back, a loader showing no tensors or needing
+whole rounds) it refuses cleanly, and the trainer sends the round whole in the same ``send_weights()`` call, from
+its base (the source is walked once).
 
-The trainer's side is :mod:`._delta_encoder`, the worker's :mod:`._delta_loader`; this module holds what
-both use: chunk settings and scratch, the threads, the digest, and the ``positions`` layout.
-
-Encoding overlaps sending: a first walk fixes every encoding, payload size and digest; the work for
-tensors sent whole (updating and hashing the base) runs a few tensors ahead of the engine
-(:class:`._delta_encoder.DeltaRound`). No large buffer is allocated per round on either side (first
-touches page-fault): walks go through per-thread scratch, payload buffers are kept across rounds, and
-the worker rebuilds straight where the commit reads.
+The trainer's side is :mod:`._delta_encoder`, the worker's :mod:`._delta_loader`; this module holds what both use.
+Encoding overlaps sending (:class:`._delta_encoder.DeltaRound`). No large buffer is allocated per round on either
+side, as first touches page-fault: walks use per-thread scratch, payload buffers are kept across rounds, and the
+worker rebuilds straight where the commit reads (staging, or the model when the round streams).
 
 Wire form (the manifest's ``delta`` key)::
 
     {"id": "<trainer token>:<version>", "base": "<id>" | null,
-     "tensors": [[name, dtype, shape, "positions", digest, base digest]
+     "tensors": [[name, dtype, shape, "positions" | "xor-zstd", digest, base digest]
                  | [name, dtype, shape, "dense", null, null], ...],
      "unchanged": [[name, dtype, shape, digest], ...]}
 
-one row per wire entry, in order; digests are XXH3-64 as 16 hex digits. A ``positions`` payload numbers
-elements in blocks of 65536: one uint32 count per block (padded to 8 bytes), then the K new values (in the
-tensor's dtype), then their K uint16 positions within their blocks, in order. Unchanged tensors carry the
-base's digest, so a worker checks every tensor it keeps. A dense row names no digest (its hashing
-overlaps the sending); the next delta round checks it before applying anything to it.
+one row per wire entry, in order; digests are XXH3-64 as 16 hex digits. A ``positions`` payload numbers elements in
+blocks of 65536: one uint32 count of changed elements per block (padded to 8 bytes), then the K new values (in the
+tensor's dtype), then their K uint16 positions within their blocks, block after block, in order. A ``xor-zstd``
+payload is zstd-compressed (new bytes XOR base bytes), exactly the tensor's size once decompressed. Unchanged
+tensors carry the base's digest, so a worker checks every tensor it keeps; a dense row names no digest (hashed
+while sending) and is checked by the next delta round before anything is applied to it.
 """
 
 from __future__ import annotations
@@ -57,13 +55,25 @@ from wtransfer.engines._manifest import (
     positions_header_bytes,
     tensor_bytes,
 )
+from wtransfer.errors import TransferError
 
 if TYPE_CHECKING:
     import torch
 
 CHUNK_BYTES = 1024 * 1024
-"""Walks take each tensor in chunks of at most this size, small enough that the later steps on a chunk
-(count, hash, copy) read it from the last-level cache."""
+"""Walks take each tensor in chunks of at most this size, through one scratch buffer per thread, small
+enough that the later steps on a chunk (count, hash, compress, copy) read it from the last-level cache."""
+
+ZSTD_LEVEL = 1
+
+
+def _zstd() -> Any:
+    try:
+        import zstandard
+    except ImportError as exc:  # pragma: no cover - a dependency of wtransfer
+        raise TransferError("delta rounds need the 'zstandard' package (pip install zstandard)") from exc
+    return zstandard
+
 
 def digest(data: torch.Tensor) -> str:
     """XXH3-64 of a tensor's bytes, as 16 hex digits (a device tensor is copied to the host first)."""
@@ -76,8 +86,7 @@ def digest(data: torch.Tensor) -> str:
 
 
 def _bits(tensor: torch.Tensor) -> Any:
-    """The tensor's bits as a flat integer numpy array (two int64 per complex128 element); a view of the
-    tensor when it is contiguous (writes land in the tensor)."""
+    """The tensor's bits as a flat integer array (two int64 per complex128); if contiguous, a view writing through."""
     import torch
 
     flat = tensor.detach().reshape(-1)
@@ -112,7 +121,7 @@ def _words(tensor: torch.Tensor, bits: Any) -> int:
 
 
 def _rows(bits: Any, words: int) -> Any:
-    """Bits indexed by element: flat, or rows of ``words`` integers (complex128)."""
+    """Bits indexed by element: flat, or rows of ``words`` integers (complex128) so positions pick whole elements."""
     return bits if words == 1 else bits.reshape(-1, words)
 
 
@@ -170,7 +179,7 @@ def _pool_size() -> int:
 
 def _pool() -> Any:
     """The threads delta rounds encode, rebuild and hash on (one per core, at most 8), kept per process so
-    their scratch buffers are touched once. numpy and XXH3 release the GIL."""
+    their scratch buffers are touched once. XOR, zstd and XXH3 release the GIL."""
     from concurrent.futures import ThreadPoolExecutor
 
     with _threads_lock:

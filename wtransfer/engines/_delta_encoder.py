@@ -1,7 +1,4 @@
-"""The trainer's side of delta rounds: its base, and each round's encoding against it.
-
-See :mod:`wtransfer.engines._delta` for what a delta round is and its wire form.
-"""
+"""The trainer's side of delta rounds (see :mod:`wtransfer.engines._delta`): its base, and each round's encoding."""
 
 from __future__ import annotations
 
@@ -23,11 +20,13 @@ from wtransfer.engines._delta import (
     _rows,
     _scratch,
     _words,
+    _zstd,
 )
 from wtransfer.engines._manifest import (
     DENSE,
     POSITION_BLOCK,
     POSITIONS,
+    XOR_ZSTD,
     DeltaPlan,
     DeltaTensor,
     TensorEntry,
@@ -48,17 +47,32 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("wtransfer")
 
-POSITIONS_AT_MOST = 0.25
-"""A changed tensor travels as ``positions`` when that payload is at most this fraction of its bytes (bf16:
-about 12 % of elements changed); else whole."""
+POSITIONS_AT_MOST = 1 / 16
+"""A changed tensor travels as ``positions`` when that payload is at most this fraction of its bytes (bf16: ~3 %)."""
+
+POSITIONS_AT_MOST_ON_FAST_LINKS = 0.25
+""":data:`POSITIONS_AT_MOST` on links of at least :data:`FAST_FOR_POSITIONS` (bf16: ~12 % changed)."""
+
+FAST_FOR_POSITIONS = 75e6
+"""Link bytes/s (0.6 Gbit/s) from which ``positions``, larger than a compressed XOR but gathered while counting,
+costs less time than compressing (zstd's speed sets it; estimated from measurements, likely conservative)."""
+
+XOR_PAYS_BELOW = 300e6
+"""Link bytes/s (2.4 Gbit/s) under which a tensor too changed for ``positions`` is sent as a compressed XOR;
+above, compressing costs more than the wire saves and it goes whole (a conservative estimate)."""
+
+RATE_SAMPLE_BYTES = 64 << 20
+"""A round that moved at least this many bytes measures the link (:meth:`DeltaEncoder.sent`)."""
+
+SPARSE_AT_MOST = 0.25
+"""A compressed XOR is sent only if at most this fraction of its tensor's bytes (bounding the XORs held till sent)."""
 
 CHANGED_TO_TRY = 0.3
-"""A chunk with more than this fraction of elements changed ends the first walk: the tensor goes dense
-(for a tensor too small to gather positions for, which is only counted, this is what ends the walk early)."""
+"""A chunk with more than this fraction of elements changed ends the first walk: the tensor goes dense (its XOR
+would not shrink below :data:`SPARSE_AT_MOST`, and compressing it costs more than sending it whole)."""
 
 GLANCE_BYTES = 64 * 1024
-"""Before walking a tensor whose walk may be deferred, this much of its start is compared: more than
-:data:`CHANGED_TO_TRY` changed sends it whole at once, its whole walk deferred to the sending."""
+"""Bytes at a deferrable tensor's start compared first: over :data:`CHANGED_TO_TRY` changed, it goes whole at once."""
 
 
 @dataclass
@@ -71,11 +85,9 @@ class DeltaStats:
 
 
 class DeltaRound(WeightSource):
-    """One encoded round, as the engine reads it: the wire tensors, in order.
-
-    A tensor sent whole may still be *pending* (counting, updating the base, hashing): that runs on the
-    encoding threads a few tensors ahead of the engine, which gets the tensor once done.
-    """
+    """One encoded round, as the engine reads it: the wire tensors, in order. A tensor sent whole may still be
+    *pending* (counting, updating the base, hashing): that runs on the encoding threads a few tensors ahead of the
+    engine, which gets it once done, so the first byte waits for no pass over the model."""
 
     def __init__(self, entries: list[TensorEntry], payloads: list[torch.Tensor], pending: list[_Encoded | None],
                  plan: DeltaPlan, items: list[_Encoded], finisher: _Finisher, whole: bool = False) -> None:
@@ -116,7 +128,7 @@ class DeltaRound(WeightSource):
         self._finisher.finish_all()
 
     def settle(self) -> None:
-        """Stop the round's encoding: once this returns no thread writes the base for it (failed rounds)."""
+        """Stop the round's encoding: on return no thread writes the base for it; nothing runs into the next round."""
         self._finisher.cancel()
 
 
@@ -170,8 +182,7 @@ class _Finisher:
 
 
 def _keeps_its_tensors(source: Any) -> bool:
-    """Whether ``source``'s tensors outlive the walk (a module's, a dict's), so deferring costs no memory;
-    other sources may make tensors as read, and are encoded at once."""
+    """Whether ``source``'s tensors outlive the walk (a module's, a dict's): only then may one be left pending."""
     from wtransfer.engines._source import ModuleSource, TensorSource
 
     kind = type(source)
@@ -182,35 +193,37 @@ def _keeps_its_tensors(source: Any) -> bool:
 
 
 class DeltaEncoder:
-    """The trainer's copy of the version its workers committed, and each round's encoding against it.
-
-    Memory: one host copy of the model (the base) and its digests, a kept ``positions`` payload buffer
-    per tensor that ever travelled so (only written pages resident), and per encoding thread one scratch
-    chunk and one device tensor copied to host. The base takes the new values as the round is encoded
-    (dense tensors are sent from it), so a failed round leaves it ahead of the workers: it is then marked
-    invalid and the next round is full.
-    """
+    """The trainer's copy of the version its workers committed, and each round's encoding against it. Memory: the
+    base (a host copy of the model) and its digests; one round's XORs (each at most :data:`SPARSE_AT_MOST` of its
+    tensor); a kept ``positions`` buffer per tensor ever sent so (only written pages resident), plus the changes
+    gathered in its walk; per encoding thread a scratch chunk and one device tensor copied to host. The base takes
+    the new values as the round is encoded and sent (dense tensors are sent from it), so a failed round leaves it
+    ahead of the workers: it is marked invalid and the next round is full."""
 
     def __init__(self) -> None:
         self._token = secrets.token_hex(8)
         self.base: dict[str, torch.Tensor] = {}
         self.digests: dict[str, str] = {}
-        """XXH3-64 of each base tensor, kept up to date as the base changes."""
+        """XXH3-64 of each base tensor, kept up to date as the base changes (never recomputed)."""
         self.base_id: str | None = None
         """The id of the last round every worker committed, which :attr:`base` holds; None: full next."""
         self._unsettled: _Finisher | None = None
-        """The last round's pending work (not the round: its payloads are freed once it is sent)."""
+        """The last round's pending work (not the round: its XORs are freed once it is sent)."""
         self._payloads: dict[str, torch.Tensor] = {}
         """Each tensor's ``positions`` payload buffer, kept across rounds to avoid page faults on fresh memory."""
+        self.link_bytes_per_s: float | None = None
+        """Link speed (wire bytes/s): the highest of any round that moved at least :data:`RATE_SAMPLE_BYTES`
+        (each is a lower bound: encoding time counts in); None until one did. Sets the encodings (:func:`_choices`)."""
+
+    def sent(self, wire_bytes: int, seconds: float) -> None:
+        """A round moved ``wire_bytes`` in ``seconds``: the next rounds choose their encodings by it."""
+        if wire_bytes >= RATE_SAMPLE_BYTES and seconds > 0:
+            self.link_bytes_per_s = max(self.link_bytes_per_s or 0.0, wire_bytes / seconds)
 
     def encode(self, source: WeightSource, version: int, cast: CastPlan | None = None) -> DeltaRound:
-        """Walk ``source`` once; the round against :attr:`base` (a full one if it has none).
-
-        With ``cast``, floating tensors are compared and kept in their wire dtype: the base is what the
-        workers hold. Tensors are encoded on every core, at most one per core at a time, so a source that
-        makes tensors as it yields holds no more than that many. A tensor sent whole is left pending when
-        the source keeps its tensors (see :class:`DeltaRound`).
-        """
+        """Walk ``source`` once; the round against :attr:`base` (a full one if it has none). With ``cast``, floating
+        tensors are compared and kept in their wire dtype (the base is what workers hold). Tensors are encoded on every
+        core, at most one per core at a time: a source making tensors as it yields holds no more than that many."""
         from concurrent.futures import Future
 
         if self._unsettled is not None:
@@ -218,6 +231,7 @@ class DeltaEncoder:
         against = self.base_id
         self.base_id = None  # from here on the base holds this round's values, which no worker has yet
         keeps = _keeps_its_tensors(source)
+        choices = _choices(self.link_bytes_per_s)
         encoded: list[_Encoded] = []
         pool, width = _pool(), _pool_size()
         in_flight: list[Future[_Encoded]] = []
@@ -236,7 +250,7 @@ class DeltaEncoder:
                 known = None if fresh else self.digests.get(name)
                 defer = keeps and on_host and new.is_contiguous() and not cast_here
                 in_flight.append(pool.submit(_encode_one, name, new, base, None if fresh else against, known, defer,
-                                             self._room))
+                                             self._room, choices))
                 del tensor, new
                 if len(in_flight) >= width:  # one tensor per core at a time
                     encoded.append(in_flight.pop(0).result())
@@ -276,7 +290,7 @@ class DeltaEncoder:
         buffer = self._payloads.get(name)
         if buffer is None or buffer.numel() < size:
             base = self.base[name]
-            most = int(POSITIONS_AT_MOST * base.numel() * base.element_size())
+            most = int(max(POSITIONS_AT_MOST, POSITIONS_AT_MOST_ON_FAST_LINKS) * base.numel() * base.element_size())
             buffer = self._payloads[name] = torch.empty(max(size, most), dtype=torch.uint8)
         return buffer[:size]
 
@@ -285,8 +299,8 @@ class DeltaEncoder:
         self.digests[item.target.name] = item.digest
 
     def whole(self, encoded: DeltaRound) -> DeltaRound:
-        """The same round, every tensor whole from the base, for workers that cannot apply the delta.
-        Nothing is walked or hashed again."""
+        """The same round, every tensor whole from the base (its values once pending tensors are done), for
+        workers that cannot apply the delta. Nothing is walked or hashed again."""
         finisher = encoded._finisher
         entries, payloads, pending, rows = [], [], [], []
         for item in encoded._items:
@@ -315,6 +329,23 @@ class DeltaEncoder:
         self.base_id = encoded.plan.id
 
 
+@dataclass(frozen=True)
+class _Choices:
+    """Which payloads a round may use, by how fast its link is."""
+
+    positions_at_most: float = POSITIONS_AT_MOST
+    try_xor: bool = True
+
+
+def _choices(link_bytes_per_s: float | None) -> _Choices:
+    """Unmeasured or slow link: ``positions`` for few changes, a compressed XOR for more. Fast: ``positions``
+    goes further; very fast (or shared memory): beyond it a tensor goes whole."""
+    if link_bytes_per_s is None:
+        return _Choices()
+    fast = link_bytes_per_s >= FAST_FOR_POSITIONS
+    return _Choices(POSITIONS_AT_MOST_ON_FAST_LINKS if fast else POSITIONS_AT_MOST, link_bytes_per_s < XOR_PAYS_BELOW)
+
+
 @dataclass
 class _Encoded:
     """One tensor's part of a round: what travels (``row`` None: nothing, it did not change)."""
@@ -330,7 +361,7 @@ class _Encoded:
 
     @property
     def target(self) -> TensorEntry:
-        """The model's tensor (``entry`` is what travels: a ``positions`` payload, or the tensor itself)."""
+        """The model's tensor (``entry`` is what travels: a payload, or the tensor itself)."""
         return self.entry if self.row is None else self.row.target
 
     def finish(self) -> None:
@@ -360,9 +391,8 @@ def _changed_where(fresh: Any, old: Any, words: int) -> Any:
 
 def _walk_rest(new_bits: Any, base_bits: Any, start: int, step: int, words: int, hasher: Any,
                count: bool) -> tuple[int, str]:
-    """A dense tensor's walk from ``start``, chunk by chunk: count changes (if ``count``), copy the new bytes
-    into the base and hash them while cached. Returns (counted, digest of the whole base); ``hasher`` has
-    seen the chunks before ``start``."""
+    """A dense tensor's walk from ``start``: count changes (if ``count``), copy the new bytes into the base and hash
+    them while cached. Returns (counted, whole base's digest); ``hasher`` has seen the chunks before ``start``."""
     import numpy
 
     changed = 0
@@ -380,23 +410,18 @@ def _walk_rest(new_bits: Any, base_bits: Any, start: int, step: int, words: int,
 
 
 def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str | None, known: str | None,
-                defer: bool, room: Any) -> _Encoded:
-    """Encode one tensor against its base (on a helper thread); the base takes the new value now or,
-    with ``defer``, as the round is sent.
-
-    A first walk only reads: it counts changed elements per chunk (gathering positions and values while
-    they may fit a ``positions`` payload) and hashes old bytes (which must match ``known``) and new. Then:
-
-    - nothing changed: the tensor stays out of the round;
-    - few enough for ``positions``: the payload is written from what was gathered, and the base updated
-      from the payload (its own decode);
-    - otherwise (or no base, or a glance/chunk above :data:`CHANGED_TO_TRY`): the tensor goes whole.
-
-    ``room(name, size)`` lends the payload buffer of a ``positions`` tensor.
-    """
+                defer: bool, room: Any, choices: _Choices = _Choices()) -> _Encoded:
+    """Encode one tensor against its base (on a helper thread); the base takes the new value now or, with
+    ``defer``, as the round is sent. A first walk only reads: it counts changed elements per chunk (gathering positions
+    and values while they may fit ``positions``) and hashes old bytes (which must match ``known``) and new. Unchanged,
+    the tensor stays out; few changes: ``positions``, written from what was gathered and decoded into the base; more,
+    where XOR pays (``choices``): a second walk compresses the XOR while updating the base; otherwise (no base, a glance
+    or chunk over :data:`CHANGED_TO_TRY`, a XOR over :data:`SPARSE_AT_MOST`): whole. ``room(name, size)`` lends a
+    ``positions`` payload buffer."""
     import functools
 
     import numpy
+    import torch
     import xxhash
 
     target = entry_for(name, new)
@@ -423,7 +448,7 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
             return whole(walk_from_start(True), 0)
     changed = 0
     was, now = xxhash.xxh3_64(), xxhash.xxh3_64()
-    most = POSITIONS_AT_MOST * target.nbytes  # the largest positions payload this tensor may take
+    most = choices.positions_at_most * target.nbytes  # the largest positions payload this tensor may take
     counts = numpy.zeros(position_blocks(target), dtype=numpy.int64)
     # (values, positions) per chunk, while the changes still fit a positions payload
     found: list[tuple[Any, Any]] | None = [] if positions_payload_bytes(target, 1) <= most else None
@@ -436,8 +461,8 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
             where = _changed_where(fresh, old, words)
             here = where.size
             if positions_payload_bytes(target, changed + here) > most:
-                return whole(walk_from_start(True), 0)  # too many for positions; nothing written yet
-            if here:
+                found = None  # too many for positions: only count from here on
+            elif here:
                 at = where + start // words
                 found.append((_rows(fresh, words)[where], at.astype(numpy.uint16)))
                 first, last = start // words // POSITION_BLOCK, int(at[-1]) // POSITION_BLOCK + 1
@@ -458,7 +483,7 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
         payload = room(name, positions_payload_bytes(target, changed))
         counts_out, values, lows = _positions_parts(payload, target, changed, new_bits.dtype, words)
         counts_out[:] = counts
-        tensor_bytes(payload).numpy()[counts_out.nbytes : positions_header_bytes(target)] = 0  # the padding: no stale bytes
+        tensor_bytes(payload).numpy()[counts_out.nbytes : positions_header_bytes(target)] = 0  # no stale padding
         numpy.concatenate([part[0] for part in found], out=values)
         numpy.concatenate([part[1] for part in found], out=lows)
         del found
@@ -467,4 +492,28 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
             base_rows[begin:end][positions] = news  # the base becomes the new value: the payload's own decode
         return _Encoded(TensorEntry(name, "uint8", (payload.numel(),)), payload,
                         DeltaTensor(target, POSITIONS, value, known), changed, value)
-    return whole(walk_from_start(False), changed)  # too many changes for positions
+    if not choices.try_xor:  # compressing would cost more than sending it whole
+        return whole(walk_from_start(False), changed)
+    limit = SPARSE_AT_MOST * target.nbytes
+    compressor = _zstd().ZstdCompressor(level=_delta.ZSTD_LEVEL).compressobj()
+    parts: list[bytes] = []
+    size = 0
+    hasher = xxhash.xxh3_64()
+    for start in range(0, new_bits.size, step):  # the second walk: compress, update the base
+        fresh, old = new_bits[start : start + step], base_bits[start : start + step]
+        xor = _scratch.get(new_bits.dtype, fresh.size)
+        numpy.bitwise_xor(fresh, old, out=xor)
+        part = compressor.compress(xor)
+        parts.append(part)
+        size += len(part)
+        numpy.copyto(old, fresh)
+        hasher.update(old)  # the chunk is still in cache
+        if size > limit:  # a XOR this large is no delta: the tensor goes whole (counted already)
+            rest = functools.partial(_walk_rest, new_bits, base_bits, start + step, step, words, hasher, False)
+            return whole(rest, changed)
+    parts.append(compressor.flush())
+    if size + len(parts[-1]) > limit:
+        return _Encoded(target, base, DeltaTensor(target, DENSE, None), changed, value)
+    blob = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
+    wire = TensorEntry(name, "uint8", (blob.numel(),))
+    return _Encoded(wire, blob, DeltaTensor(target, XOR_ZSTD, value, known), changed, value)

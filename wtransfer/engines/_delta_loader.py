@@ -1,7 +1,4 @@
-"""The worker's side of delta rounds: rebuild each changed tensor on the committed copy, and check it.
-
-See :mod:`wtransfer.engines._delta` for what a delta round is and its wire form.
-"""
+"""The worker's side of delta rounds (see :mod:`wtransfer.engines._delta`): rebuild each changed tensor, check it."""
 
 from __future__ import annotations
 
@@ -15,18 +12,22 @@ from wtransfer.engines._delta import (
     _position_spans,
     _positions_parts,
     _rows,
+    _scratch,
     _words,
+    _zstd,
     digest,
 )
 from wtransfer.engines._manifest import (
     DENSE,
     POSITION_BLOCK,
+    XOR_ZSTD,
     DeltaTensor,
     Manifest,
     TensorEntry,
     entry_for,
     position_blocks,
     positions_header_bytes,
+    tensor_bytes,
 )
 from wtransfer.engines._packing import note_written
 from wtransfer.errors import ManifestMismatchError, TransferError
@@ -36,12 +37,10 @@ if TYPE_CHECKING:
 
 
 class DeltaLoader:
-    """Between the engine and the commit layer: rebuilds each tensor sent as a payload and checks it.
-
-    The base is the real loader's ``destination(name)`` (read before the round writes it); ``holds`` is
-    the id of the round this worker last committed. A loader that needs every round whole takes a delta
-    only if it says ``delta_ready``.
-    """
+    """Between the engine and the commit layer: rebuilds each tensor sent as a payload and checks it. The base
+    is the real loader's ``destination(name)`` (read before the round writes it); ``holds`` is the id of the round this
+    worker last committed. A loader needing whole rounds takes a delta only if it says ``delta_ready`` (it loads the
+    tensors a round leaves out from what ``destination()`` shows)."""
 
     whole_round = False
 
@@ -55,14 +54,14 @@ class DeltaLoader:
         self._needs_whole_rounds = (getattr(real, "whole_round", False) is True
                                     and getattr(real, "delta_ready", False) is not True)
         self._rows = {t.target.name: t for t in self.plan.tensors}
+        _zstd()  # fails here, before the round, if the package is missing
         self.discards = getattr(inner, "discards", False) is True
         """A node's follower: the stager rebuilds and checks; this worker only checks its base."""
         self._validated = False
         self._rejection: ManifestMismatchError | None = None
 
     def validate_manifest(self, manifest: Manifest) -> None:
-        """Before any byte moves: this worker holds the base the round is against. Checked once; later
-        calls get the same verdict."""
+        """Before any byte moves: this worker holds the round's base (if any). Checked once; later calls agree."""
         if self._rejection is None and not self._validated:
             try:
                 self._validate(manifest)
@@ -91,7 +90,7 @@ class DeltaLoader:
         self._validated = True
 
     def _check_bases(self, expected: list[tuple[TensorEntry, str | None]]) -> None:
-        """Every tensor the round keeps or patches is, bit for bit, what the trainer diffs against."""
+        """Every tensor the round keeps or rebuilds is, bit for bit, what the trainer diffs against."""
         bases = []
         for entry, _ in expected:
             base = self._base_of(entry.name)  # type: ignore[misc]
@@ -131,7 +130,7 @@ class DeltaLoader:
         unlisted = [name for name, _ in weights if name not in self._rows]
         if unlisted:
             raise ManifestMismatchError(f"engine delivered {unlisted[0]!r}, which delta round {self.plan.id} does not list")
-        # payloads rebuilt and checked on every core, the first failure raised; dense tensors pass as they came
+        # payloads rebuilt and checked on every core, first failure (in order) raised; dense tensors pass as they came
         from concurrent.futures import wait
 
         pool = _pool()
@@ -143,16 +142,47 @@ class DeltaLoader:
         self.inner([(name, payload) if job is None else job.result() for (name, payload), job in zip(weights, jobs)])
 
     def _checked(self, name: str, payload: torch.Tensor, row: DeltaTensor) -> tuple[str, torch.Tensor]:
-        payload, got = self._place(name, payload, row)
+        payload, got = (self._rebuild if row.encoding == XOR_ZSTD else self._place)(name, payload, row)
         if got != row.digest:
             raise TransferError(
                 f"delta round: {name!r} rebuilt here differs from the trainer's new value (digest {got} != "
                 f"{row.digest}); the round is not committed where the commit is atomic")
         return name, payload
 
+    def _rebuild(self, name: str, payload: torch.Tensor, row: DeltaTensor) -> tuple[torch.Tensor, str]:
+        """Rebuild a ``xor-zstd`` tensor (base XOR decompressed payload) where the commit reads it, chunk by chunk
+        through one scratch buffer, hashed while cached; returns it and its digest. A wrong size fails the round."""
+        import numpy
+        import xxhash
+
+        base = self._base_of(name)  # type: ignore[misc]
+        value = self._destination(name, base)
+        base_bits, value_bits = _bits(base), _bits(value)  # value is contiguous: a view
+        step = max(1, _delta.CHUNK_BYTES // base_bits.itemsize)
+        reader = _zstd().ZstdDecompressor().stream_reader(tensor_bytes(payload).numpy())  # one per thread
+        hasher = xxhash.xxh3_64()
+        for start in range(0, base_bits.size, step):
+            xor = _scratch.get(base_bits.dtype, min(step, base_bits.size - start))
+            want, got = xor.nbytes, 0
+            view = memoryview(xor.view(numpy.uint8))
+            while got < want:
+                read = reader.readinto(view[got:])
+                if read == 0:
+                    break
+                got += read
+            if got != want:
+                raise TransferError(f"delta round: {name!r} decompressed to fewer bytes than its {row.target.nbytes}")
+            out = value_bits[start : start + xor.size]
+            numpy.bitwise_xor(base_bits[start : start + xor.size], xor, out=out)
+            hasher.update(out)
+        if reader.read(1):
+            raise TransferError(f"delta round: {name!r} decompressed to more bytes than its {row.target.nbytes}")
+        note_written(value)  # through numpy, behind autograd's back
+        return value, _hex(hasher.intdigest(), row.target.nbytes)
+
     def _place(self, name: str, payload: torch.Tensor, row: DeltaTensor) -> tuple[torch.Tensor, str]:
-        """Rebuild a ``positions`` tensor where the commit reads it, in one pass per span (copy the base,
-        patch, hash while cached); returns it and its digest. A malformed payload fails the round."""
+        """Rebuild a ``positions`` tensor where the commit reads it, in one pass per span (copy the base, patch,
+        hash while cached); returns it and its digest. Bad block counts or a position past the end fail the round."""
         import numpy
         import xxhash
 
@@ -184,8 +214,8 @@ class DeltaLoader:
         return value, _hex(hasher.intdigest(), target.nbytes)
 
     def _destination(self, name: str, base: torch.Tensor) -> torch.Tensor:
-        """Where the rebuilt tensor goes: the commit's own destination if contiguous and of the same layout
-        (when streaming, the base itself: patched in place), else a new contiguous tensor."""
+        """Where the rebuilt tensor goes: the commit's destination if of the same layout (streaming: the base
+        itself, rebuilt in place element-wise), else a new tensor; always contiguous (written through a byte view)."""
         import torch
 
         where = getattr(self.inner, "destination", None)
@@ -198,5 +228,6 @@ class DeltaLoader:
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' bytes share memory."""
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()

@@ -37,9 +37,10 @@ DELTA_MANIFEST_FORMAT = 5
 payload bytes as tensors."""
 DIGEST_ALGORITHMS = ("xxh3_64",)
 
-POSITIONS, DENSE = "positions", "dense"
-DELTA_ENCODINGS = (POSITIONS, DENSE)
-"""How a delta round's wire tensor rebuilds its tensor: changed elements' positions and values, or whole."""
+XOR_ZSTD, POSITIONS, DENSE = "xor-zstd", "positions", "dense"
+DELTA_ENCODINGS = (XOR_ZSTD, POSITIONS, DENSE)
+"""How a delta round's wire tensor rebuilds its tensor: a compressed XOR with the base, changed elements'
+positions and values, or whole."""
 
 
 POSITION_BLOCK = 1 << 16
@@ -140,7 +141,7 @@ class DeltaTensor:
     """XXH3-64 of the new value: the worker checks the tensor it rebuilt from a payload. None for a dense
     tensor (checked against the base before the next delta round applies anything to it)."""
     base_digest: str | None = None
-    """``positions``: XXH3-64 of the base's bytes the payload applies to."""
+    """``xor-zstd``, ``positions``: XXH3-64 of the base's bytes the payload applies to."""
 
     def to_list(self) -> list[Any]:
         t = self.target

@@ -36,6 +36,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("wtransfer")
 
+ELECTION_S = 10.0
+"""How long a worker keeps trying to become the node's stager or reach the one that is: the other
+worker may sit between ``bind`` and ``listen`` while a busy host runs something else."""
+
 
 def staging_offsets(entries: tuple[TensorEntry, ...]) -> tuple[list[int], int]:
     """Each tensor's byte offset in the staging segment (``ALIGN``-aligned) and the total size."""
@@ -183,8 +187,12 @@ class NodeStaging:
     def _elect(self) -> None:
         if not sys.platform.startswith("linux"):
             return  # no abstract sockets: stage privately
+        import time
+
         name = f"\0wtransfer-stage-{self.key}"
-        for _ in range(50):
+        deadline = time.monotonic() + ELECTION_S
+        pause = 0.001
+        while True:
             server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 server.bind(name)
@@ -201,8 +209,12 @@ class NodeStaging:
             client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 client.connect(name)
-            except OSError:  # the stager is going away: try to take its place
+            except OSError:  # the stager is between bind and listen, or going away: try again
                 client.close()
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(pause)  # a busy host may deschedule the other worker for a while
+                pause = min(pause * 2, 0.1)
                 continue
             stranger = peer_uid(client)
             if stranger is not None and stranger != os.getuid():
@@ -215,7 +227,8 @@ class NodeStaging:
             self._channel = ControlChannel(client, "this node's stager")
             logger.debug("node staging %s: following this node's stager", self.key)
             return
-        raise TransferError(f"node staging {self.key}: could neither stage nor reach this node's stager")
+        raise TransferError(f"node staging {self.key}: could neither stage nor reach this node's stager "
+                            f"within {ELECTION_S:g} s")
 
     def rejoin_if_orphaned(self) -> None:
         """A follower whose stager is gone (between rounds) elects again before the next round."""

@@ -580,6 +580,7 @@ class TrainerWeightTransferEngine(ABC):
                 self.source = encoded = self.delta.whole(encoded)  # from the base: the source is walked once
                 stats = self._run_round(label, encoded)
             self.delta.committed(encoded)
+            self.delta.sent(stats["wire_bytes"], stats["seconds"])  # how fast the link is, for the next choices
         finally:
             self.source = source
             if encoded is not None:
@@ -787,8 +788,8 @@ def create_trainer(
       ``"streaming"`` (buffers only; a failed round leaves the models torn: ``weight_version`` None,
       ``weights_torn`` True).
     - ``delta=True`` (unsharded only): send only what changed since the version every worker committed
-      (changed elements' positions and values, or whole), each rebuilt tensor checked against the
-      trainer's digest before commit; a worker without that version gets a full round automatically.
+      (changed elements' positions and values, a compressed XOR on slow links, or whole), each rebuilt
+      tensor checked against the trainer's digest before commit; a worker without that version gets a full round automatically.
       Costs one host copy of the model; ``stats["wire_bytes"]`` is what crossed the transport.
     - ``dtype``: floating tensors travel in the dtype the workers load (they say at rendezvous), cast on
       the rank that holds them; ``dtype="bfloat16"`` (or a ``torch.dtype``) forces one. A cast rounds as

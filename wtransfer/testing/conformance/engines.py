@@ -165,7 +165,7 @@ class EngineConformance:
         self, engine_options: dict[str, Any], trainer_init_info: dict[str, Any], commit: str
     ) -> None:
         """``delta=True`` over every engine: after a full round, a round changing a few bytes of most tensors (sent
-        as ``positions`` payloads) and one tensor all over (whole), then a round with nothing changed, each
+        as ``positions`` payloads or XORs) and one tensor all over (whole), then a round with nothing changed, each
         lands bit for bit; the first moves fewer bytes than the model, the second no tensor at all."""
         import torch
 
