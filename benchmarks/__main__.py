@@ -13,4 +13,4 @@ if __name__ == "__main__":
         sys.exit(0 if len(sys.argv) > 1 else 2)
     root = str(Path(__file__).resolve().parent.parent)  # worker processes import benchmarks.* too
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    sys.exit(run_suite(sys.argv[1:], SUITES, None, "python -m benchmarks"))
+    sys.exit(run_suite(sys.argv[1:], SUITES, None, "python -m benchmarks", elsewhere=""))

@@ -29,15 +29,17 @@ def run(args: argparse.Namespace) -> int:
     return run_suite(list(args.extra))
 
 
+OTHER_SUITES = "; the other suites run from a checkout: python -m benchmarks SUITE"
+
+
 def run_suite(argv: list[str], suites: dict[str, str] = SUITES, default: str | None = DEFAULT_SUITE,
-              prog: str = "wtransfer bench") -> int:
+              prog: str = "wtransfer bench", elsewhere: str = OTHER_SUITES) -> int:
     """Parse ``argv`` (``[SUITE] options``) with the suite's own parser and run it (also ``python -m benchmarks``)."""
     suite = default
     if argv and not argv[0].startswith("-"):
         suite, argv = argv[0], argv[1:]
     if suite not in suites:
-        more = "; the other suites run from a checkout: python -m benchmarks SUITE" if prog == "wtransfer bench" else ""
-        print(f"error: unknown bench suite {suite!r}; choose from {', '.join(suites)}{more}", file=sys.stderr)
+        print(f"error: unknown bench suite {suite!r}; choose from {', '.join(suites)}{elsewhere}", file=sys.stderr)
         return 2
     module = importlib.import_module(suites[suite])
     parser = argparse.ArgumentParser(

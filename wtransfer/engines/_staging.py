@@ -23,6 +23,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -187,8 +188,6 @@ class NodeStaging:
     def _elect(self) -> None:
         if not sys.platform.startswith("linux"):
             return  # no abstract sockets: stage privately
-        import time
-
         name = f"\0wtransfer-stage-{self.key}"
         deadline = time.monotonic() + ELECTION_S
         pause = 0.001
