@@ -30,7 +30,8 @@ import subprocess
 import sys
 from typing import Any
 
-from wtransfer._bench.report import add_report_arguments, figures_report, table
+from benchmarks.tables import table
+from wtransfer._bench.report import add_report_arguments, figures_report
 
 WIRE_TARGET = 0.1
 SPEEDUP_TARGET_AT_1GBIT = 8.0

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wtransfer._bench.report import add_report_arguments, figures_report, table
+from benchmarks.tables import table
+from wtransfer._bench.report import add_report_arguments, figures_report
 from wtransfer.testing.distributions import write_distribution
 
 RAW_SCAN = """

@@ -29,7 +29,8 @@ import statistics
 import time
 from typing import Any
 
-from wtransfer._bench.report import add_report_arguments, figures_report, median_item, table
+from benchmarks.tables import median_item, table
+from wtransfer._bench.report import add_report_arguments, figures_report
 from wtransfer._fork_server import worker_process
 
 TARGET_RATIO = {"writes": 0.8, "gathers": 0.8}

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from wtransfer._bench.report import add_report_arguments, figures_report, ratio_rows, table
+from benchmarks.tables import ratio_rows, table
+from wtransfer._bench.report import add_report_arguments, figures_report
 
 TARGET_RATIO = 0.8
 

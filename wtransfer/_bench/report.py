@@ -88,7 +88,7 @@ class MarkdownTable:
         self.columns: list[str] = []
         self.rows: list[list[str]] = []
 
-    def add_column(self, name: str, **rich_options: Any) -> None:  # no_wrap and the like: Markdown never cuts
+    def add_column(self, name: str, **_rich_options: Any) -> None:  # no_wrap and the like: Markdown never cuts
         self.columns.append(name)
 
     def add_row(self, *cells: str) -> None:
@@ -119,30 +119,6 @@ class MarkdownLines:
             self.lines.extend(item.lines())
         else:
             self.lines.append(Text.from_markup(str(item)).plain)
-
-
-def median_item(items: list[Any], key: Callable[[Any], float]) -> Any:
-    """The item whose ``key`` is the median (the lower middle one for an even count): a run that really happened
-    stands for its set."""
-    return sorted(items, key=key)[(len(items) - 1) // 2]
-
-
-def table(title: str, columns: list[str], rows: list[list[str]]) -> list[str]:
-    made = MarkdownTable(title)
-    for column in columns:
-        made.add_column(column)
-    for row in rows:
-        made.add_row(*row)
-    return made.lines()
-
-
-def ratio_rows(figures: dict[str, Any], directions: tuple[str, ...], baseline: str, ours: str) -> list[list[str]]:
-    """One row per measured direction: the baseline's and our GB/s, the ratio, target and verdict."""
-    return [
-        [direction, f"{f[baseline]:.2f}", f"{f[ours]:.2f}", f"{f['ratio']:.2f}×",
-         f">= {f['target']}× {'ok' if f['ok'] else 'MISSED'}"]
-        for direction, f in ((d, figures[d]) for d in directions if d in figures)
-    ]
 
 
 def start_marker(name: str) -> str:

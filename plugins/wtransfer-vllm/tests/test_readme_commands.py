@@ -1,4 +1,4 @@
-"""The main README's "Use with vLLM" commands, run as written (with the cached vLLM environment
+"""The vLLM commands of README.md and docs/vllm.md, run as written (with the cached vLLM environment
 activated in place of the setup block, whose pins must match the harness's)."""
 
 from __future__ import annotations
@@ -17,12 +17,15 @@ import pytest
 from vllm_harness import REPO_ROOT, UNNEEDED, VLLM_REQUIREMENT, cpu_flags
 
 README = REPO_ROOT / "README.md"
+PAGES = (README, REPO_ROOT / "docs" / "vllm.md")  # the vLLM page holds the serve and KV commands
 
 
 def block(marker: str) -> str:
-    match = re.search(rf"<!-- {marker} -->\n```bash\n(.*?)```\n<!-- /{marker} -->", README.read_text(), re.S)
-    assert match, f"README has no {marker} block"
-    return match.group(1)
+    for page in PAGES:
+        match = re.search(rf"<!-- {marker} -->\n```bash\n(.*?)```\n<!-- /{marker} -->", page.read_text(), re.S)
+        if match:
+            return match.group(1)
+    raise AssertionError(f"neither README.md nor docs/vllm.md has a {marker} block")
 
 
 def run_block(vllm_python: Path, marker: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -39,7 +42,7 @@ def run_block(vllm_python: Path, marker: str, timeout: float) -> subprocess.Comp
         except ProcessLookupError:
             pass
     done = subprocess.CompletedProcess(process.args, process.returncode, out, err)
-    assert done.returncode == 0, f"README {marker} block exited {done.returncode}\n{out[-4000:]}\n{err[-6000:]}"
+    assert done.returncode == 0, f"the {marker} block exited {done.returncode}\n{out[-4000:]}\n{err[-6000:]}"
     return done
 
 
