@@ -604,28 +604,12 @@ def _ratio(result: EngineResult, peer: str, peers: dict[str, float]) -> float | 
     return result.gb_per_s / peers[peer] if peer in peers else None
 
 
-_KNOWN_MISSES = {  # target -> (most cores of the hosts it was measured on, why it misses there)
-    "shm atomic / shm streaming": (
-        2, "atomic rounds copy each byte twice one after the other (into the node's staged copy, then into "
-           "the model), where streaming overlaps its two copies through a cache-sized ring; with 2 cores "
-           "both copies are bound by the same memory bandwidth"),
-}
-"""Misses explained for idle hosts of up to that many cores: the verdict says why instead of advising a rerun."""
-
-
-def _known_miss(what: str, cores: int) -> str | None:
-    """Why target ``what`` misses on a host with ``cores`` cores, where that is known; else None."""
-    known = _KNOWN_MISSES.get(what)
-    return known[1] if known and 0 < cores <= known[0] else None
-
-
 def _verdicts(targets: list[dict[str, Any]], strict: bool = False, machine: dict[str, Any] | None = None) -> list[str]:
     """The result in words: each engine against each reference and target, and the exit status.
 
     A miss on a busy machine (``machine``, from :class:`LoadWatch`) may be the machine's, so a rerun is advised; on
-    an idle one it is how wtransfer runs on this host, said so, with the reason where known."""
+    an idle one it is how wtransfer runs on this host, and said so."""
     lines = []
-    cores = (machine or {}).get("cores") or 0
     for t in targets:
         engine, peer = t["engine"], t["peer"]
         if peer is None:  # the memory budget
@@ -640,9 +624,6 @@ def _verdicts(targets: list[dict[str, Any]], strict: bool = False, machine: dict
             verdict = f"reported only: the {t['target']}x target applies to many-small-tensor models"
         else:
             verdict = f"target {t['target']}x {'met' if t['ok'] else 'MISSED'}"
-            known = _known_miss(t["what"], cores)
-            if not t["ok"] and known:
-                verdict += f"; a known miss on hosts with {cores} cores: {known}"
         lines.append(f"{engine} runs at {t['value']:.2f}x {peer} ({verdict})")
     missed = [t["what"] for t in targets if t["applies"] and not t["ok"]]
     words = f"machine {machine['words']}" if machine else "machine load not measured"
@@ -650,10 +631,7 @@ def _verdicts(targets: list[dict[str, Any]], strict: bool = False, machine: dict
         lines.append(f"every round verified bit-exact; all targets that apply are met (exit 0); {words}")
         return lines
     status = "exit 1 (--strict-targets)" if strict else "every round verified bit-exact (exit 0)"
-    known = [what for what in missed if _known_miss(what, cores)]
-    if len(known) == len(missed):
-        advice = f"each is a known miss on hosts with {cores} cores (said above): a rerun would not change it"
-    elif machine is not None and machine.get("busy"):
+    if machine is not None and machine.get("busy"):
         advice = ("other processes shared the machine, and ratios measured side by side can miss for that alone: "
                   "rerun when it is idle")
     else:
