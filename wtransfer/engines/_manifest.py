@@ -19,6 +19,7 @@ trainer, so its workers on one node share one staged copy. A manifest without ``
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -118,10 +119,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
