@@ -33,7 +33,8 @@ logger = logging.getLogger("wtransfer")
 CONNECT_WAIT_S = 600.0
 """How long the other ranks wait for rank 0's rendezvous (they do not know its timeout yet)."""
 TELL_WAIT_S = 30.0
-"""How long rank 0 waits for the others to tell a failure, and a rank claimed as it gave up waits for the decision."""
+"""Slack over rank 0's own bounded waits: how much longer another rank waits for its decision (rank 0 may have
+started waiting later, as when it claimed a rank that was giving up, and still has to publish)."""
 GONE = "gone"
 TAKEN = "taken"
 
@@ -83,7 +84,7 @@ class RankAgreement:
                 f"passed rank={claimed}; each must pass a different rank from 0 to {len(ranks) - 1}, and exactly one 0"
             )
         name = int(everyone[claimed.index(0)][1])
-        self.others = [r for r in range(1, len(ranks))]
+        self.others = list(range(1, len(ranks)))
         self.store = dist.PrefixStore(f"wtransfer/agreement/{name:x}/", dist.distributed_c10d._get_default_store())
 
     # -- rank 0 -------------------------------------------------------------------------------
@@ -103,6 +104,14 @@ class RankAgreement:
         self.store.set(f"{step}/decision", json.dumps(decision))
         if missing:
             raise TransferError(f"trainer rank 0: {decision['reason']}")
+
+    def refuse(self, step: str, exc: BaseException) -> None:
+        """Rank 0: tell the other ranks that ``step`` failed with ``exc``. Best effort: if the store is gone,
+        this rank's own error is the one to raise."""
+        try:
+            self.decide(step, {"ok": False, "reason": f"{type(exc).__name__}: {exc}"}, 0.0)
+        except Exception:
+            pass
 
     def _forget_before(self, step: str) -> None:
         """Every rank is past the previous round's keys once it is claimed for ``round/N``: drop them."""

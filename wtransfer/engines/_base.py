@@ -28,8 +28,6 @@ from wtransfer.engines._commit import round_state, wrap_round_methods
 from wtransfer.engines._packing import LoadWeights  # noqa: F401  (where engines import it from)
 
 if TYPE_CHECKING:
-    import torch
-
     from wtransfer.engines._cast import ServedDtypes
 
 TInitInfo = TypeVar("TInitInfo", bound="WeightTransferInitInfo")

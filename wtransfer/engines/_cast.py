@@ -9,6 +9,7 @@ tensors are never cast; a cast rounds as ``tensor.to(dtype)`` does, as vLLM's lo
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -52,9 +53,7 @@ class ServedDtypes:
     def of_tensors(cls, named: Iterable[tuple[str, torch.Tensor]]) -> ServedDtypes:
         """Its most common floating dtype as default, and every floating tensor of another dtype by name."""
         floating = {name: dtype for name, t in named if (dtype := dtype_name(t.dtype)) in FLOATING}
-        counts: dict[str, int] = {}
-        for dtype in floating.values():
-            counts[dtype] = counts.get(dtype, 0) + 1
+        counts = Counter(floating.values())
         default = max(counts, key=lambda d: counts[d]) if counts else None
         return cls(default, {name: dtype for name, dtype in floating.items() if dtype != default})
 

@@ -116,10 +116,7 @@ class ControlChannel:
     def read_ready(self) -> list[dict[str, Any]]:
         """Every complete message after the socket was reported readable (does not block)."""
         self._fill(0.5)
-        messages = []
-        while (message := self._pop_frame()) is not None:
-            messages.append(message)
-        return messages
+        return self.pending()
 
     def pending(self) -> list[dict[str, Any]]:
         """Complete messages already buffered (read together with earlier ones)."""

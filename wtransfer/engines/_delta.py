@@ -89,12 +89,8 @@ def _bits(tensor: torch.Tensor) -> Any:
     """The tensor's bits as a flat integer array (two int64 per complex128); if contiguous, a view writing through."""
     import torch
 
-    flat = tensor.detach().reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    size = flat.element_size()
-    word = next(w for w in (8, 4, 2, 1) if size % w == 0)
-    return flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[word]).numpy()
+    word = next(w for w in (8, 4, 2, 1) if tensor.element_size() % w == 0)
+    return tensor_bytes(tensor).view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[word]).numpy()
 
 
 def _hex(value: int, nbytes: int) -> str:

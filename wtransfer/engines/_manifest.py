@@ -19,9 +19,10 @@ trainer, so its workers on one node share one staged copy. A manifest without ``
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -118,10 +119,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -211,16 +209,11 @@ class DeltaPlan:
 
     def target_manifest(self, manifest: Manifest) -> Manifest:
         """The round as the model sees it: the tensors it rebuilds, whole (staging is sized by it)."""
-        import dataclasses
-
-        return dataclasses.replace(manifest, entries=tuple(t.target for t in self.tensors), delta=None)
+        return replace(manifest, entries=tuple(t.target for t in self.tensors), delta=None)
 
     def model_manifest(self, manifest: Manifest) -> Manifest:
         """Every tensor of the model, carried or not: what a loader checks the round against."""
-        import dataclasses
-
-        return dataclasses.replace(manifest, entries=tuple(t.target for t in self.tensors) + self.unchanged,
-                                   delta=None)
+        return replace(manifest, entries=tuple(t.target for t in self.tensors) + self.unchanged, delta=None)
 
 
 def _is_digest(value: Any) -> bool:

@@ -113,27 +113,20 @@ def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
     Copies are memory-bound: torch's intra-op threads only add synchronisation and compete with the other
     side of the pipeline. Anything else (strides, devices, casts) goes to ``copy_``.
     """
-    if src.numel() < _SERIAL_NUMEL:  # torch copies these on one thread anyway, with less overhead
+    if src.numel() < _SERIAL_NUMEL or not _byte_copyable(dst, src):  # small: torch copies on one thread anyway
         dst.copy_(src)
         return
-    if (
-        dst.device.type == "cpu"
-        and src.device.type == "cpu"
-        and dst.dtype == src.dtype
-        and dst.shape == src.shape
-        and dst.is_contiguous()
-        and src.is_contiguous()
-        and dst.numel() > 0
-    ):
-        import numpy
-        import torch
+    import numpy
 
-        target = dst.detach().reshape(-1).view(torch.uint8)
-        numpy.copyto(target.numpy(), src.detach().reshape(-1).view(torch.uint8).numpy())
-        if dst.requires_grad:
-            note_written(dst)
-        return
-    dst.copy_(src)
+    numpy.copyto(tensor_bytes(dst).numpy(), tensor_bytes(src).numpy())
+    if dst.requires_grad:
+        note_written(dst)
+
+
+def _byte_copyable(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Contiguous CPU tensors of one dtype and shape: a plain memcpy copies one into the other."""
+    return (dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype and dst.shape == src.shape
+            and dst.is_contiguous() and src.is_contiguous())
 
 
 PARALLEL_CHUNK = 32 << 20
@@ -159,15 +152,11 @@ class ParallelCopier:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         import numpy
-        import torch
 
-        plain = (dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype and dst.shape == src.shape
-                 and dst.is_contiguous() and src.is_contiguous())
-        if not plain or src.numel() < _SERIAL_NUMEL:
+        if src.numel() < _SERIAL_NUMEL or not _byte_copyable(dst, src):
             copy_tensor(dst, src)
             return
-        target = dst.detach().reshape(-1).view(torch.uint8).numpy()
-        source = src.detach().reshape(-1).view(torch.uint8).numpy()
+        target, source = tensor_bytes(dst).numpy(), tensor_bytes(src).numpy()
         for at in range(0, len(target), PARALLEL_CHUNK):
             job = self._executor().submit(numpy.copyto, target[at : at + PARALLEL_CHUNK], source[at : at + PARALLEL_CHUNK])
             size = min(PARALLEL_CHUNK, len(target) - at)
@@ -388,16 +377,20 @@ class Unpacker:
         self._discard = getattr(load_weights, "discards", False) is True
         self.delivered = 0
 
-    def direct_target(self, bucket: Bucket) -> torch.Tensor | None:
-        """Where a direct bucket can be received in place: its slice of the loader's destination."""
-        if not bucket.direct or self._destination is None or self._discard:
-            return None
-        piece = bucket.pieces[0]
-        entry = self._manifest.entries[piece.index]
-        target = self._destination(entry.name)
+    def _in_place(self, entry: TensorEntry) -> torch.Tensor | None:
+        """The loader's destination for ``entry`` if its bytes can be written there as they arrive."""
+        target = self._destination(entry.name) if self._destination is not None else None
         if target is None or not target.is_contiguous() or entry_for(entry.name, target) != entry:
             return None
-        return tensor_bytes(target)[piece.start : piece.start + piece.length]
+        return target
+
+    def direct_target(self, bucket: Bucket) -> torch.Tensor | None:
+        """Where a direct bucket can be received in place: its slice of the loader's destination."""
+        if not bucket.direct or self._discard:
+            return None
+        piece = bucket.pieces[0]
+        target = self._in_place(self._manifest.entries[piece.index])
+        return None if target is None else tensor_bytes(target)[piece.start : piece.start + piece.length]
 
     def received_in_place(self, bucket: Bucket) -> None:
         """A direct bucket landed in its destination: account for it (and hash it)."""
@@ -417,8 +410,8 @@ class Unpacker:
             return None
         targets = []
         for entry in self._manifest.entries:
-            target = self._destination(entry.name)
-            if target is None or not target.is_contiguous() or entry_for(entry.name, target) != entry:
+            target = self._in_place(entry)
+            if target is None:
                 return None
             targets.append(tensor_bytes(target))
         return targets
@@ -433,10 +426,7 @@ class Unpacker:
         if self.digests is not None:  # a discarding follower hashes too: every worker verifies
             self.digests.update_pieces(bucket.pieces, data, buffer)
         if self._discard:
-            entries = self._manifest.entries
-            self.delivered += sum(
-                1 for p in bucket.pieces if p.whole or p.start + p.length == entries[p.index].nbytes
-            )
+            self.placed(bucket)  # nothing kept: arrivals only counted
             return
         batch: list[tuple[str, torch.Tensor]] = []
         for piece in bucket.pieces:
@@ -461,8 +451,8 @@ class Unpacker:
         """Copy one chunk; return the assembled tensor when it still needs ``load_weights``."""
         chunk = data[piece.offset : piece.offset + piece.length]
         if piece.start == 0:
-            target = self._destination(entry.name) if self._destination is not None else None
-            if target is not None and target.is_contiguous() and entry_for(entry.name, target) == entry:
+            target = self._in_place(entry)
+            if target is not None:
                 self._direct[piece.index] = target
             else:
                 import torch

@@ -267,7 +267,8 @@ class RendezvousClient:
     def connect(cls, address: str, port: int, token: str, timeout_s: float,
                 retry_s: float | None = None) -> RendezvousClient:
         """Connect (retrying for ``retry_s``, default ``timeout_s``) and authenticate both ways."""
-        deadline = time.monotonic() + (timeout_s if retry_s is None else retry_s)
+        retry_s = timeout_s if retry_s is None else retry_s
+        deadline = time.monotonic() + retry_s
         where = f"{address}:{port}"
         while True:
             left = deadline - time.monotonic()
@@ -277,8 +278,7 @@ class RendezvousClient:
             except OSError as exc:
                 if time.monotonic() + 0.1 >= deadline:
                     raise TransferTimeoutError(
-                        f"cannot reach the trainer's rendezvous at {where} within "
-                        f"{timeout_s if retry_s is None else retry_s:g} s ({exc}); "
+                        f"cannot reach the trainer's rendezvous at {where} within {retry_s:g} s ({exc}); "
                         f"is the trainer running, and is 'master_address' an address of the trainer's host "
                         f"that this host can reach?"
                     ) from exc
@@ -355,9 +355,6 @@ def store(table: KeyTable | RendezvousClient, timeout_s: float) -> Any:
 
     class RendezvousStore(dist.Store):  # type: ignore[misc]
         """What process groups call; an error here surfaces as the group's RuntimeError."""
-
-        def __init__(self) -> None:
-            super().__init__()
 
         def set(self, key: str, value: Any) -> None:
             table.set(key, value.encode() if isinstance(value, str) else bytes(value))

@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from wtransfer.engines._agreement import CONNECT_WAIT_S
+from wtransfer.engines._agreement import CONNECT_WAIT_S, TELL_WAIT_S
 from wtransfer.engines._cast import CastPlan
 from wtransfer.engines._manifest import TensorEntry
 from wtransfer.engines._protocol import RoundCalledOff
@@ -124,7 +124,6 @@ class ParticipantTrainer:
         self.rank = rank
         self.source = source
         self.weight_version = 0
-        self.is_sender = False
         self._closed = False
         self.agreement = agreement
         self._attempt = 0  # send_weights() calls, counted as rank 0 counts its own
@@ -153,7 +152,7 @@ class ParticipantTrainer:
             raise TransferError(f"trainer rank {self.rank}: could not join trainer rank 0's {self.backend} "
                                 f"transport: {type(exc).__name__}: {exc}{cause}") from exc
         try:
-            heard = self.agreement.follow("senders", self.timeout_s + 30)
+            heard = self.agreement.follow("senders", self.timeout_s + TELL_WAIT_S)
         except BaseException:
             sender.close()
             raise
@@ -188,7 +187,7 @@ class ParticipantTrainer:
                     nbytes += tensor.numel() * tensor.element_size()
                     del tensor  # gathered, not kept: one parameter at a time on this rank
         except RoundCalledOff as exc:  # the workers refused the round before any byte moved: rank 0 has why
-            outcome = self.agreement.follow(f"outcome/{step}", self.timeout_s + 30)
+            outcome = self.agreement.follow(f"outcome/{step}", self.timeout_s + TELL_WAIT_S)
             raise TransferError(f"trainer rank {self.rank}: round {version} was refused before any byte moved: "
                                 f"{outcome.get('reason')}") from exc
         except BaseException as exc:
@@ -203,7 +202,7 @@ class ParticipantTrainer:
                 f"{type(exc).__name__}: {exc} (another trainer rank died or left the round)"
             ) from exc
         # Rank 0 still sends the last buckets and waits for the workers (each wait <= timeout_s).
-        outcome = self.agreement.follow(f"outcome/{step}", 3 * self.timeout_s + 30)
+        outcome = self.agreement.follow(f"outcome/{step}", 3 * self.timeout_s + TELL_WAIT_S)
         if not outcome["ok"]:
             raise TransferError(f"trainer rank {self.rank}: round {version} failed on trainer rank 0 (the sender), "
                                 f"so the workers did not take it: {outcome.get('reason')}")

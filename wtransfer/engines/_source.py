@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from wtransfer.engines._manifest import TensorEntry, dtype_name
+from wtransfer.engines._manifest import TensorEntry, entry_for
 
 if TYPE_CHECKING:
     import torch
@@ -130,7 +130,7 @@ class ModuleSource(WeightSource):
                     yield name, buffer
 
     def metadata(self) -> list[TensorEntry]:
-        return [TensorEntry(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in self.named_tensors()]
+        return [entry_for(name, t) for name, t in self.named_tensors()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         self.begin_walk()
@@ -165,7 +165,7 @@ class TensorSource(WeightSource):
         self.tensors = tensors
 
     def metadata(self) -> list[TensorEntry]:
-        return [TensorEntry(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in self.tensors.items()]
+        return [entry_for(name, t) for name, t in self.tensors.items()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.tensors.items():

@@ -160,11 +160,10 @@ def with_server_reason(what: str, exc: BaseException) -> BaseException:
     typed = error_from_text(str(exc) if reason is None else str(reason))
     if typed is not None:
         error = type(typed)(f"client.{what}() failed on the workers: {typed}")
-        error.__cause__ = exc
-        return error
-    if reason is None:
+    elif reason is not None:
+        error = TransferError(f"client.{what}() failed: {exc}. The server's reason: {str(reason)[:2000]}")
+    else:
         return exc
-    error = TransferError(f"client.{what}() failed: {exc}. The server's reason: {str(reason)[:2000]}")
     error.__cause__ = exc
     return error
 
@@ -420,22 +419,14 @@ class TrainerWeightTransferEngine(ABC):
             worker_info = self.prepare_workers()
             if self.agreement is not None and self.parallel_senders and self.senders_join_with_workers:
                 self.tell_ranks_connected()
-            call = self._call("init_weight_transfer_engine", worker_info)
-            try:
-                self.wait_for_workers(call)
-            except BaseException as exc:
-                self._raise_preferring_client(exc, call)
-            call.result(self.timeout_s)
+            self._call_while("init_weight_transfer_engine", worker_info, work=self.wait_for_workers)
             if self.cast.dtype is None:  # the user's dtype needs no agreement on what the workers load
                 self.cast = CastPlan(agreed(self.served_answers), None)
             self.connected()
         except BaseException as exc:
             if self.told_ranks and self.agreement is not None:
                 # The other ranks are joining the transport this closes: they hear why first.
-                try:
-                    self.agreement.decide("senders", {"ok": False, "reason": f"{type(exc).__name__}: {exc}"}, 0.0)
-                except Exception:  # the store is gone: this rank's own error is the one to raise
-                    pass
+                self.agreement.refuse("senders", exc)
             raise
 
     def reconnect(self, client: WeightSyncClient | None = None) -> None:
@@ -603,12 +594,7 @@ class TrainerWeightTransferEngine(ABC):
         buckets = self.plan(manifest)
         update_info = self._update_info(manifest)
         self._call("start_weight_update").result(self.timeout_s)
-        call = self._call("update_weights", update_info)
-        try:
-            self.send_round(manifest, buckets, call)
-        except BaseException as exc:
-            self._raise_preferring_client(exc, call)
-        call.result(self.timeout_s)
+        self._call_while("update_weights", update_info, work=lambda call: self.send_round(manifest, buckets, call))
         version_label = (str(manifest.version if label is None else label),) if self._finish_takes_version else ()
         finish = self._call("finish_weight_update", *version_label)
         try:
@@ -649,6 +635,15 @@ class TrainerWeightTransferEngine(ABC):
         """Start ``client.<method>(*args)`` on the client thread; the engine keeps working meanwhile."""
         self._last_call = ClientCall(method, getattr(self.client, method), *args, thread=self._client_thread)
         return self._last_call
+
+    def _call_while(self, method: str, *args: Any, work: Callable[[ClientCall], None]) -> None:
+        """Run ``work(call)`` while ``client.<method>(*args)`` runs, then wait for the call to return."""
+        call = self._call(method, *args)
+        try:
+            work(call)
+        except BaseException as exc:
+            self._raise_preferring_client(exc, call)
+        call.result(self.timeout_s)
 
     def _next_version(self) -> int:
         """The next round's version: one past the last committed, and past a round whose commit failed."""
@@ -834,7 +829,7 @@ def create_trainer(
     if rank is not None:
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise ValueError(f"create_trainer(): 'rank' must be this process's trainer rank (an int >= 0), got {rank!r}")
-        from wtransfer.engines._agreement import TELL_WAIT_S, RankAgreement
+        from wtransfer.engines._agreement import RankAgreement
 
         agreement = RankAgreement(rank, source)  # a collective: every trainer rank builds it here
         if rank > 0:
@@ -855,10 +850,7 @@ def create_trainer(
     except BaseException as exc:
         # The other ranks wait to hear whether there is a trainer to follow (unless connect() told them).
         if agreement is not None and not (trainer is not None and trainer.told_ranks):
-            try:
-                agreement.decide("connect", {"ok": False, "reason": f"{type(exc).__name__}: {exc}"}, TELL_WAIT_S)
-            except Exception:
-                pass  # some left already; this rank's own error is the one to raise
+            agreement.refuse("connect", exc)
         raise
     if agreement is not None:
         try:

@@ -13,11 +13,6 @@ from wtransfer.engines._manifest import Manifest
 from wtransfer.options import option, option_value
 
 
-def _check_max_buffer_bytes(value: int | None) -> None:
-    if value is not None and value < 1:
-        raise ValueError(f"'max_buffer_bytes' must be a positive number of bytes (or None: no limit), got {value}")
-
-
 @dataclass(frozen=True)
 class BufferBudgetOptions:
     """Worker options every built-in engine takes: the most buffer memory a trainer may ask for."""
@@ -27,7 +22,9 @@ class BufferBudgetOptions:
     )
 
     def __post_init__(self) -> None:
-        _check_max_buffer_bytes(self.max_buffer_bytes)
+        if self.max_buffer_bytes is not None and self.max_buffer_bytes < 1:
+            raise ValueError(f"'max_buffer_bytes' must be a positive number of bytes (or None: no limit), got "
+                             f"{self.max_buffer_bytes}")
 
 
 @dataclass
