@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from wtransfer.errors import (
@@ -28,9 +28,6 @@ from wtransfer._registry.names import normalize_distribution, split_qualified, s
 
 logger = logging.getLogger("wtransfer")
 
-STATUSES = ("available", "loaded", "conflict", "disabled")
-
-
 @dataclass(frozen=True)
 class ComponentInfo:
     """Metadata-only view of one component, as ``wtransfer list --json`` prints it."""
@@ -40,17 +37,10 @@ class ComponentInfo:
     distribution: str | None
     version: str | None
     target: str
-    status: str
+    status: str  # "available" | "loaded" | "conflict" | "disabled"
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "name": self.name,
-            "distribution": self.distribution,
-            "version": self.version,
-            "target": self.target,
-            "status": self.status,
-        }
+        return asdict(self)
 
 
 class ComponentRegistry:
