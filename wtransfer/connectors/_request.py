@@ -7,6 +7,7 @@ read them; all round-trip through ``to_dict``/``from_dict`` as JSON-safe dicts.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -131,14 +132,10 @@ class KVConnectorOutput:
         )
 
     def to_json(self) -> str:
-        import json
-
         return json.dumps(self.to_dict(), allow_nan=False, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> KVConnectorOutput:
-        import json
-
         return cls.from_dict(json.loads(text))
 
 

@@ -193,9 +193,7 @@ class ARCPolicy(EvictionPolicy):
         c = self.capacity
         while self.b1 and len(self.t1) + len(self.b1) > c:
             self.b1.popitem(last=False)
-        while (self.b2 or self.b1) and (
-            len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * c
-        ):
+        while (self.b2 or self.b1) and len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * c:
             (self.b2 if self.b2 else self.b1).popitem(last=False)
 
     def __len__(self) -> int:
