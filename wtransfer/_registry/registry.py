@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -215,10 +216,7 @@ class ComponentRegistry:
         """Every component with its metadata view, sorted by name; imports nothing."""
         refs = sorted(self.refs(), key=lambda r: (r.name, r.distribution or ""))
         disabled = {id(ref) for ref in refs if self.is_disabled(ref)}
-        counts: dict[str, int] = {}
-        for ref in refs:
-            if id(ref) not in disabled:
-                counts[ref.name] = counts.get(ref.name, 0) + 1
+        counts = Counter(ref.name for ref in refs if id(ref) not in disabled)
         pairs = []
         for ref in refs:
             if id(ref) in disabled:
