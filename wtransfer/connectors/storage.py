@@ -238,15 +238,13 @@ def _raw_view(spec: KVCacheSpec, name: str, cache: torch.Tensor) -> np.ndarray:
     return view.view(as_int).numpy()
 
 
+@dataclass(slots=True, eq=False)
 class _LoadTicket:
     """One load's state, under the connector's cache-write lock: copied into the cache, or abandoned by its step
     (then it never will be)."""
 
-    __slots__ = ("abandoned", "copied")
-
-    def __init__(self) -> None:
-        self.abandoned = False
-        self.copied = False
+    abandoned: bool = False
+    copied: bool = False
 
 
 def _log_eviction_failure(future: Future[int]) -> None:
