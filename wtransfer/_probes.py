@@ -85,12 +85,8 @@ class PeakRss:
 
     def reset(self) -> None:
         """Start a new measurement from the current RSS."""
-        self.baseline = self.current()
-        self._sampled = self.baseline
-        if self._kernel:
-            self._kernel = self._reset_kernel_peak()
-        if not self._kernel:
-            self._start_sampling()
+        self.restart_peak()
+        self.baseline = self._sampled
 
     def restart_peak(self) -> None:
         """Forget the peak so far but keep the baseline (to leave out work that is not measured)."""

@@ -34,13 +34,9 @@ class ParallelConfig:
         if self.world_size < 1:
             raise ValueError(f"ParallelConfig.world_size must be >= 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(
-                f"ParallelConfig.rank must be in [0, {self.world_size}), got {self.rank}"
-            )
+            raise ValueError(f"ParallelConfig.rank must be in [0, {self.world_size}), got {self.rank}")
         if self.data_parallel_index < 0:
-            raise ValueError(
-                f"ParallelConfig.data_parallel_index must be >= 0, got {self.data_parallel_index}"
-            )
+            raise ValueError(f"ParallelConfig.data_parallel_index must be >= 0, got {self.data_parallel_index}")
 
 
 @dataclass
@@ -58,9 +54,7 @@ class KVTransferConfig:
 
     def __post_init__(self) -> None:
         if self.kv_role not in KV_ROLES:
-            raise ValueError(
-                f"KVTransferConfig.kv_role must be one of {', '.join(KV_ROLES)}; got {self.kv_role!r}"
-            )
+            raise ValueError(f"KVTransferConfig.kv_role must be one of {', '.join(KV_ROLES)}; got {self.kv_role!r}")
 
     @property
     def is_kv_producer(self) -> bool:

@@ -20,7 +20,7 @@ import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
@@ -247,12 +247,7 @@ class LocalWorkerPool:
             if old.exitcode is not None:
                 old.close()  # its sentinel descriptor
             self._conns[rank], self._processes[rank] = self._spawn(rank)
-            conns, processes = self._conns, self._processes
-            self._conns, self._processes = [self._conns[rank]], [self._processes[rank]]
-            try:  # collect the new worker's start alone
-                (reply,) = self._collect("start", self._start_timeout_s)
-            finally:
-                self._conns, self._processes = conns, processes
+            (reply,) = self._collect("start", self._start_timeout_s, ranks=[rank])  # the new worker's start alone
             self.pids[rank] = reply["pid"]
 
     @property
@@ -316,10 +311,12 @@ class LocalWorkerPool:
         process.join(0.5)
         return f"pid {process.pid}, exit code {process.exitcode}"
 
-    def _collect(self, op: str, timeout: float) -> list[dict[str, Any]]:
+    def _collect(self, op: str, timeout: float, ranks: Sequence[int] | None = None) -> list[dict[str, Any]]:
+        """The replies of workers ``ranks`` (default: all) to ``op``, in rank order."""
+        ranks = range(len(self._conns)) if ranks is None else ranks
         replies: dict[int, dict[str, Any]] = {}
         deadline = time.monotonic() + timeout
-        waiting = {conn: rank for rank, conn in enumerate(self._conns)}
+        waiting = {self._conns[rank]: rank for rank in ranks}
         sentinels = {self._processes[rank].sentinel: rank for rank in waiting.values()}
         while waiting:
             remaining = deadline - time.monotonic()
@@ -354,7 +351,7 @@ class LocalWorkerPool:
             error_type = _ERROR_TYPES.get(first.get("type", ""), TransferError)
             details = "; ".join(f"worker {r}: {f.get('type')}: {f.get('message')}" for r, f in failures)
             raise error_type(f"{op!r} failed on {len(failures)} worker(s): {details}")
-        return [replies[rank] for rank in range(len(self._conns))]
+        return [replies[rank] for rank in ranks]
 
     # -- life cycle ----------------------------------------------------------------------------------
     def shutdown(self, timeout: float = 10.0) -> None:

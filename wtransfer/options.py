@@ -65,10 +65,6 @@ def _doc(options_cls: type, name: str) -> str:
     return ""
 
 
-def _hints(options_cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(options_cls)
-
-
 def type_name(tp: Any) -> str:
     """How an option's type reads in errors and tables: ``int``, ``str or None``, ``one of 'lru', 'arc'``."""
     origin = typing.get_origin(tp)
@@ -160,7 +156,7 @@ def parse_options(options_cls: type[T], raw: Mapping[str, Any] | None, *, owner:
     if missing:
         details = "; ".join(f"{name!r}: {_doc(options_cls, name)}" for name in missing)
         raise InvalidOptionError(f"{owner} needs option(s) {', '.join(map(repr, missing))} in {where} ({details})")
-    hints = _hints(options_cls)
+    hints = typing.get_type_hints(options_cls)
     values = {}
     for key, value in raw.items():
         ok, coerced = _coerce(hints[key], value)
@@ -195,7 +191,7 @@ def option_value(options: Any, name: str, default: Any = None) -> Any:
 
 def describe_options(options_cls: type) -> list[dict[str, Any]]:
     """One JSON-safe row per option: ``name``, ``type``, ``default`` (``None`` if required), ``required``, ``doc``."""
-    hints = _hints(options_cls)
+    hints = typing.get_type_hints(options_cls)
     rows = []
     for name, f in _fields(options_cls).items():
         required = f.default is _REQUIRED and f.default_factory is _REQUIRED

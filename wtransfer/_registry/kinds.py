@@ -23,33 +23,12 @@ class Kind:
         return import_target(self.base)
 
 
-ENGINES = Kind(
-    "engines",
-    "engine",
-    "wtransfer.engines",
-    "wtransfer.engines:WeightTransferEngine",
-    "wtransfer_engine_created",
-)
-CONNECTORS = Kind(
-    "connectors",
-    "connector",
-    "wtransfer.connectors",
-    "wtransfer.connectors:KVConnectorBase",
-    "wtransfer_connector_created",
-)
-SPECS = Kind(
-    "specs",
-    "spec",
-    "wtransfer.specs",
-    "wtransfer.specs:OffloadingSpec",
-    "wtransfer_spec_created",
-)
-POLICIES = Kind(
-    "policies",
-    "policy",
-    "wtransfer.policies",
-    "wtransfer.specs:EvictionPolicy",
-)
+ENGINES = Kind("engines", "engine", "wtransfer.engines", "wtransfer.engines:WeightTransferEngine",
+               "wtransfer_engine_created")
+CONNECTORS = Kind("connectors", "connector", "wtransfer.connectors", "wtransfer.connectors:KVConnectorBase",
+                  "wtransfer_connector_created")
+SPECS = Kind("specs", "spec", "wtransfer.specs", "wtransfer.specs:OffloadingSpec", "wtransfer_spec_created")
+POLICIES = Kind("policies", "policy", "wtransfer.policies", "wtransfer.specs:EvictionPolicy")
 """Eviction policies for offloading tiers, named by a spec's ``eviction_policy`` option."""
 KINDS: dict[str, Kind] = {kind.name: kind for kind in (ENGINES, CONNECTORS, SPECS, POLICIES)}
 

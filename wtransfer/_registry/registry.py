@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from wtransfer.errors import (
@@ -28,9 +29,6 @@ from wtransfer._registry.names import normalize_distribution, split_qualified, s
 
 logger = logging.getLogger("wtransfer")
 
-STATUSES = ("available", "loaded", "conflict", "disabled")
-
-
 @dataclass(frozen=True)
 class ComponentInfo:
     """Metadata-only view of one component, as ``wtransfer list --json`` prints it."""
@@ -40,17 +38,10 @@ class ComponentInfo:
     distribution: str | None
     version: str | None
     target: str
-    status: str
+    status: str  # "available" | "loaded" | "conflict" | "disabled"
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "name": self.name,
-            "distribution": self.distribution,
-            "version": self.version,
-            "target": self.target,
-            "status": self.status,
-        }
+        return asdict(self)
 
 
 class ComponentRegistry:
@@ -225,10 +216,7 @@ class ComponentRegistry:
         """Every component with its metadata view, sorted by name; imports nothing."""
         refs = sorted(self.refs(), key=lambda r: (r.name, r.distribution or ""))
         disabled = {id(ref) for ref in refs if self.is_disabled(ref)}
-        counts: dict[str, int] = {}
-        for ref in refs:
-            if id(ref) not in disabled:
-                counts[ref.name] = counts.get(ref.name, 0) + 1
+        counts = Counter(ref.name for ref in refs if id(ref) not in disabled)
         pairs = []
         for ref in refs:
             if id(ref) in disabled:

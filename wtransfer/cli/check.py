@@ -19,7 +19,7 @@ def collect() -> list[dict[str, Any]]:
     from wtransfer.errors import WTransferError
     from wtransfer._registry.kinds import KINDS
     from wtransfer._registry.registry import registry_for
-    from wtransfer.cli.listing import hook_plugin_rows
+    from wtransfer.cli.listing import DISABLED, hook_plugin_rows
 
     rows: list[dict[str, Any]] = []
     for kind in KINDS.values():
@@ -48,9 +48,6 @@ def collect() -> list[dict[str, Any]]:
             row["problem"] = DISABLED
         rows.append(row)
     return rows
-
-
-DISABLED = "disabled by WTRANSFER_DISABLE_PLUGINS"
 
 
 def _conflict(info: Any, entries: list[tuple[Any, Any]]) -> str:

@@ -28,6 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 HOOK_PLUGIN_KIND = "hook plugin"
 """The ``kind`` of hook-plugin rows in ``list --json`` and ``check --json``: no component kind has a space in it."""
 HOOK_PLUGIN_CHOICES = ("plugins", "plugin")
+DISABLED = "disabled by WTRANSFER_DISABLE_PLUGINS"
 
 
 def hook_plugin_rows() -> list[dict[str, Any]]:
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
                 "wtransfer hook plugins",
                 ("name", "provider", "module", "status", "problem"),
                 [(h["name"], f"{h['distribution']} {h['version']}", h["target"], h["status"],
-                  h["problem"] or ("disabled by WTRANSFER_DISABLE_PLUGINS" if h["status"] == "disabled" else ""))
+                  h["problem"] or (DISABLED if h["status"] == "disabled" else ""))
                  for h in hooks],
                 whole=("name", "provider", "module"),
             )

@@ -21,6 +21,7 @@ accidents, not against an attacker who can write to the store.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import stat
@@ -107,10 +108,7 @@ class BlockLayout:
 
     @cached_property
     def data_bytes(self) -> int:
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count * self.element_size
+        return math.prod(self.shape) * self.element_size
 
     @property
     def element_size(self) -> int:

@@ -172,16 +172,17 @@ class StoreBudget:
         return freed
 
     # ---------------------------------------------------------------- internals
+    def _namespaces(self) -> list[os.DirEntry[str]]:
+        """The namespace directories under the root (symbolic links are not the store's)."""
+        try:
+            return [entry for entry in os.scandir(self.root) if entry.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            return []
+
     def _scan(self) -> list[tuple[str, float, int]]:
         """(path, last use, size) of every block file (and corrupt leftover) under the root."""
         found: list[tuple[str, float, int]] = []
-        try:
-            namespaces = list(os.scandir(self.root))
-        except FileNotFoundError:
-            return found
-        for namespace in namespaces:
-            if not namespace.is_dir(follow_symlinks=False):
-                continue
+        for namespace in self._namespaces():
             try:
                 entries = list(os.scandir(namespace.path))
             except FileNotFoundError:
@@ -202,11 +203,7 @@ class StoreBudget:
     def _live_namespaces(self) -> set[str]:
         """The namespace directories some connector marked in use within ``IN_USE_TTL_S``."""
         live, oldest = set(), time.time() - IN_USE_TTL_S
-        try:
-            namespaces = list(os.scandir(self.root))
-        except FileNotFoundError:
-            return live
-        for namespace in namespaces:
+        for namespace in self._namespaces():
             try:
                 markers = [entry for entry in os.scandir(namespace.path) if entry.name.startswith(IN_USE_PREFIX)]
                 if any(marker.stat().st_mtime >= oldest for marker in markers):
@@ -217,23 +214,18 @@ class StoreBudget:
 
     def _remove_empty_namespaces(self, live: set[str]) -> None:
         """Remove namespace directories left empty; ``live``: those in use (their markers stay)."""
-        try:
-            namespaces = list(os.scandir(self.root))
-        except FileNotFoundError:
-            return
-        for namespace in namespaces:
-            if namespace.is_dir(follow_symlinks=False):
-                if namespace.path not in live:  # stale markers (of crashed users) keep no namespace
-                    try:
-                        names = os.listdir(namespace.path)
-                        if all(name.startswith(IN_USE_PREFIX) for name in names):
-                            for name in names:
-                                marker = os.path.join(namespace.path, name)
-                                if os.stat(marker).st_mtime < time.time() - IN_USE_TTL_S:  # not marked meanwhile
-                                    os.unlink(marker)
-                    except OSError:
-                        pass
+        for namespace in self._namespaces():
+            if namespace.path not in live:  # stale markers (of crashed users) keep no namespace
                 try:
-                    os.rmdir(namespace.path)  # only if empty; a writer recreates it when needed
+                    names = os.listdir(namespace.path)
+                    if all(name.startswith(IN_USE_PREFIX) for name in names):
+                        for name in names:
+                            marker = os.path.join(namespace.path, name)
+                            if os.stat(marker).st_mtime < time.time() - IN_USE_TTL_S:  # not marked meanwhile
+                                os.unlink(marker)
                 except OSError:
                     pass
+            try:
+                os.rmdir(namespace.path)  # only if empty; a writer recreates it when needed
+            except OSError:
+                pass

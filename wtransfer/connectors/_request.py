@@ -7,8 +7,9 @@ read them; all round-trip through ``to_dict``/``from_dict`` as JSON-safe dicts.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -33,13 +34,7 @@ class KVRequest:
         return len(self.token_ids)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "token_ids": list(self.token_ids),
-            "block_hashes": list(self.block_hashes),
-            "num_computed_tokens": self.num_computed_tokens,
-            "kv_transfer_params": self.kv_transfer_params,
-        }
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVRequest:
@@ -70,11 +65,7 @@ class ScheduledRequest:
         return self.request.num_computed_tokens + self.num_scheduled_tokens
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "request": self.request.to_dict(),
-            "block_ids": list(self.block_ids),
-            "num_scheduled_tokens": self.num_scheduled_tokens,
-        }
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ScheduledRequest:
@@ -99,12 +90,7 @@ class SchedulerStep:
     preempted_req_ids: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "scheduled": [s.to_dict() for s in self.scheduled],
-            "finished_req_ids": list(self.finished_req_ids),
-            "preempted_req_ids": list(self.preempted_req_ids),
-        }
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SchedulerStep:
@@ -146,14 +132,10 @@ class KVConnectorOutput:
         )
 
     def to_json(self) -> str:
-        import json
-
         return json.dumps(self.to_dict(), allow_nan=False, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> KVConnectorOutput:
-        import json
-
         return cls.from_dict(json.loads(text))
 
 

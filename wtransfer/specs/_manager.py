@@ -80,8 +80,7 @@ class BlockTableManager(OffloadingManager):
     def lookup(self, block_hashes: Iterable[BlockHash]) -> int:
         hits = 0
         for block_hash in block_hashes:
-            slot = self._table.get(block_hash)
-            if slot is None or not slot.ready:
+            if block_hash not in self:
                 break
             hits += 1
         return hits
@@ -108,8 +107,7 @@ class BlockTableManager(OffloadingManager):
         # Reverse order: a prefix's first blocks end up most recently used, so a chain is evicted from its tail
         # (a head block is useful without its tail, not vice versa).
         for block_hash in reversed(list(block_hashes)):
-            slot = self._table.get(block_hash)
-            if slot is not None and slot.ready:
+            if block_hash in self:
                 self.policy.touch(block_hash)
 
     def complete_load(self, block_hashes: Iterable[BlockHash]) -> None:

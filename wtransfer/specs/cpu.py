@@ -115,12 +115,14 @@ class BlockCopyHandler(OffloadingHandler):
         self._row_bytes = row_elems * src.layers[0].element_size() * segments * len(src.layers)
         self._chunk_rows = max(1, staging_rows)
         self._src_staging = torch.empty(segments * self._chunk_rows * row_elems, dtype=src.layers[0].dtype, device=src.device)
+        pin = dst.device.type == "cpu" and src.device.type == "cuda"
         self._dst_staging = (
             self._src_staging
             if dst.device == src.device
-            else torch.empty_like(self._src_staging, device=dst.device, pin_memory=_pin(dst.device, src.device))
+            else torch.empty_like(self._src_staging, device=dst.device, pin_memory=pin)
         )
-        self._stream = torch.cuda.Stream(device=_cuda_device(src.device, dst.device)) if _uses_cuda(src, dst) else None
+        cuda = next((d for d in (src.device, dst.device) if d.type == "cuda"), None)
+        self._stream = torch.cuda.Stream(device=cuda) if cuda is not None else None
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._pending: set[int] = set()
@@ -247,18 +249,6 @@ def _check_range(rows: list[int], side: BlockRows) -> None:
             f"Block id out of range on {side.medium}: row {max(rows)} >= {side.num_rows} rows "
             f"({side.num_rows // side.rows_per_block} blocks)"
         )
-
-
-def _uses_cuda(*sides: BlockRows) -> bool:
-    return any(side.device.type == "cuda" for side in sides)
-
-
-def _cuda_device(*devices: torch.device) -> torch.device:
-    return next(d for d in devices if d.type == "cuda")
-
-
-def _pin(dst: torch.device, src: torch.device) -> bool:
-    return dst.type == "cpu" and src.type == "cuda"
 
 
 class CPUOffloadingSpec(OffloadingSpec):

@@ -168,7 +168,8 @@ class ARCPolicy(EvictionPolicy):
     def evict(self, count: int, can_evict: CanEvict) -> list[Key] | None:
         if count <= 0:
             return []
-        if self._count_evictable(count, can_evict) < count:
+        in_t1 = len(_take_lru(self.t1, count, can_evict))
+        if in_t1 + len(_take_lru(self.t2, count - in_t1, can_evict)) < count:
             return None
         victims: list[Key] = []
         for _ in range(count):
@@ -187,24 +188,12 @@ class ARCPolicy(EvictionPolicy):
         self._trim_ghosts()
         return victims
 
-    def _count_evictable(self, needed: int, can_evict: CanEvict) -> int:
-        found = 0
-        for resident in (self.t1, self.t2):
-            for key in resident:
-                if can_evict(key):
-                    found += 1
-                    if found >= needed:
-                        return found
-        return found
-
     def _trim_ghosts(self) -> None:
         """Keep ARC's bounds: ``|T1|+|B1| <= c`` and all four lists ``<= 2c``."""
         c = self.capacity
         while self.b1 and len(self.t1) + len(self.b1) > c:
             self.b1.popitem(last=False)
-        while (self.b2 or self.b1) and (
-            len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * c
-        ):
+        while (self.b2 or self.b1) and len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * c:
             (self.b2 if self.b2 else self.b1).popitem(last=False)
 
     def __len__(self) -> int:
@@ -212,12 +201,6 @@ class ARCPolicy(EvictionPolicy):
 
     def __contains__(self, key: object) -> bool:
         return key in self.t1 or key in self.t2
-
-
-_ENTRY_POINT_ADVICE = (
-    "ship the policy as an entry point instead: in your pyproject.toml, "
-    '[project.entry-points."wtransfer.policies"] NAME = "package.module:Class"'
-)
 
 
 def _registry() -> ComponentRegistry:
@@ -245,8 +228,9 @@ def policy_class(name: str | type[EvictionPolicy]) -> type[EvictionPolicy]:
         if ":" in text and "." in module and all(part.isidentifier() for part in module.split(".")):
             # a "package.module:Class" path, which 0.1 imported: say what replaced it
             raise UnknownComponentError(
-                f"{unknown}. {text!r} looks like a 'module:Class' path; policies are no longer imported "
-                f"by path: {_ENTRY_POINT_ADVICE}, and name it by that entry-point name"
+                f"{unknown}. {text!r} looks like a 'module:Class' path; policies are no longer imported by path: "
+                "ship the policy as an entry point instead: in your pyproject.toml, [project.entry-points."
+                '"wtransfer.policies"] NAME = "package.module:Class", and name it by that entry-point name'
             ) from None
         raise
 

@@ -7,6 +7,7 @@ bucket. Values depend on ``seed`` only, so trainer and workers build the same la
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -128,17 +129,10 @@ def decoder_shapes(
     return shapes
 
 
-def _numel(shape: list[int]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
-
-
 def shapes_for_params(params: int) -> list[tuple[str, list[int]]]:
     """A decoder of about ``params`` parameters: Qwen2-0.5B's geometry, scaled by depth."""
     hidden, intermediate, kv_dim = (896, 4864, 128) if params >= 60_000_000 else (256, 1024, 64)
-    per_layer = sum(_numel(s) for _, s in decoder_shapes(hidden, intermediate, 1, 0, kv_dim)) - hidden
+    per_layer = sum(math.prod(s) for _, s in decoder_shapes(hidden, intermediate, 1, 0, kv_dim)) - hidden
     vocab = max(256, min(151_936, int(params * 0.275) // hidden))
     layers = max(1, round((params - vocab * hidden) / per_layer))
     return decoder_shapes(hidden, intermediate, layers, vocab, kv_dim)

@@ -88,18 +88,16 @@ class EngineConformance:
         it is torn. ``weight_version`` never names a version the weights are not."""
         for rank, (digests, stats) in enumerate(zip(pool.digests(), pool.stats())):
             changed = sorted(n for n in previous if digests.get(n) != previous[n])
+            got = (f"worker {rank}: changed {changed[:5]}, weight_version {stats['weight_version']}, "
+                   f"torn {stats['weights_torn']}")
             if commit == "atomic":
                 require(not changed and stats["weight_version"] is not None and not stats["weights_torn"],
                         f"{what}: an atomic round that failed leaves every worker's weights bit-identical to the "
-                        f"previous version", "unchanged weights, weight_version kept",
-                        f"worker {rank}: changed {changed[:5]}, weight_version {stats['weight_version']}, "
-                        f"torn {stats['weights_torn']}")
+                        f"previous version", "unchanged weights, weight_version kept", got)
             else:
                 require(not changed or (stats["weight_version"] is None and stats["weights_torn"]),
                         f"{what}: a streamed round that failed part-way leaves the worker torn, and it says so",
-                        "unchanged weights, or weight_version None and weights_torn True",
-                        f"worker {rank}: changed {changed[:5]}, weight_version {stats['weight_version']}, "
-                        f"torn {stats['weights_torn']}")
+                        "unchanged weights, or weight_version None and weights_torn True", got)
 
     @staticmethod
     def _digests(model: Any) -> dict[str, int]:

@@ -158,7 +158,7 @@ class SpecConformance:
         manager = offloading_spec.get_manager()
         manager.take_events()
         failed = _hashes(1)
-        out = manager.prepare_store(failed)
+        manager.prepare_store(failed)
         manager.complete_store(failed, success=False)
         require(manager.lookup(failed) == 0, "a failed store is not reported as stored", "lookup == 0", "1")
         stored_events = [e for e in manager.take_events() if not e.removed and set(e.block_hashes) & set(failed)]
@@ -166,7 +166,6 @@ class SpecConformance:
         again = manager.prepare_store(failed)
         require(again is not None and list(again.block_hashes_to_store) == failed,
                 "a failed store's block can be stored again", f"{failed} to store", again)
-        del out
 
     def test_events_report_stores_and_evictions(self, offloading_spec: Any) -> None:
         manager = offloading_spec.get_manager()
