@@ -55,7 +55,7 @@ def bench_io(args: argparse.Namespace, root: str, figures: dict[str, Any]) -> bo
 
     from wtransfer.config import KVTransferConfig
     from wtransfer.connectors._base import KVConnectorRole
-    from wtransfer.connectors._blockfile import torch_dtype
+    from wtransfer._dtypes import dtype_from_name
     from wtransfer.connectors._factory import KVConnectorFactory
     from wtransfer.connectors._hashing import request_block_hashes
     from wtransfer.connectors._request import KVRequest, ScheduledRequest, SchedulerStep
@@ -65,7 +65,7 @@ def bench_io(args: argparse.Namespace, root: str, figures: dict[str, Any]) -> bo
     spec = KVCacheSpec(layers, args.block_size, args.heads, args.head_size, args.dtype, "bench-storage")
     n = args.blocks
     shape = (2, 2 * n, args.block_size, args.heads, args.head_size)  # save from [0, n), load into [n, 2n)
-    caches = {name: torch.randn(shape).to(torch_dtype(args.dtype)) for name in layers}
+    caches = {name: torch.randn(shape).to(dtype_from_name(args.dtype)) for name in layers}
     src_ids, dst_ids = list(range(n)), list(range(n, 2 * n))
     block_bytes = caches[layers[0]][:, 0].numel() * caches[layers[0]].element_size() * len(layers)
     nbytes = block_bytes * n

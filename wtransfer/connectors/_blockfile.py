@@ -147,13 +147,6 @@ class BlockLayout:
         return raw + b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """A KV cache's dtype name (``"bfloat16"``) -> the torch dtype, from the shared table."""
-    from wtransfer._dtypes import dtype_from_name
-
-    return dtype_from_name(name)
-
-
 _WEIGHTS: dict[int, object] = {}
 _WEIGHTS_LOCK = threading.Lock()
 _SCRATCH = threading.local()
