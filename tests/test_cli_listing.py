@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from wtransfer.testing.distributions import demo_engine_module
+from demo_engine import demo_engine_module
 
 
 def engine_source(prefix: str = "") -> str:

@@ -19,7 +19,8 @@ from wtransfer import (
     WeightTransferEngineFactory,
 )
 from wtransfer._registry.registry import registry_for
-from wtransfer.testing.distributions import demo_engine_module, site_on_path, write_distribution
+from demo_engine import demo_engine_module
+from wtransfer.testing.distributions import site_on_path, write_distribution
 from wtransfer.testing.processes import run_python
 
 
