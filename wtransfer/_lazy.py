@@ -11,9 +11,11 @@ def _import(module: str):
     return __import__(module, fromlist=["__name__"])  # the submodule itself, not its top package
 
 
-def lazy_exports(owner: str, exports: "dict[str, str]"):
-    """The ``__getattr__`` and ``__dir__`` of module ``owner`` exporting ``exports`` (name -> module)."""
+def lazy_exports(owner: str, by_module: "dict[str, tuple[str, ...]]"):
+    """``__all__``, ``__getattr__`` and ``__dir__`` of module ``owner``, exporting ``by_module`` (module -> the
+    names it defines)."""
     namespace = sys.modules[owner].__dict__
+    exports = {name: module for module, names in by_module.items() for name in names}
 
     def __getattr__(name: str):
         module = exports.get(name)
@@ -26,4 +28,4 @@ def lazy_exports(owner: str, exports: "dict[str, str]"):
     def __dir__() -> "list[str]":
         return sorted(set(namespace) | set(exports))
 
-    return __getattr__, __dir__
+    return sorted(exports), __getattr__, __dir__

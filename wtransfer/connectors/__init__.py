@@ -14,21 +14,12 @@ Connectors to derive from or compose live in their own modules: ``StorageConnect
 
 from wtransfer._lazy import lazy_exports
 
-_EXPORTS: dict[str, str] = {
-    "KVConnectorBase": "wtransfer.connectors._base",
-    "KVConnectorRole": "wtransfer.connectors._base",
-    "KVConnectorMetadata": "wtransfer.connectors._base",
-    "KVRequest": "wtransfer.connectors._request",
-    "ScheduledRequest": "wtransfer.connectors._request",
-    "SchedulerStep": "wtransfer.connectors._request",
-    "KVConnectorOutput": "wtransfer.connectors._request",
-    "full_block_range": "wtransfer.connectors._request",
-    "block_hashes": "wtransfer.connectors._hashing",
-    "kv_namespace": "wtransfer.connectors._hashing",
-    "KVCacheSpec": "wtransfer.kvcache",
-    "KV_LAYOUTS": "wtransfer.kvcache",
-    "block_view": "wtransfer.kvcache",
+_EXPORTS: dict[str, tuple[str, ...]] = {  # module -> the public names it defines
+    "wtransfer.connectors._base": ("KVConnectorBase", "KVConnectorRole", "KVConnectorMetadata"),
+    "wtransfer.connectors._request": ("KVRequest", "ScheduledRequest", "SchedulerStep", "KVConnectorOutput",
+                                      "full_block_range"),
+    "wtransfer.connectors._hashing": ("block_hashes", "kv_namespace"),
+    "wtransfer.kvcache": ("KVCacheSpec", "KV_LAYOUTS", "block_view"),
 }
 
-__all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -34,38 +34,23 @@ Errors are :mod:`wtransfer`'s (``TransferError``, ``TransferTimeoutError`` ...).
 
 from wtransfer._lazy import lazy_exports
 
-_EXPORTS: dict[str, str] = {
+_EXPORTS: dict[str, tuple[str, ...]] = {  # module -> the public names it defines
     # worker side
-    "WeightTransferEngine": "wtransfer.engines._base",
-    "WeightTransferInitInfo": "wtransfer.engines._base",
-    "WeightTransferUpdateInfo": "wtransfer.engines._base",
-    "LoadWeights": "wtransfer.engines._base",
-    "ManifestUpdateInfo": "wtransfer.engines._worker",
-    "global_rank": "wtransfer.engines._worker",
-    "check_buffer_budget": "wtransfer.engines._worker",
-    "BufferBudgetOptions": "wtransfer.engines._worker",
-    "validate_with_loader": "wtransfer.engines._loader",
-    "module_loader": "wtransfer.engines._loader",
+    "wtransfer.engines._base": ("WeightTransferEngine", "WeightTransferInitInfo", "WeightTransferUpdateInfo",
+                                "LoadWeights"),
+    "wtransfer.engines._worker": ("ManifestUpdateInfo", "global_rank", "check_buffer_budget", "BufferBudgetOptions"),
+    "wtransfer.engines._loader": ("validate_with_loader", "module_loader"),
     # trainer side
-    "TrainerWeightTransferEngine": "wtransfer.engines._trainer",
-    "TrainerInitOptions": "wtransfer.engines._trainer",
-    "ClientCall": "wtransfer.engines._trainer",
-    "create_trainer": "wtransfer.engines._trainer",
-    "WeightSource": "wtransfer.engines._source",
-    "ModuleSource": "wtransfer.engines._source",
-    "TensorSource": "wtransfer.engines._source",
+    "wtransfer.engines._trainer": ("TrainerWeightTransferEngine", "TrainerInitOptions", "ClientCall", "create_trainer"),
+    "wtransfer.engines._source": ("WeightSource", "ModuleSource", "TensorSource"),
     # bases to derive from
-    "TorchDistributedBackend": "wtransfer.engines._td_backend",
-    "TorchDistributedWeightTransferEngine": "wtransfer.engines._td_worker",
-    "TorchDistributedInitInfo": "wtransfer.engines._td_options",
-    "TorchDistributedTrainer": "wtransfer.engines._td_trainer",
-    "TorchDistributedSender": "wtransfer.engines._td_sender",
-    "TorchDistributedOptions": "wtransfer.engines._td_options",
-    "TorchDistributedInitOptions": "wtransfer.engines._td_options",
-    "SharedMemoryWeightTransferEngine": "wtransfer.engines.shm",
-    "SharedMemoryTrainer": "wtransfer.engines.shm",
-    "SharedMemoryInitOptions": "wtransfer.engines.shm",
+    "wtransfer.engines._td_backend": ("TorchDistributedBackend",),
+    "wtransfer.engines._td_worker": ("TorchDistributedWeightTransferEngine",),
+    "wtransfer.engines._td_options": ("TorchDistributedInitInfo", "TorchDistributedOptions",
+                                      "TorchDistributedInitOptions"),
+    "wtransfer.engines._td_trainer": ("TorchDistributedTrainer",),
+    "wtransfer.engines._td_sender": ("TorchDistributedSender",),
+    "wtransfer.engines.shm": ("SharedMemoryWeightTransferEngine", "SharedMemoryTrainer", "SharedMemoryInitOptions"),
 }
 
-__all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -26,33 +26,16 @@ This layer changes more often than the upper one; a plugin that uses it should p
 
 from wtransfer._lazy import lazy_exports
 
-_EXPORTS: dict[str, str] = {
+_EXPORTS: dict[str, tuple[str, ...]] = {  # module -> the public names it defines
     # wire protocol
-    "PROTOCOL_VERSION": "wtransfer.engines._protocol",
-    "MIB": "wtransfer.engines._protocol",
-    "ALIGN": "wtransfer.engines._protocol",
-    "check_int": "wtransfer.engines._protocol",
-    "check_timeout": "wtransfer.engines._protocol",
-    "check_protocol": "wtransfer.engines._protocol",
-    "check_bucket_bytes": "wtransfer.engines._protocol",
-    "ManifestRejected": "wtransfer.engines._protocol",
-    "gc_paused": "wtransfer.engines._protocol",
+    "wtransfer.engines._protocol": ("PROTOCOL_VERSION", "MIB", "ALIGN", "check_int", "check_timeout", "check_protocol",
+                                    "check_bucket_bytes", "ManifestRejected", "gc_paused"),
     # manifest
-    "Manifest": "wtransfer.engines._manifest",
-    "TensorEntry": "wtransfer.engines._manifest",
-    "build_manifest": "wtransfer.engines._manifest",
-    "tensor_checksum": "wtransfer.engines._manifest",
+    "wtransfer.engines._manifest": ("Manifest", "TensorEntry", "build_manifest", "tensor_checksum"),
     # packing plan
-    "Bucket": "wtransfer.engines._packing",
-    "plan_buckets": "wtransfer.engines._packing",
-    "Packer": "wtransfer.engines._packing",
-    "Unpacker": "wtransfer.engines._packing",
+    "wtransfer.engines._packing": ("Bucket", "plan_buckets", "Packer", "Unpacker"),
     # control channel
-    "ControlChannel": "wtransfer.engines._control",
-    "Listener": "wtransfer.engines._control",
-    "connect": "wtransfer.engines._control",
-    "PeerClosedError": "wtransfer.engines._control",
+    "wtransfer.engines._control": ("ControlChannel", "Listener", "connect", "PeerClosedError"),
 }
 
-__all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

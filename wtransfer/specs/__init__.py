@@ -14,26 +14,14 @@ Specs to derive from live in their own modules: ``CPUOffloadingSpec`` in :mod:`w
 
 from wtransfer._lazy import lazy_exports
 
-_EXPORTS: dict[str, str] = {
-    "OffloadingSpec": "wtransfer.specs._base",
-    "OffloadingSpecOptions": "wtransfer.specs._base",
-    "OffloadingManager": "wtransfer.specs._base",
-    "OffloadingHandler": "wtransfer.specs._base",
-    "LoadStoreSpec": "wtransfer.specs._base",
-    "TransferResult": "wtransfer.specs._base",
-    "PrepareStoreOutput": "wtransfer.specs._base",
-    "OffloadingEvent": "wtransfer.specs._base",
-    "DEVICE_MEDIUM": "wtransfer.specs._base",
-    "CPU_MEDIUM": "wtransfer.specs._base",
-    "KVCacheSpec": "wtransfer.kvcache",
-    "block_view": "wtransfer.kvcache",
-    "BlockTableManager": "wtransfer.specs._manager",
-    "BlockCopyHandler": "wtransfer.specs.cpu",
-    "EvictionPolicy": "wtransfer.specs.policies",
-    "LRUPolicy": "wtransfer.specs.policies",
-    "ARCPolicy": "wtransfer.specs.policies",
-    "create_policy": "wtransfer.specs.policies",
+_EXPORTS: dict[str, tuple[str, ...]] = {  # module -> the public names it defines
+    "wtransfer.specs._base": ("OffloadingSpec", "OffloadingSpecOptions", "OffloadingManager", "OffloadingHandler",
+                              "LoadStoreSpec", "TransferResult", "PrepareStoreOutput", "OffloadingEvent",
+                              "DEVICE_MEDIUM", "CPU_MEDIUM"),
+    "wtransfer.kvcache": ("KVCacheSpec", "block_view"),
+    "wtransfer.specs._manager": ("BlockTableManager",),
+    "wtransfer.specs.cpu": ("BlockCopyHandler",),
+    "wtransfer.specs.policies": ("EvictionPolicy", "LRUPolicy", "ARCPolicy", "create_policy"),
 }
 
-__all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
