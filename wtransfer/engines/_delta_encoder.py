@@ -175,10 +175,15 @@ class _Finisher:
         with self._lock:
             self._cancelled = True
             futures = list(self._futures)
-        for future in futures:
-            future.cancel()
-            if not future.cancelled():
-                future.exception()  # waits: it may be writing the base
+        _stop(futures)
+
+
+def _stop(futures: list[Any]) -> None:
+    """Cancel the encodings not yet started and wait for the others: on return none writes the base."""
+    for future in futures:
+        future.cancel()
+        if not future.cancelled():
+            future.exception()
 
 
 def _keeps_its_tensors(source: Any) -> bool:
@@ -256,10 +261,7 @@ class DeltaEncoder:
                     encoded.append(in_flight.pop(0).result())
             encoded += [future.result() for future in in_flight]
         finally:
-            for future in in_flight:  # a walk that raised: no encoding may outlive the round
-                future.cancel()
-                if not future.cancelled():
-                    future.exception()
+            _stop(in_flight)  # a walk that raised: no encoding may outlive the round
         present = {item.target.name for item in encoded}
         for gone in [name for name in self.base if name not in present]:
             del self.base[gone]  # a tensor the model no longer has
@@ -375,8 +377,7 @@ def _changed_elements(fresh: Any, old: Any, words: int) -> int:
     """How many elements differ between ``fresh`` and ``old`` (an element of ``words`` integers counts once)."""
     import numpy
 
-    xor = _scratch.get(fresh.dtype, fresh.size)
-    numpy.bitwise_xor(fresh, old, out=xor)
+    xor = numpy.bitwise_xor(fresh, old, out=_scratch.get(fresh.dtype, fresh.size))
     return int(numpy.count_nonzero(xor if words == 1 else xor.reshape(-1, words).any(axis=1)))
 
 
@@ -401,9 +402,7 @@ def _walk_rest(new_bits: Any, base_bits: Any, start: int, step: int, words: int,
         if count:
             here = _changed_elements(fresh, old, words)
             changed += here
-            if here:
-                numpy.copyto(old, fresh)
-        else:
+        if not count or here:
             numpy.copyto(old, fresh)
         hasher.update(old)
     return changed, _hex(hasher.intdigest(), base_bits.nbytes)
@@ -501,11 +500,9 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
     hasher = xxhash.xxh3_64()
     for start in range(0, new_bits.size, step):  # the second walk: compress, update the base
         fresh, old = new_bits[start : start + step], base_bits[start : start + step]
-        xor = _scratch.get(new_bits.dtype, fresh.size)
-        numpy.bitwise_xor(fresh, old, out=xor)
-        part = compressor.compress(xor)
-        parts.append(part)
-        size += len(part)
+        xor = numpy.bitwise_xor(fresh, old, out=_scratch.get(new_bits.dtype, fresh.size))
+        parts.append(compressor.compress(xor))
+        size += len(parts[-1])
         numpy.copyto(old, fresh)
         hasher.update(old)  # the chunk is still in cache
         if size > limit:  # a XOR this large is no delta: the tensor goes whole (counted already)
