@@ -20,13 +20,10 @@ from wtransfer.errors import TransferError
 
 
 class SharedRing(SharedSegment):
-    """A pre-faulted mapped segment as ``num_buffers`` uint8 tensors of ``bucket_bytes``; read-only on workers.
-    Its descriptor is closed once mapped: the trainer hands the workers one of its own."""
+    """A pre-faulted mapped segment as ``num_buffers`` uint8 tensors of ``bucket_bytes``; read-only on workers."""
 
     def __init__(self, fd: int, bucket_bytes: int, num_buffers: int, writable: bool = True) -> None:
         super().__init__(fd, bucket_bytes * num_buffers, writable)
-        os.close(self.fd)
-        self.fd = -1
         self.slots = [self.data[i * bucket_bytes : (i + 1) * bucket_bytes] for i in range(num_buffers)]
 
     def close(self) -> None:
@@ -130,8 +127,10 @@ class SharedMemorySender:
             go = self._next(attempt, wait)
             if go.get("op") != "go":
                 raise TransferError(f"protocol violation: expected the go from trainer rank 0, got {go!r}")
-            self._map_segment(int(go["size"]))
-            assert self._segment is not None
+            # a new segment comes with the first round's go, or one that had to grow
+            self._segment = SharedSegment.handed_over(self._segment, channel.take_fds(), int(go["size"]), writable=True)
+            if self._segment is None:
+                raise TransferError("protocol violation: rank 0 said go without its segment")
             offsets, total = staging_offsets(entries)
             if total > self._segment.size:
                 raise TransferError(f"rank 0's segment of {self._segment.size} bytes is too small for a {total}-byte round")
@@ -151,13 +150,6 @@ class SharedMemorySender:
             raise
         held = [p for p in parts if p is not None]
         return len(held), sum(p.local.numel() * p.wire_dtype.itemsize for p in held)
-
-    def _map_segment(self, size: int) -> None:
-        """Map the segment that came with rank 0's ``go`` (a new one: the first round, or grown)."""
-        assert self._channel is not None
-        self._segment = SharedSegment.handed_over(self._segment, self._channel.take_fds(), size, writable=True)
-        if self._segment is None:
-            raise TransferError("protocol violation: rank 0 said go without its segment")
 
     def close(self) -> None:
         if self._channel is not None:

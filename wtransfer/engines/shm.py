@@ -228,10 +228,9 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         try:
             if not buckets and message.get("op") != "empty":
                 raise TransferError(f"protocol violation: expected the 'empty' word of a round with no bucket, got {message!r}")
-            pending: dict[str, Any] | None = message if buckets else None
-            for bucket in buckets:
-                message = pending if pending is not None else self._next(manifest, self._info.timeout_s)
-                pending = None
+            for position, bucket in enumerate(buckets):
+                if position:  # the first bucket's word is the one that started the round
+                    message = self._next(manifest, self._info.timeout_s)
                 if message.get("op") != "bucket" or message.get("index") != bucket.index:
                     raise TransferError(f"protocol violation: expected bucket {bucket.index}, got {message!r}")
                 slot = message["slot"]
@@ -292,12 +291,8 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         self._ring_fd: int | None = None  # read-only, for the workers; closed once they all mapped it
         if self.uses_ring:
             fd = create_memfd(self.bucket_bytes * self.num_buffers, "wtransfer-shm")
-            try:
-                self._ring_fd = read_only_fd(fd)
-            except BaseException:
-                os.close(fd)
-                raise
             self._ring = SharedRing(fd, self.bucket_bytes, self.num_buffers)  # takes fd
+            self._ring_fd = read_only_fd(fd)
         self._segment: SharedSegment | None = None
         self._handed: dict[int, int] = {}  # peer (worker rank; -trainer rank) -> inode of the segment it maps
         self._selector = selectors.DefaultSelector()
