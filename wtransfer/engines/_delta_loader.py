@@ -67,8 +67,7 @@ class DeltaLoader:
                 self._validate(manifest)
             except ManifestMismatchError as exc:
                 self._rejection = exc
-        if self._rejection is not None:
-            raise ManifestMismatchError(str(self._rejection))
+        self._require_validated()
 
     def _validate(self, manifest: Manifest) -> None:
         plan = self.plan
