@@ -175,10 +175,15 @@ class _Finisher:
         with self._lock:
             self._cancelled = True
             futures = list(self._futures)
-        for future in futures:
-            future.cancel()
-            if not future.cancelled():
-                future.exception()  # waits: it may be writing the base
+        _stop(futures)
+
+
+def _stop(futures: list[Any]) -> None:
+    """Cancel the encodings not yet started and wait for the others: on return none writes the base."""
+    for future in futures:
+        future.cancel()
+        if not future.cancelled():
+            future.exception()
 
 
 def _keeps_its_tensors(source: Any) -> bool:
@@ -256,10 +261,7 @@ class DeltaEncoder:
                     encoded.append(in_flight.pop(0).result())
             encoded += [future.result() for future in in_flight]
         finally:
-            for future in in_flight:  # a walk that raised: no encoding may outlive the round
-                future.cancel()
-                if not future.cancelled():
-                    future.exception()
+            _stop(in_flight)  # a walk that raised: no encoding may outlive the round
         present = {item.target.name for item in encoded}
         for gone in [name for name in self.base if name not in present]:
             del self.base[gone]  # a tensor the model no longer has
@@ -375,8 +377,7 @@ def _changed_elements(fresh: Any, old: Any, words: int) -> int:
     """How many elements differ between ``fresh`` and ``old`` (an element of ``words`` integers counts once)."""
     import numpy
 
-    xor = _scratch.get(fresh.dtype, fresh.size)
-    numpy.bitwise_xor(fresh, old, out=xor)
+    xor = numpy.bitwise_xor(fresh, old, out=_scratch.get(fresh.dtype, fresh.size))
     return int(numpy.count_nonzero(xor if words == 1 else xor.reshape(-1, words).any(axis=1)))
 
 
@@ -401,9 +402,7 @@ def _walk_rest(new_bits: Any, base_bits: Any, start: int, step: int, words: int,
         if count:
             here = _changed_elements(fresh, old, words)
             changed += here
-            if here:
-                numpy.copyto(old, fresh)
-        else:
+        if not count or here:
             numpy.copyto(old, fresh)
         hasher.update(old)
     return changed, _hex(hasher.intdigest(), base_bits.nbytes)
@@ -429,23 +428,20 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
     words = _words(new, new_bits)
     step = max(1, _delta.CHUNK_BYTES // new.element_size()) * words  # whole elements per chunk
 
-    def pending(encoded: _Encoded) -> _Encoded:  # its rest runs as the round is sent, or now
+    def whole(changed: int, count: bool = False, rest: Any = None) -> _Encoded:
+        """Sent whole; the rest of its walk (``rest``, else all of it) runs as the round is sent, or now."""
+        rest = rest or functools.partial(_walk_rest, new_bits, base_bits, 0, step, words, xxhash.xxh3_64(), count)
+        encoded = _Encoded(target, base, DeltaTensor(target, DENSE, None), changed, None, rest)
         if not defer:
             encoded.finish()
         return encoded
 
-    def whole(rest: Any, changed: int) -> _Encoded:
-        return pending(_Encoded(target, base, DeltaTensor(target, DENSE, None), changed, None, rest))
-
-    def walk_from_start(count: bool) -> Any:
-        return functools.partial(_walk_rest, new_bits, base_bits, 0, step, words, xxhash.xxh3_64(), count)
-
     if against is None or known is None:  # no base to diff against: the tensor goes whole
-        return whole(walk_from_start(False), target.numel)
+        return whole(target.numel)
     if defer:  # a glance first: a tensor changed all over goes whole without a chunk walked before the round
         glance = min(new_bits.size, max(1, min(GLANCE_BYTES, _delta.CHUNK_BYTES) // new.element_size()) * words)
         if _changed_elements(new_bits[:glance], base_bits[:glance], words) > CHANGED_TO_TRY * (glance // words):
-            return whole(walk_from_start(True), 0)
+            return whole(0, count=True)
     changed = 0
     was, now = xxhash.xxh3_64(), xxhash.xxh3_64()
     most = choices.positions_at_most * target.nbytes  # the largest positions payload this tensor may take
@@ -469,7 +465,7 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
                 edges = numpy.searchsorted(at, numpy.arange(first + 1, last) * POSITION_BLOCK)  # at is sorted
                 counts[first:last] += numpy.diff(edges, prepend=0, append=at.size)
         if here > too_many:
-            return whole(walk_from_start(True), 0)  # nothing written yet: the whole walk counts again
+            return whole(0, count=True)  # nothing written yet: the whole walk counts again
         changed += here
         was.update(old)
         now.update(fresh)
@@ -478,7 +474,7 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
         return _Encoded(target, None, None, 0, value)
     if _hex(was.intdigest(), target.nbytes) != known:  # changed behind the encoder's back:
         logger.warning("delta: the trainer's base of %r is not what the workers were sent; it goes whole", name)
-        return whole(walk_from_start(False), changed)  # a payload against it would rebuild something else
+        return whole(changed)  # a payload against it would rebuild something else
     if found is not None:
         payload = room(name, positions_payload_bytes(target, changed))
         counts_out, values, lows = _positions_parts(payload, target, changed, new_bits.dtype, words)
@@ -493,7 +489,7 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
         return _Encoded(TensorEntry(name, "uint8", (payload.numel(),)), payload,
                         DeltaTensor(target, POSITIONS, value, known), changed, value)
     if not choices.try_xor:  # compressing would cost more than sending it whole
-        return whole(walk_from_start(False), changed)
+        return whole(changed)
     limit = SPARSE_AT_MOST * target.nbytes
     compressor = _zstd().ZstdCompressor(level=_delta.ZSTD_LEVEL).compressobj()
     parts: list[bytes] = []
@@ -501,16 +497,14 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
     hasher = xxhash.xxh3_64()
     for start in range(0, new_bits.size, step):  # the second walk: compress, update the base
         fresh, old = new_bits[start : start + step], base_bits[start : start + step]
-        xor = _scratch.get(new_bits.dtype, fresh.size)
-        numpy.bitwise_xor(fresh, old, out=xor)
-        part = compressor.compress(xor)
-        parts.append(part)
-        size += len(part)
+        xor = numpy.bitwise_xor(fresh, old, out=_scratch.get(new_bits.dtype, fresh.size))
+        parts.append(compressor.compress(xor))
+        size += len(parts[-1])
         numpy.copyto(old, fresh)
         hasher.update(old)  # the chunk is still in cache
         if size > limit:  # a XOR this large is no delta: the tensor goes whole (counted already)
             rest = functools.partial(_walk_rest, new_bits, base_bits, start + step, step, words, hasher, False)
-            return whole(rest, changed)
+            return whole(changed, rest=rest)
     parts.append(compressor.flush())
     if size + len(parts[-1]) > limit:
         return _Encoded(target, base, DeltaTensor(target, DENSE, None), changed, value)

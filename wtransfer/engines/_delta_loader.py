@@ -67,8 +67,7 @@ class DeltaLoader:
                 self._validate(manifest)
             except ManifestMismatchError as exc:
                 self._rejection = exc
-        if self._rejection is not None:
-            raise ManifestMismatchError(str(self._rejection))
+        self._require_validated()
 
     def _validate(self, manifest: Manifest) -> None:
         plan = self.plan
@@ -142,21 +141,24 @@ class DeltaLoader:
         self.inner([(name, payload) if job is None else job.result() for (name, payload), job in zip(weights, jobs)])
 
     def _checked(self, name: str, payload: torch.Tensor, row: DeltaTensor) -> tuple[str, torch.Tensor]:
-        payload, got = (self._rebuild if row.encoding == XOR_ZSTD else self._place)(name, payload, row)
+        """Rebuild ``name`` from its base where the commit reads it (:meth:`_destination`) and check its digest."""
+        base = self._base_of(name)  # type: ignore[misc]
+        value = self._destination(name, base)
+        got = (self._rebuild if row.encoding == XOR_ZSTD else self._place)(name, payload, row, base, value)
+        note_written(value)  # through numpy, behind autograd's back
         if got != row.digest:
             raise TransferError(
                 f"delta round: {name!r} rebuilt here differs from the trainer's new value (digest {got} != "
                 f"{row.digest}); the round is not committed where the commit is atomic")
-        return name, payload
+        return name, value
 
-    def _rebuild(self, name: str, payload: torch.Tensor, row: DeltaTensor) -> tuple[torch.Tensor, str]:
-        """Rebuild a ``xor-zstd`` tensor (base XOR decompressed payload) where the commit reads it, chunk by chunk
-        through one scratch buffer, hashed while cached; returns it and its digest. A wrong size fails the round."""
+    def _rebuild(self, name: str, payload: torch.Tensor, row: DeltaTensor, base: torch.Tensor,
+                 value: torch.Tensor) -> str:
+        """Write a ``xor-zstd`` tensor (base XOR decompressed payload) into ``value``, chunk by chunk through one
+        scratch buffer, hashed while cached; returns its digest. A wrong size fails the round."""
         import numpy
         import xxhash
 
-        base = self._base_of(name)  # type: ignore[misc]
-        value = self._destination(name, base)
         base_bits, value_bits = _bits(base), _bits(value)  # value is contiguous: a view
         step = max(1, _delta.CHUNK_BYTES // base_bits.itemsize)
         reader = _zstd().ZstdDecompressor().stream_reader(tensor_bytes(payload).numpy())  # one per thread
@@ -177,17 +179,15 @@ class DeltaLoader:
             hasher.update(out)
         if reader.read(1):
             raise TransferError(f"delta round: {name!r} decompressed to more bytes than its {row.target.nbytes}")
-        note_written(value)  # through numpy, behind autograd's back
-        return value, _hex(hasher.intdigest(), row.target.nbytes)
+        return _hex(hasher.intdigest(), row.target.nbytes)
 
-    def _place(self, name: str, payload: torch.Tensor, row: DeltaTensor) -> tuple[torch.Tensor, str]:
-        """Rebuild a ``positions`` tensor where the commit reads it, in one pass per span (copy the base, patch,
-        hash while cached); returns it and its digest. Bad block counts or a position past the end fail the round."""
+    def _place(self, name: str, payload: torch.Tensor, row: DeltaTensor, base: torch.Tensor,
+               value: torch.Tensor) -> str:
+        """Write a ``positions`` tensor into ``value`` in one pass per span (copy the base, patch, hash while
+        cached); returns its digest. Bad block counts or a position past the end fail the round."""
         import numpy
         import xxhash
 
-        base = self._base_of(name)  # type: ignore[misc]
-        value = self._destination(name, base)
         value_bits, base_bits = _bits(value), _bits(base)  # value is contiguous: a view
         words = _words(value, value_bits)
         target = row.target
@@ -210,8 +210,7 @@ class DeltaLoader:
             if positions.size:
                 span[positions] = news
             hasher.update(span)
-        note_written(value)  # through numpy, behind autograd's back
-        return value, _hex(hasher.intdigest(), target.nbytes)
+        return _hex(hasher.intdigest(), target.nbytes)
 
     def _destination(self, name: str, base: torch.Tensor) -> torch.Tensor:
         """Where the rebuilt tensor goes: the commit's destination if of the same layout (streaming: the base

@@ -177,12 +177,6 @@ def place_part(dst: torch.Tensor, start: int, width: int, first: int, end: int, 
         in_row(last_row)
 
 
-def byte_geometry(part: LocalPart) -> tuple[int, int, int]:
-    """``(width, first, end)`` of a part in bytes, as the round carries it."""
-    size = part.wire_dtype.itemsize
-    return part.width * size, part.first * size, part.end * size
-
-
 def part_range(part: LocalPart, low: int, high: int) -> torch.Tensor:
     """The part's bytes ``low:high`` in the wire dtype (a view of ``local``, or those elements cast)."""
     return wire_bytes(part.local, part.wire_dtype, low, high)
@@ -190,7 +184,8 @@ def part_range(part: LocalPart, low: int, high: int) -> torch.Tensor:
 
 def write_part(dst: torch.Tensor, start: int, part: LocalPart) -> None:
     """Write the part's bytes that fall in ``dst``, the tensor's bytes ``start : start + dst.numel()``."""
-    width, first, end = byte_geometry(part)
+    size = part.wire_dtype.itemsize  # the part's geometry in bytes, as the round carries it
+    width, first, end = part.width * size, part.first * size, part.end * size
     low, high = part_span(start, start + dst.numel(), width, first, end)
     if low < high:
         place_part(dst, start, width, first, end, part_range(part, low, high))

@@ -6,53 +6,29 @@ another trainer rank writing its own shards into the staged segment.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from wtransfer.engines._cast import CastPlan
 from wtransfer.engines._control import ControlChannel, PeerClosedError, connect
 from wtransfer.engines._protocol import PROTOCOL_VERSION
 from wtransfer.engines._part_streams import layout_rows
 from wtransfer.engines._shards import entries_digest, rank_parts, write_part, writes_shards_as_is
-from wtransfer.engines._staging import SharedSegment, map_shared, staging_offsets
+from wtransfer.engines._staging import SharedSegment, staging_offsets
 from wtransfer.errors import TransferError
 
-if TYPE_CHECKING:
-    import mmap
 
-    import torch
-
-logger = logging.getLogger("wtransfer")
-
-
-class SharedRing:
+class SharedRing(SharedSegment):
     """A pre-faulted mapped segment as ``num_buffers`` uint8 tensors of ``bucket_bytes``; read-only on workers."""
 
     def __init__(self, fd: int, bucket_bytes: int, num_buffers: int, writable: bool = True) -> None:
-        import warnings
-
-        import torch
-
-        size = bucket_bytes * num_buffers
-        try:
-            self._map: mmap.mmap | None = map_shared(fd, size, writable)
-        finally:
-            os.close(fd)
-        with warnings.catch_warnings():  # torch cannot mark a tensor read-only: the mapping is
-            warnings.simplefilter("ignore", UserWarning)
-            whole = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.slots: list[torch.Tensor] = [whole[i * bucket_bytes : (i + 1) * bucket_bytes] for i in range(num_buffers)]
+        super().__init__(fd, bucket_bytes * num_buffers, writable)
+        self.slots = [self.data[i * bucket_bytes : (i + 1) * bucket_bytes] for i in range(num_buffers)]
 
     def close(self) -> None:
         self.slots = []
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # a caller still holds a view; the GC unmaps it later
-                logger.debug("shm ring still referenced at shutdown; unmapped when released")
-            self._map = None
+        super().close()
 
 
 def join_trainer(address: str, hello: dict[str, Any], timeout_s: float, who: str,
@@ -74,6 +50,14 @@ def join_trainer(address: str, hello: dict[str, Any], timeout_s: float, who: str
         channel.close()
         raise
     return channel, reply, fds
+
+
+def send_best_effort(channel: ControlChannel, message: dict[str, Any]) -> None:
+    """Send within a second, or not at all: a peer that is gone or stuck need not hear it."""
+    try:
+        channel.send(message, timeout=1.0)
+    except TransferError:
+        pass
 
 
 class TrainerAborted(TransferError):
@@ -143,8 +127,10 @@ class SharedMemorySender:
             go = self._next(attempt, wait)
             if go.get("op") != "go":
                 raise TransferError(f"protocol violation: expected the go from trainer rank 0, got {go!r}")
-            self._map_segment(int(go["size"]))
-            assert self._segment is not None
+            # a new segment comes with the first round's go, or one that had to grow
+            self._segment = SharedSegment.handed_over(self._segment, channel.take_fds(), int(go["size"]), writable=True)
+            if self._segment is None:
+                raise TransferError("protocol violation: rank 0 said go without its segment")
             offsets, total = staging_offsets(entries)
             if total > self._segment.size:
                 raise TransferError(f"rank 0's segment of {self._segment.size} bytes is too small for a {total}-byte round")
@@ -159,20 +145,11 @@ class SharedMemorySender:
         except (PeerClosedError, TrainerAborted):
             raise
         except BaseException as exc:
-            try:  # rank 0 learns at once instead of waiting for this rank's next answer
-                channel.send({"op": "fail", "error": f"{type(exc).__name__}: {exc}", "attempt": attempt}, timeout=1.0)
-            except TransferError:
-                pass
+            # rank 0 learns at once instead of waiting for this rank's next answer
+            send_best_effort(channel, {"op": "fail", "error": f"{type(exc).__name__}: {exc}", "attempt": attempt})
             raise
         held = [p for p in parts if p is not None]
         return len(held), sum(p.local.numel() * p.wire_dtype.itemsize for p in held)
-
-    def _map_segment(self, size: int) -> None:
-        """Map the segment that came with rank 0's ``go`` (a new one: the first round, or grown)."""
-        assert self._channel is not None
-        self._segment = SharedSegment.handed_over(self._segment, self._channel.take_fds(), size, writable=True)
-        if self._segment is None:
-            raise TransferError("protocol violation: rank 0 said go without its segment")
 
     def close(self) -> None:
         if self._channel is not None:

@@ -16,6 +16,7 @@ transport already ends in such a copy hands it over instead (:func:`~wtransfer.e
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -24,7 +25,6 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from wtransfer.engines._control import ControlChannel, PeerClosedError, peer_uid
@@ -89,10 +89,8 @@ def map_shared(fd: int, size: int, writable: bool) -> mmap.mmap:
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
     mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (0 if writable else populate), prot=prot)
     if writable:
-        try:
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # an older kernel: the first writes fault
             mapped.madvise(MADV_POPULATE_WRITE)
-        except (OSError, ValueError, AttributeError):  # an older kernel: the first writes fault instead
-            pass
     return mapped
 
 
@@ -159,11 +157,6 @@ class SharedSegment:
             self.fd = -1
 
 
-@dataclass
-class _Outcome:
-    error: str | None = None  # None: staged whole
-
-
 class NodeStaging:
     """This worker's handle on its node's staging for one trainer (one staging key)."""
 
@@ -175,7 +168,7 @@ class NodeStaging:
         self._server: socket.socket | None = None
         self._channel: ControlChannel | None = None  # a follower's connection to the stager
         self._lock = threading.Condition()
-        self._outcomes: dict[int, _Outcome] = {}
+        self._outcomes: dict[int, str | None] = {}  # round -> None (staged whole) or why not
         self._followers: set[ControlChannel] = set()  # the stager's connections, closed with it
         self._closed = False
         self._elect()
@@ -267,7 +260,7 @@ class NodeStaging:
     def settle(self, version: int, error: str | None) -> None:
         """Stager: round ``version`` landed whole (``error`` None) or failed; followers are told."""
         with self._lock:
-            self._outcomes[version] = _Outcome(error)
+            self._outcomes[version] = error
             for old in sorted(self._outcomes)[: -self.KEEP_OUTCOMES]:
                 del self._outcomes[old]
             self._lock.notify_all()
@@ -305,16 +298,15 @@ class NodeStaging:
                     settled = self._lock.wait_for(
                         lambda: self._closed or version in self._outcomes
                         or any(v > version for v in self._outcomes), timeout_s)
-                    outcome = self._outcomes.get(version)
-                    segment = self.segment
-                    fd = read_only_fd(segment.fd) if outcome is not None and outcome.error is None and segment else -1
+                    staged, error, segment = version in self._outcomes, self._outcomes.get(version), self.segment
+                    fd = read_only_fd(segment.fd) if staged and error is None and segment else -1
                 try:
-                    if outcome is None or segment is None:
+                    if not staged or segment is None:
                         why = "the stager timed out waiting for it" if not settled else "the stager moved on or closed"
                         channel.send({"ok": False, "version": version,
                                       "error": f"round {version} was not staged on this node: {why}"})
-                    elif outcome.error is not None:
-                        channel.send({"ok": False, "version": version, "error": outcome.error})
+                    elif error is not None:
+                        channel.send({"ok": False, "version": version, "error": error})
                     else:
                         channel.send({"ok": True, "version": version, "size": segment.size}, fds=[fd])
                 finally:
@@ -364,15 +356,11 @@ class NodeStaging:
             followers, self._followers = list(self._followers), set()
             self._lock.notify_all()
         for channel in followers:
-            try:
+            with contextlib.suppress(OSError):
                 channel.sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in recv()
-            except OSError:
-                pass
         if self._server is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self._server.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             self._server.close()
             self._server = None
         if self._channel is not None:

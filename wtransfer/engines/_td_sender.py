@@ -22,7 +22,6 @@ from wtransfer.errors import TransferError
 
 if TYPE_CHECKING:
     from wtransfer.engines._manifest import TensorEntry
-    from wtransfer.engines._part_streams import RankLayout
     from wtransfer.engines._trainer import ClientCall
 
 SENDER_CONNECT_RETRY_S = 2.0
@@ -39,7 +38,7 @@ class TorchDistributedSending(TorchDistributedBackend):
         so never empty), the manifest vote, then its bytes of every bucket. False: refused, nothing moved."""
         import torch
 
-        from wtransfer.engines._part_streams import RankLayout, header, layout_rows
+        from wtransfer.engines._part_streams import RankLayout, hash_runs, header, layout_rows, pack_runs
 
         device, rows = self.device(), layout_rows(parts)
         words = [torch.tensor(header(entries), dtype=torch.int64, device=device),
@@ -52,34 +51,28 @@ class TorchDistributedSending(TorchDistributedBackend):
             return False
         digests = RoundDigests(len(entries)) if int(verdict.item()) & DIGESTS else None
         try:
-            self._stream_parts(buckets, RankLayout(entries, rows), parts, works, timeout_s, digests)
+            layout, sent = RankLayout(entries, rows), 0
+            for bucket in buckets:  # this rank's bytes of each, from num_buffers buffers (hashed, digests last)
+                runs = layout.runs(bucket)
+                if not runs:
+                    continue
+                slot = sent % len(works)
+                sent += 1
+                if works[slot] is not None:  # no local names for works: a traceback would keep them
+                    self.wait(works[slot][0], f"sending bucket {bucket.index}'s predecessor in buffer {slot}",
+                              timeout_s)
+                    works[slot] = None
+                if digests is not None:
+                    digests.fence(slot)
+                view = pack_runs(runs, parts, self._buffers[slot])
+                if digests is not None:
+                    hash_runs(digests, runs, view, slot)
+                works[slot] = (self.broadcast(self.group_for(bucket.index), view), view)
+            self.finish_sends(works, timeout_s, digests)
         finally:
             if digests is not None:
                 digests.close()
         return True
-
-    def _stream_parts(self, buckets: list[Bucket], layout: RankLayout, parts: list[LocalPart | None],
-                      works: list[tuple[Any, Any] | None], timeout_s: float, digests: RoundDigests | None) -> None:
-        """Broadcast this rank's bytes of every bucket from ``num_buffers`` buffers (hashed, digests last)."""
-        from wtransfer.engines._part_streams import hash_runs, pack_runs
-
-        sent = 0
-        for bucket in buckets:
-            runs = layout.runs(bucket)
-            if not runs:
-                continue
-            slot = sent % len(works)
-            sent += 1
-            if works[slot] is not None:  # no local names for works: a traceback would keep them
-                self.wait(works[slot][0], f"sending bucket {bucket.index}'s predecessor in buffer {slot}", timeout_s)
-                works[slot] = None
-            if digests is not None:
-                digests.fence(slot)
-            view = pack_runs(runs, parts, self._buffers[slot])
-            if digests is not None:
-                hash_runs(digests, runs, view, slot)
-            works[slot] = (self.broadcast(self.group_for(bucket.index), view), view)
-        self.finish_sends(works, timeout_s, digests)
 
     def finish_sends(self, works: list[tuple[Any, Any] | None], timeout_s: float,
                      digests: RoundDigests | None = None) -> None:

@@ -149,7 +149,7 @@ class TorchDistributedTrainer(TorchDistributedSending, TrainerWeightTransferEngi
                 self.wait(self.allreduce_max(self._groups[0], verdict), "the manifest vote", self.timeout_s, call)
                 accepted = not int(verdict.item()) & REJECTED
                 if accepted:
-                    self._broadcast_buckets(manifest, buckets, call, works)
+                    self._broadcast_buckets(manifest, buckets, works)
             if not accepted:
                 raise ManifestRejected(f"round {manifest.version} rejected by a worker")
         except ManifestRejected:
@@ -161,35 +161,30 @@ class TorchDistributedTrainer(TorchDistributedSending, TrainerWeightTransferEngi
         finally:
             works.clear()  # a failure's traceback must not keep the collectives (and the group) alive
 
-    def _broadcast_buckets(self, manifest: Manifest, buckets: list[Bucket], call: ClientCall,
+    def _broadcast_buckets(self, manifest: Manifest, buckets: list[Bucket],
                            works: list[tuple[Any, Any] | None]) -> None:
         digests = RoundDigests(len(manifest.entries)) if manifest.digests else None
         try:
-            self._pack_and_broadcast(manifest, buckets, works, digests)
+            packer = Packer(manifest, iter(self.source), digests, self.source_entries)
+            for bucket in buckets:
+                slot = bucket.index % len(self._buffers)
+                if works[slot] is not None:  # no local names for works: a traceback would keep them
+                    self.wait(works[slot][0], f"broadcasting bucket {bucket.index - len(works)}", self.timeout_s)
+                    works[slot] = None
+                view = packer.direct_bytes(bucket, self.device())
+                if view is None:
+                    view = self._buffers[slot][: bucket.nbytes]
+                    if digests is not None:
+                        digests.fence(slot)
+                    with self.slot_stream(slot):
+                        read = packer.pack(bucket, view, slot)
+                    self.packed_from(slot, read)
+                works[slot] = (self.broadcast(self.group_for(bucket.index), view), view)
+            packer.drain()
+            self.finish_sends(works, self.timeout_s, digests)
         finally:
             if digests is not None:
                 digests.close()
-
-    def _pack_and_broadcast(self, manifest: Manifest, buckets: list[Bucket], works: list[tuple[Any, Any] | None],
-                            digests: RoundDigests | None) -> None:
-        packer = Packer(manifest, iter(self.source), digests, self.source_entries)
-        device = self.device()
-        for bucket in buckets:
-            slot = bucket.index % len(self._buffers)
-            if works[slot] is not None:  # no local names for works: a traceback would keep them
-                self.wait(works[slot][0], f"broadcasting bucket {bucket.index - len(works)}", self.timeout_s)
-                works[slot] = None
-            view = packer.direct_bytes(bucket, device)
-            if view is None:
-                view = self._buffers[slot][: bucket.nbytes]
-                if digests is not None:
-                    digests.fence(slot)
-                with self.slot_stream(slot):
-                    read = packer.pack(bucket, view, slot)
-                self.packed_from(slot, read)
-            works[slot] = (self.broadcast(self.group_for(bucket.index), view), view)
-        packer.drain()
-        self.finish_sends(works, self.timeout_s, digests)
 
     # -- the other trainer ranks of a sharded trainer (TorchDistributedSender) ----------------------
     senders_join_with_workers = True  # their groups include the workers, who build them at init

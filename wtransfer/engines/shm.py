@@ -39,7 +39,7 @@ from wtransfer.engines._manifest import Manifest
 from wtransfer.engines._packing import Bucket, Packer, Piece, Unpacker, plan_buckets, tensor_bytes
 from wtransfer.engines._part_streams import RankLayout, check_tiling, layout_rows
 from wtransfer.engines._shards import entries_digest, rank_parts, write_part
-from wtransfer.engines._shm_ring import SharedMemorySender, SharedRing, TrainerAborted, join_trainer
+from wtransfer.engines._shm_ring import SharedMemorySender, SharedRing, TrainerAborted, join_trainer, send_best_effort
 from wtransfer.engines._staging import SharedSegment, create_memfd, read_only_fd, staging_offsets
 from wtransfer.engines._protocol import (
     MIB,
@@ -179,10 +179,8 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
             self.shutdown()
             raise TransferError(f"round {manifest.version} failed on worker rank {self.rank}: {exc}") from exc
         except BaseException as exc:
-            try:  # tell the trainer at once instead of letting it wait for the timeout
-                channel.send({"op": "fail", "error": f"{type(exc).__name__}: {exc}"}, timeout=1.0)
-            except TransferError:
-                pass
+            # tell the trainer at once instead of letting it wait for the timeout
+            send_best_effort(channel, {"op": "fail", "error": f"{type(exc).__name__}: {exc}"})
             raise
 
     def _next(self, manifest: Manifest, timeout: float) -> dict[str, Any]:
@@ -230,10 +228,9 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         try:
             if not buckets and message.get("op") != "empty":
                 raise TransferError(f"protocol violation: expected the 'empty' word of a round with no bucket, got {message!r}")
-            pending: dict[str, Any] | None = message if buckets else None
-            for bucket in buckets:
-                message = pending if pending is not None else self._next(manifest, self._info.timeout_s)
-                pending = None
+            for position, bucket in enumerate(buckets):
+                if position:  # the first bucket's word is the one that started the round
+                    message = self._next(manifest, self._info.timeout_s)
                 if message.get("op") != "bucket" or message.get("index") != bucket.index:
                     raise TransferError(f"protocol violation: expected bucket {bucket.index}, got {message!r}")
                 slot = message["slot"]
@@ -294,12 +291,8 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         self._ring_fd: int | None = None  # read-only, for the workers; closed once they all mapped it
         if self.uses_ring:
             fd = create_memfd(self.bucket_bytes * self.num_buffers, "wtransfer-shm")
-            try:
-                self._ring_fd = read_only_fd(fd)
-            except BaseException:
-                os.close(fd)
-                raise
             self._ring = SharedRing(fd, self.bucket_bytes, self.num_buffers)  # takes fd
+            self._ring_fd = read_only_fd(fd)
         self._segment: SharedSegment | None = None
         self._handed: dict[int, int] = {}  # peer (worker rank; -trainer rank) -> inode of the segment it maps
         self._selector = selectors.DefaultSelector()
@@ -426,10 +419,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             elif rank in self._channels:
                 problem = f"rank {rank} joined twice; check every worker's ParallelConfig"
             if problem is not None:
-                try:  # a misconfigured worker learns why
-                    channel.send({"ok": False, "error": problem}, timeout=1.0)
-                except TransferError:
-                    pass
+                send_best_effort(channel, {"ok": False, "error": problem})  # a misconfigured worker learns why
                 return problem
             channel.peer = f"shm worker rank {rank}"
             channel.max_frame = MAX_FRAME
@@ -499,10 +489,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                     if channel.recv(max(deadline - time.monotonic(), 0.1)).get("op") != "ready":
                         raise TransferError(f"trainer rank {rank} could not join")
                 except BaseException as exc:
-                    try:
-                        channel.send({"ok": False, "error": str(exc)}, timeout=1.0)
-                    except TransferError:
-                        pass
+                    send_best_effort(channel, {"ok": False, "error": str(exc)})
                     channel.close()
                     raise
                 self._senders[rank] = channel
@@ -580,22 +567,15 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
     def stop_senders(self, reason: str) -> None:
         """Best effort: the other trainer ranks drop this round."""
         for channel in self._senders.values():
-            try:
-                channel.send({"op": "abort", "reason": reason, "attempt": self._attempt}, timeout=1.0)
-            except TransferError:
-                pass
+            send_best_effort(channel, {"op": "abort", "reason": reason, "attempt": self._attempt})
 
     def _abort(self, reason: str, only: list[int] | None = None, clean: bool = False) -> None:
         """Best effort: tell the other trainer ranks, then live workers, to drop the round. ``clean``: no
         byte moved (a rejection), so workers stay connected for the next round."""
         self.stop_senders(reason)
         for rank, channel in self._channels.items():
-            if only is not None and rank not in only:
-                continue
-            try:
-                channel.send({"op": "abort", "reason": reason, "clean": clean}, timeout=1.0)
-            except TransferError:
-                pass
+            if only is None or rank in only:
+                send_best_effort(channel, {"op": "abort", "reason": reason, "clean": clean})
 
     def release(self) -> None:
         for channel in [*getattr(self, "_channels", {}).values(), *getattr(self, "_senders", {}).values()]:
