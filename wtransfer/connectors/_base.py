@@ -75,7 +75,7 @@ class KVConnectorMetadata:
     """What the scheduler instance tells the worker instance to do in one step.
 
     Subclass it as a dataclass of JSON-safe fields (str, int, float, bool, None, lists and str-keyed dicts of those);
-    the default :meth:`to_dict` handles nested dataclasses too, :meth:`from_dict` flat ones only. The engine
+    the default :meth:`to_dict`/:meth:`from_dict` handle flat dataclasses, override both for nested ones. The engine
     sends metadata through JSON even inside one process, so an unsafe field fails in tests, not in production.
     """
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -34,7 +34,13 @@ class KVRequest:
         return len(self.token_ids)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {
+            "request_id": self.request_id,
+            "token_ids": list(self.token_ids),
+            "block_hashes": list(self.block_hashes),
+            "num_computed_tokens": self.num_computed_tokens,
+            "kv_transfer_params": self.kv_transfer_params,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVRequest:
@@ -65,7 +71,11 @@ class ScheduledRequest:
         return self.request.num_computed_tokens + self.num_scheduled_tokens
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {
+            "request": self.request.to_dict(),
+            "block_ids": list(self.block_ids),
+            "num_scheduled_tokens": self.num_scheduled_tokens,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ScheduledRequest:
@@ -90,7 +100,12 @@ class SchedulerStep:
     preempted_req_ids: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {
+            "step": self.step,
+            "scheduled": [s.to_dict() for s in self.scheduled],
+            "finished_req_ids": list(self.finished_req_ids),
+            "preempted_req_ids": list(self.preempted_req_ids),
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SchedulerStep:

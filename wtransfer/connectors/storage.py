@@ -37,13 +37,13 @@ reported done (``get_finished``) once its files are written, so the next request
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from wtransfer.kvcache import KVCacheSpec
 
 logger = logging.getLogger("wtransfer")
+
 
 
 LAST_USE_REFRESH_S = 1.0
@@ -124,6 +125,14 @@ class BlockTransfer:
     block_id: int
     block_hash: str
 
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "block_index": self.block_index,
+            "block_id": self.block_id,
+            "block_hash": self.block_hash,
+        }
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BlockTransfer:
         return cls(str(data["request_id"]), int(data["block_index"]), int(data["block_id"]), str(data["block_hash"]))
@@ -135,6 +144,9 @@ class StorageConnectorMetadata(KVConnectorMetadata):
 
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"loads": [t.to_dict() for t in self.loads], "saves": [t.to_dict() for t in self.saves]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StorageConnectorMetadata:
@@ -289,6 +301,7 @@ class StorageConnector(KVConnectorBase):
         self._pending_loads: list[BlockTransfer] = []
         self._requests_with_saves: set[str] = set()
         # worker state
+        self._kv_caches: dict[str, torch.Tensor] | None = None
         self._block_views: list[np.ndarray] = []  # per layer, [segments, num_blocks, block elements]
         self._executor: ThreadPoolExecutor | None = None
         self._buffers = threading.local()
@@ -370,7 +383,9 @@ class StorageConnector(KVConnectorBase):
                 f"storage connector: kv_caches layers {sorted(kv_caches)} differ from the spec's "
                 f"{list(spec.layer_names)}"
             )
-        self._block_views = [_raw_view(spec, name, kv_caches[name]) for name in spec.layer_names]
+        views = [_raw_view(spec, name, kv_caches[name]) for name in spec.layer_names]
+        self._kv_caches = kv_caches
+        self._block_views = views
 
     def start_load_kv(self, **kwargs: Any) -> None:
         meta = self._meta()
