@@ -56,9 +56,9 @@ from typing import Any
 
 import torch
 
+from wtransfer._dtypes import dtype_from_name as torch_dtype
 from wtransfer.config import KVTransferConfig
 from wtransfer.connectors._base import KVConnectorBase, KVConnectorRole
-from wtransfer.connectors._blockfile import torch_dtype
 from wtransfer.connectors._hashing import block_hashes, kv_namespace
 from wtransfer.connectors._request import KVConnectorOutput, KVRequest, ScheduledRequest, SchedulerStep
 from wtransfer.errors import TransferError, TransferTimeoutError
