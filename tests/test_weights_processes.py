@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -729,3 +730,18 @@ def test_strangers_at_the_shm_rendezvous_are_dropped_and_the_round_goes_on(caplo
     refused = [r.getMessage() for r in caplog.records if "refused a connection from user id 65534" in r.getMessage()]
     print(f"ran as uid {os.getuid()}: another user's connection {'refused' if refused else 'not tried'}")
     assert bool(refused) == other_user
+
+
+def model_unless(marker: str) -> torch.nn.Module:
+    """A worker's model that cannot be built once ``marker`` exists: a restart that fails."""
+    if os.path.exists(marker):
+        raise RuntimeError(f"{marker} exists")
+    return torch.nn.Linear(4, 4)
+
+
+def test_a_failed_restart_names_the_restarted_worker(tmp_path: Path) -> None:
+    marker = tmp_path / "refuse"
+    with LocalWorkerPool(2, model_unless, backend="shm", factory_kwargs={"marker": str(marker)}) as pool:
+        marker.touch()
+        with pytest.raises(TransferError, match=r"failed on 1 worker\(s\): worker 1: RuntimeError"):
+            pool.restart(1)

@@ -11,7 +11,6 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (type che
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it
 _EXPORTS: dict[str, tuple[str, ...]] = {  # module -> the public names it defines
     # configs
     "wtransfer.config": ("WeightTransferConfig", "ParallelConfig", "KVTransferConfig"),

@@ -85,8 +85,8 @@ class PeakRss:
 
     def reset(self) -> None:
         """Start a new measurement from the current RSS."""
+        self.baseline = self.current()  # read here: the sampler thread may raise _sampled meanwhile
         self.restart_peak()
-        self.baseline = self._sampled
 
     def restart_peak(self) -> None:
         """Forget the peak so far but keep the baseline (to leave out work that is not measured)."""

@@ -29,6 +29,7 @@ from wtransfer._registry.names import normalize_distribution, split_qualified, s
 
 logger = logging.getLogger("wtransfer")
 
+
 @dataclass(frozen=True)
 class ComponentInfo:
     """Metadata-only view of one component, as ``wtransfer list --json`` prints it."""

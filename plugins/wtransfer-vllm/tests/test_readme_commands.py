@@ -21,11 +21,10 @@ PAGES = (README, REPO_ROOT / "docs" / "vllm.md")  # the vLLM page holds the serv
 
 
 def block(marker: str) -> str:
-    for page in PAGES:
-        match = re.search(rf"<!-- {marker} -->\n```bash\n(.*?)```\n<!-- /{marker} -->", page.read_text(), re.S)
-        if match:
-            return match.group(1)
-    raise AssertionError(f"neither README.md nor docs/vllm.md has a {marker} block")
+    pattern = rf"<!-- {marker} -->\n```bash\n(.*?)```\n<!-- /{marker} -->"
+    found = [code for page in PAGES for code in re.findall(pattern, page.read_text(), re.S)]
+    assert len(found) == 1, f"README.md and docs/vllm.md hold {len(found)} {marker} blocks; one is run, so keep one"
+    return found[0]
 
 
 def run_block(vllm_python: Path, marker: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -55,7 +54,7 @@ def test_setup_block_pins_what_the_tests_use() -> None:
 
 @pytest.fixture
 def readme_model() -> Path:
-    path = Path("/tmp/tiny-llama")  # the path the README uses
+    path = Path("/tmp/tiny-llama")  # the path the README and docs/vllm.md use
     shutil.rmtree(path, ignore_errors=True)
     yield path
     shutil.rmtree(path, ignore_errors=True)
@@ -74,7 +73,7 @@ def test_offline_then_serve_commands_run_as_written(vllm_python: Path, readme_mo
     assert all(tensors == cast for _, tensors, cast in rounds), rounds
     assert all(int(tensors) < int(rounds[0][1]) for _, tensors, _ in rounds[1:]), rounds
 
-    store = Path("/tmp/kv-store")  # the README's
+    store = Path("/tmp/kv-store")  # docs/vllm.md's
     shutil.rmtree(store, ignore_errors=True)
     try:
         kv = run_block(vllm_python, "vllm-kv", timeout=600)
@@ -88,7 +87,7 @@ def test_offline_then_serve_commands_run_as_written(vllm_python: Path, readme_mo
 
     with socket.socket() as sock:
         if sock.connect_ex(("127.0.0.1", 8000)) == 0:
-            pytest.fail("port 8000 (the README's) is taken on this machine; free it to run this test")
+            pytest.fail("port 8000 (docs/vllm.md's) is taken on this machine; free it to run this test")
     served = run_block(vllm_python, "vllm-serve", timeout=600)
     assert "weight_info: {'weight_version': 'step-2'}" in served.stdout
     assert last_line(served).startswith("PASS: 3 rounds synced into vllm serve over gloo"), served.stdout[-3000:]

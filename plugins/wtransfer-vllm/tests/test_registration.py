@@ -180,7 +180,7 @@ except Exception as exc:
         assert lines[-1].startswith(f"wtransfer_vllm.registration.UnknownVLLMBackendError: {expected}"), lines[-5:]
         assert "caught as UnknownComponentError: True" in lines
         assert "EngineCore" not in done.stdout + done.stderr, done.stderr[-3000:]  # no engine process started
-    # vllm serve (as the README starts it): the same check, where it parses its arguments
+    # vllm serve (as docs/vllm.md starts it): the same check, where it parses its arguments
     as_module = "import runpy; runpy.run_module('vllm.entrypoints.openai.api_server', run_name='__main__', alter_sys=True)"
     serve = run_script(vllm_python, "-c", as_module, "--model", str(tiny_llama),
                        "--host", "127.0.0.1", "--port", "1", "--block-size", "32",
