@@ -154,7 +154,7 @@ class ParallelCopier:
         import numpy
 
         if src.numel() < _SERIAL_NUMEL or not _byte_copyable(dst, src):
-            copy_tensor(dst, src)
+            dst.copy_(src)  # what copy_tensor does for these, without checking them again
             return
         target, source = tensor_bytes(dst).numpy(), tensor_bytes(src).numpy()
         for at in range(0, len(target), PARALLEL_CHUNK):
