@@ -6,6 +6,7 @@ docstrings, so a change can be judged by the code it adds or removes as well as 
 
 from __future__ import annotations
 
+import argparse
 import ast
 import sys
 from collections import defaultdict
@@ -45,13 +46,19 @@ def count(path: Path) -> dict[str, int]:
 
 
 def main(argv: list[str]) -> int:
-    root = Path(argv[0] if argv else Path(__file__).resolve().parent.parent / "wtransfer")
+    parser = argparse.ArgumentParser(description="Lines of Python per folder (physical, blank, comments, "
+                                                 "docstrings, code).")
+    parser.add_argument("path", nargs="?", type=Path, default=Path(__file__).resolve().parent.parent / "wtransfer",
+                        help="a package folder (default: this checkout's wtransfer/)")
+    root = parser.parse_args(argv).path
     folders: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(COLUMNS, 0))
     for path in sorted(root.rglob("*.py")):
         folder = str(path.parent.relative_to(root.parent))
         for column, value in count(path).items():
             folders[folder][column] += value
             folders["total"][column] += value
+    if not folders:
+        parser.error(f"no Python files under {root}")
     width = max(len(name) for name in folders)
     print(f"{'folder':<{width}}  " + "  ".join(f"{c:>10}" for c in COLUMNS))
     for name, figures in sorted(folders.items(), key=lambda item: (item[0] == "total", item[0])):
