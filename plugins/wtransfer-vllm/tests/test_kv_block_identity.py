@@ -8,14 +8,16 @@ request's hash, with a valid checksum, and every later hit serves it.
 Each test drives an instance under memory pressure (a 128-block cache, 3 waves of 40
 concurrent 96-token prompts with 64 generated tokens each: vLLM preempts dozens of times),
 then reads every prompt back through the connector and compares greedy tokens and logprobs
-(and, for ``storage``, the stored blocks) with a run that computes every prompt one by one. Measured on main before the fix (Intel Xeon with AMX,
-2 cores): the fresh ``storage`` reader differed on 8 of 40 prompts; ``offloading`` over a
-tier whose device reads take 50 ms differed as below (see the CHANGELOG).
+with a run that computes every prompt one by one (the first test also compares every stored
+block, decoded ones included, with that run's). Measured on main before the fix (Intel Xeon
+with AMX, 2 cores): the fresh ``storage`` reader differed on 8 of 40 prompts; ``offloading``
+over a tier whose device reads take 50 ms differed as below (see the CHANGELOG).
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,8 @@ from vllm_harness import IN_PROCESS_ENV, cpu_flags, install_package, run_script,
 PROMPTS = [[(k * 37 + 13 * i + (i * i) % 7) % 500 for i in range(96)] for k in range(40)]
 PRESSURE = {"num_gpu_blocks_override": 128, "enable_prefix_caching": False}
 STORED_TOKENS = 64  # 96 tokens: two whole blocks of 32 may come from a connector (the last token is computed)
+GENERATED = 64  # tokens each prompt generates in a wave (kv_waves.py)
+BLOCK = 32  # testing.llm_kwargs' block_size
 
 
 def waves(python: Path, model: Path, out_dir: Path, connector: str, extra: dict[str, Any], *,
@@ -53,47 +57,72 @@ def differing(results: list[dict], reference: list[dict]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def reference(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Every prompt computed by vLLM one by one, no pressure, nothing loaded; its blocks stored under "store"."""
+    """Every prompt computed by vLLM one by one, no pressure, nothing loaded, generating as many tokens as a wave
+    (so its store also holds the block each prompt fills while decoding, when preemption strikes): its store, each
+    prompt with its generated tokens, and the first 4 tokens and logprobs (what a reader generates)."""
     print(f"\nCPU flags: {cpu_flags()}")
     out_dir = tmp_path_factory.mktemp("reference")
-    results = one_by_one(vllm_python, tiny_llama, out_dir, "storage", {"path": str(out_dir / "store")})
-    return {"results": results, "store": out_dir / "store"}
+    results = one_by_one(vllm_python, tiny_llama, out_dir, "storage", {"path": str(out_dir / "store")},
+                         max_tokens=GENERATED)
+    assert [r["num_cached_tokens"] for r in results] == [0] * len(PROMPTS)  # computed, never loaded
+    return {"store": out_dir / "store", "sequences": [p + r["tokens"] for p, r in zip(PROMPTS, results)],
+            "results": [{**r, "tokens": r["tokens"][:4], "logprobs": r["logprobs"][:4]} for r in results]}
 
 
-def block_tensors(store: Path) -> dict[Path, Any]:
-    from safetensors.torch import load_file
+def block_tensors(store: Path) -> tuple[str, dict[str, Any]]:
+    """The store's namespace and its blocks by hash, as float32."""
+    from safetensors import safe_open
 
-    return {path.relative_to(store): load_file(path)["kv"].float() for path in store.rglob("*.safetensors")}
+    blocks, namespace = {}, ""
+    for path in store.rglob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as handle:
+            blocks[path.stem] = handle.get_tensor("kv").float()
+            namespace = handle.metadata()["namespace"]
+    return namespace, blocks
 
 
 ROUNDING = 0.05
 """How far (max |difference| over the block's max |value|) a stored block may be from the one-by-one run's block
 of the same hash and still be that KV: vLLM's kernels may sum in another order in another batch (bf16 rounding).
-Another request's KV under the hash is at least 1.09 away (measured over every pair of this test's blocks)."""
+Measured (Intel Xeon with AMX, 2 cores): decode blocks batched under pressure up to 0.006 from the one-by-one
+run's, prefill blocks bit-identical; any two different blocks of that run 0.85 or more apart; with blocks copied
+after ``wait_for_save`` returned (the bug), 57 of 160 blocks 0.33 to 2.1 away and one not stored."""
 
 
 def test_a_store_written_while_vllm_preempts_gives_a_fresh_reader_exactly_the_reference(
     vllm_python: Path, tiny_llama: Path, reference: dict[str, Any], tmp_path: Path
 ) -> None:
+    import wtransfer
+
     store = tmp_path / "store"
     # fsync and one I/O thread: slow storage, as a shared filesystem is
     writer = waves(vllm_python, tiny_llama, tmp_path, "storage",
                    {"path": str(store), "fsync": True, "io_threads": 1}, replay=False)
     assert writer["preemptions"] >= 10, writer["preemptions"]  # the condition under test happened
-    stored, expected = block_tensors(store), block_tensors(reference["store"])
-    assert len(expected) == 3 * len(PROMPTS) and expected.keys() <= stored.keys()  # every prompt block was stored
-    off = {path: float((stored[path] - block).abs().max() / block.abs().max()) for path, block in expected.items()}
-    exact = sum(error == 0 for error in off.values())
-    print(f"blocks stored under pressure bit-identical to the one-by-one run's: {exact} of {len(off)}; "
-          f"largest difference {max(off.values()):.3g}")
-    wrong = sum(error > ROUNDING for error in off.values())
-    assert wrong == 0, f"{wrong} of {len(off)} blocks hold other KV than their hash names"
+    (namespace, expected), (_, stored) = block_tensors(reference["store"]), block_tensors(store)
+    off: dict[tuple[int, int], float] = {}  # (prompt, block) -> distance from the one-by-one run's block
+    missing = []
+    for prompt, sequence in enumerate(reference["sequences"]):
+        hashes = wtransfer.block_hashes(namespace, sequence, BLOCK)[:4]  # 3 blocks of the prompt, 1 decoded
+        for block, block_hash in enumerate(hashes):
+            if block_hash not in stored:
+                missing.append((prompt, block))  # not stored, or the writer decoded other tokens
+                continue
+            ours, theirs = stored[block_hash], expected[block_hash]
+            assert ours.shape == theirs.shape
+            off[prompt, block] = float((ours - theirs).abs().max() / theirs.abs().max())
+    wrong = [key for key, error in off.items() if not error <= ROUNDING]  # (NaN is wrong too)
+    assert not missing and not wrong, f"(prompt, block) missing: {missing[:10]}; holding other KV than their " \
+        f"hash names: {len(wrong)} of {len(off)}, {wrong[:10]}"
     reader = one_by_one(vllm_python, tiny_llama, tmp_path, "storage", {"path": str(store)})
     assert [r["num_cached_tokens"] for r in reader] == [STORED_TOKENS] * len(PROMPTS)  # every hit came from the store
-    if exact == len(off):  # the usual case: then the outputs are the reference's, bit for bit
-        assert differing(reader, reference["results"]) == []
-    else:  # a kernel summed in another order: outputs may differ in their last bits, never in a token
-        assert [r["tokens"] for r in reader] == [r["tokens"] for r in reference["results"]]
+    # A prompt whose loaded blocks are bit-identical computes exactly the reference; one whose blocks a kernel summed
+    # in another order may differ in the last bits of a logprob, never in a token.
+    rounded = [prompt for prompt in range(len(PROMPTS)) if off[prompt, 0] or off[prompt, 1]]
+    if rounded:
+        warnings.warn(f"prompts {rounded}: loaded blocks within bf16 rounding of the reference, not bit-identical")
+    assert [prompt for prompt in differing(reader, reference["results"]) if prompt not in rounded] == []
+    assert [r["tokens"] for r in reader] == [r["tokens"] for r in reference["results"]]
 
 
 SLOW_TIER = '''
