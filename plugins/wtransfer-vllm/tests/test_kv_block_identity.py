@@ -23,13 +23,13 @@ from typing import Any
 
 import pytest
 
-from vllm_harness import IN_PROCESS_ENV, cpu_flags, install_package, run_script, script_env, vllm_env
+from vllm_harness import (BLOCK, IN_PROCESS_ENV, cpu_flags, install_package, run_script, script_env, store_namespace,
+                          vllm_env)
 
 PROMPTS = [[(k * 37 + 13 * i + (i * i) % 7) % 500 for i in range(96)] for k in range(40)]
 PRESSURE = {"num_gpu_blocks_override": 128, "enable_prefix_caching": False}
 STORED_TOKENS = 64  # 96 tokens: two whole blocks of 32 may come from a connector (the last token is computed)
 GENERATED = 64  # tokens each prompt generates in a wave (kv_waves.py)
-BLOCK = 32  # testing.llm_kwargs' block_size
 
 
 def waves(python: Path, model: Path, out_dir: Path, connector: str, extra: dict[str, Any], *,
@@ -69,16 +69,11 @@ def reference(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.Temp
             "results": [{**r, "tokens": r["tokens"][:4], "logprobs": r["logprobs"][:4]} for r in results]}
 
 
-def block_tensors(store: Path) -> tuple[str, dict[str, Any]]:
-    """The store's namespace and its blocks by hash, as float32."""
-    from safetensors import safe_open
+def block_tensors(store: Path) -> dict[str, Any]:
+    """The store's blocks by hash, as float32."""
+    from safetensors.torch import load_file
 
-    blocks, namespace = {}, ""
-    for path in store.rglob("*.safetensors"):
-        with safe_open(str(path), framework="pt") as handle:
-            blocks[path.stem] = handle.get_tensor("kv").float()
-            namespace = handle.metadata()["namespace"]
-    return namespace, blocks
+    return {path.stem: load_file(path)["kv"].float() for path in store.rglob("*.safetensors")}
 
 
 ROUNDING = 0.05
@@ -99,7 +94,8 @@ def test_a_store_written_while_vllm_preempts_gives_a_fresh_reader_exactly_the_re
     writer = waves(vllm_python, tiny_llama, tmp_path, "storage",
                    {"path": str(store), "fsync": True, "io_threads": 1}, replay=False)
     assert writer["preemptions"] >= 10, writer["preemptions"]  # the condition under test happened
-    (namespace, expected), (_, stored) = block_tensors(reference["store"]), block_tensors(store)
+    expected, stored = block_tensors(reference["store"]), block_tensors(store)
+    namespace = store_namespace(reference["store"])
     off: dict[tuple[int, int], float] = {}  # (prompt, block) -> distance from the one-by-one run's block
     missing = []
     for prompt, sequence in enumerate(reference["sequences"]):

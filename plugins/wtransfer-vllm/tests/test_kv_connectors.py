@@ -15,9 +15,8 @@ from typing import Any
 
 import pytest
 
-from vllm_harness import install_package, run_script, vllm_env
+from vllm_harness import BLOCK, install_package, run_script, store_namespace, vllm_env
 
-BLOCK = 32  # testing.llm_kwargs' block_size
 PROMPT = [(7 * i + 3) % 500 for i in range(129)]  # 4 full blocks + 1 token
 SHARES_64 = PROMPT[:64] + [(11 * i + 5) % 500 for i in range(65)]  # the first 2 blocks only
 assert SHARES_64[64] != PROMPT[64]
@@ -285,12 +284,7 @@ def copy_store(source: Path, target: Path) -> Path:
 
 
 def prompt_block_hashes(store: Path) -> list[str]:
-    """PROMPT's block hashes in token order, recomputed with wtransfer from the store's namespace
-    (each block file's header names it; the adapter rooted it in the checkpoint's fingerprint)."""
-    from safetensors import safe_open
-
+    """PROMPT's block hashes in token order, recomputed with wtransfer from the store's namespace."""
     from wtransfer import block_hashes
 
-    with safe_open(str(block_files(store)[0]), framework="pt") as handle:
-        namespace = handle.metadata()["namespace"]
-    return block_hashes(namespace, PROMPT, BLOCK)
+    return block_hashes(store_namespace(store), PROMPT, BLOCK)

@@ -136,6 +136,19 @@ TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 """Environment of a vLLM run with tensor_parallel_size > 1: vLLM-CPU's 'auto' binding refuses TP=2 on one NUMA node."""
 
 
+BLOCK = 32
+"""Tokens per KV block in the tests' vLLM runs (``wtransfer_vllm.testing.llm_kwargs``' block size)."""
+
+
+def store_namespace(store: Path) -> str:
+    """The namespace a ``storage`` store's blocks are rooted in: every block file's header names it (the
+    adapter derives it from the checkpoint's fingerprint), so ``wtransfer.block_hashes`` can find a prompt's files."""
+    from safetensors import safe_open
+
+    with safe_open(str(next(store.rglob("*.safetensors"))), framework="pt") as handle:
+        return handle.metadata()["namespace"]
+
+
 def cpu_flags() -> str:
     """The flags that choose vLLM-CPU's kernels on this host (printed by the tests that depend on them)."""
     from wtransfer_vllm.amx import cpu_flags as all_flags  # pure Python: importable without vLLM
