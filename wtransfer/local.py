@@ -145,6 +145,7 @@ def _worker_main(
                 "fds": open_fd_count(),
                 "weight_version": engine.weight_version,
                 "weights_torn": engine.weights_torn,
+                "devices": sorted({str(t.device) for t in model.state_dict().values()}),
             }
         elif op == "reset_peak":
             rss.reset()

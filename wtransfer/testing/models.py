@@ -27,9 +27,9 @@ def _values(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generat
     return torch.randn(shape, generator=generator).to(dtype)
 
 
-def matrix_model(seed: int = 0, variant: str = "default") -> torch.nn.Module:
+def matrix_model(seed: int = 0, variant: str = "default", device: str = "cpu") -> torch.nn.Module:
     """The dtype/shape matrix as a module. ``variant="mismatch"`` changes one shape; ``variant="extra"`` adds a
-    parameter the trainer does not have."""
+    parameter the trainer does not have. ``device="cuda"``: a worker whose model lives on the GPU."""
     generator = torch.Generator().manual_seed(seed)
     module = torch.nn.Module()
 
@@ -57,7 +57,7 @@ def matrix_model(seed: int = 0, variant: str = "default") -> torch.nn.Module:
         add("extra", _values((5,), torch.float32, generator))
     elif variant != "default":
         raise ValueError(f"unknown matrix_model variant {variant!r}")
-    return module
+    return module.to(device)
 
 
 class TiedLM(torch.nn.Module):

@@ -1,0 +1,122 @@
+"""Rounds into a worker whose model lives on a GPU: the built-in engines receive into the staged host
+copy and the commit copies it into the CUDA tensors. They skip without CUDA (CI never has one).
+
+What a broken staging path would do here and these tests catch: replace a CUDA parameter by its host
+copy (the digests match, the device does not), commit part of a failed atomic round into device
+memory, or apply a delta to a device tensor it cannot read as a base.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import wtransfer
+from wtransfer.engines import ModuleSource
+from wtransfer.errors import TransferError
+from wtransfer.local import LocalWorkerPool
+from wtransfer.testing.models import digests, matrix_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+FACTORY = "wtransfer.testing.models:matrix_model"
+ON_GPU = {"seed": 0, "device": "cuda"}
+TIMEOUT = 60.0
+BUCKET = 1 << 20
+
+
+class _FailsOnce(ModuleSource):
+    """The trainer's weights; raises once, half-way through the round, when armed."""
+
+    armed = False
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        half = len(self.metadata()) // 2
+        for index, item in enumerate(super().__iter__()):
+            if self.armed and index == half:
+                self.armed = False
+                raise RuntimeError("the trainer's source failed mid-round")
+            yield item
+
+
+def _new_weights(model: torch.nn.Module, seed: int) -> None:
+    with torch.no_grad():
+        for name, parameter in matrix_model(seed=seed).named_parameters():
+            getattr(model, name).copy_(parameter)
+
+
+def _trainer(backend: str, pool: LocalWorkerPool, source: object, commit: str, delta: bool = False):
+    return wtransfer.create_trainer(backend, client=pool, source=source, commit=commit, delta=delta,
+                                    init_info={"world_size": pool.world_size, "bucket_bytes": BUCKET,
+                                               "timeout_s": TIMEOUT})
+
+
+@pytest.mark.parametrize("commit", ["atomic", "streaming"])
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_rounds_land_bit_exact_in_a_model_on_the_gpu(backend: str, commit: str) -> None:
+    model = matrix_model(seed=1)
+    with LocalWorkerPool(1, FACTORY, backend=backend, factory_kwargs=ON_GPU, timeout_s=TIMEOUT) as pool:
+        trainer = _trainer(backend, pool, model, commit)
+        try:
+            for round_index, seed in enumerate((None, 7), start=1):
+                if seed is not None:
+                    _new_weights(model, seed)
+                trainer.send_weights()
+                assert pool.digests()[0] == digests(model), f"round {round_index}"
+                stats = pool.stats()[0]
+                assert stats["devices"] == ["cuda:0"], "the commit must write into the GPU tensors, not replace them"
+                assert stats["weight_version"] == round_index
+        finally:
+            trainer.shutdown()
+
+
+@pytest.mark.parametrize("commit", ["atomic", "streaming"])
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_a_failed_round_leaves_the_gpu_model_as_it_was_or_says_torn(backend: str, commit: str) -> None:
+    model = matrix_model(seed=1)
+    source = _FailsOnce(model)
+    with LocalWorkerPool(1, FACTORY, backend=backend, factory_kwargs=ON_GPU, timeout_s=TIMEOUT) as pool:
+        trainer = _trainer(backend, pool, source, commit)
+        try:
+            trainer.send_weights()
+            before = pool.digests()[0]
+            _new_weights(model, 7)
+            source.armed = True
+            with pytest.raises((TransferError, RuntimeError)):
+                trainer.send_weights()
+            after, stats = pool.digests()[0], pool.stats()[0]
+            if commit == "atomic":
+                assert after == before and stats["weight_version"] == 1 and not stats["weights_torn"]
+            else:  # streamed: unchanged, or it says it is torn
+                assert after == before or (stats["weight_version"] is None and stats["weights_torn"]), stats
+        finally:
+            trainer.shutdown()
+        retry = _trainer(backend, pool, model, commit)  # a failed trainer is done; a new one lands whole
+        try:
+            retry.send_weights()
+            assert pool.digests()[0] == digests(model)
+            assert pool.stats()[0]["devices"] == ["cuda:0"]
+        finally:
+            retry.shutdown()
+
+
+def test_delta_rounds_to_a_gpu_model_are_refused_and_sent_whole() -> None:
+    """Deltas apply to host models only (docs/delta.md): the worker refuses, saying why, and the same
+    ``send_weights()`` sends the round whole, bit-exact."""
+    model = matrix_model(seed=1)
+    with LocalWorkerPool(1, FACTORY, backend="shm", factory_kwargs=ON_GPU, timeout_s=TIMEOUT) as pool:
+        trainer = _trainer("shm", pool, model, "atomic", delta=True)
+        try:
+            assert trainer.send_weights()["delta"] == "full"
+            _new_weights(model, 7)
+            stats = trainer.send_weights()
+            assert "cuda" in (stats["delta_refused"] or ""), stats
+            assert pool.digests()[0] == digests(model)
+            assert pool.stats()[0]["weight_version"] == 2
+        finally:
+            trainer.shutdown()
