@@ -1,6 +1,7 @@
 """KV offloading: the cpu tier's store/load GB/s against plain index_select/index_copy_ of the same
 bytes (same run, same block ids; target >= 0.8x), and the manager's cost per block operation
-for each eviction policy.
+for each eviction policy. ``--device cuda``: the engine's cache on the GPU, the tier in pinned host
+memory, and the plain ops given a pinned buffer too.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--manager-ops", type=int, default=100_000, help="block operations per policy")
     parser.add_argument("--manager-capacity", type=int, default=4096, help="tier blocks for the manager test")
     parser.add_argument("--seed", type=int, default=0, help="seed of the manager workload")
+    parser.add_argument("--device", default="cpu", help="where the engine's cache lives: cpu or cuda")
+    parser.add_argument("--staging-blocks", type=int, default=None,
+                        help="the cpu spec's staging_blocks (engine blocks per copy chunk; None: its default)")
     add_report_arguments(parser)
 
 
@@ -61,12 +65,14 @@ def bench_tier(args: argparse.Namespace, figures: dict[str, Any]) -> bool:
         kv_connector_extra_config={
             "num_cpu_blocks": tier_blocks,
             "block_size": args.block_size * args.factor,
+            **({} if args.staging_blocks is None else {"staging_blocks": args.staging_blocks}),
         },
     )
     spec = OffloadingSpecFactory.create_spec(config, kv_spec)
     dtype = getattr(torch, args.dtype)
     shape = (2, args.engine_blocks, args.block_size, args.heads, args.head_size)
-    caches = {name: torch.randn(shape).to(dtype) for name in layers}
+    device = torch.device(args.device)
+    caches = {name: torch.randn(shape).to(dtype).to(device) for name in layers}
     handlers = {(src, dst): handler for src, dst, handler in spec.get_handlers(caches)}
     tier = spec.tier
     assert tier is not None
@@ -79,16 +85,27 @@ def bench_tier(args: argparse.Namespace, figures: dict[str, Any]) -> bool:
 
     engine_views = [caches[n].view(2, args.engine_blocks, -1) for n in layers]
     tier_views = list(tier.unbind(0))
-    engine_idx = torch.tensor(engine_ids)
+    engine_idx = torch.tensor(engine_ids, device=device)
     tier_idx = torch.tensor(tier_rows)
+    # the peer: the same gathers and scatters through one preallocated host buffer (pinned when the cache is on
+    # a GPU), as a careful hand would write them
+    on_gpu = device.type == "cuda"
+    buffer = torch.empty((2, len(tier_rows), tier_views[0].shape[2]), dtype=tier.dtype, pin_memory=on_gpu)
 
     def plain_store() -> None:
         for src, dst in zip(engine_views, tier_views):
-            dst.index_copy_(1, tier_idx, src.index_select(1, engine_idx))
+            if on_gpu:
+                buffer.copy_(src.index_select(1, engine_idx))
+            else:
+                torch.index_select(src, 1, engine_idx, out=buffer)
+            dst.index_copy_(1, tier_idx, buffer)
 
     def plain_load() -> None:
         for src, dst in zip(tier_views, engine_views):
-            dst.index_copy_(1, engine_idx, src.index_select(1, tier_idx))
+            torch.index_select(src, 1, tier_idx, out=buffer)
+            dst.index_copy_(1, engine_idx, buffer.to(device) if on_gpu else buffer)
+        if on_gpu:
+            torch.cuda.synchronize(device)
 
     job_ids = iter(range(1, 1 << 30))
     engine_spec = LoadStoreSpec(DEVICE_MEDIUM, tuple(engine_ids))
@@ -115,6 +132,7 @@ def bench_tier(args: argparse.Namespace, figures: dict[str, Any]) -> bool:
         f"KV offload, cpu tier: {args.layers} layers, {len(engine_ids)} engine blocks of {args.block_size} tokens "
         f"per job (offloaded block = {args.factor} engine blocks), {args.dtype}, {nbytes / 2**20:.1f} MiB per job, "
         f"best of {args.repeats}, torch threads {torch.get_num_threads()}"
+        + (f", engine cache on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
     )
     print(figures["setup"])
     try:
@@ -143,7 +161,7 @@ def bench_tier(args: argparse.Namespace, figures: dict[str, Any]) -> bool:
             cache[:, probe] = 0
         tier_load()
         expect = tier[:, :, tier_rows[: args.factor]]
-        got = torch.stack([caches[n].view(2, args.engine_blocks, -1)[:, probe] for n in layers])
+        got = torch.stack([caches[n].view(2, args.engine_blocks, -1)[:, probe] for n in layers]).cpu()
         figures["bit_exact"] = bool(torch.equal(expect, got))
         if not figures["bit_exact"]:
             print("ERROR: blocks loaded back differ from the blocks stored")

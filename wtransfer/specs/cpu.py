@@ -7,7 +7,8 @@ Options (``kv_connector_extra_config``, declared in :class:`CPUSpecOptions`):
 * ``eviction_policy``: ``"lru"`` (default), ``"arc"`` or any ``wtransfer.policies`` entry point, bare or
   ``"distribution:name"``;
 * ``transfer_timeout_s`` (every spec's): how long ``wait`` blocks before raising (default 60);
-* ``staging_blocks``: engine blocks per copy chunk (default 64), bounding the staging buffer.
+* ``staging_blocks``: engine blocks per copy chunk, bounding the staging buffer (default: as many as fill
+  ``STAGING_BYTES`` of one layer).
 
 The tier is one tensor allocated (and faulted in) on the first ``get_handlers`` call; every transfer reuses it and
 one preallocated staging buffer per direction.
@@ -49,7 +50,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("wtransfer")
 
 DEFAULT_TRANSFER_TIMEOUT_S = 60.0
-DEFAULT_STAGING_BLOCKS = 64
+STAGING_BYTES = 16 << 20
+"""One layer's copy chunk by default. With the cache on a GPU, 4 MiB chunks (64 blocks of 8 heads x 128) stored
+well below plain index ops through one pinned buffer, 16 MiB about as fast (``python -m benchmarks offload
+--device cuda --staging-blocks N``; BENCHMARKS.md, offload-gpu)."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,8 @@ class CPUSpecOptions(OffloadingSpecOptions):
     num_cpu_blocks: int | None = option(None, doc="tier size in offloaded blocks (or set cpu_bytes_to_use)")
     cpu_bytes_to_use: int | float | None = option(None, doc="tier size in bytes, e.g. 8 << 30 (or set num_cpu_blocks)")
     eviction_policy: str = option("lru", doc="eviction policy: 'lru', 'arc' or an installed wtransfer.policies name")
-    staging_blocks: int = option(DEFAULT_STAGING_BLOCKS, doc="engine blocks per copy chunk (bounds the staging buffer)")
+    staging_blocks: int | None = option(None, doc="engine blocks per copy chunk (bounds the staging buffer; "
+                                                  "default: 16 MiB of one layer)")
 
 
 CPU_SPEC_OPTIONS = tuple(f.name for f in fields(CPUSpecOptions))
@@ -106,20 +111,24 @@ class BlockCopyHandler(OffloadingHandler):
         src: BlockRows,
         dst: BlockRows,
         *,
-        staging_rows: int = DEFAULT_STAGING_BLOCKS,
+        staging_rows: int | None = None,
         timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
     ) -> None:
         self.src, self.dst = src, dst
         self.timeout_s = timeout_s
         segments, _, row_elems = src.layers[0].shape
         self._row_bytes = row_elems * src.layers[0].element_size() * segments * len(src.layers)
-        self._chunk_rows = max(1, staging_rows)
-        self._src_staging = torch.empty(segments * self._chunk_rows * row_elems, dtype=src.layers[0].dtype, device=src.device)
-        pin = dst.device.type == "cpu" and src.device.type == "cuda"
+        per_row = segments * row_elems * src.layers[0].element_size()
+        self._chunk_rows = max(1, staging_rows if staging_rows is not None else STAGING_BYTES // per_row)
+        # across devices the host side of the copy is pinned: a copy from or to pageable memory goes through
+        # the driver's own bounce buffer at a fraction of the speed
+        self._src_staging = torch.empty(segments * self._chunk_rows * row_elems, dtype=src.layers[0].dtype,
+                                        device=src.device, pin_memory=src.device.type == "cpu" and dst.device.type != "cpu")
         self._dst_staging = (
             self._src_staging
             if dst.device == src.device
-            else torch.empty_like(self._src_staging, device=dst.device, pin_memory=pin)
+            else torch.empty_like(self._src_staging, device=dst.device,
+                                  pin_memory=dst.device.type == "cpu" and src.device.type != "cpu")
         )
         cuda = next((d for d in (src.device, dst.device) if d.type == "cuda"), None)
         self._stream = torch.cuda.Stream(device=cuda) if cuda is not None else None
