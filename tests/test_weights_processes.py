@@ -237,9 +237,15 @@ class RestartingClient:
 def test_a_worker_killed_mid_round_fails_the_trainer_within_the_timeout(backend: str) -> None:
     """...and the same trainer moves whole rounds again once its client's workers are back
     (``reconnect()``), after a reconnect that failed because they were not back yet."""
-    from multiprocessing import resource_tracker
+    from multiprocessing import forkserver, resource_tracker
 
-    resource_tracker.ensure_running()  # spawning starts it once per process, and it keeps a pipe
+    from wtransfer._fork_server import _context
+
+    # Started once per process, each keeps a pipe open for good: start them before counting (when this test
+    # runs first, the pool would start them and they would count as a leak)
+    resource_tracker.ensure_running()
+    if _context().get_start_method() == "forkserver":
+        forkserver.ensure_running()
     fds_before = open_fd_count()
     tensors = _big_tensors()
     shapes = [[name, list(t.shape)] for name, t in tensors.items()]
@@ -282,6 +288,51 @@ def test_a_worker_killed_mid_round_fails_the_trainer_within_the_timeout(backend:
     assert open_fd_count() <= fds_before, "a transport of the failed round or reconnect was not released"
     with pytest.raises(TransferError, match="was shut down; create a new one"):
         trainer.reconnect()
+
+
+class ImpatientClient(RestartingClient):
+    """A user's client with its own, shorter deadline for a round's update call (an RPC timeout)."""
+
+    def __init__(self, pool: LocalWorkerPool, patience_s: float) -> None:
+        super().__init__(pool)
+        self.patience_s = patience_s
+
+    def update_weights(self, update_info: dict[str, Any]) -> Any:
+        import concurrent.futures
+
+        calls = concurrent.futures.ThreadPoolExecutor(1)
+        try:
+            return calls.submit(self.pool.update_weights, update_info).result(timeout=self.patience_s)
+        finally:
+            calls.shutdown(wait=False)
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_a_round_ends_when_the_client_fails_even_if_no_socket_closes(backend: str) -> None:
+    """A worker stops mid-round without closing anything (a hung process; a child holding its sockets), and
+    the client says so after its own deadline: the gloo trainer raises then, not at its transport's timeout.
+    The round moves more than the kernel buffers, so the trainer is blocked sending to that worker."""
+    tensors = {f"w{i}.weight": torch.full((512, 512), float(i)) for i in range(64)}  # 64 MiB
+    shapes = [[name, list(t.shape)] for name, t in tensors.items()]
+    with pool_for(backend, shapes) as pool:
+        victim = pool.processes[1].pid
+        source = KillingSource(tensors, victim, at=8, round=2, sig=signal.SIGSTOP)
+        trainer = wtransfer.create_trainer(
+            backend, client=ImpatientClient(pool, patience_s=2.0), source=source,
+            init_info={"world_size": pool.world_size, "bucket_bytes": 1 << 20, "timeout_s": TIMEOUT},
+        )
+        try:
+            trainer.send_weights()
+            started = time.monotonic()
+            with pytest.raises((TransferError, TimeoutError)):
+                trainer.send_weights()
+            elapsed = time.monotonic() - started
+            assert elapsed < TIMEOUT / 2, f"the trainer waited {elapsed:.1f} s: its transport's timeout, not the client"
+            assert trainer.weight_version == 1
+        finally:
+            os.kill(victim, signal.SIGKILL)  # the pool's call in flight ends
+            trainer.shutdown()
+            pool.shutdown(timeout=1.0)  # the survivor may wait on the stopped peer until its own timeout
 
 
 # -- a trainer killed mid-round, with the user's own WeightSyncClient over a pipe -------------------------

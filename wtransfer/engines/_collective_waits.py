@@ -9,6 +9,7 @@ One rule for every rank: a collective whose peer died, stalled or disconnected e
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from wtransfer.errors import TransferError, TransferTimeoutError
@@ -17,6 +18,8 @@ if TYPE_CHECKING:
     from wtransfer.engines._trainer import ClientCall
 
 _POLL_S = 0.0005
+SLICE_S = 0.2
+"""A host-blocking wait that also watches the client call looks at it this often."""
 CLIENT_FAILURE_GRACE_S = 5.0
 """How long a poll that saw the client call fail still waits for its collective (workers vote, then fail)."""
 WATCHDOG_MARGIN_S = 60.0
@@ -40,9 +43,10 @@ class CollectiveWaits:
     def wait(self, work: Any, what: str, timeout_s: float, call: ClientCall | None = None) -> None:
         """Wait for an async collective, at most ``timeout_s``.
 
-        With ``call`` (the manifest vote) the wait polls, so a failed client call stops it at once. Data
-        waits block where ``host_waits`` (a failing worker drops its group, failing ours at once); else
-        they poll against ``timeout_s`` too.
+        With ``call`` (the trainer's waits, its client call in flight) a failed call stops the wait too,
+        whatever the transport noticed: a worker that died or failed is seen through its client even when
+        no socket of this rank's group closes. Where ``host_waits`` the wait blocks in slices of
+        ``SLICE_S`` (a completed collective returns at once); else it polls ``is_completed()``.
         """
         deadline = time.monotonic() + timeout_s
         try:
@@ -50,16 +54,15 @@ class CollectiveWaits:
                 work.wait()
                 return
             failed_at = None
-            while not work.is_completed():
+            while not self._completes_within(work):
                 if call is not None and call.error is not None:
                     # Refusing workers vote, then fail their call; under load the failure may be seen
-                    # first. The vote gets a moment to complete, so the refusal stays clean.
+                    # first. The collective gets a moment to complete, so a refusal stays clean.
                     failed_at = time.monotonic() if failed_at is None else failed_at
                     if time.monotonic() - failed_at > CLIENT_FAILURE_GRACE_S:
                         call.raise_if_failed()
                 if time.monotonic() > deadline:
                     raise TransferTimeoutError(f"{what} did not complete within {timeout_s:g} s")
-                time.sleep(_POLL_S)
             # "Completed" includes failed, and NCCL without async error handling returns from wait()
             # without raising. (gloo's wait() raises; its Work.exception() is deprecated.)
             exception = None if self.host_waits else getattr(work, "exception", None)
@@ -76,3 +79,18 @@ class CollectiveWaits:
             message = str(exc).lower()
             kind = TransferTimeoutError if "timed out" in message or "timeout" in message else TransferError
             raise kind(f"{what} failed: {exc} (a peer died, stalled or disconnected)") from exc
+
+    def _completes_within(self, work: Any) -> bool:
+        """Whether ``work`` completed (or failed) within one slice (blocking) or one poll."""
+        if not self.host_waits:
+            if work.is_completed():
+                return True
+            time.sleep(_POLL_S)
+            return False
+        try:
+            work.wait(timedelta(seconds=SLICE_S))
+            return True
+        except RuntimeError:
+            pass  # raised again by the caller's own wait(), outside this handler: a chained exception's
+            # traceback would keep this frame, and with it the work and its group's connections
+        return bool(work.is_completed())  # False: the slice ran out ("Operation timed out!")

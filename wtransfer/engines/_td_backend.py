@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import logging
+import threading
 from typing import TYPE_CHECKING, Any
 
 from wtransfer.engines._collective_waits import CollectiveWaits
@@ -30,6 +32,11 @@ from wtransfer.engines._gloo_address import LocalAddressChoice
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger("wtransfer")
+
+RELEASE_WAIT_S = 2.0
+"""How long a failed round waits for its groups to close before it raises (see ``release_groups``)."""
 
 REJECTED, DIGESTS = 1, 2
 """The manifest vote's bits: a worker refuses; the round is hashed (other sending ranks learn it only here)."""
@@ -127,6 +134,28 @@ class TorchDistributedBackend(LocalAddressChoice, CollectiveWaits):
         Destroying a gloo group (collected now) closes its connections, so waiting peers fail at once;
         ``abort()``/``shutdown()`` do not. A GPU backend aborts its communicators first when ``failed``:
         a collective queued on the device would otherwise never end.
+
+        After a failed round the destruction runs on a thread of its own, waited for at most
+        ``RELEASE_WAIT_S``: gloo's destructor waits for the group's operations in flight, and a send to a
+        peer that stopped reading (hung, or its sockets held by a child process) ends only at the group's
+        timeout. The round's error then reaches the caller at once, and those connections close when
+        that send ends.
         """
+        if failed and groups:
+            held = groups[:]
+            groups.clear()
+            closing = threading.Thread(target=_destroy, args=(held,), name="wtransfer-release-groups", daemon=True)
+            closing.start()
+            closing.join(RELEASE_WAIT_S)
+            if closing.is_alive():
+                logger.warning("%s: the failed round's groups are still closing (a send waits on a peer that "
+                               "stopped reading); their connections close when it times out", type(self).__name__)
+            return
         groups.clear()
         gc.collect()
+
+
+def _destroy(groups: list[Any]) -> None:
+    """Drop the last references to ``groups`` (their destructors run here, however long they wait)."""
+    groups.clear()
+    gc.collect()

@@ -60,7 +60,7 @@ class TorchDistributedSending(TorchDistributedBackend):
                 sent += 1
                 if works[slot] is not None:  # no local names for works: a traceback would keep them
                     self.wait(works[slot][0], f"sending bucket {bucket.index}'s predecessor in buffer {slot}",
-                              timeout_s)
+                              timeout_s, call)
                     works[slot] = None
                 if digests is not None:
                     digests.fence(slot)
@@ -68,18 +68,19 @@ class TorchDistributedSending(TorchDistributedBackend):
                 if digests is not None:
                     hash_runs(digests, runs, view, slot)
                 works[slot] = (self.broadcast(self.group_for(bucket.index), view), view)
-            self.finish_sends(works, timeout_s, digests)
+            self.finish_sends(works, timeout_s, digests, call)
         finally:
             if digests is not None:
                 digests.close()
         return True
 
     def finish_sends(self, works: list[tuple[Any, Any] | None], timeout_s: float,
-                     digests: RoundDigests | None = None) -> None:
-        """Wait for the last buckets; then, with digests, send them (on the first channel)."""
+                     digests: RoundDigests | None = None, call: ClientCall | None = None) -> None:
+        """Wait for the last buckets; then, with digests, send them (on the first channel). ``call``: rank 0's
+        client call, watched while waiting."""
         for slot in range(len(works)):
             if works[slot] is not None:
-                self.wait(works[slot][0], f"sending the last buckets (buffer {slot})", timeout_s)
+                self.wait(works[slot][0], f"sending the last buckets (buffer {slot})", timeout_s, call)
                 works[slot] = None
         self.synchronize(timeout_s)
         if digests is not None:
@@ -87,7 +88,7 @@ class TorchDistributedSending(TorchDistributedBackend):
 
             # one word more than the digests: a round of no tensors still broadcasts a non-empty tensor
             words = torch.tensor([*as_words(digests.digests()), 0], dtype=torch.int64, device=self.device())
-            self.wait(self.broadcast(self._groups[0], words), "sending the round's digests", timeout_s)
+            self.wait(self.broadcast(self._groups[0], words), "sending the round's digests", timeout_s, call)
 
 
 class TorchDistributedSender(TorchDistributedSending):

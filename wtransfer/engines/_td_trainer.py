@@ -149,7 +149,7 @@ class TorchDistributedTrainer(TorchDistributedSending, TrainerWeightTransferEngi
                 self.wait(self.allreduce_max(self._groups[0], verdict), "the manifest vote", self.timeout_s, call)
                 accepted = not int(verdict.item()) & REJECTED
                 if accepted:
-                    self._broadcast_buckets(manifest, buckets, works)
+                    self._broadcast_buckets(manifest, buckets, works, call)
             if not accepted:
                 raise ManifestRejected(f"round {manifest.version} rejected by a worker")
         except ManifestRejected:
@@ -162,14 +162,15 @@ class TorchDistributedTrainer(TorchDistributedSending, TrainerWeightTransferEngi
             works.clear()  # a failure's traceback must not keep the collectives (and the group) alive
 
     def _broadcast_buckets(self, manifest: Manifest, buckets: list[Bucket],
-                           works: list[tuple[Any, Any] | None]) -> None:
+                           works: list[tuple[Any, Any] | None], call: ClientCall) -> None:
         digests = RoundDigests(len(manifest.entries)) if manifest.digests else None
         try:
             packer = Packer(manifest, iter(self.source), digests, self.source_entries)
             for bucket in buckets:
                 slot = bucket.index % len(self._buffers)
                 if works[slot] is not None:  # no local names for works: a traceback would keep them
-                    self.wait(works[slot][0], f"broadcasting bucket {bucket.index - len(works)}", self.timeout_s)
+                    self.wait(works[slot][0], f"broadcasting bucket {bucket.index - len(works)}", self.timeout_s,
+                              call)
                     works[slot] = None
                 view = packer.direct_bytes(bucket, self.device())
                 if view is None:
@@ -181,7 +182,7 @@ class TorchDistributedTrainer(TorchDistributedSending, TrainerWeightTransferEngi
                     self.packed_from(slot, read)
                 works[slot] = (self.broadcast(self.group_for(bucket.index), view), view)
             packer.drain()
-            self.finish_sends(works, self.timeout_s, digests)
+            self.finish_sends(works, self.timeout_s, digests, call)
         finally:
             if digests is not None:
                 digests.close()
