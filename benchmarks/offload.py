@@ -87,23 +87,26 @@ def bench_tier(args: argparse.Namespace, figures: dict[str, Any]) -> bool:
     tier_views = list(tier.unbind(0))
     engine_idx = torch.tensor(engine_ids, device=device)
     tier_idx = torch.tensor(tier_rows)
-    # the peer: the same gathers and scatters through one preallocated host buffer (pinned when the cache is on
-    # a GPU), as a careful hand would write them
+    # the peer: the same gathers and scatters through preallocated buffers (a pinned host one and, when the
+    # cache is on a GPU, a device one), as a careful hand would write them
     on_gpu = device.type == "cuda"
-    buffer = torch.empty((2, len(tier_rows), tier_views[0].shape[2]), dtype=tier.dtype, pin_memory=on_gpu)
+    rows = (2, len(tier_rows), tier_views[0].shape[2])
+    buffer = torch.empty(rows, dtype=tier.dtype, pin_memory=on_gpu)
+    on_device = torch.empty(rows, dtype=tier.dtype, device=device) if on_gpu else buffer
 
     def plain_store() -> None:
         for src, dst in zip(engine_views, tier_views):
+            torch.index_select(src, 1, engine_idx, out=on_device)
             if on_gpu:
-                buffer.copy_(src.index_select(1, engine_idx))
-            else:
-                torch.index_select(src, 1, engine_idx, out=buffer)
+                buffer.copy_(on_device)
             dst.index_copy_(1, tier_idx, buffer)
 
     def plain_load() -> None:
         for src, dst in zip(tier_views, engine_views):
             torch.index_select(src, 1, tier_idx, out=buffer)
-            dst.index_copy_(1, engine_idx, buffer.to(device) if on_gpu else buffer)
+            if on_gpu:
+                on_device.copy_(buffer)
+            dst.index_copy_(1, engine_idx, on_device)
         if on_gpu:
             torch.cuda.synchronize(device)
 

@@ -60,7 +60,8 @@ SMALL = {  # per suite: options that make the same run small (format unchanged)
     "weights": {"--model": "4096x512,64*64", "--rounds": "2", "--small-model": "64*64"},
     "storage": {"--blocks": "4", "--layers": "2", "--repeats": "1", "--hash-blocks": "100"},
     "offload": {"--layers": "2", "--engine-blocks": "64", "--job-blocks": "16", "--repeats": "1",
-                "--manager-ops": "1000", "--device": "cpu"},  # a GPU block's format, checked on the CPU
+                "--manager-ops": "1000", "--device": "cpu"},  # a GPU block's tables, checked on the CPU
+    # (only their format: the bench's --device cuda path never runs without a GPU)
     "discovery": {"--dists": "10", "--lookups": "10", "--repeat": "1"},
     "sharded": {"--model": "4096x512,64*64", "--rounds": "2", "--repeats": "1"},
     "delta": {"--hidden": "64", "--layers": "1", "--vocab": "256"},  # same steps and links: rows are per link

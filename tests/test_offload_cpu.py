@@ -224,13 +224,16 @@ def test_bench_offload_runs_and_checks_its_copies() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_round_trip_with_the_engine_cache_on_a_gpu() -> None:
-    spec = OffloadingSpecFactory.create_spec(config(num_cpu_blocks=4, block_size=8), kv_spec("bfloat16"))
+@pytest.mark.parametrize("staging", [{}, {"staging_blocks": 1}], ids=["default-chunks", "one-block-chunks"])
+def test_round_trip_with_the_engine_cache_on_a_gpu(staging: dict) -> None:
+    spec = OffloadingSpecFactory.create_spec(config(num_cpu_blocks=4, block_size=8, **staging), kv_spec("bfloat16"))
     try:
         caches = {name: t.cuda() for name, t in make_caches(spec.kv_cache_spec).items()}
         original = {name: cache.clone() for name, cache in caches.items()}
         (_, _, store), (_, _, load) = spec.get_handlers(caches)
         assert spec.tier is not None and spec.tier.is_pinned()
+        # the host side of each copy is pinned: from pageable memory the copy goes through a bounce buffer
+        assert store._dst_staging.is_pinned() and load._src_staging.is_pinned()
         assert store.transfer_async(1, (LoadStoreSpec("device", (3, 8, 1, 0)), LoadStoreSpec("cpu", (2, 0))))
         store.wait([1])
         assert [r.success for r in store.get_finished()] == [True]

@@ -7,8 +7,9 @@ Options (``kv_connector_extra_config``, declared in :class:`CPUSpecOptions`):
 * ``eviction_policy``: ``"lru"`` (default), ``"arc"`` or any ``wtransfer.policies`` entry point, bare or
   ``"distribution:name"``;
 * ``transfer_timeout_s`` (every spec's): how long ``wait`` blocks before raising (default 60);
-* ``staging_blocks``: engine blocks per copy chunk, bounding the staging buffer (default: as many as fill
-  ``STAGING_BYTES`` of one layer).
+* ``staging_blocks``: engine blocks per copy chunk, bounding the staging buffers (default: as many as fill
+  ``STAGING_BYTES`` of one layer; a store from a GPU keeps two pairs, so one chunk's copy overlaps the
+  last one's host write).
 
 The tier is one tensor allocated (and faulted in) on the first ``get_handlers`` call; every transfer reuses it and
 one preallocated staging buffer per direction.
@@ -23,7 +24,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,9 +52,9 @@ logger = logging.getLogger("wtransfer")
 
 DEFAULT_TRANSFER_TIMEOUT_S = 60.0
 STAGING_BYTES = 16 << 20
-"""One layer's copy chunk by default. With the cache on a GPU, 4 MiB chunks (64 blocks of 8 heads x 128) stored
-well below plain index ops through one pinned buffer, 16 MiB about as fast (``python -m benchmarks offload
---device cuda --staging-blocks N``; BENCHMARKS.md, offload-gpu)."""
+"""One layer's copy chunk by default: with the cache on a GPU, smaller chunks stored below plain index ops (each
+chunk's copy and host write are one step of a pipeline). Measure yours with ``python -m benchmarks offload
+--device cuda --staging-blocks N``; BENCHMARKS.md's offload-gpu block has the default's figures."""
 
 
 @dataclass(frozen=True)
@@ -122,14 +123,18 @@ class BlockCopyHandler(OffloadingHandler):
         self._chunk_rows = max(1, staging_rows if staging_rows is not None else STAGING_BYTES // per_row)
         # across devices the host side of the copy is pinned: a copy from or to pageable memory goes through
         # the driver's own bounce buffer at a fraction of the speed
+        kinds = (src.device.type, dst.device.type)
+        to_gpu, from_gpu = kinds == ("cpu", "cuda"), kinds == ("cuda", "cpu")
         self._src_staging = torch.empty(segments * self._chunk_rows * row_elems, dtype=src.layers[0].dtype,
-                                        device=src.device, pin_memory=src.device.type == "cpu" and dst.device.type != "cpu")
+                                        device=src.device, pin_memory=to_gpu)
         self._dst_staging = (
             self._src_staging
             if dst.device == src.device
-            else torch.empty_like(self._src_staging, device=dst.device,
-                                  pin_memory=dst.device.type == "cpu" and src.device.type != "cpu")
+            else torch.empty_like(self._src_staging, device=dst.device, pin_memory=from_gpu)
         )
+        # from a GPU a second pair of buffers lets the next chunk's copy run while the host scatters this one
+        self._spare = (torch.empty_like(self._src_staging), torch.empty_like(self._dst_staging, pin_memory=True)
+                       ) if from_gpu else None
         cuda = next((d for d in (src.device, dst.device) if d.type == "cuda"), None)
         self._stream = torch.cuda.Stream(device=cuda) if cuda is not None else None
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -234,18 +239,42 @@ class BlockCopyHandler(OffloadingHandler):
         self._stream.synchronize()
 
     def _copy_chunks(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        pairs = [(self._src_staging, self._dst_staging)] + ([self._spare] if self._spare is not None else [])
+        waiting: tuple[Any, ...] | None = None  # from a GPU: the last chunk, scattered once its copy landed
+        step = 0
         for start in range(0, len(src_rows), self._chunk_rows):
             src_idx = src_rows[start : start + self._chunk_rows]
             dst_idx = dst_rows[start : start + self._chunk_rows]
             for src_layer, dst_layer in zip(self.src.layers, self.dst.layers):
+                src_staging, dst_staging = pairs[step % len(pairs)]
+                step += 1
                 shape = (src_layer.shape[0], len(src_idx), src_layer.shape[2])
-                gathered = self._src_staging[: shape[0] * shape[1] * shape[2]].view(shape)
+                gathered = src_staging[: shape[0] * shape[1] * shape[2]].view(shape)
                 torch.index_select(src_layer, 1, src_idx, out=gathered)
-                if self._dst_staging is not self._src_staging:
-                    landed = self._dst_staging[: gathered.numel()].view(shape)
+                if self._spare is not None:
+                    # this chunk's copy is queued before the last one is scattered, so both run at once;
+                    # a pair is reused only after its scatter (two steps on), its copy long done
+                    landed = dst_staging[: gathered.numel()].view(shape)
+                    landed.copy_(gathered, non_blocking=True)
+                    copied = torch.cuda.Event()
+                    copied.record()
+                    if waiting is not None:
+                        _scatter(*waiting)
+                    waiting = (copied, dst_layer, dst_idx, landed)
+                    continue
+                if dst_staging is not src_staging:
+                    landed = dst_staging[: gathered.numel()].view(shape)
                     landed.copy_(gathered)  # blocking: the staging buffers are reused next layer
                     gathered = landed
                 dst_layer.index_copy_(1, dst_idx, gathered)
+        if waiting is not None:
+            _scatter(*waiting)
+
+
+def _scatter(copied: Any, dst_layer: torch.Tensor, dst_idx: torch.Tensor, landed: torch.Tensor) -> None:
+    """A chunk copied from a GPU into pinned memory, written into the host tier once the copy landed."""
+    copied.synchronize()
+    dst_layer.index_copy_(1, dst_idx, landed)
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
