@@ -21,7 +21,8 @@ _POLL_S = 0.0005
 SLICE_S = 0.2
 """A host-blocking wait that also watches the client call looks at it this often."""
 CLIENT_FAILURE_GRACE_S = 5.0
-"""How long a poll that saw the client call fail still waits for its collective (workers vote, then fail)."""
+"""How long a wait that saw the client call fail still waits for its collective (refusing workers vote, then
+fail their call: the vote completes and the refusal stays clean)."""
 WATCHDOG_MARGIN_S = 60.0
 """Without ``host_waits``, a group's own timeout exceeds ``timeout_s`` by this much at least
 (or by ``timeout_s``): wtransfer's deadline, which aborts the group, always comes first."""
@@ -44,9 +45,10 @@ class CollectiveWaits:
         """Wait for an async collective, at most ``timeout_s``.
 
         With ``call`` (the trainer's waits, its client call in flight) a failed call stops the wait too,
-        whatever the transport noticed: a worker that died or failed is seen through its client even when
-        no socket of this rank's group closes. Where ``host_waits`` the wait blocks in slices of
-        ``SLICE_S`` (a completed collective returns at once); else it polls ``is_completed()``.
+        ``CLIENT_FAILURE_GRACE_S`` after it failed, whatever the transport noticed: a worker that died or
+        hung is seen through its client even when no socket of this rank's group closes. Where
+        ``host_waits`` the wait blocks in slices of ``SLICE_S`` (a completed collective returns at once);
+        else it polls ``is_completed()``.
         """
         deadline = time.monotonic() + timeout_s
         try:
@@ -79,6 +81,9 @@ class CollectiveWaits:
             message = str(exc).lower()
             kind = TransferTimeoutError if "timed out" in message or "timeout" in message else TransferError
             raise kind(f"{what} failed: {exc} (a peer died, stalled or disconnected)") from exc
+        except BaseException:  # the client's own error (any type), an interrupt
+            work = None  # noqa: F841
+            raise
 
     def _completes_within(self, work: Any) -> bool:
         """Whether ``work`` completed (or failed) within one slice (blocking) or one poll."""
@@ -90,7 +95,10 @@ class CollectiveWaits:
         try:
             work.wait(timedelta(seconds=SLICE_S))
             return True
-        except RuntimeError:
+        except (RuntimeError, TypeError):  # TypeError: a Work whose wait() takes no timeout
             pass  # raised again by the caller's own wait(), outside this handler: a chained exception's
             # traceback would keep this frame, and with it the work and its group's connections
-        return bool(work.is_completed())  # False: the slice ran out ("Operation timed out!")
+        if work.is_completed():
+            return True
+        time.sleep(_POLL_S)  # where a timed wait returns at once (unsupported), this is a poll
+        return False

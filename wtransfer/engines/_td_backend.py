@@ -135,13 +135,13 @@ class TorchDistributedBackend(LocalAddressChoice, CollectiveWaits):
         ``abort()``/``shutdown()`` do not. A GPU backend aborts its communicators first when ``failed``:
         a collective queued on the device would otherwise never end.
 
-        After a failed round the destruction runs on a thread of its own, waited for at most
-        ``RELEASE_WAIT_S``: gloo's destructor waits for the group's operations in flight, and a send to a
-        peer that stopped reading (hung, or its sockets held by a child process) ends only at the group's
-        timeout. The round's error then reaches the caller at once, and those connections close when
-        that send ends.
+        Where ``host_waits`` (gloo), after a failed round the destruction runs on a thread of its own,
+        waited for at most ``RELEASE_WAIT_S``: gloo's destructor waits for the group's operations in
+        flight, and a send to a peer that stopped reading (hung, or its sockets held by a child process)
+        ends only at the group's timeout. The round's error then reaches the caller, and those
+        connections close when that send ends (a process exiting before then skips the destructor).
         """
-        if failed and groups:
+        if failed and groups and self.host_waits:
             held = groups[:]
             groups.clear()
             closing = threading.Thread(target=_destroy, args=(held,), name="wtransfer-release-groups", daemon=True)
