@@ -303,6 +303,8 @@ class ImpatientClient(RestartingClient):
         calls = concurrent.futures.ThreadPoolExecutor(1)
         try:
             return calls.submit(self.pool.update_weights, update_info).result(timeout=self.patience_s)
+        except concurrent.futures.TimeoutError:  # the builtin TimeoutError from Python 3.11 on only
+            raise TimeoutError(f"the workers did not finish update_weights within {self.patience_s:g} s") from None
         finally:
             calls.shutdown(wait=False)
 
@@ -312,8 +314,11 @@ def _beyond_socket_buffers() -> int:
     buffers at their largest) cannot hold it all: the trainer then blocks sending to that worker."""
     largest = 0
     for name in ("tcp_wmem", "tcp_rmem"):
-        with open(f"/proc/sys/net/ipv4/{name}") as sysctl:
-            largest += int(sysctl.read().split()[-1])
+        try:
+            with open(f"/proc/sys/net/ipv4/{name}") as sysctl:
+                largest += int(sysctl.read().split()[-1])
+        except OSError:  # not Linux: the kernel's defaults are far below 64 MiB
+            pass
     return max(64 << 20, 2 * 2 * largest)
 
 

@@ -21,11 +21,18 @@ _POLL_S = 0.0005
 SLICE_S = 0.2
 """A host-blocking wait that also watches the client call looks at it this often."""
 CLIENT_FAILURE_GRACE_S = 5.0
-"""How long a wait that saw the client call fail still waits for its collective (refusing workers vote, then
-fail their call: the vote completes and the refusal stays clean)."""
+"""How long after the client call failed a trainer's waits still let collectives complete (refusing workers
+vote, then fail their call: the vote completes and the refusal stays clean)."""
 WATCHDOG_MARGIN_S = 60.0
 """Without ``host_waits``, a group's own timeout exceeds ``timeout_s`` by this much at least
 (or by ``timeout_s``): wtransfer's deadline, which aborts the group, always comes first."""
+
+
+def _raise_if_failed_long_ago(call: ClientCall | None) -> None:
+    """Raise the client call's error once it failed more than ``CLIENT_FAILURE_GRACE_S`` ago."""
+    if call is not None and call.error is not None and call.finished_at is not None:
+        if time.monotonic() - call.finished_at > CLIENT_FAILURE_GRACE_S:
+            call.raise_if_failed()
 
 
 class CollectiveWaits:
@@ -55,14 +62,12 @@ class CollectiveWaits:
             if call is None and self.host_waits:
                 work.wait()
                 return
-            failed_at = None
+            # Refusing workers vote, then fail their call; under load the failure may be seen first. The
+            # collectives get a moment to complete (counted from the failure, across waits), so a refusal
+            # stays clean.
+            _raise_if_failed_long_ago(call)
             while not self._completes_within(work):
-                if call is not None and call.error is not None:
-                    # Refusing workers vote, then fail their call; under load the failure may be seen
-                    # first. The collective gets a moment to complete, so a refusal stays clean.
-                    failed_at = time.monotonic() if failed_at is None else failed_at
-                    if time.monotonic() - failed_at > CLIENT_FAILURE_GRACE_S:
-                        call.raise_if_failed()
+                _raise_if_failed_long_ago(call)
                 if time.monotonic() > deadline:
                     raise TransferTimeoutError(f"{what} did not complete within {timeout_s:g} s")
             # "Completed" includes failed, and NCCL without async error handling returns from wait()

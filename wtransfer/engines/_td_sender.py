@@ -43,8 +43,12 @@ class TorchDistributedSending(TorchDistributedBackend):
         device, rows = self.device(), layout_rows(parts)
         words = [torch.tensor(header(entries), dtype=torch.int64, device=device),
                  torch.tensor([*rows, 0], dtype=torch.int64, device=device)]
-        for work in [self.broadcast(self._groups[0], tensor) for tensor in words]:
-            self.wait(work, "sending this trainer rank's layout", timeout_s, call)
+        posted = [self.broadcast(self._groups[0], tensor) for tensor in words]
+        try:
+            for index in range(len(posted)):  # no local names for works: a traceback would keep them
+                self.wait(posted[index], "sending this trainer rank's layout", timeout_s, call)
+        finally:
+            posted.clear()
         verdict = torch.zeros(1, dtype=torch.int32, device=device)
         self.wait(self.allreduce_max(self._groups[0], verdict), "the manifest vote", timeout_s, call)
         if int(verdict.item()) & REJECTED:

@@ -12,7 +12,7 @@ Options (``kv_connector_extra_config``, declared in :class:`CPUSpecOptions`):
   last one's host write).
 
 The tier is one tensor allocated (and faulted in) on the first ``get_handlers`` call; every transfer reuses it and
-one preallocated staging buffer per direction.
+the preallocated staging buffers of its direction.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class CPUSpecOptions(OffloadingSpecOptions):
     num_cpu_blocks: int | None = option(None, doc="tier size in offloaded blocks (or set cpu_bytes_to_use)")
     cpu_bytes_to_use: int | float | None = option(None, doc="tier size in bytes, e.g. 8 << 30 (or set num_cpu_blocks)")
     eviction_policy: str = option("lru", doc="eviction policy: 'lru', 'arc' or an installed wtransfer.policies name")
-    staging_blocks: int | None = option(None, doc="engine blocks per copy chunk (bounds the staging buffer; "
+    staging_blocks: int | None = option(None, doc="engine blocks per copy chunk (bounds the staging buffers; "
                                                   "default: 16 MiB of one layer)")
 
 
@@ -234,9 +234,11 @@ class BlockCopyHandler(OffloadingHandler):
         if self._stream is None:
             self._copy_chunks(src_rows, dst_rows)
             return
-        with torch.cuda.stream(self._stream):
-            self._copy_chunks(src_rows, dst_rows)
-        self._stream.synchronize()
+        try:
+            with torch.cuda.stream(self._stream):
+                self._copy_chunks(src_rows, dst_rows)
+        finally:  # a failed job too: nothing it queued may still write once it is reported
+            self._stream.synchronize()
 
     def _copy_chunks(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
         pairs = [(self._src_staging, self._dst_staging)] + ([self._spare] if self._spare is not None else [])
