@@ -135,7 +135,7 @@ def bench_tier(args: argparse.Namespace, figures: dict[str, Any]) -> bool:
         f"KV offload, cpu tier: {args.layers} layers, {len(engine_ids)} engine blocks of {args.block_size} tokens "
         f"per job (offloaded block = {args.factor} engine blocks), {args.dtype}, {nbytes / 2**20:.1f} MiB per job, "
         f"best of {args.repeats}, torch threads {torch.get_num_threads()}"
-        + (f", engine cache on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
+        + (f", engine cache on {torch.cuda.get_device_name(device)}" if on_gpu else "")
     )
     print(figures["setup"])
     try:

@@ -233,20 +233,24 @@ class RestartingClient:
         return self.pool.finish_weight_update()
 
 
-@pytest.mark.parametrize("backend", ["shm", "gloo"])
-def test_a_worker_killed_mid_round_fails_the_trainer_within_the_timeout(backend: str) -> None:
-    """...and the same trainer moves whole rounds again once its client's workers are back
-    (``reconnect()``), after a reconnect that failed because they were not back yet."""
+def _fds_with_process_helpers_running() -> int:
+    """Open descriptors, once the resource tracker and fork server run: each keeps a pipe for good, and
+    started by a pool inside a test (when it runs first) they would count as that test's leak."""
     from multiprocessing import forkserver, resource_tracker
 
     from wtransfer._fork_server import _context
 
-    # Started once per process, each keeps a pipe open for good: start them before counting (when this test
-    # runs first, the pool would start them and they would count as a leak)
     resource_tracker.ensure_running()
     if _context().get_start_method() == "forkserver":
         forkserver.ensure_running()
-    fds_before = open_fd_count()
+    return open_fd_count()
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_a_worker_killed_mid_round_fails_the_trainer_within_the_timeout(backend: str) -> None:
+    """...and the same trainer moves whole rounds again once its client's workers are back
+    (``reconnect()``), after a reconnect that failed because they were not back yet."""
+    fds_before = _fds_with_process_helpers_running()
     tensors = _big_tensors()
     shapes = [[name, list(t.shape)] for name, t in tensors.items()]
     with pool_for(backend, shapes) as pool:
@@ -328,19 +332,12 @@ def test_a_round_ends_when_the_client_fails_even_if_no_socket_closes(backend: st
     the client says so after its own deadline: the trainer raises then (the client's deadline, a grace for
     the collective, the groups' release), not at its transport's timeout. Nothing stays open once the
     stopped worker is gone."""
-    from multiprocessing import forkserver, resource_tracker
-
-    from wtransfer._fork_server import _context
-
     size = _beyond_socket_buffers()
     if size > 512 << 20:
         pytest.skip(f"this host's socket buffers hold {size >> 22} MiB a round: too large to outgrow here")
     tensors = {f"w{i}.weight": torch.full((256, 1024), float(i)) for i in range(size >> 20)}  # 1 MiB each
     shapes = [[name, list(t.shape)] for name, t in tensors.items()]
-    resource_tracker.ensure_running()
-    if _context().get_start_method() == "forkserver":
-        forkserver.ensure_running()
-    fds_before = open_fd_count()
+    fds_before = _fds_with_process_helpers_running()
     with pool_for(backend, shapes) as pool:
         victim = pool.processes[1].pid
         source = KillingSource(tensors, victim, at=8, round=2, sig=signal.SIGSTOP)

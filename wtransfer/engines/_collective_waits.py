@@ -92,18 +92,14 @@ class CollectiveWaits:
 
     def _completes_within(self, work: Any) -> bool:
         """Whether ``work`` completed (or failed) within one slice (blocking) or one poll."""
-        if not self.host_waits:
-            if work.is_completed():
+        if self.host_waits:
+            try:
+                work.wait(timedelta(seconds=SLICE_S))
                 return True
-            time.sleep(_POLL_S)
-            return False
-        try:
-            work.wait(timedelta(seconds=SLICE_S))
-            return True
-        except (RuntimeError, TypeError):  # TypeError: a Work whose wait() takes no timeout
-            pass  # raised again by the caller's own wait(), outside this handler: a chained exception's
-            # traceback would keep this frame, and with it the work and its group's connections
+            except (RuntimeError, TypeError):  # TypeError: a Work whose wait() takes no timeout
+                pass  # raised again by the caller's own wait(), outside this handler: a chained exception's
+                # traceback would keep this frame, and with it the work and its group's connections
         if work.is_completed():
             return True
-        time.sleep(_POLL_S)  # where a timed wait returns at once (unsupported), this is a poll
+        time.sleep(_POLL_S)  # a poll (also where a timed wait is unsupported and returns at once)
         return False

@@ -141,18 +141,17 @@ class TorchDistributedBackend(LocalAddressChoice, CollectiveWaits):
         ends only at the group's timeout. The round's error then reaches the caller, and those
         connections close when that send ends (a process exiting before then skips the destructor).
         """
-        if failed and groups and self.host_waits:
-            held = groups[:]
-            groups.clear()
-            closing = threading.Thread(target=_destroy, args=(held,), name="wtransfer-release-groups", daemon=True)
-            closing.start()
-            closing.join(RELEASE_WAIT_S)
-            if closing.is_alive():
-                logger.warning("%s: the failed round's groups are still closing (a send waits on a peer that "
-                               "stopped reading); their connections close when it times out", type(self).__name__)
+        if not (failed and groups and self.host_waits):
+            _destroy(groups)
             return
+        held = groups[:]
         groups.clear()
-        gc.collect()
+        closing = threading.Thread(target=_destroy, args=(held,), name="wtransfer-release-groups", daemon=True)
+        closing.start()
+        closing.join(RELEASE_WAIT_S)
+        if closing.is_alive():
+            logger.warning("%s: the failed round's groups are still closing (a send waits on a peer that "
+                           "stopped reading); their connections close when it times out", type(self).__name__)
 
 
 def _destroy(groups: list[Any]) -> None:
