@@ -235,3 +235,18 @@ def test_the_plugin_guide_lists_exactly_what_each_toolkit_exports(toolkit):
     listed = set(re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", rows[toolkit]))
     assert listed == TOOLKIT_NAMES[toolkit], (sorted(listed - TOOLKIT_NAMES[toolkit]),
                                               sorted(TOOLKIT_NAMES[toolkit] - listed))
+
+
+def test_type_checkers_see_every_lazy_export_of_the_top_level():
+    """Catches: a name added to ``_EXPORTS`` but not to the ``TYPE_CHECKING`` imports type checkers read (IDEs then
+    mark ``wtransfer.<name>`` unknown), or one imported from a module other than where it lives."""
+    import ast
+
+    import wtransfer
+
+    tree = ast.parse((ROOT / "wtransfer" / "__init__.py").read_text())
+    block = next(node for node in tree.body if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING")
+    seen: dict[str, set[str]] = {}
+    for node in block.body:
+        seen.setdefault(node.module, set()).update(alias.name for alias in node.names)
+    assert seen == {module: set(names) for module, names in wtransfer._EXPORTS.items()}

@@ -51,51 +51,31 @@ _EXPORTS: dict[str, tuple[str, ...]] = {  # module -> the public names it define
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
-if TYPE_CHECKING:  # let type checkers and IDEs see the lazy names
-    from wtransfer.config import KVTransferConfig, ParallelConfig, WeightTransferConfig
-    from wtransfer.connectors._base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
-    from wtransfer.connectors._request import KVConnectorOutput, KVRequest, ScheduledRequest, SchedulerStep
-    from wtransfer.connectors._factory import KVConnectorFactory
-    from wtransfer.engines._base import (
-        WeightTransferEngine,
-        WeightTransferInitInfo,
-        WeightTransferInitRequest,
-        WeightTransferUpdateInfo,
-        WeightTransferUpdateRequest,
-    )
-    from wtransfer.engines._client import WeightSyncClient
-    from wtransfer.engines._factory import WeightTransferEngineFactory
-    from wtransfer.engines._loader import module_loader
+if TYPE_CHECKING:  # let type checkers and IDEs see the lazy names (a test keeps this equal to _EXPORTS)
     from wtransfer._dtypes import dtype_name
-    from wtransfer.engines._manifest import TensorEntry
-    from wtransfer.engines._source import ModuleSource, TensorSource, WeightSource
-    from wtransfer.engines._trainer import NoTrainerSideError, TrainerWeightTransferEngine, create_trainer
-    from wtransfer.errors import (
-        AmbiguousComponentError,
-        ComponentLoadError,
-        DisabledComponentError,
-        DuplicateComponentError,
-        InvalidComponentError,
-        InvalidOptionError,
-        ManifestMismatchError,
-        TransferError,
-        TransferTimeoutError,
-        UnknownComponentError,
-        WTransferError,
-    )
-    from wtransfer.connectors._hashing import block_hashes, kv_namespace
-    from wtransfer.kvcache import KV_LAYOUTS, KVCacheSpec, block_view
     from wtransfer._registry.component import ComponentRef
     from wtransfer._registry.hooks import hookimpl, hookspec
     from wtransfer._registry.registry import ComponentInfo, get_class, list_components, refresh
-    from wtransfer.specs._base import (
-        LoadStoreSpec,
-        OffloadingEvent,
-        OffloadingHandler,
-        OffloadingManager,
-        OffloadingSpec,
-        PrepareStoreOutput,
-        TransferResult,
-    )
+    from wtransfer.config import KVTransferConfig, ParallelConfig, WeightTransferConfig
+    from wtransfer.connectors._base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+    from wtransfer.connectors._factory import KVConnectorFactory
+    from wtransfer.connectors._hashing import block_hashes, kv_namespace
+    from wtransfer.connectors._request import KVConnectorOutput, KVRequest, ScheduledRequest, SchedulerStep
+    from wtransfer.engines._base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferInitRequest
+    from wtransfer.engines._base import WeightTransferUpdateInfo, WeightTransferUpdateRequest
+    from wtransfer.engines._cast import served_dtypes
+    from wtransfer.engines._client import WeightSyncClient
+    from wtransfer.engines._factory import WeightTransferEngineFactory
+    from wtransfer.engines._loader import module_loader
+    from wtransfer.engines._manifest import TensorEntry
+    from wtransfer.engines._source import ModuleSource, TensorSource, WeightSource
+    from wtransfer.engines._trainer import NoTrainerSideError, TrainerWeightTransferEngine, create_trainer
+    from wtransfer.errors import AmbiguousComponentError, ComponentLoadError, DisabledComponentError
+    from wtransfer.errors import DuplicateComponentError, InvalidComponentError, InvalidOptionError
+    from wtransfer.errors import ManifestMismatchError, TransferError, TransferTimeoutError, UnknownComponentError
+    from wtransfer.errors import WeightsTornError, WTransferError
+    from wtransfer.kvcache import KV_LAYOUTS, KVCacheSpec, block_view
+    from wtransfer.specs._base import LoadStoreSpec, OffloadingEvent, OffloadingHandler, OffloadingManager
+    from wtransfer.specs._base import OffloadingSpec, PrepareStoreOutput, TransferResult
     from wtransfer.specs._factory import OffloadingSpecFactory
     from wtransfer.specs.policies import ARCPolicy, EvictionPolicy, LRUPolicy
