@@ -16,12 +16,16 @@ from wtransfer.connectors._blockfile import (
     block_checksum,
     check_header,
     read_block_file,
-    tensor_bytes,
     write_block_file,
 )
 
 LAYOUT = BlockLayout("ab" * 32, "fp", ("l0", "l1"), 4, 2, 8, "bfloat16")
 HASH = "cd" * 32
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (any dtype, bfloat16 included)."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
 def _data(seed: int = 0) -> torch.Tensor:

@@ -175,7 +175,11 @@ class ParamsB(ParamsA):
     value = "b"
 
 
-def test_no_child_saves_kv_computed_on_top_of_another_childs_failed_load(tmp_path: Path) -> None:
+@pytest.mark.parametrize("first_child", ["storage", "offloading"])
+def test_no_child_saves_kv_computed_on_top_of_another_childs_failed_load(tmp_path: Path, first_child: str) -> None:
+    """The second child's load of block 1 fails; the step computes on top of it before the engine rolls back. The
+    first child, which loaded nothing, must store none of that step's KV (under the multi connector it hears of the
+    failure only through ``skip_saves``)."""
     from safetensors import safe_open
 
     from wtransfer.connectors._hashing import request_block_hashes
@@ -189,11 +193,21 @@ def test_no_child_saves_kv_computed_on_top_of_another_childs_failed_load(tmp_pat
     raw[-2] ^= 0x10  # the data checksum fails only when the block is loaded
     damaged.write_bytes(bytes(raw))
 
-    with PagedKVEngine(SPEC, 16, kv_transfer_config=_multi(_child(first), _child(second)), capture_kv=True) as engine:
+    if first_child == "storage":
+        first_config = _child(first)
+    else:
+        first_config = {"kv_connector": "offloading", "kv_connector_extra_config": {"num_cpu_blocks": 16}}
+    config = _multi(first_config, _child(second))
+    with PagedKVEngine(SPEC, 16, kv_transfer_config=config, enable_prefix_caching=False, capture_kv=True) as engine:
         out = engine.generate({"b": PROMPT + [1, 2, 3]})["b"]
+        again = engine.generate({"c": PROMPT + [1, 2, 3]})["c"]  # loads from the first child that has it
     assert out.num_load_errors == 1
     reference = reference_kv(SPEC, out.prompt_token_ids)
     assert all(torch.equal(out.kv[n], reference[n]) for n in reference)
+    assert again.num_external_tokens == 20 and again.num_load_errors == 0
+    assert all(torch.equal(again.kv[n], reference[n]) for n in reference), "a child served KV of a failed load"
+    if first_child == "offloading":
+        return
     saved = {p.stem: p for p in first.rglob("*.safetensors")}
     assert set(saved) == set(hashes[1:5])  # recomputed blocks only, each one correct
     for index, block_hash in enumerate(hashes[:5]):

@@ -375,6 +375,7 @@ class DictHandler(OffloadingHandler):
         self.store, self.kv_caches, self.to_tier = store, kv_caches, to_tier
         self.jobs, self.done, self.cond = queue.SimpleQueue(), [], threading.Condition()
         self.pending = set()
+        self.timeouts = []  # each wait's timeout, as the connector gave it
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -407,6 +408,7 @@ class DictHandler(OffloadingHandler):
         return done
 
     def wait(self, job_ids, timeout=None):
+        self.timeouts.append(timeout)
         wanted = set(job_ids)
         with self.cond:
             if not self.cond.wait_for(lambda: not wanted & self.pending, timeout=timeout or 30):
@@ -485,6 +487,21 @@ def test_third_party_spec_through_spec_module_path(
     assert type(engine.scheduler_connector.spec).__name__ == "DictTierSpec"
     assert out.num_external_tokens == 16
     assert_bit_exact(out)
+
+
+def test_a_spec_without_declared_options_gets_its_own_transfer_timeout_s(
+    fake_distribution: Callable[..., Any], paged_engine: Engine
+) -> None:
+    """A spec with no ``options_cls`` has its options as a plain dict: its ``transfer_timeout_s`` still bounds
+    every wait the connector makes on its tier (it used to be 60 s whatever the dict said)."""
+    fake_distribution("acme-loose-timeout", {}, modules={"acme_loose_timeout.tiers": DICT_TIER})
+    config = offloading(spec_name="DictTierSpec", spec_module_path="acme_loose_timeout.tiers", num_blocks=8,
+                        transfer_timeout_s=2.5)
+    engine = paged_engine(SPEC, 16, kv_transfer_config=config, enable_prefix_caching=False)
+    engine.generate({"a": prompt(9)})
+    assert engine.generate({"b": prompt(9)})["b"].num_external_tokens == 16  # a load: the worker waited for it
+    assert engine.worker_connector._load_handler.timeouts, "the connector never waited on the tier"
+    assert set(engine.worker_connector._load_handler.timeouts) == {2.5}
 
 
 def test_with_tensor_parallel_parts_a_store_completes_only_when_every_worker_reported(paged_engine: Engine) -> None:

@@ -19,7 +19,7 @@ stored under one layout is never read as another.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     import torch
@@ -94,6 +94,25 @@ class KVCacheSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVCacheSpec:
         return cls(**data)
+
+
+class KVComponent:
+    """What a KV connector or offloading spec class declares (the base of both kinds' base classes): its factory
+    checks the first two before creating one (:func:`check_layout`), and it parses its options against the others."""
+
+    supported_layouts: ClassVar[tuple[str, ...]] = (DEFAULT_LAYOUT,)
+    """KV cache layouts (:data:`KV_LAYOUTS`) it handles; the factory refuses others."""
+    handles_parts: ClassVar[bool] = False
+    """Whether it keeps tensor-parallel workers' parts of a block apart (``KVCacheSpec.shard``); the factories
+    refuse an engine with ``num_shards > 1`` otherwise."""
+
+    options_cls: ClassVar[type | None] = None
+    """The dataclass (fields made with :func:`wtransfer.options.option`) declaring the accepted
+    ``kv_connector_extra_config`` keys (a spec's subclasses ``OffloadingSpecOptions``). ``None`` (default): the
+    dict is not checked, for components that read ``extra_config`` themselves; ``self.options`` is then that dict."""
+
+    options_owner: ClassVar[str] = ""
+    """How option errors name it ("storage connector"); default: its class name."""
 
 
 def check_layout(spec: KVCacheSpec | None, component: type, what: str) -> None:

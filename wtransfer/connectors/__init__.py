@@ -1,15 +1,10 @@
-"""The KV-connector toolkit: everything a connector author may import, and nothing else.
+"""The KV-connector toolkit: everything a connector author may import (``_EXPORTS``), and nothing else.
 
-Base and data types
-    ``KVConnectorBase``, ``KVConnectorRole``, ``KVConnectorMetadata``, ``KVRequest``, ``ScheduledRequest``,
-    ``SchedulerStep``, ``KVConnectorOutput``, ``KVCacheSpec``, ``KV_LAYOUTS``, ``block_view`` (any layout's cache as
-    ``[segments, blocks, elements]``).
-Block identity
-    ``block_hashes`` (chained per-block hashes), ``kv_namespace`` (their root: model fingerprint, layout, geometry),
-    ``full_block_range``.
-Connectors to derive from or compose live in their own modules: ``StorageConnector`` in
-    :mod:`wtransfer.connectors.storage`, ``MultiConnector`` in :mod:`wtransfer.connectors.multi`,
-    ``OffloadingConnector`` in :mod:`wtransfer.connectors.offloading`. ``KVConnectorFactory`` is :mod:`wtransfer`'s.
+``block_view`` gives any layout's cache as ``[segments, blocks, elements]``; ``block_hashes`` are chained per-block
+hashes rooted in ``kv_namespace`` (model fingerprint, layout, geometry). Connectors to derive from or compose live in
+their own modules: ``StorageConnector`` in :mod:`wtransfer.connectors.storage`, ``MultiConnector`` in
+:mod:`wtransfer.connectors.multi`, ``OffloadingConnector`` in :mod:`wtransfer.connectors.offloading`.
+``KVConnectorFactory`` is :mod:`wtransfer`'s.
 """
 
 from wtransfer._lazy import lazy_exports

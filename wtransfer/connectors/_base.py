@@ -45,13 +45,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from wtransfer import options as _options
+from wtransfer.connectors._request import JSONDataclass
+from wtransfer.kvcache import KVComponent
 
 if TYPE_CHECKING:
     import torch
@@ -71,7 +72,7 @@ class KVConnectorRole(enum.Enum):
 
 
 @dataclasses.dataclass
-class KVConnectorMetadata:
+class KVConnectorMetadata(JSONDataclass):
     """What the scheduler instance tells the worker instance to do in one step.
 
     Subclass it as a dataclass of JSON-safe fields (str, int, float, bool, None, lists and str-keyed dicts of those);
@@ -79,51 +80,17 @@ class KVConnectorMetadata:
     sends metadata through JSON even inside one process, so an unsafe field fails in tests, not in production.
     """
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> KVConnectorMetadata:
-        return cls(**data)
-
-    def to_json(self) -> str:
-        """The wire form; ``TypeError`` naming the metadata class if a field is not JSON-safe."""
-        try:
-            return json.dumps(self.to_dict(), allow_nan=False, separators=(",", ":"))
-        except (TypeError, ValueError) as exc:
-            raise TypeError(
-                f"{type(self).__qualname__}.to_dict() is not JSON-safe ({exc}); connector metadata "
-                "crosses process boundaries as JSON: use str/int/float/bool/None, lists and dicts"
-            ) from exc
-
-    @classmethod
-    def from_json(cls, text: str) -> KVConnectorMetadata:
-        return cls.from_dict(json.loads(text))
-
-
-class KVConnectorBase(ABC):
+class KVConnectorBase(KVComponent, ABC):
     """Base class of KV connectors (vLLM V1's ``KVConnectorBase_V1`` contract, engine-neutral).
 
     Declare the connector's options (``config.kv_connector_extra_config``) in ``options_cls`` and read the parsed
-    ``self.options``. Block hashes in requests are rooted in ``kv_cache_spec`` (:mod:`wtransfer.connectors._hashing`).
+    ``self.options``; what else a connector class declares: :class:`~wtransfer.kvcache.KVComponent`. Block hashes in
+    requests are rooted in ``kv_cache_spec`` (:mod:`wtransfer.connectors._hashing`).
     """
 
     metadata_cls: ClassVar[type[KVConnectorMetadata]] = KVConnectorMetadata
     """The metadata class the worker rebuilds from the scheduler's dict."""
-
-    supported_layouts: ClassVar[tuple[str, ...]] = ("wtransfer",)
-    """KV cache layouts (:data:`wtransfer.kvcache.KV_LAYOUTS`) this connector handles; the factory refuses others."""
-    handles_parts: ClassVar[bool] = False
-    """Whether it keeps tensor-parallel workers' parts of a block apart (``KVCacheSpec.shard``); the factories
-    refuse an engine with ``num_shards > 1`` otherwise."""
-
-    options_cls: ClassVar[type | None] = None
-    """The dataclass (fields made with :func:`wtransfer.options.option`) declaring the accepted
-    ``kv_connector_extra_config`` keys. ``None`` (default): the dict is not checked, for connectors that read
-    ``extra_config`` themselves; ``self.options`` is then that dict."""
-
-    options_owner: ClassVar[str] = ""
-    """How option errors name this connector ("storage connector"); default: its class name."""
 
     def __init__(
         self,
@@ -170,13 +137,18 @@ class KVConnectorBase(ABC):
         self._connector_metadata = None
 
     def _get_connector_metadata(self) -> KVConnectorMetadata:
-        """The bound metadata; a clear error if the engine forgot to bind it."""
-        if self._connector_metadata is None:
+        """The bound metadata; a clear error if the engine forgot to bind it or bound another class's."""
+        meta = self._connector_metadata
+        if meta is None:
             raise RuntimeError(
                 f"{type(self).__name__}: no connector metadata bound; the engine must call "
                 "bind_connector_metadata() before start_load_kv()/save_kv_layer()"
             )
-        return self._connector_metadata
+        if not isinstance(meta, self.metadata_cls):
+            raise TypeError(
+                f"{type(self).__name__}: bound metadata is {type(meta).__name__}, expected {self.metadata_cls.__name__}"
+            )
+        return meta
 
     def has_connector_metadata(self) -> bool:
         return self._connector_metadata is not None

@@ -33,8 +33,6 @@ from functools import cached_property
 from typing import TYPE_CHECKING, BinaryIO
 
 if TYPE_CHECKING:
-    import torch
-
     from wtransfer.kvcache import KVCacheSpec
 
 FORMAT = "wtransfer-kv-block-v1"
@@ -108,11 +106,7 @@ class BlockLayout:
 
     @cached_property
     def data_bytes(self) -> int:
-        return math.prod(self.shape) * self.element_size
-
-    @property
-    def element_size(self) -> int:
-        return self._dtype_code()[1]
+        return math.prod(self.shape) * self._dtype_code()[1]
 
     def _dtype_code(self) -> tuple[str, int]:
         try:
@@ -174,13 +168,6 @@ def block_checksum(data: memoryview) -> str:
     plain_sum = int(np.add.reduce(words, dtype=np.uint64))
     weighted_sum = int(np.add.reduce(weighted, dtype=np.uint64))
     return f"wsum64:{plain_sum:016x}{weighted_sum:016x}"
-
-
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous CPU tensor (any dtype, bfloat16 included)."""
-    import torch
-
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
 def write_block_file(

@@ -29,32 +29,12 @@ LOW_WATER = 0.9
 otherwise pay for a scan)."""
 IN_USE_PREFIX = ".in-use."
 """A namespace's marker files, one per connector using it (``.in-use.<id>``): each refreshes its own
-(:func:`mark_in_use`) at most every ``IN_USE_REFRESH_S`` while it looks up or saves blocks, and removes it at
-shutdown."""
+(:meth:`wtransfer.connectors.storage.BlockStore.mark_in_use`) at most every ``IN_USE_REFRESH_S`` while it looks up
+or saves blocks, and removes it at shutdown."""
 IN_USE_REFRESH_S = 60.0
 IN_USE_TTL_S = 600.0
 """A namespace whose markers are all older than this (seconds), or that has none, is used by no instance (or by one
 idle that long): its files are evicted before any other namespace's."""
-
-
-def mark_in_use(namespace_dir: str, user: str) -> None:
-    """Say that the live connector ``user`` uses ``namespace_dir`` (its marker's mtime is now)."""
-    marker = os.path.join(namespace_dir, IN_USE_PREFIX + user)
-    try:
-        os.makedirs(namespace_dir, exist_ok=True)
-        with open(marker, "a"):
-            pass
-        os.utime(marker)
-    except OSError as exc:  # a read-only store: eviction then goes by last use alone
-        logger.debug("storage connector: could not mark %s in use: %s", namespace_dir, exc)
-
-
-def unmark_in_use(namespace_dir: str, user: str) -> None:
-    """The connector ``user`` no longer uses ``namespace_dir``."""
-    try:
-        os.unlink(os.path.join(namespace_dir, IN_USE_PREFIX + user))
-    except OSError:
-        pass
 
 
 def filesystem_share(root: str, share: float, most: int) -> int:
@@ -89,7 +69,7 @@ class StoreBudget:
         with self._lock:
             self._added_since_scan += nbytes
             if self._estimate is None:
-                self._estimate = self._scan_total()
+                self._estimate = sum(size for _, _, size in self._scan())
             else:
                 self._estimate += nbytes
             if self._estimate <= self.capacity_bytes or self._queued:
@@ -196,9 +176,6 @@ class StoreBudget:
                     continue
                 found.append((entry.path, stat.st_mtime, stat.st_size))
         return found
-
-    def _scan_total(self) -> int:
-        return sum(size for _, _, size in self._scan())
 
     def _live_namespaces(self) -> set[str]:
         """The namespace directories some connector marked in use within ``IN_USE_TTL_S``."""

@@ -2,15 +2,44 @@
 
 vLLM hands connectors its own objects (``Request``, ``SchedulerOutput``, ``KVCacheBlocks``), tying them to vLLM.
 These plain dataclasses carry just what a connector needs, so any paged-KV engine can build them and any connector
-read them; all round-trip through ``to_dict``/``from_dict`` as JSON-safe dicts.
+read them. Only :class:`KVConnectorOutput` crosses a process boundary (as JSON, through :class:`JSONDataclass`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+_T = TypeVar("_T", bound="JSONDataclass")
+
+
+class JSONDataclass:
+    """JSON wire form of a dataclass (see :class:`~wtransfer.connectors.KVConnectorMetadata` for what its fields may
+    be): ``to_dict``/``from_dict`` for flat dataclasses, ``to_json``/``from_json`` on top of them."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls: type[_T], data: dict[str, Any]) -> _T:
+        return cls(**data)
+
+    def to_json(self) -> str:
+        """``TypeError`` naming the class if a field is not JSON-safe."""
+        try:
+            return json.dumps(self.to_dict(), allow_nan=False, separators=(",", ":"))
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"{type(self).__qualname__}.to_dict() is not JSON-safe ({exc}); it crosses process boundaries as "
+                "JSON: use str/int/float/bool/None, lists and dicts"
+            ) from exc
+
+    @classmethod
+    def from_json(cls: type[_T], text: str) -> _T:
+        return cls.from_dict(json.loads(text))
 
 
 @dataclass
@@ -33,25 +62,6 @@ class KVRequest:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "token_ids": list(self.token_ids),
-            "block_hashes": list(self.block_hashes),
-            "num_computed_tokens": self.num_computed_tokens,
-            "kv_transfer_params": self.kv_transfer_params,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> KVRequest:
-        return cls(
-            request_id=str(data["request_id"]),
-            token_ids=[int(t) for t in data["token_ids"]],
-            block_hashes=[str(h) for h in data.get("block_hashes", [])],
-            num_computed_tokens=int(data.get("num_computed_tokens", 0)),
-            kv_transfer_params=data.get("kv_transfer_params"),
-        )
-
 
 @dataclass
 class ScheduledRequest:
@@ -70,21 +80,6 @@ class ScheduledRequest:
     def num_computed_after_step(self) -> int:
         return self.request.num_computed_tokens + self.num_scheduled_tokens
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "request": self.request.to_dict(),
-            "block_ids": list(self.block_ids),
-            "num_scheduled_tokens": self.num_scheduled_tokens,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ScheduledRequest:
-        return cls(
-            request=KVRequest.from_dict(data["request"]),
-            block_ids=[int(b) for b in data["block_ids"]],
-            num_scheduled_tokens=int(data["num_scheduled_tokens"]),
-        )
-
 
 @dataclass
 class SchedulerStep:
@@ -99,26 +94,9 @@ class SchedulerStep:
     finished_req_ids: list[str] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "scheduled": [s.to_dict() for s in self.scheduled],
-            "finished_req_ids": list(self.finished_req_ids),
-            "preempted_req_ids": list(self.preempted_req_ids),
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SchedulerStep:
-        return cls(
-            step=int(data["step"]),
-            scheduled=[ScheduledRequest.from_dict(s) for s in data.get("scheduled", [])],
-            finished_req_ids=[str(r) for r in data.get("finished_req_ids", [])],
-            preempted_req_ids=[str(r) for r in data.get("preempted_req_ids", [])],
-        )
-
 
 @dataclass
-class KVConnectorOutput:
+class KVConnectorOutput(JSONDataclass):
     """What the workers told the engine after one step: the argument of ``update_connector_output``.
 
     vLLM's ``KVConnectorOutput``, engine-neutral and JSON-safe; ``worker_meta`` holds one entry per worker whose
@@ -128,30 +106,6 @@ class KVConnectorOutput:
     finished_recving: list[str] = field(default_factory=list)
     invalid_block_ids: list[int] = field(default_factory=list)
     worker_meta: list[dict[str, Any]] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "finished_sending": sorted(self.finished_sending),
-            "finished_recving": sorted(self.finished_recving),
-            "invalid_block_ids": sorted(self.invalid_block_ids),
-            "worker_meta": list(self.worker_meta),
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> KVConnectorOutput:
-        return cls(
-            finished_sending=[str(r) for r in data.get("finished_sending", [])],
-            finished_recving=[str(r) for r in data.get("finished_recving", [])],
-            invalid_block_ids=[int(b) for b in data.get("invalid_block_ids", [])],
-            worker_meta=[dict(m) for m in data.get("worker_meta", [])],
-        )
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), allow_nan=False, separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, text: str) -> KVConnectorOutput:
-        return cls.from_dict(json.loads(text))
 
 
 def full_block_range(num_tokens_before: int, num_tokens_after: int, block_size: int) -> Sequence[int]:

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from wtransfer.config import KVTransferConfig
 from wtransfer.connectors._base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
@@ -117,7 +117,6 @@ class MultiConnector(KVConnectorBase):
         self._sent_reports: Counter[str] = Counter()
         self._expected_on_worker: dict[str, int] = {}
         self._load_errors: set[int] = set()
-        self._closed = False
 
     def _child_names(self) -> str:
         return ", ".join(f"#{i} {c.config.kv_connector}" for i, c in enumerate(self.children))
@@ -241,8 +240,7 @@ class MultiConnector(KVConnectorBase):
         if not failed:
             return
         self._load_errors |= failed
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, MultiConnectorMetadata)
+        meta = cast(MultiConnectorMetadata, self._get_connector_metadata())  # checked against metadata_cls
         requests = {rid for rid, blocks in meta.loads.items() if failed.intersection(blocks)}
         for child in self.children:
             child.skip_saves(requests)
@@ -287,9 +285,7 @@ class MultiConnector(KVConnectorBase):
         }
 
     def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        """Every child's (idempotent, per the contract: so is this)."""
         errors: list[BaseException] = []
         for child in self.children:
             try:

@@ -1,10 +1,8 @@
 """The ``offloading`` connector: KV blocks the engine computes go to an offloading spec's tier, and prefixes the
 engine's own cache has lost come back from it.
 
-Options (``kv_connector_extra_config``) are the spec's: ``spec_name`` (default ``cpu``), ``spec_module_path``, and
-whatever the spec declares (``cpu_bytes_to_use``, ``block_size``, ``eviction_policy``...). The connector checks only
-the first two (:class:`OffloadingConnectorOptions`); the spec checks the whole dict against its ``options_cls``, so
-it reports a misspelled key with its own valid keys.
+Options (``kv_connector_extra_config``) are the spec's; the connector itself reads only ``spec_name`` and
+``spec_module_path`` (:class:`~wtransfer.specs._base.SpecChoiceOptions`; see :meth:`OffloadingConnector.parse_options`).
 
 How the two halves agree
 ------------------------
@@ -38,12 +36,12 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from wtransfer.connectors._base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 from wtransfer.kvcache import KV_LAYOUTS
-from wtransfer.options import option
-from wtransfer.specs._base import DEVICE_MEDIUM, LoadStoreSpec
+from wtransfer.options import option_value
+from wtransfer.specs._base import DEVICE_MEDIUM, LoadStoreSpec, SpecChoiceOptions
 from wtransfer.specs._factory import OffloadingSpecFactory
 
 if TYPE_CHECKING:
@@ -76,14 +74,7 @@ class _StoreJob:
     started: float = dataclasses.field(default_factory=time.monotonic)
 
 
-@dataclasses.dataclass(frozen=True)
-class OffloadingConnectorOptions:
-    """The ``kv_connector_extra_config`` keys the connector itself reads; every other key is the spec's."""
-
-    spec_name: str = option("cpu", doc="which offloading spec to create (a registered name)")
-    spec_module_path: str | None = option(None, doc="module to import the spec_name class from, if not registered")
-
-
+OffloadingConnectorOptions = SpecChoiceOptions
 _CONNECTOR_KEYS = frozenset(f.name for f in dataclasses.fields(OffloadingConnectorOptions))
 
 
@@ -273,10 +264,10 @@ class OffloadingConnector(KVConnectorBase):
         self._report: dict[str, list[str]] = {"stored": [], "failed": []}  # for the scheduler, next step
         self._finished_waiting: set[str] = set()
         self._loads_in_flight: dict[int, tuple[str, tuple[int, ...]]] = {}
-        self._failed_requests: set[str] = set()
+        self._failed_requests: set[str] = set()  # this step's: their loads failed here, or elsewhere (skip_saves)
         self._load_errors: set[int] = set()
         self._bad_tier_blocks: set[int] = set()
-        self._timeout_s = float(getattr(self.spec.options, "transfer_timeout_s", 60.0))
+        self._timeout_s = float(option_value(self.spec.options, "transfer_timeout_s", 60.0))
         self._abandoned_loads: set[int] = set()  # given up on, not yet ended: the tier gets no load meanwhile
         self._abandoned_stores: dict[int, _StoreJob] = {}  # given up on, not yet ended: their slots stay taken
         self._worker_stats = {
@@ -304,9 +295,7 @@ class OffloadingConnector(KVConnectorBase):
         return self._store_handler, self._load_handler
 
     def _meta(self) -> OffloadingConnectorMetadata:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, OffloadingConnectorMetadata)
-        return meta
+        return cast(OffloadingConnectorMetadata, self._get_connector_metadata())  # checked against metadata_cls
 
     def start_load_kv(self, **kwargs: Any) -> None:
         meta = self._meta()
@@ -365,6 +354,9 @@ class OffloadingConnector(KVConnectorBase):
             # the next forward overwrites those blocks: a store still reading them cannot be trusted
             self._give_up_stores([job for job in jobs if job in self._store_jobs])
 
+    def skip_saves(self, request_ids: set[str]) -> None:
+        self._failed_requests.update(request_ids)
+
     def wait_for_save(self) -> None:
         meta = self._meta()
         if not meta.stores:
@@ -382,7 +374,7 @@ class OffloadingConnector(KVConnectorBase):
             tier_ids = entry["dst"]["block_ids"]
             key = _store_key(meta.step, entry["request_id"])
             if entry["request_id"] in self._failed_requests:
-                # computed on top of a failed load: never store it, and say so
+                # computed on top of a failed load (here or in another connector): never store it, and say so
                 self._bad_tier_blocks.update(tier_ids)
                 self._report["failed"].append(key)
                 continue

@@ -1,27 +1,13 @@
 """``storage``: KV blocks saved to and loaded from a directory (local or shared filesystem).
 
-Options (``kv_connector_extra_config``, declared in :class:`StorageOptions`):
-
-``path`` (required)
-    Root directory. Blocks live at ``<path>/<namespace[:16]>/<hash>.safetensors``, one safetensors file per block
-    (see :mod:`wtransfer.connectors._blockfile`); with tensor parallelism one file per worker's part,
-    ``<hash>.<part>of<parts>.safetensors``, and a block is stored only when every part is.
-``io_threads`` (default 2)
-    Threads that read and write block files: a step's loads run in parallel, saves in the background.
-``capacity_bytes`` (default 64 GiB, or a quarter of the filesystem holding ``path`` if less; ``None``: unbounded)
-    The most the block files may take, all namespaces together. Past it, whichever process sharing the store
-    notices deletes files (see :mod:`wtransfer.connectors._budget`): first those of namespaces no instance has used
-    for 10 minutes (each weight sync starts a new namespace), then the least recently saved or loaded.
-``max_pending_save_bytes`` (default 256 MiB)
-    Host memory for block copies waiting to be written. A save that would exceed it is dropped (counted as
-    ``saves_dropped_backlog``) and recomputed by a later request: nothing waits on slow storage.
-``fsync`` (default False)
-    fsync each file before renaming it into place. The rename already hides partial files from readers; fsync
-    adds durability across power loss.
-``io_timeout_s`` (default 60)
-    How long the worker waits for a step's loads. Loads still running then count as failed (reported through
-    ``get_block_ids_with_load_errors``: vLLM recomputes them or fails the request, per its
-    ``kv_load_failure_policy``) and never write into the cache afterwards.
+Options: :class:`StorageOptions` (and the table in docs/kv-connectors.md). Blocks live at
+``<path>/<namespace[:16]>/<hash>.safetensors``, one safetensors file per block (see
+:mod:`wtransfer.connectors._blockfile`); with tensor parallelism one file per worker's part,
+``<hash>.<part>of<parts>.safetensors``, and a block is stored only when every part is. Past ``capacity_bytes``,
+whichever process sharing the store notices evicts (:mod:`wtransfer.connectors._budget`). A save that would exceed
+``max_pending_save_bytes`` is dropped (``saves_dropped_backlog``) and recomputed by a later request: nothing waits on
+slow storage. Loads still running after ``io_timeout_s`` count as failed (``get_block_ids_with_load_errors``: vLLM
+recomputes them or fails the request, per its ``kv_load_failure_policy``) and never write into the cache afterwards.
 
 Matching is per block: if the first ``k`` blocks after a request's local hits are stored and valid, it gets
 ``k * block_size`` tokens. Truncated, corrupt or foreign-layout files are misses: logged, counted in
@@ -45,10 +31,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from wtransfer.connectors._base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
-from wtransfer.connectors._budget import IN_USE_REFRESH_S, StoreBudget, filesystem_share, mark_in_use, unmark_in_use
+from wtransfer.connectors._budget import IN_USE_PREFIX, IN_USE_REFRESH_S, StoreBudget, filesystem_share
 from wtransfer.connectors._blockfile import (
     CORRUPT_SUFFIX,
     BlockFileError,
@@ -58,7 +44,6 @@ from wtransfer.connectors._blockfile import (
     write_block_file,
 )
 from wtransfer.connectors._request import full_block_range
-from wtransfer.errors import TransferTimeoutError
 from wtransfer.kvcache import KV_LAYOUTS, block_view
 from wtransfer.options import option
 
@@ -71,7 +56,6 @@ if TYPE_CHECKING:
     from wtransfer.kvcache import KVCacheSpec
 
 logger = logging.getLogger("wtransfer")
-
 
 
 LAST_USE_REFRESH_S = 1.0
@@ -125,14 +109,6 @@ class BlockTransfer:
     block_id: int
     block_hash: str
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "block_index": self.block_index,
-            "block_id": self.block_id,
-            "block_hash": self.block_hash,
-        }
-
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BlockTransfer:
         return cls(str(data["request_id"]), int(data["block_index"]), int(data["block_id"]), str(data["block_hash"]))
@@ -140,13 +116,11 @@ class BlockTransfer:
 
 @dataclass
 class StorageConnectorMetadata(KVConnectorMetadata):
-    """One step's work for the storage worker: blocks to load before the forward pass, blocks to save after."""
+    """One step's work for the storage worker: blocks to load before the forward pass, blocks to save after.
+    ``to_dict`` is the default (``asdict`` recurses); ``from_dict`` rebuilds the nested transfers."""
 
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"loads": [t.to_dict() for t in self.loads], "saves": [t.to_dict() for t in self.saves]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StorageConnectorMetadata:
@@ -182,7 +156,8 @@ class BlockStore:
         self.namespace_dir = os.path.join(self.root, layout.namespace[:16])
         self._made_dirs: set[str] = set()
         self._marked_at = float("-inf")
-        self._user = f"{os.getpid()}-{id(self):x}"  # this connector's own in-use marker
+        # this connector's own in-use marker
+        self._marker = os.path.join(self.namespace_dir, f"{IN_USE_PREFIX}{os.getpid()}-{id(self):x}")
         # every part's layout (tensor parallelism: one file per worker's part of a block)
         self._parts = [layout if shard == layout.shard else dataclasses.replace(layout, shard=shard)
                        for shard in range(layout.num_shards)]
@@ -197,13 +172,23 @@ class BlockStore:
         import time
 
         now = time.monotonic()
-        if now - self._marked_at >= IN_USE_REFRESH_S:
-            self._marked_at = now
-            mark_in_use(self.namespace_dir, self._user)
+        if now - self._marked_at < IN_USE_REFRESH_S:
+            return
+        self._marked_at = now
+        try:
+            os.makedirs(self.namespace_dir, exist_ok=True)
+            with open(self._marker, "a"):
+                pass
+            os.utime(self._marker)
+        except OSError as exc:  # a read-only store: eviction then goes by last use alone
+            logger.debug("storage connector: could not mark %s in use: %s", self.namespace_dir, exc)
 
     def release(self) -> None:
         """This connector is done with the namespace (its marker goes; others' stay)."""
-        unmark_in_use(self.namespace_dir, self._user)
+        try:
+            os.unlink(self._marker)
+        except OSError:
+            pass
 
     def ensure_parent(self, path: str, *, recheck: bool = False) -> None:
         """Create the block's directory once per process (``recheck`` after someone removed it)."""
@@ -237,17 +222,6 @@ class BlockStore:
             os.replace(path, path + CORRUPT_SUFFIX)
         except OSError:
             pass  # already moved or removed by another process
-
-
-def _raw_view(spec: KVCacheSpec, name: str, cache: torch.Tensor) -> np.ndarray:
-    """The cache's memory as a ``[segments, num_blocks, block elements]`` integer numpy array (no copy).
-
-    Numpy copies avoid torch's per-call overhead and intra-op threads, and work for dtypes numpy lacks (bf16, fp8)."""
-    import torch
-
-    view = block_view(spec, name, cache, who="storage connector")
-    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[cache.element_size()]
-    return view.view(as_int).numpy()
 
 
 @dataclass(slots=True, eq=False)
@@ -301,7 +275,6 @@ class StorageConnector(KVConnectorBase):
         self._pending_loads: list[BlockTransfer] = []
         self._requests_with_saves: set[str] = set()
         # worker state
-        self._kv_caches: dict[str, torch.Tensor] | None = None
         self._block_views: list[np.ndarray] = []  # per layer, [segments, num_blocks, block elements]
         self._executor: ThreadPoolExecutor | None = None
         self._buffers = threading.local()
@@ -383,8 +356,15 @@ class StorageConnector(KVConnectorBase):
                 f"storage connector: kv_caches layers {sorted(kv_caches)} differ from the spec's "
                 f"{list(spec.layer_names)}"
             )
-        views = [_raw_view(spec, name, kv_caches[name]) for name in spec.layer_names]
-        self._kv_caches = kv_caches
+        import torch
+
+        # Each layer as an integer numpy array (no copy): numpy copies avoid torch's per-call overhead and intra-op
+        # threads, and work for dtypes numpy lacks (bf16, fp8).
+        as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        views = []
+        for name in spec.layer_names:
+            view = block_view(spec, name, kv_caches[name], who="storage connector")
+            views.append(view.view(as_int[view.element_size()]).numpy())
         self._block_views = views
 
     def start_load_kv(self, **kwargs: Any) -> None:
@@ -463,25 +443,17 @@ class StorageConnector(KVConnectorBase):
     def get_kv_connector_stats(self) -> dict[str, Any]:
         return self.counters.snapshot()
 
-    def wait_for_pending_saves(self, timeout_s: float | None = None) -> None:
-        """Block until every queued save finished (tests, benchmarks, shutdown)."""
-        with self._inflight_lock:
-            pending = set(self._inflight_futures)
-        _, not_done = wait_futures(pending, timeout=timeout_s if timeout_s is not None else self.io_timeout_s)
-        if not_done:
-            raise TransferTimeoutError(
-                f"storage connector: {len(not_done)} block saves still running after {timeout_s}s"
-            )
-
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
         if self._executor is not None:
-            try:
-                self.wait_for_pending_saves()
-            except TransferTimeoutError as exc:
-                logger.error("%s; abandoning them", exc)
+            with self._inflight_lock:
+                pending = set(self._inflight_futures)
+            _, not_done = wait_futures(pending, timeout=self.io_timeout_s)
+            if not_done:
+                logger.error("storage connector: %d block saves still running after %gs (io_timeout_s); abandoning "
+                             "them", len(not_done), self.io_timeout_s)
             self._executor.shutdown(wait=True, cancel_futures=True)  # abandoned saves do not run on
             self._executor = None
         self.store.release()  # unless another instance uses it, the namespace is evicted first now
@@ -490,12 +462,7 @@ class StorageConnector(KVConnectorBase):
 
     # ---------------------------------------------------------------- internals
     def _meta(self) -> StorageConnectorMetadata:
-        meta = self._get_connector_metadata()
-        if not isinstance(meta, StorageConnectorMetadata):
-            raise TypeError(
-                f"storage connector: bound metadata is {type(meta).__name__}, expected StorageConnectorMetadata"
-            )
-        return meta
+        return cast(StorageConnectorMetadata, self._get_connector_metadata())  # checked against metadata_cls
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._closed:

@@ -1,15 +1,10 @@
-"""The KV-offloading toolkit: everything a spec or eviction-policy author may import.
+"""The KV-offloading toolkit: everything a spec or eviction-policy author may import (``_EXPORTS``).
 
-Base and data types (vLLM's names)
-    ``OffloadingSpec``, ``OffloadingSpecOptions`` (the keys every spec takes; extend it), ``OffloadingManager``,
-    ``OffloadingHandler``, ``LoadStoreSpec``, ``TransferResult``, ``PrepareStoreOutput``, ``OffloadingEvent``,
-    ``KVCacheSpec``, ``block_view``; the media names ``DEVICE_MEDIUM`` and ``CPU_MEDIUM``.
-Parts the built-in tier is made of
-    ``BlockTableManager`` (a fixed table of slots, any eviction policy), ``BlockCopyHandler`` (copies block rows
-    between two tensors on a thread), ``EvictionPolicy`` (base of the ``wtransfer.policies`` plugin kind),
-    ``LRUPolicy``, ``ARCPolicy``, ``create_policy``.
-Specs to derive from live in their own modules: ``CPUOffloadingSpec`` in :mod:`wtransfer.specs.cpu`.
-    ``OffloadingSpecFactory`` is :mod:`wtransfer`'s.
+Base and data types carry vLLM's names; extend ``OffloadingSpecOptions`` (the keys every spec takes). The built-in
+tier is made of ``BlockTableManager`` (a fixed table of slots, any eviction policy) and ``BlockCopyHandler`` (copies
+block rows between two tensors on a thread); ``EvictionPolicy`` is the base of the ``wtransfer.policies`` plugin
+kind. Specs to derive from live in their own modules: ``CPUOffloadingSpec`` in :mod:`wtransfer.specs.cpu`.
+``OffloadingSpecFactory`` is :mod:`wtransfer`'s.
 """
 
 from wtransfer._lazy import lazy_exports

@@ -15,9 +15,10 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from wtransfer import options as _options
+from wtransfer.kvcache import KVComponent
 from wtransfer.options import option
 
 if TYPE_CHECKING:
@@ -177,12 +178,18 @@ class OffloadingHandler(ABC):
 
 
 @dataclass(frozen=True)
-class OffloadingSpecOptions:
-    """The ``kv_connector_extra_config`` keys every spec takes: which spec, and the offloaded block size. A spec's
-    ``options_cls`` subclasses this, so the offloading connector's one dict is checked once, every valid key named."""
+class SpecChoiceOptions:
+    """Which spec to create: the only ``kv_connector_extra_config`` keys the offloading connector itself reads."""
 
     spec_name: str = option("cpu", doc="which offloading spec to create (a registered name)")
     spec_module_path: str | None = option(None, doc="module to import the spec_name class from, if not registered")
+
+
+@dataclass(frozen=True)
+class OffloadingSpecOptions(SpecChoiceOptions):
+    """The ``kv_connector_extra_config`` keys every spec takes: which spec, and the offloaded block size. A spec's
+    ``options_cls`` subclasses this, so the offloading connector's one dict is checked once, every valid key named."""
+
     block_size: int | None = option(
         None, doc="tokens per offloaded block, a multiple of the engine's block size (default: the engine's)"
     )
@@ -202,26 +209,14 @@ class OffloadingSpecOptions:
 _BASE_KEYS = frozenset(f.name for f in dataclasses.fields(OffloadingSpecOptions))
 
 
-class OffloadingSpec(ABC):
+class OffloadingSpec(KVComponent, ABC):
     """Base class of KV offloading specs: where evicted KV blocks go, and how.
 
     Declare options (``config.kv_connector_extra_config``) in ``options_cls``, a subclass of
-    :class:`OffloadingSpecOptions`, and read the parsed ``self.options``. ``block_size`` there is the offloaded block
-    size in tokens, a multiple of the engine's (default: the engine's).
+    :class:`OffloadingSpecOptions`, and read the parsed ``self.options``; what else a spec class declares:
+    :class:`~wtransfer.kvcache.KVComponent`. ``block_size`` there is the offloaded block size in tokens, a multiple
+    of the engine's (default: the engine's).
     """
-
-    supported_layouts: ClassVar[tuple[str, ...]] = ("wtransfer",)
-    """KV cache layouts (:data:`wtransfer.kvcache.KV_LAYOUTS`) this spec copies; the factory refuses others."""
-    handles_parts: ClassVar[bool] = False
-    """Whether its tier keeps tensor-parallel workers' parts of a block apart (``KVCacheSpec.shard``)."""
-
-    options_cls: ClassVar[type | None] = None
-    """The dataclass declaring this spec's ``kv_connector_extra_config`` (best: a subclass of
-    :class:`OffloadingSpecOptions`). ``None`` (default): the dict is not checked, for specs that read
-    ``extra_config`` themselves; ``self.options`` is then that dict."""
-
-    options_owner: ClassVar[str] = ""
-    """How option errors name this spec ("cpu offloading spec"); default: its class name."""
 
     def __init__(self, config: KVTransferConfig, kv_cache_spec: KVCacheSpec | None = None) -> None:
         self.config = config

@@ -41,7 +41,6 @@ class BlockTableManager(OffloadingManager):
         policy: EvictionPolicy | str = "lru",
         *,
         medium: str = CPU_MEDIUM,
-        emit_events: bool = True,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"An offloading tier needs at least one block, got num_blocks={num_blocks}")
@@ -49,7 +48,6 @@ class BlockTableManager(OffloadingManager):
         self.block_size = block_size
         self.medium = medium
         self.policy = create_policy(policy, num_blocks) if isinstance(policy, str) else policy
-        self.emit_events = emit_events
         self._table: dict[BlockHash, _Slot] = {}
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._num_evictable = 0
@@ -172,7 +170,7 @@ class BlockTableManager(OffloadingManager):
 
     # -- events ------------------------------------------------------------------------------
     def _emit(self, block_hashes: list[BlockHash], removed: bool) -> None:
-        if self.emit_events and block_hashes:
+        if block_hashes:
             self._events.append(OffloadingEvent(tuple(block_hashes), self.block_size, self.medium, removed))
 
     def take_events(self) -> list[OffloadingEvent]:

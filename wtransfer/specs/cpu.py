@@ -1,18 +1,8 @@
 """The built-in ``cpu`` spec: a host-memory tier for KV blocks evicted from the engine's cache (GPU or CPU).
 
-Options (``kv_connector_extra_config``, declared in :class:`CPUSpecOptions`):
-
-* ``num_cpu_blocks`` or ``cpu_bytes_to_use``: the tier's size, in offloaded blocks or bytes;
-* ``block_size``: tokens per offloaded block, a multiple of the engine's block size;
-* ``eviction_policy``: ``"lru"`` (default), ``"arc"`` or any ``wtransfer.policies`` entry point, bare or
-  ``"distribution:name"``;
-* ``transfer_timeout_s`` (every spec's): how long ``wait`` blocks before raising (default 60);
-* ``staging_blocks``: engine blocks per copy chunk, bounding the staging buffers (default: as many as fill
-  ``STAGING_BYTES`` of one layer; a store from a GPU keeps two pairs, so one chunk's copy overlaps the
-  last one's host write).
-
-The tier is one tensor allocated (and faulted in) on the first ``get_handlers`` call; every transfer reuses it and
-the preallocated staging buffers of its direction.
+Options: :class:`CPUSpecOptions` (their docs, and docs/kv-offloading.md). The tier is one tensor allocated (and
+faulted in) on the first ``get_handlers`` call; every transfer reuses it and the preallocated staging buffers of its
+direction (a store from a GPU keeps two pairs, so one chunk's copy overlaps the last one's host write).
 """
 
 from __future__ import annotations
@@ -50,7 +40,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("wtransfer")
 
-DEFAULT_TRANSFER_TIMEOUT_S = 60.0
 STAGING_BYTES = 16 << 20
 """One layer's copy chunk by default: with the cache on a GPU, smaller chunks stored below plain index ops (each
 chunk's copy and host write are one step of a pipeline). Measure yours with ``python -m benchmarks offload
@@ -113,7 +102,7 @@ class BlockCopyHandler(OffloadingHandler):
         dst: BlockRows,
         *,
         staging_rows: int | None = None,
-        timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
+        timeout_s: float = 60.0,
     ) -> None:
         self.src, self.dst = src, dst
         self.timeout_s = timeout_s
@@ -317,12 +306,11 @@ class CPUOffloadingSpec(OffloadingSpec):
             self.num_layers * self.segments * self.row_elems * self.block_size_factor * self.dtype.itemsize
         )
         self.num_blocks = self._num_blocks()
-        self.eviction_policy = self.options.eviction_policy
-        self.policy_cls = policy_class(self.eviction_policy)  # resolve once; fail now, not at the first eviction
+        self.policy_cls = policy_class(self.options.eviction_policy)  # resolve once: fail now, not when evicting
         self.timeout_s = self.options.transfer_timeout_s
-        self.staging_blocks = self.options.staging_blocks
         self._manager: BlockTableManager | None = None
-        self._tier: torch.Tensor | None = None
+        self.tier: torch.Tensor | None = None
+        """``[layers, segments, num_blocks * block_size_factor, row]`` once the worker side exists."""
         self._handlers: list[tuple[str, str, BlockCopyHandler]] = []
 
     def _num_blocks(self) -> int:
@@ -343,11 +331,6 @@ class CPUOffloadingSpec(OffloadingSpec):
             )
         return count
 
-    @property
-    def tier(self) -> torch.Tensor | None:
-        """``[layers, segments, num_blocks * block_size_factor, row]`` once the worker side exists."""
-        return self._tier
-
     def get_manager(self) -> BlockTableManager:
         if self._manager is None:
             self._manager = BlockTableManager(
@@ -367,18 +350,18 @@ class CPUOffloadingSpec(OffloadingSpec):
         device = engine_layers[0].device
         started = time.perf_counter()
         # zeros, not empty: fault every page in now rather than during the first transfers
-        self._tier = torch.zeros(
+        self.tier = torch.zeros(
             (self.num_layers, self.segments, self.num_blocks * self.block_size_factor, self.row_elems),
             dtype=self.dtype,
             pin_memory=device.type == "cuda",
         )
         logger.info(
             "CPU offload tier: %d blocks of %d tokens, %.1f MiB, allocated in %.2fs",
-            self.num_blocks, self.offloaded_block_size, self._tier.nbytes / 2**20, time.perf_counter() - started,
+            self.num_blocks, self.offloaded_block_size, self.tier.nbytes / 2**20, time.perf_counter() - started,
         )
         engine = BlockRows(DEVICE_MEDIUM, engine_layers, 1)
-        tier = BlockRows(CPU_MEDIUM, tuple(self._tier.unbind(0)), self.block_size_factor)
-        options = {"staging_rows": self.staging_blocks, "timeout_s": self.timeout_s}
+        tier = BlockRows(CPU_MEDIUM, tuple(self.tier.unbind(0)), self.block_size_factor)
+        options = {"staging_rows": self.options.staging_blocks, "timeout_s": self.timeout_s}
         return [
             (DEVICE_MEDIUM, CPU_MEDIUM, self.handler_cls(engine, tier, **options)),
             (CPU_MEDIUM, DEVICE_MEDIUM, self.handler_cls(tier, engine, **options)),

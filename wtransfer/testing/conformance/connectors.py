@@ -21,9 +21,8 @@ from typing import Any
 
 import pytest
 
-from wtransfer.testing.conformance._contract import require
+from wtransfer.testing.conformance._contract import BLOCK_SIZE, layout_spec, require
 
-BLOCK_SIZE = 4
 PROMPT = [(7 * i + 3) % 500 for i in range(14)]  # 3 full blocks + 2 tokens
 """Never a multiple of the block size: the engine always has a prompt token left to compute."""
 
@@ -44,14 +43,7 @@ class ConnectorConformance:
     @pytest.fixture(params=["wtransfer", "vllm-cpu"])
     def kv_cache_spec(self, request: Any) -> Any:
         """The engine's cache, once per known layout (a layout the connector does not declare is skipped)."""
-        from wtransfer import get_class
-        from wtransfer.kvcache import KVCacheSpec
-
-        supported = getattr(get_class("connectors", self.connector), "supported_layouts", ("wtransfer",))
-        if request.param not in supported:
-            pytest.skip(f"connector {self.connector!r} does not declare the {request.param!r} layout")
-        return KVCacheSpec(("layer.0", "layer.1"), block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8,
-                           dtype="float32", model_fingerprint="conformance-model", layout=request.param)
+        return layout_spec("connectors", self.connector, request.param)
 
     @pytest.fixture
     def kv_transfer_config(self, connector_options: dict[str, Any]) -> Any:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from wtransfer.testing.conformance._contract import require
+from wtransfer.testing.conformance._contract import layout_spec, require
 
 _counter = itertools.count()
 
@@ -45,14 +45,7 @@ class SpecConformance:
     @pytest.fixture(params=["wtransfer", "vllm-cpu"])
     def kv_cache_spec(self, request: Any) -> Any:
         """The engine's cache, once per known layout (a layout the spec does not declare is skipped)."""
-        from wtransfer import get_class
-        from wtransfer.kvcache import KVCacheSpec
-
-        supported = getattr(get_class("specs", self.spec), "supported_layouts", ("wtransfer",))
-        if request.param not in supported:
-            pytest.skip(f"spec {self.spec!r} does not declare the {request.param!r} layout")
-        return KVCacheSpec(("layer.0", "layer.1"), block_size=4, num_kv_heads=2, head_size=8,
-                           dtype="float32", model_fingerprint="conformance", layout=request.param)
+        return layout_spec("specs", self.spec, request.param)
 
     @pytest.fixture
     def offloading_spec(self, spec_options: dict[str, Any], kv_cache_spec: Any) -> Any:
