@@ -13,7 +13,6 @@ the pipe: no user object is ever pickled.
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import multiprocessing
@@ -59,12 +58,11 @@ def factory_reference(factory: Callable[..., Any] | str) -> str:
 
 
 def _resolve(reference: str) -> Callable[..., Any]:
-    module_name, _, qualname = reference.partition(":")
+    from wtransfer._registry.loading import import_target
+
     try:
-        target: Any = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            target = getattr(target, part)
-    except (ImportError, AttributeError) as exc:
+        target: Any = import_target(reference)
+    except (ImportError, AttributeError, ValueError) as exc:
         raise TypeError(
             f"the worker process cannot import the model factory {reference!r} ({exc}); define it at "
             f"module level in an importable module, or in a script run as a file whose main code is "
@@ -147,8 +145,6 @@ def _worker_main(
                 "weights_torn": engine.weights_torn,
                 "devices": sorted({str(t.device) for t in model.state_dict().values()}),
             }
-        elif op == "reset_peak":
-            rss.reset()
         else:
             raise ValueError(f"unknown local-pool request {op!r}")
         return {"weight_version": engine.weight_version}
@@ -279,11 +275,8 @@ class LocalWorkerPool:
         return [reply["digests"] for reply in self.request("digests")]
 
     def stats(self) -> list[dict[str, Any]]:
-        """Per worker: pid, rss, peak_extra_rss (since reset_peak), open fds, weight_version."""
+        """Per worker: pid, rss, peak_extra_rss (since the worker started), open fds, weight_version."""
         return self.request("stats")
-
-    def reset_peak(self) -> None:
-        self.request("reset_peak")
 
     def request(self, op: str, info: Any = None) -> list[dict[str, Any]]:
         """Send one request to every worker and wait (bounded) for all replies."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import logging
 import os
 import statistics
 import tempfile
@@ -23,8 +22,6 @@ from wtransfer.testing.models import build_model, digests, mutate, parse_model, 
 
 if TYPE_CHECKING:
     import torch
-
-logger = logging.getLogger("wtransfer")
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64",
           "fp8": "float8_e4m3fn", "int8": "int8"}  # fmt: skip
@@ -99,9 +96,8 @@ def run_engine(
 
     ``references`` (peer name -> GB/s on the same tensors) are measured right after each round, so a change of the
     machine's load during the run skews both alike."""
-    from wtransfer._probes import PeakRss
+    from wtransfer._probes import PeakRss, staging_segments
     from wtransfer.engines._source import ModuleSource
-    from wtransfer._probes import staging_segments
     from wtransfer.engines._trainer import create_trainer
     from wtransfer.local import LocalWorkerPool
 
@@ -158,17 +154,6 @@ def run_engine(
     return result
 
 
-def _timed(repeats: int, setup: Callable[[], Any], body: Callable[[Any], None]) -> float:
-    """Median seconds of ``body`` over ``repeats`` runs."""
-    times = []
-    for _ in range(repeats):
-        state = setup()
-        start = time.perf_counter()
-        body(state)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def memcpy_reference(tensors: list[torch.Tensor]) -> Callable[[], float]:
     """A callable measuring GB/s of one copy of every tensor into resident memory; the destinations are allocated
     and touched here, before any engine runs, so they never count in an engine's peak RSS."""
@@ -218,14 +203,15 @@ def peer_share_memory(tensors: list[torch.Tensor], repeats: int) -> float:
     from wtransfer.engines._packing import copy_tensor
 
     destinations = [t.clone() for t in tensors]
-
-    def body(_: Any) -> None:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
         for dst, src in zip(destinations, tensors):
             shared = src.clone().share_memory_()
             copy_tensor(dst, shared)
             del shared
-
-    return _timed(repeats, lambda: None, body)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 _STOP, _ONE_TENSOR, _PER_TENSOR, _PER_TENSOR_LOOP, _CHUNKED = 0, 1, 2, 3, 4

@@ -1,28 +1,13 @@
 """The weight-transfer toolkit, upper layer: what an engine author derives from and implements.
 
-Two layers, each a promise of its own (the surface test holds both to these lists):
+Two layers, each a promise of its own (the surface test holds both to their ``__all__``; the
+table in docs/plugins.md lists and explains every name):
 
 ``wtransfer.engines`` (this module)
-    For someone deriving from a built-in or writing a worker/trainer pair.
-
-    Worker side: ``WeightTransferEngine`` (the seed's base class), ``WeightTransferInitInfo``,
-    ``WeightTransferUpdateInfo``, ``ManifestUpdateInfo`` (per-round info carrying the manifest),
-    ``LoadWeights`` (the loader's type), ``global_rank`` (the seed's rank rule),
-    ``BufferBudgetOptions`` / ``check_buffer_budget`` (``max_buffer_bytes``), ``module_loader``,
-    ``validate_with_loader``. An engine declares its ``WeightTransferConfig.options`` as ``options_cls``.
-
-    Trainer side: ``TrainerWeightTransferEngine`` with its extension points ``prepare_workers``,
-    ``wait_for_workers``, ``send_round``, ``release`` (optionally ``plan``); ``TrainerInitOptions``
-    (subclassed as a backend's ``init_options_cls``); ``ClientCall``; ``WeightSource``,
-    ``ModuleSource``, ``TensorSource``; ``create_trainer``.
-
-    Bases to derive from: the torch.distributed family (``TorchDistributedBackend``, whose ``device``,
-    ``make_process_group``, ``allocate`` ... a new collective backend overrides;
-    ``TorchDistributedWeightTransferEngine``, ``TorchDistributedInitInfo``, ``TorchDistributedTrainer``,
-    ``TorchDistributedOptions``, ``TorchDistributedInitOptions``, and ``TorchDistributedSender``, which a
-    backend's trainer names as ``sender_cls`` via ``class MySender(MyBackend, TorchDistributedSender)``)
-    and the same-host family (``SharedMemoryWeightTransferEngine``, ``SharedMemoryTrainer``,
-    ``SharedMemoryInitOptions``). The leaves: :mod:`wtransfer.engines.gloo`, :mod:`wtransfer.engines.shm`.
+    For someone deriving from a built-in or writing a worker/trainer pair: the worker-side base
+    and its info classes, the trainer-side base with its extension points, weight sources, and
+    the two families to derive from, torch.distributed (:mod:`wtransfer.engines.gloo`, the NCCL
+    plugin) and same-host (:mod:`wtransfer.engines.shm`). See ``__all__``.
 
 ``wtransfer.engines.wire`` (the lower layer)
     For someone writing a brand-new transport: the wire protocol, the manifest, the packing

@@ -19,6 +19,7 @@ JSON: nothing is pickled.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -108,10 +109,8 @@ class RankAgreement:
     def refuse(self, step: str, exc: BaseException) -> None:
         """Rank 0: tell the other ranks that ``step`` failed with ``exc``. Best effort: if the store is gone,
         this rank's own error is the one to raise."""
-        try:
+        with contextlib.suppress(Exception):
             self.decide(step, {"ok": False, "reason": f"{type(exc).__name__}: {exc}"}, 0.0)
-        except Exception:
-            pass
 
     def _forget_before(self, step: str) -> None:
         """Every rank is past the previous round's keys once it is claimed for ``round/N``: drop them."""

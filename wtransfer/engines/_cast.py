@@ -49,14 +49,6 @@ class ServedDtypes:
                 raise ValueError(f"served dtype {dtype!r} is not one of {', '.join(sorted(FLOATING))}")
         return cls(default, dict(names))
 
-    @classmethod
-    def of_tensors(cls, named: Iterable[tuple[str, torch.Tensor]]) -> ServedDtypes:
-        """Its most common floating dtype as default, and every floating tensor of another dtype by name."""
-        floating = {name: dtype for name, t in named if (dtype := dtype_name(t.dtype)) in FLOATING}
-        counts = Counter(floating.values())
-        default = max(counts, key=lambda d: counts[d]) if counts else None
-        return cls(default, {name: dtype for name, dtype in floating.items() if dtype != default})
-
 
 def served_dtypes(model: Any, names: Mapping[str, str] | None = None) -> ServedDtypes:
     """What a worker's model loads, for its engine's ``served_dtypes``: from a ``torch.nn.Module``'s
@@ -66,7 +58,11 @@ def served_dtypes(model: Any, names: Mapping[str, str] | None = None) -> ServedD
         kept = {n: d for n, d in (names or {}).items() if d in FLOATING}  # float8 and integers never cast
         return ServedDtypes(name if name in FLOATING else None, kept)
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
-    return ServedDtypes.of_tensors(named)
+    # its most common floating dtype as default, and every floating tensor of another dtype by name
+    floating = {name: dtype for name, t in named if (dtype := dtype_name(t.dtype)) in FLOATING}
+    counts = Counter(floating.values())
+    default = max(counts, key=lambda d: counts[d]) if counts else None
+    return ServedDtypes(default, {name: dtype for name, dtype in floating.items() if dtype != default})
 
 
 def agreed(answers: Mapping[int, Any]) -> ServedDtypes | None:

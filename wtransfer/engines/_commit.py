@@ -98,12 +98,9 @@ class StreamingLoader(_Loader):
 
 
 class AtomicLoader(_Loader):
-    """An atomic round: nothing reaches the model before commit.
-
-    Either the engine hands over a staged copy of its own (:func:`adopt_staged`), or the node's workers
-    elect a stager (:mod:`._staging`) at the first write: the stager writes into the node's staging copy,
-    a follower drops its tensors (``discards``) and maps the stager's copy read-only once whole.
-    """
+    """An atomic round: nothing reaches the model before commit. Either the engine hands over a staged
+    copy of its own (:func:`adopt_staged`), or the node's workers elect a stager at the first write
+    (:mod:`._staging`)."""
 
     def __init__(self, real: Any, state: RoundState, manifest: Manifest) -> None:
         super().__init__(real)

@@ -6,6 +6,7 @@ memory is handed over without a name on disk.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -27,13 +28,13 @@ STRANGER_FRAME = 4 << 10
 """The largest frame an unidentified peer may send (it is buffered before anyone knows who sent it)."""
 
 
-def peer_uid(sock: socket.socket) -> int | None:
-    """The user id of the process at the other end of a Unix socket (None where unknown); abstract socket
-    names are visible host-wide, so each side checks the other's."""
+def stranger_uid(sock: socket.socket) -> int | None:
+    """The user id of the process at the other end of a Unix socket if it is another user's (None if it is
+    this user's, or where unknown); abstract socket names are visible host-wide, so each side checks the other's."""
     if not hasattr(socket, "SO_PEERCRED"):  # pragma: no cover - not Linux
         return None
     _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return uid
+    return uid if uid != os.getuid() else None
 
 
 class PeerClosedError(TransferError):
@@ -132,10 +133,8 @@ class ControlChannel:
     def close(self) -> None:
         for fd in self.take_fds():
             os.close(fd)
-        try:
+        with contextlib.suppress(OSError):
             self.sock.close()
-        except OSError:
-            pass
 
 
 class Listener:
@@ -161,8 +160,7 @@ class Listener:
     def accept(self) -> socket.socket | None:
         """The next connection, or None if it came from another user (refused, and logged)."""
         conn, _ = self.sock.accept()
-        stranger = peer_uid(conn)
-        if stranger is not None and stranger != os.getuid():
+        if (stranger := stranger_uid(conn)) is not None:
             logger.warning("wtransfer %s: refused a connection from user id %d (only this user's processes may "
                            "join)", self.tag, stranger)
             conn.close()
@@ -171,10 +169,8 @@ class Listener:
 
     def close(self) -> None:
         """Stop listening; on non-Linux also remove the socket file and its directory."""
-        try:
+        with contextlib.suppress(OSError):
             self.sock.close()
-        except OSError:
-            pass
         if self._dir is not None:
             for name in os.listdir(self._dir):
                 os.unlink(os.path.join(self._dir, name))
@@ -195,8 +191,7 @@ def connect(address: str, timeout: float, peer: str) -> ControlChannel:
             f"cannot reach {peer} at {address!r} ({exc}); is the trainer running on this host "
             f"and still waiting for workers?"
         ) from exc
-    owner = peer_uid(sock)
-    if owner is not None and owner != os.getuid():  # the name is visible host-wide: anyone may hold it
+    if (owner := stranger_uid(sock)) is not None:  # the name is visible host-wide: anyone may hold it
         sock.close()
         raise TransferError(f"{peer} at {address!r} is run by user id {owner}, not by this user ({os.getuid()}); "
                             f"nothing was sent to it")

@@ -1,29 +1,9 @@
 """Delta rounds: send only what changed since the version every worker committed, verified.
 
-Between two RL steps almost every bf16 element is bit-identical. With ``delta=True`` the trainer keeps a host copy
-of the last version the workers committed (its *base*) and sends, per tensor:
-
-- nothing, if its bits did not change;
-- ``positions``: its changed elements' new values and positions, when that is at most ``POSITIONS_AT_MOST`` of it;
-- ``xor-zstd``: its bits XOR the base's, zstd-compressed (mostly zero bytes), when that is at most ``SPARSE_AT_MOST``
-  of it and the link, as measured in past rounds, is slow enough for compressing to pay;
-- ``dense``: the tensor itself, otherwise (and for every tensor of a full round).
-
-It is a layer over every engine: the manifest lists what moves (a payload is a ``uint8`` tensor under the tensor's
-own name), ``delta`` what each entry rebuilds. On the worker, :class:`._delta_loader.DeltaLoader` (between engine
-and commit layer) rebuilds each payload on the committed copy, checks it against the trainer's digest and hands
-whole tensors on; dense ones are received in place as in any round (``checksums=True`` checks their bytes).
-
-A worker applies a delta only onto the exact version it is against: it must have committed the round named ``base``,
-and every tensor it keeps or rebuilds must hash to the trainer's digest of its base, both checked before any byte
-moves. Else (new, restarted, torn, model changed behind wtransfer's back, a loader showing no tensors or needing
-whole rounds) it refuses cleanly, and the trainer sends the round whole in the same ``send_weights()`` call, from
-its base (the source is walked once).
-
-The trainer's side is :mod:`._delta_encoder`, the worker's :mod:`._delta_loader`; this module holds what both use.
-Encoding overlaps sending (:class:`._delta_encoder.DeltaRound`). No large buffer is allocated per round on either
-side, as first touches page-fault: walks use per-thread scratch, payload buffers are kept across rounds, and the
-worker rebuilds straight where the commit reads (staging, or the model when the round streams).
+What is sent, when, and what a worker checks before applying it: docs/delta.md. The trainer's side is
+:mod:`._delta_encoder`, the worker's :mod:`._delta_loader`; this module holds what both use. No large buffer is
+allocated per round on either side, as first touches page-fault: walks use per-thread scratch, payload buffers
+are kept across rounds, and the worker rebuilds straight where the commit reads.
 
 Wire form (the manifest's ``delta`` key)::
 
@@ -42,7 +22,6 @@ while sending) and is checked by the next delta round before anything is applied
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -55,7 +34,7 @@ from wtransfer.engines._manifest import (
     positions_header_bytes,
     tensor_bytes,
 )
-from wtransfer.errors import TransferError
+from wtransfer.engines._packing import thread_pool
 
 if TYPE_CHECKING:
     import torch
@@ -63,17 +42,6 @@ if TYPE_CHECKING:
 CHUNK_BYTES = 1024 * 1024
 """Walks take each tensor in chunks of at most this size, through one scratch buffer per thread, small
 enough that the later steps on a chunk (count, hash, compress, copy) read it from the last-level cache."""
-
-ZSTD_LEVEL = 1
-
-
-def _zstd() -> Any:
-    try:
-        import zstandard
-    except ImportError as exc:  # pragma: no cover - a dependency of wtransfer
-        raise TransferError("delta rounds need the 'zstandard' package (pip install zstandard)") from exc
-    return zstandard
-
 
 def digest(data: torch.Tensor) -> str:
     """XXH3-64 of a tensor's bytes, as 16 hex digits (a device tensor is copied to the host first)."""
@@ -163,22 +131,9 @@ class _Scratch(threading.local):
 
 
 _scratch = _Scratch()
-_threads: list[Any] = []
-_threads_lock = threading.Lock()
-if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's threads: it makes its own
-    os.register_at_fork(after_in_child=_threads.clear)
-
-
-def _pool_size() -> int:
-    return max(1, min(os.cpu_count() or 1, 8))
 
 
 def _pool() -> Any:
-    """The threads delta rounds encode, rebuild and hash on (one per core, at most 8), kept per process so
-    their scratch buffers are touched once. XOR, zstd and XXH3 release the GIL."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with _threads_lock:
-        if not _threads:
-            _threads.append(ThreadPoolExecutor(_pool_size(), thread_name_prefix="wtransfer-delta"))
-        return _threads[0]
+    """The threads delta rounds encode, rebuild and hash on, kept per process so their scratch buffers are
+    touched once. XOR, zstd and XXH3 release the GIL."""
+    return thread_pool("wtransfer-delta")

@@ -14,13 +14,11 @@ from wtransfer.engines._delta import (
     _bits,
     _hex,
     _pool,
-    _pool_size,
     _position_spans,
     _positions_parts,
     _rows,
     _scratch,
     _words,
-    _zstd,
 )
 from wtransfer.engines._manifest import (
     DENSE,
@@ -37,6 +35,7 @@ from wtransfer.engines._manifest import (
     positions_payload_bytes,
     tensor_bytes,
 )
+from wtransfer.engines._packing import pool_size
 from wtransfer.engines._source import WeightSource
 from wtransfer.errors import TransferError
 
@@ -163,7 +162,7 @@ class _Finisher:
 
     def wait(self, item: _Encoded) -> None:
         index = self._index[id(item)]
-        self.start(index + _pool_size() + 1)
+        self.start(index + pool_size() + 1)
         self._futures[index].result()
 
     def finish_all(self) -> None:
@@ -238,7 +237,7 @@ class DeltaEncoder:
         keeps = _keeps_its_tensors(source)
         choices = _choices(self.link_bytes_per_s)
         encoded: list[_Encoded] = []
-        pool, width = _pool(), _pool_size()
+        pool, width = _pool(), pool_size()
         in_flight: list[Future[_Encoded]] = []
         wire = {} if cast is None else {e.name: e for e in cast.entries(source.metadata())}
         try:
@@ -422,6 +421,7 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
     import numpy
     import torch
     import xxhash
+    import zstandard
 
     target = entry_for(name, new)
     new_bits, base_bits = _bits(new), _bits(base)
@@ -491,7 +491,7 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
     if not choices.try_xor:  # compressing would cost more than sending it whole
         return whole(changed)
     limit = SPARSE_AT_MOST * target.nbytes
-    compressor = _zstd().ZstdCompressor(level=_delta.ZSTD_LEVEL).compressobj()
+    compressor = zstandard.ZstdCompressor(level=1).compressobj()
     parts: list[bytes] = []
     size = 0
     hasher = xxhash.xxh3_64()

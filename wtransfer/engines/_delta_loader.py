@@ -14,7 +14,6 @@ from wtransfer.engines._delta import (
     _rows,
     _scratch,
     _words,
-    _zstd,
     digest,
 )
 from wtransfer.engines._manifest import (
@@ -54,7 +53,6 @@ class DeltaLoader:
         self._needs_whole_rounds = (getattr(real, "whole_round", False) is True
                                     and getattr(real, "delta_ready", False) is not True)
         self._rows = {t.target.name: t for t in self.plan.tensors}
-        _zstd()  # fails here, before the round, if the package is missing
         self.discards = getattr(inner, "discards", False) is True
         """A node's follower: the stager rebuilds and checks; this worker only checks its base."""
         self._validated = False
@@ -158,10 +156,11 @@ class DeltaLoader:
         scratch buffer, hashed while cached; returns its digest. A wrong size fails the round."""
         import numpy
         import xxhash
+        import zstandard
 
         base_bits, value_bits = _bits(base), _bits(value)  # value is contiguous: a view
         step = max(1, _delta.CHUNK_BYTES // base_bits.itemsize)
-        reader = _zstd().ZstdDecompressor().stream_reader(tensor_bytes(payload).numpy())  # one per thread
+        reader = zstandard.ZstdDecompressor().stream_reader(tensor_bytes(payload).numpy())  # one per thread
         hasher = xxhash.xxh3_64()
         for start in range(0, base_bits.size, step):
             xor = _scratch.get(base_bits.dtype, min(step, base_bits.size - start))

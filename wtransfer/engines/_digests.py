@@ -13,7 +13,8 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Protocol
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any
 
 from wtransfer.errors import TransferError
 
@@ -21,41 +22,21 @@ if TYPE_CHECKING:
     import torch
 
 
-class Span(Protocol):
-    """Where one tensor's bytes lie in a bucket (``_packing.Piece``, not imported to avoid a cycle)."""
-
-    @property
-    def index(self) -> int: ...  # the tensor's position in the manifest
-
-    @property
-    def offset(self) -> int: ...  # first byte within the bucket
-
-    @property
-    def length(self) -> int: ...
-
-ALGORITHM = "xxh3_64"
-
-
-def _xxhash() -> Any:
-    try:
-        import xxhash
-    except ImportError as exc:  # pragma: no cover - a dependency of wtransfer
-        raise TransferError("checksums=True needs the 'xxhash' package (pip install xxhash)") from exc
-    return xxhash
-
-
 def combine(values: list[int]) -> int:
     """One digest for a tensor sent in parts by several ranks: XXH3 of their digests, in rank order."""
     if len(values) == 1:
         return values[0]
-    return int(_xxhash().xxh3_64_intdigest(b"".join(v.to_bytes(8, "little") for v in values)))
+    import xxhash
+
+    return int(xxhash.xxh3_64_intdigest(b"".join(v.to_bytes(8, "little") for v in values)))
 
 
 class RoundDigests:
     """XXH3-64 of each key's bytes, fed in order (``update``), hashed on one helper thread."""
 
     def __init__(self, keys: int) -> None:
-        xxhash = _xxhash()
+        import xxhash
+
         self._states = [xxhash.xxh3_64() for _ in range(keys)]
         self._jobs: queue.SimpleQueue[tuple[int, Any, int] | None] = queue.SimpleQueue()
         self._pending: dict[int, int] = {}  # buffer -> jobs not done
@@ -75,8 +56,9 @@ class RoundDigests:
             self._pending[buffer] = self._pending.get(buffer, 0) + 1
         self._jobs.put((key, data, buffer))
 
-    def update_pieces(self, pieces: Iterable[Span], data: torch.Tensor, buffer: int = -1) -> None:
-        """Hash every piece of a bucket (``bucket.pieces``; their bytes in ``data``) into its tensor's digest."""
+    def update_pieces(self, pieces: Iterable[Any], data: torch.Tensor, buffer: int = -1) -> None:
+        """Hash every piece of a bucket (``bucket.pieces``, :class:`._packing.Piece`; their bytes in ``data``) into its
+        tensor's digest."""
         for piece in pieces:
             self.update(piece.index, data[piece.offset : piece.offset + piece.length], buffer)
 
@@ -114,6 +96,17 @@ class RoundDigests:
         """Stop the helper thread (idempotent); a round that failed drops its digests."""
         if self._thread.is_alive():
             self._jobs.put(None)
+
+    def __enter__(self) -> RoundDigests:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def round_digests(keys: int, wanted: bool) -> AbstractContextManager[RoundDigests | None]:
+    """``with round_digests(keys, wanted) as digests``: a round's digests, closed when it ends, or None."""
+    return RoundDigests(keys) if wanted else nullcontext()
 
 
 def as_words(values: list[int]) -> list[int]:

@@ -9,6 +9,8 @@ destination when it offers one.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -129,6 +131,29 @@ def _byte_copyable(dst: torch.Tensor, src: torch.Tensor) -> bool:
             and dst.is_contiguous() and src.is_contiguous())
 
 
+_pools: dict[str, Any] = {}
+_pools_lock = threading.Lock()
+if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's threads: it makes its own
+    os.register_at_fork(after_in_child=_pools.clear)
+
+
+def pool_size() -> int:
+    """Threads in each of :func:`thread_pool`'s pools: one per core this process may use, at most 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, 8))
+
+
+def thread_pool(name: str) -> Any:
+    """This process's pool of threads named ``name``, made on first use. Each user has its own (copies, delta
+    rounds), so a job that copies never waits behind the jobs of the pool it runs on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with _pools_lock:
+        if name not in _pools:
+            _pools[name] = ThreadPoolExecutor(pool_size(), thread_name_prefix=name)
+        return _pools[name]
+
+
 PARALLEL_CHUNK = 32 << 20
 """Bytes per job of :class:`ParallelCopier`: large enough to amortise a job, small enough to spread a tensor."""
 
@@ -139,9 +164,6 @@ class ParallelCopier:
     leaves bandwidth idle; streamed buckets overlap the other side and stay on one thread. Non-memcpy
     copies (casts, strides) run at once. ``limit_bytes``: at most that many bytes in flight.
     """
-
-    _pool: Any = None
-    _forks_watched = False
 
     def __init__(self, limit_bytes: int | None = None) -> None:
         from collections import deque
@@ -156,9 +178,9 @@ class ParallelCopier:
         if src.numel() < _SERIAL_NUMEL or not _byte_copyable(dst, src):
             dst.copy_(src)  # what copy_tensor does for these, without checking them again
             return
-        target, source = tensor_bytes(dst).numpy(), tensor_bytes(src).numpy()
+        target, source, pool = tensor_bytes(dst).numpy(), tensor_bytes(src).numpy(), thread_pool("wtransfer-copy")
         for at in range(0, len(target), PARALLEL_CHUNK):
-            job = self._executor().submit(numpy.copyto, target[at : at + PARALLEL_CHUNK], source[at : at + PARALLEL_CHUNK])
+            job = pool.submit(numpy.copyto, target[at : at + PARALLEL_CHUNK], source[at : at + PARALLEL_CHUNK])
             size = min(PARALLEL_CHUNK, len(target) - at)
             self._jobs.append((job, size))
             self._held += size
@@ -182,23 +204,6 @@ class ParallelCopier:
                 error = error or exc
         if error is not None:
             raise error
-
-    @classmethod
-    def _executor(cls) -> Any:
-        if cls._pool is None:
-            import os
-            from concurrent.futures import ThreadPoolExecutor
-
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            if not cls._forks_watched:
-                os.register_at_fork(after_in_child=cls._forget_pool)  # a forked child has none of its threads
-                cls._forks_watched = True
-            cls._pool = ThreadPoolExecutor(max_workers=max(1, min(cores, 8)), thread_name_prefix="wtransfer-copy")
-        return cls._pool
-
-    @classmethod
-    def _forget_pool(cls) -> None:
-        cls._pool = None
 
 
 def copy_parallel(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

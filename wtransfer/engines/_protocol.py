@@ -59,6 +59,20 @@ def check_bucket_bytes(bucket_bytes: Any) -> int:
     return bucket_bytes
 
 
+def check_wire_info(owner: str, info: Any) -> None:
+    """The fields every built-in engine's init info carries (``protocol_version``, ``world_size``,
+    ``num_buffers``, ``rank_offset``, ``timeout_s``, ``bucket_bytes``), as read from the trainer's JSON."""
+    check_protocol(owner, info.protocol_version)
+    check_int(owner, "world_size", info.world_size, 2)
+    check_int(owner, "num_buffers", info.num_buffers, 1)
+    check_int(owner, "rank_offset", info.rank_offset, 0)
+    check_timeout(owner, info.timeout_s)
+    try:
+        check_bucket_bytes(info.bucket_bytes)
+    except ValueError as exc:
+        raise ValueError(f"{owner}: {exc}") from None
+
+
 class ManifestRejected(TransferError):
     """A worker refused the round's manifest; every side stopped before data moved."""
 

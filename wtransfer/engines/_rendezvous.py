@@ -18,6 +18,7 @@ reaches the trainer (a host name often resolves to 127.0.0.1).
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -121,8 +122,6 @@ class RendezvousServer:
         self.table = KeyTable()
         self.token = token
         self.timeout_s = timeout_s
-        self.rejected = 0
-        """Connections dropped because they did not prove the token (or came when 16 strangers were)."""
         self._strangers = threading.BoundedSemaphore(MAX_STRANGERS)
         host = resolve(address) if address not in WILDCARD_ADDRESSES else address
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -154,7 +153,6 @@ class RendezvousServer:
                 return
             # at most MAX_STRANGERS handshakes at once; one that waits too long is closed, no thread started
             if not self._strangers.acquire(timeout=AUTH_TIMEOUT_S):
-                self._count_rejected()
                 conn.close()
                 continue
             with self._lock:
@@ -175,7 +173,6 @@ class RendezvousServer:
             finally:
                 self._strangers.release()
             if not proved:
-                self._count_rejected()
                 logger.warning("wtransfer rendezvous: dropped a connection from %s that did not prove the token", peer)
                 return
             channel.max_frame = MAX_FRAME
@@ -188,10 +185,6 @@ class RendezvousServer:
             with self._lock:
                 self._connections.discard(conn)
             channel.close()
-
-    def _count_rejected(self) -> None:
-        with self._lock:
-            self.rejected += 1
 
     def _authenticate(self, channel: ControlChannel) -> bool:
         deadline = time.monotonic() + AUTH_TIMEOUT_S  # for the whole exchange: a trickle cannot stretch it
@@ -244,15 +237,11 @@ class RendezvousServer:
         with self._lock:
             self._closed = True
             connections = list(self._connections)
-        try:
+        with contextlib.suppress(OSError):
             self._sock.close()
-        except OSError:
-            pass
         for conn in connections:
-            try:
+            with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
 
 class RendezvousClient:

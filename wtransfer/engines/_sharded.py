@@ -3,13 +3,12 @@
 With a ``sender_cls`` backend and a plain ``ModuleSource`` on every rank, each rank sends the shards it
 holds (``shm``: into the shared segment, :mod:`._shards`; ``gloo``: on its own groups with the workers,
 :mod:`._part_streams`); a :class:`ParticipantTrainer`'s ``sender`` is that rank's side. Otherwise rank 0
-gathers:
+gathers. How each rank calls in: :func:`~._trainer.create_trainer`.
 
 A sharded parameter becomes whole only through a collective (``full_tensor()``) every rank must enter in
-the same order. So every rank calls ``create_trainer(..., rank=R)`` with the same source: rank 0 gets
-the usual trainer, the others a :class:`ParticipantTrainer` whose ``send_weights()`` walks the source in
-the same order, dropping each gathered tensor. Memory stays bounded: rank 0 gathers a parameter only when
-its bucket is packed, the others hold one at a time.
+the same order, so a :class:`ParticipantTrainer`'s ``send_weights()`` walks the source in rank 0's order,
+dropping each gathered tensor. Memory stays bounded: rank 0 gathers a parameter only when its bucket is
+packed, the others hold one at a time.
 
 The walk is a contract: every ``send_weights()`` walks the source exactly once on every rank, whether the
 round succeeds or fails. Rank 0's :class:`LockstepSource` finishes a failed round's walk before raising,
@@ -17,10 +16,9 @@ so no rank is left in a gather rank 0 never enters; if rank 0's iterator itself 
 :class:`ModuleSource` underneath runs the remaining gathers (``finish_walk``). Gathers run on the source's
 own (FSDP's) group; the transport never uses it, nor the default group.
 
-The ranks also agree (:class:`~._agreement.RankAgreement`, every wait bounded) on whether rank 0
-connected, whether a round starts and whether the workers took it; a failure at any step raises on every
-rank. Out of reach: a user's own source (no ``ModuleSource`` underneath) raising on rank 0 alone leaves
-the others in their gather until the training group's timeout; rank 0 logs an error saying so.
+The ranks also agree on every step (:mod:`._agreement`). Out of reach: a user's own source (no
+``ModuleSource`` underneath) raising on rank 0 alone leaves the others in their gather until the training
+group's timeout; rank 0 logs an error saying so.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ another trainer rank writing its own shards into the staged segment.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
@@ -54,10 +55,8 @@ def join_trainer(address: str, hello: dict[str, Any], timeout_s: float, who: str
 
 def send_best_effort(channel: ControlChannel, message: dict[str, Any]) -> None:
     """Send within a second, or not at all: a peer that is gone or stuck need not hear it."""
-    try:
+    with contextlib.suppress(TransferError):
         channel.send(message, timeout=1.0)
-    except TransferError:
-        pass
 
 
 class TrainerAborted(TransferError):

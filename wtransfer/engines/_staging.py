@@ -27,7 +27,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from wtransfer.engines._control import ControlChannel, PeerClosedError, peer_uid
+from wtransfer.engines._control import ControlChannel, PeerClosedError, stranger_uid
 from wtransfer.engines._manifest import Manifest, TensorEntry
 from wtransfer.engines._packing import align
 from wtransfer.errors import TransferError, TransferTimeoutError
@@ -208,8 +208,7 @@ class NodeStaging:
                 time.sleep(pause)  # a busy host may deschedule the other worker for a while
                 pause = min(pause * 2, 0.1)
                 continue
-            stranger = peer_uid(client)
-            if stranger is not None and stranger != os.getuid():
+            if (stranger := stranger_uid(client)) is not None:
                 client.close()
                 raise TransferError(
                     f"node staging {self.key}: this node's staging socket is held by a process of user id {stranger}, "
@@ -230,13 +229,11 @@ class NodeStaging:
 
         readable, _, _ = select.select([self._channel.sock], [], [], 0)
         if readable:
-            try:
+            with contextlib.suppress(TransferError):
                 self._channel.read_ready()
                 for fd in self._channel.take_fds():  # a stray reply's descriptor
                     os.close(fd)
                 return  # a stray message: still connected
-            except TransferError:
-                pass
             self._channel.close()
             self._channel = None
             self._elect()
@@ -272,8 +269,7 @@ class NodeStaging:
                 conn, _ = server.accept()
             except OSError:
                 return
-            stranger = peer_uid(conn)
-            if stranger is not None and stranger != os.getuid():  # abstract names are visible host-wide
+            if (stranger := stranger_uid(conn)) is not None:  # abstract names are visible host-wide
                 logger.warning("node staging %s: refused a connection from user id %d (only this user's "
                                "workers may map the staged weights)", self.key, stranger)
                 conn.close()

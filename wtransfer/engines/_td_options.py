@@ -11,14 +11,7 @@ from dataclasses import dataclass
 
 from wtransfer.engines._base import WeightTransferInitInfo
 from wtransfer.engines._gloo_address import check_local_address
-from wtransfer.engines._protocol import (
-    MIB,
-    PROTOCOL_VERSION,
-    check_bucket_bytes,
-    check_int,
-    check_protocol,
-    check_timeout,
-)
+from wtransfer.engines._protocol import MIB, PROTOCOL_VERSION, check_int, check_wire_info
 from wtransfer.engines._trainer import TrainerInitOptions, at_least
 from wtransfer.engines._worker import BufferBudgetOptions
 from wtransfer.options import option
@@ -58,27 +51,19 @@ class TorchDistributedInitInfo(WeightTransferInitInfo):
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
-        check_protocol(owner, self.protocol_version)
+        check_wire_info(owner, self)
         if self.direct_min_bytes is not None:
             check_int(owner, "direct_min_bytes", self.direct_min_bytes, 1)
         if not isinstance(self.master_address, str) or not self.master_address:
             raise ValueError(f"{owner}: 'master_address' must be a host name or address, got {self.master_address!r}")
         check_int(owner, "master_port", self.master_port, 1)
-        check_int(owner, "world_size", self.world_size, 2)
-        check_int(owner, "num_buffers", self.num_buffers, 1)
-        check_int(owner, "rank_offset", self.rank_offset, 0)
         check_int(owner, "channels", self.channels, 1)
         check_channels(f"{owner}: ", self.channels)
         check_int(owner, "senders", self.senders, 1)
-        check_timeout(owner, self.timeout_s)
         if not isinstance(self.group_name, str) or not self.group_name:
             raise ValueError(f"{owner}: 'group_name' must be a non-empty string")
         if not isinstance(self.token, str) or len(self.token) < 16:
             raise ValueError(f"{owner}: 'token' (the rendezvous secret from the trainer) is missing or too short")
-        try:
-            check_bucket_bytes(self.bucket_bytes)
-        except ValueError as exc:
-            raise ValueError(f"{owner}: {exc}") from None
 
 
 @dataclass(frozen=True)

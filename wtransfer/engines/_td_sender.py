@@ -1,17 +1,13 @@
-"""The send path of a torch.distributed trainer's ranks, and the sender the other ranks of a
-sharded trainer run.
-
-Rank 0 (:mod:`._td_trainer`) and every other sending rank (:class:`TorchDistributedSender`) end a round
-alike (last buckets, then digests); on a sharded trainer each streams its own parts of every bucket
-(:mod:`._part_streams`).
-"""
+"""The send path of a torch.distributed trainer's ranks: rank 0 (:mod:`._td_trainer`) and every other
+sending rank of a sharded trainer (:class:`TorchDistributedSender`, its parts via :mod:`._part_streams`) end a
+round alike (last buckets, then digests)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from wtransfer.engines._cast import CastPlan
-from wtransfer.engines._digests import RoundDigests, as_words
+from wtransfer.engines._digests import RoundDigests, as_words, round_digests
 from wtransfer.engines._packing import Bucket, plan_buckets
 from wtransfer.engines._protocol import RoundCalledOff
 from wtransfer.engines._rendezvous import RendezvousClient, local_address_for, store
@@ -53,8 +49,7 @@ class TorchDistributedSending(TorchDistributedBackend):
         self.wait(self.allreduce_max(self._groups[0], verdict), "the manifest vote", timeout_s, call)
         if int(verdict.item()) & REJECTED:
             return False
-        digests = RoundDigests(len(entries)) if int(verdict.item()) & DIGESTS else None
-        try:
+        with round_digests(len(entries), bool(int(verdict.item()) & DIGESTS)) as digests:
             layout, sent = RankLayout(entries, rows), 0
             for bucket in buckets:  # this rank's bytes of each, from num_buffers buffers (hashed, digests last)
                 runs = layout.runs(bucket)
@@ -73,9 +68,6 @@ class TorchDistributedSending(TorchDistributedBackend):
                     hash_runs(digests, runs, view, slot)
                 works[slot] = (self.broadcast(self.group_for(bucket.index), view), view)
             self.finish_sends(works, timeout_s, digests, call)
-        finally:
-            if digests is not None:
-                digests.close()
         return True
 
     def finish_sends(self, works: list[tuple[Any, Any] | None], timeout_s: float,

@@ -1,11 +1,5 @@
-"""The trainer side of a torch.distributed engine (gloo, NCCL): rank 0 hosts the rendezvous,
-then broadcasts every round's packed buckets.
-
-It hosts the authenticated rendezvous (:mod:`._rendezvous`), waits for every worker (failing fast when
-``world_size`` counts workers that never come), builds its groups, and each round runs the manifest vote
-and broadcasts the buckets from ``num_buffers`` buffers. On a sharded trainer every rank sends its own
-parts (:mod:`._td_sender`).
-"""
+"""The trainer side of a torch.distributed engine (gloo, NCCL): rank 0 hosts the rendezvous, waits for
+every worker, then broadcasts every round's packed buckets (see :mod:`._td_backend`)."""
 
 from __future__ import annotations
 
@@ -14,7 +8,7 @@ import logging
 import time
 from typing import Any, ClassVar
 
-from wtransfer.engines._digests import RoundDigests
+from wtransfer.engines._digests import round_digests
 from wtransfer.engines._manifest import Manifest
 from wtransfer.engines._packing import Bucket, Packer, plan_buckets
 from wtransfer.engines._protocol import PROTOCOL_VERSION, ManifestRejected
@@ -163,8 +157,7 @@ class TorchDistributedTrainer(TorchDistributedSending, TrainerWeightTransferEngi
 
     def _broadcast_buckets(self, manifest: Manifest, buckets: list[Bucket],
                            works: list[tuple[Any, Any] | None], call: ClientCall) -> None:
-        digests = RoundDigests(len(manifest.entries)) if manifest.digests else None
-        try:
+        with round_digests(len(manifest.entries), manifest.digests) as digests:
             packer = Packer(manifest, iter(self.source), digests, self.source_entries)
             for bucket in buckets:
                 slot = bucket.index % len(self._buffers)
@@ -183,9 +176,6 @@ class TorchDistributedTrainer(TorchDistributedSending, TrainerWeightTransferEngi
                 works[slot] = (self.broadcast(self.group_for(bucket.index), view), view)
             packer.drain()
             self.finish_sends(works, self.timeout_s, digests, call)
-        finally:
-            if digests is not None:
-                digests.close()
 
     # -- the other trainer ranks of a sharded trainer (TorchDistributedSender) ----------------------
     senders_join_with_workers = True  # their groups include the workers, who build them at init

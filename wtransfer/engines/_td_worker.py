@@ -1,11 +1,5 @@
-"""The worker side of a torch.distributed engine (gloo, NCCL): joins the trainer's groups and
-receives every round's buckets.
-
-A worker joins its groups (with the trainer and every other sending trainer rank) at
-``init_transfer_engine``, votes on each round's manifest, then receives the buckets (in place where it
-can), unpacks them and checks the round's digests. It shares only :mod:`._td_backend` and
-:mod:`._td_options` with the trainer side.
-"""
+"""The worker side of a torch.distributed engine (gloo, NCCL): joins the trainer's groups at
+``init_transfer_engine``, then votes on, receives and checks every round (see :mod:`._td_backend`)."""
 
 from __future__ import annotations
 
@@ -16,7 +10,7 @@ import logging
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from wtransfer.engines._base import LoadWeights, WeightTransferEngine
-from wtransfer.engines._digests import RoundDigests, check, from_words
+from wtransfer.engines._digests import RoundDigests, check, from_words, round_digests
 from wtransfer.engines._manifest import Manifest
 from wtransfer.engines._packing import Bucket, Unpacker, plan_buckets
 from wtransfer.engines._protocol import RoundCalledOff, gc_paused
@@ -193,20 +187,18 @@ class TorchDistributedWeightTransferEngine(
         buckets = plan_buckets(manifest.entries, self._info.bucket_bytes, self._info.direct_min_bytes)
         senders = 1 if layouts is None else len(layouts)
         # parts: one digest per (sending rank, tensor); else the Unpacker hashes whole tensors
-        digests = RoundDigests(senders * len(manifest.entries)) if manifest.digests else None
-        unpacker = Unpacker(manifest, load_weights, digests if layouts is None else None)
-        works: dict[int, Any] = {}  # bucket -> (work, received in place), or its senders' works
-        try:
-            if layouts is None:
-                self._receive_into(buckets, unpacker, works, digests)
-            else:
-                self._receive_parts(buckets, unpacker, layouts, works, digests)
-            self.synchronize(self._info.timeout_s)
-            verified = None if digests is None else self._verify_digests(manifest, digests, layouts)
-        finally:
-            works.clear()  # a failure's traceback must not keep the collectives (and the group) alive
-            if digests is not None:
-                digests.close()
+        with round_digests(senders * len(manifest.entries), manifest.digests) as digests:
+            unpacker = Unpacker(manifest, load_weights, digests if layouts is None else None)
+            works: dict[int, Any] = {}  # bucket -> (work, received in place), or its senders' works
+            try:
+                if layouts is None:
+                    self._receive_into(buckets, unpacker, works, digests)
+                else:
+                    self._receive_parts(buckets, unpacker, layouts, works, digests)
+                self.synchronize(self._info.timeout_s)
+                verified = None if digests is None else self._verify_digests(manifest, digests, layouts)
+            finally:
+                works.clear()  # a failure's traceback must not keep the collectives (and the group) alive
         unpacker.finish()
         return verified
 

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from wtransfer.engines._cast import CastPlan, agreed, check_dtype_option
 from wtransfer.engines._client import WeightSyncClient
 from wtransfer.engines._commit import DEFAULT_COMMIT
-from wtransfer.engines._manifest import COMMIT_MODES, IN_FLIGHT_MODES, CommitPlan, DeltaPlan, Manifest, TensorEntry, build_manifest
+from wtransfer.engines._manifest import (COMMIT_MODES, DIGEST_ALGORITHMS, IN_FLIGHT_MODES, CommitPlan, DeltaPlan,
+                                         Manifest, TensorEntry, build_manifest)
 from wtransfer.engines._packing import Bucket, plan_buckets
 from wtransfer.engines._protocol import MIB, ManifestRejected, check_bucket_bytes, gc_paused
 from wtransfer.engines._source import ModuleSource, TensorSource, WeightSource
@@ -592,7 +593,8 @@ class TrainerWeightTransferEngine(ABC):
         entries = self.cast.entries(self.source_entries)
         manifest = self._manifest(list(entries), encoded.plan if encoded is not None else None)
         buckets = self.plan(manifest)
-        update_info = self._update_info(manifest)
+        # the JSON-safe dict every worker's parse_update_info receives
+        update_info = {"manifest": manifest.to_dict(), "is_checkpoint_format": self.is_checkpoint_format}
         self._call("start_weight_update").result(self.timeout_s)
         self._call_while("update_weights", update_info, work=lambda call: self.send_round(manifest, buckets, call))
         version_label = (str(manifest.version if label is None else label),) if self._finish_takes_version else ()
@@ -654,15 +656,9 @@ class TrainerWeightTransferEngine(ABC):
         return plan_buckets(manifest.entries, self.bucket_bytes)
 
     def _manifest(self, entries: list[TensorEntry], delta: DeltaPlan | None = None) -> Manifest:
-        from wtransfer.engines._digests import ALGORITHM
-
         plan = CommitPlan(self.commit, self._staging_key, self.timeout_s, self.in_flight)
-        return build_manifest(entries, self._next_version(), ALGORITHM if self.checksums else None, plan, delta,
+        return build_manifest(entries, self._next_version(), DIGEST_ALGORITHMS[0] if self.checksums else None, plan, delta,
                               self.partial)
-
-    def _update_info(self, manifest: Manifest) -> dict[str, Any]:
-        """The JSON-safe dict every worker's ``parse_update_info`` receives."""
-        return {"manifest": manifest.to_dict(), "is_checkpoint_format": self.is_checkpoint_format}
 
     def _raise_preferring_client(self, exc: BaseException, call: ClientCall) -> None:
         """Re-raise a failure, preferring the client's own error: it carries the workers' reason."""

@@ -1,12 +1,8 @@
 """``gloo``: weight sync across hosts over a private gloo process group (CPU tensors).
 
 The logic lives in the torch.distributed modules (:mod:`wtransfer.engines._td_backend`); this module names
-the gloo flavour. Trainer ``init_info`` (:class:`GlooInitOptions`) adds ``master_address`` (default
-``127.0.0.1``: set an address of the trainer's host the workers can reach; the rendezvous listens there
-only), ``master_port`` (0: a free port), ``listen_address``, ``direct_min_bytes``, ``channels``,
-``local_address`` and ``interface``; workers take ``max_buffer_bytes`` and ``local_address`` or
-``interface`` (:class:`GlooOptions`). ``wtransfer show engine gloo`` prints both tables. A sharded
-trainer's ranks each send their own shards (:mod:`wtransfer.engines._part_streams`).
+the gloo flavour. Its options: :class:`GlooInitOptions` (trainer ``init_info``) and :class:`GlooOptions`
+(workers), or ``wtransfer show engine gloo``.
 """
 
 from __future__ import annotations

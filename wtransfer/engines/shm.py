@@ -34,7 +34,7 @@ from typing import Any
 from wtransfer.engines._base import LoadWeights, WeightTransferEngine, WeightTransferInitInfo
 from wtransfer.engines._commit import adopt_staged
 from wtransfer.engines._control import MAX_FRAME, ControlChannel, Listener, PeerClosedError
-from wtransfer.engines._digests import RoundDigests, check
+from wtransfer.engines._digests import RoundDigests, check, round_digests
 from wtransfer.engines._manifest import Manifest
 from wtransfer.engines._packing import Bucket, Packer, Piece, Unpacker, plan_buckets, tensor_bytes
 from wtransfer.engines._part_streams import RankLayout, check_tiling, layout_rows
@@ -46,10 +46,7 @@ from wtransfer.engines._protocol import (
     PROTOCOL_VERSION,
     ManifestRejected,
     RoundCalledOff,
-    check_bucket_bytes,
-    check_int,
-    check_protocol,
-    check_timeout,
+    check_wire_info,
     gc_paused,
 )
 from wtransfer.engines._trainer import ClientCall, TrainerInitOptions, TrainerWeightTransferEngine
@@ -84,19 +81,11 @@ class SharedMemoryInitInfo(WeightTransferInitInfo):
 
     def __post_init__(self) -> None:
         owner = "SharedMemoryInitInfo"
-        check_protocol(owner, self.protocol_version)
+        check_wire_info(owner, self)
         if not isinstance(self.address, str) or not self.address:
             raise ValueError(f"{owner}: 'address' must be a non-empty string, got {self.address!r}")
         if not isinstance(self.token, str) or not self.token:
             raise ValueError(f"{owner}: 'token' must be a non-empty string")
-        check_int(owner, "world_size", self.world_size, 2)
-        check_int(owner, "num_buffers", self.num_buffers, 1)
-        check_int(owner, "rank_offset", self.rank_offset, 0)
-        check_timeout(owner, self.timeout_s)
-        try:
-            check_bucket_bytes(self.bucket_bytes)
-        except ValueError as exc:
-            raise ValueError(f"{owner}: {exc}") from None
 
 
 def segment_pieces(manifest: Manifest) -> list[Piece]:
@@ -205,13 +194,10 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         views = self._staged.views(manifest)
         verified = None
         if message.get("digests") is not None:
-            digests = RoundDigests(len(manifest.entries))
-            try:
+            with RoundDigests(len(manifest.entries)) as digests:
                 for index, view in enumerate(views.values()):
                     digests.update(index, tensor_bytes(view))
                 verified = digests.digests()
-            finally:
-                digests.close()
             check([entry.name for entry in manifest.entries], message["digests"], verified)
         if not adopt_staged(self, load_weights, views):
             load_weights(list(views.items()))
@@ -223,9 +209,8 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         if self._ring is None:
             raise TransferError(f"protocol violation: a ring round from a trainer that gave this worker no ring: {message!r}")
         buckets = plan_buckets(manifest.entries, self._info.bucket_bytes)
-        digests = RoundDigests(len(manifest.entries)) if manifest.digests else None
-        unpacker = Unpacker(manifest, load_weights, digests)
-        try:
+        with round_digests(len(manifest.entries), manifest.digests) as digests:
+            unpacker = Unpacker(manifest, load_weights, digests)
             if not buckets and message.get("op") != "empty":
                 raise TransferError(f"protocol violation: expected the 'empty' word of a round with no bucket, got {message!r}")
             for position, bucket in enumerate(buckets):
@@ -247,9 +232,6 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
                 check([entry.name for entry in manifest.entries], message["values"], verified)
             unpacker.finish()
             return verified
-        finally:
-            if digests is not None:
-                digests.close()
 
     def shutdown(self) -> None:
         if self._channel is not None:
@@ -499,41 +481,6 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             self._selector.register(channel, selectors.EVENT_READ, -rank)  # negative: a trainer rank
 
     # -- one round ----------------------------------------------------------------------------
-    def _pump(self, done: Callable[[], bool], call: ClientCall, what: str,
-              handle: Callable[[int, dict[str, Any]], None], progress: Callable[[], int] | None = None) -> None:
-        """Dispatch the peers' messages until ``done()``; bounded by ``timeout_s`` (since the last change
-        of ``progress()``, if given), aborted by client failure."""
-        deadline = time.monotonic() + self.timeout_s
-        seen = progress() if progress is not None else 0
-        for rank, channel in [*self._channels.items(), *((-r, c) for r, c in self._senders.items())]:
-            for message in channel.pending():  # messages that arrived together with earlier ones
-                handle(rank, message)
-        while not done():
-            if call.error is not None:
-                # A worker answers before it raises, so its message is here already: it may end the wait cleanly.
-                self._dispatch(0.0, what, handle)
-                if done():
-                    return
-                call.raise_if_failed()
-            if progress is not None and progress() != seen:
-                seen, deadline = progress(), time.monotonic() + self.timeout_s
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TransferTimeoutError(f"shm trainer: {what} took longer than {self.timeout_s:g} s")
-            self._dispatch(min(remaining, 0.05), what, handle)
-
-    def _dispatch(self, wait: float, what: str, handle: Callable[[int, dict[str, Any]], None]) -> None:
-        """Handle every message that arrives within ``wait`` seconds (0: only those already here)."""
-        for key, _ in self._selector.select(wait):
-            rank = key.data
-            try:
-                messages = key.fileobj.read_ready()  # type: ignore[union-attr]
-            except PeerClosedError as exc:
-                peer = f"shm worker rank {rank}" if rank > 0 else f"trainer rank {-rank}"
-                raise TransferError(f"{peer} died or disconnected while {what}: {exc}") from exc
-            for message in messages:
-                handle(rank, message)
-
     def send_round(self, manifest: Manifest, buckets: list[Bucket], call: ClientCall) -> None:
         try:
             _Round(self, manifest, call).run(buckets)
@@ -644,7 +591,38 @@ class _Round:
             raise TransferError(f"unexpected message from shm worker rank {rank}: {message!r}")
 
     def pump(self, done: Callable[[], bool], what: str) -> None:
-        self.trainer._pump(done, self.call, what, self.handle, lambda: self.progress)
+        """Dispatch the peers' messages until ``done()``; bounded by ``timeout_s`` since the last change of
+        ``progress``, aborted by client failure."""
+        trainer = self.trainer
+        deadline, seen = time.monotonic() + trainer.timeout_s, self.progress
+        for rank, channel in [*trainer._channels.items(), *((-r, c) for r, c in trainer._senders.items())]:
+            for message in channel.pending():  # messages that arrived together with earlier ones
+                self.handle(rank, message)
+        while not done():
+            if self.call.error is not None:
+                # A worker answers before it raises, so its message is here already: it may end the wait cleanly.
+                self._dispatch(0.0, what)
+                if done():
+                    return
+                self.call.raise_if_failed()
+            if self.progress != seen:
+                seen, deadline = self.progress, time.monotonic() + trainer.timeout_s
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransferTimeoutError(f"shm trainer: {what} took longer than {trainer.timeout_s:g} s")
+            self._dispatch(min(remaining, 0.05), what)
+
+    def _dispatch(self, wait: float, what: str) -> None:
+        """Handle every message that arrives within ``wait`` seconds (0: only those already here)."""
+        for key, _ in self.trainer._selector.select(wait):
+            rank = key.data
+            try:
+                messages = key.fileobj.read_ready()  # type: ignore[union-attr]
+            except PeerClosedError as exc:
+                peer = f"shm worker rank {rank}" if rank > 0 else f"trainer rank {-rank}"
+                raise TransferError(f"{peer} died or disconnected while {what}: {exc}") from exc
+            for message in messages:
+                self.handle(rank, message)
 
     def run(self, buckets: list[Bucket]) -> None:
         trainer, manifest = self.trainer, self.manifest
@@ -669,8 +647,7 @@ class _Round:
         trainer, manifest = self.trainer, self.manifest
         segment = trainer._segment_for(staging_offsets(manifest.entries)[1])
         pieces = segment_pieces(manifest)
-        digests = RoundDigests(len(manifest.entries)) if manifest.digests else None
-        try:
+        with round_digests(len(manifest.entries), manifest.digests) as digests:
             if trainer._senders:
                 self._write_sharded(segment, pieces)
                 if digests is not None:  # the ranks wrote disjoint parts: the round is hashed once whole
@@ -687,9 +664,6 @@ class _Round:
                 packer.pack_staged(pieces, segment.data, tick=tick)
                 packer.drain()
             values = digests.digests() if digests is not None else None
-        finally:
-            if digests is not None:
-                digests.close()
         trainer.tell_workers({"op": "staged", "size": segment.size, "digests": values}, manifest.version,
                              fds=lambda rank: trainer._segment_fds(rank, writable=False))
 
@@ -717,8 +691,7 @@ class _Round:
         ring = trainer._ring
         assert ring is not None
         self.released = [set() for _ in ring.slots]
-        digests = RoundDigests(len(manifest.entries)) if manifest.digests else None
-        try:
+        with round_digests(len(manifest.entries), manifest.digests) as digests:
             if not buckets:  # the workers wait for a word either way: a call-off, or this
                 trainer.tell_workers({"op": "empty"}, manifest.version)
             packer = Packer(manifest, iter(trainer.source), digests, trainer.source_entries)
@@ -735,9 +708,6 @@ class _Round:
             packer.drain()
             if digests is not None:  # the workers compare them with their own before the round can commit
                 trainer.tell_workers({"op": "digests", "values": digests.digests()}, manifest.version)
-        finally:
-            if digests is not None:
-                digests.close()
 
 
 SharedMemoryWeightTransferEngine.trainer_cls = SharedMemoryTrainer

@@ -2,23 +2,10 @@
 
 Use it to write a transport the built-ins do not cover (a new fabric, a new store); to
 derive from a built-in or write a worker/trainer pair, :mod:`wtransfer.engines` (the upper
-layer) is all you need. The built-in engines and the NCCL plugin are made of these parts.
-
-Wire protocol
-    ``PROTOCOL_VERSION`` (what both sides check before a round), ``check_protocol``;
-    ``MIB``, ``ALIGN`` (every tensor's offset in a bucket is a multiple of it); input checks
-    for values read from a peer's JSON (``check_int``, ``check_timeout``,
-    ``check_bucket_bytes``); ``ManifestRejected`` (a worker refusing a round cleanly);
-    ``gc_paused`` (no garbage-collector pauses inside a timed step).
-Manifest
-    ``Manifest`` (a round's tensors, their order and version), ``TensorEntry``,
-    ``build_manifest``, ``tensor_checksum``.
-Packing plan
-    ``Bucket``, ``plan_buckets`` (tensors into fixed-size buckets, large ones split),
-    ``Packer`` (fills buffers from a source), ``Unpacker`` (hands bucket bytes to the loader).
-Control channel
-    ``ControlChannel`` (length-framed JSON and raw bytes over a Unix or TCP socket: nothing
-    is pickled), ``Listener``, ``connect``, ``PeerClosedError``.
+layer) is all you need. The built-in engines and the NCCL plugin are made of these parts:
+the wire protocol, the manifest, the packing plan and the control channel (length-framed
+JSON and raw bytes over a Unix or TCP socket: nothing is pickled). The names are in
+``__all__`` and explained in docs/plugins.md.
 
 This layer changes more often than the upper one; a plugin that uses it should pin
 ``wtransfer`` to a minor version.
