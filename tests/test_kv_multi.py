@@ -201,12 +201,16 @@ def test_no_child_saves_kv_computed_on_top_of_another_childs_failed_load(tmp_pat
     with PagedKVEngine(SPEC, 16, kv_transfer_config=config, enable_prefix_caching=False, capture_kv=True) as engine:
         out = engine.generate({"b": PROMPT + [1, 2, 3]})["b"]
         again = engine.generate({"c": PROMPT + [1, 2, 3]})["c"]  # loads from the first child that has it
+        scheduler_stats = engine.scheduler_connector.get_kv_connector_stats()
+        worker_stats = engine.worker_connector.get_kv_connector_stats()
     assert out.num_load_errors == 1
     reference = reference_kv(SPEC, out.prompt_token_ids)
     assert all(torch.equal(out.kv[n], reference[n]) for n in reference)
     assert again.num_external_tokens == 20 and again.num_load_errors == 0
     assert all(torch.equal(again.kv[n], reference[n]) for n in reference), "a child served KV of a failed load"
-    if first_child == "offloading":
+    if first_child == "offloading":  # it refused that step's stores, so the disk served "c", freshly recomputed
+        assert scheduler_stats["0:offloading"]["failed_store_blocks"] > 0
+        assert worker_stats["0:offloading"]["load_jobs"] == 0 and worker_stats["1:storage"]["loaded_blocks"] > 0
         return
     saved = {p.stem: p for p in first.rglob("*.safetensors")}
     assert set(saved) == set(hashes[1:5])  # recomputed blocks only, each one correct

@@ -2,7 +2,8 @@
 
 vLLM hands connectors its own objects (``Request``, ``SchedulerOutput``, ``KVCacheBlocks``), tying them to vLLM.
 These plain dataclasses carry just what a connector needs, so any paged-KV engine can build them and any connector
-read them. Only :class:`KVConnectorOutput` crosses a process boundary (as JSON, through :class:`JSONDataclass`).
+read them. They stay in their process; what crosses one (connector metadata, :class:`KVConnectorOutput`) is JSON,
+through :class:`JSONDataclass`.
 """
 
 from __future__ import annotations
