@@ -285,7 +285,7 @@ class MultiConnector(KVConnectorBase):
         }
 
     def shutdown(self) -> None:
-        """Every child's (idempotent, per the contract: so is this)."""
+        """Shut every child down; safe to call twice, as the contract makes every child's ``shutdown``."""
         errors: list[BaseException] = []
         for child in self.children:
             try:

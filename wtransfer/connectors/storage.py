@@ -23,6 +23,7 @@ reported done (``get_finished``) once its files are written, so the next request
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -185,10 +186,8 @@ class BlockStore:
 
     def release(self) -> None:
         """This connector is done with the namespace (its marker goes; others' stay)."""
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self._marker)
-        except OSError:
-            pass
 
     def ensure_parent(self, path: str, *, recheck: bool = False) -> None:
         """Create the block's directory once per process (``recheck`` after someone removed it)."""

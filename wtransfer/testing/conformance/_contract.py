@@ -1,4 +1,5 @@
-"""Failures that explain themselves: which contract point, what was expected, what happened."""
+"""Failures that explain themselves (which contract point, what was expected, what happened), and the cache the
+connector and spec suites share."""
 
 from __future__ import annotations
 
