@@ -97,16 +97,40 @@ def _worker_main(
     from wtransfer.config import ParallelConfig, WeightTransferConfig
     from wtransfer.engines._cast import served_dtypes
     from wtransfer.engines._factory import WeightTransferEngineFactory
-    from wtransfer.engines._loader import module_loader
+    from wtransfer.engines._loader import ModuleLoader
     from wtransfer.engines._manifest import tensor_checksum
 
     if torch_threads > 0:
         torch.set_num_threads(torch_threads)
+    class _FaultInjectingLoader(ModuleLoader):
+        """The worker's loader; armed by ``LocalWorkerPool.fail_next_load``, its next load writes one tensor
+        (or hands out one destination) and then fails, as running out of memory part-way would."""
+
+        fail_next = False
+
+        def _fail(self) -> None:
+            self.fail_next = False
+            raise RuntimeError(f"local worker {rank}: injected fault, the load failed part-way "
+                               f"(LocalWorkerPool.fail_next_load)")
+
+        def destination(self, name: str) -> torch.Tensor | None:
+            target = super().destination(name)
+            if self.fail_next and target is not None and getattr(self, "_handed", False):
+                self._fail()
+            self._handed = target is not None
+            return target
+
+        def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+            if self.fail_next and weights:
+                super().__call__(weights[:1])
+                self._fail()
+            super().__call__(weights)
+
     try:
         model = _resolve(factory)(**json.loads(factory_kwargs))
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model factory {factory} returned {type(model).__name__}, not a torch.nn.Module")
-        load_weights = module_loader(model, strict=strict)
+        load_weights = _FaultInjectingLoader(model, strict=strict)
         rss = PeakRss()
         engine = WeightTransferEngineFactory.create_engine(
             WeightTransferConfig(backend=backend, options=json.loads(engine_options)),
@@ -127,6 +151,8 @@ def _worker_main(
             engine.receive_weights(engine.parse_update_info(info), load_weights)
         elif op == "finish":
             engine.finish_weight_update()
+        elif op == "fail_next_load":
+            load_weights.fail_next, load_weights._handed = True, False
         elif op == "digests":
             seen: set[int] = set()
             digests = {}
@@ -143,6 +169,7 @@ def _worker_main(
                 "fds": open_fd_count(),
                 "weight_version": engine.weight_version,
                 "weights_torn": engine.weights_torn,
+                "weights_identity": engine.weights_identity,
                 "devices": sorted({str(t.device) for t in model.state_dict().values()}),
             }
         else:
@@ -270,6 +297,14 @@ class LocalWorkerPool:
         return self.request("finish")
 
     # -- extras for benchmarks and tests --------------------------------------------------------
+    def fail_next_load(self, rank: int) -> None:
+        """Fault injection for tests: worker ``rank``'s next load into its model fails part-way (a real failure in
+        its loader, after it wrote part of the model), as running out of memory would."""
+        with self._lock:
+            self._seq += 1
+            _send(self._conns[rank], {"op": "fail_next_load", "seq": self._seq})
+            self._collect("fail_next_load", self.timeout_s, ranks=[rank])
+
     def digests(self) -> list[dict[str, int]]:
         """Per worker: CRC32 of every tensor of its model (bit-exact verification)."""
         return [reply["digests"] for reply in self.request("digests")]

@@ -151,6 +151,19 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         """True while the model holds parts of two versions (see ``weight_version``)."""
         return round_state(self).torn
 
+    @property
+    def weights_identity(self) -> str | None:
+        """A name for exactly the weights the model holds, the same on every worker that holds them: it changes
+        whenever any tensor does, and two states never share one (``"startup"``: the start-up weights; None while
+        torn). vLLM's prefix-cache salt derives from it."""
+        return round_state(self).holdings()["identity"]
+
+    def held_weights(self) -> dict[str, Any]:
+        """What this worker holds, JSON-safe (``version``, ``identity``, ``spent``: the highest version it began to
+        commit). A transport sends it to the trainer when joining, so a new trainer numbers its rounds past every label in
+        use and knows what its partial rounds apply on top of."""
+        return round_state(self).holdings()
+
     def parse_init_info(self, init_dict: dict[str, Any]) -> TInitInfo:
         """Typed init info from the control plane's dict; ``ValueError`` names each bad field."""
         return parse_info(type(self).__name__, self.init_info_cls, init_dict, "init_info")

@@ -18,19 +18,24 @@ picks the mode per round (it travels in the manifest):
 number for the round committed last (so restarted workers and reconnected trainers agree); ``None`` while
 torn. A round without a wtransfer manifest counts one past the version before it.
 
-A delta round (:mod:`._delta`) adds a loader in front that rebuilds changed tensors so the modes above see
-whole tensors; ``delta_holds`` remembers the base the next delta round must be against.
+What a worker takes is decided by what it holds, never by the trainer's memory. Each committed state has a
+content identity (:func:`~._manifest.identity_after`); a partial round applies only on top of the identity it
+names (or carries every tensor of the model), a delta round only on top of its base (:mod:`._delta`, whose
+loader rebuilds changed tensors so the modes above see whole tensors), and a version at or below one this
+worker holds or began to commit is refused: labels only go up. The trainer learns all of it at rendezvous
+(:meth:`RoundState.holdings`).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from wtransfer.engines._manifest import Manifest
+from wtransfer.engines._manifest import STARTUP_IDENTITY, Manifest, identity_after
 from wtransfer.engines._packing import copy_tensor
 from wtransfer.engines._protocol import RoundCalledOff
 from wtransfer.errors import ManifestMismatchError, TransferError, WeightsTornError
@@ -205,7 +210,7 @@ class _Received:
     manifest: Manifest | None
     staged: dict[str, torch.Tensor] | None  # None: already in the model (streamed)
     real: Any
-    delta_id: str | None = None  # the round's delta id: what this worker holds once it commits
+    identity: str | None = None  # what this worker holds once it commits
 
 
 class RoundState:
@@ -215,46 +220,81 @@ class RoundState:
         self.owner = owner
         self.committed = 0  # the trainer's version of the last round loaded whole (0: the start-up weights)
         self.torn = False
-        self.depth = 0  # > 0 while a wrapped method runs (super() calls pass through)
+        self.spent = 0  # the highest version this worker began to commit: some worker may hold it
+        self.calls = threading.local()  # .depth > 0 while a wrapped method runs on this thread (super() calls pass)
         self.loader: Any = None  # what the engine got this round (a DeltaLoader in front, for a delta round)
         self._loader: _Loader | None = None
         self._manifest: Manifest | None = None
         self._received: _Received | None = None
         self._staging: NodeStaging | None = None
         self._warned_no_manifest = False
-        self._delta_id: str | None = None  # the round being received: its delta id
+        self._identity_after: str | None = None  # the round being received: what this worker holds once it commits
+        self._committing = threading.Lock()  # a round begins only once a commit on another thread has ended
         self.rejection: ManifestMismatchError | None = None  # this round cannot be taken here
-        self.delta_holds: str | None = None
-        """The delta id of the last round committed here (None: none, or the model is torn since)."""
+        self.identity: str | None = STARTUP_IDENTITY
+        """The content identity of what the model holds (None: torn, or filled by a round that named none)."""
 
     @property
     def weight_version(self) -> int | None:
         return None if self.torn else self.committed
 
+    def holdings(self) -> dict[str, Any]:
+        """What this worker holds and the highest version it began to commit, JSON-safe: what it tells a trainer
+        at rendezvous."""
+        return {"version": self.weight_version, "identity": None if self.torn else self.identity,
+                "spent": max(self.spent, self.committed)}
+
     # -- receive ------------------------------------------------------------------------------
     def begin(self, update_info: Any, real: Any) -> Any:
         """A round starts: the loader the engine writes through."""
-        self._received = None  # an earlier round received but never committed is dropped
+        with self._committing:  # a commit still running on another thread (a client that timed out) ends first
+            self._received = None  # an earlier round received but never committed is dropped
         self._loader = self.loader = self.rejection = None
         manifest = getattr(update_info, "parsed", None)
         wire = self._manifest = manifest if isinstance(manifest, Manifest) else None
         delta = self._manifest.delta if self._manifest is not None else None
-        self._delta_id = delta.id if delta is not None else None
+        self._identity_after = identity_after(wire) if wire is not None else None
         if delta is not None:  # the loaders below see the tensors it rebuilds, whole
             from wtransfer.engines._delta_loader import DeltaLoader
 
             self._manifest = delta.target_manifest(wire)
-            self.loader = DeltaLoader(self._begin(real), real, wire, self.delta_holds)
+            self.loader = DeltaLoader(self._begin(real), real, wire, None if self.torn else self.identity)
         else:
             self.loader = self._begin(real)
         if wire is not None:
             # Checked before the engine runs, so a round this model cannot take is refused before any
             # byte moves; the engine hears the verdict from validate_round().
             try:
-                self.loader.validate_manifest(wire)
+                self.loader.validate_manifest(wire)  # first: a loader's covers() may read what it checked
+                self._check_holds(wire, real)
             except ManifestMismatchError as exc:
                 self.rejection = exc
         return self.loader
+
+    def _check_holds(self, wire: Manifest, real: Any) -> None:
+        """Refuse a round this worker's own state cannot take: a label that does not go up, or a round that leaves
+        tensors out on top of weights other than those it names (a partial round, or one a loader's ``covers()``
+        says does not write the whole model)."""
+        held = self.holdings()
+        what = (f"holds version {held['version']}" if not self.torn else "is torn (a round failed part-way into it)")
+        if wire.version <= held["spent"]:
+            raise ManifestMismatchError(
+                f"{self.owner} {what} and began to commit up to version {held['spent']}: round {wire.version} would label "
+                f"other weights with a number already used. Labels only go up: create_trainer() learns the highest "
+                f"at rendezvous (reconnect() after workers restarted); first_version= / send_weights(version=) must "
+                f"be above it")
+        if wire.delta is not None or (wire.base is not None and wire.base == held["identity"]):
+            return  # a delta round's base is its loader's to check
+        covers = getattr(real, "covers", None)
+        if covers(wire) if callable(covers) else not wire.partial:
+            return  # every tensor of the model arrives (a loader that cannot tell trusts a round sent whole)
+        content = "" if self.torn else f" (content {held['identity']})"
+        needs = "weights the trainer does not know" if wire.base is None else f"content {wire.base}"
+        raise ManifestMismatchError(
+            f"{self.owner} {what}{content}, not the weights round {wire.version} applies on top of ({needs}), and "
+            f"the round leaves tensors of its model out: they would keep values of another version under this "
+            f"label. Send one round that carries every tensor of the model (a worker whose loader offers covers(), "
+            f"as module_loader and vLLM's do, takes it whatever it holds); the rounds after it land again")
 
     def validate_round(self) -> None:
         """Raise the framework's verdict on the round being received, if it refused it."""
@@ -301,11 +341,11 @@ class RoundState:
         self.validate_round()  # an engine that ignored the verdict (and so wrote nothing) still fails the round
         if isinstance(loader, StreamingLoader):
             if loader.touched:  # the new bytes are in, but the round counts only at finish: until then
-                self.torn, self.delta_holds = True, None  # neither the old version nor (yet) a counted new one
-            self._received = _Received(manifest, None, real, self._delta_id)
-            return
-        assert isinstance(loader, AtomicLoader) and manifest is not None
-        self._received = _Received(manifest, loader.staged(), real, self._delta_id)
+                self.torn = True  # neither the old version nor (yet) a counted new one
+            self._received = _Received(manifest, None, real, self._identity_after)
+        else:
+            assert isinstance(loader, AtomicLoader) and manifest is not None
+            self._received = _Received(manifest, loader.staged(), real, self._identity_after)
 
     def failed(self, exc: BaseException) -> BaseException:
         """The round failed on this worker: tell the node's followers, say what the model holds."""
@@ -315,8 +355,6 @@ class RoundState:
             loader.failed(exc)
         if isinstance(loader, StreamingLoader) and loader.touched:
             self.torn = True
-        if self.torn:
-            self.delta_holds = None
         if not isinstance(exc, (ManifestMismatchError, RoundCalledOff)) and self._staging is not None:
             # Any failure but a rejection ends the trainer (a new one stages under a new key): free it now.
             self._staging.close()
@@ -343,6 +381,10 @@ class RoundState:
     # -- commit -------------------------------------------------------------------------------
     def commit(self) -> None:
         """``finish_weight_update``: load a staged round into the model, count the round."""
+        with self._committing:
+            self._commit()
+
+    def _commit(self) -> None:
         received, self._received = self._received, None
         if received is None:
             state = "torn" if self.torn else f"unchanged (version {self.committed})"
@@ -351,11 +393,13 @@ class RoundState:
                 f"the model is {state}"
             )
         self._loader = None
+        if received.manifest is not None:  # from here on some worker may hold it: its number is never reused
+            self.spent = max(self.spent, received.manifest.version)
         if received.staged is not None:
             try:
                 received.real(list(received.staged.items()))
             except Exception as exc:
-                self.torn, self.delta_holds = True, None
+                self.torn = True
                 error = WeightsTornError(
                     f"{self.owner}: loading round {received.manifest.version if received.manifest else '?'} "
                     f"from staging failed part-way, so the model is torn; weight_version is None until a "
@@ -367,7 +411,7 @@ class RoundState:
         manifest = received.manifest
         self.committed = manifest.version if manifest is not None else self.committed + 1
         self.torn = False
-        self.delta_holds = received.delta_id
+        self.identity = received.identity
 
     def close(self) -> None:
         self._received = None
@@ -408,14 +452,14 @@ def _outermost(body: Callable[..., None], method: Callable[..., None]) -> Callab
     """``body(state, method, self, *args)`` for the outermost call; nested (``super()``) calls run ``method``."""
 
     def wrapper(self: Any, *args: Any) -> None:
-        state = round_state(self)
-        if state.depth:
+        calls = round_state(self).calls  # per thread: another thread's shutdown() during a receive is outermost too
+        if getattr(calls, "depth", 0):
             return method(self, *args)
-        state.depth += 1
+        calls.depth = 1
         try:
-            return body(state, method, self, *args)
+            return body(round_state(self), method, self, *args)
         finally:
-            state.depth -= 1
+            calls.depth = 0
 
     return wrapper
 

@@ -19,6 +19,7 @@ from wtransfer.engines._delta import (
 from wtransfer.engines._manifest import (
     DENSE,
     POSITION_BLOCK,
+    STARTUP_IDENTITY,
     XOR_ZSTD,
     DeltaTensor,
     Manifest,
@@ -73,7 +74,7 @@ class DeltaLoader:
             if self._holds != plan.base:
                 raise ManifestMismatchError(
                     f"delta round against {plan.base}, but this worker holds "
-                    f"{self._holds or 'no round of this trainer (new, restarted or torn)'}: a full round is needed")
+                    f"{self._holds if self._holds not in (None, STARTUP_IDENTITY) else 'no round of this trainer (new, restarted or torn)'}: a full round is needed")
             if not callable(self._base_of) or self._needs_whole_rounds:
                 raise ManifestMismatchError(
                     "this worker's loader cannot apply a delta round (it shows no tensors through destination(), "

@@ -27,6 +27,7 @@ class ModuleLoader:
         self._targets: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
         self._targets.update(module.named_buffers(remove_duplicate=False))
         self._parameters: dict[str, torch.Tensor] = dict(module.named_parameters())
+        self._buffers = [b for _, b in module.named_buffers()]
 
     def validate_manifest(self, manifest: Manifest) -> None:
         """Raise :class:`ManifestMismatchError` naming every mismatch, grouped by cause; write nothing."""
@@ -57,6 +58,15 @@ class ModuleLoader:
         if problems:
             raise ManifestMismatchError.listing(
                 f"update manifest (version {manifest.version}) does not match {model}", problems, todo)
+
+    def covers(self, manifest: Manifest) -> bool:
+        """Whether the round writes every parameter of the module (whatever ``strict`` says): a worker that holds
+        other weights than a partial round's base may then take it, since nothing of before is kept."""
+        written = {id(target) for entry in manifest.entries if (target := self._targets.get(entry.name)) is not None}
+        needed = list(self._parameters.values())
+        if any(id(buffer) in written for buffer in self._buffers):  # a round that sends buffers sends them all
+            needed += self._buffers
+        return all(id(t) in written for t in needed)
 
     def destination(self, name: str) -> torch.Tensor | None:
         """The tensor ``name`` is written into, so engines can fill split tensors in place."""

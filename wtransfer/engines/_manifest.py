@@ -9,12 +9,16 @@ Wire form::
      "tensors": [["model.embed.weight", "bfloat16", [151936, 896]], ...],
      "digests": "xxh3_64" | None,
      "commit": {"mode": "atomic", "key": "9f0c...", "timeout_s": 300.0} | None,
-     "delta": None}
+     "delta": None,
+     "partial": true,            # partial rounds only
+     "base": "<identity>"}       # what the trainer believes every worker holds, where it knows
 
 A delta round (see ``_delta``) is format 5 and says in ``delta`` what each wire tensor rebuilds.
 ``digests``: the trainer sends per-tensor digests after the data (``_digests``), checked by every worker
 before the round can commit. ``commit``: how workers apply the round (``_commit``); ``key`` names the
 trainer, so its workers on one node share one staged copy. A manifest without ``commit`` is streamed.
+``base``: the content identity (:func:`identity_after`) the round applies on top of; a worker holding anything
+else takes the round only if it carries every tensor of its model (always needed by a partial round).
 """
 
 from __future__ import annotations
@@ -235,6 +239,9 @@ class Manifest:
     """A delta round: what each wire tensor rebuilds, and against which committed round."""
     partial: bool = False
     """A round may carry any subset of the tensors (the rest keep their committed values; none is missing)."""
+    base: str | None = None
+    """The content identity the round applies on top of (None: the trainer does not know one). A worker holding
+    anything else takes the round only if it carries every tensor of the worker's model."""
 
     @property
     def total_bytes(self) -> int:
@@ -249,6 +256,7 @@ class Manifest:
             "commit": self.commit.to_dict() if self.commit is not None else None,
             "delta": self.delta.to_dict() if self.delta is not None else None,
             **({"partial": True} if self.partial else {}),
+            **({"base": self.base} if self.base is not None else {}),
         }
 
     @classmethod
@@ -283,8 +291,11 @@ class Manifest:
         partial = data.get("partial", False)
         if not isinstance(partial, bool):
             raise ValueError(f"manifest 'partial' must be a bool, got {partial!r}")
+        base = data.get("base")
+        if base is not None and not isinstance(base, str):
+            raise ValueError(f"manifest 'base' must be null or a content identity string, got {base!r}")
         return cls(entries, version, None, CommitPlan.from_dict(commit) if commit is not None else None, digests,
-                   DeltaPlan.from_dict(delta, entries) if delta is not None else None, partial)
+                   DeltaPlan.from_dict(delta, entries) if delta is not None else None, partial, base)
 
 
 def _parse_entry(index: int, item: Any) -> TensorEntry:
@@ -313,8 +324,33 @@ def build_manifest(
     commit: CommitPlan | None = None,
     delta: DeltaPlan | None = None,
     partial: bool = False,
+    base: str | None = None,
 ) -> Manifest:
-    return Manifest(tuple(entries), version, None, commit, digests, delta, partial)
+    return Manifest(tuple(entries), version, None, commit, digests, delta, partial, base)
+
+
+STARTUP_IDENTITY = "startup"
+"""The content identity of a worker's start-up weights (a fresh or restarted worker, before any round)."""
+
+
+def identity_after(manifest: Manifest) -> str | None:
+    """The content identity a model holds once ``manifest``'s round committed, computed alike by the trainer
+    and every worker: it names one state forever and changes whenever any tensor does.
+
+    A whole round: its trainer's key and its version (a trainer never sends two rounds under one version, and
+    versions only go up). A delta round: its id (it rebuilds every tensor). A partial round: chained from the
+    identity it applied on top of, so two histories never share one. None: not a wtransfer trainer's round.
+    """
+    if manifest.delta is not None:
+        return manifest.delta.id
+    if manifest.commit is None:
+        return None
+    name = f"{manifest.commit.key}:{manifest.version}"
+    if not manifest.partial:
+        return name
+    import hashlib
+
+    return hashlib.blake2b(f"{manifest.base}|{name}".encode(), digest_size=16).hexdigest()
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -160,10 +160,11 @@ class ParticipantTrainer:
                                 f"{self.backend} transport: {heard.get('reason')}")
         return sender
 
-    def send_weights(self, weight_version: str | None = None) -> dict[str, Any]:
+    def send_weights(self, weight_version: str | None = None, *, version: int | None = None) -> dict[str, Any]:
         """Send this rank's shards, or walk the source as rank 0 does, dropping every tensor. Rank 0 says
         first whether the round runs (else no gather is entered) and last whether the workers took it: this
-        raises unless they did, or if this rank's own gather fails."""
+        raises unless they did, or if this rank's own gather fails. ``weight_version`` and ``version`` are rank 0's
+        to give (taken here so every rank makes the same call)."""
         self._attempt += 1
         step = self._attempt
         if self._closed:

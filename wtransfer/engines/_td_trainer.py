@@ -110,7 +110,8 @@ class TorchDistributedTrainer(TorchDistributedSending, TrainerWeightTransferEngi
             time.sleep(0.01)
         for rank in ranks:  # what each worker's model loads (an older worker wrote "1")
             said = self._prefixed.get(f"joined/{rank}").decode()
-            self.served_answers[rank] = json.loads(said).get("served_dtypes") if said.startswith("{") else None
+            joined = json.loads(said) if said.startswith("{") else {}
+            self.served_answers[rank], self.held_answers[rank] = joined.get("served_dtypes"), joined.get("holds")
         try:
             self._groups = self.make_groups(self._prefixed, 0, self.world_size, self.timeout_s, self.channels)
         except RuntimeError as exc:

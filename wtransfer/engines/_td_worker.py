@@ -67,7 +67,7 @@ class TorchDistributedWeightTransferEngine(
             self._kv = store(client, init_info.timeout_s)
             prefixed = PrefixStore(init_info.group_name, self._kv)
             served = None if self.served_dtypes is None else self.served_dtypes.to_dict()
-            prefixed.set(f"joined/{self.rank}", json.dumps({"served_dtypes": served}))
+            prefixed.set(f"joined/{self.rank}", json.dumps({"served_dtypes": served, "holds": self.held_weights()}))
             buffers = self.allocate(init_info.bucket_bytes, init_info.num_buffers)
             groups = self.make_groups(
                 prefixed, self.rank, init_info.world_size, init_info.timeout_s, init_info.channels

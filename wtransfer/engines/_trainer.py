@@ -25,7 +25,7 @@ from wtransfer.engines._cast import CastPlan, agreed, check_dtype_option
 from wtransfer.engines._client import WeightSyncClient
 from wtransfer.engines._commit import DEFAULT_COMMIT
 from wtransfer.engines._manifest import (COMMIT_MODES, DIGEST_ALGORITHMS, IN_FLIGHT_MODES, CommitPlan, DeltaPlan,
-                                         Manifest, TensorEntry, build_manifest)
+                                         Manifest, TensorEntry, build_manifest, identity_after)
 from wtransfer.engines._packing import Bucket, plan_buckets
 from wtransfer.engines._protocol import MIB, ManifestRejected, check_bucket_bytes, gc_paused
 from wtransfer.engines._source import ModuleSource, TensorSource, WeightSource
@@ -86,8 +86,6 @@ class ClientCall:
         self._result: Any = None
         self._error: BaseException | None = None
         self._done = threading.Event()
-        self.answered = False
-        """The call failed with the far side's answer (a worker's error, an HTTP reply): it ran to its end."""
         self.finished_at: float | None = None
         """``time.monotonic()`` when the call returned or raised."""
 
@@ -102,7 +100,6 @@ class ClientCall:
             self._result = function(*args)
         except BaseException as exc:  # re-raised in the trainer's thread
             self._error = with_server_reason(self.what, exc)
-            self.answered = self._error is not exc
         finally:
             self.finished_at = time.monotonic()
             self._done.set()
@@ -191,6 +188,11 @@ def accepts_weight_version(method: Callable[..., Any]) -> bool:
     return any(p.name == "weight_version" or p.kind is p.VAR_POSITIONAL for p in parameters)
 
 
+def _check_version(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1 (a round's number, e.g. the training step), got {value!r}")
+
+
 def at_least(name: str, value: float, minimum: float) -> None:
     """Range check for an option whose type ``parse_options`` already checked."""
     if value < minimum:
@@ -274,6 +276,7 @@ class TrainerWeightTransferEngine(ABC):
         dtype: Any = None,
         partial: bool = False,
         in_flight: str = "recompute",
+        first_version: int | None = None,
     ) -> None:
         if delta and partial:
             raise ValueError("create_trainer(): delta=True already sends only what changed; partial=True is for "
@@ -293,6 +296,9 @@ class TrainerWeightTransferEngine(ABC):
                 f"serving engine does with the requests running when a round commits"
             )
         _check_client(client)
+        if first_version is not None:
+            _check_version("first_version", first_version)
+        self._first_version = first_version
         self.in_flight = in_flight
         self.commit: str = commit
         self._staging_key = secrets.token_hex(8)
@@ -329,7 +335,12 @@ class TrainerWeightTransferEngine(ABC):
             self.delta = DeltaEncoder()
         self.is_checkpoint_format = bool(is_checkpoint_format)
         self.weight_version = 0
-        self._spent_version = 0  # a round whose commit failed: some worker may hold it, so it is never reused
+        self._version_floor = 0
+        """Every version at or below is taken: a worker holds it or began to commit it."""
+        self._asked_version: int | None = None  # send_weights(version=N): this round's number
+        self._fleet_identity: str | None = None
+        """The content identity every worker should hold (:func:`identity_after`): a partial round's base. Learned
+        from the workers at rendezvous, then the last round's; None where they differ or say nothing."""
         self._commit_failed = False
         self._broken: str | None = None
         self._clean_rejection = False
@@ -416,6 +427,8 @@ class TrainerWeightTransferEngine(ABC):
         hear why before the caller releases the transport."""
         self.served_answers: dict[int, Any] = {}
         """What each worker said at rendezvous its model loads (rank -> served dtypes dict or None)."""
+        self.held_answers: dict[int, Any] = {}
+        """What each worker said at rendezvous it holds (rank -> ``WeightTransferEngine.held_weights()`` or None)."""
         try:
             worker_info = self.prepare_workers()
             if self.agreement is not None and self.parallel_senders and self.senders_join_with_workers:
@@ -423,12 +436,33 @@ class TrainerWeightTransferEngine(ABC):
             self._call_while("init_weight_transfer_engine", worker_info, work=self.wait_for_workers)
             if self.cast.dtype is None:  # the user's dtype needs no agreement on what the workers load
                 self.cast = CastPlan(agreed(self.served_answers), None)
+            self._learn_holdings()
             self.connected()
         except BaseException as exc:
             if self.told_ranks and self.agreement is not None:
                 # The other ranks are joining the transport this closes: they hear why first.
                 self.agreement.refuse("senders", exc)
             raise
+
+    def _learn_holdings(self) -> None:
+        """Number past every label a worker holds or began to commit, and take what every worker holds as the next
+        partial round's base (none where they differ): the workers' word, not this trainer's memory."""
+        held = {rank: h for rank, h in self.held_answers.items() if isinstance(h, dict)}
+        used = [v for h in held.values() for v in (h.get("version"), h.get("spent"))
+                if isinstance(v, int) and not isinstance(v, bool)]
+        self._version_floor = max([self._version_floor, self.weight_version, *used])
+        identities = {h.get("identity") for h in held.values()}
+        self._fleet_identity = identities.pop() if len(held) == self.num_workers and len(identities) == 1 else None
+        if self._first_version is not None and not self.weight_version:
+            if self._first_version <= self._version_floor:
+                holders = ", ".join(f"rank {rank}: version {h.get('version')}, began to commit up to {h.get('spent')}"
+                                    for rank, h in sorted(held.items())) or "this trainer's own rounds"
+                raise ValueError(
+                    f"create_trainer(first_version={self._first_version}): the workers already use labels up to "
+                    f"{self._version_floor} ({holders}); a label names one state forever, so pass a first_version "
+                    f"above {self._version_floor}, or leave it out to number past it")
+            self._version_floor = self._first_version - 1
+        self._first_version = None  # numbering is set: a reconnect() after the first round keeps it
 
     def reconnect(self, client: WeightSyncClient | None = None) -> None:
         """Rendezvous again with workers that restarted (through ``client``, or the same client).
@@ -470,16 +504,24 @@ class TrainerWeightTransferEngine(ABC):
             raise
         self._connected, self._broken = True, None
 
-    def send_weights(self, weight_version: str | None = None) -> dict[str, Any]:
+    def send_weights(self, weight_version: str | None = None, *, version: int | None = None) -> dict[str, Any]:
         """Run one whole update round; returns its stats (bytes, tensors, seconds, GB/s, buckets).
 
+        ``version`` numbers the round (e.g. the training step; default: one past every label in use); it must be
+        above every version a worker holds or began to commit, else the round is refused before anything moves.
         ``weight_version`` labels the round for clients whose ``finish_weight_update`` takes one
         (default: ``str(stats["version"])``).
         """
         from wtransfer._registry.manager import notify
 
         refusal = None
-        if self._closed:
+        if version is not None:
+            _check_version("version", version)
+        if version is not None and version <= max(self.weight_version, self._version_floor):
+            refusal = (f"send_weights(version={version}): versions up to {max(self.weight_version, self._version_floor)} "
+                       f"are in use (held by a worker, or begun by a commit), and a label names one "
+                       f"state forever: pass a larger version (nothing was sent)")
+        elif self._closed:
             refusal = f"this {self.backend} trainer was shut down; create a new one"
         elif self._broken is not None:
             refusal = (
@@ -499,6 +541,7 @@ class TrainerWeightTransferEngine(ABC):
         if refusal is not None:
             raise TransferError(refusal)
         self._clean_rejection = self._commit_failed = False
+        self._asked_version = version
         try:
             with gc_paused():
                 gathered = self.sharded and not self.parallel_senders
@@ -518,6 +561,8 @@ class TrainerWeightTransferEngine(ABC):
             self._tell_outcome({"ok": False, "reason": f"{type(exc).__name__}: {exc}"})
             notify("wtransfer_update_failed", error=exc)
             raise
+        finally:
+            self._asked_version = None
         self._tell_outcome({"ok": True, "version": stats["version"]})
         notify("wtransfer_update_finished", stats=stats)
         return stats
@@ -602,14 +647,20 @@ class TrainerWeightTransferEngine(ABC):
         try:
             finish.result(self.timeout_s)
         except Exception as exc:
-            # The workers answered that the commit failed: the transport is idle, so the next round may
-            # follow (it heals torn workers). Its version is spent: some worker may hold it. A call that
-            # timed out or lost its connection (OSError) may still be committing.
-            self._commit_failed = finish.done and (finish.answered or not isinstance(exc, OSError))
-            self._spent_version = manifest.version
+            # The commit failed on some worker, or its outcome is unknown (a client timeout, a lost connection):
+            # some workers may hold this round, others not, one may still be committing from the transport's
+            # memory. A call that returned leaves the trainer usable, because every later round is safe whatever
+            # they hold: nothing is written before every worker voted, a worker votes only once a commit it began
+            # has ended, and a worker takes a round that leaves tensors out only on top of what it names. A call
+            # still running may yet reach the workers and commit the next round early: reconnect() waits for it.
+            # The version is spent (some worker may hold it), and the next round names this one as its base.
+            self._commit_failed = finish.done
+            self._version_floor = max(self._version_floor, manifest.version)
+            self._fleet_identity = identity_after(manifest)
             raise
         seconds = time.perf_counter() - started
         self.weight_version = manifest.version
+        self._fleet_identity = identity_after(manifest)
         total = manifest.total_bytes
         sharded = {"wrote_shards": self.parallel_senders} if self.sharded else {}
         delta = {} if encoded is None else {"delta": "full" if encoded.plan.base is None else "delta"}
@@ -648,8 +699,8 @@ class TrainerWeightTransferEngine(ABC):
         call.result(self.timeout_s)
 
     def _next_version(self) -> int:
-        """The next round's version: one past the last committed, and past a round whose commit failed."""
-        return max(self.weight_version, self._spent_version) + 1
+        """The next round's version: the one asked for, else one past every label in use."""
+        return self._asked_version or max(self.weight_version, self._version_floor) + 1
 
     def plan(self, manifest: Manifest) -> list[Bucket]:
         """The round's bucket layout; workers compute the same from the manifest and init info."""
@@ -658,7 +709,7 @@ class TrainerWeightTransferEngine(ABC):
     def _manifest(self, entries: list[TensorEntry], delta: DeltaPlan | None = None) -> Manifest:
         plan = CommitPlan(self.commit, self._staging_key, self.timeout_s, self.in_flight)
         return build_manifest(entries, self._next_version(), DIGEST_ALGORITHMS[0] if self.checksums else None, plan, delta,
-                              self.partial)
+                              self.partial, self._fleet_identity if delta is None else None)
 
     def _raise_preferring_client(self, exc: BaseException, call: ClientCall) -> None:
         """Re-raise a failure, preferring the client's own error: it carries the workers' reason."""
@@ -814,7 +865,7 @@ def create_trainer(
             f"side: its class sets no 'trainer_cls'. Use a backend that has one (shm, gloo, nccl) "
             f"or drive this engine's workers with the trainer code its plugin documents."
         )
-    accepted = {"checksums", "is_checkpoint_format", "commit", "delta", "dtype", "partial", "in_flight"}
+    accepted = {"checksums", "is_checkpoint_format", "commit", "delta", "dtype", "partial", "in_flight", "first_version"}
     unknown = sorted(set(options) - accepted)
     if unknown:
         raise TypeError(

@@ -118,7 +118,8 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         check_buffer_budget(self, init_info.bucket_bytes, init_info.num_buffers)
         self.rank = global_rank(self, init_info.rank_offset, init_info.world_size)
         hello = {"op": "hello", "rank": self.rank, "token": init_info.token, "protocol_version": PROTOCOL_VERSION,
-                 "served_dtypes": None if self.served_dtypes is None else self.served_dtypes.to_dict()}
+                 "served_dtypes": None if self.served_dtypes is None else self.served_dtypes.to_dict(),
+                 "holds": self.held_weights()}
         channel, reply, fds = join_trainer(init_info.address, hello, init_info.timeout_s, f"worker rank {self.rank}")
         try:
             if reply.get("ring"):
@@ -409,7 +410,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             channel.send({"ok": True, "ring": bool(ring)}, fds=ring, timeout=self.timeout_s)
             pending.pop(channel.fileno())
             self._channels[rank] = channel
-            self.served_answers[rank] = message.get("served_dtypes")
+            self.served_answers[rank], self.held_answers[rank] = message.get("served_dtypes"), message.get("holds")
         elif op == "ready" and channel in self._channels.values():
             ready.add(next(r for r, c in self._channels.items() if c is channel))
         elif channel in self._channels.values():

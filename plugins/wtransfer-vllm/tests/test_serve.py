@@ -138,6 +138,8 @@ def test_serve_sync_kill_mismatch_and_resync(
     assert code == 0 and result["error"] is None, result
     assert query(vllm_python, server, "outputs", model) == before
     assert query(vllm_python, server, "weight_info") == "resent"
+    # a new trainer numbers past what vLLM's workers hold (ROUNDS): labels only go up across trainers
+    assert [s["version"] for s in result["stats"]] == [ROUNDS + 1], result["stats"]
 
     # 6. TRL's AsyncGRPOTrainer protocol through TRL's own VLLMClient (wtransfer_vllm.trl): fp32 master
     # weights, cast to vLLM's bf16 while packed, reach exactly the reference's weights; a round whose
@@ -145,6 +147,8 @@ def test_serve_sync_kill_mismatch_and_resync(
     # leave it paused), and the rounds after it land.
     code, result = trainer(vllm_python, "trl", server, tiny_llama, tmp_path)
     assert code == 0, result
+    versions = [s["version"] for s in result["stats"]]
+    assert versions == sorted(set(versions)) and versions[0] > ROUNDS + 1, versions  # past the resent round
     assert "died while its tensors were gathered" in result["error"], result["error"]
     assert result["paused_after_failure"] is False and result["kept_weights"] is True
     assert [s["cast_tensors"] == s["tensors"] for s in result["stats"]] == [True] * ROUNDS, result["stats"]

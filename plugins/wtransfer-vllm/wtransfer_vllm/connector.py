@@ -278,8 +278,9 @@ class WTransferKVConnectorAdapter(KVConnectorBase_V1):
         * after a wtransfer round that delivered every checkpoint tensor with checksums, the
           fingerprint names the model (name, config, dtype) and the round's content: every
           instance at those weights computes the same one, whatever it held before;
-        * after another wtransfer round, a digest of the previous fingerprint and the round's
-          name: instances that started from the same checkpoint and took the same rounds share;
+        * after another wtransfer round, a digest of the previous fingerprint and the engine's
+          content identity (which names every round since the start-up weights): instances that
+          started from the same checkpoint and took the same rounds share it;
         * after any other reset (vLLM's own weight updates, a reset by hand, ``pause_generation``
           clearing caches) the weights are unknown: the fingerprint is unique to this reset.
 

@@ -69,7 +69,9 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
         self._loaders: dict[int, VllmModelLoader] = {}
         self._receiving_round: str | None = None
         self.committed_round: str | None = None
-        """What the last committed round delivered (:func:`round_identity`), for the KV namespace."""
+        """Names the weights the model holds, for the KV namespace and the prefix-cache salt: the round's content
+        (:func:`round_identity`) where it says, else the engine's content identity (chained through partial and
+        delta rounds, so two model states never share it). None while torn."""
         report_failures_as_replies(lambda engine: isinstance(engine, WTransferEngineAdapter))
 
     # -- the wire format belongs to the wtransfer engine --------------------------------
@@ -119,9 +121,11 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
                     self.wtransfer_backend, time.perf_counter() - started)
 
     def finish_weight_update(self) -> None:
-        self.committed_round = None
+        self.committed_round, received = None, self._receiving_round
         self.inner.finish_weight_update()  # every worker has the round: load it from staging
-        self.committed_round, self._receiving_round = self._receiving_round, None
+        state = self.inner.weights_identity
+        self.committed_round = received or (f"state:{state}" if state is not None else None)
+        self._receiving_round = None
 
     def shutdown(self) -> None:
         self.inner.shutdown()
@@ -144,27 +148,18 @@ def served_dtypes(model_config: Any) -> Any:
 
 
 def round_identity(manifest: Any, whole: bool) -> str | None:
-    """A name for the weights a round delivered, or None where the round does not say.
-
-    ``"weights:<digest>"`` when the round carries every checkpoint tensor (``whole``) with
-    per-tensor checksums: the weights are then its content (names, dtypes, shapes, checksums),
-    whatever the model held before, and two trainers sending the same weights name them the
-    same. Otherwise ``"round:<digest>"``: the round's content if checksummed, else the trainer
-    that sent it and the round's number (a trainer's key is random per trainer); what the model
-    holds then also depends on what it held before the round. Every worker of a round agrees.
-    """
+    """``"weights:<digest>"`` when the round carries every checkpoint tensor (``whole``) with per-tensor
+    checksums: the weights are then its content (names, dtypes, shapes, checksums), whatever the model held
+    before, and two trainers sending the same weights name them the same. None otherwise: what the model holds
+    then depends on what it held before, and the engine's content identity names it."""
     import hashlib
     import json
 
-    entries = [[e.name, e.dtype, list(e.shape)] for e in manifest.entries]
-    if manifest.checksums is not None:
-        named = {"entries": entries, "checksums": list(manifest.checksums)}
-    elif manifest.commit is not None:
-        named = {"entries": entries, "trainer": manifest.commit.key, "version": manifest.version}
-    else:
+    if not whole or manifest.checksums is None:
         return None
-    digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()
-    return f"{'weights' if whole and manifest.checksums is not None else 'round'}:{digest}"
+    named = {"entries": [[e.name, e.dtype, list(e.shape)] for e in manifest.entries],
+             "checksums": list(manifest.checksums)}
+    return f"weights:{hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()}"
 
 
 class VllmModelLoader:
@@ -206,6 +201,14 @@ class VllmModelLoader:
         self._keep_base = delta
         if not delta:
             self._committed.clear()
+
+    def covers(self, manifest: Any) -> bool:
+        """Whether the round carries every checkpoint tensor (without a local checkpoint: whether the model's own
+        ``load_weights`` took it with nothing kept, as ``validate_manifest`` found just before). A worker holding
+        other weights than the round's base (torn, restarted) may then take it: it reloads nothing from before."""
+        if self.expected is not None:
+            return {e.name for e in manifest.entries} >= set(self.expected)
+        return self.round_whole
 
     def destination(self, name: str) -> Any:
         """The committed copy of checkpoint tensor ``name`` (what a delta round applies to), or None."""

@@ -14,7 +14,7 @@ this process and workers in spawned processes (``LocalWorkerPool``), on :func:`w
 (bf16, fp8, bool, 0-dim, empty, non-contiguous, offset views, a tensor larger than a bucket), checked bit for bit,
 in both commit modes (``atomic`` and ``streaming``). Every failure point compares the workers' weights, not only
 their ``weight_version``: after a failed round a worker holds the previous version bit for bit (atomic), or says
-it is torn (streaming).
+it is torn (streaming). Faults in sequence are run by the seeded fault-schedule checker (``fault_schedules`` seeds).
 """
 
 from __future__ import annotations
@@ -421,6 +421,18 @@ class EngineConformance:
                 wrong = sorted(n for n in tensors if digests.get(n) != expected[n])
                 require(not wrong, "after a rejected round the same trainer's next round lands on every worker",
                         "the new weights", f"worker {rank} differs in {wrong}")
+
+    fault_schedules: int = 4
+    """Seeded fault schedules :meth:`test_labels_hold_under_random_schedules_of_faults` runs (the long command,
+    ``python -m wtransfer.testing.conformance.schedules ENGINE``, runs 500)."""
+
+    def test_labels_hold_under_random_schedules_of_faults(self, trainer_init_info: dict[str, Any]) -> None:
+        """Whole, partial, delta and streaming rounds mixed with failing loads, restarted workers, replaced
+        trainers, client timeouts and trainers dying mid-round: after every step each worker's label names
+        exactly the weights it holds (:mod:`wtransfer.testing.conformance.schedules`)."""
+        from wtransfer.testing.conformance.schedules import run_schedules
+
+        run_schedules(self.engine, range(self.fault_schedules), init_info=trainer_init_info)
 
     def test_discovered_through_its_entry_point_in_a_fresh_interpreter(self) -> None:
         from wtransfer.testing.processes import run_python

@@ -103,11 +103,12 @@ def torn_scenario(llm, model_dir, rounds):
     model = load_trainer_model(model_dir)
     model.load_state_dict(final.state_dict())
     perturb(model, 77)  # the torn round's weights: neither the old nor the final ones
+    held = llm.get_weight_version()  # what vLLM holds from the earlier scenarios' trainers
     trainer = wtransfer.create_trainer("shm", client=LLMClient(llm), source=wtransfer.ModuleSource(model),
                                        init_info=INIT_INFO)
     # worker 1's commit probe finds STALE_LAYER computing with other weights: its commit fails after
     # it loaded the round, while worker 0's lands
-    result = {"stale_method": llm.collective_rpc(stale, args=(STALE_LAYER, True, 1))}
+    result = {"stale_method": llm.collective_rpc(stale, args=(STALE_LAYER, True, 1)), "held_before": held}
     try:
         trainer.send_weights()
         result["error"] = None
