@@ -33,10 +33,10 @@ class TestCPUSpecARC(SpecConformance):
 
 class TestSharedMemoryEngine(EngineConformance):
     engine = "shm"
-    fault_schedules = 10
+    fault_schedules = 6
 
 
 
 class TestGlooEngine(EngineConformance):
     engine = "gloo"
-    fault_schedules = 10
+    fault_schedules = 6

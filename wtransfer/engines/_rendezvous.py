@@ -233,12 +233,16 @@ class RendezvousServer:
         return {"error": f"unknown rendezvous operation {op!r}"}
 
     def close(self) -> None:
-        """Stop listening and drop every connection (idempotent)."""
+        """Stop listening and drop every connection (idempotent): the port is free once this returns."""
         with self._lock:
             self._closed = True
             connections = list(self._connections)
         with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept loop: blocked in accept() it holds the socket
+        with contextlib.suppress(OSError):
             self._sock.close()
+        if self._thread is not threading.current_thread():
+            self._thread.join(AUTH_TIMEOUT_S + 1)  # at most one stranger's wait for a handshake slot
         for conn in connections:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)

@@ -89,7 +89,6 @@ def test_a_vllm_llm_synced_by_fsdp2_ranks_through_vllms_trainer_factory(
     assert len(versions) == ROUNDS and versions == list(range(versions[0], versions[0] + ROUNDS)), versions
     assert versions[0] == 1 if mode == MODES[backend][0] else versions[0] > ROUNDS, versions
     assert result["weight_version"] == str(versions[-1])
-    assert [s["version"] for s in result["stats"]] == list(range(1, ROUNDS + 1))
     assert len(other["stats"]) == ROUNDS
     for rank, stats in ((0, result["stats"]), (1, other["stats"])):
         assert [s["wrote_shards"] for s in stats] == [mode == "writes"] * ROUNDS, f"rank {rank}: {stats}"

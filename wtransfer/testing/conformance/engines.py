@@ -422,7 +422,7 @@ class EngineConformance:
                 require(not wrong, "after a rejected round the same trainer's next round lands on every worker",
                         "the new weights", f"worker {rank} differs in {wrong}")
 
-    fault_schedules: int = 4
+    fault_schedules: int = 3
     """Seeded fault schedules :meth:`test_labels_hold_under_random_schedules_of_faults` runs (the long command,
     ``python -m wtransfer.testing.conformance.schedules ENGINE``, runs 500)."""
 
