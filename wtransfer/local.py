@@ -170,6 +170,7 @@ def _worker_main(
                 "weight_version": engine.weight_version,
                 "weights_torn": engine.weights_torn,
                 "weights_identity": engine.weights_identity,
+                "held_weights": engine.held_weights(),
                 "devices": sorted({str(t.device) for t in model.state_dict().values()}),
             }
         else:

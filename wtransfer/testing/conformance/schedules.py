@@ -129,7 +129,6 @@ class ScheduleRun:
             startup = pool.digests()[0]
             self.by_version[0] = self.by_identity["startup"] = startup
             self.workers = [_Worker(pid, 0, startup) for pid in pool.pids]
-            self.witnesses: set[int] = set()  # worker processes alive when some label was given
             self.trainer: Any = None
             try:
                 self._new_trainer()
@@ -149,11 +148,11 @@ class ScheduleRun:
             self.trainer.shutdown()
             self.trainer = None
         self.kind, self.commit = self.rng.choice(KINDS), self.rng.choice(COMMITS)
-        if not self.witnesses & {w.pid for w in self.workers}:
-            # Every worker that knew the labels used so far was replaced, and so is the trainer: nothing remembers
-            # them, and a new trainer numbers from what the workers say (docs: pass first_version= then).
-            self.by_version = {0: self.by_version[0]}
-            self.witnesses = set()
+        # A label above every one a live worker holds or began to commit is remembered by nobody once the trainer
+        # that gave it is gone: a new trainer may give it again (docs: pass first_version= then). Forget those.
+        held = [s["held_weights"] for s in self.pool.stats()]
+        remembered = max(max(h["version"] or 0, h["spent"]) for h in held)
+        self.by_version = {v: d for v, d in self.by_version.items() if v <= remembered}
         init_info = {"world_size": self.pool.world_size, "timeout_s": self.timeout_s, "bucket_bytes": 4096,
                      **self.init_info}
         self.log.append(f"new trainer: {self.kind}, {self.commit}")
@@ -240,8 +239,6 @@ class ScheduleRun:
             if returned is not None and version != returned:
                 self._fail("a round that returned is not held by every worker",
                            f"round {returned} returned; worker {rank} holds {version}")
-            if version:
-                self.witnesses.update(w.pid for w in self.workers)
             known = self.by_version.setdefault(version, digests)
             if known != digests:
                 self._fail(f"two states carry label {version}", f"worker {rank} differs in {_diff(known, digests)}")
