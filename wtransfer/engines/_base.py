@@ -155,7 +155,7 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
     def weights_identity(self) -> str | None:
         """A name for exactly the weights the model holds, the same on every worker that holds them: it changes
         whenever any tensor does, and two states never share one (``"startup"``: the start-up weights; None while
-        torn). vLLM's prefix-cache salt derives from it."""
+        torn, or after a round sent without a wtransfer trainer's manifest). vLLM's prefix-cache salt derives from it."""
         return round_state(self).holdings()["identity"]
 
     def held_weights(self) -> dict[str, Any]:

@@ -515,11 +515,10 @@ class TrainerWeightTransferEngine(ABC):
         from wtransfer._registry.manager import notify
 
         refusal = None
-        if version is not None:
-            _check_version("version", version)
-        if version is not None and version <= max(self.weight_version, self._version_floor):
-            refusal = (f"send_weights(version={version}): versions up to {max(self.weight_version, self._version_floor)} "
-                       f"are in use (held by a worker, or begun by a commit), and a label names one "
+        taken = max(self.weight_version, self._version_floor)
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version <= taken):
+            refusal = (f"send_weights(version={version!r}): a round's number is an int above {taken} (versions up to "
+                       f"it are held by a worker, begun by a commit, or below first_version), and a label names one "
                        f"state forever: pass a larger version (nothing was sent)")
         elif self._closed:
             refusal = f"this {self.backend} trainer was shut down; create a new one"

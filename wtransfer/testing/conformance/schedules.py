@@ -229,6 +229,9 @@ class ScheduleRun:
             if stats["pid"] != worker.pid:
                 self._fail("a worker process changed without a restart", f"worker {rank}")
             if version is None:  # torn, and it says so: nothing to check but that it holds no label
+                if returned is not None:
+                    self._fail("a round that returned is not held by every worker",
+                               f"round {returned} returned; worker {rank} is torn")
                 if not stats["weights_torn"]:
                     self._fail("weight_version None without weights_torn", f"worker {rank}")
                 worker.version, worker.digests = None, None
@@ -288,8 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first", type=int, default=0, help="the first seed")
     parser.add_argument("--seed", type=int, default=None, help="replay this one seed, printing its schedule")
     parser.add_argument("--steps", type=int, default=12, help="events per schedule")
+    parser.add_argument("--init-info", default=None, help="extra trainer init_info keys, as JSON")
     args = parser.parse_args(argv)
-    init_info = {"master_address": "127.0.0.1"} if args.engine == "gloo" else {}
+    import json
+
+    init_info = json.loads(args.init_info) if args.init_info else (
+        {"master_address": "127.0.0.1"} if args.engine == "gloo" else {})
     seeds = [args.seed] if args.seed is not None else range(args.first, args.first + args.schedules)
     started = time.perf_counter()
     for count, seed in enumerate(seeds, 1):
