@@ -18,6 +18,7 @@ import torch
 import wtransfer
 from wtransfer.engines._loader import ModuleLoader
 from wtransfer.engines._source import TensorSource
+from wtransfer.engines.wire import tensor_checksum
 from wtransfer.errors import ManifestMismatchError, TransferError, WeightsTornError
 from wtransfer.local import LocalWorkerPool
 from wtransfer.testing.models import build_model, digests
@@ -204,24 +205,18 @@ def test_the_round_after_an_unknown_outcome_never_writes_into_memory_a_worker_st
         sent = []
         with pytest.raises(ClientTimeout):
             trainer.send_weights()
-        sent.append({name: digests_of(t) for name, t in tensors.items()})
+        sent.append({name: tensor_checksum(t) for name, t in tensors.items()})
         for tensor in tensors.values():
             tensor.add_(1.0)
         with pytest.raises(ClientTimeout):  # round 2 follows at once: its outcome is unknown too
             trainer.send_weights()
-        sent.append({name: digests_of(t) for name, t in tensors.items()})
+        sent.append({name: tensor_checksum(t) for name, t in tensors.items()})
         workers.finishing.join(TIMEOUT)
         assert slow.committed == sent, "a commit loaded bytes of another round than its own"
         assert [(e.weight_version, e.weights_torn) for e in workers.engines] == [(2, False), (2, False)]
     finally:
         trainer.shutdown()
         workers.shutdown()
-
-
-def digests_of(tensor: torch.Tensor) -> int:
-    from wtransfer.engines._manifest import tensor_checksum
-
-    return tensor_checksum(tensor)
 
 
 def test_a_worker_refuses_labels_it_used_and_rounds_that_would_keep_a_torn_models_leftovers() -> None:

@@ -238,10 +238,15 @@ class RoundState:
     def weight_version(self) -> int | None:
         return None if self.torn else self.committed
 
+    @property
+    def held_identity(self) -> str | None:
+        """The content identity the model holds now (None while torn)."""
+        return None if self.torn else self.identity
+
     def holdings(self) -> dict[str, Any]:
         """What this worker holds and the highest version it began to commit, JSON-safe: what it tells a trainer
         at rendezvous."""
-        return {"version": self.weight_version, "identity": None if self.torn else self.identity,
+        return {"version": self.weight_version, "identity": self.held_identity,
                 "spent": max(self.spent, self.committed)}
 
     # -- receive ------------------------------------------------------------------------------
@@ -258,7 +263,7 @@ class RoundState:
             from wtransfer.engines._delta_loader import DeltaLoader
 
             self._manifest = delta.target_manifest(wire)
-            self.loader = DeltaLoader(self._begin(real), real, wire, None if self.torn else self.identity)
+            self.loader = DeltaLoader(self._begin(real), real, wire, self.held_identity)
         else:
             self.loader = self._begin(real)
         if wire is not None:
