@@ -12,8 +12,7 @@ import os
 
 import torch
 import wtransfer
-from wtransfer.engines.wire import Manifest, build_manifest, tensor_checksum
-from wtransfer.engines._manifest import CommitPlan, entry_for
+from wtransfer.engines.wire import Manifest, TensorEntry, build_manifest, tensor_checksum
 from wtransfer_vllm.engine import WTransferEngineAdapter
 
 
@@ -66,9 +65,10 @@ names = []
 for version, tensors, partial in ((1, {"a": 1.0, "b": 1.0}, False), (2, {}, True),
                                   (3, {"a": 2.0, "b": 2.0}, False), (4, {}, True)):
     ByHand.tensors = {name: torch.full((4,), value) for name, value in tensors.items()}
-    entries = [entry_for(name, t) for name, t in ByHand.tensors.items()]
-    manifest = build_manifest(entries, version, "xxh3_64", CommitPlan("streaming", key, 10.0), None, partial,
-                              adapter.inner.weights_identity)
+    entries = [TensorEntry(name, "float32", (4,)) for name in ByHand.tensors]
+    plain = build_manifest(entries, version, "xxh3_64", None, None, partial, adapter.inner.weights_identity)
+    commit = {"mode": "streaming", "key": key, "timeout_s": 10.0}  # what a trainer's manifest carries
+    manifest = Manifest.from_dict({**plain.to_dict(), "commit": commit})
     adapter.start_weight_update()
     adapter.receive_weights(adapter.parse_update_info({"manifest": manifest.to_dict()}))
     adapter.finish_weight_update()
