@@ -46,3 +46,56 @@ def test_a_fixed_port_trainer_reconnects_and_a_replacement_takes_the_same_port()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", port))
         sock.listen(1)
+
+
+def test_every_worker_joins_while_silent_connections_flood_the_rendezvous() -> None:
+    """96 connections that open the rendezvous port and say nothing (a port scanner), opened again whenever the
+    trainer drops them, from before the trainer listens until after reconnect(). Before, 16 of them filled every
+    handshake slot, the accept loop waited 5 s per connection, and create_trainer failed: "worker rank(s) ... did
+    not join within 20 s". Now every worker joins both times and the rounds land bit-exact."""
+    import threading
+    import time
+
+    port = _free_port()
+    stop = threading.Event()
+
+    def scanner() -> None:
+        while not stop.is_set():
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+                    sock.settimeout(None)
+                    while not stop.is_set():  # silent until the trainer drops it
+                        sock.settimeout(0.5)
+                        try:
+                            if sock.recv(1) == b"":
+                                break
+                        except socket.timeout:
+                            continue
+            except OSError:
+                pass
+            stop.wait(0.2)
+
+    model = build_model(SHAPES, "float32", random=True)
+    init_info = {"world_size": 3, "timeout_s": 20, "master_address": "127.0.0.1", "master_port": port}
+    scanners = [threading.Thread(target=scanner, daemon=True) for _ in range(96)]
+    for thread in scanners:
+        thread.start()
+    try:
+        with LocalWorkerPool(2, "wtransfer.testing.models:worker_model", backend="gloo",
+                             factory_kwargs={"shapes": SHAPES, "dtype": "float32"}, timeout_s=30) as pool:
+            started = time.monotonic()
+            with wtransfer.create_trainer("gloo", client=pool, source=model, init_info=init_info) as trainer:
+                joined_s = time.monotonic() - started
+                assert trainer.send_weights()["version"] == 1
+                started = time.monotonic()
+                trainer.reconnect()
+                rejoined_s = time.monotonic() - started
+                with torch.no_grad():
+                    model.get_parameter("a.bias").add_(1.0)
+                assert trainer.send_weights()["version"] == 2
+            assert pool.digests() == [digests(model)] * 2
+        print(f"under 96 silent connections: joined in {joined_s:.1f} s, rejoined in {rejoined_s:.1f} s")
+    finally:
+        stop.set()
+        for thread in scanners:
+            thread.join(5)

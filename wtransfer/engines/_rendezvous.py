@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import logging
 import secrets
+import selectors
 import socket
 import threading
 import time
@@ -35,9 +36,11 @@ logger = logging.getLogger("wtransfer")
 
 AUTH_TIMEOUT_S = 5.0
 """How long a new connection has, in all, to authenticate before the server drops it."""
-MAX_STRANGERS = 16
-"""Connections authenticating at once (the next waits in the backlog, at most ``AUTH_TIMEOUT_S``). With
-``STRANGER_FRAME``-sized frames until proven, strangers cost at most 16 threads and about 1 MiB."""
+MAX_STRANGERS = 64
+"""Connections authenticating at once. Strangers cost no thread (one selector serves every handshake) and at
+most ``STRANGER_FRAME`` each; when one more arrives, one is shed: a silent one before one that spoke, from the
+address holding the most slots, the oldest. Silent connections (a port scanner) thus cannot keep a worker, which
+speaks at once, from joining; a worker that is shed all the same retries within its ``timeout_s``."""
 
 WILDCARD_ADDRESSES = ("0.0.0.0", "::", "")
 
@@ -115,6 +118,39 @@ class KeyTable:
             return len(self._values)
 
 
+class _Handshake:
+    """One stranger's progress through the server's side of the handshake (driven by the accept loop)."""
+
+    def __init__(self, conn: socket.socket, peer: str, token: str) -> None:
+        self.channel = ControlChannel(conn, f"rendezvous peer {peer}", max_frame=STRANGER_FRAME)
+        self.address = peer.rsplit(":", 1)[0]
+        self.peer = peer
+        self.token = token
+        self.deadline = time.monotonic() + AUTH_TIMEOUT_S  # for the whole exchange: a trickle cannot stretch it
+        self.client_nonce: str | None = None
+        self.server_nonce = secrets.token_hex(16)
+
+    def step(self) -> bool | None:
+        """Read what arrived and answer: True once the peer proved the token, False if it failed, None meanwhile.
+        Never blocks: the socket was reported readable, and each answer is a few hundred bytes."""
+        for message in self.channel.read_ready():
+            if self.client_nonce is None:
+                nonce = message.get("nonce")
+                if not isinstance(nonce, str) or not 16 <= len(nonce) <= 128:
+                    return False
+                self.client_nonce = nonce
+                proof = _proof(self.token, "server", nonce, self.server_nonce)
+                self.channel.send({"nonce": self.server_nonce, "proof": proof}, timeout=1.0)
+                continue
+            expected = _proof(self.token, "client", self.client_nonce, self.server_nonce)
+            proof = message.get("proof")
+            if not isinstance(proof, str) or not hmac.compare_digest(proof, expected):
+                return False
+            self.channel.send({"ok": True}, timeout=1.0)
+            return True
+        return None
+
+
 class RendezvousServer:
     """The trainer's end: a :class:`KeyTable` served to authenticated peers on one address."""
 
@@ -122,14 +158,13 @@ class RendezvousServer:
         self.table = KeyTable()
         self.token = token
         self.timeout_s = timeout_s
-        self._strangers = threading.BoundedSemaphore(MAX_STRANGERS)
         host = resolve(address) if address not in WILDCARD_ADDRESSES else address
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self._sock.bind((host, port))
-            self._sock.listen(64)
+            self._sock.listen(128)
         except OSError as exc:
             self._sock.close()
             raise TransferError(
@@ -137,45 +172,92 @@ class RendezvousServer:
                 f"address of this host that the workers can reach (or set 'listen_address' to the local "
                 f"address to bind, '0.0.0.0' for every interface)"
             ) from exc
+        self._sock.setblocking(False)
         self.address = host
         self.port: int = self._sock.getsockname()[1]
         self._closed = False
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._wake_r, self._wake_w = socket.socketpair()  # close() wakes the accept loop through it
         self._thread = threading.Thread(target=self._accept_loop, name="wtransfer-rendezvous", daemon=True)
         self._thread.start()
 
     def _accept_loop(self) -> None:
-        while not self._closed:
+        """Accept and authenticate every connection in this one thread, never blocking on any peer; a peer
+        that proved the token gets a thread of its own for its requests."""
+        strangers: dict[socket.socket, _Handshake] = {}  # in arrival order
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._sock, selectors.EVENT_READ)
+            selector.register(self._wake_r, selectors.EVENT_READ)
             try:
-                conn, peer = self._sock.accept()
-            except OSError:
-                return
-            # at most MAX_STRANGERS handshakes at once; one that waits too long is closed, no thread started
-            if not self._strangers.acquire(timeout=AUTH_TIMEOUT_S):
-                conn.close()
-                continue
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    return
-                self._connections.add(conn)
-            threading.Thread(
-                target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"), name="wtransfer-rendezvous-peer",
-                daemon=True,
-            ).start()
-
-    def _serve(self, conn: socket.socket, peer: str) -> None:
-        channel = ControlChannel(conn, f"rendezvous peer {peer}", max_frame=STRANGER_FRAME)
-        try:
-            try:
-                proved = self._authenticate(channel)
+                while not self._closed:
+                    soonest = min((h.deadline for h in strangers.values()), default=time.monotonic() + 1.0)
+                    for key, _events in selector.select(max(soonest - time.monotonic(), 0.0)):
+                        if key.fileobj is self._wake_r:
+                            return
+                        if key.fileobj is self._sock:
+                            self._accept(selector, strangers)
+                            continue
+                        conn = key.fileobj
+                        handshake = strangers.get(conn)  # type: ignore[call-overload]
+                        if handshake is None:
+                            continue  # dropped earlier in this batch
+                        try:
+                            proved = handshake.step()
+                        except TransferError:
+                            proved = False
+                        if proved is not None:
+                            self._settle(selector, strangers, handshake, proved)
+                    now = time.monotonic()
+                    for handshake in [h for h in strangers.values() if h.deadline <= now]:
+                        self._settle(selector, strangers, handshake, False)
             finally:
-                self._strangers.release()
-            if not proved:
-                logger.warning("wtransfer rendezvous: dropped a connection from %s that did not prove the token", peer)
+                for handshake in strangers.values():
+                    handshake.channel.close()
+
+    def _accept(self, selector: selectors.BaseSelector, strangers: dict[socket.socket, _Handshake]) -> None:
+        try:
+            conn, peer = self._sock.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._closed = True  # the listening socket is gone
+            return
+        conn.setblocking(False)
+        handshake = _Handshake(conn, f"{peer[0]}:{peer[1]}", self.token)
+        if len(strangers) >= MAX_STRANGERS:  # shed one: silent first, from the busiest address, the oldest
+            silent = [h for h in strangers.values() if h.client_nonce is None] or list(strangers.values())
+            counts: dict[str, int] = {}
+            for other in silent:
+                counts[other.address] = counts.get(other.address, 0) + 1
+            busiest = max(counts, key=counts.__getitem__)
+            oldest = next(h for h in silent if h.address == busiest)
+            self._settle(selector, strangers, oldest, False, quiet=True)
+        strangers[conn] = handshake
+        selector.register(conn, selectors.EVENT_READ)
+
+    def _settle(self, selector: selectors.BaseSelector, strangers: dict[socket.socket, _Handshake],
+                handshake: _Handshake, proved: bool, quiet: bool = False) -> None:
+        conn = handshake.channel.sock
+        selector.unregister(conn)
+        del strangers[conn]
+        if not proved:
+            if not quiet:
+                logger.warning("wtransfer rendezvous: dropped a connection from %s that did not prove the token",
+                               handshake.peer)
+            handshake.channel.close()
+            return
+        with self._lock:
+            if self._closed:
+                handshake.channel.close()
                 return
-            channel.max_frame = MAX_FRAME
+            self._connections.add(conn)
+        handshake.channel.max_frame = MAX_FRAME
+        threading.Thread(target=self._serve, args=(handshake.channel,), name="wtransfer-rendezvous-peer",
+                         daemon=True).start()
+
+    def _serve(self, channel: ControlChannel) -> None:
+        try:
             while not self._closed:
                 request = channel.recv(timeout=1e9)
                 channel.send(self._answer(request), timeout=self.timeout_s)
@@ -183,28 +265,8 @@ class RendezvousServer:
             pass  # the peer left (or sent garbage): its connection ends here
         finally:
             with self._lock:
-                self._connections.discard(conn)
+                self._connections.discard(channel.sock)
             channel.close()
-
-    def _authenticate(self, channel: ControlChannel) -> bool:
-        deadline = time.monotonic() + AUTH_TIMEOUT_S  # for the whole exchange: a trickle cannot stretch it
-        try:
-            hello = channel.recv(timeout=AUTH_TIMEOUT_S)
-            client_nonce = hello.get("nonce")
-            if not isinstance(client_nonce, str) or not 16 <= len(client_nonce) <= 128:
-                return False
-            server_nonce = secrets.token_hex(16)
-            channel.send({"nonce": server_nonce, "proof": _proof(self.token, "server", client_nonce, server_nonce)},
-                         timeout=max(deadline - time.monotonic(), 0.001))
-            answer = channel.recv(timeout=max(deadline - time.monotonic(), 0.001))
-        except TransferError:
-            return False
-        expected = _proof(self.token, "client", client_nonce, server_nonce)
-        proof = answer.get("proof")
-        if not isinstance(proof, str) or not hmac.compare_digest(proof, expected):
-            return False
-        channel.send({"ok": True})
-        return True
 
     def _answer(self, request: dict[str, Any]) -> dict[str, Any]:
         op, table = request.get("op"), self.table
@@ -238,14 +300,19 @@ class RendezvousServer:
             self._closed = True
             connections = list(self._connections)
         with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept loop: blocked in accept() it holds the socket
-        with contextlib.suppress(OSError):
-            self._sock.close()
+            self._wake_w.send(b"x")
         if self._thread is not threading.current_thread():
-            self._thread.join(AUTH_TIMEOUT_S + 1)  # at most one stranger's wait for a handshake slot
+            self._thread.join(5.0)  # the loop never blocks on a peer: it returns at once
+        for end in (self._sock, self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                end.close()
         for conn in connections:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
+
+
+class _WrongToken(TransferError):
+    """The peer at the rendezvous address is not the trainer of this init_info: retrying cannot help."""
 
 
 class RendezvousClient:
@@ -259,7 +326,9 @@ class RendezvousClient:
     @classmethod
     def connect(cls, address: str, port: int, token: str, timeout_s: float,
                 retry_s: float | None = None) -> RendezvousClient:
-        """Connect (retrying for ``retry_s``, default ``timeout_s``) and authenticate both ways."""
+        """Connect and authenticate both ways, retrying for ``retry_s`` (default ``timeout_s``) while the trainer
+        is not listening yet or drops the connection before it proved itself (it sheds the oldest strangers
+        when flooded). A trainer that proves another token is refused at once."""
         retry_s = timeout_s if retry_s is None else retry_s
         deadline = time.monotonic() + retry_s
         where = f"{address}:{port}"
@@ -267,40 +336,43 @@ class RendezvousClient:
             left = deadline - time.monotonic()
             try:
                 sock = socket.create_connection((address, port), timeout=max(min(left, 5.0), 0.01))
-                break
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                channel = ControlChannel(sock, f"the trainer's rendezvous at {where}")
             except OSError as exc:
-                if time.monotonic() + 0.1 >= deadline:
-                    raise TransferTimeoutError(
-                        f"cannot reach the trainer's rendezvous at {where} within {retry_s:g} s ({exc}); "
-                        f"is the trainer running, and is 'master_address' an address of the trainer's host "
-                        f"that this host can reach?"
-                    ) from exc
-                time.sleep(0.1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        channel = ControlChannel(sock, f"the trainer's rendezvous at {where}")
-        try:
-            client_nonce = secrets.token_hex(16)
-            channel.send({"nonce": client_nonce}, timeout=AUTH_TIMEOUT_S)
-            reply = channel.recv(timeout=AUTH_TIMEOUT_S)
-            server_nonce = reply.get("nonce")
-            expected = _proof(token, "server", client_nonce, str(server_nonce))
-            if not isinstance(reply.get("proof"), str) or not hmac.compare_digest(reply["proof"], expected):
-                raise TransferError(
-                    f"the rendezvous at {where} does not hold this round's token: it is not the trainer that "
-                    f"issued this init_info (or the init_info is stale)"
-                )
-            channel.send({"proof": _proof(token, "client", client_nonce, str(server_nonce))}, timeout=AUTH_TIMEOUT_S)
-            if channel.recv(timeout=AUTH_TIMEOUT_S).get("ok") is not True:
-                raise TransferError(f"the rendezvous at {where} refused this worker's token")
-        except TransferError as exc:
-            channel.close()
-            if "token" in str(exc):
-                raise
-            raise TransferError(
-                f"the rendezvous at {where} refused this worker ({exc}); the init_info's token is not the "
-                f"running trainer's (stale init_info, or another trainer on that port)"
-            ) from exc
-        return cls(channel, timeout_s)
+                failure: Exception = exc
+            else:
+                try:
+                    cls._handshake(channel, token, where, min(AUTH_TIMEOUT_S, max(left, 0.01)))
+                    return cls(channel, timeout_s)
+                except _WrongToken:
+                    channel.close()
+                    raise
+                except TransferError as exc:  # dropped or stalled before the trainer proved itself: try again
+                    channel.close()
+                    failure = exc
+            if time.monotonic() + 0.1 >= deadline:
+                raise TransferTimeoutError(
+                    f"cannot reach the trainer's rendezvous at {where} within {retry_s:g} s ({failure}); "
+                    f"is the trainer running, and is 'master_address' an address of the trainer's host "
+                    f"that this host can reach?"
+                ) from failure
+            time.sleep(0.1)
+
+    @staticmethod
+    def _handshake(channel: ControlChannel, token: str, where: str, timeout_s: float) -> None:
+        client_nonce = secrets.token_hex(16)
+        channel.send({"nonce": client_nonce}, timeout=timeout_s)
+        reply = channel.recv(timeout=timeout_s)
+        server_nonce = reply.get("nonce")
+        expected = _proof(token, "server", client_nonce, str(server_nonce))
+        if not isinstance(reply.get("proof"), str) or not hmac.compare_digest(reply["proof"], expected):
+            raise _WrongToken(
+                f"the rendezvous at {where} does not hold this round's token: it is not the trainer that "
+                f"issued this init_info (or the init_info is stale, or another trainer listens on that port)"
+            )
+        channel.send({"proof": _proof(token, "client", client_nonce, str(server_nonce))}, timeout=timeout_s)
+        if channel.recv(timeout=timeout_s).get("ok") is not True:
+            raise _WrongToken(f"the rendezvous at {where} refused this worker's token")
 
     def _request(self, op: str, **fields: Any) -> Any:
         wait_s = float(fields.get("timeout_s", 0.0))
