@@ -234,15 +234,11 @@ class RestartingClient:
 
 
 def _fds_with_process_helpers_running() -> int:
-    """Open descriptors, once the resource tracker and fork server run: each keeps a pipe for good, and
-    started by a pool inside a test (when it runs first) they would count as that test's leak."""
-    from multiprocessing import forkserver, resource_tracker
+    """Open descriptors, once the fork server runs: it keeps a socket for good, and started by a pool inside a
+    test (when it runs first) it would count as that test's leak."""
+    from wtransfer._fork_server import _server
 
-    from wtransfer._fork_server import _context
-
-    resource_tracker.ensure_running()
-    if _context().get_start_method() == "forkserver":
-        forkserver.ensure_running()
+    _server()
     return open_fd_count()
 
 

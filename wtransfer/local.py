@@ -242,7 +242,7 @@ class LocalWorkerPool:
             for rank in range(num_workers)
         ]
         self._conns: list[Connection] = []
-        self._processes: list[multiprocessing.process.BaseProcess] = []
+        self._processes: list[Any] = []
         try:
             for rank in range(num_workers):
                 conn, process = self._spawn(rank)
@@ -253,7 +253,7 @@ class LocalWorkerPool:
             self.shutdown()
             raise
 
-    def _spawn(self, rank: int) -> tuple[Connection, multiprocessing.process.BaseProcess]:
+    def _spawn(self, rank: int) -> tuple[Connection, Any]:
         parent, child = multiprocessing.Pipe()
         process = worker_process(_worker_main, (child, *self._arguments[rank]), name=f"wtransfer-worker-{rank}")
         process.start()
@@ -281,7 +281,7 @@ class LocalWorkerPool:
         return self.num_workers + 1
 
     @property
-    def processes(self) -> list[multiprocessing.process.BaseProcess]:
+    def processes(self) -> list[Any]:
         return list(self._processes)
 
     # -- the WeightSyncClient protocol ---------------------------------------------------------

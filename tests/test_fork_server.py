@@ -1,0 +1,165 @@
+"""The processes wtransfer starts (pool workers, benchmark ranks) behave like processes the caller started itself:
+their output goes where the caller's goes when they start, the caller's environment is in force before anything is
+imported, a dead fork server leaves no child out of reach, and multiprocessing's global state is left alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from multiprocessing import Pipe
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import wtransfer
+from wtransfer._fork_server import worker_process
+from wtransfer.local import LocalWorkerPool
+from wtransfer.testing.models import build_model, digests
+
+SHAPES = [["a.weight", [16, 16]]]
+
+
+def _say(words: str) -> None:
+    print(f"stdout: {words}", flush=True)
+    print(f"stderr: {words}", file=sys.stderr, flush=True)
+
+
+PROBE = """
+import json, os
+from pathlib import Path
+
+SEEN = os.environ.get("WTRANSFER_TEST_PROBE")  # read when the child imports its target's module
+
+
+def report(conn):
+    at_exec = dict(item.split("=", 1) for item in Path("/proc/self/environ").read_text().split("\\0") if "=" in item)
+    conn.send_bytes(json.dumps({"import": SEEN, "exec": at_exec.get("WTRANSFER_TEST_PROBE")}).encode())
+"""
+
+
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def _parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _gone(pid: int) -> bool:
+    """The process ended (absent, or a zombie nobody reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_child_writes_where_the_callers_output_goes_when_it_starts(tmp_path: Path) -> None:
+    """Before, children inherited the fork server's stdio as it was when the server started: under pytest, later
+    tests' worker tracebacks landed in the first test's capture, and a redirect made later lost workers' output."""
+    first = worker_process(_sleep, (0.0,))  # the server starts now, with today's stdio
+    first.start()
+    first.join(30)
+    saved = os.dup(1), os.dup(2)
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "wb") as out_file, open(err, "wb") as err_file:
+        os.dup2(out_file.fileno(), 1)
+        os.dup2(err_file.fileno(), 2)
+        try:
+            child = worker_process(_say, ("hello",))
+            child.start()
+            child.join(30)
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+    assert child.exitcode == 0
+    assert out.read_text() == "stdout: hello\n"
+    assert err.read_text() == "stderr: hello\n"
+
+
+def test_the_callers_environment_is_in_force_before_anything_is_imported(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, the environment was applied inside the child's target, after the target's modules were imported under
+    the server's environment (and the interpreter itself had started with it)."""
+    first = worker_process(_sleep, (0.0,))  # a server started without the variable
+    first.start()
+    first.join(30)
+    (tmp_path / "probe_at_import.py").write_text(PROBE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import probe_at_import  # type: ignore[import-not-found]
+
+    monkeypatch.setenv("WTRANSFER_TEST_PROBE", "set later")
+    mine, theirs = Pipe()
+    child = worker_process(probe_at_import.report, (theirs,))
+    child.start()
+    theirs.close()
+    assert mine.poll(60)
+    assert json.loads(mine.recv_bytes()) == {"import": "set later", "exec": "set later"}
+    child.join(30)
+
+
+def test_a_dead_fork_server_leaves_no_child_out_of_reach() -> None:
+    """Before, once the server died every live child read as exit code 255: LocalWorkerPool skipped kill() in
+    restart() and shutdown(), and a child that did not stop by itself ran on, orphaned. Now its handle still sees it
+    alive and kills it; the pool's restart starts a new server and the round lands."""
+    sleeper = worker_process(_sleep, (300.0,))
+    sleeper.start()
+    model = build_model(SHAPES, "float32", random=True)
+    with LocalWorkerPool(2, "wtransfer.testing.models:worker_model", backend="gloo",
+                         factory_kwargs={"shapes": SHAPES, "dtype": "float32"}, timeout_s=30) as pool:
+        server = _parent_of(sleeper.pid)
+        assert _parent_of(pool.pids[1]) == server != os.getpid()
+        os.kill(server, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not _gone(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(server)
+        assert sleeper.is_alive() and sleeper.exitcode is None  # it runs on: its handle says so
+        sleeper.kill()
+        sleeper.join(10)
+        assert sleeper.exitcode is not None and _gone(sleeper.pid)
+        old = pool.pids[1]
+        pool.restart(1)  # kills the old worker and starts a new one from a new server
+        assert _gone(old)
+        with wtransfer.create_trainer("gloo", client=pool, source=model, init_info={"world_size": 3}) as trainer:
+            trainer.send_weights()
+        assert pool.digests() == [digests(model)] * 2
+        workers = list(pool.pids)
+    assert all(_gone(pid) for pid in workers)
+
+
+def test_starting_workers_changes_no_multiprocessing_setting() -> None:
+    """Before, wtransfer called set_forkserver_preload(["torch", ...]) on multiprocessing's forkserver context: the
+    user's own forkserver processes then imported torch (and a forkserver someone else started was reused with their
+    preload). Run in a fresh interpreter, as a user's script."""
+    script = textwrap.dedent("""
+        import multiprocessing, sys
+        from wtransfer.local import LocalWorkerPool
+
+        def torch_loaded():
+            sys.exit(3 if "torch" in sys.modules else 0)
+
+        if __name__ == "__main__":
+            before = multiprocessing.get_start_method(allow_none=True)
+            with LocalWorkerPool(1, "wtransfer.testing.models:worker_model", backend="shm",
+                                 factory_kwargs={"shapes": [["w", [4]]], "dtype": "float32"}):
+                pass
+            assert multiprocessing.get_start_method(allow_none=True) == before
+            process = multiprocessing.get_context("forkserver").Process(target=torch_loaded)
+            process.start()
+            process.join(60)
+            sys.exit(process.exitcode)
+        """)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "user_script.py"
+        path.write_text(script)
+        result = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
