@@ -1,13 +1,15 @@
-"""The gloo rendezvous leaves nothing behind: a trainer on a fixed port (as behind a firewall) can reconnect, and a
-replacement can take the same port, because closing the rendezvous frees it."""
+"""Joining a trainer: the gloo rendezvous frees its port on close (a fixed-port trainer reconnects, a replacement
+takes the port), silent connections cannot keep workers out, and a worker takes only init info its trainer made."""
 
 from __future__ import annotations
 
 import socket
 
+import pytest
 import torch
 
 import wtransfer
+from wtransfer.errors import TransferError
 from wtransfer.local import LocalWorkerPool
 from wtransfer.testing.models import build_model, digests
 
@@ -99,3 +101,37 @@ def test_every_worker_joins_while_silent_connections_flood_the_rendezvous() -> N
         stop.set()
         for thread in scanners:
             thread.join(5)
+
+
+class AlteringPool(LocalWorkerPool):
+    """A control plane that changes the init_info on its way to the workers."""
+
+    altered: dict = {}
+
+    def init_weight_transfer_engine(self, init_info: dict) -> list:
+        return super().init_weight_transfer_engine({**init_info, **self.altered})
+
+
+@pytest.mark.parametrize("backend,commit,field,value", [
+    ("shm", "atomic", "bucket_bytes", 1 << 40), ("shm", "streaming", "num_buffers", 10**6),
+    ("gloo", "atomic", "num_buffers", 10**6), ("gloo", "streaming", "bucket_bytes", 1 << 40)])
+def test_a_worker_refuses_init_info_its_trainer_did_not_make(backend: str, commit: str, field: str, value: int) -> None:
+    """Before, a worker took bucket_bytes=1 TiB or num_buffers=10**6 from its control plane: shm committed the
+    atomic round and failed a streaming one with "mmap length is greater than file size". Now it compares its init
+    info with what the trainer announced when it joined and refuses by name; the same workers then join an
+    unaltered trainer and hold its weights."""
+    model = build_model(SHAPES, "float32", random=True)
+    with AlteringPool(2, "wtransfer.testing.models:worker_model", backend=backend,
+                      factory_kwargs={"shapes": SHAPES, "dtype": "float32"}, timeout_s=30) as pool:
+        pool.altered = {field: value}
+        before = pool.digests()
+        with pytest.raises(TransferError, match=rf"{field}={value} \(the trainer's: \d+\)"):
+            with wtransfer.create_trainer(backend, client=pool, source=model, commit=commit,
+                                          init_info={"world_size": 3, "timeout_s": 10}) as trainer:
+                trainer.send_weights()
+        assert [s["weight_version"] for s in pool.stats()] == [0, 0] and pool.digests() == before  # untouched
+        pool.altered = {}
+        with wtransfer.create_trainer(backend, client=pool, source=model, commit=commit,
+                                      init_info={"world_size": 3}) as trainer:
+            trainer.send_weights()
+        assert pool.digests() == [digests(model)] * 2

@@ -73,6 +73,20 @@ def check_wire_info(owner: str, info: Any) -> None:
         raise ValueError(f"{owner}: {exc}") from None
 
 
+def check_announced(info: Any, announced: Any, fields: tuple[str, ...]) -> None:
+    """Refuse, by name, init info whose ``fields`` differ from what the trainer announced at the handshake: a
+    control plane that altered them (``bucket_bytes`` of a TiB) would have this worker size its buffers unlike the
+    trainer's, and fail late or not at all."""
+    if not isinstance(announced, dict):
+        raise TransferError("the trainer announced no wire parameters at the handshake; run the same wtransfer "
+                            "version on trainer and workers")
+    differ = [f"{name}={getattr(info, name)!r} (the trainer's: {announced.get(name)!r})"
+              for name in fields if getattr(info, name) != announced.get(name)]
+    if differ:
+        raise TransferError(f"this worker's init_info is not the one its trainer made: {', '.join(differ)}; "
+                            f"pass the trainer's init_info to every worker unchanged")
+
+
 class ManifestRejected(TransferError):
     """A worker refused the round's manifest; every side stopped before data moved."""
 

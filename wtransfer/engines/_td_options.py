@@ -27,6 +27,10 @@ def check_channels(prefix: str, channels: int) -> None:
         )
 
 
+ANNOUNCED = ("world_size", "bucket_bytes", "num_buffers", "direct_min_bytes", "channels", "senders")
+"""The init info fields a worker checks against what its trainer announced in the rendezvous (key ``wire``)."""
+
+
 @dataclass
 class TorchDistributedInitInfo(WeightTransferInitInfo):
     """Where the trainer's store listens, the group's name and the trainer's wire parameters."""

@@ -15,7 +15,7 @@ from wtransfer.engines._protocol import PROTOCOL_VERSION, ManifestRejected
 from wtransfer.engines._rendezvous import WILDCARD_ADDRESSES, RendezvousServer, new_token, store
 from wtransfer.engines._shards import rank_parts
 from wtransfer.engines._td_backend import REJECTED
-from wtransfer.engines._td_options import TorchDistributedInitOptions
+from wtransfer.engines._td_options import ANNOUNCED, TorchDistributedInitOptions
 from wtransfer.engines._td_sender import TorchDistributedSending
 from wtransfer.engines._trainer import ClientCall, TrainerInitOptions, TrainerWeightTransferEngine
 from wtransfer.errors import TransferError, TransferTimeoutError
@@ -62,6 +62,7 @@ class TorchDistributedTrainer(TorchDistributedSending, TrainerWeightTransferEngi
             "senders": 1 + len(self.agreement.others) if self.parallel_senders and self.agreement else 1,
             "protocol_version": PROTOCOL_VERSION,
         }
+        self._prefixed.set("wire", json.dumps({name: self._worker_info[name] for name in ANNOUNCED}))
         return self._worker_info
 
     def _parse_init_info(self, info: dict[str, Any]) -> TrainerInitOptions:

@@ -13,10 +13,10 @@ from wtransfer.engines._base import LoadWeights, WeightTransferEngine
 from wtransfer.engines._digests import RoundDigests, check, from_words, round_digests
 from wtransfer.engines._manifest import Manifest
 from wtransfer.engines._packing import Bucket, Unpacker, plan_buckets
-from wtransfer.engines._protocol import RoundCalledOff, gc_paused
+from wtransfer.engines._protocol import RoundCalledOff, check_announced, gc_paused
 from wtransfer.engines._rendezvous import RendezvousClient, local_address_for, store
 from wtransfer.engines._td_backend import DIGESTS, REJECTED, TorchDistributedBackend
-from wtransfer.engines._td_options import GlooOptions, TorchDistributedInitInfo
+from wtransfer.engines._td_options import ANNOUNCED, GlooOptions, TorchDistributedInitInfo
 from wtransfer.engines._worker import ManifestUpdateInfo, check_buffer_budget, global_rank
 from wtransfer.errors import ManifestMismatchError, TransferError
 
@@ -66,6 +66,7 @@ class TorchDistributedWeightTransferEngine(
             # keep the Python store referenced: torch calls into it while the groups live
             self._kv = store(client, init_info.timeout_s)
             prefixed = PrefixStore(init_info.group_name, self._kv)
+            check_announced(init_info, json.loads(prefixed.get("wire")), ANNOUNCED)
             served = None if self.served_dtypes is None else self.served_dtypes.to_dict()
             prefixed.set(f"joined/{self.rank}", json.dumps({"served_dtypes": served, "holds": self.held_weights()}))
             buffers = self.allocate(init_info.bucket_bytes, init_info.num_buffers)

@@ -45,6 +45,7 @@ from wtransfer.engines._protocol import (
     MIB,
     PROTOCOL_VERSION,
     ManifestRejected,
+    check_announced,
     RoundCalledOff,
     check_wire_info,
     gc_paused,
@@ -95,6 +96,10 @@ def segment_pieces(manifest: Manifest) -> list[Piece]:
             for index, (entry, offset) in enumerate(zip(manifest.entries, offsets))]
 
 
+ANNOUNCED = ("world_size", "bucket_bytes", "num_buffers")
+"""The init info fields a worker checks against what its trainer announced when it joined."""
+
+
 class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo, ManifestUpdateInfo]):
     """Worker side of ``shm``: maps the trainer's memory read-only and loads (or adopts) rounds from it.
     Options: ``max_buffer_bytes`` refuses larger rings at init."""
@@ -122,6 +127,11 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
                  "holds": self.held_weights()}
         channel, reply, fds = join_trainer(init_info.address, hello, init_info.timeout_s, f"worker rank {self.rank}")
         try:
+            try:
+                check_announced(init_info, reply.get("wire"), ANNOUNCED)
+            except TransferError as exc:
+                send_best_effort(channel, {"op": "refused", "error": str(exc)})  # the trainer says why, not "closed"
+                raise
             if reply.get("ring"):
                 if len(fds) != 1:
                     raise TransferError(f"expected the ring's descriptor from the shm trainer, got {len(fds)}")
@@ -280,12 +290,12 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         self._handed: dict[int, int] = {}  # peer (worker rank; -trainer rank) -> inode of the segment it maps
         self._selector = selectors.DefaultSelector()
         self._senders: dict[int, ControlChannel] = {}  # the other trainer ranks (parallel senders)
+        self._announced = {"world_size": self.world_size, "bucket_bytes": self.bucket_bytes,
+                           "num_buffers": self.num_buffers}
         return {
             "address": self._listener.address,
             "token": self._token,
-            "world_size": self.world_size,
-            "bucket_bytes": self.bucket_bytes,
-            "num_buffers": self.num_buffers,
+            **self._announced,
             "rank_offset": 1,
             "timeout_s": self.timeout_s,
             "protocol_version": PROTOCOL_VERSION,
@@ -407,10 +417,12 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             channel.peer = f"shm worker rank {rank}"
             channel.max_frame = MAX_FRAME
             ring = [self._ring_fd] if self._ring_fd is not None else []
-            channel.send({"ok": True, "ring": bool(ring)}, fds=ring, timeout=self.timeout_s)
+            channel.send({"ok": True, "ring": bool(ring), "wire": self._announced}, fds=ring, timeout=self.timeout_s)
             pending.pop(channel.fileno())
             self._channels[rank] = channel
             self.served_answers[rank], self.held_answers[rank] = message.get("served_dtypes"), message.get("holds")
+        elif op == "refused" and channel in self._channels.values():
+            raise TransferError(f"{channel.peer} refused to join: {str(message.get('error'))[:2000]}")
         elif op == "ready" and channel in self._channels.values():
             ready.add(next(r for r, c in self._channels.items() if c is channel))
         elif channel in self._channels.values():
