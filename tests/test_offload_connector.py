@@ -271,6 +271,9 @@ class StuckHandler(BlockCopyHandler):
             return
         super().wait(job_ids, timeout)
 
+    def cancel(self, job_ids: Any) -> bool:
+        return False  # a third-party tier that cannot promise its jobs stop writing
+
 
 class StuckLoadHandler(StuckHandler):
     stuck_medium = "cpu"
@@ -518,3 +521,92 @@ def test_with_tensor_parallel_parts_a_store_completes_only_when_every_worker_rep
     assert pending, "the stores wait for the other part"
     scheduler.update_connector_output(KVConnectorOutput(worker_meta=[{"stored": pending}]))  # part 1 reports
     assert scheduler.manager.lookup(hashes) == len(hashes)
+
+
+class GatedLoadHandler(BlockCopyHandler):
+    """The built-in tier with a slow load path: the first load it runs waits for ``gate`` before it writes (a tier
+    busy with other work, or a slow link)."""
+
+    gate = threading.Event()
+    ran = threading.Event()  # the gated load has ended, written or not
+
+    def _copy(self, src_rows: Any, dst_rows: Any) -> None:
+        if self.src.medium == "cpu" and not GatedLoadHandler.ran.is_set():
+            try:
+                GatedLoadHandler.gate.wait(30)
+                super()._copy(src_rows, dst_rows)
+            finally:
+                GatedLoadHandler.ran.set()
+            return
+        super()._copy(src_rows, dst_rows)
+
+
+class GatedLoadSpec(CPUOffloadingSpec):
+    handler_cls = GatedLoadHandler
+
+
+def test_a_load_past_its_deadline_never_writes_into_blocks_given_to_another_request(
+    paged_engine: Engine, isolated_registry: None
+) -> None:
+    """Before, the cpu tier kept a load the connector gave up on queued: it later wrote the old prefix's KV into
+    engine blocks that another request was using (its KV then differed from a fresh computation). Now the
+    connector cancels it and the tier writes nothing more once ``cancel`` returned."""
+    registry_for(SPECS).register("gated-load", GatedLoadSpec)
+    GatedLoadHandler.gate.clear()
+    GatedLoadHandler.ran.clear()
+    engine = paged_engine(SPEC, 8, kv_transfer_config=offloading(spec_name="gated-load", num_cpu_blocks=12,
+                                                                  block_size=8, transfer_timeout_s=0.3), capture_kv=True)
+    try:
+        for i in range(5):  # p0 goes to the tier and leaves the engine's 8 blocks
+            engine.generate({f"p{i}": prompt(i)})
+        again = engine.generate({"p0-again": prompt(0)})["p0-again"]  # its load times out: recomputed
+        assert_bit_exact(again)
+        engine.add_request("other", prompt(9, length=21), max_new_tokens=3)  # takes most of the 8 blocks
+        engine.step()
+        GatedLoadHandler.gate.set()  # the late load may run now, while "other" holds those blocks
+        assert GatedLoadHandler.ran.wait(30)
+        other = engine.run(timeout_s=30)["other"]
+        expected = reference_kv(SPEC, other.prompt_token_ids)
+        for layer, kv in other.kv.items():  # its prompt's KV, as a fresh computation has it
+            assert torch.equal(kv[:, :21], expected[layer][:, :21]), f"{layer}: a late load wrote into its blocks"
+    finally:
+        GatedLoadHandler.gate.set()
+    stats = engine.worker_connector.get_kv_connector_stats()
+    assert stats["timed_out_jobs"] == 1 and stats["failed_loads"] >= 1, stats
+
+
+class SlowWaitHandler(BlockCopyHandler):
+    """A tier whose loads land at once but whose ``wait`` ignores its timeout until ``release``."""
+
+    release = threading.Event()
+
+    def wait(self, job_ids: Any, timeout: float | None = None) -> None:
+        if self.src.medium == "cpu":
+            SlowWaitHandler.release.wait(60)
+        super().wait(job_ids, timeout)
+
+
+class SlowWaitSpec(CPUOffloadingSpec):
+    handler_cls = SlowWaitHandler
+
+
+def test_a_tier_whose_wait_ignores_its_timeout_costs_one_thread_not_one_per_step(
+    paged_engine: Engine, isolated_registry: None
+) -> None:
+    """Before, every wait started a thread, and each one stuck in such a tier's ``wait`` stayed: one more per step
+    that loaded. Now one waiter per tier; the loads still land and the KV is bit-exact."""
+    registry_for(SPECS).register("slow-wait", SlowWaitSpec)
+    SlowWaitHandler.release.clear()
+    engine = paged_engine(SPEC, 8, kv_transfer_config=offloading(spec_name="slow-wait", num_cpu_blocks=12,
+                                                                  block_size=8, transfer_timeout_s=0.2), capture_kv=True)
+    try:
+        for i in range(5):
+            engine.generate({f"p{i}": prompt(i)})
+        for i in range(3):  # each comes back from the tier: a load and a wait per prompt
+            again = engine.generate({f"p{i}-again": prompt(i)})[f"p{i}-again"]
+            assert_bit_exact(again)
+            assert again.num_external_tokens > 0
+        waiters = [t for t in threading.enumerate() if t.name.startswith("wtransfer-offload-wait")]
+        assert len(waiters) <= 2, [t.name for t in waiters]  # one per tier (loads and stores), at most
+    finally:
+        SlowWaitHandler.release.set()

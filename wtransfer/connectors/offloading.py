@@ -21,9 +21,10 @@ held (``delay_free``) until the worker reports it in ``done_sending``. Each requ
 for the eviction policy (touched at first lookup; new blocks are admitted when stored).
 
 A hanging tier never hangs the engine: every wait lasts ``transfer_timeout_s`` at most (a spec option, default 60),
-even if the tier's ``wait`` ignores its timeout. Loads unfinished then fail (the engine recomputes, per vLLM's
-``kv_load_failure_policy``) and the tier gets no load until they end; a tier that finishes a load after its deadline
-may write into reused cache blocks, which wtransfer cannot stop: such a tier is broken. A store past the deadline
+even if the tier's ``wait`` ignores its timeout (one waiter thread per tier). Loads unfinished then fail (the engine
+recomputes, per vLLM's ``kv_load_failure_policy``) and are cancelled (``OffloadingHandler.cancel``; the built-in
+``cpu`` tier writes nothing once it returned). A tier that cannot cancel gets no load until they end, since a load
+finished after its deadline may write into reused cache blocks: such a tier is broken. A store past the deadline
 fails: its request's blocks are freed, its tier slots stay taken until the tier reports the job ended, so a late
 write lands in no slot offered for loading. Each case logs an error.
 """
@@ -56,6 +57,8 @@ logger = logging.getLogger("wtransfer")
 
 
 @dataclasses.dataclass
+
+
 class OffloadingConnectorMetadata(KVConnectorMetadata):
     """One step's work for the worker; each entry is ``{"request_id", "src", "dst"}`` with ``LoadStoreSpec.to_dict()``
     forms (stores may list several request ids)."""
@@ -81,6 +84,57 @@ _CONNECTOR_KEYS = frozenset(f.name for f in dataclasses.fields(OffloadingConnect
 def _store_key(step: int, request_id: str) -> str:
     return f"{step}:{request_id}"
 
+
+
+class TierWaiter:
+    """Calls one tier's ``wait`` from one thread of its own, and gives up on each call after ``transfer_timeout_s``
+    (plus a second). A tier whose ``wait`` ignores its timeout holds this one thread, never one more per step: a
+    later wait first waits for it, within its own deadline."""
+
+    def __init__(self, handler: OffloadingHandler, timeout_s: float) -> None:
+        self._handler = handler
+        self._timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._request: list[int] | None = None  # the jobs of the call under way (None: the thread is free)
+        self._calls = 0  # calls ended
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def wait(self, jobs: list[int]) -> None:
+        deadline = time.monotonic() + self._timeout_s + 1.0
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="wtransfer-offload-wait", daemon=True)
+                self._thread.start()
+            if not self._cond.wait_for(lambda: self._request is None, max(deadline - time.monotonic(), 0)):
+                return  # the tier is still inside an earlier wait
+            self._request, mine = jobs, self._calls + 1
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._calls >= mine, max(deadline - time.monotonic(), 0))
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._request is not None or self._closed)
+                if self._closed:
+                    return
+                jobs = self._request
+            try:
+                self._handler.wait(jobs, timeout=self._timeout_s)
+            except Exception as exc:  # a timeout (or the tier's own error): the jobs tell which ended
+                logger.debug("offloading: waiting for jobs %s: %s", jobs, exc)
+            with self._cond:
+                self._request = None
+                self._calls += 1
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Let the thread end (at once if it is free; a tier stuck in ``wait`` keeps it until it returns)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None and self._request is None:
+            self._thread.join(1.0)
 
 class OffloadingConnector(KVConnectorBase):
     """A KV connector driven by an :class:`~wtransfer.specs._base.OffloadingSpec`."""
@@ -263,6 +317,7 @@ class OffloadingConnector(KVConnectorBase):
         self._store_jobs_of: dict[str, set[int]] = {}
         self._report: dict[str, list[str]] = {"stored": [], "failed": []}  # for the scheduler, next step
         self._finished_waiting: set[str] = set()
+        self._waiters: dict[int, TierWaiter] = {}  # one per handler
         self._loads_in_flight: dict[int, tuple[str, tuple[int, ...]]] = {}
         self._failed_requests: set[str] = set()  # this step's: their loads failed here, or elsewhere (skip_saves)
         self._load_errors: set[int] = set()
@@ -328,13 +383,19 @@ class OffloadingConnector(KVConnectorBase):
             self._wait(load, jobs)
             self._collect()
             late = [job for job in jobs if job in self._loads_in_flight]
-            if late:  # recomputed instead; the tier gets no load until these end (they may still write)
-                logger.error("offloading: the tier did not finish load jobs %s within transfer_timeout_s=%.1fs; "
-                             "their requests recompute, and no load goes to the tier until they end", late,
-                             self._timeout_s)
+            if late:  # recomputed instead
+                cancelled = load.cancel(late)
+                if cancelled:
+                    logger.warning("offloading: load jobs %s missed transfer_timeout_s=%.1fs and were cancelled; "
+                                   "their requests recompute", late, self._timeout_s)
+                else:  # they may still write: no load goes to the tier until they end
+                    logger.error("offloading: the tier did not finish load jobs %s within transfer_timeout_s=%.1fs "
+                                 "and cannot cancel them; their requests recompute, and no load goes to the tier "
+                                 "until they end", late, self._timeout_s)
                 for job in late:
                     self._fail_load(*self._loads_in_flight.pop(job))
-                    self._abandoned_loads.add(job)
+                    if not cancelled:
+                        self._abandoned_loads.add(job)
                 self._worker_stats["timed_out_jobs"] += len(late)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None, **kwargs: Any) -> None:
@@ -398,20 +459,12 @@ class OffloadingConnector(KVConnectorBase):
             self._store_jobs_of.setdefault(request_id, set()).add(job_id)
 
     def _wait(self, handler: OffloadingHandler, jobs: list[int]) -> None:
-        """``handler.wait(jobs)`` for ``transfer_timeout_s`` at most, even if the tier's ``wait`` ignores its timeout
-        (it then goes on in its own thread); what is still unfinished is the caller's to give up on."""
-        finished = threading.Event()
-
-        def wait() -> None:
-            try:
-                handler.wait(jobs, timeout=self._timeout_s)
-            except Exception as exc:  # a timeout (or the tier's own error): the jobs tell which ended
-                logger.debug("offloading: waiting for jobs %s: %s", jobs, exc)
-            finally:
-                finished.set()
-
-        threading.Thread(target=wait, name="wtransfer-offload-wait", daemon=True).start()
-        finished.wait(self._timeout_s + 1.0)
+        """``handler.wait(jobs)`` for ``transfer_timeout_s`` at most, even if the tier's ``wait`` ignores its timeout;
+        what is still unfinished is the caller's to give up on."""
+        waiter = self._waiters.get(id(handler))
+        if waiter is None:
+            waiter = self._waiters[id(handler)] = TierWaiter(handler, self._timeout_s)
+        waiter.wait(jobs)
 
     def _give_up_stores(self, jobs: list[int]) -> None:
         """Give up on store ``jobs``: their requests' engine blocks are freed now, but their tier slots stay taken
@@ -508,6 +561,8 @@ class OffloadingConnector(KVConnectorBase):
         self._closed = True
         if self.role is KVConnectorRole.WORKER and self._store_handler is not None and self._store_jobs:
             self._wait(self._store_handler, list(self._store_jobs))
+        for waiter in getattr(self, "_waiters", {}).values():
+            waiter.close()
         for handler in (getattr(self, "_store_handler", None), getattr(self, "_load_handler", None)):
             if handler is not None:
                 handler.shutdown()

@@ -173,6 +173,12 @@ class OffloadingHandler(ABC):
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
         """Block until every job in ``job_ids`` has ended (results stay for ``get_finished``)."""
 
+    def cancel(self, job_ids: Iterable[int]) -> bool:
+        """Stop ``job_ids`` so that none of them writes anything once this returns (each still ends, as failed, in
+        ``get_finished``); False if this tier cannot promise that (the default). The connector cancels a load that
+        missed its deadline: the engine then recomputes into those blocks or gives them to other requests."""
+        return False
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook, most handlers need it
         """Stop background work and release resources; the default has nothing to release."""
 

@@ -129,6 +129,9 @@ class BlockCopyHandler(OffloadingHandler):
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._pending: set[int] = set()
+        self._cancelled: set[int] = set()
+        self._current: int | None = None  # the job the thread runs
+        self._writing = threading.Lock()  # held around each write into the destination, and by cancel()
         self._finished: list[TransferResult] = []
         self._closed = False
         self._thread = threading.Thread(
@@ -186,6 +189,16 @@ class BlockCopyHandler(OffloadingHandler):
                     f"{limit:.1f}s; raise transfer_timeout_s if the tier is just slow"
                 )
 
+    def cancel(self, job_ids: Iterable[int]) -> bool:
+        """Queued jobs never start; a running one stops before its next write (each write is one chunk of one
+        layer, under the lock this takes). On a GPU the writes already queued on the copy stream land first."""
+        with self._writing:
+            with self._cond:
+                self._cancelled.update(set(job_ids) & self._pending)
+            if self._stream is not None:
+                self._stream.synchronize()
+        return True
+
     def shutdown(self) -> None:
         with self._cond:
             if self._closed:
@@ -206,16 +219,23 @@ class BlockCopyHandler(OffloadingHandler):
             try:
                 if job.ready is not None and self._stream is not None:
                     self._stream.wait_event(job.ready)
+                self._current = job.job_id
+                if job.job_id in self._cancelled:  # cancelled while queued: never starts
+                    raise _Cancelled
                 self._copy(job.src_rows, job.dst_rows)
                 result = TransferResult(
                     job.job_id, True, len(job.src_rows) * self._row_bytes, time.perf_counter() - started
                 )
+            except _Cancelled:
+                result = TransferResult(job.job_id, False, 0, time.perf_counter() - started,
+                                        "cancelled: it missed its deadline")
             except Exception as exc:  # reported as a failed job, never lost
                 logger.exception("KV offload job %d (%s -> %s) failed", job.job_id, self.src.medium, self.dst.medium)
                 error = f"{type(exc).__name__}: {exc}"
                 result = TransferResult(job.job_id, False, 0, time.perf_counter() - started, error)
             with self._cond:
                 self._pending.discard(job.job_id)
+                self._cancelled.discard(job.job_id)
                 self._finished.append(result)
                 self._cond.notify_all()
 
@@ -228,6 +248,14 @@ class BlockCopyHandler(OffloadingHandler):
                 self._copy_chunks(src_rows, dst_rows)
         finally:  # a failed job too: nothing it queued may still write once it is reported
             self._stream.synchronize()
+
+    def _write(self, dst_layer: torch.Tensor, dst_idx: torch.Tensor, rows: torch.Tensor) -> None:
+        """One chunk of one layer into the destination, unless the running job was cancelled (checked under the
+        lock ``cancel`` takes, so nothing is written once it returned)."""
+        with self._writing:
+            if self._current in self._cancelled:
+                raise _Cancelled
+            dst_layer.index_copy_(1, dst_idx, rows)
 
     def _copy_chunks(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
         pairs = [(self._src_staging, self._dst_staging)] + ([self._spare] if self._spare is not None else [])
@@ -250,22 +278,25 @@ class BlockCopyHandler(OffloadingHandler):
                     copied = torch.cuda.Event()
                     copied.record()
                     if waiting is not None:
-                        _scatter(*waiting)
+                        self._scatter(*waiting)
                     waiting = (copied, dst_layer, dst_idx, landed)
                     continue
                 if dst_staging is not src_staging:
                     landed = dst_staging[: gathered.numel()].view(shape)
                     landed.copy_(gathered)  # blocking: the staging buffers are reused next layer
                     gathered = landed
-                dst_layer.index_copy_(1, dst_idx, gathered)
+                self._write(dst_layer, dst_idx, gathered)
         if waiting is not None:
-            _scatter(*waiting)
+            self._scatter(*waiting)
+
+    def _scatter(self, copied: Any, dst_layer: torch.Tensor, dst_idx: torch.Tensor, landed: torch.Tensor) -> None:
+        """A chunk copied from a GPU into pinned memory, written into the host tier once the copy landed."""
+        copied.synchronize()
+        self._write(dst_layer, dst_idx, landed)
 
 
-def _scatter(copied: Any, dst_layer: torch.Tensor, dst_idx: torch.Tensor, landed: torch.Tensor) -> None:
-    """A chunk copied from a GPU into pinned memory, written into the host tier once the copy landed."""
-    copied.synchronize()
-    dst_layer.index_copy_(1, dst_idx, landed)
+class _Cancelled(Exception):
+    """The job was cancelled: it stops before its next write."""
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
