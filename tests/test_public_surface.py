@@ -41,6 +41,7 @@ PUBLIC_MODULES = {
     "wtransfer.testing",
     "wtransfer.testing.conformance",
     "wtransfer.testing.distributions",
+    "wtransfer.testing.leaks",
     "wtransfer.testing.models",
 }
 TOOLKITS = ("wtransfer", "wtransfer.engines", "wtransfer.engines.wire", "wtransfer.connectors", "wtransfer.specs")

@@ -81,6 +81,7 @@ class KeyTable:
     def __init__(self) -> None:
         self._values: dict[str, bytes] = {}
         self._changed = threading.Condition()
+        self._closed = False
 
     def set(self, key: str, value: bytes) -> None:
         with self._changed:
@@ -89,9 +90,17 @@ class KeyTable:
 
     def wait(self, keys: list[str], timeout_s: float) -> None:
         with self._changed:
-            if not self._changed.wait_for(lambda: all(k in self._values for k in keys), timeout_s):
+            if not self._changed.wait_for(lambda: self._closed or all(k in self._values for k in keys), timeout_s):
                 missing = [k for k in keys if k not in self._values]
                 raise TransferTimeoutError(f"rendezvous keys {missing} not set within {timeout_s:g} s")
+            if self._closed and not all(k in self._values for k in keys):
+                raise TransferError("the rendezvous was closed (its trainer shut down)")
+
+    def close(self) -> None:
+        """Wake every waiting reader: it raises (the trainer shut down), its thread is free to end."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
 
     def get(self, key: str, timeout_s: float) -> bytes:
         self.wait([key], timeout_s)
@@ -299,6 +308,7 @@ class RendezvousServer:
         with self._lock:
             self._closed = True
             connections = list(self._connections)
+        self.table.close()  # peers' threads waiting on a key are free to end
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
         if self._thread is not threading.current_thread():

@@ -54,8 +54,7 @@ class ClientThread:
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._idle = threading.Event()
         self._idle.set()
-        self._thread = threading.Thread(target=self._loop, name="wtransfer-client", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # started by the first call: a trainer that never calls has none
 
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -69,11 +68,15 @@ class ClientThread:
         if not self._idle.is_set():
             return False
         self._idle.clear()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="wtransfer-client", daemon=True)
+            self._thread.start()
         self._jobs.put(job)
         return True
 
     def close(self) -> None:
-        self._jobs.put(None)
+        if self._thread is not None:
+            self._jobs.put(None)
 
 
 class ClientCall:

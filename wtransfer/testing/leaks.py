@@ -1,0 +1,140 @@
+"""What a test leaves behind in its process: threads, listening sockets, child processes, ``/dev/shm`` entries and
+memfd mappings (Linux). ``Resources.now()`` before, ``Resources.left_since(before)`` after: each leftover named.
+Kept by design and not counted: wtransfer's fork server (it serves the whole run) and its process-wide copy pools.
+
+wtransfer's own test suite checks every test module with it; a plugin's suite can do the same::
+
+    @pytest.fixture(scope="module", autouse=True)
+    def leaves_nothing_behind():
+        before = Resources.now()
+        yield
+        assert not (left := Resources.left_since(before)), left
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def _listening_inodes() -> set[str]:
+    """Socket inodes in the LISTEN state, host-wide (TCP over IPv4 and IPv6, and Unix sockets)."""
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A":  # TCP_LISTEN
+                inodes.add(fields[9])
+    try:
+        for line in Path("/proc/self/net/unix").read_text().splitlines()[1:]:
+            fields = line.split()
+            if len(fields) > 6 and int(fields[3], 16) & 0x10000:  # __SO_ACCEPTCON: listening
+                inodes.add(fields[6])
+    except OSError:
+        pass
+    return inodes
+
+
+def _fd_targets() -> dict[str, str]:
+    targets = {}
+    for entry in os.listdir("/proc/self/fd"):
+        try:
+            targets[entry] = os.readlink(f"/proc/self/fd/{entry}")
+        except OSError:
+            continue
+    return targets
+
+
+def _descendants() -> dict[int, str]:
+    """Live (not zombie) processes below this one: pid -> command line."""
+    parents: dict[int, int] = {}
+    states: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        states[int(entry)], parents[int(entry)] = fields[0], int(fields[1])
+    mine: set[int] = set()
+    frontier = {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - mine
+        mine |= frontier
+    found = {}
+    for pid in mine:
+        if states.get(pid) == "Z":
+            continue
+        try:
+            found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
+        except OSError:
+            continue
+    return found
+
+
+def _pool_threads() -> tuple[str, ...]:
+    """Name prefixes of wtransfer's process-wide thread pools (copies, delta rounds): made once, kept by design."""
+    import sys
+
+    module = sys.modules.get("wtransfer.engines._packing")
+    return tuple(f"{name}_" for name in getattr(module, "_pools", {}))
+
+
+def _fork_servers() -> set[int]:
+    """wtransfer's fork servers started by this process: they live for the whole run, by design."""
+    import sys
+
+    module = sys.modules.get("wtransfer._fork_server")
+    if module is None:
+        return set()
+    servers = [module._current[1]] if module._current is not None else []
+    return {server.process.pid for server in servers + list(module._retired)}
+
+
+@dataclass(frozen=True)
+class Resources:
+    threads: frozenset[tuple[int, str]]
+    listening: frozenset[str]  # fd -> "socket:[inode]" of listening sockets, as "fd socket:[inode]"
+    memfds: frozenset[str]
+    shm: frozenset[str]
+
+    @classmethod
+    def now(cls) -> Resources:
+        targets = _fd_targets()
+        listening = _listening_inodes()
+        return cls(
+            threads=frozenset((t.ident or 0, t.name) for t in threading.enumerate() if t.is_alive()),
+            listening=frozenset(f"fd {fd} {target}" for fd, target in targets.items()
+                                if target.startswith("socket:[") and target[8:-1] in listening),
+            memfds=frozenset(line.split(None, 5)[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                             if "/memfd:" in line) | frozenset(f"fd {fd} {t}" for fd, t in targets.items()
+                                                               if t.startswith("/memfd:")),
+            shm=frozenset(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else frozenset(),
+        )
+
+    @classmethod
+    def left_since(cls, before: Resources, grace_s: float = 10.0) -> list[str]:
+        """What exists now and did not before, waiting up to ``grace_s`` for things that are ending (a thread
+        joining, a child exiting); one line per leftover."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            now = cls.now()
+            children = {pid: cmd for pid, cmd in _descendants().items() if pid not in _fork_servers()}
+            left = [f"thread {name!r}" for _ident, name in sorted(now.threads - before.threads)
+                    if not name.startswith(_pool_threads() or ("\0",))]
+            left += [f"listening socket ({item})" for item in sorted(now.listening - before.listening)]
+            left += [f"memfd mapping {item}" for item in sorted(now.memfds - before.memfds)]
+            left += [f"/dev/shm/{name}" for name in sorted(now.shm - before.shm)]
+            left += [f"child process {pid}: {cmd}" for pid, cmd in sorted(children.items())]
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.1)
