@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from vllm_harness import (BLOCK, IN_PROCESS_ENV, cpu_flags, install_package, run_script, script_env, store_namespace,
-                          vllm_env)
+                          tied_popen, vllm_env)
 
 PROMPTS = [[(k * 37 + 13 * i + (i * i) % 7) % 500 for i in range(96)] for k in range(40)]
 PRESSURE = {"num_gpu_blocks_override": 128, "enable_prefix_caching": False}
@@ -254,7 +254,7 @@ def test_two_instances_writing_the_same_prefixes_at_once_leave_only_whole_blocks
     store = tmp_path / "store"
     outs = [tmp_path / f"writer-{k}.json" for k in range(2)]
     script = Path(__file__).parent / "scripts" / "kv_run.py"
-    writers = [subprocess.Popen([str(vllm_python), str(script), str(tiny_llama), str(out), "storage",
+    writers = [tied_popen([str(vllm_python), str(script), str(tiny_llama), str(out), "storage",
                                  json.dumps({"path": str(store)}), json.dumps(PROMPTS[:12]),
                                  json.dumps({"enable_prefix_caching": False})],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=script_env(vllm_env()))

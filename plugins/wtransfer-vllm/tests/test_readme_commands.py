@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_harness import REPO_ROOT, UNNEEDED, VLLM_REQUIREMENT, cpu_flags
+from vllm_harness import REPO_ROOT, UNNEEDED, VLLM_REQUIREMENT, cpu_flags, tied_popen
 
 README = REPO_ROOT / "README.md"
 PAGES = (README, REPO_ROOT / "docs" / "vllm.md")  # the vLLM page holds the serve and KV commands
@@ -31,8 +31,8 @@ def run_block(vllm_python: Path, marker: str, timeout: float) -> subprocess.Comp
     bin_dir = str(vllm_python.parent)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(vllm_python.parents[1]))
-    process = subprocess.Popen(["bash", "-euo", "pipefail", "-c", block(marker)], cwd=REPO_ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = tied_popen(["bash", "-euo", "pipefail", "-c", block(marker)], cwd=REPO_ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = process.communicate(timeout=timeout)
     finally:

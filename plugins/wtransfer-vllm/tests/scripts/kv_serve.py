@@ -18,6 +18,16 @@ import requests
 
 from wtransfer_vllm.testing import write_json
 
+def die_with(parent):
+    """The server gets SIGTERM when this script exits, however it ends (Linux's parent-death signal)."""
+    def arm():
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+    return arm
+
+
 if __name__ == "__main__":
     model, store, port, out, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5])
     kv = {"kv_connector": "storage", "kv_role": "kv_both", "kv_connector_extra_config": {"path": store}}
@@ -28,7 +38,8 @@ if __name__ == "__main__":
     base = f"http://127.0.0.1:{port}"
     results = []
     for _ in range(2):
-        server = subprocess.Popen(command, stdout=sys.stderr, stderr=sys.stderr, start_new_session=True)
+        server = subprocess.Popen(command, stdout=sys.stderr, stderr=sys.stderr, start_new_session=True,
+                                  preexec_fn=die_with(os.getpid()))
         try:
             deadline = time.monotonic() + 300
             while True:
