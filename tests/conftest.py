@@ -5,24 +5,13 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from wtransfer.testing.leaks import leaves_nothing_behind  # noqa: F401 - autouse: every module checked
+
 EXAMPLE_PLUGIN = Path(__file__).parent / "example_plugin"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def leaves_nothing_behind(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Every module: no thread, listening socket, child process, /dev/shm entry or memfd mapping outlives it
-    (wtransfer's fork server excepted: it serves the whole run)."""
-    from wtransfer.testing.leaks import Resources
-
-    before = Resources.now()
-    yield
-    left = Resources.left_since(before)
-    assert not left, f"{request.module.__name__} left behind: " + "; ".join(left)
 
 
 @pytest.fixture(scope="session")

@@ -2,13 +2,10 @@
 memfd mappings (Linux). ``Resources.now()`` before, ``Resources.left_since(before)`` after: each leftover named.
 Kept by design and not counted: wtransfer's fork server (it serves the whole run) and its process-wide copy pools.
 
-wtransfer's own test suite checks every test module with it; a plugin's suite can do the same::
+wtransfer's own test suites check every test module with :func:`leaves_nothing_behind`; a plugin's suite does the
+same by importing it into its ``conftest.py``::
 
-    @pytest.fixture(scope="module", autouse=True)
-    def leaves_nothing_behind():
-        before = Resources.now()
-        yield
-        assert not (left := Resources.left_since(before)), left
+    from wtransfer.testing.leaks import leaves_nothing_behind  # noqa: F401 - an autouse fixture, per module
 """
 
 from __future__ import annotations
@@ -16,8 +13,11 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 
 def _listening_inodes() -> set[str]:
@@ -138,3 +138,12 @@ class Resources:
             if not left or time.monotonic() >= deadline:
                 return left
             time.sleep(0.1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def leaves_nothing_behind(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every module of the suite that imports this into its ``conftest.py``: nothing above outlives it."""
+    before = Resources.now()
+    yield
+    left = Resources.left_since(before)
+    assert not left, f"{request.module.__name__} left behind: " + "; ".join(left)

@@ -4,25 +4,15 @@ from __future__ import annotations
 
 import shutil
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from wtransfer.testing.distributions import is_installed
-from wtransfer.testing.leaks import Resources
+from wtransfer.testing.leaks import leaves_nothing_behind  # noqa: F401 - autouse: every module checked
 from venvs import layered_venv, pip
 
 PLUGIN_ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def leaves_nothing_behind(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Every module: no thread, listening socket, child process, /dev/shm entry or memfd mapping outlives it."""
-    before = Resources.now()
-    yield
-    left = Resources.left_since(before)
-    assert not left, f"{request.module.__name__} left behind: " + "; ".join(left)
 
 
 def plugin_installed_here() -> bool:

@@ -5,22 +5,12 @@ from __future__ import annotations
 import json
 import os
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from wtransfer.testing.leaks import Resources
+from wtransfer.testing.leaks import leaves_nothing_behind  # noqa: F401 - autouse: every module checked
 from vllm_harness import IN_PROCESS_ENV, ROUNDS, cpu_flags, ensure_vllm_venv, run_script
-
-
-@pytest.fixture(scope="module", autouse=True)
-def leaves_nothing_behind(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Every module: no thread, listening socket, child process, /dev/shm entry or memfd mapping outlives it."""
-    before = Resources.now()
-    yield
-    left = Resources.left_since(before)
-    assert not left, f"{request.module.__name__} left behind: " + "; ".join(left)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
