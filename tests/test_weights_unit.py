@@ -403,3 +403,51 @@ def test_finish_without_a_received_round_does_not_advance_the_version(engine_cls
         engine.finish_weight_update()
     assert engine.weight_version == 0
     engine.shutdown()
+
+
+def test_a_shutdown_from_another_thread_during_a_receive_releases_the_round() -> None:
+    """The commit wrapper's "outermost call" counter was one per engine: a shutdown() from another thread while a
+    receive ran counted as nested and skipped releasing the round (its loader and staging). It is per thread now."""
+    import threading
+
+    from wtransfer.engines._commit import round_state
+    from wtransfer.engines.wire import TensorEntry
+
+    entered, release = threading.Event(), threading.Event()
+
+    class Blocking(wtransfer.WeightTransferEngine):
+        init_info_cls = dict
+        update_info_cls = wtransfer.engines.ManifestUpdateInfo
+
+        def init_transfer_engine(self, init_info):
+            pass
+
+        def receive_weights(self, update_info, load_weights):
+            entered.set()
+            release.wait(30)
+
+        def shutdown(self):
+            pass
+
+    engine = Blocking(wtransfer.WeightTransferConfig(backend="blocking"))
+    plain = build_manifest([TensorEntry("a", "float32", (4,))], 1)
+    manifest = Manifest.from_dict({**plain.to_dict(), "commit": {"mode": "streaming", "key": "k", "timeout_s": 10.0}})
+    ended: list[BaseException | None] = []
+
+    def receive() -> None:
+        try:
+            engine.receive_weights(engine.parse_update_info({"manifest": manifest.to_dict()}), lambda weights: None)
+            ended.append(None)
+        except BaseException as exc:  # it delivered nothing: the round fails, as it should
+            ended.append(exc)
+
+    receiving = threading.Thread(target=receive)
+    receiving.start()
+    try:
+        assert entered.wait(30)
+        assert round_state(engine)._loader is not None  # the round is under way
+        engine.shutdown()  # from this thread, while the other one receives
+        assert round_state(engine)._loader is None, "shutdown() skipped releasing the round"
+    finally:
+        release.set()
+        receiving.join(30)
