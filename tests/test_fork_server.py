@@ -163,3 +163,47 @@ def test_starting_workers_changes_no_multiprocessing_setting() -> None:
         path.write_text(script)
         result = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+
+
+def _exit_with(code: int, after_s: float) -> None:
+    time.sleep(after_s)
+    raise SystemExit(code)
+
+
+def test_a_changed_environment_gets_a_new_server_and_the_old_one_reports_its_children(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old server stops taking children but reports those it has (their exit codes stay true), then ends."""
+    first = worker_process(_exit_with, (3, 2.0))
+    first.start()
+    old_server = _parent_of(first.pid)
+    monkeypatch.setenv("WTRANSFER_TEST_PROBE", "another environment")
+    second = worker_process(_exit_with, (4, 0.0))
+    second.start()
+    assert _parent_of(second.pid) != old_server
+    first.join(30)
+    second.join(30)
+    assert (first.exitcode, second.exitcode) == (3, 4)
+    deadline = time.monotonic() + 10
+    while not _gone(old_server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(old_server), "the retired server outlived its last child"
+
+
+def test_a_daemonic_child_ends_with_its_caller_even_when_its_handle_was_dropped() -> None:
+    script = textwrap.dedent("""
+        import gc, sys
+        from wtransfer._fork_server import worker_process
+
+        child = worker_process(__import__("time").sleep, (600,))
+        child.start()
+        print(child.pid, flush=True)
+        del child
+        gc.collect()
+        """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    pid = int(result.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(pid), "a daemonic child outlived the process that started it"

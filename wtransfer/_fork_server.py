@@ -17,7 +17,8 @@ CPU each, hundreds of times per test run). The server is wtransfer's own, not mu
   when the server died, so no child outlives its handle unnoticed;
 * no process-wide ``multiprocessing`` setting is changed.
 
-Without pidfds (not Linux): ``spawn``, which pickles the target and its arguments to start the child.
+Without pidfds (not Linux, or Linux before 5.3): ``spawn``, which pickles the target and its arguments to start the
+child.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import socket
 import subprocess
 import sys
 import threading
-import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -58,10 +58,13 @@ class _Server:
             )
         self.sock = ours
         self.lock = threading.Lock()
+        self.retired = False
 
-    def fork(self, request: dict[str, Any], fds: list[int]) -> tuple[int, int]:
-        """Start one child; its pid and a pidfd for it."""
+    def fork(self, request: dict[str, Any], fds: list[int]) -> tuple[int, int] | None:
+        """Start one child; its pid and a pidfd for it (None: this server was retired meanwhile, ask the next)."""
         with self.lock:
+            if self.retired:
+                return None
             try:
                 socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
                 data, received, _flags, _addr = socket.recv_fds(self.sock, _MESSAGE, 1)
@@ -70,21 +73,20 @@ class _Server:
                 cause: BaseException | None = exc
             else:
                 cause = None
-        if not data or not received:
-            for fd in received:
-                os.close(fd)
+        reply = json.loads(data) if data else {}
+        if "error" in reply:
+            raise RuntimeError(f"wtransfer's fork server could not start the process: {reply['error']}")
+        if not received:
             raise RuntimeError(f"wtransfer's fork server (pid {self.process.pid}) is gone "
                                f"(exit code {self.process.poll()}); the process was not started") from cause
-        reply = json.loads(data)
-        if "error" in reply:
-            os.close(received[0])
-            raise RuntimeError(f"wtransfer's fork server could not start the process: {reply['error']}")
         return int(reply["pid"]), received[0]
 
     def retire(self) -> None:
         """No more children from this server: it exits once its last child ended and was reported."""
-        with contextlib.suppress(OSError):
-            self.sock.close()
+        with self.lock:  # a start under way completes first
+            self.retired = True
+            with contextlib.suppress(OSError):
+                self.sock.close()
         _retired.append(self)
 
 
@@ -92,7 +94,7 @@ VOLATILE = ("PYTEST_CURRENT_TEST",)
 """Variables that change all the time and matter to no import: a change of only these keeps the server."""
 _current: tuple[str, _Server] | None = None  # the server for one environment (a key), or none yet
 _servers_lock = threading.Lock()
-_children: weakref.WeakSet[ForkedProcess] = weakref.WeakSet()
+_children: set[ForkedProcess] = set()  # started and not closed: a daemonic one is ended at exit, whoever holds it
 _retired: list[_Server] = []
 
 
@@ -101,6 +103,7 @@ def _server() -> _Server:
     key = json.dumps({k: v for k, v in environment.items() if k not in VOLATILE}, sort_keys=True)
     global _current
     with _servers_lock:
+        _retired[:] = [server for server in _retired if server.process.poll() is None]  # reaps those that ended
         if _current is None or _current[0] != key or _current[1].process.poll() is not None:
             if _current is not None:
                 _current[1].retire()
@@ -108,11 +111,27 @@ def _server() -> _Server:
         return _current[1]
 
 
+def _readable(fd: int, timeout_s: float | None) -> bool:
+    """``fd`` (a pidfd or a pipe) is readable within ``timeout_s`` (None: wait as long as it takes)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout_s is None else max(timeout_s, 0.0) * 1000))
+
+
+def _pidfds_work() -> bool:
+    """This kernel has pidfds (Linux 5.3 and later): a Python build may have ``os.pidfd_open`` without them."""
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
 @atexit.register
 def _at_exit() -> None:
     """As multiprocessing does: daemonic children end with their caller; then the servers stop."""
-    for child in list(_children):
-        if child.daemon and child.is_alive():
+    for child in [c for c in _children if c.daemon]:
+        if child.is_alive():
             child.terminate()
             child.join(2)
             if child.is_alive():
@@ -157,6 +176,7 @@ class ForkedProcess:
         """A pidfd: readable once the process ended (for ``multiprocessing.connection.wait``)."""
         self._status: int = -1
         self._exitcode: int | None = None
+        self._lock = threading.Lock()  # the status is read once
 
     def start(self) -> None:
         fds, arguments = [], []
@@ -175,7 +195,10 @@ class ForkedProcess:
             with contextlib.suppress(Exception):
                 stream.flush()
         try:
-            self.pid, self.sentinel = _server().fork(request, [1, 2, status_w, *fds])
+            started = None
+            while started is None:  # None: the server was retired while this start waited for it
+                started = _server().fork(request, [1, 2, status_w, *fds])
+            self.pid, self.sentinel = started
         except BaseException:
             os.close(status_r)
             raise
@@ -187,13 +210,14 @@ class ForkedProcess:
     @property
     def exitcode(self) -> int | None:
         """None while it runs; its exit code (negative: the signal that ended it) once it ended."""
-        if self._exitcode is None and self.sentinel >= 0 and select.select([self.sentinel], [], [], 0)[0]:
-            self._exitcode = self._read_status()
-        return self._exitcode
+        with self._lock:
+            if self._exitcode is None and self.sentinel >= 0 and _readable(self.sentinel, 0):
+                self._exitcode = self._read_status()
+            return self._exitcode
 
     def _read_status(self) -> int:
         # the server writes it once it reaped the child, a moment after the pidfd turned readable
-        if not select.select([self._status], [], [], 5.0)[0]:
+        if not _readable(self._status, 5.0):
             return UNKNOWN_EXIT
         data = os.read(self._status, 16)
         return int(data) if data else UNKNOWN_EXIT
@@ -203,7 +227,7 @@ class ForkedProcess:
 
     def join(self, timeout: float | None = None) -> None:
         if self.sentinel >= 0 and self._exitcode is None:
-            select.select([self.sentinel], [], [], timeout)
+            _readable(self.sentinel, timeout)
 
     def _signal(self, number: int) -> None:
         if self.is_alive():
@@ -220,6 +244,7 @@ class ForkedProcess:
         """Release the pidfd and the status pipe (the process must have ended)."""
         if self.is_alive():
             raise ValueError(f"cannot close {self.name} (pid {self.pid}): it is still running")
+        _children.discard(self)
         self._release()
 
     def _release(self) -> None:
@@ -230,14 +255,14 @@ class ForkedProcess:
         self.sentinel = self._status = -1
 
     def __del__(self) -> None:
-        self._release()  # the descriptors only: a process still running is not touched
+        self._release()  # closed or never started (a started one is held in _children until closed)
 
 
 def worker_process(target: Callable[..., Any], args: tuple[Any, ...] = (), *, name: str | None = None,
                    daemon: bool = True) -> Any:
     """An unstarted process running ``target(*args)``: ``target`` a module-level function, ``args`` JSON values or
     ``multiprocessing`` pipe ends. A daemonic one is ended when this process exits."""
-    if not hasattr(os, "pidfd_open"):  # pragma: no cover - not Linux
+    if not _pidfds_work():  # pragma: no cover - not Linux, or a kernel before 5.3
         import multiprocessing
 
         return multiprocessing.get_context("spawn").Process(target=target, args=args, name=name, daemon=daemon)
@@ -277,14 +302,22 @@ def serve() -> None:
                 accepting = False
                 continue
             stdout, stderr, status_w, *arg_fds = fds
-            pid = os.fork()
+            try:
+                pid = os.fork()
+            except OSError as exc:  # out of processes or memory: the caller hears why
+                for fd in fds:
+                    os.close(fd)
+                with contextlib.suppress(OSError):
+                    sock.send(json.dumps({"error": f"fork failed: {exc}"}).encode())
+                continue
             if pid == 0:
                 selector.close()
                 _child(json.loads(data), sock, stdout, stderr, arg_fds)  # never returns
             for fd in (stdout, stderr, *arg_fds):
                 os.close(fd)
-            pidfd = os.pidfd_open(pid)
-            socket.send_fds(sock, [json.dumps({"pid": pid}).encode()], [pidfd])
+            pidfd = os.pidfd_open(pid)  # cannot fail for a child not yet reaped
+            with contextlib.suppress(OSError):  # a caller gone meanwhile: the child is reported all the same
+                socket.send_fds(sock, [json.dumps({"pid": pid}).encode()], [pidfd])
             selector.register(pidfd, selectors.EVENT_READ, (pid, pidfd, status_w))
             children += 1
 
@@ -331,6 +364,10 @@ def _child(request: dict[str, Any], sock: socket.socket, stdout: int, stderr: in
 
         traceback.print_exc()
     finally:
+        with contextlib.suppress(BaseException):
+            threading._shutdown()  # type: ignore[attr-defined]  # its non-daemon threads end, as in any process
+        with contextlib.suppress(BaseException):
+            _at_exit()  # the daemonic children it started end with it
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()

@@ -57,8 +57,6 @@ logger = logging.getLogger("wtransfer")
 
 
 @dataclasses.dataclass
-
-
 class OffloadingConnectorMetadata(KVConnectorMetadata):
     """One step's work for the worker; each entry is ``{"request_id", "src", "dst"}`` with ``LoadStoreSpec.to_dict()``
     forms (stores may list several request ids)."""
@@ -83,7 +81,6 @@ _CONNECTOR_KEYS = frozenset(f.name for f in dataclasses.fields(OffloadingConnect
 
 def _store_key(step: int, request_id: str) -> str:
     return f"{step}:{request_id}"
-
 
 
 class TierWaiter:
@@ -135,6 +132,7 @@ class TierWaiter:
             self._cond.notify_all()
         if self._thread is not None and self._request is None:
             self._thread.join(1.0)
+
 
 class OffloadingConnector(KVConnectorBase):
     """A KV connector driven by an :class:`~wtransfer.specs._base.OffloadingSpec`."""

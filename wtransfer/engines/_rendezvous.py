@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import hashlib
 import hmac
 import logging
@@ -38,8 +39,8 @@ AUTH_TIMEOUT_S = 5.0
 """How long a new connection has, in all, to authenticate before the server drops it."""
 MAX_STRANGERS = 64
 """Connections authenticating at once. Strangers cost no thread (one selector serves every handshake) and at
-most ``STRANGER_FRAME`` each; when one more arrives, one is shed: a silent one before one that spoke, from the
-address holding the most slots, the oldest. Silent connections (a port scanner) thus cannot keep a worker, which
+most one read buffer (64 KiB) and one ``STRANGER_FRAME`` each; when one more arrives, one is shed: a silent one
+before one that spoke, from the address holding the most slots, the oldest. Silent connections (a port scanner) thus cannot keep a worker, which
 speaks at once, from joining; a worker that is shed all the same retries within its ``timeout_s``."""
 
 WILDCARD_ADDRESSES = ("0.0.0.0", "::", "")
@@ -229,9 +230,13 @@ class RendezvousServer:
             conn, peer = self._sock.accept()
         except (BlockingIOError, InterruptedError):
             return
-        except OSError:
-            self._closed = True  # the listening socket is gone
-            return
+        except OSError as exc:
+            if exc.errno in (errno.EBADF, errno.EINVAL, errno.ENOTSOCK):  # the listening socket is gone
+                self._closed = True
+            elif exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                logger.warning("wtransfer rendezvous: cannot accept a connection now (%s); retrying", exc)
+                time.sleep(0.1)  # out of descriptors or memory for a moment: the peer waits in the backlog
+            return  # otherwise the peer's own failure (reset, aborted): the next one is accepted
         conn.setblocking(False)
         handshake = _Handshake(conn, f"{peer[0]}:{peer[1]}", self.token)
         if len(strangers) >= MAX_STRANGERS:  # shed one: silent first, from the busiest address, the oldest

@@ -45,8 +45,8 @@ from wtransfer.engines._protocol import (
     MIB,
     PROTOCOL_VERSION,
     ManifestRejected,
-    check_announced,
     RoundCalledOff,
+    check_announced,
     check_wire_info,
     gc_paused,
 )

@@ -174,8 +174,9 @@ class OffloadingHandler(ABC):
         """Block until every job in ``job_ids`` has ended (results stay for ``get_finished``)."""
 
     def cancel(self, job_ids: Iterable[int]) -> bool:
-        """Stop ``job_ids`` so that none of them writes anything once this returns (each still ends, as failed, in
-        ``get_finished``); False if this tier cannot promise that (the default). The connector cancels a load that
+        """Stop ``job_ids`` so that none of them writes anything once this returns (each still ends in
+        ``get_finished``: as failed, or as done if its last write came first); False if this tier cannot promise
+        that (the default). The connector cancels a load that
         missed its deadline: the engine then recomputes into those blocks or gives them to other requests."""
         return False
 
