@@ -1,5 +1,5 @@
-"""What a test leaves behind in its process: threads, listening sockets, child processes, ``/dev/shm`` entries and
-memfd mappings (Linux). ``Resources.now()`` before, ``Resources.left_since(before)`` after: each leftover named.
+"""What a test leaves behind in its process: threads, listening sockets, child processes, memfd mappings, and
+``/dev/shm`` entries named for wtransfer (Linux). ``Resources.now()`` before, ``Resources.left_since(before)`` after: each leftover named.
 Kept by design and not counted: wtransfer's fork server (it serves the whole run) and its process-wide copy pools.
 
 wtransfer's own test suites check every test module with :func:`leaves_nothing_behind`; a plugin's suite does the
@@ -118,15 +118,20 @@ class Resources:
             memfds=frozenset(line.split(None, 5)[-1] for line in Path("/proc/self/maps").read_text().splitlines()
                              if "/memfd:" in line) | frozenset(f"fd {fd} {t}" for fd, t in targets.items()
                                                                if t.startswith("/memfd:")),
-            shm=frozenset(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else frozenset(),
+            # /dev/shm is the whole host's (another test worker's vLLM holds entries there): wtransfer's names only
+            shm=frozenset(n for n in os.listdir("/dev/shm") if "wtransfer" in n) if os.path.isdir("/dev/shm")
+            else frozenset(),
         )
 
     @classmethod
     def left_since(cls, before: Resources, grace_s: float = 10.0) -> list[str]:
         """What exists now and did not before, waiting up to ``grace_s`` for things that are ending (a thread
         joining, a child exiting); one line per leftover."""
+        import gc
+
         deadline = time.monotonic() + grace_s
         while True:
+            gc.collect()  # garbage is not a leak: a socket held only by a cycle (a traceback's frames) closes here
             now = cls.now()
             children = {pid: cmd for pid, cmd in _descendants().items() if pid not in _fork_servers()}
             left = [f"thread {name!r}" for _ident, name in sorted(now.threads - before.threads)
