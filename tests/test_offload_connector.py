@@ -529,6 +529,12 @@ class GatedLoadHandler(BlockCopyHandler):
 
     gate = threading.Event()
     ran = threading.Event()  # the gated load has ended, written or not
+    destination: tuple[int, ...] = ()  # the engine blocks the gated load writes into
+
+    def transfer_async(self, job_id: int, spec: Any) -> bool:
+        if self.src.medium == "cpu" and not GatedLoadHandler.destination:
+            GatedLoadHandler.destination = tuple(spec[1].block_ids)
+        return super().transfer_async(job_id, spec)
 
     def _copy(self, src_rows: Any, dst_rows: Any) -> None:
         if self.src.medium == "cpu" and not GatedLoadHandler.ran.is_set():
@@ -554,6 +560,7 @@ def test_a_load_past_its_deadline_never_writes_into_blocks_given_to_another_requ
     registry_for(SPECS).register("gated-load", GatedLoadSpec)
     GatedLoadHandler.gate.clear()
     GatedLoadHandler.ran.clear()
+    GatedLoadHandler.destination = ()
     engine = paged_engine(SPEC, 8, kv_transfer_config=offloading(spec_name="gated-load", num_cpu_blocks=12,
                                                                   block_size=8, transfer_timeout_s=0.3), capture_kv=True)
     try:
@@ -563,6 +570,7 @@ def test_a_load_past_its_deadline_never_writes_into_blocks_given_to_another_requ
         assert_bit_exact(again)
         engine.add_request("other", prompt(9, length=21), max_new_tokens=3)  # takes most of the 8 blocks
         engine.step()
+        assert set(engine.block_ids("other")) & set(GatedLoadHandler.destination)  # it holds blocks the load targets
         GatedLoadHandler.gate.set()  # the late load may run now, while "other" holds those blocks
         assert GatedLoadHandler.ran.wait(30)
         other = engine.run(timeout_s=30)["other"]
@@ -602,7 +610,7 @@ def test_a_tier_whose_wait_ignores_its_timeout_costs_one_thread_not_one_per_step
     try:
         for i in range(5):
             engine.generate({f"p{i}": prompt(i)})
-        for i in range(3):  # each comes back from the tier: a load and a wait per prompt
+        for i in range(4):  # each comes back from the tier: a load and a wait per prompt
             again = engine.generate({f"p{i}-again": prompt(i)})[f"p{i}-again"]
             assert_bit_exact(again)
             assert again.num_external_tokens > 0

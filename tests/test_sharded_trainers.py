@@ -429,13 +429,13 @@ def run_ranks(world: int, backend: str, rounds: int, victim: int = -1, limit: fl
             if ended >= set(range(1, world)):
                 Path(_release_path(port)).touch()
     finally:
-        Path(_release_path(port)).touch()
+        Path(_release_path(port)).touch()  # rank 0 lingers no more
         for process in processes:
             process.join(max(deadline - time.monotonic(), 1))
             if process.is_alive():
                 process.kill()
+        os.unlink(_release_path(port))  # every rank ended: none reads it any more
     assert not open_pipes, f"trainer ranks still running after {limit} s: {events}"
-    os.unlink(_release_path(port))
     return events
 
 

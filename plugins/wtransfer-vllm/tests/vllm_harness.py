@@ -212,22 +212,30 @@ def script_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return merged
 
 
-def _die_with_parent(parent: int) -> None:
-    """In the child, before exec: the kernel sends it SIGTERM when the process that started it exits, however
-    that ends (Ctrl-C, a kill, a crash), so a vLLM server never outlives its test run."""
-    import ctypes
-    import signal
+SUPERVISOR = """
+import ctypes, os, signal, subprocess, sys
 
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # it exited before the line above
-        os._exit(1)
+def end_group(*_):
+    os.killpg(0, signal.SIGKILL)  # the command and all it started (a server behind `&`), and this process
+
+signal.signal(signal.SIGHUP, end_group)
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGHUP)  # PR_SET_PDEATHSIG: SIGHUP once the test process is gone
+if os.getppid() != int(sys.argv[1]):
+    end_group()  # it was gone already
+code = subprocess.Popen(sys.argv[2:]).wait()
+if code < 0:
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+"""
+"""Runs a command in its own process group and ends that whole group when the test process that started it ends,
+however it ends (Linux's parent-death signal reaches only a direct child, so this process is that child)."""
 
 
 def tied_popen(command: list[str], **kwargs: object) -> subprocess.Popen:
-    """``subprocess.Popen`` in a session of its own (its leftovers can be killed as a group) that dies with this
-    process (Linux's parent-death signal; pass ``start_new_session`` and ``preexec_fn`` through here only)."""
-    parent = os.getpid()
-    return subprocess.Popen(command, start_new_session=True, preexec_fn=lambda: _die_with_parent(parent),
+    """``subprocess.Popen`` of ``command`` under :data:`SUPERVISOR`, in a session of its own: everything it starts
+    dies with this process, and ``os.killpg(process.pid, ...)`` reaches all of it."""
+    return subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(os.getpid()), *command], start_new_session=True,
                             **kwargs)  # type: ignore[call-overload]
 
 
