@@ -207,3 +207,25 @@ def test_a_daemonic_child_ends_with_its_caller_even_when_its_handle_was_dropped(
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _gone(pid), "a daemonic child outlived the process that started it"
+
+
+def _start_a_daemonic_child(conn: Any) -> None:
+    grandchild = worker_process(_sleep, (600.0,))
+    grandchild.start()
+    conn.send_bytes(str(grandchild.pid).encode())  # and return: this process ends, so must its daemonic child
+
+
+def test_a_childs_daemonic_children_end_with_it() -> None:
+    """A forked child ends as any process does: its daemonic children (a benchmark rank's pool workers) with it."""
+    mine, theirs = Pipe()
+    child = worker_process(_start_a_daemonic_child, (theirs,))
+    child.start()
+    theirs.close()
+    assert mine.poll(120)
+    grandchild = int(mine.recv_bytes())
+    child.join(60)
+    assert child.exitcode == 0
+    deadline = time.monotonic() + 10
+    while not _gone(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(grandchild), "a daemonic grandchild outlived the child that started it"

@@ -130,16 +130,19 @@ def _pidfds_work() -> bool:
 @atexit.register
 def _at_exit() -> None:
     """As multiprocessing does: daemonic children end with their caller; then the servers stop."""
-    for child in [c for c in _children if c.daemon]:
+    with _servers_lock:
+        daemonic = [c for c in list(_children) if c.daemon]
+    for child in daemonic:
         if child.is_alive():
             child.terminate()
             child.join(2)
             if child.is_alive():
                 child.kill()
     global _current
-    if _current is not None:
-        _current[1].retire()
-        _current = None
+    with _servers_lock:
+        if _current is not None:
+            _current[1].retire()
+            _current = None
     for server in _retired:
         with contextlib.suppress(subprocess.TimeoutExpired):
             server.process.wait(1)
@@ -213,6 +216,7 @@ class ForkedProcess:
         with self._lock:
             if self._exitcode is None and self.sentinel >= 0 and _readable(self.sentinel, 0):
                 self._exitcode = self._read_status()
+                _children.discard(self)  # ended: nothing left to end at exit (an unclosed handle is collected)
             return self._exitcode
 
     def _read_status(self) -> int:
@@ -248,11 +252,12 @@ class ForkedProcess:
         self._release()
 
     def _release(self) -> None:
-        for fd in (self.sentinel, self._status):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self.sentinel = self._status = -1
+        with self._lock:
+            for fd in (self.sentinel, self._status):
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            self.sentinel = self._status = -1
 
     def __del__(self) -> None:
         self._release()  # closed or never started (a started one is held in _children until closed)

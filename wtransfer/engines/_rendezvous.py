@@ -233,10 +233,10 @@ class RendezvousServer:
         except OSError as exc:
             if exc.errno in (errno.EBADF, errno.EINVAL, errno.ENOTSOCK):  # the listening socket is gone
                 self._closed = True
-            elif exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                logger.warning("wtransfer rendezvous: cannot accept a connection now (%s); retrying", exc)
+            elif exc.errno not in (errno.ECONNABORTED, errno.EPROTO, errno.ECONNRESET):
+                logger.debug("wtransfer rendezvous: cannot accept a connection now (%s); retrying", exc)
                 time.sleep(0.1)  # out of descriptors or memory for a moment: the peer waits in the backlog
-            return  # otherwise the peer's own failure (reset, aborted): the next one is accepted
+            return  # a peer's own failure (reset, aborted) costs nothing: the next one is accepted
         conn.setblocking(False)
         handshake = _Handshake(conn, f"{peer[0]}:{peer[1]}", self.token)
         if len(strangers) >= MAX_STRANGERS:  # shed one: silent first, from the busiest address, the oldest

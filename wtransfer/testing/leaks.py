@@ -1,5 +1,6 @@
 """What a test leaves behind in its process: threads, listening sockets, child processes, memfd mappings, and
-``/dev/shm`` entries named for wtransfer (Linux). ``Resources.now()`` before, ``Resources.left_since(before)`` after: each leftover named.
+``/dev/shm`` entries it holds open or mapped or that are named for wtransfer (Linux; the directory is the whole
+host's, so others' entries are not counted). ``Resources.now()`` before, ``Resources.left_since(before)`` after: each leftover named.
 Kept by design and not counted: wtransfer's fork server (it serves the whole run) and its process-wide copy pools.
 
 wtransfer's own test suites check every test module with :func:`leaves_nothing_behind`; a plugin's suite does the
@@ -111,16 +112,19 @@ class Resources:
     def now(cls) -> Resources:
         targets = _fd_targets()
         listening = _listening_inodes()
+        maps = Path("/proc/self/maps").read_text().splitlines()
         return cls(
             threads=frozenset((t.ident or 0, t.name) for t in threading.enumerate() if t.is_alive()),
             listening=frozenset(f"fd {fd} {target}" for fd, target in targets.items()
                                 if target.startswith("socket:[") and target[8:-1] in listening),
-            memfds=frozenset(line.split(None, 5)[-1] for line in Path("/proc/self/maps").read_text().splitlines()
-                             if "/memfd:" in line) | frozenset(f"fd {fd} {t}" for fd, t in targets.items()
+            memfds=frozenset(line.split(None, 5)[-1] for line in maps if "/memfd:" in line) | frozenset(f"fd {fd} {t}" for fd, t in targets.items()
                                                                if t.startswith("/memfd:")),
-            # /dev/shm is the whole host's (another test worker's vLLM holds entries there): wtransfer's names only
-            shm=frozenset(n for n in os.listdir("/dev/shm") if "wtransfer" in n) if os.path.isdir("/dev/shm")
-            else frozenset(),
+            # /dev/shm is the whole host's (another test worker's vLLM holds entries there): the entries this
+            # process holds open or mapped, and any named for wtransfer
+            shm=frozenset(line.split(None, 5)[-1] for line in maps if "/dev/shm/" in line)
+            | frozenset(t for t in targets.values() if t.startswith("/dev/shm/"))
+            | (frozenset(f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if "wtransfer" in n)
+               if os.path.isdir("/dev/shm") else frozenset()),
         )
 
     @classmethod
@@ -138,7 +142,7 @@ class Resources:
                     if not name.startswith(_pool_threads() or ("\0",))]
             left += [f"listening socket ({item})" for item in sorted(now.listening - before.listening)]
             left += [f"memfd mapping {item}" for item in sorted(now.memfds - before.memfds)]
-            left += [f"/dev/shm/{name}" for name in sorted(now.shm - before.shm)]
+            left += [f"shared memory {name}" for name in sorted(now.shm - before.shm)]
             left += [f"child process {pid}: {cmd}" for pid, cmd in sorted(children.items())]
             if not left or time.monotonic() >= deadline:
                 return left

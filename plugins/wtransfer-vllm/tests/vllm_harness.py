@@ -222,9 +222,13 @@ signal.signal(signal.SIGHUP, end_group)
 ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGHUP)  # PR_SET_PDEATHSIG: SIGHUP once the test process is gone
 if os.getppid() != int(sys.argv[1]):
     end_group()  # it was gone already
-code = subprocess.Popen(sys.argv[2:]).wait()
-if code < 0:
-    signal.signal(-code, signal.SIG_DFL)
+command = subprocess.Popen(sys.argv[2:])
+for number in (signal.SIGTERM, signal.SIGINT):  # a terminate() or Ctrl-C meant for the command: it ends its way
+    signal.signal(number, lambda number, _frame: command.send_signal(number))
+code = command.wait()
+if code < 0:  # end as it did
+    if -code not in (signal.SIGKILL, signal.SIGSTOP):
+        signal.signal(-code, signal.SIG_DFL)
     os.kill(os.getpid(), -code)
 sys.exit(code)
 """
