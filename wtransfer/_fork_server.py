@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import os
 import select
@@ -118,6 +119,7 @@ def _readable(fd: int, timeout_s: float | None) -> bool:
     return bool(poller.poll(None if timeout_s is None else max(timeout_s, 0.0) * 1000))
 
 
+@functools.cache
 def _pidfds_work() -> bool:
     """This kernel has pidfds (Linux 5.3 and later): a Python build may have ``os.pidfd_open`` without them."""
     try:
@@ -148,10 +150,12 @@ def _at_exit() -> None:
             server.process.wait(1)
 
 
-def _reference(target: Callable[..., Any]) -> str:
-    module, qualname = target.__module__, target.__qualname__
-    if "<" in qualname:
-        raise ValueError(f"{target!r} must be a module-level function (not a lambda or a closure)")
+def reference(function: Callable[..., Any]) -> str:
+    """``"module:qualname"`` of a module-level function: how a new process names what to import."""
+    module, qualname = getattr(function, "__module__", None), getattr(function, "__qualname__", "")
+    if not module or "<" in qualname:
+        raise ValueError(f"{function!r} must be a module-level function (not a lambda or a closure) so a new "
+                         f"process can import it; or pass 'package.module:function'")
     return f"{module}:{qualname}"
 
 
@@ -170,7 +174,7 @@ class ForkedProcess:
     """A child of a fork server, with the part of ``multiprocessing.Process``'s interface wtransfer uses."""
 
     def __init__(self, target: Callable[..., Any], args: tuple[Any, ...], name: str | None, daemon: bool) -> None:
-        self._reference = _reference(target)
+        self._reference = reference(target)
         self._args = args
         self.name = name or self._reference
         self.daemon = daemon
@@ -287,9 +291,7 @@ def serve() -> None:
         importlib.import_module(module)
     selector = selectors.DefaultSelector()
     selector.register(sock, selectors.EVENT_READ)
-    children = 0
-    accepting = True
-    while accepting or children:
+    while selector.get_map():  # the caller's socket (until it closes) and one pidfd per running child
         for key, _events in selector.select():
             if key.fileobj is not sock:
                 pid, pidfd, status_w = key.data
@@ -299,12 +301,10 @@ def serve() -> None:
                     os.write(status_w, str(os.waitstatus_to_exitcode(status)).encode())
                 os.close(status_w)
                 os.close(pidfd)
-                children -= 1
                 continue
             data, fds, _flags, _addr = socket.recv_fds(sock, _MESSAGE, 64)
             if not data:  # retired, or the caller exited: report the children that run, then exit
                 selector.unregister(sock)
-                accepting = False
                 continue
             stdout, stderr, status_w, *arg_fds = fds
             try:
@@ -324,7 +324,6 @@ def serve() -> None:
             with contextlib.suppress(OSError):  # a caller gone meanwhile: the child is reported all the same
                 socket.send_fds(sock, [json.dumps({"pid": pid}).encode()], [pidfd])
             selector.register(pidfd, selectors.EVENT_READ, (pid, pidfd, status_w))
-            children += 1
 
 
 def _child(request: dict[str, Any], sock: socket.socket, stdout: int, stderr: int, arg_fds: list[int]) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
-from wtransfer._fork_server import worker_process
+from wtransfer._fork_server import reference, worker_process
 from wtransfer.errors import ManifestMismatchError, TransferError, TransferTimeoutError, WeightsTornError
 
 if TYPE_CHECKING:
@@ -48,13 +48,7 @@ def factory_reference(factory: Callable[..., Any] | str) -> str:
         if ":" not in factory:
             raise ValueError(f"model factory {factory!r} must look like 'package.module:function'")
         return factory
-    module, qualname = getattr(factory, "__module__", None), getattr(factory, "__qualname__", "")
-    if not module or "<" in qualname:
-        raise ValueError(
-            f"model factory {factory!r} must be a module-level function (not a lambda or a closure) "
-            f"so the worker processes can import it; or pass 'package.module:function'"
-        )
-    return f"{module}:{qualname}"
+    return reference(factory)
 
 
 def _resolve(reference: str) -> Callable[..., Any]:

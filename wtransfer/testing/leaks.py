@@ -137,9 +137,10 @@ class Resources:
         while True:
             gc.collect()  # garbage is not a leak: a socket held only by a cycle (a traceback's frames) closes here
             now = cls.now()
-            children = {pid: cmd for pid, cmd in _descendants().items() if pid not in _fork_servers()}
+            servers, pools = _fork_servers(), _pool_threads()
+            children = {pid: cmd for pid, cmd in _descendants().items() if pid not in servers}
             left = [f"thread {name!r}" for _ident, name in sorted(now.threads - before.threads)
-                    if not name.startswith(_pool_threads() or ("\0",))]
+                    if not (pools and name.startswith(pools))]
             left += [f"listening socket ({item})" for item in sorted(now.listening - before.listening)]
             left += [f"memfd mapping {item}" for item in sorted(now.memfds - before.memfds)]
             left += [f"shared memory {name}" for name in sorted(now.shm - before.shm)]
