@@ -64,7 +64,7 @@ SMALL = {  # per suite: options that make the same run small (format unchanged)
     # (only their format: the bench's --device cuda path never runs without a GPU)
     "discovery": {"--dists": "10", "--lookups": "10", "--repeat": "1"},
     "sharded": {"--model": "4096x512,64*64", "--rounds": "2", "--repeats": "1"},
-    "delta": {"--hidden": "64", "--layers": "1", "--vocab": "256"},  # same steps and links: rows are per link
+    "delta": {"--hidden": "64", "--layers": "1", "--vocab": "256", "--repeats": "2"},  # same steps and links: rows are per link
 }
 
 
