@@ -80,6 +80,7 @@ def test_two_workers_receive_every_round_bit_exactly(backend: str, extra: dict) 
     model = build_model(MIXED, "float32", random=True)
     with pool_for(backend, MIXED) as pool:
         trainer = checksummed_trainer(backend, pool, model, extra)
+        last_rounds: list[dict[str, float]] = []
         try:
             for round_index in range(1, 4):
                 mutate(model, round_index)
@@ -87,11 +88,28 @@ def test_two_workers_receive_every_round_bit_exactly(backend: str, extra: dict) 
                 assert stats["version"] == round_index and stats["tensors"] == len(MIXED)
                 assert stats["buckets"] > 10 and stats["bytes"] == sum(p.nbytes for p in model.parameters())
                 assert_workers_hold(pool, model)
-                assert [s["weight_version"] for s in pool.stats()] == [round_index] * 2
+                workers = pool.stats()
+                assert [s["weight_version"] for s in workers] == [round_index] * 2
+                rounds = [s["round_seconds"] for s in workers]
+                assert_phases_cover_the_round(stats, rounds)
+                assert all(now != before for now, before in zip(rounds, last_rounds)), "a worker's phases are stale"
+                last_rounds = rounds
         finally:
             trainer.shutdown()
             trainer.shutdown()  # idempotent
     assert shm_left_since(before) == []  # another test beside this one may hold its own for a while
+
+
+def assert_phases_cover_the_round(stats: dict[str, Any], workers: list[dict[str, float]]) -> None:
+    """This round's phases, not a running total: the trainer's follow one another and fill its round; its pack
+    and wait lie within its send; each worker's receive and load (an atomic commit) lie within the round."""
+    phases, seconds = stats["phases"], stats["seconds"]
+    steps = sum(phases[name] for name in ("plan", "start", "send", "commit"))
+    assert 0.8 * seconds <= steps <= seconds, (phases, seconds)
+    assert 0 < phases["pack"] and 0 < phases["wait"] and phases["pack"] + phases["wait"] <= phases["send"], phases
+    for worker in workers:
+        assert set(worker) == {"receive", "stage", "load", "finish"}, worker
+        assert worker["receive"] + worker["stage"] <= phases["send"] and worker["load"] <= phases["commit"], (worker, phases)
 
 
 @pytest.mark.parametrize(("backend", "extra"), [("shm", {}), ("gloo", {}), ("gloo", {"direct_min_bytes": 1024})],

@@ -165,6 +165,7 @@ def _worker_main(
                 "weights_torn": engine.weights_torn,
                 "weights_identity": engine.weights_identity,
                 "held_weights": engine.held_weights(),
+                "round_seconds": engine.round_seconds,
                 "devices": sorted({str(t.device) for t in model.state_dict().values()}),
             }
         else:

@@ -2,7 +2,8 @@
 
 A miss on a machine other processes were using is often the machine's; on an idle one, the code's. The load
 average counts the benchmark itself once it runs, so it is read *before* the run; during it, the CPU time the whole
-machine spent (``/proc/stat``) minus what this process and its descendants spent is other processes'.
+machine spent (``/proc/stat``) minus what this process and its descendants spent is other processes'. A run
+pinned to some cores (``taskset``) is judged on those cores alone.
 """
 
 from __future__ import annotations
@@ -58,17 +59,18 @@ class LoadWatch:
     """Started before a run, finished after it: how much of the machine the run had to itself."""
 
     def __init__(self) -> None:
-        self.cores = os.cpu_count() or 1
+        self._cpus = _usable_cpus()
+        self.cores = len(self._cpus) if self._cpus else os.cpu_count() or 1
         try:
             self.load_before: float | None = os.getloadavg()[0]
         except OSError:  # pragma: no cover - no load average on this platform
             self.load_before = None
-        self._machine = _machine_seconds()
+        self._machine = _machine_seconds(self._cpus)
         self._own = _own_seconds()
         self._started = time.monotonic()
 
     def finish(self) -> MachineLoad:
-        machine, own = _machine_seconds(), _own_seconds()
+        machine, own = _machine_seconds(self._cpus), _own_seconds()
         if machine is None or self._machine is None:
             return MachineLoad(self.cores, self.load_before, None)
         busy, steal, total = (end - start for end, start in zip(machine, self._machine))
@@ -79,13 +81,31 @@ class LoadWatch:
                            min(mine, busy) / total)
 
 
-def _machine_seconds() -> tuple[float, float, float] | None:
-    """The machine's busy (without steal), steal and total CPU seconds since boot, all cores, or None."""
+def _usable_cpus() -> set[int] | None:
+    """The CPUs this process may run on, where fewer than the machine has (None: all of them, or unknown)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = os.sched_getaffinity(0)
+    return cpus if len(cpus) < (os.cpu_count() or 0) else None
+
+
+def _machine_seconds(cpus: set[int] | None = None) -> tuple[float, float, float] | None:
+    """Busy (without steal), steal and total CPU seconds since boot of ``cpus`` (default: every core), or None."""
     try:
-        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        lines = Path("/proc/stat").read_text().splitlines()
+        rows = [line.split() for line in lines if line.startswith("cpu")]
+        if cpus is None:
+            rows = rows[:1]  # the "cpu" line: every core
+        else:
+            rows = [row for row in rows if row[0] != "cpu" and int(row[0][3:]) in cpus]
+        sums = [0] * 8
+        for row in rows:
+            sums = [a + int(b) for a, b in zip(sums, (row[1:] + ["0"] * 8)[:8])]
     except (OSError, ValueError, IndexError):
         return None
-    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    if not rows:
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = sums
     tick = os.sysconf("SC_CLK_TCK")
     busy = user + nice + system + irq + softirq
     return busy / tick, steal / tick, (busy + steal + idle + iowait) / tick

@@ -63,13 +63,18 @@ def machine_description() -> str:
             elif key.strip() == "flags" and not flags:
                 flags = set(value.split())
     vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
+    if "amx_tile" in flags:  # vLLM-CPU picks other kernels where it finds AMX
+        vector = f"{vector}, AMX" if vector else "AMX"
     torch_version = "torch not installed"
     if "torch" in sys.modules or _importable("torch"):
         import torch
 
         torch_version = f"torch {torch.__version__}"
     cpu = f"{model} ({vector})" if vector else model
-    return (f"{os.cpu_count()} cores, {cpu}, {platform.system()} {platform.machine()}, "
+    host = os.cpu_count() or 1
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else host
+    cores = f"{usable} cores" if usable == host else f"{usable} cores, pinned ({host} on the host)"
+    return (f"{cores}, {cpu}, {platform.system()} {platform.machine()}, "
             f"Python {platform.python_version()}, {torch_version}")
 
 

@@ -132,6 +132,7 @@ def run_engine(
                         bad = [n for n in expected if got.get(n) != expected[n]]
                         raise SystemExit(f"round {index + 1}: worker {rank} differs in {len(bad)} tensor(s), e.g. {bad[:3]}")
                 stats["verified_workers"] = args.workers
+                stats["worker_phases"] = _slowest_phases([s["round_seconds"] for s in pool.stats()])
                 if references:  # the peers' own memory must not count as the engine's
                     result.trainer_extra_rss = max(result.trainer_extra_rss, rss.extra())
                     stats["peers_gb_per_s"] = {name: measure() for name, measure in references.items()}
@@ -152,6 +153,11 @@ def run_engine(
             trainer.shutdown()
             rss.close()
     return result
+
+
+def _slowest_phases(workers: list[dict[str, float]]) -> dict[str, float]:
+    """Per phase, the slowest worker's seconds: the round waits for the last one."""
+    return {name: max(w.get(name, 0.0) for w in workers) for name in {n for w in workers for n in w}}
 
 
 def memcpy_reference(tensors: list[torch.Tensor]) -> Callable[[], float]:
@@ -640,6 +646,7 @@ def _print_tables(console: Any, results: list[EngineResult], peers: dict[str, fl
             staging, f"{r.rss_budget / MIB:.0f} MiB",
         )
     console.print(summary)
+    console.print(_phase_table(results, peers, table_cls))
     if peers:
         comparison = table_cls(title="peers (same tensors, same run; paired peers measured after every round)")
         comparison.add_column("peer", no_wrap=True)
@@ -660,3 +667,47 @@ def _print_tables(console: Any, results: list[EngineResult], peers: dict[str, fl
         state = ("[green]ok[/green]" if t["ok"] else "[red]MISSED[/red]") if t["applies"] else "reported only"
         checks.add_row(t["what"], f"{t['value']:.2f}", t["target"], state)
     console.print(checks)
+
+
+PHASES = (  # column -> (side, phases summed); the trainer's send holds its pack and wait
+    ("plan + start", "trainer", ("plan", "start")),
+    ("pack", "trainer", ("pack",)),
+    ("wait", "trainer", ("wait",)),
+    ("send, rest", "trainer", ("send", "-pack", "-wait")),
+    ("commit", "trainer", ("commit",)),
+    ("worker receive", "worker", ("receive",)),
+    ("worker stage", "worker", ("stage",)),
+    ("worker load", "worker", ("load",)),
+)
+_FLOORS = {  # row -> the floor its target holds it to
+    "shm streaming": "memcpy", "shm atomic": STAGED_FLOOR, "gloo streaming": RAW_BEST, "gloo atomic": GLOO_STAGED_FLOOR,
+}
+
+
+def _phase_seconds(round_stats: dict[str, Any], side: str, names: tuple[str, ...]) -> float:
+    phases = round_stats.get("phases" if side == "trainer" else "worker_phases", {})
+    return sum(-phases.get(n[1:], 0.0) if n.startswith("-") else phases.get(n, 0.0) for n in names)
+
+
+def _floor_seconds(result: EngineResult, peers: dict[str, float]) -> float | None:
+    """The row's floor as seconds per round: the model's bytes at the rate of the reference its target uses."""
+    floor = _FLOORS.get(result.engine)
+    if floor is None or not result.rounds:
+        return None
+    rates = [result.paired_peers().get(p, peers.get(p)) for p in _BEST_OF.get(floor, (floor,))]
+    rates = [r for r in rates if r]
+    return result.rounds[0]["bytes"] / max(rates) / 1e9 if rates else None
+
+
+def _phase_table(results: list[EngineResult], peers: dict[str, float], table_cls: Any) -> Any:
+    """Where each row's round time goes (medians over rounds, ms), beside the floor its target uses: the trainer's
+    phases follow one another; the worker's run meanwhile (its receive is the trainer's wait)."""
+    table = table_cls(title="where the time goes (median ms per round; the worker's phases overlap the trainer's)")
+    for column in ("engine, commit", "round", "floor", *(name for name, _, _ in PHASES)):
+        table.add_column(column, no_wrap=column == "engine, commit")
+    for r in results:
+        floor = _floor_seconds(r, peers)
+        cells = [statistics.median(_phase_seconds(x, side, names) for x in r.rounds) for _, side, names in PHASES]
+        table.add_row(r.engine, f"{statistics.median(x['seconds'] for x in r.rounds) * 1e3:.0f}",
+                      "-" if floor is None else f"{floor * 1e3:.0f}", *(f"{c * 1e3:.0f}" for c in cells))
+    return table

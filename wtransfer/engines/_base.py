@@ -158,6 +158,13 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         torn, or after a round sent without a wtransfer trainer's manifest). vLLM's prefix-cache salt derives from it."""
         return round_state(self).holdings()["identity"]
 
+    @property
+    def round_seconds(self) -> dict[str, float]:
+        """Where this worker's last round spent its time, in seconds: ``receive`` (this engine's receive),
+        ``stage`` (until the round was whole in the node's copy), ``load`` (into the model, at commit) and
+        ``finish`` (this engine's own finish); a phase not reached is missing."""
+        return round_state(self).phases.to_dict()
+
     def held_weights(self) -> dict[str, Any]:
         """What this worker holds, JSON-safe (``version``, ``identity``, ``spent``: the highest version it began to
         commit). A transport sends it to the trainer when joining, so a new trainer numbers its rounds past every label in

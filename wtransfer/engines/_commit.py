@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from wtransfer.engines._manifest import STARTUP_IDENTITY, Manifest, identity_after
 from wtransfer.engines._packing import copy_tensor
+from wtransfer.engines._phases import Phases
 from wtransfer.engines._protocol import RoundCalledOff
 from wtransfer.errors import ManifestMismatchError, TransferError, WeightsTornError
 
@@ -231,6 +232,9 @@ class RoundState:
         self._identity_after: str | None = None  # the round being received: what this worker holds once it commits
         self._committing = threading.Lock()  # a round begins only once a commit on another thread has ended
         self.rejection: ManifestMismatchError | None = None  # this round cannot be taken here
+        self.phases = Phases()
+        """Where this worker's last round spent its time: ``receive`` (the engine's), ``stage`` (the round whole in
+        the node's copy), ``load`` (into the model at commit), ``finish`` (the engine's own finish)."""
         self.identity: str | None = STARTUP_IDENTITY
         """The content identity of what the model holds (None: torn, or filled by a round that named none)."""
 
@@ -470,9 +474,13 @@ def _outermost(body: Callable[..., None], method: Callable[..., None]) -> Callab
 
 
 def _receive(state: RoundState, method: Callable[..., None], self: Any, update_info: Any, load_weights: Any) -> None:
+    phases = state.phases = Phases()
     try:
-        method(self, update_info, state.begin(update_info, load_weights))
-        state.received(load_weights)
+        loader = state.begin(update_info, load_weights)
+        with phases("receive"):
+            method(self, update_info, loader)
+        with phases("stage"):
+            state.received(load_weights)
     except BaseException as exc:
         error = state.failed(exc)
         if error is exc:
@@ -481,8 +489,11 @@ def _receive(state: RoundState, method: Callable[..., None], self: Any, update_i
 
 
 def _finish(state: RoundState, method: Callable[..., None], self: Any) -> None:
-    state.commit()
-    method(self)
+    phases = state.phases  # this round's, even if the next one begins meanwhile (a client that timed out)
+    with phases("load"):
+        state.commit()
+    with phases("finish"):
+        method(self)
 
 
 def _shutdown(state: RoundState, method: Callable[..., None], self: Any) -> None:

@@ -207,8 +207,11 @@ class ParticipantTrainer:
                                 f"so the workers did not take it: {outcome.get('reason')}")
         self.weight_version = int(outcome.get("version", version))  # rank 0 numbers the rounds
         seconds = time.perf_counter() - started
+        own = getattr(self.sender, "phases", None)  # what a torch.distributed sender timed of its own part
+        phases = {"send": seconds, **(own.to_dict() if own is not None else {})}
         return {"backend": self.backend, "rank": self.rank, "sender": False, "version": self.weight_version,
-                "wrote_shards": self.sender is not None, "tensors": tensors, "bytes": nbytes, "seconds": seconds}
+                "wrote_shards": self.sender is not None, "tensors": tensors, "bytes": nbytes, "seconds": seconds,
+                "phases": phases}
 
     def shutdown(self) -> None:
         self._closed = True

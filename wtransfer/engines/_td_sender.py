@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from wtransfer.engines._cast import CastPlan
 from wtransfer.engines._digests import RoundDigests, as_words, round_digests
 from wtransfer.engines._packing import Bucket, plan_buckets
+from wtransfer.engines._phases import Phases
 from wtransfer.engines._protocol import RoundCalledOff
 from wtransfer.engines._rendezvous import RendezvousClient, local_address_for, store
 from wtransfer.engines._shards import LocalPart, rank_parts, writes_shards_as_is
@@ -27,6 +28,9 @@ SENDER_CONNECT_RETRY_S = 2.0
 class TorchDistributedSending(TorchDistributedBackend):
     """What every sending trainer rank runs; mixed into the trainer (rank 0) and :class:`TorchDistributedSender`."""
 
+    phases: Phases
+    """Where this rank's current round spends its time (its ``pack`` and ``wait`` are recorded here)."""
+
     # -- a sharded trainer's ranks each sending their own parts (see _part_streams) --------------
     def send_own_parts(self, entries: tuple[TensorEntry, ...], parts: list[LocalPart | None], buckets: list[Bucket],
                        works: list[tuple[Any, Any] | None], timeout_s: float, call: ClientCall | None = None) -> bool:
@@ -41,12 +45,14 @@ class TorchDistributedSending(TorchDistributedBackend):
                  torch.tensor([*rows, 0], dtype=torch.int64, device=device)]
         posted = [self.broadcast(self._groups[0], tensor) for tensor in words]
         try:
-            for index in range(len(posted)):  # no local names for works: a traceback would keep them
-                self.wait(posted[index], "sending this trainer rank's layout", timeout_s, call)
+            with self.phases("wait"):
+                for index in range(len(posted)):  # no local names for works: a traceback would keep them
+                    self.wait(posted[index], "sending this trainer rank's layout", timeout_s, call)
         finally:
             posted.clear()
         verdict = torch.zeros(1, dtype=torch.int32, device=device)
-        self.wait(self.allreduce_max(self._groups[0], verdict), "the manifest vote", timeout_s, call)
+        with self.phases("wait"):
+            self.wait(self.allreduce_max(self._groups[0], verdict), "the manifest vote", timeout_s, call)
         if int(verdict.item()) & REJECTED:
             return False
         with round_digests(len(entries), bool(int(verdict.item()) & DIGESTS)) as digests:
@@ -58,16 +64,19 @@ class TorchDistributedSending(TorchDistributedBackend):
                 slot = sent % len(works)
                 sent += 1
                 if works[slot] is not None:  # no local names for works: a traceback would keep them
-                    self.wait(works[slot][0], f"sending bucket {bucket.index}'s predecessor in buffer {slot}",
-                              timeout_s, call)
+                    with self.phases("wait"):
+                        self.wait(works[slot][0], f"sending bucket {bucket.index}'s predecessor in buffer {slot}",
+                                  timeout_s, call)
                     works[slot] = None
                 if digests is not None:
                     digests.fence(slot)
-                view = pack_runs(runs, parts, self._buffers[slot])
+                with self.phases("pack"):
+                    view = pack_runs(runs, parts, self._buffers[slot])
                 if digests is not None:
                     hash_runs(digests, runs, view, slot)
                 works[slot] = (self.broadcast(self.group_for(bucket.index), view), view)
-            self.finish_sends(works, timeout_s, digests, call)
+            with self.phases("wait"):
+                self.finish_sends(works, timeout_s, digests, call)
         return True
 
     def finish_sends(self, works: list[tuple[Any, Any] | None], timeout_s: float,
@@ -118,6 +127,7 @@ class TorchDistributedSender(TorchDistributedSending):
         if not self._groups:
             raise TransferError(f"trainer rank {self.rank}: this sender was closed (or failed a round)")
         works: list[tuple[Any, Any] | None] = [None] * len(self._buffers)
+        self.phases = Phases()
         try:
             entries = (cast or CastPlan()).entries(self.source.metadata())  # as rank 0 casts them
             parts = rank_parts(self.source.named_tensors(), self.rank, entries)

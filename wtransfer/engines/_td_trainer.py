@@ -142,7 +142,8 @@ class TorchDistributedTrainer(TorchDistributedSending, TrainerWeightTransferEngi
                 accepted = self.send_own_parts(manifest.entries, parts, buckets, works, self.timeout_s, call)
             else:
                 verdict = torch.zeros(1, dtype=torch.int32, device=self.device())
-                self.wait(self.allreduce_max(self._groups[0], verdict), "the manifest vote", self.timeout_s, call)
+                with self.phases("wait"):
+                    self.wait(self.allreduce_max(self._groups[0], verdict), "the manifest vote", self.timeout_s, call)
                 accepted = not int(verdict.item()) & REJECTED
                 if accepted:
                     self._broadcast_buckets(manifest, buckets, works, call)
@@ -164,20 +165,23 @@ class TorchDistributedTrainer(TorchDistributedSending, TrainerWeightTransferEngi
             for bucket in buckets:
                 slot = bucket.index % len(self._buffers)
                 if works[slot] is not None:  # no local names for works: a traceback would keep them
-                    self.wait(works[slot][0], f"broadcasting bucket {bucket.index - len(works)}", self.timeout_s,
-                              call)
+                    with self.phases("wait"):
+                        self.wait(works[slot][0], f"broadcasting bucket {bucket.index - len(works)}",
+                                  self.timeout_s, call)
                     works[slot] = None
                 view = packer.direct_bytes(bucket, self.device())
                 if view is None:
                     view = self._buffers[slot][: bucket.nbytes]
                     if digests is not None:
                         digests.fence(slot)
-                    with self.slot_stream(slot):
+                    with self.slot_stream(slot), self.phases("pack"):
                         read = packer.pack(bucket, view, slot)
                     self.packed_from(slot, read)
                 works[slot] = (self.broadcast(self.group_for(bucket.index), view), view)
-            packer.drain()
-            self.finish_sends(works, self.timeout_s, digests, call)
+            with self.phases("pack"):
+                packer.drain()
+            with self.phases("wait"):
+                self.finish_sends(works, self.timeout_s, digests, call)
 
     # -- the other trainer ranks of a sharded trainer (TorchDistributedSender) ----------------------
     senders_join_with_workers = True  # their groups include the workers, who build them at init

@@ -27,6 +27,7 @@ from wtransfer.engines._commit import DEFAULT_COMMIT
 from wtransfer.engines._manifest import (COMMIT_MODES, DIGEST_ALGORITHMS, IN_FLIGHT_MODES, CommitPlan, DeltaPlan,
                                          Manifest, TensorEntry, build_manifest, identity_after)
 from wtransfer.engines._packing import Bucket, plan_buckets
+from wtransfer.engines._phases import Phases
 from wtransfer.engines._protocol import MIB, ManifestRejected, check_bucket_bytes, gc_paused
 from wtransfer.engines._source import ModuleSource, TensorSource, WeightSource
 from wtransfer.errors import TransferError, TransferTimeoutError, WTransferError
@@ -354,6 +355,8 @@ class TrainerWeightTransferEngine(ABC):
         """Sharded: the other ranks heard that rank 0 connected (they may be joining the transport)."""
         self.agreement: RankAgreement | None = None
         """Sharded trainers: how rank 0 tells the other ranks what it decided (set by ``create_trainer``)."""
+        self.phases = Phases()
+        """Where the current (or last) round's time went, by phase (``stats["phases"]``)."""
         self._client_thread = ClientThread()
         self._last_call: ClientCall | None = None  # reconnect() waits for it
         self._finish_takes_version = accepts_weight_version(client.finish_weight_update)
@@ -436,7 +439,8 @@ class TrainerWeightTransferEngine(ABC):
             worker_info = self.prepare_workers()
             if self.agreement is not None and self.parallel_senders and self.senders_join_with_workers:
                 self.tell_ranks_connected()
-            self._call_while("init_weight_transfer_engine", worker_info, work=self.wait_for_workers)
+            self._call_while("init_weight_transfer_engine", worker_info, work=self.wait_for_workers,
+                             phases=Phases())  # not a round's
             if self.cast.dtype is None:  # the user's dtype needs no agreement on what the workers load
                 self.cast = CastPlan(agreed(self.served_answers), None)
             self._learn_holdings()
@@ -607,6 +611,7 @@ class TrainerWeightTransferEngine(ABC):
         source, started, refused, encoded = self.source, time.perf_counter(), None, None
         try:
             encoded = self.delta.encode(source, self._next_version(), self.cast)
+            encoding, refusing = time.perf_counter() - started, 0.0
             self.source = encoded
             try:
                 stats = self._run_round(label, encoded)
@@ -616,7 +621,10 @@ class TrainerWeightTransferEngine(ABC):
                 logger.info("%s trainer: a worker cannot apply delta round %d (%s); sending it whole",
                             self.backend, self._next_version(), exc)
                 self._clean_rejection, refused = False, str(exc)
+                refusing = time.perf_counter() - started - encoding
+                whole_started = time.perf_counter()
                 self.source = encoded = self.delta.whole(encoded)  # from the base: the source is walked once
+                encoding += time.perf_counter() - whole_started
                 stats = self._run_round(label, encoded)
             self.delta.committed(encoded)
             self.delta.sent(stats["wire_bytes"], stats["seconds"])  # how fast the link is, for the next choices
@@ -627,7 +635,9 @@ class TrainerWeightTransferEngine(ABC):
         seconds = time.perf_counter() - started  # the encoding (and a refused attempt) included
         counts = encoded.stats  # final: every tensor is done
         cast = self.cast.cast_count(source.metadata())  # the encoder cast what it compared: count the source
-        return {**stats, "delta_refused": refused, "seconds": seconds, "cast_tensors": cast,
+        # the encoding before the round (the rest runs as the engine reads it), and a refused first attempt
+        phases = {"encode": encoding, **({"refused": refusing} if refused else {}), **stats["phases"]}
+        return {**stats, "phases": phases, "delta_refused": refused, "seconds": seconds, "cast_tensors": cast,
                 "gb_per_s": stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
                 "changed_fraction": counts.changed_elements / max(counts.elements, 1),
                 "unchanged_tensors": counts.unchanged_tensors, "sparse_tensors": counts.sparse_tensors,
@@ -636,18 +646,24 @@ class TrainerWeightTransferEngine(ABC):
     def _run_round(self, label: str | None, encoded: DeltaRound | None = None) -> dict[str, Any]:
         # A round's time is the whole round as the caller waits for it, client calls included.
         started = time.perf_counter()
-        self.source_entries = tuple(self.source.metadata())
-        entries = self.cast.entries(self.source_entries)
-        manifest = self._manifest(list(entries), encoded.plan if encoded is not None else None)
-        buckets = self.plan(manifest)
-        # the JSON-safe dict every worker's parse_update_info receives
-        update_info = {"manifest": manifest.to_dict(), "is_checkpoint_format": self.is_checkpoint_format}
-        self._call("start_weight_update").result(self.timeout_s)
-        self._call_while("update_weights", update_info, work=lambda call: self.send_round(manifest, buckets, call))
+        phases = self.phases = Phases()  # the engine's send_round adds its pack and wait
+        with phases("plan"):
+            self.source_entries = tuple(self.source.metadata())
+            entries = self.cast.entries(self.source_entries)
+            manifest = self._manifest(list(entries), encoded.plan if encoded is not None else None)
+            buckets = self.plan(manifest)
+            # the JSON-safe dict every worker's parse_update_info receives
+            update_info = {"manifest": manifest.to_dict(), "is_checkpoint_format": self.is_checkpoint_format}
+        with phases("start"):
+            self._call("start_weight_update").result(self.timeout_s)
+        with phases("send"):
+            self._call_while("update_weights", update_info,
+                             work=lambda call: self.send_round(manifest, buckets, call), phases=phases)
         version_label = (str(manifest.version if label is None else label),) if self._finish_takes_version else ()
         finish = self._call("finish_weight_update", *version_label)
         try:
-            finish.result(self.timeout_s)
+            with phases("commit"):
+                finish.result(self.timeout_s)
         except Exception as exc:
             # The commit failed on some worker, or its outcome is unknown (a client timeout, a lost connection):
             # some workers may hold this round, others not, one may still be committing from the transport's
@@ -684,6 +700,7 @@ class TrainerWeightTransferEngine(ABC):
             "num_buffers": self.num_buffers,
             "seconds": seconds,
             "gb_per_s": model_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+            "phases": phases.to_dict(),
         }
 
     def _call(self, method: str, *args: Any) -> ClientCall:
@@ -691,14 +708,16 @@ class TrainerWeightTransferEngine(ABC):
         self._last_call = ClientCall(method, getattr(self.client, method), *args, thread=self._client_thread)
         return self._last_call
 
-    def _call_while(self, method: str, *args: Any, work: Callable[[ClientCall], None]) -> None:
-        """Run ``work(call)`` while ``client.<method>(*args)`` runs, then wait for the call to return."""
+    def _call_while(self, method: str, *args: Any, work: Callable[[ClientCall], None], phases: Phases) -> None:
+        """Run ``work(call)`` while ``client.<method>(*args)`` runs, then wait for the call to return (``phases``:
+        where that last wait counts)."""
         call = self._call(method, *args)
         try:
             work(call)
         except BaseException as exc:
             self._raise_preferring_client(exc, call)
-        call.result(self.timeout_s)
+        with phases("wait"):  # for the workers to return from the call
+            call.result(self.timeout_s)
 
     def _next_version(self) -> int:
         """The next round's version: the one asked for, else one past every label in use."""

@@ -642,7 +642,8 @@ class _Round:
         senders = trainer._senders
         if senders:  # they plan the round while the workers check the manifest
             trainer.tell_senders({"op": "round", "digest": entries_digest(manifest.entries)})
-        self.pump(lambda: len(self.answers) == trainer.num_workers, "waiting for workers to accept the manifest")
+        with trainer.phases("wait"):
+            self.pump(lambda: len(self.answers) == trainer.num_workers, "waiting for workers to accept the manifest")
         rejected = {rank: reason for rank, reason in self.answers.items() if reason is not None}
         if rejected:
             reasons = "; ".join(f"rank {rank}: {reason}" for rank, reason in sorted(rejected.items()))
@@ -653,7 +654,8 @@ class _Round:
             self._through_ring(buckets)
         else:
             self._staged()
-        self.pump(lambda: len(self.loaded) == trainer.num_workers, "waiting for workers to load the round")
+        with trainer.phases("wait"):
+            self.pump(lambda: len(self.loaded) == trainer.num_workers, "waiting for workers to load the round")
 
     def _staged(self) -> None:
         """Write the whole round into the segment (each trainer rank its own shards), then hand it over."""
@@ -674,8 +676,9 @@ class _Round:
                         trainer.tell_workers({"op": "progress"}, manifest.version)
                         told[0] = time.monotonic()
 
-                packer.pack_staged(pieces, segment.data, tick=tick)
-                packer.drain()
+                with trainer.phases("pack"):
+                    packer.pack_staged(pieces, segment.data, tick=tick)
+                    packer.drain()
             values = digests.digests() if digests is not None else None
         trainer.tell_workers({"op": "staged", "size": segment.size, "digests": values}, manifest.version,
                              fds=lambda rank: trainer._segment_fds(rank, writable=False))
@@ -685,7 +688,9 @@ class _Round:
         trainer, manifest = self.trainer, self.manifest
         parts = rank_parts(trainer.source.named_tensors(), 0, manifest.entries)  # type: ignore[attr-defined]
         self.layouts[0] = RankLayout(manifest.entries, layout_rows(parts))
-        self.pump(lambda: len(self.layouts) == 1 + len(trainer._senders), "waiting for the other trainer ranks' layouts")
+        with trainer.phases("wait"):
+            self.pump(lambda: len(self.layouts) == 1 + len(trainer._senders),
+                      "waiting for the other trainer ranks' layouts")
         try:
             check_tiling([self.layouts[rank] for rank in sorted(self.layouts)])
         except TransferError as exc:
@@ -693,10 +698,12 @@ class _Round:
                                 f"shard the same model the same way (device mesh, placements)") from exc
         trainer.tell_senders({"op": "go", "size": segment.size},
                              fds=lambda rank: trainer._segment_fds(-rank, writable=True))
-        for piece, part in zip(pieces, parts):
-            if part is not None and piece.length:
-                write_part(segment.data[piece.offset : piece.offset + piece.length], 0, part)
-        self.pump(lambda: len(self.written) == len(trainer._senders), "waiting for the other trainer ranks' shards")
+        with trainer.phases("pack"):
+            for piece, part in zip(pieces, parts):
+                if part is not None and piece.length:
+                    write_part(segment.data[piece.offset : piece.offset + piece.length], 0, part)
+        with trainer.phases("wait"):
+            self.pump(lambda: len(self.written) == len(trainer._senders), "waiting for the other trainer ranks' shards")
 
     def _through_ring(self, buckets: list[Bucket]) -> None:
         """Pack bucket after bucket into the ring's buffers, each once every worker released it."""
@@ -711,14 +718,17 @@ class _Round:
             for bucket in buckets:
                 slot = bucket.index % len(ring.slots)
                 if self.released[slot]:
-                    self.pump(lambda: not self.released[slot], f"waiting for workers to release buffer {slot}")
+                    with trainer.phases("wait"):
+                        self.pump(lambda: not self.released[slot], f"waiting for workers to release buffer {slot}")
                 self.slot_of[bucket.index] = slot
                 if digests is not None:
                     digests.fence(slot)  # the bucket this buffer held last is hashed
-                packer.pack(bucket, ring.slots[slot], slot)
+                with trainer.phases("pack"):
+                    packer.pack(bucket, ring.slots[slot], slot)
                 self.released[slot] = set(trainer._channels)
                 trainer.tell_workers({"op": "bucket", "index": bucket.index, "slot": slot}, manifest.version)
-            packer.drain()
+            with trainer.phases("pack"):
+                packer.drain()
             if digests is not None:  # the workers compare them with their own before the round can commit
                 trainer.tell_workers({"op": "digests", "values": digests.digests()}, manifest.version)
 
