@@ -9,6 +9,7 @@ pinned to some cores (``taskset``) is judged on those cores alone.
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ BUSY_LOAD = 0.5
 @dataclass(frozen=True)
 class MachineLoad:
     cores: int
+    """The cores the run may use (fewer than the host's when pinned)."""
     load_before: float | None
     """The 1-minute load average when the run started (None where there is none); shown, not judged where CPU times
     are known."""
@@ -31,11 +33,13 @@ class MachineLoad:
     """The share the hypervisor gave other machines (``steal``), during the run."""
     own_share: float | None = None
     """The share the run itself took (this process and its descendants)."""
+    host_cores: int | None = None
+    """The host's cores, which its load average counts over (None: the same as ``cores``)."""
 
     @property
     def busy(self) -> bool:
         if self.others_share is None:
-            return (self.load_before or 0.0) / self.cores >= BUSY_LOAD
+            return (self.load_before or 0.0) / (self.host_cores or self.cores) >= BUSY_LOAD
         return self.others_share >= BUSY_SHARE or (self.steal_share or 0.0) >= BUSY_SHARE
 
     def words(self) -> str:
@@ -45,12 +49,18 @@ class MachineLoad:
             parts.append(f"other processes took {self.others_share:.1%} of its CPU during the run")
             if (self.steal_share or 0.0) >= 0.005:
                 parts.append(f"the hypervisor {self.steal_share:.1%}")
-        where = f"on {self.cores} cores"
-        load = f"load average {self.load_before:.2f} {where} before it" if self.load_before is not None else where
+        host = self.host_cores or self.cores
+        where = f"on {self.cores} cores" if host == self.cores else f"on the {self.cores} pinned cores"
+        if self.load_before is not None:
+            pinned = "" if host == self.cores else "the host's "
+            load = f"{pinned}load average {self.load_before:.2f} on {host} cores before it"
+        else:
+            load = where
         return f"{'busy' if self.busy else 'idle'}: {', '.join(parts) or 'CPU times unknown'} ({load})"
 
     def to_dict(self) -> dict[str, object]:
-        return {"cores": self.cores, "load_before": self.load_before, "others_share": self.others_share,
+        return {"cores": self.cores, "host_cores": self.host_cores, "load_before": self.load_before,
+                "others_share": self.others_share,
                 "steal_share": self.steal_share, "own_share": self.own_share, "busy": self.busy,
                 "words": self.words()}
 
@@ -60,7 +70,8 @@ class LoadWatch:
 
     def __init__(self) -> None:
         self._cpus = _usable_cpus()
-        self.cores = len(self._cpus) if self._cpus else os.cpu_count() or 1
+        self.host_cores = os.cpu_count() or 1
+        self.cores = len(self._cpus) if self._cpus else self.host_cores
         try:
             self.load_before: float | None = os.getloadavg()[0]
         except OSError:  # pragma: no cover - no load average on this platform
@@ -72,13 +83,13 @@ class LoadWatch:
     def finish(self) -> MachineLoad:
         machine, own = _machine_seconds(self._cpus), _own_seconds()
         if machine is None or self._machine is None:
-            return MachineLoad(self.cores, self.load_before, None)
+            return MachineLoad(self.cores, self.load_before, None, host_cores=self.host_cores)
         busy, steal, total = (end - start for end, start in zip(machine, self._machine))
         if total <= 0:
-            return MachineLoad(self.cores, self.load_before, None)
+            return MachineLoad(self.cores, self.load_before, None, host_cores=self.host_cores)
         mine = own - self._own
         return MachineLoad(self.cores, self.load_before, max(0.0, busy - mine) / total, steal / total,
-                           min(mine, busy) / total)
+                           min(mine, busy) / total, self.host_cores)
 
 
 def _usable_cpus() -> set[int] | None:
@@ -92,16 +103,17 @@ def _usable_cpus() -> set[int] | None:
 def _machine_seconds(cpus: set[int] | None = None) -> tuple[float, float, float] | None:
     """Busy (without steal), steal and total CPU seconds since boot of ``cpus`` (default: every core), or None."""
     try:
-        lines = Path("/proc/stat").read_text().splitlines()
-        rows = [line.split() for line in lines if line.startswith("cpu")]
+        rows = [line.split() for line in Path("/proc/stat").read_text().splitlines()]
         if cpus is None:
-            rows = rows[:1]  # the "cpu" line: every core
+            rows = [row for row in rows if row and row[0] == "cpu"]  # every core
         else:
-            rows = [row for row in rows if row[0] != "cpu" and int(row[0][3:]) in cpus]
+            rows = [row for row in rows if row and re.fullmatch(r"cpu(\d+)", row[0]) and int(row[0][3:]) in cpus]
+            if len(rows) != len(cpus):  # a pinned CPU /proc/stat does not list: no share rather than a wrong one
+                return None
         sums = [0] * 8
         for row in rows:
             sums = [a + int(b) for a, b in zip(sums, (row[1:] + ["0"] * 8)[:8])]
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError):
         return None
     if not rows:
         return None

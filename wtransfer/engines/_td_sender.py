@@ -70,10 +70,10 @@ class TorchDistributedSending(TorchDistributedBackend):
                     works[slot] = None
                 if digests is not None:
                     digests.fence(slot)
-                with self.phases("pack"):
+                with self.phases("pack"):  # hashing included, as rank 0's packer does
                     view = pack_runs(runs, parts, self._buffers[slot])
-                if digests is not None:
-                    hash_runs(digests, runs, view, slot)
+                    if digests is not None:
+                        hash_runs(digests, runs, view, slot)
                 works[slot] = (self.broadcast(self.group_for(bucket.index), view), view)
             with self.phases("wait"):
                 self.finish_sends(works, timeout_s, digests, call)
@@ -108,6 +108,7 @@ class TorchDistributedSender(TorchDistributedSending):
                                 f"the same kind of source on every trainer rank")
         self.info = TorchDistributedInitInfo(**info)
         self.rank, self.source, self.timeout_s = trainer_rank, source, self.info.timeout_s
+        self.phases = Phases()
         address, port = self.info.master_address, self.info.master_port
         self.choose_local_address(None, lambda: local_address_for(address, port))
         # rank 0 listened before it told this rank to join: a refused connection means it closed

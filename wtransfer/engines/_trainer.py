@@ -636,7 +636,7 @@ class TrainerWeightTransferEngine(ABC):
         counts = encoded.stats  # final: every tensor is done
         cast = self.cast.cast_count(source.metadata())  # the encoder cast what it compared: count the source
         # the encoding before the round (the rest runs as the engine reads it), and a refused first attempt
-        phases = {"encode": encoding, **({"refused": refusing} if refused else {}), **stats["phases"]}
+        phases = {"encode": encoding, **({"refused": refusing} if refused is not None else {}), **stats["phases"]}
         return {**stats, "phases": phases, "delta_refused": refused, "seconds": seconds, "cast_tensors": cast,
                 "gb_per_s": stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
                 "changed_fraction": counts.changed_elements / max(counts.elements, 1),
@@ -660,9 +660,10 @@ class TrainerWeightTransferEngine(ABC):
             self._call_while("update_weights", update_info,
                              work=lambda call: self.send_round(manifest, buckets, call), phases=phases)
         version_label = (str(manifest.version if label is None else label),) if self._finish_takes_version else ()
-        finish = self._call("finish_weight_update", *version_label)
+        finish: ClientCall | None = None
         try:
-            with phases("commit"):
+            with phases("commit"):  # from the call on: the workers may begin to load at once
+                finish = self._call("finish_weight_update", *version_label)
                 finish.result(self.timeout_s)
         except Exception as exc:
             # The commit failed on some worker, or its outcome is unknown (a client timeout, a lost connection):
@@ -672,7 +673,7 @@ class TrainerWeightTransferEngine(ABC):
             # has ended, and a worker takes a round that leaves tensors out only on top of what it names. A call
             # still running may yet reach the workers and commit the next round early: reconnect() waits for it.
             # The version is spent (some worker may hold it), and the next round names this one as its base.
-            self._commit_failed = finish.done
+            self._commit_failed = finish is not None and finish.done
             self._version_floor = max(self._version_floor, manifest.version)
             self._fleet_identity = identity_after(manifest)
             raise
