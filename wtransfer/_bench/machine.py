@@ -69,7 +69,7 @@ class LoadWatch:
     """Started before a run, finished after it: how much of the machine the run had to itself."""
 
     def __init__(self) -> None:
-        self._cpus = _usable_cpus()
+        self._cpus = usable_cpus()
         self.host_cores = os.cpu_count() or 1
         self.cores = len(self._cpus) if self._cpus else self.host_cores
         try:
@@ -92,7 +92,7 @@ class LoadWatch:
                            min(mine, busy) / total, self.host_cores)
 
 
-def _usable_cpus() -> set[int] | None:
+def usable_cpus() -> set[int] | None:
     """The CPUs this process may run on, where fewer than the machine has (None: all of them, or unknown)."""
     if not hasattr(os, "sched_getaffinity"):
         return None

@@ -71,9 +71,10 @@ def machine_description() -> str:
 
         torch_version = f"torch {torch.__version__}"
     cpu = f"{model} ({vector})" if vector else model
-    host = os.cpu_count() or 1
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else host
-    cores = f"{usable} cores" if usable == host else f"{usable} cores, pinned ({host} on the host)"
+    from wtransfer._bench.machine import usable_cpus
+
+    host, pinned = os.cpu_count() or 1, usable_cpus()
+    cores = f"{host} cores" if pinned is None else f"{len(pinned)} cores, pinned ({host} on the host)"
     return (f"{cores}, {cpu}, {platform.system()} {platform.machine()}, "
             f"Python {platform.python_version()}, {torch_version}")
 

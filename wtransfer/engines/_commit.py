@@ -233,8 +233,7 @@ class RoundState:
         self._committing = threading.Lock()  # a round begins only once a commit on another thread has ended
         self.rejection: ManifestMismatchError | None = None  # this round cannot be taken here
         self.phases = Phases()
-        """Where this worker's last round spent its time: ``receive`` (the engine's), ``stage`` (the round whole in
-        the node's copy), ``load`` (into the model at commit), ``finish`` (the engine's own finish)."""
+        """The last round's phases (see ``WeightTransferEngine.round_seconds``)."""
         self.identity: str | None = STARTUP_IDENTITY
         """The content identity of what the model holds (None: torn, or filled by a round that named none)."""
 
