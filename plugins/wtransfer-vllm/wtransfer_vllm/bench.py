@@ -8,14 +8,18 @@ on the same deterministic training steps:
 * ``wtransfer <engine>``: ``vllm.LLM(weight_transfer_config={"backend": engine})`` synced by
   ``wtransfer.create_trainer`` through ``LLMClient``; a round is ``send_weights()`` as the
   trainer waits for it (start, whole transfer, load into vLLM's model, finish);
+* ``vLLM reload from memory``: the floor of a sync, vLLM's own ``reload_weights`` fed with the round's
+  tensors already in memory (the engine runs in the bench's process, so no transport is needed);
 * ``save + reload_weights``: ``save_pretrained`` to /dev/shm, then vLLM's
   ``collective_rpc("reload_weights", weights_path=...)``;
 * ``restart``: a new ``vllm.LLM`` from the final checkpoint (its start-up time), whose greedy
   tokens and logprobs are the reference every other method must reproduce exactly.
 
 It prints the median seconds per sync, GB/s, the extra RSS of vLLM's processes during a
-sync, whether the outputs equal the reference, and the ratio to ``save + reload_weights``;
-it exits 1 when ``shm`` is not bit-exact or not ``--target`` times faster.
+sync, whether the outputs equal the reference, the ratios to ``save + reload_weights`` and to the
+floor, and where each engine's round goes (the trainer's phases; the vLLM worker's load and commit
+probe, inside ``commit``); it exits 1 when an engine is not bit-exact, ``shm`` not ``--target``
+times faster than save + reload, or an engine over ``--floor-target`` times the floor.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -34,6 +39,13 @@ from pathlib import Path
 from typing import Any
 
 LOG_PREFIX = "wtransfer-vllm round:"
+FLOOR = "vLLM reload from memory"
+"""The floor row: vLLM's ``reload_weights`` fed with the round's tensors in memory, no transport."""
+WORKER_SECONDS = {  # what a worker's log says of a round: its receive, its load into vLLM (the probe inside)
+    "receive": re.compile(r"received and staged in ([\d.]+) s"),
+    "load (probe included)": re.compile(r"loaded into the model in ([\d.]+) s"),
+    "probe": re.compile(r"probe: ([\d.]+) s to capture, ([\d.]+) s to check"),
+}
 
 
 class RSSWatcher:
@@ -94,8 +106,34 @@ def _child_engine(args: argparse.Namespace) -> dict[str, Any]:
             started = time.perf_counter()
             stats = trainer.send_weights()
             seconds = time.perf_counter() - started
-        rounds.append({"seconds": seconds, "bytes": stats["bytes"], "extra_rss": rss.peak - before})
+        rounds.append({"seconds": seconds, "bytes": stats["bytes"], "extra_rss": rss.peak - before,
+                       "phases": stats["phases"]})
     trainer.shutdown()
+    return {"rounds": rounds, "outputs": greedy(llm)}
+
+
+def _child_floor(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's own in-memory reload, the floor of a sync: ``reload_weights(weights_iterator=...)``, the layerwise
+    reload around ``load_weights`` that the bridge uses, fed with the round's tensors already in memory (no
+    wtransfer in between). The engine runs in this process (the parent sets it), so the tensors need no transport."""
+    import wtransfer
+    from vllm import LLM
+
+    from wtransfer_vllm.testing import greedy, llm_kwargs, load_trainer_model, perturb
+
+    llm = LLM(**llm_kwargs(args.model_dir))
+    model = load_trainer_model(args.model_dir)
+    rounds = []
+    for step in range(args.rounds):
+        perturb(model, step)
+        weights = [(name, tensor.detach().clone()) for name, tensor in wtransfer.ModuleSource(model)]
+        started = time.perf_counter()
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        seconds = time.perf_counter() - started
+        # no RSS figure: the engine shares this process with the tensors it is fed
+        rounds.append({"seconds": seconds, "bytes": sum(t.numel() * t.element_size() for _, t in weights),
+                       "extra_rss": None})
+        del weights
     return {"rounds": rounds, "outputs": greedy(llm)}
 
 
@@ -146,7 +184,9 @@ def _child_restart(args: argparse.Namespace) -> dict[str, Any]:
                 "outputs": greedy(llm)}
 
 
-CHILDREN = {"engine": _child_engine, "reload": _child_reload, "restart": _child_restart}
+CHILDREN = {"engine": _child_engine, "floor": _child_floor, "reload": _child_reload, "restart": _child_restart}
+IN_PROCESS = {"floor"}
+"""Children whose vLLM engine runs in their own process (vLLM's default: a separate engine core process)."""
 
 
 def _run_child(role: str, model_dir: Path, rounds: int, backend: str = "") -> dict[str, Any]:
@@ -155,7 +195,8 @@ def _run_child(role: str, model_dir: Path, rounds: int, backend: str = "") -> di
     command = [sys.executable, "-m", "wtransfer_vllm.bench", "--child", role, "--model-dir", str(model_dir),
                "--rounds", str(rounds), "--backend", backend, "--out", out]
     print(f"[bench] {role} {backend}".rstrip(), "...", file=sys.stderr, flush=True)
-    done = subprocess.run(command, capture_output=True, text=True)
+    env = {**os.environ, **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if role in IN_PROCESS else {})}
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     try:
         if done.returncode != 0:
             raise RuntimeError(f"bench child {role} {backend} exited {done.returncode}:\n{done.stderr[-6000:]}")
@@ -192,6 +233,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engines", default="shm,gloo", help="wtransfer engines to measure (default %(default)s)")
     parser.add_argument("--target", type=float, default=3.0,
                         help="required speed-up of shm over save + reload_weights (default %(default)s)")
+    parser.add_argument("--floor-target", type=float, default=1.2,
+                        help="a sync may take at most this many times vLLM's in-memory reload (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -216,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
         results: dict[str, dict[str, Any]] = {}
         for engine in engines:
             results[f"wtransfer {engine}"] = _run_child("engine", model_dir, args.rounds, engine)
+        results[FLOOR] = _run_child("floor", model_dir, args.rounds)
         results["save + reload_weights"] = _run_child("reload", model_dir, args.rounds)
         results["restart LLM"] = _run_child("restart", model_dir, args.rounds)
     return report(results, engines, args)
@@ -242,6 +286,14 @@ def report(results: dict[str, dict[str, Any]], engines: list[str], args: argpars
         row["speedup_vs_reload"] = baseline / row["seconds"]
         if not row["exact"]:
             failures.append(f"wtransfer {engine}: vLLM's outputs differ from a fresh load of the same weights")
+    floor = by_method[FLOOR]["seconds"]
+    for engine in engines:
+        row = by_method[f"wtransfer {engine}"]
+        row["vs_floor"] = row["seconds"] / floor
+        row["phases"] = _phases(results[f"wtransfer {engine}"])
+        if row["vs_floor"] > args.floor_target:
+            failures.append(f"wtransfer {engine} takes {row['vs_floor']:.2f}x vLLM's in-memory reload, "
+                            f"target <= {args.floor_target}x")
     if "shm" in engines and by_method["wtransfer shm"]["speedup_vs_reload"] < args.target:
         failures.append(f"shm is {by_method['wtransfer shm']['speedup_vs_reload']:.2f}x save + reload_weights, "
                         f"target >= {args.target}x")
@@ -261,7 +313,10 @@ def report(results: dict[str, dict[str, Any]], engines: list[str], args: argpars
     for engine in engines:
         row = by_method[f"wtransfer {engine}"]
         print(f"wtransfer {engine} is {row['speedup_vs_reload']:.2f}x faster than save + reload_weights"
-              + (f" (target >= {args.target}x)" if engine == "shm" else ""))
+              + (f" (target >= {args.target}x)" if engine == "shm" else "")
+              + f", and takes {row['vs_floor']:.2f}x vLLM's reload from memory (target <= {args.floor_target}x)")
+        print(f"  where the time goes (median s): " + ", ".join(f"{name} {seconds:.3f}"
+                                                               for name, seconds in row["phases"].items()))
         for line in row["worker_log"]:
             print(f"  vLLM worker, {engine}: {line}")
     reload_row = by_method["save + reload_weights"]
@@ -269,6 +324,20 @@ def report(results: dict[str, dict[str, Any]], engines: list[str], args: argpars
         print("save + reload_weights leaves vLLM computing outputs that differ from a fresh load of the same weights")
     print("targets met" if not failures else "targets MISSED:\n  " + "\n  ".join(failures))
     return 1 if failures else 0
+
+
+def _phases(result: dict[str, Any]) -> dict[str, float]:
+    """Median seconds per phase: the trainer's (``stats["phases"]``), then the vLLM worker's load and probe
+    (from its log; inside ``commit``), beside the round as the trainer waited for it."""
+    rounds = result["rounds"]
+    names = list(rounds[0]["phases"])
+    phases = {name: statistics.median(r["phases"].get(name, 0.0) for r in rounds) for name in names}
+    for name, pattern in WORKER_SECONDS.items():
+        seen = [sum(float(g) for g in match.groups()) for line in result.get("worker_log", [])
+                if (match := pattern.search(line))]
+        if seen:
+            phases[f"vLLM worker {name}"] = statistics.median(seen)
+    return {"round": statistics.median(r["seconds"] for r in rounds), **phases}
 
 
 def main(argv: list[str] | None = None) -> int:
