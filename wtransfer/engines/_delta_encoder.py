@@ -324,6 +324,13 @@ class DeltaEncoder:
         base = self.base[name] = torch.empty_like(new, device="cpu", memory_format=torch.contiguous_format)
         return base, True
 
+    def forget(self) -> None:
+        """Drop the base (``delta="auto"`` chose dense rounds): its memory is freed; the next delta round is full."""
+        if self._unsettled is not None:
+            self._unsettled.cancel()
+            self._unsettled = None
+        self.base, self.digests, self._payloads, self.base_id = {}, {}, {}, None
+
     def committed(self, encoded: DeltaRound) -> None:
         """Every worker committed the round: the base is what they hold (pending tensors finished first)."""
         encoded.finish()

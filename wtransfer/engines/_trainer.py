@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from wtransfer.engines._agreement import RankAgreement
     from types import TracebackType
 
+    from wtransfer.engines._delta_choice import DeltaChoice
     from wtransfer.engines._delta_encoder import DeltaEncoder, DeltaRound
     from wtransfer.engines._sharded import ParticipantTrainer
 
@@ -276,17 +277,20 @@ class TrainerWeightTransferEngine(ABC):
         is_checkpoint_format: bool = True,
         sharded: bool = False,
         commit: str = DEFAULT_COMMIT,
-        delta: bool = False,
+        delta: bool | str = False,
         dtype: Any = None,
         partial: bool = False,
         in_flight: str = "recompute",
         first_version: int | None = None,
     ) -> None:
+        if delta not in (False, True, "auto"):
+            raise ValueError(f"create_trainer(): delta={delta!r} is not one of False, True or 'auto' (each round "
+                             f"chooses delta or dense from what earlier rounds measured)")
         if delta and partial:
-            raise ValueError("create_trainer(): delta=True already sends only what changed; partial=True is for "
+            raise ValueError("create_trainer(): delta already sends only what changed; partial=True is for "
                              "sources that yield a subset of the model's tensors: choose one")
         if delta and sharded:
-            raise ValueError("create_trainer(): delta=True needs an unsharded trainer (one process holding the "
+            raise ValueError("create_trainer(): delta needs an unsharded trainer (one process holding the "
                              "whole model); sharded trainers send every round whole")
         if commit not in COMMIT_MODES:
             raise ValueError(
@@ -332,11 +336,17 @@ class TrainerWeightTransferEngine(ABC):
         self.source_entries: tuple[TensorEntry, ...] = ()
         """The current round's tensors as the source holds them (the manifest has them as they travel)."""
         self.delta: DeltaEncoder | None = None
-        """With ``delta=True``: the version the workers committed, and each round's encoding against it."""
+        """With ``delta``: the version the workers committed, and each round's encoding against it."""
+        self.delta_choice: DeltaChoice | None = None
+        """With ``delta="auto"``: what earlier rounds measured, and each round's choice of delta or dense."""
         if delta:
             from wtransfer.engines._delta_encoder import DeltaEncoder
 
             self.delta = DeltaEncoder()
+        if delta == "auto":
+            from wtransfer.engines._delta_choice import DeltaChoice
+
+            self.delta_choice = DeltaChoice()
         self.is_checkpoint_format = bool(is_checkpoint_format)
         self.weight_version = 0
         self._version_floor = 0
@@ -476,6 +486,7 @@ class TrainerWeightTransferEngine(ABC):
 
         The transport is released and prepared anew, as at creation; the trainer keeps its round count
         and, with ``delta=True``, its base (a restarted worker refuses the next delta and gets it whole).
+        With ``delta="auto"`` the choice measures the link again (the workers may be behind another one).
         This is also how a trainer left unusable by a failed round is used again.
 
         The workers must be ``init_info["world_size"]`` as at creation. A still-running client call of an
@@ -510,6 +521,8 @@ class TrainerWeightTransferEngine(ABC):
             self._broken = f"reconnect() failed ({type(exc).__name__}: {exc})"
             raise
         self._connected, self._broken = True, None
+        if self.delta_choice is not None:
+            self.delta_choice = type(self.delta_choice)()
 
     def send_weights(self, weight_version: str | None = None, *, version: int | None = None) -> dict[str, Any]:
         """Run one whole update round; returns its stats (bytes, tensors, seconds, GB/s, buckets).
@@ -608,6 +621,14 @@ class TrainerWeightTransferEngine(ABC):
         """A round of only what changed; if a worker cannot apply it (no base, another base), a full
         round at once. The engine reads the encoded round as its source, so every engine carries it."""
         assert self.delta is not None
+        why = None
+        if self.delta_choice is not None:
+            mode, why = self.delta_choice.choose()
+            if mode == "dense":
+                self.delta.forget()  # the base's memory is freed; a later delta round starts with a full one
+                stats = self._run_round(label)
+                self.delta_choice.dense_round(stats["bytes"], stats["seconds"])
+                return {**stats, "delta": "dense", "delta_choice": why}
         source, started, refused, encoded = self.source, time.perf_counter(), None, None
         try:
             encoded = self.delta.encode(source, self._next_version(), self.cast)
@@ -637,6 +658,9 @@ class TrainerWeightTransferEngine(ABC):
         cast = self.cast.cast_count(source.metadata())  # the encoder cast what it compared: count the source
         # the encoding before the round (the rest runs as the engine reads it), and a refused first attempt
         phases = {"encode": encoding, **({"refused": refusing} if refused is not None else {}), **stats["phases"]}
+        if self.delta_choice is not None:
+            self.delta_choice.delta_round(stats["delta"], stats["bytes"], seconds, refused is not None)
+            stats["delta_choice"] = why
         return {**stats, "phases": phases, "delta_refused": refused, "seconds": seconds, "cast_tensors": cast,
                 "gb_per_s": stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
                 "changed_fraction": counts.changed_elements / max(counts.elements, 1),
@@ -855,6 +879,8 @@ def create_trainer(
       (changed elements' positions and values, a compressed XOR on slow links, or whole), each rebuilt
       tensor checked against the trainer's digest before commit; a worker without that version gets a full round automatically.
       Costs one host copy of the model; ``stats["wire_bytes"]`` is what crossed the transport.
+      ``delta="auto"``: each round chooses delta or dense from what earlier rounds measured (see
+      :mod:`wtransfer.engines._delta_choice`); dense rounds keep no base.
     - ``dtype``: floating tensors travel in the dtype the workers load (they say at rendezvous), cast on
       the rank that holds them; ``dtype="bfloat16"`` (or a ``torch.dtype``) forces one. A cast rounds as
       ``tensor.to(dtype)`` does (fp32 beyond bf16's range becomes inf); ``stats["cast_tensors"]`` counts them.

@@ -274,7 +274,16 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
     @property
     def uses_ring(self) -> bool:
         """Streaming rounds of one sender, and delta rounds, go through the ring; the rest are staged whole."""
-        return self.delta is not None or (self.commit == "streaming" and not self.parallel_senders)
+        return self.delta is not None or self._streams
+
+    @property
+    def _streams(self) -> bool:
+        return self.commit == "streaming" and not self.parallel_senders
+
+    @property
+    def stages_dense_rounds(self) -> bool:
+        """Dense rounds are staged whole: atomic ones, also those ``delta="auto"`` chooses (its deltas use the ring)."""
+        return not self._streams and (self.delta is None or self.delta_choice is not None)
 
     def prepare_workers(self) -> dict[str, Any]:
         self._listener: Listener | None = Listener(f"wtransfer-shm-{os.getpid()}-{secrets.token_hex(8)}")
@@ -310,7 +319,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
     def connected(self) -> None:
         """A staged trainer allocates its pre-faulted segment now, so no round pays page faults (a source
         that cannot list its tensors before its first round gets it then)."""
-        if self.uses_ring:
+        if not self.stages_dense_rounds:
             return
         try:
             entries = self.cast.entries(self.source.metadata())
@@ -650,7 +659,7 @@ class _Round:
             trainer._abort(f"a worker rejected the manifest ({reasons})",
                            only=[r for r in self.answers if r not in rejected], clean=True)
             raise ManifestRejected(f"round {manifest.version} rejected: {reasons}")
-        if trainer._ring is not None:
+        if manifest.delta is not None or not trainer.stages_dense_rounds:
             self._through_ring(buckets)
         else:
             self._staged()
