@@ -1,12 +1,13 @@
 """Delta rounds vs dense rounds, side by side, on a real transformers Llama trained by AdamW.
 
 One trainer process trains a bf16 Llama (built from a config, nothing downloaded) with AdamW at
-the learning rates RL uses and, after every optimizer step, syncs the same weights twice: to one
-worker with a dense trainer and to another with ``delta=True``. Both see exactly the same
-updates; every round is checked bit-exactly on the delta worker against the trainer's model.
+the learning rates RL uses and, after every optimizer step (and before the first), syncs the same
+weights three times, each to its own worker: with ``delta=True``, with a dense trainer and with
+``delta="auto"``, the dense one in the middle and the two others taking turns to go first. All see exactly the same
+updates; every round is checked bit-exactly on the delta and auto workers against the trainer's model.
 A last step changes every element (each bf16 value moved by one unit in the last place), the
-case where a delta must cost no more than dense; it runs ``--repeats`` times, the two sides
-taking turns to go first, and each side's median is reported.
+case where a delta must cost no more than dense; it runs ``--repeats`` times, and each side's median
+is reported.
 
 Runs: ``shm`` on this host, then ``gloo`` (``--link-engine``) between two network namespaces
 joined by a veth pair whose both ends ``tc`` (token bucket) shapes to each ``--links`` rate: the
@@ -17,6 +18,7 @@ shaped runs; without them those rows say why they are missing.
 
 Targets (on steps with <= 2 % of elements changed): wire bytes <= 0.1x dense; at 1 Gbit/s the
 round >= 8x faster than dense; with every element changed, a delta round <= 1.05x dense time.
+``delta="auto"``: every round <= 1.05x dense time, and at 1 Gbit/s its delta rounds >= 8x faster.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ SPEEDUP_TARGET_AT_1GBIT = 8.0
 ALL_CHANGED_TARGET = 1.05
 SPARSE_STEPS_AT_MOST = 0.02
 """The steps the wire and speed targets are about: at most this fraction of elements changed."""
+AUTO_TARGET = 1.05
+"""``delta="auto"``: every round at most this many times a dense round's time."""
+KINDS = {"dense": False, "delta": True, "auto": "auto"}
+"""The trainers synced after every step, by their ``delta`` option."""
+FIRST = object()
+"""The step of every trainer's first round (nothing trained yet)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,19 +83,19 @@ def measure(engine: str, args: argparse.Namespace) -> dict[str, Any]:
     factory = "benchmarks.delta:llama_in_netns" if where else "wtransfer.testing.models:tiny_llama"
     pools = {kind: LocalWorkerPool(1, factory, backend=engine, factory_kwargs={"seed": 1, **shape, **where},
                                    timeout_s=args.timeout, torch_threads=1)
-             for kind in ("dense", "delta")}
+             for kind in KINDS}
     trainers: dict[str, Any] = {}
     steps: list[dict[str, Any]] = []
     try:
         for kind, pool in pools.items():
             reach = {"master_address": args.master_address} if args.master_address else {}
-            trainers[kind] = create_trainer(engine, client=pool, source=model, delta=kind == "delta",
+            trainers[kind] = create_trainer(engine, client=pool, source=model, delta=KINDS[kind],
                                             init_info={"world_size": 2, "timeout_s": args.timeout, **reach})
-        for kind in trainers:  # round 1: both send everything
-            trainers[kind].send_weights()
         lrs = [float(lr) for lr in str(args.lrs).split(",") if lr.strip()]
-        for step, lr in enumerate([*lrs, *[None] * max(1, args.repeats)], start=1):
-            if lr is None:  # every element moves one unit in the last place
+        for step, lr in enumerate([FIRST, *lrs, *[None] * max(1, args.repeats)]):
+            if lr is FIRST:  # every trainer's first round: the whole model
+                pass
+            elif lr is None:  # every element moves one unit in the last place
                 with torch.no_grad():
                     for parameter in model.parameters():
                         bits = parameter.data.view(-1).view(torch.int16)
@@ -99,28 +107,30 @@ def measure(engine: str, args: argparse.Namespace) -> dict[str, Any]:
                 model(input_ids=ids, labels=ids).loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
-            row: dict[str, Any] = {"step": "every element" if lr is None else f"AdamW lr {lr:g}"}
-            order = list(trainers.items())
-            if lr is None and step % 2 == 0:
-                order.reverse()  # repeats alternate who goes first: neither side always finds a warm cache
-            for kind, trainer in order:
-                stats = trainer.send_weights()
-                row[kind] = {"seconds": stats["seconds"], "wire_bytes": stats["wire_bytes"], "bytes": stats["bytes"]}
+            row: dict[str, Any] = {"step": "every element" if lr is None else
+                                   "first round" if lr is FIRST else f"AdamW lr {lr:g}"}
+            # dense in the middle, back to back with each of the others; delta and auto take turns to go first
+            order = ["delta", "dense", "auto"] if step % 2 == 0 else ["auto", "dense", "delta"]
+            for kind in order:
+                stats = trainers[kind].send_weights()
+                row[kind] = {"seconds": stats["seconds"], "wire_bytes": stats["wire_bytes"], "bytes": stats["bytes"],
+                             "sent_as": stats.get("delta", "dense"), "why": stats.get("delta_choice")}
                 if kind == "delta":
                     row["changed"] = stats["changed_fraction"]
-                    row["sent_as"] = stats["delta"]
             expected = digests(model)
-            row["bit_exact"] = all(got == expected for got in pools["delta"].digests())
+            row["bit_exact"] = all(got == expected for kind in ("delta", "auto") for got in pools[kind].digests())
             steps.append(row)
             print(f"  {row['step']}: {row['changed']:.3%} changed; dense {row['dense']['seconds']:.2f} s, delta "
-                  f"{row['delta']['seconds']:.2f} s ({row['delta']['wire_bytes'] / 1e6:.1f} MB on the wire); "
+                  f"{row['delta']['seconds']:.2f} s ({row['delta']['wire_bytes'] / 1e6:.1f} MB on the wire), auto "
+                  f"{row['auto']['seconds']:.2f} s ({row['auto']['sent_as']}: {row['auto']['why']}); "
                   f"bit-exact {row['bit_exact']}", file=sys.stderr)
     finally:
         for trainer in trainers.values():
             trainer.shutdown()
         for pool in pools.values():
             pool.shutdown()
-    return {"engine": engine, "model_bytes": steps[0]["dense"]["bytes"], "steps": _median_of_repeats(steps)}
+    return {"engine": engine, "model_bytes": steps[0]["dense"]["bytes"], "steps": _median_of_repeats(steps),
+            "each_round": steps}
 
 
 def _median_of_repeats(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -132,9 +142,11 @@ def _median_of_repeats(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
     merged = {**repeats[0], "step": f"every element, median of {len(repeats)}",
               "bit_exact": all(row["bit_exact"] for row in repeats),
               "changed": statistics.median(row["changed"] for row in repeats)}
-    for kind in ("dense", "delta"):
+    for kind in KINDS:
+        sent = [row[kind]["sent_as"] for row in repeats]  # auto may change its choice between repeats
         merged[kind] = {**repeats[0][kind], "seconds": statistics.median(row[kind]["seconds"] for row in repeats),
-                        "each": [row[kind]["seconds"] for row in repeats]}
+                        "each": [row[kind]["seconds"] for row in repeats],
+                        "sent_as": sent[0] if len(set(sent)) == 1 else ", ".join(sent)}
     return [row for row in steps if row["step"] != "every element"] + [merged]
 
 
@@ -222,11 +234,19 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             ok = False
             continue
         for step in run["steps"]:
-            dense, delta = step["dense"], step["delta"]
+            dense, delta, auto = step["dense"], step["delta"], step["auto"]
             wire = delta["wire_bytes"] / max(dense["wire_bytes"], 1)
             speedup = dense["seconds"] / delta["seconds"]
-            checks = []
-            if step["changed"] <= SPARSE_STEPS_AT_MOST:
+            auto_cost = auto["seconds"] / dense["seconds"]
+            # a round auto sent dense is a dense round (the same code): its time is judged in the link's sum
+            checks = [] if auto["sent_as"] == "dense" else [("auto", auto_cost <= AUTO_TARGET,
+                                                              f"auto <= {AUTO_TARGET}× dense")]
+            if run.get("rate") == "1gbit" and auto["sent_as"] == "delta" and step["changed"] <= SPARSE_STEPS_AT_MOST:
+                checks.append(("auto speed", 1 / auto_cost >= SPEEDUP_TARGET_AT_1GBIT,
+                               f"auto >= {SPEEDUP_TARGET_AT_1GBIT:g}× faster"))
+            if step["step"] == "first round":
+                pass  # the delta trainer's first round fills its base: no target of its own
+            elif step["changed"] <= SPARSE_STEPS_AT_MOST:
                 checks.append(("wire", wire <= WIRE_TARGET, f"wire <= {WIRE_TARGET}×"))
                 if run.get("rate") == "1gbit":
                     checks.append(("speed", speedup >= SPEEDUP_TARGET_AT_1GBIT, f">= {SPEEDUP_TARGET_AT_1GBIT:g}× faster"))
@@ -240,25 +260,54 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                          "dense_gb_per_s": dense["bytes"] / dense["seconds"] / 1e9,
                          "delta_gb_per_s": delta["bytes"] / delta["seconds"] / 1e9,
                          "wire_bytes": delta["wire_bytes"], "wire_ratio": wire, "speedup": speedup,
+                         "auto_gb_per_s": auto["bytes"] / auto["seconds"] / 1e9, "auto_sent_as": auto["sent_as"],
+                         "auto_why": auto["why"], "auto_cost": auto_cost,
                          "bit_exact": step["bit_exact"], "verdict": verdict or "(no target)", "ok": good})
+        rows.append(_summed(run["link"], run["each_round"]))
+        ok = ok and rows[-1]["ok"]
     model_bytes = next((run["model_bytes"] for run in runs if "model_bytes" in run), 0)
     return {"model_bytes": model_bytes, "rows": rows, "ok": ok}
+
+
+def _summed(link: str, steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """A link's rounds together (every repeat counted). Its verdict is on the rounds auto sent dense: the same
+    code as the dense trainer's, so any cost of auto's own shows as their median ratio (one slow round of the
+    host's, in either trainer, does not); auto's full and delta rounds are judged on their own rows."""
+    seconds = {kind: sum(step[kind]["seconds"] for step in steps) for kind in KINDS}
+    model = sum(step["dense"]["bytes"] for step in steps)
+    wire = sum(step["delta"]["wire_bytes"] for step in steps)
+    auto_cost = seconds["auto"] / seconds["dense"]
+    dense_ratios = [step["auto"]["seconds"] / step["dense"]["seconds"] for step in steps
+                    if step["auto"]["sent_as"] == "dense"]
+    median = statistics.median(dense_ratios) if dense_ratios else None
+    good = median is None or median <= AUTO_TARGET
+    verdict = ("auto sent no round dense" if median is None else
+               f"auto's dense rounds: median {median:.2f}× dense; <= {AUTO_TARGET}× {'ok' if good else 'MISSED'}")
+    return {"link": link, "step": "all rounds, summed", "changed": None, "dense_s": seconds["dense"],
+            "delta_s": seconds["delta"], "dense_gb_per_s": model / seconds["dense"] / 1e9,
+            "delta_gb_per_s": model / seconds["delta"] / 1e9, "wire_bytes": wire, "wire_ratio": wire / model,
+            "speedup": seconds["dense"] / seconds["delta"], "auto_gb_per_s": model / seconds["auto"] / 1e9,
+            "auto_sent_as": "", "auto_why": None, "auto_cost": auto_cost,
+            "bit_exact": all(step["bit_exact"] for step in steps),
+            "verdict": verdict, "ok": good}
 
 
 def markdown(figures: dict[str, Any]) -> list[str]:
     def cells(row: dict[str, Any]) -> list[str]:
         if "error" in row:
-            return [row["link"], "not measured", "", "", "", "", "", "", row["error"]]
-        return [row["link"], row["step"], f"{row['changed']:.3%}", f"{row['dense_gb_per_s']:.2f}",
+            return [row["link"], "not measured", "", "", "", "", "", "", "", "", "", row["error"]]
+        changed = "" if row["changed"] is None else f"{row['changed']:.3%}"
+        return [row["link"], row["step"], changed, f"{row['dense_gb_per_s']:.2f}",
                 f"{row['delta_gb_per_s']:.2f}", f"{row['wire_bytes'] / 1e6:.1f}", f"{row['wire_ratio']:.4f}×",
-                f"{row['speedup']:.2f}×", ("bit-exact; " if row["bit_exact"] else "NOT bit-exact; ") + row["verdict"]]
+                f"{row['speedup']:.2f}×", f"{row['auto_gb_per_s']:.2f}", row["auto_sent_as"],
+                f"{row['auto_cost']:.2f}×", ("bit-exact; " if row["bit_exact"] else "NOT bit-exact; ") + row["verdict"]]
 
     return [
         f"A transformers Llama of {figures['model_bytes'] / 1e9:.2f} GB (bf16), one AdamW step per round, "
-        f"synced to one worker by a dense trainer and by a delta=True trainer (the same updates).",
+        f"synced to one worker each by a dense, a delta=True and a delta=\"auto\" trainer (the same updates).",
         "",
-        *table("dense vs delta rounds (GB/s: model bytes per second of the whole round, encoding included)",
+        *table("dense, delta and auto rounds (GB/s: model bytes per second of the whole round, encoding included)",
                ["link", "step", "changed", "dense GB/s", "delta GB/s", "delta wire MB", "wire vs dense",
-                "delta speed-up", "verdict"],
+                "delta speed-up", "auto GB/s", "auto sent", "auto time vs dense", "verdict"],
                [cells(row) for row in figures["rows"]]),
     ]
