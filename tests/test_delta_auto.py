@@ -2,7 +2,8 @@
 
 The rules are checked on their own with given measurements; two end-to-end runs check what a user
 sees on a real worker process: on a slow link (a client whose update call holds the round for the
-time its wire bytes take at 2 MB/s) the rounds go dense twice, then full, then delta with few bytes; on a
+time its wire bytes take at 2 MB/s) the rounds go dense twice, then full, then delta with few bytes,
+and after a dense round in between (the base freed) full and delta again; on a
 link the choice calls fast, every round is dense and the trainer keeps no base. Every round is
 compared with the trainer's weights, digest by digest.
 """
@@ -157,7 +158,7 @@ def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) 
     optimizer.zero_grad()
 
 
-def _run(rate: float | None, rounds: int) -> tuple[list[dict[str, Any]], Any]:
+def _run(rate: float | None, rounds: int, before: Any = None) -> tuple[list[dict[str, Any]], Any]:
     model = tiny_llama(seed=0, frozen_embedding=True)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
     seen = []
@@ -170,6 +171,8 @@ def _run(rate: float | None, rounds: int) -> tuple[list[dict[str, Any]], Any]:
             for step in range(1, rounds + 1):
                 if step > 1:
                     _train(model, optimizer, step)
+                if before is not None:
+                    before(step, trainer)
                 stats = trainer.send_weights()
                 expected = digests(model)
                 wrong = sorted(n for n, d in pool.digests()[0].items() if expected.get(n) != d)
@@ -182,12 +185,23 @@ def _run(rate: float | None, rounds: int) -> tuple[list[dict[str, Any]], Any]:
             trainer.shutdown()
 
 
-def test_auto_on_a_slow_link_sends_deltas_after_two_dense_rounds_and_one_full() -> None:
-    seen, _ = _run(rate=2e6, rounds=6)
-    assert [s["delta"] for s in seen] == ["dense", "dense", "full", "delta", "delta", "delta"]
-    for stats in seen[3:]:
+def test_auto_on_a_slow_link_sends_deltas_and_a_switch_to_dense_and_back_keeps_every_round_exact(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    bases = {}
+
+    def before(step: int, trainer: Any) -> None:
+        bases[step] = len(trainer.delta.base)
+        # round 6 sees the link as fast (dense, the base freed); from round 7 on it is slow again
+        monkeypatch.setattr(_delta_choice, "DELTA_BELOW", 1.0 if step == 6 else 0.5e9)
+
+    seen, encoder = _run(rate=2e6, rounds=8, before=before)
+    assert [s["delta"] for s in seen] == ["dense", "dense", "full", "delta", "delta", "dense", "full", "delta"]
+    for stats in (seen[3], seen[4], seen[7]):
         assert stats["wire_bytes"] < 0.25 * stats["bytes"], stats
         assert stats["seconds"] < seen[1]["seconds"], "a delta round on a slow link must beat a dense one"
+    assert bases[3] == 0 and bases[4] > 0, "the full round fills the base"
+    assert bases[7] == 0, "a dense round frees the base"
+    assert len(encoder.base) > 0
 
 
 def test_auto_on_a_fast_link_sends_dense_rounds_and_keeps_no_base(monkeypatch: pytest.MonkeyPatch) -> None:

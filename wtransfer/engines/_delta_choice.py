@@ -11,7 +11,8 @@ Rules, in order:
 
 1. The first two rounds are dense: a dense round allocates no base, and the link is measured from the second
    (the first pays one-time costs, connections and allocations, and can make a fast link look slow).
-2. A link at least :data:`DELTA_BELOW` fast stays dense: there the encoding alone takes longer than the wire.
+2. A link at least :data:`DELTA_BELOW` fast stays dense: near the encoder's own rate a delta gains little or
+   loses (a cautious threshold, well below where delta stops paying).
    So do rounds shorter than :data:`SHORTEST_FOR_DELTA`: their time is the calls' fixed costs, not the wire.
 3. A delta round that ran slower than the fastest dense round sends the next rounds dense (the base is
    dropped, its memory freed); so do :data:`REFUSALS_TO_STOP` refusals in a row.
@@ -30,9 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DELTA_BELOW = 0.5e9
-"""Model bytes/s of a dense round (4 Gbit/s) under which delta rounds are tried. Set below the encoding rate of
-the 2-core hosts in BENCHMARKS.md's delta block, where a delta round over 10 Gbit/s already lost to dense at
-every fraction changed; far enough below it that the round that fills the base hides its copy under the wire."""
+"""Model bytes/s of a dense round (4 Gbit/s) under which delta rounds are tried. Well below the rate where a
+delta stopped paying on the 2-core AMD host of BENCHMARKS.md's delta block (over 10 Gbit/s it gained nothing);
+far enough below it that the round that fills the base hides its copy under the wire."""
 
 SHORTEST_FOR_DELTA = 0.25
 """Seconds a dense round must take before deltas are tried: a shorter one is mostly the fixed cost of the client
