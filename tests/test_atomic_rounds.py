@@ -120,16 +120,38 @@ def test_the_workers_of_a_node_share_one_staged_copy(backend: str, extra: dict) 
     with LocalWorkerPool(3, FACTORY, backend=backend, factory_kwargs={"shapes": SHAPES, "dtype": "float32"},
                          timeout_s=TIMEOUT, torch_threads=1) as pool:
         trainer = send(backend, pool, model, "atomic", extra)
+        # before any round the node's copy exists, every page in memory: the first round pays no faults
+        # (shm's trainer makes it, gloo's workers elect a stager that does, as they join)
+        before = staging_segments([*pool.pids, os.getpid()])
+        assert len(before) == 1, f"one staged copy made when the workers joined: {before}"
+        ((_, early),) = before.items()
+        assert total <= early < total + len(SHAPES) * 64 + 4096
+        assert resident_staging_bytes([*pool.pids, os.getpid()]) >= early
         for round_index in range(2):
             mutate(model, round_index)
             trainer.send_weights()
             assert pool.digests() == [digests(model)] * 3
+        assert resident_staging_bytes([os.getpid()]) == 0 or backend == "shm"  # gloo's copy is the workers' alone
         mapped = [staging_segments([pid]) for pid in pool.pids]
         assert all(len(m) == 1 for m in mapped) and len(staging_segments(pool.pids)) == 1, \
             f"one staging segment per node, mapped by every worker: {mapped}"
         ((_, size),) = staging_segments(pool.pids).items()
         assert total <= size < total + len(SHAPES) * 64 + 4096
         trainer.shutdown()
+
+
+def resident_staging_bytes(pids: list[int]) -> int:
+    """The most bytes of a staged copy (``memfd:wtransfer-staging``) that one of ``pids`` has in memory."""
+    most = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/smaps") as handle:
+            inside = False
+            for line in handle:
+                if "-" in line.split()[0] and not line.split()[0].endswith(":"):  # a mapping's first line
+                    inside = "/memfd:wtransfer-staging" in line
+                elif inside and line.startswith("Rss:"):
+                    most = max(most, int(line.split()[1]) * 1024)
+    return most
 
 
 # -- in-process workers with different models -------------------------------------------------------

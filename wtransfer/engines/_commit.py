@@ -438,6 +438,13 @@ def _notify_failed(error: BaseException) -> None:
         logger.exception("a wtransfer_update_failed hook raised")
 
 
+def reserve_staging(engine: Any, key: str, size: int) -> None:
+    """Before the first round: ``engine``'s node stager for trainer ``key`` pre-faults a ``size``-byte copy."""
+    if size < 0:
+        raise ValueError(f"a staged copy of {size} bytes")
+    round_state(engine).node_staging(key).reserve(size)
+
+
 def round_state(engine: Any) -> RoundState:
     state = engine.__dict__.get("_wtransfer_round")
     if state is None:

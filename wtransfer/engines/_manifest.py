@@ -96,14 +96,20 @@ class CommitPlan:
         mode, key, timeout_s = data.get("mode"), data.get("key"), data.get("timeout_s")
         if mode not in COMMIT_MODES:
             raise ValueError(f"manifest commit mode {mode!r} is not one of {', '.join(COMMIT_MODES)}")
-        if not isinstance(key, str) or not key or not all(c.isalnum() or c in "-_" for c in key):
-            raise ValueError(f"manifest commit key {key!r} must be a non-empty [A-Za-z0-9_-] string")
+        key = staging_key(key)
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
             raise ValueError(f"manifest commit timeout_s must be a positive number, got {timeout_s!r}")
         in_flight = data.get("in_flight", "recompute")  # absent from an older trainer's manifest
         if in_flight not in IN_FLIGHT_MODES:
             raise ValueError(f"manifest commit in_flight {in_flight!r} is not one of {', '.join(IN_FLIGHT_MODES)}")
         return cls(mode, key, float(timeout_s), in_flight)
+
+
+def staging_key(key: Any) -> str:
+    """``key`` if it may name a trainer's node staging (it becomes part of a socket's name), else ``ValueError``."""
+    if not isinstance(key, str) or not key or not all(c.isalnum() or c in "-_" for c in key):
+        raise ValueError(f"a commit (staging) key must be a non-empty [A-Za-z0-9_-] string, got {key!r}")
+    return key
 
 
 @lru_cache(maxsize=None)

@@ -242,17 +242,27 @@ class NodeStaging:
     def begin(self, manifest: Manifest) -> dict[str, torch.Tensor]:
         """Stager: a round starts; returns where each tensor goes (the segment grows if needed)."""
         layout = staging_offsets(manifest.entries)
-        total = layout[1]
         with self._lock:
             self._outcomes.pop(manifest.version, None)
-            if self.segment is None or self.segment.size < total or not self.segment.writable:
-                # (a follower elected stager maps its old stager's copy read-only: it stages anew)
-                old, self.segment = self.segment, None
-                if old is not None:
-                    old.close()
-                self.segment = SharedSegment.create(total)
-                logger.debug("node staging %s: %d-byte segment", self.key, total)
-            return self.segment.views(manifest, layout)
+            return self._segment_of(layout[1]).views(manifest, layout)
+
+    def reserve(self, size: int) -> None:
+        """Stager: have a pre-faulted segment of at least ``size`` bytes before the first round, so that round
+        pays no page faults (the trainer says the size when its workers join). A follower does nothing."""
+        if self.is_stager:
+            with self._lock:
+                self._segment_of(size)
+
+    def _segment_of(self, size: int) -> SharedSegment:
+        """The stager's writable segment, replaced by a larger one if it holds fewer than ``size`` bytes."""
+        if self.segment is None or self.segment.size < size or not self.segment.writable:
+            # (a follower elected stager maps its old stager's copy read-only: it stages anew)
+            old, self.segment = self.segment, None
+            if old is not None:
+                old.close()
+            self.segment = SharedSegment.create(size)
+            logger.debug("node staging %s: %d-byte segment", self.key, size)
+        return self.segment
 
     def settle(self, version: int, error: str | None) -> None:
         """Stager: round ``version`` landed whole (``error`` None) or failed; followers are told."""

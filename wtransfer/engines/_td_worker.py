@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from wtransfer.engines._base import LoadWeights, WeightTransferEngine
 from wtransfer.engines._digests import RoundDigests, check, from_words, round_digests
-from wtransfer.engines._manifest import Manifest
+from wtransfer.engines._commit import reserve_staging
+from wtransfer.engines._manifest import Manifest, staging_key
 from wtransfer.engines._packing import Bucket, Unpacker, plan_buckets
 from wtransfer.engines._protocol import RoundCalledOff, check_announced, gc_paused
 from wtransfer.engines._rendezvous import RendezvousClient, local_address_for, store
@@ -88,9 +89,23 @@ class TorchDistributedWeightTransferEngine(
                 f"failed: {exc}"
             ) from exc
         self._store, self._groups, self._buffers, self._info = client, groups, buffers, init_info
+        self._prepare_staging(prefixed)
         self._sender_groups = sender_groups
         self._broken = None
         logger.debug("%s worker rank %d joined the group at %s:%d", self.distributed_backend, self.rank, address, port)
+
+    def _prepare_staging(self, prefixed: Any) -> None:
+        """An atomic trainer said how large its rounds are staged: this node's stager makes that copy now,
+        every page faulted in, so the first round runs as fast as the next. Best effort: else the first
+        round makes it."""
+        if not prefixed.check(["staging"]):  # a streaming trainer's workers stage nothing
+            return
+        try:
+            hint = json.loads(prefixed.get("staging"))
+            reserve_staging(self, staging_key(hint["key"]), int(hint["bytes"]))
+        except (TransferError, OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("%s worker rank %s: the node's staged copy is made at the first round instead (%s: %s)",
+                           self.distributed_backend, self.rank, type(exc).__name__, exc)
 
     def receive_weights(self, update_info: ManifestUpdateInfo, load_weights: LoadWeights) -> None:
         with gc_paused():

@@ -451,8 +451,7 @@ class TrainerWeightTransferEngine(ABC):
                 self.tell_ranks_connected()
             self._call_while("init_weight_transfer_engine", worker_info, work=self.wait_for_workers,
                              phases=Phases())  # not a round's
-            if self.cast.dtype is None:  # the user's dtype needs no agreement on what the workers load
-                self.cast = CastPlan(agreed(self.served_answers), None)
+            self.settle_cast()
             self._learn_holdings()
             self.connected()
         except BaseException as exc:
@@ -819,6 +818,25 @@ class TrainerWeightTransferEngine(ABC):
     def connected(self) -> None:
         """Every worker joined and said what it loads (``self.cast`` is final): allocate what depends
         on the round's size. The default does nothing."""
+
+    def settle_cast(self) -> None:
+        """Every worker said what it loads (``served_answers``): the cast is final. The user's dtype needs no
+        agreement. Idempotent: a transport may settle it early, to size what its workers stage."""
+        if self.cast.dtype is None:
+            self.cast = CastPlan(agreed(self.served_answers), None)
+
+    def whole_round_bytes(self) -> int | None:
+        """The bytes of a whole round as the workers load it, laid out as it is staged; None for a source that
+        knows its tensors only once a round starts (TRL's stream). Call after :meth:`settle_cast`."""
+        from wtransfer.engines._staging import staging_offsets
+
+        try:
+            entries = self.cast.entries(self.source.metadata())
+        except Exception as exc:
+            logger.debug("%s trainer: the round's size is known at its first round (%s: %s)", self.backend,
+                         type(exc).__name__, exc)
+            return None
+        return staging_offsets(entries)[1]
 
     def open_senders(self) -> dict[str, Any]:
         """Backends with a ``sender_cls``: the JSON-safe dict the other trainer ranks join with."""

@@ -319,14 +319,9 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
     def connected(self) -> None:
         """A staged trainer allocates its pre-faulted segment now, so no round pays page faults (a source
         that cannot list its tensors before its first round gets it then)."""
-        if not self.stages_dense_rounds:
-            return
-        try:
-            entries = self.cast.entries(self.source.metadata())
-        except Exception as exc:  # a source that knows its tensors only once a round starts (TRL's stream)
-            logger.debug("shm trainer: the staged copy is sized at the first round (%s: %s)", type(exc).__name__, exc)
-            return
-        self._segment_for(staging_offsets(entries)[1])
+        size = self.whole_round_bytes() if self.stages_dense_rounds else None
+        if size is not None:
+            self._segment_for(size)
 
     def _segment_for(self, size: int) -> SharedSegment:
         """The staged round's segment, at least ``size`` bytes (reused; replaced when too small)."""
