@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from wtransfer.testing.bench_blocks import usable_cpus
+
 BUSY_SHARE = 0.10
 """Other processes (or the hypervisor) taking this share of the machine's CPU time during the run make it "busy"."""
 BUSY_LOAD = 0.5
@@ -90,14 +92,6 @@ class LoadWatch:
         mine = own - self._own
         return MachineLoad(self.cores, self.load_before, max(0.0, busy - mine) / total, steal / total,
                            min(mine, busy) / total, self.host_cores)
-
-
-def usable_cpus() -> set[int] | None:
-    """The CPUs this process may run on, where fewer than the machine has (None: all of them, or unknown)."""
-    if not hasattr(os, "sched_getaffinity"):
-        return None
-    cpus = os.sched_getaffinity(0)
-    return cpus if len(cpus) < (os.cpu_count() or 0) else None
 
 
 def _machine_seconds(cpus: set[int] | None = None) -> tuple[float, float, float] | None:
