@@ -122,16 +122,20 @@ def test_the_workers_of_a_node_share_one_staged_copy(backend: str, extra: dict) 
         trainer = send(backend, pool, model, "atomic", extra)
         # before any round the node's copy exists, every page in memory: the first round pays no faults
         # (shm's trainer makes it, gloo's workers elect a stager that does, as they join)
+        maker = [os.getpid()] if backend == "shm" else pool.pids  # gloo's copy is the workers' alone
         before = staging_segments([*pool.pids, os.getpid()])
-        assert len(before) == 1, f"one staged copy made when the workers joined: {before}"
-        ((_, early),) = before.items()
+        assert len(before) == 1 and staging_segments(maker) == before, f"one staged copy at join: {before}"
+        ((inode, early),) = before.items()
         assert total <= early < total + len(SHAPES) * 64 + 4096
-        assert resident_staging_bytes([*pool.pids, os.getpid()]) >= early
+        assert resident_staging_bytes(maker) >= early
+        if backend == "gloo":
+            assert sum(bool(staging_segments([pid])) for pid in pool.pids) == 1, "made by the node's stager only"
         for round_index in range(2):
             mutate(model, round_index)
             trainer.send_weights()
             assert pool.digests() == [digests(model)] * 3
-        assert resident_staging_bytes([os.getpid()]) == 0 or backend == "shm"  # gloo's copy is the workers' alone
+        # the rounds went through that very copy: none was made again
+        assert staging_segments([*pool.pids, os.getpid()]) == {inode: early}
         mapped = [staging_segments([pid]) for pid in pool.pids]
         assert all(len(m) == 1 for m in mapped) and len(staging_segments(pool.pids)) == 1, \
             f"one staging segment per node, mapped by every worker: {mapped}"

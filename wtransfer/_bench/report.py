@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from wtransfer.testing.bench_blocks import markdown_block, replace_block
+from wtransfer.testing.bench_blocks import markdown_block, markdown_table, replace_block
 
 Renderer = Callable[[dict[str, Any]], list[str]]
 
@@ -69,11 +69,7 @@ class MarkdownTable:
         self.rows.append([Text.from_markup(str(cell)).plain for cell in cells])
 
     def lines(self) -> list[str]:
-        out = [f"**{self.title}**", ""] if self.title else []
-        out.append("| " + " | ".join(self.columns) + " |")
-        out.append("|" + "---|" * len(self.columns))
-        out.extend("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in self.rows)
-        return out
+        return markdown_table(self.title, self.columns, self.rows)
 
 
 class MarkdownLines:

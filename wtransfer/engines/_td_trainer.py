@@ -113,10 +113,14 @@ class TorchDistributedTrainer(TorchDistributedSending, TrainerWeightTransferEngi
             said = self._prefixed.get(f"joined/{rank}").decode()
             joined = json.loads(said) if said.startswith("{") else {}
             self.served_answers[rank], self.held_answers[rank] = joined.get("served_dtypes"), joined.get("holds")
-        self.settle_cast()
-        size = self.whole_round_bytes() if self.commit == "atomic" else None
-        if size is not None:  # read by each worker once the groups stand: its node's stager pre-faults the copy now
-            self._prefixed.set("staging", json.dumps({"key": self._staging_key, "bytes": size}))
+        if self.commit == "atomic":  # each worker reads it once the groups stand: its node's stager pre-faults the copy
+            try:
+                self.settle_cast()
+                size = self.whole_round_bytes()
+            except Exception:  # workers that disagree on dtypes: the rendezvous says so once the groups stand
+                size = None
+            if size is not None:
+                self._prefixed.set("staging", json.dumps({"key": self._staging_key, "bytes": size}))
         try:
             self._groups = self.make_groups(self._prefixed, 0, self.world_size, self.timeout_s, self.channels)
         except RuntimeError as exc:

@@ -89,21 +89,21 @@ class TorchDistributedWeightTransferEngine(
                 f"failed: {exc}"
             ) from exc
         self._store, self._groups, self._buffers, self._info = client, groups, buffers, init_info
-        self._prepare_staging(prefixed)
         self._sender_groups = sender_groups
         self._broken = None
         logger.debug("%s worker rank %d joined the group at %s:%d", self.distributed_backend, self.rank, address, port)
+        self._prepare_staging(prefixed)
 
     def _prepare_staging(self, prefixed: Any) -> None:
         """An atomic trainer said how large its rounds are staged: this node's stager makes that copy now,
         every page faulted in, so the first round runs as fast as the next. Best effort: else the first
         round makes it."""
-        if not prefixed.check(["staging"]):  # a streaming trainer's workers stage nothing
-            return
         try:
+            if not prefixed.check(["staging"]):  # a streaming trainer's workers stage nothing
+                return
             hint = json.loads(prefixed.get("staging"))
             reserve_staging(self, staging_key(hint["key"]), int(hint["bytes"]))
-        except (TransferError, OSError, ValueError, KeyError, TypeError) as exc:
+        except Exception as exc:  # a store error, no memory for the copy yet: the first round tries again
             logger.warning("%s worker rank %s: the node's staged copy is made at the first round instead (%s: %s)",
                            self.distributed_backend, self.rank, type(exc).__name__, exc)
 

@@ -63,8 +63,8 @@ def _importable(module: str) -> bool:
 
 
 def markdown_table(title: str, columns: list[str], rows: list[list[str]]) -> list[str]:
-    """A bold title, then a Markdown table (a ``|`` inside a cell is escaped)."""
-    return [f"**{title}**", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
+    """A bold title (none if empty), then a Markdown table (a ``|`` inside a cell is escaped)."""
+    return [*([f"**{title}**", ""] if title else []), "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
             *("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows)]
 
 

