@@ -210,7 +210,8 @@ def _run_child(role: str, model_dir: Path, rounds: int, backend: str = "") -> di
     return result
 
 
-def _vllm_version() -> str:
+def vllm_version() -> str:
+    """The installed vLLM's version (either distribution's name), as the bench reports name it."""
     from importlib.metadata import version
 
     from wtransfer.testing.distributions import is_installed
@@ -292,7 +293,7 @@ def report(results: dict[str, dict[str, Any]], engines: list[str], args: argpars
     if "shm" in engines and by_method["wtransfer shm"]["speedup_vs_reload"] < args.target:
         failures.append(f"shm is {by_method['wtransfer shm']['speedup_vs_reload']:.2f}x save + reload_weights, "
                         f"target >= {args.target}x")
-    document = {"machine": machine_description(), "vllm": _vllm_version(), "model": args.model, "rounds": args.rounds,
+    document = {"machine": machine_description(), "vllm": vllm_version(), "model": args.model, "rounds": args.rounds,
                 "rows": rows, "failures": failures}
     if getattr(args, "markdown", None) is not None:
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():  # JSON stays alone

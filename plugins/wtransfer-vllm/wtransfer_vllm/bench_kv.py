@@ -38,7 +38,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wtransfer_vllm.bench import _machine
+from wtransfer.testing.bench_blocks import machine_description
+
+from wtransfer_vllm.bench import vllm_version
 
 METHODS = ("recompute", "storage", "ExampleConnector")
 TARGETS = {"recompute": 5.0, "ExampleConnector": 1.5}
@@ -203,7 +205,7 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> int:
         if saving["vs_no_connector"] > SAVING_TARGET:
             failures.append(f"a request whose KV is saved takes {saving['vs_no_connector']:.3f}x the time to first "
                             f"token it takes without a connector, target <= {SAVING_TARGET}x")
-    document = {"machine": _machine(), "model": args.model, "tokens": args.tokens, "repeats": args.repeats,
+    document = {"machine": f"{machine_description()}, vLLM {vllm_version()}", "model": args.model, "tokens": args.tokens, "repeats": args.repeats,
                 "rows": list(rows.values()), "saving": saving, "failures": failures}
     if args.json:
         print(json.dumps(document, indent=1))
