@@ -337,7 +337,9 @@ PHASE_COLUMNS = {"round": "round", "send": "send (pack included)", "pack": "pack
 def markdown(document: dict[str, Any], engines: list[str], args: argparse.Namespace) -> list[str]:
     """The figures as BENCHMARKS.md shows them: each method's median sync beside the floor, where each engine's
     sync goes, and the verdicts."""
-    rows, floor = document["rows"], next(r for r in document["rows"] if r["method"] == FLOOR)["seconds"]
+    rows = document["rows"]
+    by_method = {row["method"]: row for row in rows}
+    floor = by_method[FLOOR]["seconds"]
     table = []
     for row in rows:
         exact = "(the reference)" if row["method"] == "restart LLM" else ("identical" if row["exact"] else "DIFFERENT")
@@ -345,11 +347,11 @@ def markdown(document: dict[str, Any], engines: list[str], args: argparse.Namesp
                       f"{row['seconds'] / floor:.2f}×", exact])
     phases = [[f"wtransfer {engine}",
                *(f"{seconds:.3f}" if (seconds := by["phases"].get(name)) is not None else "-" for name in PHASE_COLUMNS)]
-              for engine in engines for by in (next(r for r in rows if r["method"] == f"wtransfer {engine}"),)]
+              for engine in engines for by in (by_method[f"wtransfer {engine}"],)]
     verdicts = [f"- wtransfer {engine}: {by['vs_floor']:.2f}× vLLM's reload from memory (target ≤ {args.floor_target}×), "
                 f"{by['speedup_vs_reload']:.2f}× faster than save + reload_weights"
                 + (f" (target ≥ {args.target}×)" if engine == "shm" else "")
-                for engine in engines for by in (next(r for r in rows if r["method"] == f"wtransfer {engine}"),)]
+                for engine in engines for by in (by_method[f"wtransfer {engine}"],)]
     verdicts.append("- targets met" if not document["failures"] else "- targets MISSED: " + "; ".join(document["failures"]))
     return [
         f"{args.model} shapes, {rows[0]['bytes'] / 1e9:.2f} GB bf16, {args.rounds} rounds per method, each method in "
