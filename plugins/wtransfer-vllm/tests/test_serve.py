@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_harness import ROUNDS, run_script, tied_popen
+from vllm_harness import IN_PROCESS_ENV, ROUNDS, run_script, tied_popen
 
 BACKEND = "shm"
 LOGS: dict[str, Path] = {}
@@ -155,16 +155,22 @@ def test_serve_sync_kill_mismatch_and_resync(
     assert query(vllm_python, server, "outputs", model) == reference["outputs"]
     assert query(vllm_python, server, "compare", str(baseline)) == {"match": True, "mismatches": []}
 
-    # 7. TRL's GRPOTrainer in server mode, its VLLMClient's three sync methods replaced
-    # (wtransfer_vllm.trl.use_in_grpo_trainer): its calls, in its order, from the checkpoint again;
-    # the trainer is shut down by TRL's atexit hook, and the script must still exit cleanly.
-    code, result = trainer(vllm_python, "grpo", server, tiny_llama, tmp_path)
-    assert code == 0, result
-    assert result["initial"] == before  # the sync at step 0 sends the checkpoint's own weights
-    assert result["after_first"] != reference["outputs"]  # round 1 moved the weights off the reference
-    assert [s["cast_tensors"] == s["tensors"] for s in result["stats"]] == [True] * (ROUNDS + 1), result["stats"]
-    assert query(vllm_python, server, "outputs", model) == reference["outputs"]
-    assert query(vllm_python, server, "compare", str(baseline)) == {"match": True, "mismatches": []}
+    # 7. TRL's own GRPOTrainer in server mode (scripts/grpo_run.py), its VLLMClient's sync made wtransfer
+    # rounds by use_in_grpo_trainer: fp32 masters, three steps, a sync before each and one after; vLLM
+    # then computes what a fresh load of the trainer's final weights computes. The trainer is shut down
+    # by TRL's atexit hook, and the script must still exit cleanly.
+    out, final, fresh = tmp_path / "grpo.json", tmp_path / "grpo-final", tmp_path / "grpo-fresh.json"
+    run_script(vllm_python, "grpo_run.py", "server", model, str(final), str(out), server, timeout=600)
+    result = json.loads(out.read_text())
+    run_script(vllm_python, "reference.py", str(final), str(fresh), env=IN_PROCESS_ENV)
+    assert result["after_first"] == before  # the sync at step 0 sends the checkpoint's own weights
+    assert result["after"] != before
+    assert result["after"] == json.loads(fresh.read_text())["outputs"]
+    assert query(vllm_python, server, "outputs", model) == result["after"]
+    grpo_versions = [s["version"] for s in result["stats"]]
+    assert len(grpo_versions) == 4 and grpo_versions == sorted(set(grpo_versions)), grpo_versions
+    assert grpo_versions[0] > versions[-1], (versions, grpo_versions)  # past every label step 6 left
+    assert all(s["cast_tensors"] == s["tensors"] for s in result["stats"]), result["stats"]
 
 
 def test_rounds_committed_while_requests_run_label_every_token_for_each_in_flight_choice(

