@@ -10,6 +10,8 @@ on the same deterministic training steps:
   trainer waits for it (start, whole transfer, load into vLLM's model, finish);
 * ``vLLM reload from memory``: the floor of a sync, vLLM's own ``reload_weights`` fed with the round's
   tensors already in memory (the engine runs in the bench's process, so no transport is needed);
+* with ``shm``, vLLM inside the trainer process as TRL's ``GRPOTrainer`` colocate mode runs it: a
+  wtransfer ``shm`` round, and TRL's own sync (the model's ``load_weights`` once per tensor);
 * ``save + reload_weights``: ``save_pretrained`` to /dev/shm, then vLLM's
   ``collective_rpc("reload_weights", weights_path=...)``;
 * ``restart``: a new ``vllm.LLM`` from the final checkpoint (its start-up time), whose greedy
@@ -44,6 +46,10 @@ from wtransfer.testing.bench_blocks import machine_description, markdown_table, 
 LOG_PREFIX = "wtransfer-vllm round:"
 FLOOR = "vLLM reload from memory"
 """The floor row: vLLM's ``reload_weights`` fed with the round's tensors in memory, no transport."""
+COLOCATED = "wtransfer shm, vLLM in-process"
+"""A round into vLLM running inside the trainer process (TRL's colocate mode)."""
+TRL_COLOCATE = "TRL colocate: load_weights per tensor"
+"""TRL's own colocate sync, for comparison with :data:`COLOCATED`."""
 WORKER_SECONDS = {  # what a worker's log says of a round: its receive, its load into vLLM (the probe inside)
     "receive": re.compile(r"received and staged in ([\d.]+) s"),
     "load (probe included)": re.compile(r"loaded into the model in ([\d.]+) s"),
@@ -109,8 +115,9 @@ def _child_engine(args: argparse.Namespace) -> dict[str, Any]:
             started = time.perf_counter()
             stats = trainer.send_weights()
             seconds = time.perf_counter() - started
-        rounds.append({"seconds": seconds, "bytes": stats["bytes"], "extra_rss": rss.peak - before,
-                       "phases": stats["phases"]})
+        in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"  # vLLM shares this process's RSS
+        rounds.append({"seconds": seconds, "bytes": stats["bytes"], "phases": stats["phases"],
+                       "extra_rss": None if in_process else rss.peak - before})
     trainer.shutdown()
     return {"rounds": rounds, "outputs": greedy(llm)}
 
@@ -187,8 +194,32 @@ def _child_restart(args: argparse.Namespace) -> dict[str, Any]:
                 "outputs": greedy(llm)}
 
 
-CHILDREN = {"engine": _child_engine, "floor": _child_floor, "reload": _child_reload, "restart": _child_restart}
-IN_PROCESS = {"floor"}
+def _child_trl_colocate(args: argparse.Namespace) -> dict[str, Any]:
+    """TRL 1.16's ``GRPOTrainer`` colocate sync as TRL runs it: vLLM in this process, and the model's
+    ``load_weights`` called once per parameter with the trainer's tensors (bf16 here, as in every row: no cast),
+    with no check, no layerwise reload and no probe, then a prefix-cache reset."""
+    from vllm import LLM
+
+    from wtransfer_vllm.testing import greedy, llm_kwargs, load_trainer_model, perturb
+
+    llm = LLM(**llm_kwargs(args.model_dir))
+    model = load_trainer_model(args.model_dir)
+    target = llm.llm_engine.model_executor.driver_worker.model_runner.model  # TRL's own reach
+    rounds = []
+    for step in range(args.rounds):
+        perturb(model, step)
+        started = time.perf_counter()
+        for name, parameter in model.named_parameters():
+            target.load_weights([(name, parameter.data)])
+        llm.reset_prefix_cache()
+        rounds.append({"seconds": time.perf_counter() - started,
+                       "bytes": sum(p.numel() * p.element_size() for p in model.parameters()), "extra_rss": None})
+    return {"rounds": rounds, "outputs": greedy(llm)}
+
+
+CHILDREN = {"engine": _child_engine, "floor": _child_floor, "reload": _child_reload, "restart": _child_restart,
+            "colocated": _child_engine, "trl-colocate": _child_trl_colocate}
+IN_PROCESS = {"floor", "colocated", "trl-colocate"}
 """Children whose vLLM engine runs in their own process (vLLM's default: a separate engine core process)."""
 
 
@@ -256,6 +287,12 @@ def run(args: argparse.Namespace) -> int:
         for engine in engines:
             results[f"wtransfer {engine}"] = _run_child("engine", model_dir, args.rounds, engine)
         results[FLOOR] = _run_child("floor", model_dir, args.rounds)
+        if "shm" in engines:  # vLLM inside the trainer process, as TRL's colocate mode runs it
+            results[COLOCATED] = _run_child("colocated", model_dir, args.rounds, "shm")
+            try:
+                results[TRL_COLOCATE] = _run_child("trl-colocate", model_dir, args.rounds)
+            except RuntimeError as exc:  # TRL's own path may fail where ours does not: say so, measure the rest
+                print(f"[bench] TRL's own colocate sync failed here; its row is left out:\n{exc}", file=sys.stderr)
         results["save + reload_weights"] = _run_child("reload", model_dir, args.rounds)
         results["restart LLM"] = _run_child("restart", model_dir, args.rounds)
     return report(results, engines, args)
@@ -290,6 +327,8 @@ def report(results: dict[str, dict[str, Any]], engines: list[str], args: argpars
         if row["vs_floor"] > args.floor_target:
             failures.append(f"wtransfer {engine} takes {row['vs_floor']:.2f}x vLLM's in-memory reload, "
                             f"target <= {args.floor_target}x")
+    if COLOCATED in by_method and not by_method[COLOCATED]["exact"]:
+        failures.append(f"{COLOCATED}: vLLM's outputs differ from a fresh load of the same weights")
     if "shm" in engines and by_method["wtransfer shm"]["speedup_vs_reload"] < args.target:
         failures.append(f"shm is {by_method['wtransfer shm']['speedup_vs_reload']:.2f}x save + reload_weights, "
                         f"target >= {args.target}x")
@@ -320,6 +359,10 @@ def report(results: dict[str, dict[str, Any]], engines: list[str], args: argpars
                                                                for name, seconds in row["phases"].items()))
         for line in row["worker_log"]:
             print(f"  vLLM worker, {engine}: {line}")
+    if COLOCATED in by_method and TRL_COLOCATE in by_method:
+        print(f"vLLM in the trainer's process: a wtransfer shm round takes "
+              f"{by_method[COLOCATED]['seconds'] / by_method[TRL_COLOCATE]['seconds']:.2f}x the time of TRL's own "
+              "colocate sync (load_weights per tensor)")
     reload_row = by_method["save + reload_weights"]
     if not reload_row["exact"]:
         print("save + reload_weights leaves vLLM computing outputs that differ from a fresh load of the same weights")
@@ -352,6 +395,10 @@ def markdown(document: dict[str, Any], engines: list[str], args: argparse.Namesp
                 f"{by['speedup_vs_reload']:.2f}× faster than save + reload_weights"
                 + (f" (target ≥ {args.target}×)" if engine == "shm" else "")
                 for engine in engines for by in (by_method[f"wtransfer {engine}"],)]
+    if COLOCATED in by_method and TRL_COLOCATE in by_method:
+        verdicts.append(f"- vLLM in the trainer's process: a wtransfer shm round takes "
+                        f"{by_method[COLOCATED]['seconds'] / by_method[TRL_COLOCATE]['seconds']:.2f}× the time of TRL's "
+                        "own colocate sync (no target; TRL's checks nothing and is not all-or-nothing)")
     verdicts.append("- targets met" if not document["failures"] else "- targets MISSED: " + "; ".join(document["failures"]))
     return [
         f"{args.model} shapes, {rows[0]['bytes'] / 1e9:.2f} GB bf16, {args.rounds} rounds per method, each method in "
