@@ -5,7 +5,7 @@ usage: python kv_reuse.py MODEL_DIR STORE_DIR
 Two vLLM instances, one after the other, each with its own engine process and an empty prefix
 cache, share nothing but STORE_DIR. The first computes a 129-token prompt and stores its 4 full
 KV blocks (32 tokens each) there; the second loads them instead of computing them and must
-produce the same tokens. About a minute on a 2-core machine; the last line says PASS or FAIL,
+produce the same tokens. Minutes on a small machine; the last line says PASS or FAIL,
 and the exit status with it.
 """
 

@@ -9,7 +9,7 @@ its bf16 (cast while packed). Round 1 fills vLLM whole; then the embedding and f
 frozen and each later round carries only the decoder layers, which train (``partial=True``: vLLM
 keeps what a round leaves out). In the RL order: vLLM generates first, then the rounds, then it
 generates again; a fresh ``LLM`` loaded from the trainer's weights must compute the same greedy
-tokens and logprobs. About a minute on a 2-core machine (two vLLM starts); the last line says
+tokens and logprobs. Two vLLM starts: minutes on a small machine; the last line says
 PASS or FAIL, and the exit status with it.
 """
 
@@ -57,7 +57,8 @@ if __name__ == "__main__":  # vLLM starts processes: keep the guard
     print(f"vLLM weight version: {llm.get_weight_version()}")
     llm.llm_engine.engine_core.shutdown()  # vLLM 0.32's LLM has no close(): stop its engine now, not at exit
 
-    model.save_pretrained(work / "final")  # the check: a fresh load of the trainer's weights
+    # the check: a fresh load of the trainer's weights, saved in vLLM's dtype (rounded as vLLM's own load would)
+    model.to(torch.bfloat16).save_pretrained(work / "final")
     shutil.copy(config_only / "tokenizer.json", work / "final")
     fresh_llm = LLM(**llm_kwargs(work / "final"))
     fresh = greedy(fresh_llm)

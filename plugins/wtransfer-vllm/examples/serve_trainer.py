@@ -4,8 +4,8 @@ usage: python serve_trainer.py BASE_URL MODEL_DIR [--backend shm] [--rounds 3]
 
 The server must run with VLLM_SERVER_DEV_MODE=1 (on loopback: --host 127.0.0.1, its dev
 endpoints must not face a network) and --weight-transfer-config naming the same backend.
-Waits for the server (it prints progress; a first start takes about a minute on a 2-core
-machine), prints each round and what the server reports at /weight_info. The last line says
+Waits for the server (it prints progress; a first start can take minutes on a small machine),
+prints each round and what the server reports at /weight_info. The last line says
 PASS (the server reports the last round's version and its greedy outputs moved off the
 checkpoint's) or FAIL, and the exit status with it. That vLLM then computes exactly what a fresh
 load of the trainer's weights computes is what ``offline.py`` checks.
@@ -55,8 +55,8 @@ if __name__ == "__main__":
     )
     for step in range(args.rounds):
         perturb(model, step)  # a stand-in for an optimizer step
-        label = f"step-{step}"  # the version the server reports: the trainer's step
-        stats = trainer.send_weights(label)
+        stats = trainer.send_weights()  # the server then reports str(stats["version"])
+        label = str(stats["version"])
         print(f"round {stats['version']}: {stats['bytes'] / 1e6:.1f} MB as bf16 in {stats['seconds']:.3f} s")
     trainer.shutdown()
     info = requests.get(f"{args.base_url}/weight_info", timeout=10).json()

@@ -37,7 +37,8 @@ from wtransfer_vllm.model_check import dry_run_round
 from wtransfer_vllm.probe import TOLERANCE as PROBE_TOLERANCE
 from wtransfer_vllm.probe import CommitProbe
 from wtransfer_vllm.probe import enabled as probe_enabled
-from wtransfer_vllm.vllm_internals import disable_mtp_completeness_check, layer_quant_method, reprocess_layer_weights
+from wtransfer_vllm.vllm_internals import (disable_mtp_completeness_check, layer_quant_method,
+                                           layers_left_as_they_were, reprocess_layer_weights)
 from wtransfer_vllm.worker_rpc import report_failures_as_replies
 
 # Under vLLM's logger tree, so the per-round line shows in vLLM's own log output.
@@ -265,7 +266,7 @@ def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]
     )
 
     probe = CommitProbe(model) if probe_enabled() else None
-    with probe or contextlib.nullcontext():
+    with probe or contextlib.nullcontext(), layers_left_as_they_were() as left:
         initialize_layerwise_reload(model)
         try:
             with disable_mtp_completeness_check():
@@ -273,6 +274,9 @@ def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]
         finally:
             finalize_layerwise_reload(model, model_config)
         refresh_tied_layers(model)
+    if left:
+        logger.debug("wtransfer-vllm round: %d layer(s) received no weight and keep theirs: %s", len(left),
+                     ", ".join(sorted(set(left))))
     if probe is not None:
         report = probe.check()  # raises, naming the layers, if vLLM would compute with anything else
         logger.info("wtransfer-vllm round: %d layer(s) compute with the round's weights (probe: %.3f s to "

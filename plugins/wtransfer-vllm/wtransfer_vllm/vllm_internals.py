@@ -561,6 +561,40 @@ def original_weight_loader(tensor: Any) -> Callable[..., Any]:
     return loader
 
 
+class _LayersLeftAsTheyWere(logging.Filter):
+    """Takes vLLM's per-layer ``"%s: Failed to load weights"`` warnings, counting the layers they name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "%s: Failed to load weights" and record.args:
+            self.layers.append(str(record.args[0]))
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def layers_left_as_they_were() -> Iterator[list[str]]:
+    """Within: vLLM's layerwise reload does not warn of each layer that received no weight (it keeps
+    that layer's tensors); the list yielded names them instead, once the block ends.
+
+    vLLM warns for every layer a reload leaves out, but a round leaves layers out by design: a rotary
+    embedding's cache is no checkpoint tensor, a tied LM head gets the embedding's weight (and is
+    refreshed after the load), and a partial round carries only what changed. What a round must
+    carry was checked before its first byte, and the commit probe checks every layer after the load.
+    Touches the logger of ``reload.layerwise`` and its message text; if either changes, vLLM's
+    warnings simply show again."""
+    quiet = _LayersLeftAsTheyWere()
+    layerwise = logging.getLogger(f"{_RELOAD}.layerwise")
+    layerwise.addFilter(quiet)
+    try:
+        yield quiet.layers
+    finally:
+        layerwise.removeFilter(quiet)
+
+
 @contextlib.contextmanager
 def torchao_reload_off(model: Any) -> Iterator[None]:
     """``model._do_torchao_reload`` off for the duration, as vLLM's ``initialize_layerwise_reload``
