@@ -25,7 +25,8 @@ PACKAGE = PLUGIN_ROOT / "wtransfer_vllm"
 ISOLATED = "vllm_internals.py"
 KINDS = {"dict", "classmethod", "method", "instance", "function"}
 NOT_VLLM = {"_parameters": "torch.nn.Module's own parameters (torch, not vLLM)",
-            "_buffers": "torch.nn.Module's own buffers (torch, not vLLM)"}
+            "_buffers": "torch.nn.Module's own buffers (torch, not vLLM)",
+            "_iter_named_params": "TRL's VLLMGeneration walk of the trainer's parameters (TRL, not vLLM)"}
 """Private names the bridge reads that belong to other libraries (each checked by hand)."""
 LISTED = frozenset(internal.attribute for internal in INTERNALS)
 """The attributes ``INTERNALS`` lists: outside ``vllm_internals`` none may be used (load, store,
@@ -38,6 +39,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("bench.py", "llm.collective_rpc"): "vllm.LLM.collective_rpc('reload_weights', ...): the baseline benchmark",
     ("testing.py", "llm.collective_rpc"): "vllm.LLM.collective_rpc('compute_weight_checksums')",
     ("bench_kv.py", "llm.reset_prefix_cache"): "vllm.LLM.reset_prefix_cache() between timed runs",
+    ("bench.py", "llm.reset_prefix_cache"): "vllm.LLM.reset_prefix_cache() after TRL's per-tensor load, as TRL does",
     **{("client.py", f"self.llm.{name}"): f"vllm.LLM.{name}: LLMClient adapts the offline LLM's weight-sync "
        f"methods (self.llm is the user's vllm.LLM)" for name in
        ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")},

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -161,6 +162,10 @@ class _ColocatedLLM(LLMClient):
         return 1
 
 
+_GRPO_TRAINERS: weakref.WeakKeyDictionary[Any, weakref.ref[Any]] = weakref.WeakKeyDictionary()
+"""Each colocated ``VLLMGeneration`` of a ``GRPOTrainer``, with that trainer (both held weakly)."""
+
+
 def _check_colocate(generation: Any) -> None:
     if generation.tensor_parallel_size != 1:
         raise wtransfer.WTransferError(
@@ -205,8 +210,9 @@ def _use_in_colocate(backend: str, init_info: dict[str, Any] | None, options: di
         if self._weight_metadata is None:  # TRL's own first walk, as its server mode does
             self._weight_metadata = [(name, str(param.dtype).removeprefix("torch."), list(param.shape))
                                      for name, param in self._iter_named_params()]
-        step = getattr(self, "_wtransfer_step", None)
-        version = None if step is None else step() + 1
+        trainer = _GRPO_TRAINERS.get(self)
+        trainer = trainer and trainer()
+        version = None if trainer is None else trainer.state.global_step + 1
         if version is not None and version <= transfer.highest_version:
             version = None  # a second sync at this step (a retry, a re-push after sleep): the next free number
         transfer.send_weights(self._iter_named_params(), self._weight_metadata, version=version)
@@ -221,8 +227,7 @@ def _use_in_colocate(backend: str, init_info: dict[str, Any] | None, options: di
         generation = getattr(self, "vllm_generation", None)
         if generation is not None and generation.mode == "colocate":
             _check_colocate(generation)
-            # a round's number: the optimizer steps its weights went through, plus one
-            generation._wtransfer_step = lambda: self.state.global_step
+            _GRPO_TRAINERS[generation] = weakref.ref(self)  # its rounds are numbered by this trainer's step
 
     __init__._wtransfer_trl = trl_init  # type: ignore[attr-defined]
     GRPOTrainer.__init__ = __init__
