@@ -275,7 +275,7 @@ def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]
             finalize_layerwise_reload(model, model_config)
         refresh_tied_layers(model)
     if left:
-        logger.debug("wtransfer-vllm round: %d layer(s) received no weight and keep theirs: %s", len(left),
+        logger.debug("wtransfer-vllm round: %d layer(s) received no weight and keep theirs (classes: %s)", len(left),
                      ", ".join(sorted(set(left))))
     if probe is not None:
         report = probe.check()  # raises, naming the layers, if vLLM would compute with anything else

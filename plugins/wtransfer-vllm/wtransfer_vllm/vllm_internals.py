@@ -578,14 +578,13 @@ class _LayersLeftAsTheyWere(logging.Filter):
 @contextlib.contextmanager
 def layers_left_as_they_were() -> Iterator[list[str]]:
     """Within: vLLM's layerwise reload does not warn of each layer that received no weight (it keeps
-    that layer's tensors); the list yielded names them instead, once the block ends.
+    that layer's tensors); the list yielded holds those layers' class names instead.
 
-    vLLM warns for every layer a reload leaves out, but a round leaves layers out by design: a rotary
-    embedding's cache is no checkpoint tensor, a tied LM head gets the embedding's weight (and is
-    refreshed after the load), and a partial round carries only what changed. What a round must
-    carry was checked before its first byte, and the commit probe checks every layer after the load.
-    Touches the logger of ``reload.layerwise`` and its message text; if either changes, vLLM's
-    warnings simply show again."""
+    vLLM warns for every layer a load gives no tensor, and every round leaves two out by design: a
+    rotary embedding's cache is no checkpoint tensor, and a tied LM head gets the embedding's weight
+    (refreshed after the load). What a round must carry was checked against vLLM's model before its
+    first byte. Touches the logger of ``reload.layerwise`` and its message text; if either changes,
+    vLLM's warnings simply show again."""
     quiet = _LayersLeftAsTheyWere()
     layerwise = logging.getLogger(f"{_RELOAD}.layerwise")
     layerwise.addFilter(quiet)
