@@ -107,6 +107,7 @@ def _child_engine(args: argparse.Namespace) -> dict[str, Any]:
     trainer = wtransfer.create_trainer(
         args.backend, client=LLMClient(llm), source=wtransfer.ModuleSource(model), init_info={"world_size": 2}
     )
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"  # vLLM shares this process's RSS
     rounds = []
     for step in range(args.rounds):
         perturb(model, step)
@@ -115,7 +116,6 @@ def _child_engine(args: argparse.Namespace) -> dict[str, Any]:
             started = time.perf_counter()
             stats = trainer.send_weights()
             seconds = time.perf_counter() - started
-        in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"  # vLLM shares this process's RSS
         rounds.append({"seconds": seconds, "bytes": stats["bytes"], "phases": stats["phases"],
                        "extra_rss": None if in_process else rss.peak - before})
     trainer.shutdown()
@@ -205,6 +205,7 @@ def _child_trl_colocate(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(**llm_kwargs(args.model_dir))
     model = load_trainer_model(args.model_dir)
     target = llm.llm_engine.model_executor.driver_worker.model_runner.model  # TRL's own reach
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     rounds = []
     for step in range(args.rounds):
         perturb(model, step)
@@ -212,8 +213,7 @@ def _child_trl_colocate(args: argparse.Namespace) -> dict[str, Any]:
         for name, parameter in model.named_parameters():
             target.load_weights([(name, parameter.data)])
         llm.reset_prefix_cache()
-        rounds.append({"seconds": time.perf_counter() - started,
-                       "bytes": sum(p.numel() * p.element_size() for p in model.parameters()), "extra_rss": None})
+        rounds.append({"seconds": time.perf_counter() - started, "bytes": nbytes, "extra_rss": None})
     return {"rounds": rounds, "outputs": greedy(llm)}
 
 
@@ -332,8 +332,10 @@ def report(results: dict[str, dict[str, Any]], engines: list[str], args: argpars
     if "shm" in engines and by_method["wtransfer shm"]["speedup_vs_reload"] < args.target:
         failures.append(f"shm is {by_method['wtransfer shm']['speedup_vs_reload']:.2f}x save + reload_weights, "
                         f"target >= {args.target}x")
+    colocated_vs_trl = (by_method[COLOCATED]["seconds"] / by_method[TRL_COLOCATE]["seconds"]
+                        if COLOCATED in by_method and TRL_COLOCATE in by_method else None)
     document = {"machine": machine_description(), "vllm": vllm_version(), "model": args.model, "rounds": args.rounds,
-                "rows": rows, "failures": failures}
+                "rows": rows, "failures": failures, "colocated_vs_trl": colocated_vs_trl}
     if getattr(args, "markdown", None) is not None:
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():  # JSON stays alone
             write_block(args.markdown, BLOCK, getattr(args, "command_line", "python -m wtransfer_vllm.bench"),
@@ -359,10 +361,9 @@ def report(results: dict[str, dict[str, Any]], engines: list[str], args: argpars
                                                                for name, seconds in row["phases"].items()))
         for line in row["worker_log"]:
             print(f"  vLLM worker, {engine}: {line}")
-    if COLOCATED in by_method and TRL_COLOCATE in by_method:
-        print(f"vLLM in the trainer's process: a wtransfer shm round takes "
-              f"{by_method[COLOCATED]['seconds'] / by_method[TRL_COLOCATE]['seconds']:.2f}x the time of TRL's own "
-              "colocate sync (load_weights per tensor)")
+    if colocated_vs_trl is not None:
+        print(f"vLLM in the trainer's process: a wtransfer shm round takes {colocated_vs_trl:.2f}x the time of TRL's "
+              "own colocate sync (load_weights per tensor)")
     reload_row = by_method["save + reload_weights"]
     if not reload_row["exact"]:
         print("save + reload_weights leaves vLLM computing outputs that differ from a fresh load of the same weights")
@@ -395,10 +396,9 @@ def markdown(document: dict[str, Any], engines: list[str], args: argparse.Namesp
                 f"{by['speedup_vs_reload']:.2f}× faster than save + reload_weights"
                 + (f" (target ≥ {args.target}×)" if engine == "shm" else "")
                 for engine in engines for by in (by_method[f"wtransfer {engine}"],)]
-    if COLOCATED in by_method and TRL_COLOCATE in by_method:
-        verdicts.append(f"- vLLM in the trainer's process: a wtransfer shm round takes "
-                        f"{by_method[COLOCATED]['seconds'] / by_method[TRL_COLOCATE]['seconds']:.2f}× the time of TRL's "
-                        "own colocate sync (no target; TRL's checks nothing and is not all-or-nothing)")
+    if document["colocated_vs_trl"] is not None:
+        verdicts.append(f"- vLLM in the trainer's process: a wtransfer shm round takes {document['colocated_vs_trl']:.2f}× "
+                        "the time of TRL's own colocate sync (no target; TRL's checks nothing and is not all-or-nothing)")
     verdicts.append("- targets met" if not document["failures"] else "- targets MISSED: " + "; ".join(document["failures"]))
     return [
         f"{args.model} shapes, {rows[0]['bytes'] / 1e9:.2f} GB bf16, {args.rounds} rounds per method, each method in "
