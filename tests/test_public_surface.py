@@ -52,7 +52,7 @@ TOOLKIT_NAMES: dict[str, set[str]] = {
     # upper layer: deriving from a built-in, or writing a worker/trainer pair
     "wtransfer.engines": {
         "BufferBudgetOptions", "ClientCall", "LoadWeights", "ManifestUpdateInfo", "ModuleSource",
-        "SharedMemoryInitOptions", "SharedMemoryTrainer", "SharedMemoryWeightTransferEngine", "TensorSource",
+        "SharedMemoryInitOptions", "SharedMemoryTrainer", "SharedMemoryWeightTransferEngine", "StreamSource", "TensorSource",
         "TorchDistributedBackend", "TorchDistributedInitInfo", "TorchDistributedInitOptions",
         "TorchDistributedOptions", "TorchDistributedSender", "TorchDistributedTrainer",
         "TorchDistributedWeightTransferEngine", "TrainerInitOptions", "TrainerWeightTransferEngine", "WeightSource", "WeightTransferEngine",

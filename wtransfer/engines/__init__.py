@@ -27,7 +27,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {  # module -> the public names it define
     "wtransfer.engines._loader": ("validate_with_loader", "module_loader"),
     # trainer side
     "wtransfer.engines._trainer": ("TrainerWeightTransferEngine", "TrainerInitOptions", "ClientCall", "create_trainer"),
-    "wtransfer.engines._source": ("WeightSource", "ModuleSource", "TensorSource"),
+    "wtransfer.engines._source": ("WeightSource", "ModuleSource", "TensorSource", "StreamSource"),
     # bases to derive from
     "wtransfer.engines._td_backend": ("TorchDistributedBackend",),
     "wtransfer.engines._td_worker": ("TorchDistributedWeightTransferEngine",),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from wtransfer.engines._manifest import TensorEntry, entry_for
@@ -170,3 +170,46 @@ class TensorSource(WeightSource):
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.tensors.items():
             yield name, _unwrap(tensor)
+
+
+class StreamSource(WeightSource):
+    """A framework's one-pass ``(name, tensor)`` iterator, a new one each round (:meth:`feed` it before sending).
+
+    RL frameworks hand over a generator per sync (TRL's ``send_weights(iterator)``, verl's
+    ``send_weights(weights)``) and cannot say beforehand what it yields. The first round therefore holds its
+    tensors to learn their names, dtypes and shapes (a whole copy of the model where the generator gathers
+    shards), unless ``entries`` are given; later rounds stream, described by the round before, and a round
+    whose tensors differ from that fails naming the tensor, before its commit.
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[TensorEntry] | None = None
+        self._tensors: Iterator[tuple[str, torch.Tensor]] = iter(())
+
+    def feed(self, tensors: Iterable[tuple[str, torch.Tensor]], entries: Iterable[TensorEntry] | None = None) -> None:
+        """The next round's tensors; ``entries`` (in the same order) describe them if the framework knows."""
+        if entries is not None:
+            self.entries = list(entries)
+        if self.entries is None:  # the first round: learn what the framework sends
+            held = list(tensors)
+            self.entries = [entry_for(name, tensor) for name, tensor in held]
+            tensors = held
+        self._tensors = iter(tensors)
+
+    def metadata(self) -> list[TensorEntry]:
+        if self.entries is None:
+            raise RuntimeError("StreamSource: feed() the round's tensors before sending it")
+        return list(self.entries)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._tensors  # shared, so drain() walks what the round left
+
+    def drain(self) -> None:
+        """Walk what the round left of the iterator, keeping nothing: a framework's other ranks gather each
+        tensor with it (a collective) and would wait forever for the rest. An iterator that fails stops it."""
+        tensors, self._tensors = self._tensors, iter(())
+        try:
+            for _ in tensors:
+                pass
+        except Exception:
+            pass  # the iterator itself failed: nothing more to walk

@@ -745,7 +745,14 @@ class TrainerWeightTransferEngine(ABC):
 
     def _next_version(self) -> int:
         """The next round's version: the one asked for, else one past every label in use."""
-        return self._asked_version or max(self.weight_version, self._version_floor) + 1
+        return self._asked_version or self.free_version
+
+    @property
+    def free_version(self) -> int:
+        """The lowest number a round may take now: one past every label a worker holds or began to commit (as
+        learned at rendezvous) and every round sent. A framework labelling rounds by its own step takes
+        ``max(step, free_version)`` when a step may sync twice or a new trainer replaced the last one."""
+        return max(self.weight_version, self._version_floor) + 1
 
     def plan(self, manifest: Manifest) -> list[Bucket]:
         """The round's bucket layout; workers compute the same from the manifest and init info."""

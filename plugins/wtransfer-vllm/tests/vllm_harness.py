@@ -34,7 +34,13 @@ UNNEEDED = ["torchvision", "torchaudio", "torchcodec"]
 RAY_REQUIREMENT = "ray==2.60.0"
 # TRL's GRPOTrainer (server and colocate) and its async trainer's protocol sync vLLM through wtransfer_vllm.trl.
 TRL_REQUIREMENT = "trl==1.16.0"
-EXTRAS_ID = f"{RAY_REQUIREMENT} {TRL_REQUIREMENT}\n"
+# verl's checkpoint engines (plugins/wtransfer-verl) and what importing them needs beyond vLLM's and Ray's
+# packages, each without its own requirements: verl's list pulls a CUDA stack, and its transformers<5.11 pin
+# would replace vLLM's (verl's checkpoint engines import and run with vLLM's).
+VERL_REQUIREMENTS = ["verl==0.9.1", "tensordict==0.10.0", "pyvers==0.2.3", "omegaconf==2.4.0", "codetiming==1.4.0",
+                     "orjson==3.13.0"]
+EXTRAS_ID = f"{RAY_REQUIREMENT} {TRL_REQUIREMENT} {' '.join(VERL_REQUIREMENTS)}\n"
+VERL_PLUGIN_ROOT = REPO_ROOT / "plugins" / "wtransfer-verl"
 
 
 def venv_dir() -> Path:
@@ -53,10 +59,10 @@ def _run(command: list[str], what: str, timeout: float = 1800) -> str:
 
 
 def ensure_vllm_venv() -> Path:
-    """A python with vLLM and this checkout's wtransfer and wtransfer-vllm; returns it.
+    """A python with vLLM and this checkout's wtransfer, wtransfer-vllm and wtransfer-verl; returns it.
 
     Two layers, so that test runs of different checkouts at once never swap code under each other: the heavy
-    base (vLLM, torch, Ray, TRL) is built once, under a lock, and shared; each checkout gets its own small
+    base (vLLM, torch, Ray, TRL, verl) is built once, under a lock, and shared; each checkout gets its own small
     overlay environment that sees the base's packages (a ``.pth`` file) and holds its own editable installs.
     The checkout is installed into its overlay once per test run: every pytest-xdist worker of one run shares
     ``PYTEST_XDIST_TESTRUNUID`` (a run without xdist installs every time)."""
@@ -82,13 +88,14 @@ def ensure_vllm_venv() -> Path:
             # addsitedir, not a bare path: the base's own .pth files are read too
             Path(site, "wtransfer-vllm-base.pth").write_text(f"import site; site.addsitedir({base_site!r})\n")
         _run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-              "-e", str(REPO_ROOT), "-e", str(PLUGIN_ROOT)], "installing wtransfer and wtransfer-vllm")
+              "-e", str(REPO_ROOT), "-e", str(PLUGIN_ROOT), "-e", str(VERL_PLUGIN_ROOT)],
+             "installing wtransfer, wtransfer-vllm and wtransfer-verl")
         installed.write_text(run_id)
     return python
 
 
 def _ensure_base() -> Path:
-    """The shared environment with vLLM (built once, under a lock) and Ray and TRL beside it; its python."""
+    """The shared environment with vLLM (built once, under a lock) and Ray, TRL and verl beside it; its python."""
     root = venv_dir()
     root.parent.mkdir(parents=True, exist_ok=True)
     python = root / "bin" / "python"
@@ -107,6 +114,7 @@ def _ensure_base() -> Path:
         # Ray and TRL; and no checkout in the base (an older harness installed one there, which would shadow
         # an overlay's entry points)
         _run([str(python), "-m", "pip", "install", "--quiet", RAY_REQUIREMENT, TRL_REQUIREMENT], "installing Ray and TRL")
+        _run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", *VERL_REQUIREMENTS], "installing verl")
         _run([str(python), "-m", "pip", "uninstall", "--yes", "--quiet", "wtransfer", "wtransfer-vllm"],
              "removing a checkout from the base")
         (root / ".extras").write_text(EXTRAS_ID)

@@ -36,24 +36,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import wtransfer
+from wtransfer.engines import StreamSource
 from wtransfer_vllm.client import LLMClient
 
 logger = logging.getLogger("wtransfer_vllm")
-
-
-class _TrainerStream(wtransfer.WeightSource):
-    """One round's ``(name, tensor)`` iterator, described by the tensors the last round carried."""
-
-    def __init__(self) -> None:
-        self.entries: list[wtransfer.TensorEntry] | None = None
-        self.tensors: Iterator[tuple[str, Any]] = iter(())
-
-    def metadata(self) -> list[wtransfer.TensorEntry]:
-        assert self.entries is not None
-        return list(self.entries)
-
-    def __iter__(self) -> Iterator[tuple[str, Any]]:
-        return self.tensors
 
 
 class WTransferWeightTransfer:
@@ -74,7 +60,7 @@ class WTransferWeightTransfer:
         self.trainer: Any = None
         self.last_stats: dict[str, Any] | None = None
         """The stats of the last round that landed (``trainer.send_weights()``'s)."""
-        self._stream = _TrainerStream()
+        self._stream = StreamSource()
         self._failed = False
         self.highest_version = 0
         """The highest version this adapter asked for or a round of it landed under (failed rounds included)."""
@@ -102,24 +88,14 @@ class WTransferWeightTransfer:
             if self._failed:  # the last round failed: a clean start (the server's workers join again)
                 self.trainer.reconnect()
                 self._failed = False
-            if metadata is not None:
-                self._stream.entries = [wtransfer.TensorEntry(n, d, tuple(s)) for n, d, s in metadata]
-            if self._stream.entries is None:  # the first round: learn what the trainer sends
-                held = list(iterator)
-                self._stream.entries = [wtransfer.TensorEntry(n, wtransfer.dtype_name(t.dtype), tuple(t.shape))
-                                        for n, t in held]
-                iterator = iter(held)
-            self._stream.tensors = iter(iterator)
+            entries = None if metadata is None else [wtransfer.TensorEntry(n, d, tuple(s)) for n, d, s in metadata]
+            self._stream.feed(iterator, entries)
             self.highest_version = max(self.highest_version, version or 0)
             self.last_stats = self.trainer.send_weights(version=version)
             self.highest_version = max(self.highest_version, self.last_stats["version"])
         except BaseException as exc:
             self._failed = True
-            try:  # TRL's other ranks run a gather per tensor as this iterator advances: let them finish
-                for _ in iterator:
-                    pass
-            except Exception:
-                pass  # the iterator itself failed: nothing more to walk
+            self._stream.drain()  # TRL's other ranks run a gather per tensor as it advances: let them finish
             resumable = hasattr(self.vllm_client, "resume")  # GRPOTrainer's clients never pause vLLM
             resumed = "the server was resumed" if resumable else "nothing was paused"
             try:  # TRL's async trainer leaves the server paused after a failed sync
@@ -134,7 +110,7 @@ class WTransferWeightTransfer:
                     f"{type(exc).__name__}: {exc}") from exc
             raise
         finally:
-            self._stream.tensors = iter(())
+            self._stream.drain()
 
     def resume(self) -> None:
         self.vllm_client.resume()
