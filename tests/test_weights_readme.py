@@ -57,6 +57,7 @@ def test_bench_verifies_rounds_and_reports_peers_as_json() -> None:
         "gloo per-tensor, new tensor + load (vLLM loop)", "memcpy into staging, then into the model",
         "gloo raw at its best, then memcpy into the model",
         "safetensors save+load (/dev/shm)", "share_memory_() per update", "gloo per-tensor broadcast (small tensors)",
+        "two memcpys at once (two threads)",
     }  # fmt: skip
     targets = {t["what"]: t for t in document["targets"]}
     assert set(targets) >= {"shm streaming / memcpy", "gloo streaming / gloo raw at its best",

@@ -750,7 +750,7 @@ class TrainerWeightTransferEngine(ABC):
     @property
     def free_version(self) -> int:
         """The lowest number a round may take now: one past every label a worker holds or began to commit (as
-        learned at rendezvous) and every round sent. A framework labelling rounds by its own step takes
+        learned at rendezvous, and from this trainer's rounds since). A framework labelling rounds by its own step takes
         ``max(step, free_version)`` when a step may sync twice or a new trainer replaced the last one."""
         return max(self.weight_version, self._version_floor) + 1
 

@@ -9,7 +9,8 @@ bf16, the cast option), and the labels:
 * in the step whose actor is killed after earlier buckets went out, no rollout worker hands on a single
   tensor and each still holds the step before; a new actor's rounds are labelled past every earlier one;
 * delta rounds move a small fraction of the bytes and hand on exactly the tensors that changed, unless
-  verl took only part of the last round: then the whole copy is handed on.
+  verl took only part of the last round: then the whole copy is handed on;
+* with ``rebuild_group`` every sync has a new trainer and is a full round, and labels still go up.
 
 Broken versions this catches, each planted once: a rollout handing on its held tensors when a round
 fails; a rollout that builds a new engine for a new actor (the new actor's labels restart).
@@ -37,10 +38,10 @@ def test_verl_checkpoint_engine_sequence_with_a_killed_actor(verl_python: Path, 
     assert report["engine_class"].startswith("wtransfer_verl.engine."), report["engine_class"]
     expected = report["expected"]
 
-    def landed(step: dict, label: int, changed: set[str] | None = None) -> list[set[str]]:
+    def landed(step: dict, label: int, changed: set[str] | None = None, want: dict | None = None) -> list[set[str]]:
         """The step landed as ``label`` and every rollout was handed exactly what the actor sent; returns
         the names each rollout was handed."""
-        metrics, want = step["sent"][0]["metrics"], expected[str(step["step"])]
+        metrics, want = step["sent"][0]["metrics"], want or expected[str(step["step"])]
         assert metrics["wtransfer/version"] == label, (label, step)
         assert step["sent"][1] == {"metrics": {}}, step  # rank 1 only walked verl's generator
         handed = []
@@ -77,3 +78,10 @@ def test_verl_checkpoint_engine_sequence_with_a_killed_actor(verl_python: Path, 
     assert len(first) == 1 and second == changed  # rollout 0's consumer stopped after one tensor
     assert landed(delta[2], 3, changed) == [everything, changed]  # so it is handed the whole copy next
     assert landed(delta[3], 4, changed) == [changed, changed]
+
+    # rebuild_group: a new trainer every sync, so every round is full (no delta base); labels still go up
+    rebuilt = report["rebuild"]
+    uncast = report["expected_uncast"]
+    for step, label in zip(rebuilt, (1, 2, 3)):
+        assert landed(step, label, want=uncast[str(step["step"])]) == [everything] * 2
+        assert step["sent"][0]["metrics"]["wtransfer/wire_bytes"] == step["sent"][0]["metrics"]["wtransfer/bytes"]

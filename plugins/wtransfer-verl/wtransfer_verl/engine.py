@@ -18,8 +18,8 @@ Each sync, verl's ``CheckpointEngineManager`` runs ``prepare()`` on every worker
   labels only go up, since a rollout worker keeps its wtransfer engine, and so what it holds, when a new
   actor connects;
 * the transport and the control connections are kept from one sync to the next (verl's
-  ``rebuild_group`` option rebuilds them every sync), and rebuilt after a failed sync, a restarted
-  worker or a new topology. A rollout worker whose rank or world size changed starts a new engine,
+  ``rebuild_group`` option rebuilds them every sync, each sync then a full round), and rebuilt after a
+  failed sync, a restarted worker or a new topology. A rollout worker whose rank or world size changed starts a new engine,
   and its labels start again.
 
 ``engine_kwargs.wtransfer:NAME`` takes ``host`` (the address the actor's rank 0 listens on and rollout
@@ -230,6 +230,7 @@ class WTransferCheckpointEngine(CheckpointEngine):
             await asyncio.to_thread(self._link.serve, self._handle, "finish")
         except BaseException as exc:
             self._failed = True
+            self._handed_all = False  # it may have committed before the answer was lost: hand on the whole copy next
             raise wtransfer.TransferError(
                 f"{PREFIX}{self.backend}: the sync for step {global_steps} did not commit on this rollout worker, "
                 f"and no tensor of it was handed on (it keeps version {self._engine.weight_version}): {exc}") from exc
@@ -240,9 +241,15 @@ class WTransferCheckpointEngine(CheckpointEngine):
         self._handed_all = True
 
     def finalize(self) -> None:
-        """Keeps the transport for the next sync, unless ``rebuild_group``."""
+        """Keeps the transport for the next sync, unless ``rebuild_group``: then the actor's trainer and every
+        connection close, and the next sync starts a new trainer. A rollout worker keeps its engine (what it
+        holds, so labels still go up) and its host copy."""
         if self.rebuild_group:
-            self.shutdown()
+            self._close_actor()
+            if self._link is not None:
+                self._link.close()
+                self._link = None
+            self._key = None
 
     def shutdown(self) -> None:
         """Release the transport, the connections and the host copy (idempotent)."""

@@ -85,11 +85,12 @@ class WTransferWeightTransfer:
         if self.trainer is None:
             raise wtransfer.WTransferError("send_weights() before init_weight_transfer()")
         try:
+            # fed first, so a failure below still walks TRL's iterator (drain())
+            self._stream.feed(iterator, None if metadata is None else
+                              [wtransfer.TensorEntry(n, d, tuple(s)) for n, d, s in metadata])
             if self._failed:  # the last round failed: a clean start (the server's workers join again)
                 self.trainer.reconnect()
                 self._failed = False
-            entries = None if metadata is None else [wtransfer.TensorEntry(n, d, tuple(s)) for n, d, s in metadata]
-            self._stream.feed(iterator, entries)
             self.highest_version = max(self.highest_version, version or 0)
             self.last_stats = self.trainer.send_weights(version=version)
             self.highest_version = max(self.highest_version, self.last_stats["version"])

@@ -28,6 +28,7 @@ CONFIGS = {
     "dense": {"dtype": "bfloat16", "checksums": True, "timeout_s": 60, "init_info": {"bucket_bytes": 1 << 16}},
     "delta": {"dtype": "bfloat16", "checksums": True, "delta": True, "timeout_s": 60,
               "init_info": {"bucket_bytes": 1 << 16}},
+    "rebuild": {"rebuild_group": True, "delta": True, "timeout_s": 60, "init_info": {"bucket_bytes": 1 << 16}},
 }
 SHAPES = {"embed.weight": ((64, 128), "float32"), "layers.0.weight": ((128, 128), "float32"),
           "layers.0.bias": ((128,), "bfloat16"), "layers.1.weight": ((128, 256), "float32"),
@@ -54,11 +55,12 @@ def step_weights(step: int) -> list[tuple[str, Any]]:
     return out
 
 
-def expected(step: int) -> dict[str, str]:
+def expected(step: int, cast: bool = True) -> dict[str, str]:
     """What a rollout worker must be handed for ``step``: floating tensors cast to bf16 (the cast option)."""
     import torch
 
-    return {name: digest(t.to(torch.bfloat16) if t.is_floating_point() else t) for name, t in step_weights(step)}
+    return {name: digest(t.to(torch.bfloat16) if cast and t.is_floating_point() else t)
+            for name, t in step_weights(step)}
 
 
 def digest(tensor: Any) -> str:
@@ -216,13 +218,17 @@ def main() -> int:
                 actors = Group("actor", ACTORS, backend, engine_kwargs)
                 for step in (KILL_STEP, KILL_STEP + 1):
                     steps.append(sync(engine_cls, actors, rollouts, step))
-            else:
+            elif config == "delta":
                 for step in (0, 1, 2, 3):
                     steps.append(sync(engine_cls, actors, rollouts, step, stop_after=1 if step == 1 else None))
+            else:
+                for step in (0, 1, 1):
+                    steps.append(sync(engine_cls, actors, rollouts, step))
         finally:
             actors.close()
             rollouts.close()
     report["expected"] = {str(step): expected(step) for step in range(KILL_STEP + 2)}
+    report["expected_uncast"] = {str(step): expected(step, cast=False) for step in (0, 1)}
     with open(out, "w") as f:
         json.dump(report, f, indent=1)
     return 0
