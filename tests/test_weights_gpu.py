@@ -4,7 +4,8 @@ copy and the commit copies it into the CUDA tensors. They skip without CUDA (CI 
 What they check: every round lands bit-exact and the parameters stay CUDA tensors (a commit that
 swapped them for host copies matches every digest and fails here: planted once, caught on one H200);
 a round failing at its last tensor, after earlier buckets moved, leaves an atomic worker's GPU model
-as it was and a streamed one torn and saying so; a delta round is refused and sent whole.
+as it was and a streamed one torn and saying so; a delta round is refused and sent whole; a trainer's
+one-pass stream of CUDA tensors (what verl's and TRL's generators hand over) lands in a host model.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import pytest
 import torch
 
 import wtransfer
-from wtransfer.engines import ModuleSource
+from wtransfer.engines import ModuleSource, StreamSource
+from wtransfer.engines.wire import tensor_checksum
 from wtransfer.errors import TransferError
 from wtransfer.local import LocalWorkerPool
 from wtransfer.testing.models import digests, matrix_model
@@ -119,5 +121,27 @@ def test_delta_rounds_to_a_gpu_model_are_refused_and_sent_whole() -> None:
             assert "cuda" in (stats["delta_refused"] or ""), stats
             assert pool.digests()[0] == digests(model)
             assert pool.stats()[0]["weight_version"] == 2
+        finally:
+            trainer.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_a_stream_of_cuda_tensors_lands_bit_exact_in_a_host_model(backend: str) -> None:
+    """An RL framework's actor on a GPU hands over one pass of CUDA tensors per sync (verl's and TRL's
+    generators): the first round holds them, later ones are read as they are packed."""
+    model = matrix_model(seed=1).cuda()
+    source = StreamSource()
+    with LocalWorkerPool(1, FACTORY, backend=backend, timeout_s=TIMEOUT) as pool:
+        trainer = wtransfer.create_trainer(backend, client=pool, source=source,
+                                           init_info={"world_size": pool.world_size, "bucket_bytes": BUCKET,
+                                                      "timeout_s": TIMEOUT})
+        try:
+            for seed in (None, 7, 9):
+                if seed is not None:
+                    _new_weights(model, seed)
+                source.feed((name, p.detach()) for name, p in model.named_parameters())
+                trainer.send_weights()
+                assert pool.digests()[0] == {n: tensor_checksum(p.detach().cpu()) for n, p in model.named_parameters()}
+                assert pool.stats()[0]["devices"] == ["cpu"]
         finally:
             trainer.shutdown()
