@@ -67,3 +67,23 @@ def test_the_benchmarks_page_block_has_the_format_the_bench_writes_today(capsys)
     assert block_shape(page[start:end]) == block_shape(fresh), f"run the command the page's block names\n{fresh}"
     assert "| wtransfer shm | 1.100 | 0.91 | 1.16× | identical |" in fresh  # the figures are the run's
     assert "a wtransfer shm round takes 1.50× the time of TRL's own colocate sync" in fresh
+
+
+def test_a_failed_trl_sync_keeps_its_row_saying_why(capsys) -> None:
+    """Where TRL's own colocate sync fails (hosts whose vLLM packs weights at load), the block keeps its row and
+    says why, and the page's format is unchanged; the engines' verdicts stand."""
+    from wtransfer.testing.bench_blocks import block_shape
+
+    failed = copy.deepcopy(RESULTS)
+    failed[TRL_COLOCATE] = {"failed": "AttributeError: 'Parameter' object has no attribute 'weight_loader'"}
+    args = argparse.Namespace(**vars(ARGS), markdown="-")
+    assert report(failed, ["shm"], args) == 0
+    out = capsys.readouterr().out
+    block = out[out.index("<!-- wtransfer bench block vllm-sync") :]
+    assert "| TRL colocate: load_weights per tensor | - | - | - | failed here: AttributeError: 'Parameter' object " \
+           "has no attribute 'weight_loader' |" in block
+    assert "TRL's own colocate sync failed on this host (AttributeError" in block
+    assert "takes 1.50×" not in block  # no ratio against a sync that did not run
+    report(copy.deepcopy(RESULTS), ["shm"], args)
+    ran = capsys.readouterr().out
+    assert block_shape(block) == block_shape(ran[ran.index("<!-- wtransfer bench block vllm-sync") :])

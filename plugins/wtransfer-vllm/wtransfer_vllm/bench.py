@@ -291,17 +291,30 @@ def run(args: argparse.Namespace) -> int:
             results[COLOCATED] = _run_child("colocated", model_dir, args.rounds, "shm")
             try:
                 results[TRL_COLOCATE] = _run_child("trl-colocate", model_dir, args.rounds)
-            except RuntimeError as exc:  # TRL's own path may fail where ours does not: say so, measure the rest
-                print(f"[bench] TRL's own colocate sync failed here; its row is left out:\n{exc}", file=sys.stderr)
+            except RuntimeError as exc:  # TRL's own path may fail where ours does not: its row says why
+                print(f"[bench] TRL's own colocate sync failed here:\n{exc}", file=sys.stderr)
+                results[TRL_COLOCATE] = {"failed": _error_line(str(exc))}
         results["save + reload_weights"] = _run_child("reload", model_dir, args.rounds)
         results["restart LLM"] = _run_child("restart", model_dir, args.rounds)
     return report(results, engines, args)
+
+
+def _error_line(text: str) -> str:
+    """The exception a failed child ended with (its last ``SomethingError: ...`` line), else its last line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if line.split(":", 1)[0].endswith(("Error", "Exception"))]
+    return (errors or lines or ["no output"])[-1][:200]
 
 
 def report(results: dict[str, dict[str, Any]], engines: list[str], args: argparse.Namespace) -> int:
     reference = results["restart LLM"]["outputs"]
     rows = []
     for method, result in results.items():
+        if "failed" in result:  # a peer that did not run here (TRL's colocate sync): kept, saying why
+            rows.append({"method": method, "failed": result["failed"], "seconds": None, "all_seconds": [],
+                         "gb_per_s": None, "bytes": None, "extra_rss_first": None, "extra_rss_later": None,
+                         "exact": None, "worker_log": []})
+            continue
         seconds = [r["seconds"] for r in result["rounds"]]
         median = statistics.median(seconds)
         nbytes = result["rounds"][0]["bytes"]
@@ -333,7 +346,7 @@ def report(results: dict[str, dict[str, Any]], engines: list[str], args: argpars
         failures.append(f"shm is {by_method['wtransfer shm']['speedup_vs_reload']:.2f}x save + reload_weights, "
                         f"target >= {args.target}x")
     colocated_vs_trl = (by_method[COLOCATED]["seconds"] / by_method[TRL_COLOCATE]["seconds"]
-                        if COLOCATED in by_method and TRL_COLOCATE in by_method else None)
+                        if COLOCATED in by_method and by_method.get(TRL_COLOCATE, {}).get("seconds") else None)
     document = {"machine": machine_description(), "vllm": vllm_version(), "model": args.model, "rounds": args.rounds,
                 "rows": rows, "failures": failures, "colocated_vs_trl": colocated_vs_trl}
     if getattr(args, "markdown", None) is not None:
@@ -348,6 +361,9 @@ def report(results: dict[str, dict[str, Any]], engines: list[str], args: argpars
           f"{document['machine']}, vLLM {document['vllm']}")
     print(f"{'method':<24} {'s/sync':>8} {'GB/s':>6} {'extra RSS 1st/later (MiB)':>26}  outputs vs fresh load")
     for row in rows:
+        if "failed" in row:
+            print(f"{row['method']:<24} failed here: {row['failed']}")
+            continue
         first = "-" if row["extra_rss_first"] is None else f"{row['extra_rss_first'] / mib:.0f}"
         later = "-" if row["extra_rss_later"] is None else f"{row['extra_rss_later'] / mib:.0f}"
         exact = "(the reference)" if row["method"] == "restart LLM" else ("identical" if row["exact"] else "DIFFERENT")
@@ -386,6 +402,9 @@ def markdown(document: dict[str, Any], engines: list[str], args: argparse.Namesp
     floor = by_method[FLOOR]["seconds"]
     table = []
     for row in rows:
+        if "failed" in row:
+            table.append([row["method"], "-", "-", "-", f"failed here: {row['failed']}"])
+            continue
         exact = "(the reference)" if row["method"] == "restart LLM" else ("identical" if row["exact"] else "DIFFERENT")
         table.append([row["method"], f"{row['seconds']:.3f}", f"{row['gb_per_s']:.2f}",
                       f"{row['seconds'] / floor:.2f}×", exact])
@@ -396,6 +415,9 @@ def markdown(document: dict[str, Any], engines: list[str], args: argparse.Namesp
                 f"{by['speedup_vs_reload']:.2f}× faster than save + reload_weights"
                 + (f" (target ≥ {args.target}×)" if engine == "shm" else "")
                 for engine in engines for by in (by_method[f"wtransfer {engine}"],)]
+    if "failed" in by_method.get(TRL_COLOCATE, {}):
+        verdicts.append(f"- vLLM in the trainer's process: TRL's own colocate sync failed on this host "
+                        f"({by_method[TRL_COLOCATE]['failed']}); a wtransfer shm round ran")
     if document["colocated_vs_trl"] is not None:
         verdicts.append(f"- vLLM in the trainer's process: a wtransfer shm round takes {document['colocated_vs_trl']:.2f}× "
                         "the time of TRL's own colocate sync (no target; TRL's checks nothing and is not all-or-nothing)")
