@@ -349,3 +349,44 @@ def test_the_source_check_flags_the_bridge_as_it_was() -> None:
     }
     for module, source in before.items():
         assert vllm_reaches(source, own_private_names([source])), module
+
+
+def test_only_layers_no_round_fills_have_their_load_warning_taken() -> None:
+    """vLLM warns ``"<Layer>: Failed to load weights"`` for every layer a load gave nothing. Rotary caches (buffers
+    only) and tied heads never get a tensor; any other class must still show, since a round carries every tensor."""
+    import torch
+
+    from wtransfer_vllm.vllm_internals import layers_left_as_they_were
+
+    class Rotary(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("cos_sin_cache", torch.zeros(4))
+
+    class Head(torch.nn.Module):
+        def __init__(self, weight: torch.nn.Parameter) -> None:
+            super().__init__()
+            self.weight = weight
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(8, 4)
+    model.rotary = Rotary()
+    model.proj = torch.nn.Linear(4, 4)
+    model.head = Head(model.embed.weight)
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    handler = Keep()
+    layerwise.addHandler(handler)
+    try:
+        with layers_left_as_they_were(model) as left:
+            for layer in ("Rotary", "Head", "Linear"):
+                layerwise.warning("%s: Failed to load weights", layer)
+    finally:
+        layerwise.removeHandler(handler)
+    assert left == ["Rotary", "Head"]
+    assert seen == ["Linear: Failed to load weights"]

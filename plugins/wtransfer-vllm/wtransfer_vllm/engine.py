@@ -266,7 +266,7 @@ def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]
     )
 
     probe = CommitProbe(model) if probe_enabled() else None
-    with probe or contextlib.nullcontext(), layers_left_as_they_were() as left:
+    with probe or contextlib.nullcontext(), layers_left_as_they_were(model) as left:
         initialize_layerwise_reload(model)
         try:
             with disable_mtp_completeness_check():

@@ -562,30 +562,46 @@ def original_weight_loader(tensor: Any) -> Callable[..., Any]:
 
 
 class _LayersLeftAsTheyWere(logging.Filter):
-    """Takes vLLM's per-layer ``"%s: Failed to load weights"`` warnings, counting the layers they name."""
+    """Takes vLLM's per-layer ``"%s: Failed to load weights"`` warnings for the layer classes ``expected`` (counting
+    them); a warning naming any other class passes: a layer a round should have filled got nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, expected: set[str]) -> None:
         super().__init__()
+        self.expected = expected
         self.layers: list[str] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg == "%s: Failed to load weights" and record.args:
+        if record.msg == "%s: Failed to load weights" and record.args and str(record.args[0]) in self.expected:
             self.layers.append(str(record.args[0]))
             return False
         return True
 
 
+def layers_no_round_fills(model: Any) -> set[str]:
+    """Class names of the layers no checkpoint tensor fills: those holding buffers but no parameter of their own (a
+    rotary embedding's cache), and those whose every parameter is an earlier layer's (a tied LM head)."""
+    seen: set[int] = set()
+    classes: set[str] = set()
+    for module in model.modules():
+        own = list(module.parameters(recurse=False))
+        if (not own and any(True for _ in module.buffers(recurse=False))) or (own and all(id(p) in seen for p in own)):
+            classes.add(type(module).__name__)
+        seen.update(id(p) for p in own)
+    return classes
+
+
 @contextlib.contextmanager
-def layers_left_as_they_were() -> Iterator[list[str]]:
-    """Within: vLLM's layerwise reload does not warn of each layer that received no weight (it keeps
-    that layer's tensors); the list yielded holds those layers' class names instead.
+def layers_left_as_they_were(model: Any) -> Iterator[list[str]]:
+    """Within: vLLM's layerwise reload does not warn of each layer of ``model`` that no round fills (it keeps that
+    layer's tensors, :func:`layers_no_round_fills`); the list yielded holds those layers' class names instead.
 
     vLLM warns for every layer a load gives no tensor, and every round leaves two out by design: a
     rotary embedding's cache is no checkpoint tensor, and a tied LM head gets the embedding's weight
-    (refreshed after the load). What a round must carry was checked against vLLM's model before its
-    first byte. Touches the logger of ``reload.layerwise`` and its message text; if either changes,
-    vLLM's warnings simply show again."""
-    quiet = _LayersLeftAsTheyWere()
+    (refreshed after the load). A warning for a layer of any other class still shows: every load carries
+    the whole model (a partial round adds the kept tensors), so such a layer got nothing it should have.
+    Touches the logger of ``reload.layerwise`` and its message text; if either changes, vLLM's warnings
+    simply show again."""
+    quiet = _LayersLeftAsTheyWere(layers_no_round_fills(model))
     layerwise = logging.getLogger(f"{_RELOAD}.layerwise")
     layerwise.addFilter(quiet)
     try:
