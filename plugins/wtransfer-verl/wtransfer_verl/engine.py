@@ -167,9 +167,7 @@ class WTransferCheckpointEngine(CheckpointEngine):
     def _build_worker(self, master: dict[str, Any], rank: int, world_size: int) -> None:
         """Connect to a (new) actor. The engine is kept while this worker's place is the same, so a new trainer
         learns at rendezvous what it holds, and numbers its rounds past that."""
-        if self._link is not None:
-            self._link.close()
-            self._link = None
+        self._close_link()
         place = (rank, world_size)
         if self._engine is not None and self._place != place:
             self._engine.shutdown()
@@ -246,9 +244,7 @@ class WTransferCheckpointEngine(CheckpointEngine):
         holds, so labels still go up) and its host copy."""
         if self.rebuild_group:
             self._close_actor()
-            if self._link is not None:
-                self._link.close()
-                self._link = None
+            self._close_link()
             self._key = None
 
     def shutdown(self) -> None:
@@ -267,10 +263,13 @@ class WTransferCheckpointEngine(CheckpointEngine):
             self._links.close()
             self._links = None
 
-    def _close_worker(self) -> None:
+    def _close_link(self) -> None:
         if self._link is not None:
             self._link.close()
             self._link = None
+
+    def _close_worker(self) -> None:
+        self._close_link()
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
