@@ -41,6 +41,24 @@ VERL_REQUIREMENTS = ["verl==0.9.1", "tensordict==0.10.0", "pyvers==0.2.3", "omeg
                      "orjson==3.13.0"]
 EXTRAS_ID = f"{RAY_REQUIREMENT} {TRL_REQUIREMENT} {' '.join(VERL_REQUIREMENTS)}\n"
 VERL_PLUGIN_ROOT = REPO_ROOT / "plugins" / "wtransfer-verl"
+CHECKOUT_ROOTS = (REPO_ROOT, PLUGIN_ROOT, VERL_PLUGIN_ROOT)
+
+
+def checkout_requirements() -> list[str]:
+    """What this checkout's distributions require, read from their ``pyproject.toml``: wtransfer's own names
+    and torch left out (torch is the base's pinned CPU build, which an unpinned requirement would replace)."""
+    import tomllib
+
+    wanted = []
+    for root in CHECKOUT_ROOTS:
+        for requirement in tomllib.loads((root / "pyproject.toml").read_text())["project"].get("dependencies", []):
+            name = requirement.split(";")[0].strip()
+            bare = name.split("[")[0]
+            for mark in "<>=!~ ":
+                bare = bare.split(mark)[0]
+            if bare.lower() not in ("torch", "wtransfer") and requirement not in wanted:
+                wanted.append(requirement)
+    return wanted
 
 
 def venv_dir() -> Path:
@@ -87,8 +105,12 @@ def ensure_vllm_venv() -> Path:
                              "reading the base's site-packages").strip()
             # addsitedir, not a bare path: the base's own .pth files are read too
             Path(site, "wtransfer-vllm-base.pth").write_text(f"import site; site.addsitedir({base_site!r})\n")
+        # their requirements first (the base's vLLM need not pull them: pluggy and zstandard it does not), then
+        # the checkout itself without them, so that pip never resolves torch here
+        _run([str(python), "-m", "pip", "install", "--quiet", *checkout_requirements()],
+             "installing what wtransfer, wtransfer-vllm and wtransfer-verl require")
         _run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-              "-e", str(REPO_ROOT), "-e", str(PLUGIN_ROOT), "-e", str(VERL_PLUGIN_ROOT)],
+              *[arg for root in CHECKOUT_ROOTS for arg in ("-e", str(root))]],
              "installing wtransfer, wtransfer-vllm and wtransfer-verl")
         installed.write_text(run_id)
     return python
