@@ -30,7 +30,7 @@ RESULTS = {
         "worker_log": [f"{mb} MB loaded into the model in {s} s" for mb, s in ((988.0, 0.5), (988.0, 0.45), (988.0, 0.55))]
         + ["24 layer(s) compute with the round's weights (probe: 0.010 s to capture, 0.020 s to check; ...)"] * 3,
     },
-    FLOOR: {"rounds": _rounds([0.95, 0.95, 1.0]), **IN_PROCESS},
+    FLOOR: {"rounds": _rounds([0.95, 0.95, 1.0]), "outputs": OUTPUTS, "fingerprints": FINGERPRINTS},
     COLOCATED: {"rounds": _rounds([0.9, 0.9, 0.9], {"plan": 0.01, "send": 0.3, "commit": 0.5}), **IN_PROCESS},
     TRL_COLOCATE: {"rounds": _rounds([0.6, 0.6, 0.6]), **IN_PROCESS},
     "save + reload_weights": {"rounds": _rounds([4.0, 4.0, 4.0]), "outputs": OUTPUTS, "fingerprints": FINGERPRINTS},

