@@ -111,11 +111,13 @@ class RSSWatcher:
 
 def _child_engine(args: argparse.Namespace) -> dict[str, Any]:
     import wtransfer
+    from vllm import LLM
 
     from wtransfer_vllm.client import LLMClient
-    from wtransfer_vllm.testing import bench_llm, load_trainer_model, perturb
+    from wtransfer_vllm.testing import WORKER_EXTENSION, llm_kwargs, load_trainer_model, perturb
 
-    llm = bench_llm(args.model_dir, weight_transfer_config={"backend": args.backend})
+    llm = LLM(**llm_kwargs(args.model_dir, weight_transfer_config={"backend": args.backend},
+                           worker_extension_cls=WORKER_EXTENSION))
     model = load_trainer_model(args.model_dir)
     trainer = wtransfer.create_trainer(
         args.backend, client=LLMClient(llm), source=wtransfer.ModuleSource(model), init_info={"world_size": 2}
@@ -143,9 +145,11 @@ def _child_floor(args: argparse.Namespace) -> dict[str, Any]:
     a file in /dev/shm before the clock starts: no transport, no wtransfer)."""
     import wtransfer
     from safetensors.torch import save_file
-    from wtransfer_vllm.testing import bench_llm, load_trainer_model, perturb
+    from vllm import LLM
 
-    llm = bench_llm(args.model_dir)
+    from wtransfer_vllm.testing import WORKER_EXTENSION, llm_kwargs, load_trainer_model, perturb
+
+    llm = LLM(**llm_kwargs(args.model_dir, worker_extension_cls=WORKER_EXTENSION))
     model = load_trainer_model(args.model_dir)
     rounds = []
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as folder:
@@ -162,9 +166,11 @@ def _child_floor(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _child_reload(args: argparse.Namespace) -> dict[str, Any]:
-    from wtransfer_vllm.testing import bench_llm, load_trainer_model, perturb
+    from vllm import LLM
 
-    llm = bench_llm(args.model_dir)
+    from wtransfer_vllm.testing import WORKER_EXTENSION, greedy, llm_kwargs, load_trainer_model, perturb
+
+    llm = LLM(**llm_kwargs(args.model_dir, worker_extension_cls=WORKER_EXTENSION))
     model = load_trainer_model(args.model_dir)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     rounds = []
@@ -184,7 +190,7 @@ def _child_reload(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _child_restart(args: argparse.Namespace) -> dict[str, Any]:
-    from wtransfer_vllm.testing import bench_llm, greedy, load_trainer_model, perturb
+    from wtransfer_vllm.testing import WORKER_EXTENSION, greedy, llm_kwargs, load_trainer_model, perturb
 
     model = load_trainer_model(args.model_dir)
     for step in range(args.rounds):
@@ -197,7 +203,9 @@ def _child_restart(args: argparse.Namespace) -> dict[str, Any]:
             if source.exists():
                 (Path(folder) / name).write_bytes(source.read_bytes())
         saved = time.perf_counter()
-        llm = bench_llm(folder)
+        from vllm import LLM
+
+        llm = LLM(**llm_kwargs(folder, worker_extension_cls=WORKER_EXTENSION))
         seconds = time.perf_counter() - started
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
         seen = observed(llm)
@@ -213,9 +221,11 @@ def _child_trl_colocate(args: argparse.Namespace) -> dict[str, Any]:
     """TRL 1.16's ``GRPOTrainer`` colocate sync as TRL runs it: vLLM in this process, and the model's
     ``load_weights`` called once per parameter with the trainer's tensors (bf16 here, as in every row: no cast),
     with no check, no layerwise reload and no probe, then a prefix-cache reset."""
-    from wtransfer_vllm.testing import bench_llm, load_trainer_model, perturb
+    from vllm import LLM
 
-    llm = bench_llm(args.model_dir)
+    from wtransfer_vllm.testing import WORKER_EXTENSION, greedy, llm_kwargs, load_trainer_model, perturb
+
+    llm = LLM(**llm_kwargs(args.model_dir, worker_extension_cls=WORKER_EXTENSION))
     model = load_trainer_model(args.model_dir)
     target = llm.llm_engine.model_executor.driver_worker.model_runner.model  # TRL's own reach
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -357,12 +367,12 @@ def report(results: dict[str, dict[str, Any]], engines: list[str], args: argpars
         median = statistics.median(seconds)
         nbytes = result["rounds"][0]["bytes"]
         rss = [r["extra_rss"] for r in result["rounds"] if r["extra_rss"] is not None]
-        fresh = references[reference_of(method)]
         rows.append({
             "method": method, "seconds": median, "all_seconds": seconds, "gb_per_s": nbytes / median / 1e9,
             "bytes": nbytes, "extra_rss_first": rss[0] if rss else None, "extra_rss_later": max(rss[1:]) if len(rss) > 1 else None,
-            "exact": result["outputs"] == fresh["outputs"], "worker_log": result.get("worker_log", []),
-            "layers_differing": differing(result["fingerprints"], fresh["fingerprints"]),
+            "exact": result["outputs"] == references[reference_of(method)]["outputs"],
+            "worker_log": result.get("worker_log", []),
+            "layers_differing": differing(result["fingerprints"], references[reference_of(method)]["fingerprints"]),
         })
     by_method = {row["method"]: row for row in rows}
     baseline = by_method["save + reload_weights"]["seconds"]
@@ -371,10 +381,9 @@ def report(results: dict[str, dict[str, Any]], engines: list[str], args: argpars
         if row["method"] == IN_PROCESS_REFERENCE:  # its layers' last bits may follow other threads, not its weights
             row["layers_differing"] = [key for key in row["layers_differing"] if not key.startswith("layer ")]
             row["exact"] = True
-        reference = reference_of(row["method"])
-        layers = sum(key.startswith("layer ") for key in references[reference]["fingerprints"])
+        layers = sum(key.startswith("layer ") for key in references[reference_of(row["method"])]["fingerprints"])
         row["verified"] = None if "failed" in row else (
-            layers > 0 and not row["layers_differing"] and (row["exact"] or noisy[reference]))
+            layers > 0 and not row["layers_differing"] and (row["exact"] or noisy[reference_of(row["method"])]))
         if layers == 0 and "failed" not in row:
             row["layers_differing"] = ["no layer of the fresh load could be fingerprinted"]
     if IN_PROCESS_REFERENCE in by_method and not by_method[IN_PROCESS_REFERENCE]["verified"]:

@@ -173,15 +173,10 @@ def checksums(llm: Any) -> dict[str, str]:
     One worker: keyed by parameter name, as vLLM's ``/weight_checker`` baseline takes them. Several
     (tensor parallelism): keyed ``"worker R/name"``, since every worker holds its own shard under
     the same name and one must not overwrite another."""
-    return by_worker(llm.collective_rpc("compute_weight_checksums"))
-
-
-def by_worker(replies: list[dict[str, str]]) -> dict[str, str]:
-    """One dict from every worker's reply: keyed as replied with one worker, ``"worker R/key"`` beyond one (every
-    worker holds its own shard under the same name, and one must not overwrite another)."""
-    if len(replies) == 1:
-        return dict(replies[0])
-    return {f"worker {rank}/{key}": value for rank, reply in enumerate(replies) for key, value in reply.items()}
+    workers = llm.collective_rpc("compute_weight_checksums")
+    if len(workers) == 1:
+        return dict(workers[0])
+    return {f"worker {rank}/{name}": digest for rank, worker in enumerate(workers) for name, digest in worker.items()}
 
 
 FINGERPRINT_ROWS = (1, 7, 64)
@@ -248,7 +243,7 @@ class BenchWorkerExtension:
 
         from wtransfer_vllm.engine import refresh_tied_layers
 
-        weights = list(load_file(path).items())  # read into memory, not mapped
+        weights = [(name, tensor.clone()) for name, tensor in load_file(path).items()]
         started = time.perf_counter()
         self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
         refresh_tied_layers(self.model_runner.model)  # type: ignore[attr-defined]
@@ -258,16 +253,12 @@ class BenchWorkerExtension:
 WORKER_EXTENSION = f"{__name__}.BenchWorkerExtension"
 
 
-def bench_llm(model: str | Path, **extra: Any) -> Any:
-    """A ``vllm.LLM`` on ``model`` (:func:`llm_kwargs`) whose workers carry :class:`BenchWorkerExtension`."""
-    from vllm import LLM
-
-    return LLM(**llm_kwargs(model, worker_extension_cls=WORKER_EXTENSION, **extra))
-
-
 def fingerprints(llm: Any) -> dict[str, str]:
     """:meth:`BenchWorkerExtension.fingerprints` of every worker, keyed ``"worker R/..."`` beyond one."""
-    return by_worker(llm.collective_rpc("fingerprints"))
+    workers = llm.collective_rpc("fingerprints")
+    if len(workers) == 1:
+        return dict(workers[0])
+    return {f"worker {rank}/{key}": value for rank, worker in enumerate(workers) for key, value in worker.items()}
 
 
 def differing(ours: dict[str, str], reference: dict[str, str]) -> list[str]:
