@@ -56,8 +56,9 @@ TOOLKIT_NAMES: dict[str, set[str]] = {
         "TorchDistributedBackend", "TorchDistributedInitInfo", "TorchDistributedInitOptions",
         "TorchDistributedOptions", "TorchDistributedSender", "TorchDistributedTrainer",
         "TorchDistributedWeightTransferEngine", "TrainerInitOptions", "TrainerWeightTransferEngine", "WeightSource", "WeightTransferEngine",
-        "WeightTransferInitInfo", "WeightTransferUpdateInfo", "check_buffer_budget", "create_trainer",
-        "global_rank", "module_loader", "validate_with_loader",
+        "WeightTransferInitInfo", "WeightTransferUpdateInfo", "accepts_weight_version", "check_buffer_budget",
+        "create_trainer",
+        "global_rank", "module_loader",
     },
     # lower layer: writing a brand-new transport
     "wtransfer.engines.wire": {

@@ -445,9 +445,9 @@ def test_a_shutdown_from_another_thread_during_a_receive_releases_the_round() ->
     receiving.start()
     try:
         assert entered.wait(30)
-        assert round_state(engine)._loader is not None  # the round is under way
+        assert round_state(engine)._committer is not None  # the round is under way
         engine.shutdown()  # from this thread, while the other one receives
-        assert round_state(engine)._loader is None, "shutdown() skipped releasing the round"
+        assert round_state(engine)._committer is None, "shutdown() skipped releasing the round"
     finally:
         release.set()
         receiving.join(30)

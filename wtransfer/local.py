@@ -1,4 +1,4 @@
-"""A local worker pool: N spawned inference-worker processes behind a ``WeightSyncClient``.
+"""A local worker pool: N inference-worker processes (forked from a fork server) behind a ``WeightSyncClient``.
 
 For the CLI (``wtransfer bench``), examples and tests. Each worker builds its own model with a user-given factory
 (``"package.module:function"`` or a module-level function), creates a worker engine with
@@ -43,7 +43,7 @@ _ERROR_TYPES: dict[str, type[BaseException]] = {
 
 
 def factory_reference(factory: Callable[..., Any] | str) -> str:
-    """``"module:qualname"`` for a module-level function (what a spawned child can import)."""
+    """``"module:qualname"`` for a module-level function (what a forked worker can import)."""
     if isinstance(factory, str):
         if ":" not in factory:
             raise ValueError(f"model factory {factory!r} must look like 'package.module:function'")

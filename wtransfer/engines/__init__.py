@@ -24,9 +24,10 @@ _EXPORTS: dict[str, tuple[str, ...]] = {  # module -> the public names it define
     "wtransfer.engines._base": ("WeightTransferEngine", "WeightTransferInitInfo", "WeightTransferUpdateInfo",
                                 "LoadWeights"),
     "wtransfer.engines._worker": ("ManifestUpdateInfo", "global_rank", "check_buffer_budget", "BufferBudgetOptions"),
-    "wtransfer.engines._loader": ("validate_with_loader", "module_loader"),
+    "wtransfer.engines._loader": ("module_loader",),
     # trainer side
-    "wtransfer.engines._trainer": ("TrainerWeightTransferEngine", "TrainerInitOptions", "ClientCall", "create_trainer"),
+    "wtransfer.engines._trainer": ("TrainerWeightTransferEngine", "TrainerInitOptions", "ClientCall", "create_trainer",
+                                   "accepts_weight_version"),
     "wtransfer.engines._source": ("WeightSource", "ModuleSource", "TensorSource", "StreamSource"),
     # bases to derive from
     "wtransfer.engines._td_backend": ("TorchDistributedBackend",),

@@ -224,7 +224,7 @@ class RoundState:
         self.spent = 0  # the highest version this worker began to commit: some worker may hold it
         self.calls = threading.local()  # .depth > 0 while a wrapped method runs on this thread (super() calls pass)
         self.loader: Any = None  # what the engine got this round (a DeltaLoader in front, for a delta round)
-        self._loader: _Loader | None = None
+        self._committer: _Loader | None = None  # the staged or streaming loader that commits the round, behind it
         self._manifest: Manifest | None = None
         self._received: _Received | None = None
         self._staging: NodeStaging | None = None
@@ -257,7 +257,7 @@ class RoundState:
         """A round starts: the loader the engine writes through."""
         with self._committing:  # a commit still running on another thread (a client that timed out) ends first
             self._received = None  # an earlier round received but never committed is dropped
-        self._loader = self.loader = self.rejection = None
+        self._committer = self.loader = self.rejection = None
         manifest = getattr(update_info, "parsed", None)
         wire = self._manifest = manifest if isinstance(manifest, Manifest) else None
         delta = self._manifest.delta if self._manifest is not None else None
@@ -325,11 +325,11 @@ class RoundState:
                 self._warned_no_manifest = True
                 logger.warning("%s: its update info carries no wtransfer manifest, so rounds are streamed "
                                "into the model (a failed one leaves it torn)", self.owner)
-            self._loader = StreamingLoader(real)
-            return self._loader
+            self._committer = StreamingLoader(real)
+            return self._committer
         assert plan is not None and self._manifest is not None
-        self._loader = AtomicLoader(real, self, self._manifest)
-        return self._loader
+        self._committer = AtomicLoader(real, self, self._manifest)
+        return self._committer
 
     def node_staging(self, key: str) -> NodeStaging:
         """This node's staging for trainer ``key`` (elected once per trainer, again if the stager left)."""
@@ -345,7 +345,7 @@ class RoundState:
 
     def received(self, real: Any) -> None:
         """The engine's receive returned: the round is whole here (and, staged, on this node)."""
-        loader, manifest = self._loader, self._manifest
+        loader, manifest = self._committer, self._manifest
         self.validate_round()  # an engine that ignored the verdict (and so wrote nothing) still fails the round
         if isinstance(loader, StreamingLoader):
             if loader.touched:  # the new bytes are in, but the round counts only at finish: until then
@@ -357,7 +357,7 @@ class RoundState:
 
     def failed(self, exc: BaseException) -> BaseException:
         """The round failed on this worker: tell the node's followers, say what the model holds."""
-        loader, manifest = self._loader, self._manifest
+        loader, manifest = self._committer, self._manifest
         version = manifest.version if manifest is not None else "?"
         if isinstance(loader, AtomicLoader):
             loader.failed(exc)
@@ -382,7 +382,7 @@ class RoundState:
         elif isinstance(loader, AtomicLoader):
             logger.warning("%s: round %s failed before commit; the model still holds version %d: %s",
                            self.owner, version, self.committed, exc)
-        self._loader = None
+        self._committer = None
         _notify_failed(error)
         return error
 
@@ -400,7 +400,7 @@ class RoundState:
                 f"{self.owner}.finish_weight_update() without a completed receive_weights() in this round; "
                 f"the model is {state}"
             )
-        self._loader = None
+        self._committer = None
         if received.manifest is not None:  # from here on some worker may hold it: its number is never reused
             self.spent = max(self.spent, received.manifest.version)
         if received.staged is not None:
@@ -423,7 +423,7 @@ class RoundState:
 
     def close(self) -> None:
         self._received = None
-        self._loader = None
+        self._committer = None
         if self._staging is not None:
             self._staging.close()
             self._staging = None

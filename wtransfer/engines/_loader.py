@@ -7,7 +7,7 @@ manifest that does not fit is rejected with every mismatch listed, the model unt
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from wtransfer.engines._manifest import Manifest, dtype_name
 from wtransfer.engines._packing import PARALLEL_CHUNK, copy_parallel, copy_tensor
@@ -97,11 +97,3 @@ class ModuleLoader:
 def module_loader(module: torch.nn.Module, *, strict: bool = True) -> ModuleLoader:
     """A ``load_weights`` callable for ``module`` (see :class:`ModuleLoader`)."""
     return ModuleLoader(module, strict=strict)
-
-
-def validate_with_loader(load_weights: Any, manifest: Manifest) -> None:
-    """Let a manifest-aware loader reject the round before any byte is received (inside
-    ``receive_weights`` use ``self.validate_round()``: the framework already checked)."""
-    check = getattr(load_weights, "validate_manifest", None)
-    if callable(check):
-        check(manifest)

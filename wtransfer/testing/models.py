@@ -1,4 +1,4 @@
-"""Small models for weight-transfer tests, importable by spawned workers as ``module:function``.
+"""Small models for weight-transfer tests, importable by worker processes as ``module:function``.
 
 :func:`matrix_model` holds one parameter per awkward case a transport must get right: bf16/fp16/fp8/bool/int/complex
 dtypes, a 0-dim scalar, an empty tensor, a transposed view, a view with a storage offset, and a tensor larger than a

@@ -188,7 +188,7 @@ def _child_floor(args: argparse.Namespace) -> dict[str, Any]:
 def _child_reload(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM
 
-    from wtransfer_vllm.testing import WORKER_EXTENSION, greedy, llm_kwargs, load_trainer_model, perturb
+    from wtransfer_vllm.testing import WORKER_EXTENSION, llm_kwargs, load_trainer_model, perturb
 
     llm = LLM(**llm_kwargs(args.model_dir, worker_extension_cls=WORKER_EXTENSION))
     model = load_trainer_model(args.model_dir)
@@ -243,7 +243,7 @@ def _child_trl_colocate(args: argparse.Namespace) -> dict[str, Any]:
     with no check, no layerwise reload and no probe, then a prefix-cache reset."""
     from vllm import LLM
 
-    from wtransfer_vllm.testing import WORKER_EXTENSION, greedy, llm_kwargs, load_trainer_model, perturb
+    from wtransfer_vllm.testing import WORKER_EXTENSION, llm_kwargs, load_trainer_model, perturb
 
     llm = LLM(**llm_kwargs(args.model_dir, worker_extension_cls=WORKER_EXTENSION))
     model = load_trainer_model(args.model_dir)
@@ -462,7 +462,7 @@ def report(results: dict[str, dict[str, Any]], engines: list[str], args: argpars
               + (f" (target >= {args.target}x)" if engine == "shm" else "")
               + f", and takes {row['vs_floor']:.2f}x vLLM's reload from memory in the same worker "
               f"(median of per-round pairs, floor {row['paired_floor_seconds']:.3f} s; target <= {args.floor_target}x)")
-        print(f"  where the time goes (median s): " + ", ".join(f"{name} {seconds:.3f}"
+        print("  where the time goes (median s): " + ", ".join(f"{name} {seconds:.3f}"
                                                                for name, seconds in row["phases"].items()))
         for line in row["worker_log"]:
             print(f"  vLLM worker, {engine}: {line}")

@@ -176,12 +176,10 @@ class VllmModelLoader:
 
     whole_round = True
     delta_ready = True
-    """Partial rounds (``create_trainer(..., partial=True)``) are loaded the same way: the tensors a
-    round carries with every other checkpoint tensor from the committed copy, so each layer vLLM
-    reloads is whole (a layer given only some of its tensors would be processed from unset memory)."""
-    """Delta rounds (``create_trainer(..., delta=True)``): handed the tensors that changed, this
-    loader loads them with every other checkpoint tensor from its committed copy, so vLLM always
-    reloads the whole checkpoint and its processing (fused q/k/v, re-packing) stays correct."""
+    """Delta rounds (``create_trainer(..., delta=True)``) and partial rounds (``partial=True``): handed the
+    tensors a round carries, this loader loads them with every other checkpoint tensor from its committed
+    copy, so vLLM always reloads the whole checkpoint and each layer's processing (fused q/k/v, re-packing)
+    stays correct (a layer given only some of its tensors would be processed from unset memory)."""
 
     def __init__(self, model: Any, model_config: Any, tp_size: int = 1, names_span_workers: bool = False) -> None:
         self.model = model

@@ -13,7 +13,6 @@ trainer stays usable, and its next round brings every instance to one version.
 
 from __future__ import annotations
 
-import inspect
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -98,6 +97,8 @@ class FleetClient:
               label: str | None = None, missing_ok: bool = False) -> dict[int, BaseException]:
         """``client.<method>(*args_for(index))`` on every instance at once (their workers may wait
         for each other inside the call); every call returns before this does."""
+        from wtransfer.engines import accepts_weight_version
+
         failures: dict[int, BaseException] = {}
 
         def call(index: int, client: Any) -> None:
@@ -105,8 +106,8 @@ class FleetClient:
             if function is None and missing_ok:
                 return
             try:
-                if label is not None and _takes_weight_version(function):
-                    function(*args_for(index), weight_version=label)
+                if label is not None and accepts_weight_version(function):
+                    function(*args_for(index), label)  # positionally, as the trainer calls a client
                 else:
                     function(*args_for(index))
             except BaseException as exc:  # re-raised below, per instance
@@ -124,14 +125,6 @@ class FleetClient:
                                             f"{len(self.clients)} vLLM instances: {causes}")
             raise error from next(iter(failures.values()))
         return failures
-
-
-def _takes_weight_version(function: Any) -> bool:
-    try:
-        parameters = inspect.signature(function).parameters
-    except (TypeError, ValueError):
-        return False
-    return "weight_version" in parameters
 
 
 def weight_version_of(client: Any) -> tuple[bool, str | None]:
