@@ -183,14 +183,19 @@ def _check_client(client: Any) -> None:
 
 
 def accepts_weight_version(method: Callable[..., Any]) -> bool:
-    """Whether a client's ``finish_weight_update`` takes the round's version label (vLLM's do; older clients not)."""
+    """Whether a client's ``finish_weight_update`` takes the round's version label as its first positional argument,
+    as the trainer passes it: a first parameter named ``weight_version`` (vLLM's clients), or ``*args`` (a proxy).
+    Older clients, and one that takes it by keyword only or after another parameter, are called without it."""
     import inspect
 
     try:
-        parameters = inspect.signature(method).parameters.values()
+        parameters = list(inspect.signature(method).parameters.values())
     except (TypeError, ValueError):
         return False
-    return any(p.name == "weight_version" or p.kind is p.VAR_POSITIONAL for p in parameters)
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if positional:
+        return positional[0].name == "weight_version"
+    return any(p.kind is p.VAR_POSITIONAL for p in parameters)
 
 
 def _check_version(name: str, value: Any) -> None:

@@ -21,10 +21,8 @@ on the same deterministic training steps:
 
 Each method is compared with its reference twice: its greedy tokens and logprobs, and what vLLM
 computes with (every parameter and buffer, and every linear layer's and LM head's outputs for fixed
-inputs, read in vLLM's worker: :class:`wtransfer_vllm.testing.BenchWorkerExtension`). The reference's
-instance then generates again after memory unrelated to the model was allocated and freed in its worker;
-where its outputs change (seen on an Intel Xeon with AMX), outputs need not match bit for bit on that host,
-and the weights and layers decide alone.
+inputs, read in vLLM's worker: :class:`wtransfer_vllm.testing.BenchWorkerExtension`). Both must be equal,
+bit for bit.
 
 It prints the median seconds per sync, GB/s, the extra RSS of vLLM's processes during a
 sync, both comparisons, the ratios to ``save + reload_weights`` and to the
@@ -210,7 +208,7 @@ def _child_reload(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _child_restart(args: argparse.Namespace) -> dict[str, Any]:
-    from wtransfer_vllm.testing import WORKER_EXTENSION, greedy, llm_kwargs, load_trainer_model, perturb
+    from wtransfer_vllm.testing import WORKER_EXTENSION, llm_kwargs, load_trainer_model, perturb
 
     model = load_trainer_model(args.model_dir)
     for step in range(args.rounds):
@@ -228,13 +226,8 @@ def _child_restart(args: argparse.Namespace) -> dict[str, Any]:
         llm = LLM(**llm_kwargs(folder, worker_extension_cls=WORKER_EXTENSION))
         seconds = time.perf_counter() - started
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        seen = observed(llm)
-        # the same instance once more, after memory unrelated to the model was allocated and freed in its worker:
-        # where vLLM's outputs depend on that history, they need not match bit for bit on this host
-        llm.collective_rpc("allocate_and_free", args=HISTORY)
-        llm.reset_prefix_cache()
         return {"rounds": [{"seconds": seconds, "save_s": saved - started, "bytes": nbytes, "extra_rss": None}],
-                **seen, "outputs_after_allocations": greedy(llm)}
+                **observed(llm)}
 
 
 def _child_trl_colocate(args: argparse.Namespace) -> dict[str, Any]:
@@ -258,10 +251,6 @@ def _child_trl_colocate(args: argparse.Namespace) -> dict[str, Any]:
         llm.reset_prefix_cache()
         rounds.append({"seconds": time.perf_counter() - started, "bytes": nbytes, "extra_rss": None})
     return {"rounds": rounds, **observed(llm)}
-
-
-HISTORY = (170, 10 << 20)
-"""Buffers allocated, written and freed in vLLM's worker before the reference is computed again (1.7 GB)."""
 
 
 def observed(llm: Any) -> dict[str, Any]:
@@ -368,21 +357,12 @@ def _error_line(text: str) -> str:
 def report(results: dict[str, dict[str, Any]], engines: list[str], args: argparse.Namespace) -> int:
     from wtransfer_vllm.testing import differing
 
-    # Where a fresh load's outputs changed with its worker's memory history, outputs compared bit for bit would
-    # say more about this host than about a method: a method is then exact when it computes what the fresh load
-    # does in every layer (every parameter and buffer, and every linear layer's and LM head's outputs). A method
-    # whose vLLM runs in its own process is compared with a fresh load in its own process: vLLM-CPU runs its
-    # kernels on other threads there, and some kernels' last bits follow the threads.
+    # A method is exact when it gives the fresh load's greedy outputs (one prompt per call: batching changes
+    # vLLM-CPU's last bits) and computes with what the fresh load does in every layer (every parameter and
+    # buffer, and every linear layer's and LM head's outputs: state derived at load, such as a tied head's packed
+    # copy, shows there first). A method whose vLLM runs in its own process is compared with a fresh load in its
+    # own process: vLLM-CPU runs its kernels on other threads there, and some kernels' last bits follow them.
     references = {name: results[name] for name in (REFERENCE, IN_PROCESS_REFERENCE) if name in results}
-    noisy = {name: fresh["outputs_after_allocations"] != fresh["outputs"] for name, fresh in references.items()}
-    # vLLM's own reload (the floor: no wtransfer in it) computing with every layer of the fresh load and giving
-    # other outputs shows the same on a run where the reference's second generation did not. (A fault of vLLM's
-    # reload in state no fingerprint covers would pass as the host's too; the engines load through that reload.)
-    floor = results.get(FLOOR, {})
-    if "fingerprints" in floor and not differing(floor["fingerprints"], results[REFERENCE]["fingerprints"]) \
-            and any(k.startswith("layer ") for k in floor["fingerprints"]):
-        noisy[REFERENCE] = noisy[REFERENCE] or floor["outputs"] != results[REFERENCE]["outputs"]
-    history_dependent = [name for name, moved in noisy.items() if moved]
     rows = []
     for method, result in results.items():
         if "failed" in result:  # a peer that did not run here (TRL's colocate sync): kept, saying why
@@ -410,7 +390,7 @@ def report(results: dict[str, dict[str, Any]], engines: list[str], args: argpars
             row["exact"] = True
         layers = sum(key.startswith("layer ") for key in references[reference_of(row["method"])]["fingerprints"])
         row["verified"] = None if "failed" in row else (
-            layers > 0 and not row["layers_differing"] and (row["exact"] or noisy[reference_of(row["method"])]))
+            layers > 0 and not row["layers_differing"] and row["exact"])
         if layers == 0 and "failed" not in row:
             row["layers_differing"] = ["no layer of the fresh load could be fingerprinted"]
     if IN_PROCESS_REFERENCE in by_method and not by_method[IN_PROCESS_REFERENCE]["verified"]:
@@ -435,8 +415,7 @@ def report(results: dict[str, dict[str, Any]], engines: list[str], args: argpars
     colocated_vs_trl = (by_method[COLOCATED]["seconds"] / by_method[TRL_COLOCATE]["seconds"]
                         if COLOCATED in by_method and by_method.get(TRL_COLOCATE, {}).get("seconds") else None)
     document = {"machine": machine_description(), "vllm": vllm_version(), "model": args.model, "rounds": args.rounds,
-                "rows": rows, "failures": failures, "colocated_vs_trl": colocated_vs_trl,
-                "history_dependent": history_dependent}
+                "rows": rows, "failures": failures, "colocated_vs_trl": colocated_vs_trl}
     if getattr(args, "markdown", None) is not None:
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():  # JSON stays alone
             write_block(args.markdown, BLOCK, getattr(args, "command_line", "python -m wtransfer_vllm.bench"),
@@ -469,8 +448,6 @@ def report(results: dict[str, dict[str, Any]], engines: list[str], args: argpars
     if colocated_vs_trl is not None:
         print(f"vLLM in the trainer's process: a wtransfer shm round takes {colocated_vs_trl:.2f}x the time of TRL's "
               "own colocate sync (load_weights per tensor)")
-    if history_dependent:
-        print(history_note(history_dependent))
     print("targets met" if not failures else "targets MISSED:\n  " + "\n  ".join(failures))
     return 1 if failures else 0
 
@@ -480,14 +457,6 @@ def vs_paired_floor(rounds: list[dict[str, Any]]) -> tuple[float, float]:
     (:func:`paired_floor`), and the median floor."""
     return (statistics.median(r["seconds"] / r["floor_seconds"] for r in rounds),
             statistics.median(r["floor_seconds"] for r in rounds))
-
-
-def history_note(references: list[str]) -> str:
-    return (f"on this host vLLM's outputs for the weights of a fresh load ({', '.join(references)}) changed with "
-            "nothing but its worker's memory history (the fresh load's instance after unrelated memory was allocated "
-            "and freed, or vLLM's own reload computing with every layer of the fresh load), so outputs need not match "
-            "bit for bit here; a method compared with it counts as exact when every parameter, buffer and layer "
-            "output equals the fresh load's")
 
 
 def reference_of(method: str) -> str:
@@ -549,8 +518,6 @@ def markdown(document: dict[str, Any], engines: list[str], args: argparse.Namesp
     if document["colocated_vs_trl"] is not None:
         verdicts.append(f"- vLLM in the trainer's process: a wtransfer shm round takes {document['colocated_vs_trl']:.2f}× "
                         "the time of TRL's own colocate sync (no target; TRL's checks nothing and is not all-or-nothing)")
-    if document["history_dependent"]:
-        verdicts.append(f"- {history_note(document['history_dependent'])}")
     verdicts.append("- targets met" if not document["failures"] else "- targets MISSED: " + "; ".join(document["failures"]))
     return [
         f"{args.model} shapes, {rows[0]['bytes'] / 1e9:.2f} GB bf16, {args.rounds} rounds per method, each method in "

