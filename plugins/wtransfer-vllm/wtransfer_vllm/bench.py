@@ -161,25 +161,19 @@ def _child_floor(args: argparse.Namespace) -> dict[str, Any]:
     LM head keeps the old embedding where vLLM packs weights), timed in vLLM's worker (on the threads it serves
     with, as the engines' loads run) and fed with the round's tensors already in that worker's memory (read from
     a file in /dev/shm before the clock starts: no transport, no wtransfer)."""
-    import wtransfer
-    from safetensors.torch import save_file
     from vllm import LLM
 
     from wtransfer_vllm.testing import WORKER_EXTENSION, llm_kwargs, load_trainer_model, perturb
 
     llm = LLM(**llm_kwargs(args.model_dir, worker_extension_cls=WORKER_EXTENSION))
     model = load_trainer_model(args.model_dir)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     rounds = []
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as folder:
-        path = str(Path(folder) / "round.safetensors")
         for step in range(args.rounds):
             perturb(model, step)
-            weights = {name: tensor.detach().contiguous() for name, tensor in wtransfer.ModuleSource(model)}
-            save_file(weights, path)
-            seconds = max(llm.collective_rpc("timed_reload", args=(path,)))
-            rounds.append({"seconds": seconds, "bytes": sum(t.numel() * t.element_size() for t in weights.values()),
-                           "extra_rss": None})  # no RSS figure: the worker holds the round's tensors by design
-            del weights
+            seconds = paired_floor(llm, model, Path(folder) / "round.safetensors")  # the step's own weights
+            rounds.append({"seconds": seconds, "bytes": nbytes, "extra_rss": None})
     return {"rounds": rounds, **observed(llm)}
 
 
