@@ -74,7 +74,7 @@ def measure(engine: str, args: argparse.Namespace) -> dict[str, Any]:
     """Train, and after every step sync dense and delta; the rounds' figures."""
     import torch
 
-    from wtransfer.engines._trainer import create_trainer
+    from wtransfer.engines.trainer.create import create_trainer
     from wtransfer.local import LocalWorkerPool
     from wtransfer.testing.models import digests, tiny_llama
 

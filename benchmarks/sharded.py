@@ -37,8 +37,8 @@ TARGET_RATIO = {"writes": 0.8, "gathers": 0.8}
 WRITES_TARGET_ON_SHM = 1.0
 """shm's ranks write into the buffers the workers read: more writers of the same bytes."""
 SLACK = 64 << 20
-from wtransfer.engines._protocol import MIB  # noqa: E402
-from wtransfer.engines._source import WeightSource  # noqa: E402  (imports no torch)
+from wtransfer.engines.channel.protocol import MIB  # noqa: E402
+from wtransfer.engines.rounds.source import WeightSource  # noqa: E402  (imports no torch)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,8 +87,8 @@ def _rank_main(rank: int, ranks: int, port: int, options: str, conn: Any) -> Non
     from benchmarks.probes import cpu_seconds, run_queue_seconds
     from wtransfer._probes import PeakRss
     from wtransfer.testing.models import build_model, parse_model, worker_model
-    from wtransfer.engines._source import ModuleSource
-    from wtransfer.engines._trainer import create_trainer
+    from wtransfer.engines.rounds.source import ModuleSource
+    from wtransfer.engines.trainer.create import create_trainer
     from wtransfer.local import LocalWorkerPool
 
     args = json.loads(options)
@@ -209,7 +209,7 @@ def mutate_tensor(tensor: Any, round_index: int) -> None:
 
 def unsharded_digests(model: Any) -> dict[str, int]:
     """CRC32 of every parameter's whole value; sharded ones gathered and dropped one by one."""
-    from wtransfer.engines._manifest import tensor_checksum
+    from wtransfer.engines.rounds.manifest import tensor_checksum
 
     digests = {}
     for name, parameter in model.named_parameters():

@@ -40,7 +40,7 @@ def listeners() -> list[str]:
 def worker(address: str, port: int, options: dict[str, Any]) -> None:
     import wtransfer
     from wtransfer.testing.models import digests, worker_model
-    from wtransfer.engines._control import ControlChannel
+    from wtransfer.engines.channel.control import ControlChannel
 
     model = worker_model(SHAPES, "float32")
     load = wtransfer.module_loader(model)
@@ -86,7 +86,7 @@ class TcpClient:
     """The user's own WeightSyncClient: each call is one JSON request to the worker over TCP."""
 
     def __init__(self, address: str, port: int) -> None:
-        from wtransfer.engines._control import ControlChannel
+        from wtransfer.engines.channel.control import ControlChannel
 
         self.channel = ControlChannel(socket.create_connection((address, port), timeout=30), "the worker")
         self.last: dict[str, Any] = {}

@@ -18,7 +18,7 @@ import torch
 import wtransfer
 from wtransfer.engines import WeightSource
 from wtransfer.engines.wire import Manifest, TensorEntry
-from wtransfer.engines._source import TensorSource
+from wtransfer.engines.rounds.source import TensorSource
 from wtransfer._probes import staging_segments
 from wtransfer.errors import ManifestMismatchError, TransferError, WeightsTornError
 from wtransfer.local import LocalWorkerPool
@@ -310,7 +310,7 @@ def test_a_worker_cannot_write_into_the_staged_round_it_commits_from(backend: st
     Broken by: a writable mapping there (the write lands, and with it the models would differ)."""
     import signal
 
-    from wtransfer.engines._commit import round_state
+    from wtransfer.engines.rounds.commit import round_state
 
     shapes = [["a.weight", [64, 64]], ["b.weight", [300, 70]]]
     models = [build_model(shapes, "float32") for _ in range(2)]
@@ -442,7 +442,7 @@ class HandEngine(wtransfer.WeightTransferEngine):
 
 
 def _update_dict(tensors: dict[str, torch.Tensor], version: int, mode: str) -> dict:
-    from wtransfer.engines._manifest import CommitPlan, build_manifest, entry_for
+    from wtransfer.engines.rounds.manifest import CommitPlan, build_manifest, entry_for
 
     entries = [entry_for(n, t) for n, t in tensors.items()]
     return {"manifest": build_manifest(entries, version, None, CommitPlan(mode, os.urandom(6).hex(), 10.0)).to_dict()}
@@ -568,7 +568,7 @@ def _as_another_user(key: str, pipe: Any) -> None:
     """In a child process that dropped to user 'nobody': try both sides of a node's staging."""
     import socket as socket_module
 
-    from wtransfer.engines._staging import NodeStaging
+    from wtransfer.engines.rounds.staging import NodeStaging
 
     os.setuid(65534)
     outcome = {}
@@ -591,7 +591,7 @@ def test_node_staging_refuses_other_users_on_both_sides() -> None:
     import multiprocessing
     import secrets
 
-    from wtransfer.engines._staging import NodeStaging
+    from wtransfer.engines.rounds.staging import NodeStaging
 
     key = secrets.token_hex(8)
     stager = NodeStaging(key)
@@ -618,7 +618,7 @@ def test_a_worker_waits_for_a_stager_caught_between_bind_and_listen() -> None:
     import secrets
     import socket
 
-    from wtransfer.engines._staging import NodeStaging
+    from wtransfer.engines.rounds.staging import NodeStaging
 
     key = secrets.token_hex(8)
     stager = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

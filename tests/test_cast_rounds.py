@@ -89,7 +89,7 @@ def test_the_dtype_option_overrides_what_the_workers_load_and_is_validated_by_th
 
 
 def test_workers_that_load_different_dtypes_fail_the_rendezvous_naming_both() -> None:
-    from wtransfer.engines._cast import ServedDtypes, agreed
+    from wtransfer.engines.rounds.cast import ServedDtypes, agreed
 
     same = ServedDtypes("bfloat16").to_dict()
     assert agreed({1: same, 2: same}) == ServedDtypes("bfloat16")
@@ -101,8 +101,8 @@ def test_workers_that_load_different_dtypes_fail_the_rendezvous_naming_both() ->
 
 
 def test_integer_tensors_and_tensors_already_in_the_served_dtype_travel_as_they_are() -> None:
-    from wtransfer.engines._cast import CastPlan, ServedDtypes
-    from wtransfer.engines._manifest import TensorEntry
+    from wtransfer.engines.rounds.cast import CastPlan, ServedDtypes
+    from wtransfer.engines.rounds.manifest import TensorEntry
 
     entries = [TensorEntry("w", "float32", (4,)), TensorEntry("ids", "int64", (4,)),
                TensorEntry("norm", "float32", (4,)), TensorEntry("b", "bfloat16", (4,)),

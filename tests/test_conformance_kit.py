@@ -269,7 +269,7 @@ def test_fixtures_isolate_registrations_and_distributions(tmp_path: Path):
 
         def test_fake_distribution_seen_here_and_in_children(fake_distribution):
             fake_distribution("acme-probe", {"wtransfer.engines": {"probe": "acme_probe:Probe"}},
-                              {"acme_probe": "from wtransfer.engines._base import WeightTransferEngine as Probe"})
+                              {"acme_probe": "from wtransfer.engines.worker.base import WeightTransferEngine as Probe"})
             assert "probe" in registry_for("engines").names()
             child = subprocess.run([sys.executable, "-c",
                 "from wtransfer._registry.registry import registry_for; print('probe' in registry_for('engines').names())"],

@@ -20,10 +20,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("zstandard")
 
 import wtransfer  # noqa: E402
-from wtransfer.engines import _delta_choice  # noqa: E402
-from wtransfer.engines._delta_choice import LONGEST_WAIT, DeltaChoice  # noqa: E402
-from wtransfer.engines._delta_encoder import DeltaEncoder  # noqa: E402
-from wtransfer.engines._source import TensorSource  # noqa: E402
+from wtransfer.engines.trainer import delta_choice as _delta_choice  # noqa: E402
+from wtransfer.engines.trainer.delta_choice import LONGEST_WAIT, DeltaChoice  # noqa: E402
+from wtransfer.engines.trainer.delta_encoder import DeltaEncoder  # noqa: E402
+from wtransfer.engines.rounds.source import TensorSource  # noqa: E402
 from wtransfer.engines.wire import Manifest  # noqa: E402
 from wtransfer.local import LocalWorkerPool  # noqa: E402
 from wtransfer.testing.models import digests, tiny_llama  # noqa: E402

@@ -17,9 +17,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("zstandard")
 
 import wtransfer  # noqa: E402
-from wtransfer.engines._delta_encoder import DeltaEncoder  # noqa: E402
-from wtransfer.engines._delta_loader import DeltaLoader  # noqa: E402
-from wtransfer.engines._manifest import (  # noqa: E402
+from wtransfer.engines.trainer.delta_encoder import DeltaEncoder  # noqa: E402
+from wtransfer.engines.rounds.delta_loader import DeltaLoader  # noqa: E402
+from wtransfer.engines.rounds.manifest import (  # noqa: E402
     POSITION_BLOCK,
     POSITIONS,
     XOR_ZSTD,
@@ -28,7 +28,7 @@ from wtransfer.engines._manifest import (  # noqa: E402
     positions_header_bytes,
     tensor_bytes,
 )
-from wtransfer.engines._source import ModuleSource, TensorSource  # noqa: E402
+from wtransfer.engines.rounds.source import ModuleSource, TensorSource  # noqa: E402
 from wtransfer.errors import ManifestMismatchError, TransferError  # noqa: E402
 from wtransfer.local import LocalWorkerPool  # noqa: E402
 from wtransfer.testing.models import digests, tiny_llama  # noqa: E402
@@ -205,7 +205,7 @@ def test_a_worker_without_the_base_refuses_a_delta_before_any_byte_moves() -> No
     delta = encoder.encode(ModuleSource(model), 2)
     manifest = build_manifest(delta.metadata(), 2, delta=delta.plan)
     worker_model = tiny_llama(seed=0)
-    from wtransfer.engines._loader import module_loader
+    from wtransfer.engines.worker.loader import module_loader
 
     real = module_loader(worker_model)
     with pytest.raises(ManifestMismatchError, match="holds no round of this trainer"):
@@ -238,7 +238,7 @@ def test_a_worker_whose_kept_tensor_changed_behind_wtransfers_back_refuses_the_d
     full = encoder.encode(ModuleSource(model), 1)
     encoder.committed(full)
     worker_model = tiny_llama(seed=0, frozen_embedding=True)
-    from wtransfer.engines._loader import module_loader
+    from wtransfer.engines.worker.loader import module_loader
 
     real = module_loader(worker_model)
     with torch.no_grad():
@@ -276,7 +276,7 @@ def test_the_whole_round_after_a_refusal_comes_from_the_base_without_walking_the
 
 
 def digest_of(tensor: torch.Tensor) -> str:
-    from wtransfer.engines._delta import digest
+    from wtransfer.engines.rounds.delta import digest
 
     return digest(tensor)
 
@@ -287,8 +287,8 @@ def test_tensors_spanning_many_chunks_round_trip_bit_exactly(chunk_bytes: int, m
     chunked decompression with a short tail) on tensors of many chunks: every round is bit-exact,
     a change of a few elements travels as positions, one of some per cent as a XOR, a change
     dense in a later chunk only goes whole."""
-    import wtransfer.engines._delta as delta_module
-    from wtransfer.engines._loader import module_loader
+    import wtransfer.engines.rounds.delta as delta_module
+    from wtransfer.engines.worker.loader import module_loader
 
     monkeypatch.setattr(delta_module, "CHUNK_BYTES", chunk_bytes)
     model = tiny_llama(seed=0)
@@ -329,7 +329,7 @@ def test_positions_across_many_blocks_round_trip_bit_exactly_at_two_bytes_a_posi
     chunks larger than a block and smaller than one: bit-exact, and the payload is the block counts
     plus element size + 2 bytes a changed element. Catches: a position carried into the wrong
     block, a last partial block mis-sized, a span boundary dropping or repeating a change."""
-    import wtransfer.engines._delta as delta_module
+    import wtransfer.engines.rounds.delta as delta_module
 
     monkeypatch.setattr(delta_module, "CHUNK_BYTES", chunk_bytes)
     numel = 3 * POSITION_BLOCK + 777
@@ -403,7 +403,7 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
     is read) and from a one-shot iterator (every tensor encoded before the round)."""
     import zstandard
 
-    import wtransfer.engines._delta as delta_module
+    import wtransfer.engines.rounds.delta as delta_module
 
     monkeypatch.setattr(delta_module, "CHUNK_BYTES", 4100)
     g = torch.Generator().manual_seed(0)
@@ -507,7 +507,7 @@ def test_a_tensor_that_travels_whole_in_a_delta_round_is_received_in_place() -> 
     into the commit's destination (the staging copy), not assembled in a fresh tensor first and
     copied again: on this host that extra copy into new memory made a delta round with every
     element changed cost twice a dense round's CPU on the worker."""
-    from wtransfer.engines._packing import Unpacker, plan_buckets
+    from wtransfer.engines.rounds.packing import Unpacker, plan_buckets
 
     model = tiny_llama(seed=0)
     committed = _Committed({name: t.detach().clone() for name, t in model.named_parameters()})
@@ -543,7 +543,7 @@ def test_a_round_abandoned_while_its_whole_tensors_are_pending_is_followed_by_an
     threads while the engine sends the ones before them. A round whose engine stopped part-way is
     settled (nothing of it keeps writing the trainer's base); the next round is whole and leaves
     the worker, which still holds the first round, with exactly the trainer's weights."""
-    from wtransfer.engines._loader import module_loader
+    from wtransfer.engines.worker.loader import module_loader
 
     model, worker = tiny_llama(seed=0), tiny_llama(seed=1)
     real = module_loader(worker)
@@ -586,7 +586,7 @@ def test_a_positions_payload_that_does_not_fit_its_tensor_is_refused() -> None:
     position past the tensor's end, fail the round before anything reaches the commit; counts
     moved from one block to the next (the sum right, the positions in range) rebuild another
     tensor, which the digest check refuses."""
-    from wtransfer.engines._manifest import Manifest
+    from wtransfer.engines.rounds.manifest import Manifest
 
     numel = 3 * POSITION_BLOCK + 777
     trainer = {"big": torch.randn(numel, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)}
@@ -640,7 +640,7 @@ def test_the_link_speed_sets_which_payloads_pay() -> None:
     elements changed travels as positions and one with 17 % whole (compressing would cost more
     than the wire saves); on a slow one a tensor with 6 % and one with 12 % as compressed XORs,
     the smallest on the wire. Every round bit-exact."""
-    from wtransfer.engines._loader import module_loader
+    from wtransfer.engines.worker.loader import module_loader
 
     model, worker = tiny_llama(seed=0), tiny_llama(seed=1)
     real = module_loader(worker)

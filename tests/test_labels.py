@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import wtransfer
-from wtransfer.engines._loader import ModuleLoader
-from wtransfer.engines._source import TensorSource
+from wtransfer.engines.worker.loader import ModuleLoader
+from wtransfer.engines.rounds.source import TensorSource
 from wtransfer.engines.wire import tensor_checksum
 from wtransfer.errors import ManifestMismatchError, TransferError, WeightsTornError
 from wtransfer.local import LocalWorkerPool

@@ -17,9 +17,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from wtransfer.engines._manifest import build_manifest, entry_for  # noqa: E402
-from wtransfer.engines._packing import Packer, plan_buckets  # noqa: E402
-from wtransfer.engines._part_streams import (  # noqa: E402
+from wtransfer.engines.rounds.manifest import build_manifest, entry_for  # noqa: E402
+from wtransfer.engines.rounds.packing import Packer, plan_buckets  # noqa: E402
+from wtransfer.engines.rounds.part_streams import (  # noqa: E402
     RankLayout,
     check_tiling,
     in_place,
@@ -28,7 +28,7 @@ from wtransfer.engines._part_streams import (  # noqa: E402
     place_runs,
     receive_plan,
 )
-from wtransfer.engines._shards import LocalPart  # noqa: E402
+from wtransfer.engines.rounds.shards import LocalPart  # noqa: E402
 from wtransfer.errors import TransferError  # noqa: E402
 
 RANKS = 3

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import wtransfer  # noqa: E402
-from wtransfer.engines._manifest import tensor_checksum  # noqa: E402
+from wtransfer.engines.rounds.manifest import tensor_checksum  # noqa: E402
 from wtransfer.local import LocalWorkerPool  # noqa: E402
 from wtransfer.testing.models import tiny_llama  # noqa: E402
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from wtransfer.engines._source import WeightSource
+from wtransfer.engines.rounds.source import WeightSource
 from wtransfer._fork_server import worker_process
 
 TIMEOUT = 30.0
@@ -97,7 +97,7 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
     from torch.distributed.fsdp import fully_shard
 
     import wtransfer
-    from wtransfer.engines._manifest import tensor_checksum
+    from wtransfer.engines.rounds.manifest import tensor_checksum
     from wtransfer.local import LocalWorkerPool
     from wtransfer.testing.models import tied_lm
 
@@ -240,7 +240,7 @@ INIT_INFO's 16 KiB buckets and 2 buffers, the workers have by then received buck
 def _claim_nothing_in_round(round_to_lie: int) -> None:
     """This shm rank reports holding nothing of any tensor in that round (a rank whose layout is not
     the others' would report other parts): its shards are then written nowhere."""
-    from wtransfer.engines import _shm_ring
+    from wtransfer.engines.shm import ring as _shm_ring
 
     seen = {"rounds": 0}
     described = _shm_ring.layout_rows
@@ -294,7 +294,8 @@ def _die_writing_round(round_to_die: int, backend: str) -> None:
     """SIGKILL this trainer rank as it writes (shm) or sends (gloo) its shards in that round: before its
     DIE_AT_PART-th part (shm; some of its shards are in the staged round), or in the first bucket from
     DIE_AT_BUCKET on that it holds bytes of (gloo; the workers have received the buckets before it)."""
-    from wtransfer.engines import _part_streams, _shm_ring
+    from wtransfer.engines.rounds import part_streams as _part_streams
+    from wtransfer.engines.shm import ring as _shm_ring
 
     def die(round_: int, at: Any) -> None:
         if round_ == round_to_die and (at >= DIE_AT_PART if backend == "shm" else at.index >= DIE_AT_BUCKET):
@@ -309,7 +310,7 @@ def _die_writing_round(round_to_die: int, backend: str) -> None:
 def _kill_a_worker_writing_round(round_to_kill: int, pid: int) -> None:
     """Rank 0 (shm) SIGKILLs worker process ``pid`` as it writes its DIE_AT_PART-th part in that round:
     the staged round is part-written, and the other rank is writing its own shards."""
-    from wtransfer.engines import shm
+    from wtransfer.engines.shm import trainer as shm_trainer
 
     killed: list[int] = []
 
@@ -318,12 +319,12 @@ def _kill_a_worker_writing_round(round_to_kill: int, pid: int) -> None:
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 
-    _before_each_part(shm, kill)
+    _before_each_part(shm_trainer, kill)
 
 
 def _write_slowly_in_round(slow_round: int) -> None:
     """This shm rank takes SLOW_WRITE_S over each part it writes in that round."""
-    from wtransfer.engines import _shm_ring
+    from wtransfer.engines.shm import ring as _shm_ring
 
     def slowly(round_: int, part: int) -> None:
         if round_ == slow_round:
@@ -523,7 +524,7 @@ def _rank_1_parts() -> int:
     """The tensors rank 1 holds a part of, for tied_lm over 2 ranks (``Shard(0)``: each rank holds half
     of every tensor's rows, rank 0 the first half): the parts it writes, slowly, in the slow round."""
     import wtransfer
-    from wtransfer.engines._shards import _chunk
+    from wtransfer.engines.rounds.shards import _chunk
     from wtransfer.testing.models import tied_lm
 
     entries = wtransfer.ModuleSource(tied_lm(seed=0)).metadata()
@@ -537,7 +538,7 @@ def _gather_check(rank: int, world: int, port: int, conn: Any) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from wtransfer.engines._source import gather_rows_in_slices
+    from wtransfer.engines.rounds.source import gather_rows_in_slices
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))

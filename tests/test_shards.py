@@ -39,11 +39,11 @@ def _layouts_rank(rank: int, port: int, conn: Any) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-        from wtransfer.engines._manifest import build_manifest, entry_for
-        from wtransfer.engines._packing import Packer
-        from wtransfer.engines._shards import UnsupportedPlacement, rank_parts, write_part
-        from wtransfer.engines._staging import staging_offsets
-        from wtransfer.engines.shm import segment_pieces
+        from wtransfer.engines.rounds.manifest import build_manifest, entry_for
+        from wtransfer.engines.rounds.packing import Packer
+        from wtransfer.engines.rounds.shards import UnsupportedPlacement, rank_parts, write_part
+        from wtransfer.engines.rounds.staging import staging_offsets
+        from wtransfer.engines.shm.trainer import segment_pieces
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                                 timeout=datetime.timedelta(seconds=60))
@@ -129,7 +129,7 @@ def test_every_rank_writing_its_shards_gives_the_unsharded_round_byte_for_byte()
 def test_a_plain_tensor_is_written_by_rank_0_only() -> None:
     import torch
 
-    from wtransfer.engines._shards import local_part
+    from wtransfer.engines.rounds.shards import local_part
 
     tensor = torch.arange(12, dtype=torch.float32).view(3, 4)
     part = local_part("w", tensor, 0)
@@ -142,8 +142,8 @@ def test_only_a_module_source_that_yields_its_module_as_is_is_written_by_the_ran
     rank 0 gathers. One that only adds behaviour keeps the ranks writing."""
     import torch
 
-    from wtransfer.engines._shards import writes_shards_as_is
-    from wtransfer.engines._source import ModuleSource
+    from wtransfer.engines.rounds.shards import writes_shards_as_is
+    from wtransfer.engines.rounds.source import ModuleSource
 
     class Logged(ModuleSource):
         note = "adds nothing to what is sent"
@@ -173,8 +173,8 @@ def test_ranks_send_their_shards_only_where_the_backend_has_senders() -> None:
     import torch
 
     from wtransfer.engines import gloo, shm
-    from wtransfer.engines._source import ModuleSource
-    from wtransfer.engines._trainer import _ranks_can_send
+    from wtransfer.engines.rounds.source import ModuleSource
+    from wtransfer.engines.trainer.sharded import ranks_can_send as _ranks_can_send
 
     source = ModuleSource(torch.nn.Linear(2, 2))
     assert _ranks_can_send(shm.SharedMemoryTrainer.sender_cls, source)
@@ -185,9 +185,9 @@ def test_ranks_send_their_shards_only_where_the_backend_has_senders() -> None:
 def test_a_part_that_is_not_the_rounds_tensor_is_refused() -> None:
     import torch
 
-    from wtransfer.engines._manifest import TensorEntry
+    from wtransfer.engines.rounds.manifest import TensorEntry
     from wtransfer.errors import TransferError
-    from wtransfer.engines._shards import rank_parts
+    from wtransfer.engines.rounds.shards import rank_parts
 
     named = [("w", torch.zeros(4, 2, dtype=torch.bfloat16))]
     assert rank_parts(named, 0, (TensorEntry("w", "bfloat16", (4, 2)),))[0] is not None

@@ -16,8 +16,8 @@ import torch
 
 import wtransfer
 from wtransfer.testing.models import build_model, digests, mutate
-from wtransfer.engines._manifest import TensorEntry
-from wtransfer.engines._source import TensorSource, WeightSource
+from wtransfer.engines.rounds.manifest import TensorEntry
+from wtransfer.engines.rounds.source import TensorSource, WeightSource
 from wtransfer._probes import PeakRss, open_fd_count
 from wtransfer.errors import ManifestMismatchError, TransferError, WeightsTornError
 from wtransfer._fork_server import worker_process
@@ -121,7 +121,7 @@ def test_a_digest_mismatch_fails_the_round_and_every_worker_keeps_its_weights(
     commits: one wrong digest (what corruption in transit looks like to them) fails the round, and
     every worker still holds the last round's weights, compared value by value. (The trainer runs in
     this process, the workers in their own: only the trainer's digests are made wrong.)"""
-    from wtransfer.engines._digests import RoundDigests
+    from wtransfer.engines.rounds.digests import RoundDigests
 
     model = build_model(MIXED, "float32", random=True)
     with pool_for(backend, MIXED) as pool:
@@ -679,7 +679,7 @@ def test_the_gloo_rendezvous_answers_only_holders_of_the_round_token() -> None:
 
     from torch.distributed import TCPStore
 
-    from wtransfer.engines._rendezvous import RendezvousClient
+    from wtransfer.engines.channel.rendezvous import RendezvousClient
 
     model = build_model(MIXED, "float32", random=True, seed=3)
     with RecordingPool(1, FACTORY, backend="gloo", factory_kwargs={"shapes": MIXED, "dtype": "float32"},

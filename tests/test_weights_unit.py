@@ -10,11 +10,11 @@ import torch
 
 import wtransfer
 from wtransfer.engines.gloo import GlooWeightTransferEngine
-from wtransfer.engines._loader import module_loader
-from wtransfer.engines._manifest import Manifest, build_manifest, dtype_from_name, tensor_bytes, tensor_checksum
-from wtransfer.engines._packing import Packer, Unpacker, plan_buckets
+from wtransfer.engines.worker.loader import module_loader
+from wtransfer.engines.rounds.manifest import Manifest, build_manifest, dtype_from_name, tensor_bytes, tensor_checksum
+from wtransfer.engines.rounds.packing import Packer, Unpacker, plan_buckets
 from wtransfer.engines.shm import SharedMemoryWeightTransferEngine
-from wtransfer.engines._source import ModuleSource, TensorSource
+from wtransfer.engines.rounds.source import ModuleSource, TensorSource
 from wtransfer.errors import (
     ManifestMismatchError, TransferError, TransferTimeoutError, WeightsTornError, error_from_text, error_to_text)
 
@@ -55,7 +55,7 @@ def awkward_tensors() -> dict[str, torch.Tensor]:
 
 def _target_module(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
     from wtransfer.testing.models import build_model
-    from wtransfer.engines._manifest import dtype_name
+    from wtransfer.engines.rounds.manifest import dtype_name
 
     return build_model([[n, list(t.shape), dtype_name(t.dtype)] for n, t in tensors.items()], "float32")
 
@@ -251,7 +251,7 @@ def test_dtensor_style_parameters_are_materialised_at_send_time() -> None:
 
 
 def test_digests_computed_while_packing_and_unpacking_agree_and_catch_one_flipped_bit() -> None:
-    from wtransfer.engines._digests import RoundDigests, check
+    from wtransfer.engines.rounds.digests import RoundDigests, check
 
     tensors = {"a": torch.arange(4096, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16),
                "big": torch.randn(5000)}  # split over buckets
@@ -410,7 +410,7 @@ def test_a_shutdown_from_another_thread_during_a_receive_releases_the_round() ->
     receive ran counted as nested and skipped releasing the round (its loader and staging). It is per thread now."""
     import threading
 
-    from wtransfer.engines._commit import round_state
+    from wtransfer.engines.rounds.commit import round_state
     from wtransfer.engines.wire import TensorEntry
 
     entered, release = threading.Event(), threading.Event()

@@ -15,19 +15,20 @@ _EXPORTS: dict[str, tuple[str, ...]] = {  # module -> the public names it define
     # configs
     "wtransfer.config": ("WeightTransferConfig", "ParallelConfig", "KVTransferConfig"),
     # factories (the seed API)
-    "wtransfer.engines._factory": ("WeightTransferEngineFactory",),
+    "wtransfer.engines.worker.factory": ("WeightTransferEngineFactory",),
     "wtransfer.connectors._factory": ("KVConnectorFactory",),
     "wtransfer.specs._factory": ("OffloadingSpecFactory",),
     # weight transfer, worker side
-    "wtransfer.engines._base": ("WeightTransferEngine", "WeightTransferInitInfo", "WeightTransferUpdateInfo",
+    "wtransfer.engines.worker.base": ("WeightTransferEngine", "WeightTransferInitInfo", "WeightTransferUpdateInfo",
                                 "WeightTransferInitRequest", "WeightTransferUpdateRequest"),
-    "wtransfer.engines._loader": ("module_loader",),
-    "wtransfer.engines._cast": ("served_dtypes",),
+    "wtransfer.engines.worker.loader": ("module_loader",),
+    "wtransfer.engines.rounds.cast": ("served_dtypes",),
     # weight transfer, trainer side
-    "wtransfer.engines._trainer": ("create_trainer", "TrainerWeightTransferEngine", "NoTrainerSideError"),
-    "wtransfer.engines._client": ("WeightSyncClient",),
-    "wtransfer.engines._source": ("WeightSource", "ModuleSource", "TensorSource"),
-    "wtransfer.engines._manifest": ("TensorEntry",),
+    "wtransfer.engines.trainer.create": ("create_trainer", "NoTrainerSideError"),
+    "wtransfer.engines.trainer.engine": ("TrainerWeightTransferEngine",),
+    "wtransfer.engines.trainer.client": ("WeightSyncClient",),
+    "wtransfer.engines.rounds.source": ("WeightSource", "ModuleSource", "TensorSource"),
+    "wtransfer.engines.rounds.manifest": ("TensorEntry",),
     "wtransfer._dtypes": ("dtype_name",),
     # KV connectors and offloading
     "wtransfer.kvcache": ("KVCacheSpec", "KV_LAYOUTS", "block_view"),
@@ -61,15 +62,16 @@ if TYPE_CHECKING:  # let type checkers and IDEs see the lazy names (a test keeps
     from wtransfer.connectors._factory import KVConnectorFactory
     from wtransfer.connectors._hashing import block_hashes, kv_namespace
     from wtransfer.connectors._request import KVConnectorOutput, KVRequest, ScheduledRequest, SchedulerStep
-    from wtransfer.engines._base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferInitRequest
-    from wtransfer.engines._base import WeightTransferUpdateInfo, WeightTransferUpdateRequest
-    from wtransfer.engines._cast import served_dtypes
-    from wtransfer.engines._client import WeightSyncClient
-    from wtransfer.engines._factory import WeightTransferEngineFactory
-    from wtransfer.engines._loader import module_loader
-    from wtransfer.engines._manifest import TensorEntry
-    from wtransfer.engines._source import ModuleSource, TensorSource, WeightSource
-    from wtransfer.engines._trainer import NoTrainerSideError, TrainerWeightTransferEngine, create_trainer
+    from wtransfer.engines.worker.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferInitRequest
+    from wtransfer.engines.worker.base import WeightTransferUpdateInfo, WeightTransferUpdateRequest
+    from wtransfer.engines.rounds.cast import served_dtypes
+    from wtransfer.engines.trainer.client import WeightSyncClient
+    from wtransfer.engines.worker.factory import WeightTransferEngineFactory
+    from wtransfer.engines.worker.loader import module_loader
+    from wtransfer.engines.rounds.manifest import TensorEntry
+    from wtransfer.engines.rounds.source import ModuleSource, TensorSource, WeightSource
+    from wtransfer.engines.trainer.create import NoTrainerSideError, create_trainer
+    from wtransfer.engines.trainer.engine import TrainerWeightTransferEngine
     from wtransfer.errors import AmbiguousComponentError, ComponentLoadError, DisabledComponentError
     from wtransfer.errors import DuplicateComponentError, InvalidComponentError, InvalidOptionError
     from wtransfer.errors import ManifestMismatchError, TransferError, TransferTimeoutError, UnknownComponentError

@@ -89,10 +89,10 @@ def _worker_main(
 
     from wtransfer._probes import PeakRss, open_fd_count
     from wtransfer.config import ParallelConfig, WeightTransferConfig
-    from wtransfer.engines._cast import served_dtypes
-    from wtransfer.engines._factory import WeightTransferEngineFactory
-    from wtransfer.engines._loader import ModuleLoader
-    from wtransfer.engines._manifest import tensor_checksum
+    from wtransfer.engines.rounds.cast import served_dtypes
+    from wtransfer.engines.worker.factory import WeightTransferEngineFactory
+    from wtransfer.engines.worker.loader import ModuleLoader
+    from wtransfer.engines.rounds.manifest import tensor_checksum
 
     if torch_threads > 0:
         torch.set_num_threads(torch_threads)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from wtransfer._bench.machine import LoadWatch
 from wtransfer._bench.report import MarkdownLines, MarkdownTable, add_report_arguments, figures_report
-from wtransfer.engines._protocol import MIB
+from wtransfer.engines.channel.protocol import MIB
 from wtransfer._fork_server import worker_process
 from wtransfer.testing.models import build_model, digests, mutate, parse_model, worker_model
 
@@ -97,8 +97,8 @@ def run_engine(
     ``references`` (peer name -> GB/s on the same tensors) are measured right after each round, so a change of the
     machine's load during the run skews both alike."""
     from wtransfer._probes import PeakRss, staging_segments
-    from wtransfer.engines._source import ModuleSource
-    from wtransfer.engines._trainer import create_trainer
+    from wtransfer.engines.rounds.source import ModuleSource
+    from wtransfer.engines.trainer.create import create_trainer
     from wtransfer.local import LocalWorkerPool
 
     label = label or f"{engine} {commit}" + (" + checksums" if checksums else "")
@@ -163,7 +163,7 @@ def _slowest_phases(workers: list[dict[str, float]]) -> dict[str, float]:
 def memcpy_reference(tensors: list[torch.Tensor]) -> Callable[[], float]:
     """A callable measuring GB/s of one copy of every tensor into resident memory; the destinations are allocated
     and touched here, before any engine runs, so they never count in an engine's peak RSS."""
-    from wtransfer.engines._packing import copy_tensor
+    from wtransfer.engines.rounds.packing import copy_tensor
 
     destinations = [t.clone() for t in tensors]
     total = sum(t.numel() * t.element_size() for t in tensors)
@@ -187,7 +187,7 @@ def two_copies_reference(tensors: list[torch.Tensor]) -> Callable[[], float]:
     destinations (allocated here, before any engine runs), timed until both are done."""
     import threading
 
-    from wtransfer.engines._packing import copy_tensor
+    from wtransfer.engines.rounds.packing import copy_tensor
 
     destinations = ([t.clone() for t in tensors], [t.clone() for t in tensors])
     total = sum(t.numel() * t.element_size() for t in tensors)
@@ -212,7 +212,7 @@ def safetensors_reference(tensors: list[torch.Tensor]) -> Callable[[], float]:
     include that copy too); the file is removed after every measurement."""
     from safetensors.torch import load_file, save_file
 
-    from wtransfer.engines._packing import copy_tensor
+    from wtransfer.engines.rounds.packing import copy_tensor
 
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     path = os.path.join(folder, f"wtransfer-bench-{os.getpid()}.safetensors")
@@ -236,7 +236,7 @@ def safetensors_reference(tensors: list[torch.Tensor]) -> Callable[[], float]:
 
 def peer_share_memory(tensors: list[torch.Tensor], repeats: int) -> float:
     """``torch.multiprocessing`` style: a fresh ``share_memory_()`` copy per update, then loaded."""
-    from wtransfer.engines._packing import copy_tensor
+    from wtransfer.engines.rounds.packing import copy_tensor
 
     destinations = [t.clone() for t in tensors]
     times = []
@@ -278,9 +278,9 @@ def _gloo_peer_receiver(port: int, spec: str, timeout_s: float, rank: int, size:
     import torch
     from torch.distributed import PrefixStore, TCPStore
 
-    from wtransfer.engines._manifest import dtype_from_name
-    from wtransfer.engines._packing import copy_tensor
-    from wtransfer.engines._td_backend import TorchDistributedBackend
+    from wtransfer.engines.rounds.manifest import dtype_from_name
+    from wtransfer.engines.rounds.packing import copy_tensor
+    from wtransfer.engines.torch_distributed.backend import TorchDistributedBackend
 
     torch.set_num_threads(1)
     shapes, dtype = json.loads(spec)
@@ -332,7 +332,7 @@ class GlooPeer:
         import torch
         from torch.distributed import PrefixStore, TCPStore
 
-        from wtransfer.engines._td_backend import TorchDistributedBackend
+        from wtransfer.engines.torch_distributed.backend import TorchDistributedBackend
 
         self.tensors = tensors
         self.total = sum(t.numel() * t.element_size() for t in tensors)

@@ -13,29 +13,34 @@ table in docs/plugins.md lists and explains every name):
     For someone writing a brand-new transport: the wire protocol, the manifest, the packing
     plan and the control channel. See its docstring.
 
-Errors are :mod:`wtransfer`'s (``TransferError``, ``TransferTimeoutError`` ...). Names in
-``_``-modules are private and may change in any release.
+Errors are :mod:`wtransfer`'s (``TransferError``, ``TransferTimeoutError`` ...). The public modules
+are these two, :mod:`wtransfer.engines.shm` and :mod:`wtransfer.engines.gloo`. The folders beside them
+(``channel``, ``rounds``, ``trainer``, ``worker``, ``torch_distributed``, and ``shm``'s own modules)
+show how the toolkit is built; they are private and may change in any release (docs/architecture.md).
 """
 
 from wtransfer._lazy import lazy_exports
 
 _EXPORTS: dict[str, tuple[str, ...]] = {  # module -> the public names it defines
     # worker side
-    "wtransfer.engines._base": ("WeightTransferEngine", "WeightTransferInitInfo", "WeightTransferUpdateInfo",
-                                "LoadWeights"),
-    "wtransfer.engines._worker": ("ManifestUpdateInfo", "global_rank", "check_buffer_budget", "BufferBudgetOptions"),
-    "wtransfer.engines._loader": ("module_loader",),
+    "wtransfer.engines.worker.base": ("WeightTransferEngine", "WeightTransferInitInfo", "WeightTransferUpdateInfo",
+                                      "LoadWeights"),
+    "wtransfer.engines.worker.helpers": ("ManifestUpdateInfo", "global_rank", "check_buffer_budget",
+                                         "BufferBudgetOptions"),
+    "wtransfer.engines.worker.loader": ("module_loader",),
     # trainer side
-    "wtransfer.engines._trainer": ("TrainerWeightTransferEngine", "TrainerInitOptions", "ClientCall", "create_trainer",
-                                   "accepts_weight_version"),
-    "wtransfer.engines._source": ("WeightSource", "ModuleSource", "TensorSource", "StreamSource"),
+    "wtransfer.engines.trainer.engine": ("TrainerWeightTransferEngine",),
+    "wtransfer.engines.trainer.options": ("TrainerInitOptions",),
+    "wtransfer.engines.trainer.client": ("ClientCall", "accepts_weight_version"),
+    "wtransfer.engines.trainer.create": ("create_trainer",),
+    "wtransfer.engines.rounds.source": ("WeightSource", "ModuleSource", "TensorSource", "StreamSource"),
     # bases to derive from
-    "wtransfer.engines._td_backend": ("TorchDistributedBackend",),
-    "wtransfer.engines._td_worker": ("TorchDistributedWeightTransferEngine",),
-    "wtransfer.engines._td_options": ("TorchDistributedInitInfo", "TorchDistributedOptions",
-                                      "TorchDistributedInitOptions"),
-    "wtransfer.engines._td_trainer": ("TorchDistributedTrainer",),
-    "wtransfer.engines._td_sender": ("TorchDistributedSender",),
+    "wtransfer.engines.torch_distributed.backend": ("TorchDistributedBackend",),
+    "wtransfer.engines.torch_distributed.worker": ("TorchDistributedWeightTransferEngine",),
+    "wtransfer.engines.torch_distributed.options": ("TorchDistributedInitInfo", "TorchDistributedOptions",
+                                                    "TorchDistributedInitOptions"),
+    "wtransfer.engines.torch_distributed.trainer": ("TorchDistributedTrainer",),
+    "wtransfer.engines.torch_distributed.sender": ("TorchDistributedSender",),
     "wtransfer.engines.shm": ("SharedMemoryWeightTransferEngine", "SharedMemoryTrainer", "SharedMemoryInitOptions"),
 }
 

@@ -1,16 +1,16 @@
 """``gloo``: weight sync across hosts over a private gloo process group (CPU tensors).
 
-The logic lives in the torch.distributed modules (:mod:`wtransfer.engines._td_backend`); this module names
+The logic lives in the torch.distributed modules (:mod:`wtransfer.engines.torch_distributed.backend`); this module names
 the gloo flavour. Its options: :class:`GlooInitOptions` (trainer ``init_info``) and :class:`GlooOptions`
 (workers), or ``wtransfer show engine gloo``.
 """
 
 from __future__ import annotations
 
-from wtransfer.engines._td_options import GlooInitOptions, GlooOptions
-from wtransfer.engines._td_sender import TorchDistributedSender
-from wtransfer.engines._td_trainer import TorchDistributedTrainer
-from wtransfer.engines._td_worker import TorchDistributedWeightTransferEngine
+from wtransfer.engines.torch_distributed.options import GlooInitOptions, GlooOptions
+from wtransfer.engines.torch_distributed.sender import TorchDistributedSender
+from wtransfer.engines.torch_distributed.trainer import TorchDistributedTrainer
+from wtransfer.engines.torch_distributed.worker import TorchDistributedWeightTransferEngine
 
 
 class GlooTrainer(TorchDistributedTrainer):

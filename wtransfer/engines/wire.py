@@ -15,14 +15,14 @@ from wtransfer._lazy import lazy_exports
 
 _EXPORTS: dict[str, tuple[str, ...]] = {  # module -> the public names it defines
     # wire protocol
-    "wtransfer.engines._protocol": ("PROTOCOL_VERSION", "MIB", "ALIGN", "check_int", "check_timeout", "check_protocol",
-                                    "check_bucket_bytes", "ManifestRejected", "gc_paused"),
+    "wtransfer.engines.channel.protocol": ("PROTOCOL_VERSION", "MIB", "ALIGN", "check_int", "check_timeout",
+                                           "check_protocol", "check_bucket_bytes", "ManifestRejected", "gc_paused"),
     # manifest
-    "wtransfer.engines._manifest": ("Manifest", "TensorEntry", "build_manifest", "tensor_checksum"),
+    "wtransfer.engines.rounds.manifest": ("Manifest", "TensorEntry", "build_manifest", "tensor_checksum"),
     # packing plan
-    "wtransfer.engines._packing": ("Bucket", "plan_buckets", "Packer", "Unpacker"),
+    "wtransfer.engines.rounds.packing": ("Bucket", "plan_buckets", "Packer", "Unpacker"),
     # control channel
-    "wtransfer.engines._control": ("ControlChannel", "Listener", "connect", "PeerClosedError"),
+    "wtransfer.engines.channel.control": ("ControlChannel", "Listener", "connect", "PeerClosedError"),
 }
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

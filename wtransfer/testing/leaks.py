@@ -86,7 +86,7 @@ def _pool_threads() -> tuple[str, ...]:
     """Name prefixes of wtransfer's process-wide thread pools (copies, delta rounds): made once, kept by design."""
     import sys
 
-    module = sys.modules.get("wtransfer.engines._packing")
+    module = sys.modules.get("wtransfer.engines.rounds.packing")
     return tuple(f"{name}_" for name in getattr(module, "_pools", {}))
 
 

@@ -5,7 +5,7 @@ buffer rotation, timeouts, version semantics) is wtransfer's own torch.distribut
 the same the ``gloo`` engine runs. This module only supplies what differs on a GPU:
 
 * a ``ProcessGroupNCCL`` per channel, each on a ``PrefixStore`` over the trainer's
-  authenticated rendezvous store (:mod:`wtransfer.engines._rendezvous`, not torch's
+  authenticated rendezvous store (:mod:`wtransfer.engines.channel.rendezvous`, not torch's
   ``TCPStore``), bound to an explicit device, never the default process group;
 * receive and send buffers on the device, one dedicated CUDA stream per buffer, both
   created once per engine and reused every round (fresh streams per call leaked memory

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from wtransfer.engines._source import ModuleSource
+from wtransfer.engines.rounds.source import ModuleSource
 from wtransfer.testing.conformance._contract import require
 
 MODEL_FACTORY = "wtransfer.testing.models:matrix_model"
@@ -75,7 +75,7 @@ class EngineConformance:
         delta: bool = False, **init: Any
     ) -> Any:
         """``source``: the model or a WeightSource (``create_trainer`` takes either)."""
-        from wtransfer.engines._trainer import create_trainer
+        from wtransfer.engines.trainer.create import create_trainer
 
         init_info = {"world_size": pool.world_size, "bucket_bytes": BUCKET_BYTES, "timeout_s": self.timeout_s,
                      **trainer_init_info, **init}
@@ -101,7 +101,7 @@ class EngineConformance:
 
     @staticmethod
     def _digests(model: Any) -> dict[str, int]:
-        from wtransfer.engines._manifest import tensor_checksum
+        from wtransfer.engines.rounds.manifest import tensor_checksum
 
         return {name: tensor_checksum(p.detach()) for name, p in model.named_parameters()}
 
@@ -402,7 +402,7 @@ class EngineConformance:
     ) -> None:
         """The last worker's 'bf16' has another shape, the others accept the round: no worker may load it, and the
         next round (which all accept) must land."""
-        from wtransfer.engines._source import TensorSource
+        from wtransfer.engines.rounds.source import TensorSource
         from wtransfer.testing.models import matrix_model
 
         variants = [{}] * (self.num_workers - 1) + [{"variant": "mismatch"}]
@@ -478,7 +478,7 @@ def _trainer_killed_in_round_two(conn: Any, engine: str, init_info_json: str, co
     ``matrix_model(seed=1)``, then new weights (seed 7), and its source SIGKILLs it half-way through round two."""
     import torch
 
-    from wtransfer.engines._trainer import create_trainer
+    from wtransfer.engines.trainer.create import create_trainer
     from wtransfer.errors import TransferError
     from wtransfer.testing.models import matrix_model
 

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from wtransfer.engines._source import TensorSource
+from wtransfer.engines.rounds.source import TensorSource
 
 MODEL_FACTORY = "wtransfer.testing.conformance.schedules:schedule_model"
 EVENTS = ("round", "round", "round", "failing_load", "timeout_before", "timeout_after", "restart_worker",
@@ -142,7 +142,7 @@ class ScheduleRun:
 
     # -- events --------------------------------------------------------------------------------
     def _new_trainer(self) -> None:
-        from wtransfer.engines._trainer import create_trainer
+        from wtransfer.engines.trainer.create import create_trainer
 
         if self.trainer is not None:
             self.trainer.shutdown()
@@ -266,7 +266,7 @@ class ScheduleRun:
 
 
 def _digests(tensors: dict[str, Any]) -> dict[str, int]:
-    from wtransfer.engines._manifest import tensor_checksum
+    from wtransfer.engines.rounds.manifest import tensor_checksum
 
     return {name: tensor_checksum(t) for name, t in tensors.items()}
 

@@ -1,0 +1,527 @@
+"""The trainer side of ``shm``: rank 0 owns the ring and the staged segment, admits workers and other trainer ranks,
+and drives each round (see :mod:`wtransfer.engines.shm`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import select
+import selectors
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from wtransfer.engines.channel.control import MAX_FRAME, ControlChannel, Listener, PeerClosedError
+from wtransfer.engines.channel.protocol import MIB, PROTOCOL_VERSION, ManifestRejected
+from wtransfer.engines.rounds.digests import round_digests
+from wtransfer.engines.rounds.manifest import Manifest
+from wtransfer.engines.rounds.packing import Bucket, Packer, Piece
+from wtransfer.engines.rounds.part_streams import RankLayout, check_tiling, layout_rows
+from wtransfer.engines.rounds.shards import entries_digest, rank_parts, write_part
+from wtransfer.engines.rounds.staging import SharedSegment, create_memfd, read_only_fd, staging_offsets
+from wtransfer.engines.shm.ring import SharedMemorySender, SharedRing, send_best_effort
+from wtransfer.engines.trainer.client import ClientCall
+from wtransfer.engines.trainer.engine import TrainerWeightTransferEngine
+from wtransfer.engines.trainer.options import TrainerInitOptions
+from wtransfer.errors import TransferError, TransferTimeoutError
+from wtransfer.options import option
+
+logger = logging.getLogger("wtransfer")
+
+
+HELLO_FRAME = 16 << 20
+"""The largest frame an unidentified peer may send: a hello lists the served dtypes (possibly one name per
+tensor), so it may be large, but never the 64 MiB a known peer may."""
+
+
+def segment_pieces(manifest: Manifest) -> list[Piece]:
+    """Every tensor of a staged round as one piece at its offset in the segment (``staging_offsets``)."""
+    offsets, _ = staging_offsets(manifest.entries)
+    return [Piece(index, 0, offset, entry.nbytes, True)
+            for index, (entry, offset) in enumerate(zip(manifest.entries, offsets))]
+
+
+@dataclass(frozen=True)
+class SharedMemoryInitOptions(TrainerInitOptions):
+    """Trainer ``init_info`` of ``shm``: a small ring (16 MiB) that stays in the last-level cache, so workers
+    read what the trainer just wrote without both copies competing for DRAM bandwidth. Staged rounds use
+    no ring: ``bucket_bytes`` and ``num_buffers`` apply to streaming and delta rounds.
+    """
+
+    bucket_bytes: int = option(4 * MIB)
+    num_buffers: int = option(4)
+
+
+class SharedMemoryTrainer(TrainerWeightTransferEngine):
+    """Trainer side of ``shm``: owns the control socket and the ring or the staged segment."""
+
+    backend = "shm"
+    init_options_cls = SharedMemoryInitOptions
+    sender_cls = SharedMemorySender  # a sharded trainer's other ranks write their own shards into the segment
+
+    @property
+    def uses_ring(self) -> bool:
+        """Streaming rounds of one sender, and delta rounds, go through the ring; the rest are staged whole."""
+        return self.delta is not None or self._streams
+
+    @property
+    def _streams(self) -> bool:
+        return self.commit == "streaming" and not self.parallel_senders
+
+    @property
+    def stages_dense_rounds(self) -> bool:
+        """Dense rounds are staged whole: atomic ones, also those ``delta="auto"`` chooses (its deltas use the ring)."""
+        return not self._streams and (self.delta is None or self.delta_choice is not None)
+
+    def prepare_workers(self) -> dict[str, Any]:
+        self._listener: Listener | None = Listener(f"wtransfer-shm-{os.getpid()}-{secrets.token_hex(8)}")
+        self._channels: dict[int, ControlChannel] = {}
+        self._token = secrets.token_hex(16)
+        self._ring: SharedRing | None = None
+        self._ring_fd: int | None = None  # read-only, for the workers; closed once they all mapped it
+        if self.uses_ring:
+            fd = create_memfd(self.bucket_bytes * self.num_buffers, "wtransfer-shm")
+            self._ring = SharedRing(fd, self.bucket_bytes, self.num_buffers)  # takes fd
+            self._ring_fd = read_only_fd(fd)
+        self._segment: SharedSegment | None = None
+        self._handed: dict[int, int] = {}  # peer (worker rank; -trainer rank) -> inode of the segment it maps
+        self._selector = selectors.DefaultSelector()
+        self._senders: dict[int, ControlChannel] = {}  # the other trainer ranks (parallel senders)
+        self._announced = {"world_size": self.world_size, "bucket_bytes": self.bucket_bytes,
+                           "num_buffers": self.num_buffers}
+        return {
+            "address": self._listener.address,
+            "token": self._token,
+            **self._announced,
+            "rank_offset": 1,
+            "timeout_s": self.timeout_s,
+            "protocol_version": PROTOCOL_VERSION,
+        }
+
+    @property
+    def staged_bytes(self) -> int:
+        """The staged segment's size (0 for a ring trainer): the node's one host copy of a round."""
+        segment = getattr(self, "_segment", None)
+        return segment.size if segment is not None else 0
+
+    def connected(self) -> None:
+        """A staged trainer allocates its pre-faulted segment now, so no round pays page faults (a source
+        that cannot list its tensors before its first round gets it then)."""
+        size = self.whole_round_bytes() if self.stages_dense_rounds else None
+        if size is not None:
+            self._segment_for(size)
+
+    def _segment_for(self, size: int) -> SharedSegment:
+        """The staged round's segment, at least ``size`` bytes (reused; replaced when too small)."""
+        if self._segment is None or self._segment.size < size:
+            if self._segment is not None:
+                self._segment.close()
+                self._segment = None
+            self._segment = SharedSegment.create(size)
+            logger.debug("shm trainer: %d-byte staged segment", size)
+        return self._segment
+
+    def _segment_fds(self, peer: int, writable: bool) -> list[int]:
+        """The segment's descriptor for ``peer`` if it does not map this one yet (read-only for a worker)."""
+        assert self._segment is not None
+        if self._handed.get(peer) == self._segment.inode:
+            return []
+        self._handed[peer] = self._segment.inode
+        return [os.dup(self._segment.fd) if writable else read_only_fd(self._segment.fd)]
+
+    # -- rendezvous ------------------------------------------------------------------------
+    def wait_for_workers(self, call: ClientCall) -> None:
+        assert self._listener is not None
+        pending: dict[int, ControlChannel] = {}  # fileno -> channel not yet identified
+        ready: set[int] = set()
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while len(ready) < self.num_workers:
+                call.raise_if_failed()
+                self.check_shortfall(call, ready)
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(1, self.world_size)) - ready)
+                    raise TransferTimeoutError(
+                        f"shm rendezvous: worker rank(s) {missing} did not join within {self.timeout_s:g} s"
+                    )
+                for key, _ in self._selector.select(0.05):
+                    if key.fileobj is self._listener:
+                        conn = self._listener.accept()  # None: another user's process, refused
+                        if conn is not None:
+                            channel = ControlChannel(conn, "an unidentified shm peer", max_frame=HELLO_FRAME)
+                            pending[channel.fileno()] = channel
+                            self._selector.register(channel, selectors.EVENT_READ, None)
+                        continue
+                    channel = key.fileobj  # type: ignore[assignment]
+                    try:
+                        messages = channel.read_ready()
+                    except TransferError as exc:  # closed, or garbage
+                        if channel in self._channels.values():
+                            raise
+                        self._drop(channel, pending, None if isinstance(exc, PeerClosedError) else str(exc))
+                        continue
+                    for message in messages:
+                        problem = self._handshake(channel, message, pending, ready)
+                        if problem is not None:
+                            self._drop(channel, pending, problem)
+                            break
+        finally:
+            for key in list(self._selector.get_map().values()):
+                self._selector.unregister(key.fileobj)
+            for channel in pending.values():
+                channel.close()
+        for rank, channel in self._channels.items():  # from now on, events carry the rank
+            self._selector.register(channel, selectors.EVENT_READ, rank)
+        if self._ring_fd is not None:  # every worker maps the ring now
+            os.close(self._ring_fd)
+            self._ring_fd = None
+        if not self.parallel_senders:  # no one else joins
+            self._close_listener()
+
+    def _drop(self, channel: ControlChannel, pending: dict[int, ControlChannel], problem: str | None) -> None:
+        """An unidentified peer leaves the rendezvous (logged when it misbehaved); the round goes on."""
+        if problem is not None:
+            logger.warning("shm rendezvous: dropped a connection that is not one of this round's workers: %s", problem)
+        self._selector.unregister(channel)
+        pending.pop(channel.fileno(), None)
+        channel.close()
+
+    def _handshake(
+        self, channel: ControlChannel, message: dict[str, Any], pending: dict[int, ControlChannel], ready: set[int]
+    ) -> str | None:
+        """Take one rendezvous message; returns a problem to drop an unidentified peer (which never aborts)."""
+        op = message.get("op")
+        if op == "hello":
+            rank = message.get("rank")
+            problem = None
+            if message.get("token") != self._token:
+                problem = "wrong token (init_info from another trainer?)"
+            elif message.get("protocol_version") != PROTOCOL_VERSION:
+                problem = f"protocol {message.get('protocol_version')!r} != {PROTOCOL_VERSION}"
+            elif not isinstance(rank, int) or not 0 < rank < self.world_size:
+                problem = f"rank {rank!r} outside 1..{self.world_size - 1}"
+            elif rank in self._channels:
+                problem = f"rank {rank} joined twice; check every worker's ParallelConfig"
+            if problem is not None:
+                send_best_effort(channel, {"ok": False, "error": problem})  # a misconfigured worker learns why
+                return problem
+            channel.peer = f"shm worker rank {rank}"
+            channel.max_frame = MAX_FRAME
+            ring = [self._ring_fd] if self._ring_fd is not None else []
+            channel.send({"ok": True, "ring": bool(ring), "wire": self._announced}, fds=ring, timeout=self.timeout_s)
+            pending.pop(channel.fileno())
+            self._channels[rank] = channel
+            self.served_answers[rank], self.held_answers[rank] = message.get("served_dtypes"), message.get("holds")
+        elif op == "refused" and channel in self._channels.values():
+            raise TransferError(f"{channel.peer} refused to join: {str(message.get('error'))[:2000]}")
+        elif op == "ready" and channel in self._channels.values():
+            ready.add(next(r for r, c in self._channels.items() if c is channel))
+        elif channel in self._channels.values():
+            raise TransferError(f"unexpected message from {channel.peer} during shm rendezvous: {str(message)[:200]}")
+        else:
+            return f"unexpected message {str(message)[:200]}"
+        return None
+
+    def _close_listener(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    # -- the other trainer ranks of a sharded trainer ----------------------------------------------
+    def open_senders(self) -> dict[str, Any]:
+        assert self._listener is not None
+        self._sender_token = secrets.token_hex(16)
+        return {"address": self._listener.address, "token": self._sender_token, "protocol_version": PROTOCOL_VERSION}
+
+    def wait_for_senders(self, ranks: list[int]) -> None:
+        """Every other trainer rank joins; it writes its own shards into the staged segment from now on."""
+        assert self._listener is not None
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while len(self._senders) < len(ranks):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = sorted(set(ranks) - set(self._senders))
+                    raise TransferTimeoutError(f"shm trainer: trainer rank(s) {missing} did not join within "
+                                               f"{self.timeout_s:g} s")
+                readable, _, _ = select.select([self._listener], [], [], min(remaining, 0.5))
+                if not readable:
+                    continue
+                conn = self._listener.accept()  # None: another user's process, refused
+                if conn is None:
+                    continue
+                channel = ControlChannel(conn, "an unidentified trainer rank", max_frame=HELLO_FRAME)
+                try:
+                    hello = channel.recv(min(max(deadline - time.monotonic(), 0.1), 5.0))
+                except TransferError as exc:
+                    logger.warning("shm trainer: dropped a connection that did not say hello: %s", exc)
+                    channel.close()
+                    continue
+                if hello.get("token") != self._sender_token:  # not one of ours: it cannot fail the connect
+                    logger.warning("shm trainer: dropped a connection without this trainer's sender token")
+                    channel.close()
+                    continue
+                channel.max_frame = MAX_FRAME
+                try:
+                    rank = hello.get("rank")
+                    if hello.get("error"):
+                        raise TransferError(f"trainer rank {rank} cannot write its shards: {hello['error']}")
+                    if hello.get("op") != "sender":
+                        raise TransferError(f"trainer rank {rank!r} sent {hello.get('op')!r} instead of 'sender'")
+                    if rank not in ranks or rank in self._senders:
+                        raise TransferError(f"trainer rank {rank!r} is not expected (or joined twice)")
+                    channel.peer = f"trainer rank {rank}"
+                    channel.send({"ok": True}, timeout=self.timeout_s)
+                    if channel.recv(max(deadline - time.monotonic(), 0.1)).get("op") != "ready":
+                        raise TransferError(f"trainer rank {rank} could not join")
+                except BaseException as exc:
+                    send_best_effort(channel, {"ok": False, "error": str(exc)})
+                    channel.close()
+                    raise
+                self._senders[rank] = channel
+        finally:
+            self._close_listener()
+        for rank, channel in self._senders.items():
+            self._selector.register(channel, selectors.EVENT_READ, -rank)  # negative: a trainer rank
+
+    # -- one round ----------------------------------------------------------------------------
+    def send_round(self, manifest: Manifest, buckets: list[Bucket], call: ClientCall) -> None:
+        try:
+            _Round(self, manifest, call).run(buckets)
+        except ManifestRejected:
+            raise  # the workers that accepted were already told
+        except BaseException as exc:
+            self._abort(f"{type(exc).__name__}: {exc}")
+            raise
+
+    def tell_workers(self, message: dict[str, Any], version: int, fds: Callable[[int], list[int]] | None = None) -> None:
+        """Send ``message`` to every worker (with ``fds(rank)``, if given); one that died fails the round."""
+        self._tell(self._channels, message, fds, "shm worker rank", f"round {version}")
+
+    def tell_senders(self, message: dict[str, Any], fds: Callable[[int], list[int]] | None = None) -> None:
+        """Send ``message`` to the other trainer ranks (it names this attempt: a sender skips stale ones)."""
+        message["attempt"] = self._attempt
+        self._tell(self._senders, message, fds, "trainer rank", "the round")
+
+    def _tell(self, peers: dict[int, ControlChannel], message: dict[str, Any], fds: Callable[[int], list[int]] | None,
+              who: str, during: str) -> None:
+        for rank, channel in peers.items():
+            handed = fds(rank) if fds is not None else []
+            try:
+                channel.send(message, fds=handed, timeout=self.timeout_s)
+            except PeerClosedError as exc:
+                raise TransferError(f"{who} {rank} died during {during}: {exc}") from exc
+            finally:
+                for fd in handed:  # the peer has its own copy now
+                    os.close(fd)
+
+    def stop_senders(self, reason: str) -> None:
+        """Best effort: the other trainer ranks drop this round."""
+        for channel in self._senders.values():
+            send_best_effort(channel, {"op": "abort", "reason": reason, "attempt": self._attempt})
+
+    def _abort(self, reason: str, only: list[int] | None = None, clean: bool = False) -> None:
+        """Best effort: tell the other trainer ranks, then live workers, to drop the round. ``clean``: no
+        byte moved (a rejection), so workers stay connected for the next round."""
+        self.stop_senders(reason)
+        for rank, channel in self._channels.items():
+            if only is None or rank in only:
+                send_best_effort(channel, {"op": "abort", "reason": reason, "clean": clean})
+
+    def release(self) -> None:
+        for channel in [*getattr(self, "_channels", {}).values(), *getattr(self, "_senders", {}).values()]:
+            channel.close()
+        self._channels, self._senders = {}, {}
+        if getattr(self, "_listener", None) is not None:
+            self._close_listener()
+        if getattr(self, "_ring_fd", None) is not None:
+            os.close(self._ring_fd)  # type: ignore[arg-type]
+            self._ring_fd = None
+        for name in ("_ring", "_segment"):
+            memory = getattr(self, name, None)
+            if memory is not None:
+                memory.close()
+                setattr(self, name, None)
+        self._handed = {}
+        if getattr(self, "_selector", None) is not None:
+            self._selector.close()
+            self._selector = None
+
+
+class _Round:
+    """One round on rank 0: the workers' verdicts, the bytes (staged or ring), every worker's ``loaded``."""
+
+    def __init__(self, trainer: SharedMemoryTrainer, manifest: Manifest, call: ClientCall) -> None:
+        self.trainer, self.manifest, self.call = trainer, manifest, call
+        self.answers: dict[int, str | None] = {}  # worker rank -> None (accepted) or the rejection
+        self.loaded: set[int] = set()
+        self.released: list[set[int]] = []  # ring: the workers still reading each buffer
+        self.slot_of: dict[int, int] = {}
+        self.layouts: dict[int, RankLayout] = {}  # sharded: trainer rank -> what it holds of every tensor
+        self.written: set[int] = set()  # sharded: the other ranks that wrote their shards
+        self.progress = 0  # sharded: words from ranks still writing
+
+    def handle(self, rank: int, message: dict[str, Any]) -> None:
+        op, version = message.get("op"), self.manifest.version
+        if rank < 0:  # another trainer rank
+            if message.get("attempt") != self.trainer._attempt:
+                return  # left over from an earlier round that ended before this rank's answer was read
+            if op == "layout" and isinstance(message.get("rows"), list):
+                if len(message["rows"]) != 3 * len(self.manifest.entries):
+                    raise TransferError(f"trainer rank {-rank} sent a layout of {len(message['rows'])} words for "
+                                        f"{len(self.manifest.entries)} tensors")
+                self.layouts[-rank] = RankLayout(self.manifest.entries, [int(word) for word in message["rows"]])
+            elif op == "written":
+                self.written.add(-rank)
+            elif op == "progress":  # the workers wait for the staged round too: they hear it goes on
+                self.progress += 1
+                self.trainer.tell_workers({"op": "progress"}, self.manifest.version)
+            elif op == "fail":
+                raise TransferError(f"trainer rank {-rank} failed writing its shards of round {version}: "
+                                    f"{message.get('error')}")
+            else:
+                raise TransferError(f"unexpected message from trainer rank {-rank}: {message!r}")
+        elif op == "accept":
+            self.answers[rank] = None
+        elif op == "reject":
+            self.answers[rank] = str(message.get("error"))
+        elif op == "release" and message.get("index") in self.slot_of:
+            self.released[self.slot_of[message["index"]]].discard(rank)
+        elif op == "loaded":
+            self.loaded.add(rank)
+        elif op == "fail":
+            raise TransferError(f"shm worker rank {rank} failed round {version}: {message.get('error')}")
+        else:
+            raise TransferError(f"unexpected message from shm worker rank {rank}: {message!r}")
+
+    def pump(self, done: Callable[[], bool], what: str) -> None:
+        """Dispatch the peers' messages until ``done()``; bounded by ``timeout_s`` since the last change of
+        ``progress``, aborted by client failure."""
+        trainer = self.trainer
+        deadline, seen = time.monotonic() + trainer.timeout_s, self.progress
+        for rank, channel in [*trainer._channels.items(), *((-r, c) for r, c in trainer._senders.items())]:
+            for message in channel.pending():  # messages that arrived together with earlier ones
+                self.handle(rank, message)
+        while not done():
+            if self.call.error is not None:
+                # A worker answers before it raises, so its message is here already: it may end the wait cleanly.
+                self._dispatch(0.0, what)
+                if done():
+                    return
+                self.call.raise_if_failed()
+            if self.progress != seen:
+                seen, deadline = self.progress, time.monotonic() + trainer.timeout_s
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransferTimeoutError(f"shm trainer: {what} took longer than {trainer.timeout_s:g} s")
+            self._dispatch(min(remaining, 0.05), what)
+
+    def _dispatch(self, wait: float, what: str) -> None:
+        """Handle every message that arrives within ``wait`` seconds (0: only those already here)."""
+        for key, _ in self.trainer._selector.select(wait):
+            rank = key.data
+            try:
+                messages = key.fileobj.read_ready()  # type: ignore[union-attr]
+            except PeerClosedError as exc:
+                peer = f"shm worker rank {rank}" if rank > 0 else f"trainer rank {-rank}"
+                raise TransferError(f"{peer} died or disconnected while {what}: {exc}") from exc
+            for message in messages:
+                self.handle(rank, message)
+
+    def run(self, buckets: list[Bucket]) -> None:
+        trainer, manifest = self.trainer, self.manifest
+        senders = trainer._senders
+        if senders:  # they plan the round while the workers check the manifest
+            trainer.tell_senders({"op": "round", "digest": entries_digest(manifest.entries)})
+        with trainer.phases("wait"):
+            self.pump(lambda: len(self.answers) == trainer.num_workers, "waiting for workers to accept the manifest")
+        rejected = {rank: reason for rank, reason in self.answers.items() if reason is not None}
+        if rejected:
+            reasons = "; ".join(f"rank {rank}: {reason}" for rank, reason in sorted(rejected.items()))
+            trainer._abort(f"a worker rejected the manifest ({reasons})",
+                           only=[r for r in self.answers if r not in rejected], clean=True)
+            raise ManifestRejected(f"round {manifest.version} rejected: {reasons}")
+        if manifest.delta is not None or not trainer.stages_dense_rounds:
+            self._through_ring(buckets)
+        else:
+            self._staged()
+        with trainer.phases("wait"):
+            self.pump(lambda: len(self.loaded) == trainer.num_workers, "waiting for workers to load the round")
+
+    def _staged(self) -> None:
+        """Write the whole round into the segment (each trainer rank its own shards), then hand it over."""
+        trainer, manifest = self.trainer, self.manifest
+        segment = trainer._segment_for(staging_offsets(manifest.entries)[1])
+        pieces = segment_pieces(manifest)
+        with round_digests(len(manifest.entries), manifest.digests) as digests:
+            if trainer._senders:
+                self._write_sharded(segment, pieces)
+                if digests is not None:  # the ranks wrote disjoint parts: the round is hashed once whole
+                    digests.update_pieces(pieces, segment.data)
+            else:
+                packer = Packer(manifest, iter(trainer.source), digests, trainer.source_entries)
+                told = [time.monotonic()]
+
+                def tick() -> None:  # a write longer than timeout_s / 4: the workers hear it goes on
+                    if time.monotonic() - told[0] > trainer.timeout_s / 4:
+                        trainer.tell_workers({"op": "progress"}, manifest.version)
+                        told[0] = time.monotonic()
+
+                with trainer.phases("pack"):
+                    packer.pack_staged(pieces, segment.data, tick=tick)
+                    packer.drain()
+            values = digests.digests() if digests is not None else None
+        trainer.tell_workers({"op": "staged", "size": segment.size, "digests": values}, manifest.version,
+                             fds=lambda rank: trainer._segment_fds(rank, writable=False))
+
+    def _write_sharded(self, segment: SharedSegment, pieces: list[Piece]) -> None:
+        """Every trainer rank writes its parts into the segment, once they are checked to tile the round."""
+        trainer, manifest = self.trainer, self.manifest
+        parts = rank_parts(trainer.source.named_tensors(), 0, manifest.entries)  # type: ignore[attr-defined]
+        self.layouts[0] = RankLayout(manifest.entries, layout_rows(parts))
+        with trainer.phases("wait"):
+            self.pump(lambda: len(self.layouts) == 1 + len(trainer._senders),
+                      "waiting for the other trainer ranks' layouts")
+        try:
+            check_tiling([self.layouts[rank] for rank in sorted(self.layouts)])
+        except TransferError as exc:
+            raise TransferError(f"the trainer ranks' shards do not tile the round: {exc}; every rank must "
+                                f"shard the same model the same way (device mesh, placements)") from exc
+        trainer.tell_senders({"op": "go", "size": segment.size},
+                             fds=lambda rank: trainer._segment_fds(-rank, writable=True))
+        with trainer.phases("pack"):
+            for piece, part in zip(pieces, parts):
+                if part is not None and piece.length:
+                    write_part(segment.data[piece.offset : piece.offset + piece.length], 0, part)
+        with trainer.phases("wait"):
+            self.pump(lambda: len(self.written) == len(trainer._senders), "waiting for the other trainer ranks' shards")
+
+    def _through_ring(self, buckets: list[Bucket]) -> None:
+        """Pack bucket after bucket into the ring's buffers, each once every worker released it."""
+        trainer, manifest = self.trainer, self.manifest
+        ring = trainer._ring
+        assert ring is not None
+        self.released = [set() for _ in ring.slots]
+        with round_digests(len(manifest.entries), manifest.digests) as digests:
+            if not buckets:  # the workers wait for a word either way: a call-off, or this
+                trainer.tell_workers({"op": "empty"}, manifest.version)
+            packer = Packer(manifest, iter(trainer.source), digests, trainer.source_entries)
+            for bucket in buckets:
+                slot = bucket.index % len(ring.slots)
+                if self.released[slot]:
+                    with trainer.phases("wait"):
+                        self.pump(lambda: not self.released[slot], f"waiting for workers to release buffer {slot}")
+                self.slot_of[bucket.index] = slot
+                if digests is not None:
+                    digests.fence(slot)  # the bucket this buffer held last is hashed
+                with trainer.phases("pack"):
+                    packer.pack(bucket, ring.slots[slot], slot)
+                self.released[slot] = set(trainer._channels)
+                trainer.tell_workers({"op": "bucket", "index": bucket.index, "slot": slot}, manifest.version)
+            with trainer.phases("pack"):
+                packer.drain()
+            if digests is not None:  # the workers compare them with their own before the round can commit
+                trainer.tell_workers({"op": "digests", "values": digests.digests()}, manifest.version)
