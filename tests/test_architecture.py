@@ -43,4 +43,19 @@ def test_a_circle_between_rooms_is_refused():
     with pytest.raises(CycleError):
         architecture.floors(rooms)
     assert architecture.floors({"a/": {"imports": {"b/"}}, "b/": {"imports": set()},
-                                "toolkit": {"imports": set()}}) == ["toolkit", "a/", "b/"]
+                                "toolkit": {"imports": set()}}) == ["a/", "b/", "toolkit"]
+
+
+def test_imports_are_read_through_lazy_names_relative_imports_and_import_module():
+    """An upward import hidden behind the toolkit's lazy names, a relative import or ``import_module`` still counts:
+    from rounds/, each of these would close a circle with trainer/."""
+    import ast
+
+    exports = architecture._lazy_exports()
+    source = ("from wtransfer.engines import create_trainer\nfrom ..trainer import engine\n"
+              "import importlib\nimportlib.import_module('wtransfer.engines.trainer.client')\n")
+    modules = architecture._imported_modules(ast.parse(source), "wtransfer.engines.rounds", exports)
+    rooms = {architecture._room_of_module(m) for m in modules} - {None}
+    assert rooms == {"toolkit", "trainer/"}, modules
+    assert "wtransfer.engines.trainer.create" in modules
+    assert "wtransfer.engines.trainer.engine" in modules and "wtransfer.engines.trainer.client" in modules

@@ -1,7 +1,7 @@
 """The plugin author's surface: what plugins may import, enforced on the plugins we ship.
 
 ``PUBLIC_MODULES`` is the promise (the plugin guide, docs/plugins.md, lists the same). Everything else
-lives in ``_``-modules. The checks read the import statements of ``plugins/`` and of the
+is private: ``_``-modules, and the folders inside ``wtransfer/engines/``. The checks read the import statements of ``plugins/`` and of the
 example plugin, as a third party's code would be read, and can fail: the first test feeds
 the checker imports of private modules and requires it to flag each one.
 """
@@ -44,6 +44,7 @@ PUBLIC_MODULES = {
     "wtransfer.testing.distributions",
     "wtransfer.testing.leaks",
     "wtransfer.testing.models",
+    "wtransfer.testing.paged_engine",
 }
 TOOLKITS = ("wtransfer", "wtransfer.engines", "wtransfer.engines.wire", "wtransfer.connectors", "wtransfer.specs")
 
@@ -259,3 +260,33 @@ def test_type_checkers_see_every_lazy_export_of_the_top_level():
     for node in block.body:
         seen.setdefault(node.module, set()).update(alias.name for alias in node.names)
     assert seen == {module: set(names) for module, names in wtransfer._EXPORTS.items()}
+
+
+DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "plugins").glob("*/README.md"))]
+DOC_IMPORT = re.compile(r"^\s*from (wtransfer(?:\.[a-z_]+)*) import \(?([A-Za-z_][A-Za-z0-9_, ]*)\)?", re.M)
+
+
+def doc_imports(text: str) -> list[tuple[str, str]]:
+    """``(module, name)`` for every ``from wtransfer... import name`` a page shows, in any code block."""
+    return [(module, name.strip()) for module, names in DOC_IMPORT.findall(text) for name in names.split(",")
+            if name.strip()]
+
+
+def test_the_doc_import_reader_reads_what_a_page_shows():
+    page = "```py\nfrom wtransfer.engines import (ModuleSource, create_trainer)\n```\n  from wtransfer import X\n"
+    assert doc_imports(page) == [("wtransfer.engines", "ModuleSource"), ("wtransfer.engines", "create_trainer"),
+                                 ("wtransfer", "X")]
+
+
+def test_every_import_the_docs_show_is_public_and_resolves():
+    """What a reader copies from a page works, whatever the fence (vLLM outlines are not run), and comes from a
+    public module: moving code behind the toolkits must not break a documented import."""
+    shown = {(page.relative_to(ROOT), module, name) for page in DOC_PAGES for module, name in doc_imports(page.read_text())}
+    assert len(shown) >= 20
+    private = sorted(f"{page}: from {module} import {name}" for page, module, name in shown if module not in PUBLIC_MODULES)
+    assert not private, private
+    broken = []
+    for page, module, name in sorted(shown):
+        if not hasattr(importlib.import_module(module), name):
+            broken.append(f"{page}: from {module} import {name}")
+    assert not broken, broken

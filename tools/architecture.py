@@ -46,14 +46,38 @@ def _room_of_module(module: str) -> str | None:
     return None  # a name, not a module: the importing statement's module counts
 
 
-def _imported_modules(tree: ast.AST) -> list[str]:
+def _lazy_exports() -> dict[str, dict[str, str]]:
+    """module -> {name: the module defining it} for the modules whose names load lazily (their ``_EXPORTS``)."""
+    found: dict[str, dict[str, str]] = {}
+    for module, path in (("wtransfer", ROOT / "wtransfer" / "__init__.py"), ("wtransfer.engines", ENGINES / "__init__.py"),
+                         ("wtransfer.engines.wire", ENGINES / "wire.py")):
+        for node in ast.parse(path.read_text()).body:
+            target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign)
+                                                                          else None)
+            if getattr(target, "id", None) == "_EXPORTS":
+                exports = ast.literal_eval(node.value)
+                found[module] = {name: home for home, names in exports.items() for name in names}
+    return found
+
+
+def _imported_modules(tree: ast.AST, package: str, exports: dict[str, dict[str, str]]) -> list[str]:
+    """Every module a file imports: statements (relative ones resolved against ``package``), names that load lazily
+    (resolved to the module defining them) and ``import_module("...")`` strings."""
     found: list[str] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append(node.module)
-            found += [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, module] if module else base)
+            found.append(module)
+            for alias in node.names:
+                found.append(exports.get(module, {}).get(alias.name, f"{module}.{alias.name}"))
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            found.append(node.args[0].value)
     return found
 
 
@@ -65,8 +89,9 @@ def _first_sentence(tree: ast.Module) -> str:
 
 
 def rooms() -> dict[str, dict]:
-    """room -> {"job", "modules", "imports"} for every room of engines/ (the toolkit's lazy names excluded: they
-    load on first use and point down by construction)."""
+    """room -> {"job", "modules", "imports"} for every room of engines/. The toolkit's imports are the modules its
+    names load from, on first use: a room that imported the toolkit back would close a circle."""
+    exports = _lazy_exports()
     found: dict[str, dict] = {}
     for path in sorted(ENGINES.rglob("*.py")):
         room = room_of(path)
@@ -77,17 +102,25 @@ def rooms() -> dict[str, dict]:
             entry["job"] = _first_sentence(tree)
         if path.name != "__init__.py" or room == "toolkit":
             entry["modules"].append(path.stem if path.name != "__init__.py" else "__init__")
-        for module in _imported_modules(tree):
+        package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+        modules = _imported_modules(tree, package, exports)
+        if room == "toolkit":
+            modules += [home for module in ("wtransfer.engines", "wtransfer.engines.wire")
+                        for home in exports[module].values()]
+        for module in modules:
             target = _room_of_module(module)
-            if target is not None and target != room and room != "toolkit":
+            if target is not None and target != room:
                 entry["imports"].add(target)
     return found
 
 
 def floors(found: dict[str, dict]) -> list[str]:
-    """Rooms from the top floor down: a room comes before every room it imports. Raises on a circle."""
-    order = list(TopologicalSorter({room: found[room]["imports"] for room in found}).static_order())
-    return ["toolkit"] + [room for room in reversed(order) if room != "toolkit"]
+    """Rooms from the top floor down: a room's floor is one above the highest room it imports. Raises
+    ``CycleError`` on a circle."""
+    level: dict[str, int] = {}
+    for room in TopologicalSorter({room: found[room]["imports"] for room in found}).static_order():
+        level[room] = 1 + max((level[below] for below in found.get(room, {"imports": ()})["imports"]), default=-1)
+    return sorted(found, key=lambda room: (-level[room], room))
 
 
 def picture() -> str:
@@ -97,7 +130,8 @@ def picture() -> str:
     except CycleError as exc:
         raise SystemExit(f"the rooms of wtransfer/engines import each other in a circle: {exc.args[1]}") from None
     width = max(len(room) for room in order) + 2
-    lines = ["```text", "wtransfer/engines/   (top floor first: a room imports only rooms below it)"]
+    lines = ["```text", "wtransfer/engines/   (top floor first: a room imports only rooms below it; the toolkit's names",
+             "                      load from the rooms below on first use)"]
     for room in order:
         entry = found[room]
         lines += textwrap.wrap(entry["job"], 118, initial_indent=f"  {room:<{width}}",

@@ -2,7 +2,7 @@
 
 Every public name is imported on first access (PEP 562), so ``import wtransfer`` loads neither torch, pluggy,
 importlib.metadata nor ``typing``. Plugin authors import from ``wtransfer.engines``, ``wtransfer.connectors`` and
-``wtransfer.specs``; ``_``-modules are private.
+``wtransfer.specs``; ``_``-modules and the folders inside ``wtransfer.engines`` are private.
 """
 
 from wtransfer._lazy import lazy_exports

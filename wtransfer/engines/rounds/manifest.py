@@ -1,6 +1,6 @@
 """The update manifest: which tensors a round carries, as a JSON-safe dict.
 
-Both sides derive a round's byte layout (``_packing``) from the manifest and the bucket size alone, so
+Both sides derive a round's byte layout (:mod:`wtransfer.engines.rounds.packing`) from the manifest and the bucket size alone, so
 they always agree on it; nothing but this dict and raw bytes crosses the process boundary.
 
 Wire form::
@@ -13,9 +13,9 @@ Wire form::
      "partial": true,            # partial rounds only
      "base": "<identity>"}       # what the trainer believes every worker holds, where it knows
 
-A delta round (see ``_delta``) is format 5 and says in ``delta`` what each wire tensor rebuilds.
-``digests``: the trainer sends per-tensor digests after the data (``_digests``), checked by every worker
-before the round can commit. ``commit``: how workers apply the round (``_commit``); ``key`` names the
+A delta round (see :mod:`wtransfer.engines.rounds.delta`) is format 5 and says in ``delta`` what each wire tensor rebuilds.
+``digests``: the trainer sends per-tensor digests after the data (:mod:`wtransfer.engines.rounds.digests`), checked by every worker
+before the round can commit. ``commit``: how workers apply the round (:mod:`wtransfer.engines.rounds.commit`); ``key`` names the
 trainer, so its workers on one node share one staged copy. A manifest without ``commit`` is streamed.
 ``base``: the content identity (:func:`identity_after`) the round applies on top of; a worker holding anything
 else takes the round only if it carries every tensor of its model (always needed by a partial round).

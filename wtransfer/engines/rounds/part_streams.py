@@ -55,7 +55,7 @@ class Run:
     piece: Piece
     low: int
     high: int
-    width: int  # the part's byte geometry (see _shards.part_span)
+    width: int  # the part's byte geometry (see shards.part_span)
     first: int
     end: int
 

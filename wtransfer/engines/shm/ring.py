@@ -1,4 +1,4 @@
-"""What the ``shm`` transport's processes share besides rank 0's round logic (:mod:`wtransfer.engines.shm`).
+"""What the ``shm`` transport's processes share besides rank 0's round logic (:mod:`wtransfer.engines.shm.trainer`).
 
 The ring, joining rank 0 (workers and other trainer ranks alike), and :class:`SharedMemorySender`,
 another trainer rank writing its own shards into the staged segment.

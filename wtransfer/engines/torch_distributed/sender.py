@@ -31,7 +31,7 @@ class TorchDistributedSending(TorchDistributedBackend):
     phases: Phases
     """Where this rank's current round spends its time (its ``pack`` and ``wait`` are recorded here)."""
 
-    # -- a sharded trainer's ranks each sending their own parts (see _part_streams) --------------
+    # -- a sharded trainer's ranks each sending their own parts (see rounds/part_streams) ------
     def send_own_parts(self, entries: tuple[TensorEntry, ...], parts: list[LocalPart | None], buckets: list[Bucket],
                        works: list[tuple[Any, Any] | None], timeout_s: float, call: ClientCall | None = None) -> bool:
         """This trainer rank's side of a round, on its first channel: its layout (header, rows plus one word

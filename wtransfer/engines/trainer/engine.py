@@ -48,7 +48,8 @@ if TYPE_CHECKING:
     from types import TracebackType
 
     from wtransfer.engines.trainer.agreement import RankAgreement
-    from wtransfer.engines.trainer.delta_encoder import DeltaRound
+    from wtransfer.engines.trainer.delta_choice import DeltaChoice
+    from wtransfer.engines.trainer.delta_encoder import DeltaEncoder, DeltaRound
 
 logger = logging.getLogger("wtransfer")
 
@@ -61,8 +62,8 @@ def _check_version(name: str, value: Any) -> None:
 class TrainerWeightTransferEngine(ABC):
     """Trainer side of a backend: rendezvous at creation, one whole round per ``send_weights()``.
 
-    Subclasses implement ``_prepare`` (allocate, return the workers' init dict),
-    ``_rendezvous`` (wait for the workers to join), ``_send_round`` and ``_release``.
+    Subclasses implement ``prepare_workers`` (allocate, return the workers' init dict), ``wait_for_workers``
+    (wait for them to join), ``send_round`` and ``release``; the methods after them are optional hooks.
     """
 
     backend: ClassVar[str] = "?"

@@ -1,9 +1,10 @@
 """Sharded trainers (FSDP2 / DTensor): every rank sends its own shards, or rank 0 gathers and sends.
 
 With a ``sender_cls`` backend and a plain ``ModuleSource`` on every rank, each rank sends the shards it
-holds (``shm``: into the shared segment, :mod:`wtransfer.engines.rounds.shards`; ``gloo``: on its own groups with the workers,
-:mod:`wtransfer.engines.rounds.part_streams`); a :class:`ParticipantTrainer`'s ``sender`` is that rank's side. Otherwise rank 0
-gathers. How each rank calls in: :func:`wtransfer.engines.trainer.engine.create_trainer`.
+holds (``shm``: into the shared segment, :mod:`wtransfer.engines.rounds.shards`; ``gloo``: on its own groups
+with the workers, :mod:`wtransfer.engines.rounds.part_streams`); a :class:`ParticipantTrainer`'s ``sender`` is
+that rank's side. Otherwise rank 0
+gathers. How each rank calls in: :func:`wtransfer.engines.trainer.create.create_trainer`.
 
 A sharded parameter becomes whole only through a collective (``full_tensor()``) every rank must enter in
 the same order, so a :class:`ParticipantTrainer`'s ``send_weights()`` walks the source in rank 0's order,

@@ -11,7 +11,7 @@ user's control plane; the worker's handler calls, in order::
     engine.shutdown()                                                  # idempotent
 
 The framework wraps every subclass's ``receive_weights``, ``finish_weight_update`` and ``shutdown``
-to apply the trainer's commit mode (see ``_commit``): ``atomic`` (default; a failed round leaves the
+to apply the trainer's commit mode (see :mod:`wtransfer.engines.rounds.commit`): ``atomic`` (default; a failed round leaves the
 model bit-identical) or ``streaming`` (a failed round leaves it torn, and it says so).
 """
 
