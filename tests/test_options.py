@@ -326,7 +326,7 @@ def test_show_engine_json() -> None:
     assert data["target"] == "wtransfer.engines.shm:SharedMemoryWeightTransferEngine" and data["doc"]
     assert [r["name"] for r in data["options"]] == ["max_buffer_bytes"]
     init = {r["name"]: r for r in data["init_options"]}
-    assert set(init) == {"world_size", "timeout_s", "bucket_bytes", "num_buffers"}
+    assert set(init) == {"world_size", "timeout_s", "bucket_bytes", "num_buffers", "share_source"}
     assert init["world_size"]["required"] and init["num_buffers"]["default"] == 4
     assert "token" not in json.dumps(data)
 

@@ -91,6 +91,7 @@ def run_engine(
     commit: str = "streaming",
     label: str | None = None,
     checksums: bool = False,
+    share_source: bool = False,
 ) -> EngineResult:
     """Sync ``model`` ``args.rounds`` times, verifying every worker after each round.
 
@@ -101,7 +102,8 @@ def run_engine(
     from wtransfer.engines.trainer.create import create_trainer
     from wtransfer.local import LocalWorkerPool
 
-    label = label or f"{engine} {commit}" + (" + checksums" if checksums else "")
+    label = label or f"{engine} {commit}" + (" + checksums" if checksums else "") + (
+        " + shared source" if share_source else "")
     result = EngineResult(label)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     kwargs = {"shapes": shapes, "dtype": DTYPES[args.dtype]}
@@ -115,6 +117,8 @@ def run_engine(
             init_info["bucket_bytes"] = int(args.bucket_mb * MIB) // 64 * 64
         if args.num_buffers:
             init_info["num_buffers"] = args.num_buffers
+        if share_source:
+            init_info["share_source"] = True
         rss = PeakRss()
         trainer = create_trainer(engine, client=pool, source=ModuleSource(model), init_info=init_info, commit=commit,
                                  checksums=checksums)
@@ -152,6 +156,12 @@ def run_engine(
         finally:
             trainer.shutdown()
             rss.close()
+            if share_source:  # the next rows read the model from the trainer's own memory again
+                import torch
+
+                with torch.no_grad():
+                    for parameter in model.parameters():
+                        parameter.data = parameter.data.clone()
     return result
 
 
@@ -413,6 +423,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --compare and gloo: the many-small-tensors model for the per-tensor comparison "
                              "(8192*2048: 2048 tensors of 8192 elements)")
     parser.add_argument("--timeout", type=float, default=120.0, help="timeout_s of every wait")
+    parser.add_argument("--share-source", action="store_true",
+                        help="also run shm atomic with share_source=True (the trainer's tensors live in the staged "
+                             "copy, so a round copies once, into the workers' models), side by side")
     parser.add_argument("--checksums", action="store_true",
                         help="also run every engine and commit with checksums=True, side by side (its cost)")
     parser.add_argument("--strict-targets", action="store_true",
@@ -463,7 +476,8 @@ def run(args: argparse.Namespace) -> int:
         f"{total / 1e9:.2f} GB {dtype}; {args.workers} worker(s), {args.rounds} round(s)"
     )
     small_gloo = args.compare and "gloo" in engines
-    steps = len(engines) * len(commits) * (args.rounds + 1) * (2 if args.checksums else 1) + (2 if args.compare else 1) + (args.rounds + 2 if small_gloo else 0)
+    steps = len(engines) * len(commits) * (args.rounds + 1) * (2 if args.checksums else 1) + (2 if args.compare else 1) + (
+        args.rounds + 1 if args.share_source and "shm" in engines and "atomic" in commits else 0) + (args.rounds + 2 if small_gloo else 0)
     results: list[EngineResult] = []
     peers: dict[str, float] = {}
     gloo_peer: GlooPeer | None = None
@@ -497,6 +511,9 @@ def run(args: argparse.Namespace) -> int:
                     results.append(run_engine(engine, model, shapes, args, advance, paired, commit))
                     if args.checksums:  # and what checking every byte end to end costs on top
                         results.append(run_engine(engine, model, shapes, args, advance, paired, commit, checksums=True))
+                    if args.share_source and engine == "shm" and commit == "atomic":  # one copy a round, not two
+                        results.append(run_engine(engine, model, shapes, args, advance, paired, commit,
+                                                  share_source=True))
             for name, measure in references.items():  # peers not paired with any engine: once, now
                 if not any(name in r.paired_peers() for r in results):
                     results_for_peer = [measure() for _ in range(max(2, min(args.rounds, 3)))]
@@ -577,6 +594,8 @@ _PAIRED = {  # the references measured right after each round of an engine (thos
 _RATIO_TARGETS = {  # row -> (peer, minimum ratio, does the target apply to this model?)
     "shm streaming": [("memcpy", 0.6, True), (TWO_COPIES, 0.9, True), ("safetensors save+load (/dev/shm)", 4.0, True)],
     "shm atomic": [(STAGED_FLOOR, 0.9, True), ("safetensors save+load (/dev/shm)", 4.0, True)],
+    # share_source: the trainer copies nothing, so a round is the workers' one copy into their models
+    "shm atomic + shared source": [("memcpy", 0.9, True)],
     # The 3x per-tensor target is for many-small-tensor models: where the bytes sit in large matrices, per-tensor
     # broadcast already runs near one flat broadcast, so the ratio is reported, not held against the engine.
     "gloo streaming": [(RAW_BEST, 0.85, True), ("gloo per-tensor broadcast", 3.0, False)],
@@ -712,6 +731,7 @@ PHASES = (  # column -> (side, phases summed); the trainer's send holds its pack
 )
 _FLOORS = {  # row -> the floor its target holds it to
     "shm streaming": "memcpy", "shm atomic": STAGED_FLOOR, "gloo streaming": RAW_BEST, "gloo atomic": GLOO_STAGED_FLOOR,
+    "shm atomic + shared source": "memcpy",
 }
 
 

@@ -1,10 +1,11 @@
 """Offline ``vllm.LLM(weight_transfer_config={"backend": ...})`` synced by ``wtransfer.create_trainer``.
 
-The trainer (transformers, bf16, same process) perturbs every parameter and syncs
-ROUNDS rounds through ``wtransfer_vllm.LLMClient``: with ``wtransfer.create_trainer`` (shm), and with vLLM's own
-``WeightTransferTrainerFactory.trainer_init`` and vLLM's ``ModuleSource`` (gloo). Afterwards vLLM must compute exactly
-what a fresh vLLM loaded from the trainer's final checkpoint computes: the same greedy
-tokens, the same logprobs to the last bit, and vLLM's own weight digests.
+The trainer (transformers, bf16, same process) perturbs every parameter and syncs ROUNDS rounds through
+``wtransfer_vllm.LLMClient``: with ``wtransfer.create_trainer`` (shm, ``share_source=True``: its tensors live in the
+staged copy), and with vLLM's own ``WeightTransferTrainerFactory.trainer_init`` and vLLM's ``ModuleSource`` (gloo).
+Then the trainer halves its weights in place (training on) while vLLM generates: vLLM must compute exactly what a
+fresh vLLM loaded from the trainer's last round computes: the same greedy tokens, the same logprobs to the last
+bit, and vLLM's own weight digests.
 
 The shm engine then serves a ``delta=True`` trainer too (one vLLM start for both scenarios; the
 TP=2 delta scenario runs on test_tensor_parallel's engine).
@@ -67,6 +68,8 @@ def test_offline_llm_computes_exactly_the_trainers_weights(
     assert result["checksums"] == reference["checksums"]  # vLLM's digests, for what they cover
     assert result["weight_version"] == str(ROUNDS)
     stats = result["stats"]
+    if backend == "shm":  # the trainer's bf16 tensors travel uncast: each lived in the staged copy (share_source)
+        assert result["shared_tensors"] == stats[0]["tensors"], (result["shared_tensors"], stats[0]["tensors"])
     assert [s["version"] for s in stats] == list(range(1, ROUNDS + 1))
     assert all(s["bytes"] == sum(t.numel() * t.element_size() for t in theirs.values()) for s in stats)
 

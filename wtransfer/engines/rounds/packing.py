@@ -327,7 +327,9 @@ class Packer:
             for piece in pieces:
                 tensor = self._advance_to(piece.index)
                 if piece.length:
-                    copier.copy(_typed_view(data, piece, self._entries[piece.index]), tensor)
+                    target = _typed_view(data, piece, self._entries[piece.index])
+                    if tensor.data_ptr() != target.data_ptr() or tensor.dtype != target.dtype:
+                        copier.copy(target, tensor)  # else it lives there already (shm's share_source)
                 if tick is not None:
                     tick()
         finally:

@@ -144,14 +144,17 @@ class SharedSegment:
             for entry, offset in zip(manifest.entries, offsets)
         }
 
-    def close(self) -> None:
+    def close(self, unmap: bool = True) -> None:
+        """Close the descriptor and unmap the memory. ``unmap=False`` leaves the mapping to the tensors still
+        viewing it (each holds it; it goes with the last): ``shm``'s ``share_source`` keeps the trainer's own
+        tensors there, which must outlive the trainer."""
         self.data = None  # type: ignore[assignment]
-        if self._map is not None:
+        if self._map is not None and unmap:
             try:
                 self._map.close()
-            except BufferError:  # views still referenced somewhere: unmapped when they go
+            except BufferError:  # a buffer export is still open: unmapped when it goes
                 logger.debug("staging segment still referenced at close; unmapped when released")
-            self._map = None
+        self._map = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -20,6 +20,7 @@ from wtransfer.engines.rounds.manifest import Manifest
 from wtransfer.engines.rounds.packing import Bucket, Packer, Piece
 from wtransfer.engines.rounds.part_streams import RankLayout, check_tiling, layout_rows
 from wtransfer.engines.rounds.shards import entries_digest, rank_parts, write_part
+from wtransfer.engines.rounds.source import ModuleSource
 from wtransfer.engines.rounds.staging import SharedSegment, create_memfd, read_only_fd, staging_offsets
 from wtransfer.engines.shm.ring import SharedMemorySender, SharedRing, send_best_effort
 from wtransfer.engines.trainer.client import ClientCall
@@ -43,6 +44,17 @@ def segment_pieces(manifest: Manifest) -> list[Piece]:
             for index, (entry, offset) in enumerate(zip(manifest.entries, offsets))]
 
 
+def _return_freed_memory() -> None:
+    """Best effort: glibc keeps freed heap pages (small and mid-sized tensors) in the process; hand them back to
+    the system now, so the trainer's memory shrinks by the copy it no longer holds."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 @dataclass(frozen=True)
 class SharedMemoryInitOptions(TrainerInitOptions):
     """Trainer ``init_info`` of ``shm``: a small ring (16 MiB) that stays in the last-level cache, so workers
@@ -52,6 +64,10 @@ class SharedMemoryInitOptions(TrainerInitOptions):
 
     bucket_bytes: int = option(4 * MIB)
     num_buffers: int = option(4)
+    share_source: bool = option(False, doc=(
+        "after the first staged round, the source module's CPU tensors that travel as they are (no cast) live in "
+        "the node's staged copy: later rounds copy nothing on the trainer, which no longer holds the model twice "
+        "(an unsharded trainer with a ModuleSource; the training updates them in place there)"))
 
 
 class SharedMemoryTrainer(TrainerWeightTransferEngine):
@@ -86,6 +102,9 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             self._ring = SharedRing(fd, self.bucket_bytes, self.num_buffers)  # takes fd
             self._ring_fd = read_only_fd(fd)
         self._segment: SharedSegment | None = None
+        self._shared_layout: tuple[Any, ...] | None = None  # share_source: the entries whose tensors live in _segment
+        self.shared_tensors = 0
+        """``share_source``: how many of the source's tensors live in the staged copy."""
         self._handed: dict[int, int] = {}  # peer (worker rank; -trainer rank) -> inode of the segment it maps
         self._selector = selectors.DefaultSelector()
         self._senders: dict[int, ControlChannel] = {}  # the other trainer ranks (parallel senders)
@@ -113,12 +132,46 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         if size is not None:
             self._segment_for(size)
 
-    def _segment_for(self, size: int) -> SharedSegment:
-        """The staged round's segment, at least ``size`` bytes (reused; replaced when too small)."""
+    def _share_source(self, manifest: Manifest, pieces: list[Piece], segment: SharedSegment) -> None:
+        """``share_source``: the module's tensors just written into ``segment`` become views of it, so the next
+        rounds find them in place (``Packer.pack_staged`` copies nothing there). Only tensors that travel as the
+        module holds them (same dtype and shape, contiguous, on the CPU) move; the others are copied each round."""
+        if not isinstance(self.source, ModuleSource) or self.sharded:
+            return
+        import torch
+
+        entries = {entry.name: (index, entry) for index, entry in enumerate(manifest.entries)}
+        moved = rebound = 0
+        with torch.no_grad():
+            for name, tensor in self.source.named_tensors():
+                index, entry = entries.get(name, (None, None))
+                if entry is None or getattr(tensor, "placements", None) is not None or tensor.device.type != "cpu" \
+                        or tensor.dtype != entry.torch_dtype() or tuple(tensor.shape) != tuple(entry.shape) \
+                        or not tensor.is_contiguous() or not pieces[index].length:
+                    continue
+                piece = pieces[index]
+                view = segment.data[piece.offset : piece.offset + piece.length].view(tensor.dtype).view(tensor.shape)
+                if tensor.data_ptr() != view.data_ptr():
+                    tensor.data = view  # the same values: the round just wrote them there
+                    rebound += 1
+                moved += 1
+        self._shared_layout, self.shared_tensors = tuple(manifest.entries), moved
+        if rebound:
+            _return_freed_memory()  # the module's own copy of those tensors is free now
+
+
+    def _segment_for(self, size: int, entries: list[Any] | None = None) -> SharedSegment:
+        """The staged round's segment, at least ``size`` bytes (reused; replaced when too small). With
+        ``share_source``, a segment holding the module's tensors is reused only for the same layout: another
+        layout would write other tensors over them."""
+        if self._shared_layout is not None and entries is not None and tuple(entries) != self._shared_layout \
+                and self._segment is not None:
+            self._segment.close(unmap=False)  # the module's tensors keep its mapping; they are copied from now on
+            self._segment, self._shared_layout = None, None
         if self._segment is None or self._segment.size < size:
             if self._segment is not None:
-                self._segment.close()
-                self._segment = None
+                self._segment.close(unmap=self._shared_layout is None)
+                self._segment, self._shared_layout = None, None
             self._segment = SharedSegment.create(size)
             logger.debug("shm trainer: %d-byte staged segment", size)
         return self._segment
@@ -340,11 +393,12 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         if getattr(self, "_ring_fd", None) is not None:
             os.close(self._ring_fd)  # type: ignore[arg-type]
             self._ring_fd = None
-        for name in ("_ring", "_segment"):
-            memory = getattr(self, name, None)
-            if memory is not None:
-                memory.close()
-                setattr(self, name, None)
+        if getattr(self, "_ring", None) is not None:
+            self._ring.close()
+            self._ring = None
+        if getattr(self, "_segment", None) is not None:  # the source's tensors may live there (share_source)
+            self._segment.close(unmap=getattr(self, "_shared_layout", None) is None)
+            self._segment = None
         self._handed = {}
         if getattr(self, "_selector", None) is not None:
             self._selector.close()
@@ -454,7 +508,7 @@ class _Round:
     def _staged(self) -> None:
         """Write the whole round into the segment (each trainer rank its own shards), then hand it over."""
         trainer, manifest = self.trainer, self.manifest
-        segment = trainer._segment_for(staging_offsets(manifest.entries)[1])
+        segment = trainer._segment_for(staging_offsets(manifest.entries)[1], manifest.entries)
         pieces = segment_pieces(manifest)
         with round_digests(len(manifest.entries), manifest.digests) as digests:
             if trainer._senders:
@@ -473,6 +527,8 @@ class _Round:
                 with trainer.phases("pack"):
                     packer.pack_staged(pieces, segment.data, tick=tick)
                     packer.drain()
+                if trainer.init_options.share_source:
+                    trainer._share_source(manifest, pieces, segment)
             values = digests.digests() if digests is not None else None
         trainer.tell_workers({"op": "staged", "size": segment.size, "digests": values}, manifest.version,
                              fds=lambda rank: trainer._segment_fds(rank, writable=False))

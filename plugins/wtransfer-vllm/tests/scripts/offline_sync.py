@@ -45,18 +45,32 @@ if __name__ == "__main__":
             trainer_init_info(backend, world_size=2), client=LLMClient(llm), source=VLLMModuleSource(model)
         )
     else:
+        # shm: the trainer's tensors live in the staged copy after the first round (share_source)
+        shared = {"share_source": True} if backend == "shm" else {}
         trainer = wtransfer.create_trainer(
-            backend, client=LLMClient(llm), source=wtransfer.ModuleSource(model), init_info={"world_size": 2}
+            backend, client=LLMClient(llm), source=wtransfer.ModuleSource(model), init_info={"world_size": 2, **shared}
         )
     stats = []
     for step in range(rounds):
         perturb(model, step)
         stats.append(trainer.send_weights())
+    # The trainer trains on after its last round (here: halves every weight in place, undone below): vLLM
+    # serves what the round carried, never the trainer's live tensors.
+    import torch
+
+    held = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(0.5)
     after = greedy(llm)
     again = greedy(llm)  # from the prefix cache refilled after the sync
+    with torch.no_grad():
+        for parameter, value in zip(model.parameters(), held):
+            parameter.copy_(value)
     result = {"before": before, "after": after, "again": again, "cached_before": cached_before,
               "checksums": checksums(llm),
               "weight_version": llm.get_weight_version(), "stats": stats}
+    result["shared_tensors"] = getattr(trainer, "shared_tensors", None)
     trainer.shutdown()
     model.save_pretrained(final_dir)
     write_json(out, result)
