@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from wtransfer.engines import ModuleSource, create_trainer
@@ -112,3 +113,73 @@ def _upcast(model: torch.nn.Module) -> torch.nn.Module:
             target.copy_(source.float())
     return fp32
 
+
+
+class _Doubled(ModuleSource):
+    """A source that yields other values than the tensors it holds (as a LoRA merge would)."""
+
+    def __iter__(self):
+        for name, tensor in super().__iter__():
+            yield name, tensor * 2
+
+
+def test_shared_source_never_writes_over_the_trainers_tensors(monkeypatch):
+    """What could write over the trainer's tensors once they live in the staged copy: parameters swapped between
+    rounds, a subclass yielding other values, views of a shared buffer, and a failed round after which a worker's
+    commit may still read the copy. Each round the workers hold the trainer's weights and the trainer keeps them."""
+    with LocalWorkerPool(1, FACTORY, backend="shm", factory_kwargs={"shapes": SHAPES, "dtype": "float32"},
+                         timeout_s=30) as pool:
+        init_info = {"world_size": pool.world_size, "timeout_s": 30, "share_source": True}
+        model = build_model(SHAPES, "float32", random=True, seed=1)
+        trainer = create_trainer("shm", client=pool, source=ModuleSource(model), init_info=init_info)
+        try:
+            trainer.send_weights()
+            # Swapped between modules: each now sits at the other's place in the staged copy.
+            first, second = model.layer0.weight, model.layer1.weight
+            model.layer0.weight, model.layer1.weight = second, first
+            held = digests(model)
+            trainer.send_weights()
+            assert digests(model) == held, "a round wrote over the trainer's swapped tensors"
+            assert all(d == held for d in pool.digests())
+            assert trainer.shared_tensors == len(SHAPES)  # moved into a fresh copy, each at its place
+
+            # A round the worker refuses (a tensor of another shape): the trainer's tensors go back to its own
+            # memory, untouched; the next round shares them again.
+            wrong = model.layer5.bias
+            model.layer5.bias = torch.nn.Parameter(torch.zeros(7), requires_grad=False)
+            with pytest.raises(Exception):
+                trainer.send_weights()
+            model.layer5.bias = wrong
+            assert digests(model) == held and trainer.shared_tensors == 0
+            assert not any(trainer._segment is not None and _in_segment(p, trainer) for p in model.parameters())
+            trainer.send_weights()
+            assert all(d == held for d in pool.digests()) and trainer.shared_tensors == len(SHAPES)
+        finally:
+            trainer.shutdown()
+
+        doubled_model = build_model(SHAPES, "float32", random=True, seed=4)
+        before = digests(doubled_model)
+        trainer = create_trainer("shm", client=pool, source=_Doubled(doubled_model), init_info=init_info)
+        try:
+            trainer.send_weights()
+            trainer.send_weights()
+            assert trainer.shared_tensors == 0 and digests(doubled_model) == before
+        finally:
+            trainer.shutdown()
+
+        # Parameters that are views of one flat buffer (a flat-parameter optimizer's layout) stay views of it.
+        flat_model = build_model(SHAPES, "float32", random=True, seed=5)
+        flat = torch.cat([p.detach().reshape(-1) for p in flat_model.parameters()])
+        offset = 0
+        for p in flat_model.parameters():
+            p.data = flat[offset : offset + p.numel()].view(p.shape)
+            offset += p.numel()
+        trainer = create_trainer("shm", client=pool, source=ModuleSource(flat_model), init_info=init_info)
+        try:
+            trainer.send_weights()
+            assert trainer.shared_tensors == 0
+            flat.add_(1.0)  # reaches the module's parameters still
+            trainer.send_weights()
+            assert all(d == digests(flat_model) for d in pool.digests())
+        finally:
+            trainer.shutdown()

@@ -624,6 +624,13 @@ def _targets(results: list[EngineResult], peers: dict[str, float]) -> list[dict[
             ratio = result.gb_per_s / streamed.gb_per_s
             checks.append({"what": "shm atomic / shm streaming", "engine": result.engine, "peer": "shm streaming",
                            "value": ratio, "target": ">= 0.9", "ok": ratio >= 0.9, "applies": True})
+        if result.engine == "shm atomic + shared source":  # one copy a round instead of two, side by side
+            plain = next((r for r in results if r.engine == "shm atomic"), None)
+            if plain is not None:
+                ratio = result.gb_per_s / plain.gb_per_s
+                checks.append({"what": "shm atomic + shared source / shm atomic", "engine": result.engine,
+                               "peer": "shm atomic", "value": ratio, "target": ">= 1.5", "ok": ratio >= 1.5,
+                               "applies": True})
         if result.engine.endswith(" + checksums"):  # what end-to-end integrity costs, side by side
             plain = next((r for r in results if r.engine == result.engine.removesuffix(" + checksums")), None)
             if plain is not None:

@@ -328,7 +328,7 @@ class Packer:
                 tensor = self._advance_to(piece.index)
                 if piece.length:
                     target = _typed_view(data, piece, self._entries[piece.index])
-                    if tensor.data_ptr() != target.data_ptr() or tensor.dtype != target.dtype:
+                    if tensor.data_ptr() != target.data_ptr() or tensor.dtype != target.dtype or not tensor.is_contiguous():
                         copier.copy(target, tensor)  # else it lives there already (shm's share_source)
                 if tick is not None:
                     tick()

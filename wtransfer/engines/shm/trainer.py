@@ -9,6 +9,7 @@ import secrets
 import select
 import selectors
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +20,7 @@ from wtransfer.engines.rounds.digests import round_digests
 from wtransfer.engines.rounds.manifest import Manifest
 from wtransfer.engines.rounds.packing import Bucket, Packer, Piece
 from wtransfer.engines.rounds.part_streams import RankLayout, check_tiling, layout_rows
-from wtransfer.engines.rounds.shards import entries_digest, rank_parts, write_part
-from wtransfer.engines.rounds.source import ModuleSource
+from wtransfer.engines.rounds.shards import entries_digest, rank_parts, write_part, writes_shards_as_is
 from wtransfer.engines.rounds.staging import SharedSegment, create_memfd, read_only_fd, staging_offsets
 from wtransfer.engines.shm.ring import SharedMemorySender, SharedRing, send_best_effort
 from wtransfer.engines.trainer.client import ClientCall
@@ -55,6 +55,13 @@ def _return_freed_memory() -> None:
         pass
 
 
+def _owns_storage(tensor: Any) -> bool:
+    """Whether ``tensor`` is the whole of its storage: rebinding a view (a flat buffer's slice, a tensor sharing its
+    storage) would cut it off from what else uses that storage. Pinned memory keeps its pinning."""
+    return (tensor._base is None and tensor.storage_offset() == 0 and not tensor.is_pinned()
+            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+
+
 @dataclass(frozen=True)
 class SharedMemoryInitOptions(TrainerInitOptions):
     """Trainer ``init_info`` of ``shm``: a small ring (16 MiB) that stays in the last-level cache, so workers
@@ -65,9 +72,10 @@ class SharedMemoryInitOptions(TrainerInitOptions):
     bucket_bytes: int = option(4 * MIB)
     num_buffers: int = option(4)
     share_source: bool = option(False, doc=(
-        "after the first staged round, the source module's CPU tensors that travel as they are (no cast) live in "
-        "the node's staged copy: later rounds copy nothing on the trainer, which no longer holds the model twice "
-        "(an unsharded trainer with a ModuleSource; the training updates them in place there)"))
+        "after the first atomic round, the source module's CPU tensors that travel as they are (no cast, each "
+        "its own storage) live in the node's staged copy and train there: later rounds copy nothing on the "
+        "trainer, which frees its own copy (an unsharded trainer with a plain ModuleSource; do not update the "
+        "model while send_weights() runs)"))
 
 
 class SharedMemoryTrainer(TrainerWeightTransferEngine):
@@ -105,6 +113,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         self._shared_layout: tuple[Any, ...] | None = None  # share_source: the entries whose tensors live in _segment
         self.shared_tensors = 0
         """``share_source``: how many of the source's tensors live in the staged copy."""
+        self._shared_copies: list[tuple[int, int, Any]] = []  # (address, size, its mapping) the tensors moved into
         self._handed: dict[int, int] = {}  # peer (worker rank; -trainer rank) -> inode of the segment it maps
         self._selector = selectors.DefaultSelector()
         self._senders: dict[int, ControlChannel] = {}  # the other trainer ranks (parallel senders)
@@ -136,12 +145,14 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         """``share_source``: the module's tensors just written into ``segment`` become views of it, so the next
         rounds find them in place (``Packer.pack_staged`` copies nothing there). Only tensors that travel as the
         module holds them (same dtype and shape, contiguous, on the CPU) move; the others are copied each round."""
-        if not isinstance(self.source, ModuleSource) or self.sharded:
-            return
+        if not writes_shards_as_is(self.source) or self.sharded:
+            return  # a subclass may yield other values than the tensors it holds: those must not be rebound
         import torch
 
         entries = {entry.name: (index, entry) for index, entry in enumerate(manifest.entries)}
         moved = rebound = 0
+        self._shared_layout = tuple(manifest.entries)  # before any rebinding: this segment is never unmapped now
+        self._shared_copies.append((segment.data.data_ptr(), segment.size, weakref.ref(segment._map)))
         with torch.no_grad():
             for name, tensor in self.source.named_tensors():
                 index, entry = entries.get(name, (None, None))
@@ -152,20 +163,63 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                 piece = pieces[index]
                 view = segment.data[piece.offset : piece.offset + piece.length].view(tensor.dtype).view(tensor.shape)
                 if tensor.data_ptr() != view.data_ptr():
+                    if not _owns_storage(tensor) and not self._in_shared_copy(tensor):
+                        continue  # a view of someone's buffer; one of an earlier shared copy moves on
                     tensor.data = view  # the same values: the round just wrote them there
                     rebound += 1
                 moved += 1
-        self._shared_layout, self.shared_tensors = tuple(manifest.entries), moved
+        self.shared_tensors = moved
         if rebound:
             _return_freed_memory()  # the module's own copy of those tensors is free now
 
+    def _in_shared_copy(self, tensor: Any) -> bool:
+        """Whether ``tensor`` views a staged copy the source's tensors were moved into (and still mapped)."""
+        self._shared_copies = [c for c in self._shared_copies if c[2]() is not None]
+        return any(start <= tensor.data_ptr() < start + size for start, size, _ in self._shared_copies)
+
+    def _source_in_place(self, entries: Any) -> bool:
+        """Whether every source tensor that lives in the shared segment is at its own place there. One that moved
+        (parameters swapped, ``.data`` reassigned) would be written over by another tensor's bytes."""
+        assert self._segment is not None
+        start = self._segment.data.data_ptr()
+        end = start + self._segment.size
+        offsets, _ = staging_offsets(entries)
+        at = {entry.name: start + offset for entry, offset in zip(entries, offsets)}
+        for name, tensor in self.source.named_tensors():
+            pointer = tensor.data_ptr()
+            if start <= pointer < end and (pointer != at.get(name) or not tensor.is_contiguous()):
+                return False
+        return True
+
+    def _unshare(self) -> None:
+        """The source's tensors back in the trainer's own memory, and a fresh segment for the next round: a worker
+        whose commit outlived a failed round may still read the old one while the model trains on."""
+        if self._shared_layout is None or self._segment is None:
+            return
+        import torch
+
+        start = self._segment.data.data_ptr()
+        end = start + self._segment.size
+        with torch.no_grad():
+            for _, tensor in self.source.named_tensors():
+                if start <= tensor.data_ptr() < end:
+                    tensor.data = tensor.data.clone()
+        self._segment.close(unmap=False)
+        self._segment, self._shared_layout, self.shared_tensors = None, None, 0
+
+    def send_weights(self, weight_version: str | None = None, *, version: int | None = None) -> dict[str, Any]:
+        try:
+            return super().send_weights(weight_version, version=version)
+        except BaseException:
+            self._unshare()
+            raise
 
     def _segment_for(self, size: int, entries: list[Any] | None = None) -> SharedSegment:
         """The staged round's segment, at least ``size`` bytes (reused; replaced when too small). With
         ``share_source``, a segment holding the module's tensors is reused only for the same layout: another
         layout would write other tensors over them."""
-        if self._shared_layout is not None and entries is not None and tuple(entries) != self._shared_layout \
-                and self._segment is not None:
+        if self._shared_layout is not None and entries is not None and self._segment is not None and (
+                tuple(entries) != self._shared_layout or not self._source_in_place(entries)):
             self._segment.close(unmap=False)  # the module's tensors keep its mapping; they are copied from now on
             self._segment, self._shared_layout = None, None
         if self._segment is None or self._segment.size < size:
