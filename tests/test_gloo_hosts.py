@@ -173,10 +173,11 @@ def test_a_link_cut_mid_round_fails_both_sides_within_the_timeout(hosts: Hosts) 
     assert worker_error["op"] == "update" and worker_error["type"] in ("TransferError", "TransferTimeoutError")
     assert worker_error["weight_version"] == 1  # the cut round never counts
     assert trainer_error["op"] == "send_weights"
-    # the timeout bounds each wait; leaving the group after it took up to 2.1 s on a busy 2-core host. A side
-    # without a timeout would wait out gloo's own default (minutes) and fail the until() above instead
+    # the timeout bounds each wait; leaving the group after it took up to 6.9 s on a 2-core host whose other
+    # core ran a vLLM test. A side without a timeout would wait out gloo's own default (minutes) and fail the
+    # until() above instead
     for side, error in (("worker", worker_error), ("trainer", trainer_error)):
-        assert error["at"] - cut <= timeout_s + 5, f"{side} took {error['at'] - cut:.1f} s after the cut"
+        assert error["at"] - cut <= timeout_s + 10, f"{side} took {error['at'] - cut:.1f} s after the cut"
 
 
 def test_an_unreachable_master_address_fails_within_the_timeout_naming_address_and_port(hosts: Hosts) -> None:
