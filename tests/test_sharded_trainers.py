@@ -310,7 +310,7 @@ def _die_writing_round(round_to_die: int, backend: str) -> None:
 def _kill_a_worker_writing_round(round_to_kill: int, pid: int) -> None:
     """Rank 0 (shm) SIGKILLs worker process ``pid`` as it writes its DIE_AT_PART-th part in that round:
     the staged round is part-written, and the other rank is writing its own shards."""
-    from wtransfer.engines.shm import trainer as shm_trainer
+    from wtransfer.engines.shm import round as shm_round
 
     killed: list[int] = []
 
@@ -319,7 +319,7 @@ def _kill_a_worker_writing_round(round_to_kill: int, pid: int) -> None:
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 
-    _before_each_part(shm_trainer, kill)
+    _before_each_part(shm_round, kill)
 
 
 def _write_slowly_in_round(slow_round: int) -> None:

@@ -43,7 +43,7 @@ def _layouts_rank(rank: int, port: int, conn: Any) -> None:
         from wtransfer.engines.rounds.packing import Packer
         from wtransfer.engines.rounds.shards import UnsupportedPlacement, rank_parts, write_part
         from wtransfer.engines.rounds.staging import staging_offsets
-        from wtransfer.engines.shm.trainer import segment_pieces
+        from wtransfer.engines.shm.round import segment_pieces
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                                 timeout=datetime.timedelta(seconds=60))
@@ -88,7 +88,7 @@ def _layouts_rank(rank: int, port: int, conn: Any) -> None:
         summed = mine.to(torch.int32)
         dist.all_reduce(summed)
         expected = torch.zeros(total, dtype=torch.uint8)  # one unsharded writer
-        Packer(manifest, iter(whole.items())).pack_staged(segment_pieces(manifest), expected)
+        Packer(manifest, iter(whole.items())).pack_staged(segment_pieces(manifest)[0], expected)
         if not torch.equal(summed, expected.to(torch.int32)):
             wrong = [e.name for e, o in zip(manifest.entries, offsets)
                      if not torch.equal(summed[o : o + e.nbytes], expected[o : o + e.nbytes].to(torch.int32))]

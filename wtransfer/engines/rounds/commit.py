@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from wtransfer.engines.channel.protocol import RoundCalledOff
 from wtransfer.engines.rounds.manifest import STARTUP_IDENTITY, Manifest, identity_after
-from wtransfer.engines.rounds.packing import copy_tensor
+from wtransfer.engines.rounds.packing import copy_tensor, delivered_target
 from wtransfer.engines.rounds.phases import Phases
 from wtransfer.errors import ManifestMismatchError, TransferError, WeightsTornError
 
@@ -148,14 +148,7 @@ class AtomicLoader(_Loader):
         if views is None:
             return
         for name, tensor in weights:
-            target = views.get(name)
-            if target is None:
-                raise ManifestMismatchError(f"engine delivered {name!r}, which is not in round {self._manifest.version}")
-            if target.shape != tensor.shape or target.dtype != tensor.dtype:
-                raise ManifestMismatchError(
-                    f"{name!r}: engine delivered {tensor.dtype} {list(tensor.shape)}, the manifest says "
-                    f"{target.dtype} {list(target.shape)}"
-                )
+            target = delivered_target(views, name, tensor, f"round {self._manifest.version}")
             if tensor.numel() and tensor.data_ptr() != target.data_ptr():
                 copy_tensor(target, tensor)
             self._delivered.add(name)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from wtransfer.engines.channel.protocol import ALIGN, check_bucket_bytes
 from wtransfer.engines.rounds.cast import wire_bytes
 from wtransfer.engines.rounds.manifest import Manifest, TensorEntry, entry_for, tensor_bytes
-from wtransfer.errors import TransferError
+from wtransfer.errors import ManifestMismatchError, TransferError
 
 if TYPE_CHECKING:
     import torch
@@ -226,10 +226,29 @@ def note_written(tensor: torch.Tensor) -> None:
         bump(tensor)
 
 
-def _typed_view(data: torch.Tensor, piece: Piece, entry: TensorEntry) -> torch.Tensor:
+def typed_view(data: torch.Tensor, piece: Piece, entry: TensorEntry) -> torch.Tensor:
     """The bucket bytes of a whole piece, viewed as the tensor (no copy)."""
     raw = data[piece.offset : piece.offset + piece.length]
     return raw.view(entry.torch_dtype()).view(entry.shape)
+
+
+def delivered_target(targets: dict[str, torch.Tensor], name: str, tensor: torch.Tensor, where: str) -> torch.Tensor:
+    """Where a tensor delivered to ``load_weights`` goes: ``targets[name]``, which must have its shape and dtype
+    (else :class:`ManifestMismatchError`, naming ``where`` the targets come from)."""
+    target = targets.get(name)
+    if target is None:
+        raise ManifestMismatchError(f"{name!r} was delivered, but {where} has no such tensor")
+    if target.shape != tensor.shape or target.dtype != tensor.dtype:
+        raise ManifestMismatchError(f"{name!r}: delivered {tensor.dtype} {list(tensor.shape)}, {where} has "
+                                    f"{target.dtype} {list(target.shape)}")
+    return target
+
+
+def readable_as_is(tensor: torch.Tensor, entry: TensorEntry, device: torch.device) -> bool:
+    """Whether ``tensor``'s memory holds ``entry``'s wire bytes as they are (contiguous, of its dtype, on
+    ``device``): such a tensor is read in place instead of packed, or lives in a staged copy (shm's
+    ``share_source``)."""
+    return tensor.is_contiguous() and tensor.device == device and tensor.dtype == entry.torch_dtype()
 
 
 class Packer:
@@ -300,7 +319,7 @@ class Packer:
             entry = self._entries[piece.index]
             if piece.whole:
                 # copy_ reads any strides/storage offset directly (no temporary for views), and casts.
-                copy_tensor(_typed_view(data, piece, entry), tensor)
+                copy_tensor(typed_view(data, piece, entry), tensor)
                 read.append(tensor)
             elif tensor.dtype != entry.torch_dtype():  # cast: only this piece's elements
                 cast = wire_bytes(tensor, entry.torch_dtype(), piece.start, piece.start + piece.length)
@@ -327,8 +346,9 @@ class Packer:
             for piece in pieces:
                 tensor = self._advance_to(piece.index)
                 if piece.length:
-                    target = _typed_view(data, piece, self._entries[piece.index])
-                    if tensor.data_ptr() != target.data_ptr() or tensor.dtype != target.dtype or not tensor.is_contiguous():
+                    entry = self._entries[piece.index]
+                    target = typed_view(data, piece, entry)
+                    if tensor.data_ptr() != target.data_ptr() or not readable_as_is(tensor, entry, data.device):
                         copier.copy(target, tensor)  # else it lives there already (shm's share_source)
                 if tick is not None:
                     tick()
@@ -343,7 +363,7 @@ class Packer:
             return None
         piece = bucket.pieces[0]
         tensor = self._advance_to(piece.index)
-        if not tensor.is_contiguous() or tensor.device != device or tensor.dtype != self._entries[piece.index].torch_dtype():
+        if not readable_as_is(tensor, self._entries[piece.index], device):
             return None
         view = tensor_bytes(tensor)[piece.start : piece.start + piece.length]
         if self.digests is not None:
@@ -444,7 +464,7 @@ class Unpacker:
 
                     tensor = torch.empty(entry.shape, dtype=entry.torch_dtype(), device=data.device)
                 else:
-                    tensor = _typed_view(data, piece, entry)
+                    tensor = typed_view(data, piece, entry)
                 batch.append((entry.name, tensor))
                 continue
             finished = self._unpack_split(piece, entry, data)

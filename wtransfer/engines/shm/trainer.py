@@ -16,13 +16,12 @@ from typing import Any
 
 from wtransfer.engines.channel.control import MAX_FRAME, ControlChannel, Listener, PeerClosedError
 from wtransfer.engines.channel.protocol import MIB, PROTOCOL_VERSION, ManifestRejected
-from wtransfer.engines.rounds.digests import round_digests
 from wtransfer.engines.rounds.manifest import Manifest
-from wtransfer.engines.rounds.packing import Bucket, Packer, Piece
-from wtransfer.engines.rounds.part_streams import RankLayout, check_tiling, layout_rows
-from wtransfer.engines.rounds.shards import entries_digest, rank_parts, write_part, writes_shards_as_is
-from wtransfer.engines.rounds.staging import SharedSegment, create_memfd, read_only_fd, staging_offsets
+from wtransfer.engines.rounds.packing import Bucket, Piece, readable_as_is, typed_view
+from wtransfer.engines.rounds.shards import writes_shards_as_is
+from wtransfer.engines.rounds.staging import SharedSegment, create_memfd, read_only_fd
 from wtransfer.engines.shm.ring import SharedMemorySender, SharedRing, send_best_effort
+from wtransfer.engines.shm.round import TrainerRound
 from wtransfer.engines.trainer.client import ClientCall
 from wtransfer.engines.trainer.engine import TrainerWeightTransferEngine
 from wtransfer.engines.trainer.options import TrainerInitOptions
@@ -37,11 +36,9 @@ HELLO_FRAME = 16 << 20
 tensor), so it may be large, but never the 64 MiB a known peer may."""
 
 
-def segment_pieces(manifest: Manifest) -> list[Piece]:
-    """Every tensor of a staged round as one piece at its offset in the segment (``staging_offsets``)."""
-    offsets, _ = staging_offsets(manifest.entries)
-    return [Piece(index, 0, offset, entry.nbytes, True)
-            for index, (entry, offset) in enumerate(zip(manifest.entries, offsets))]
+def _within(tensor: Any, start: int, size: int) -> bool:
+    """Whether ``tensor``'s memory begins in the ``size`` bytes at address ``start``."""
+    return start <= tensor.data_ptr() < start + size
 
 
 def _return_freed_memory() -> None:
@@ -149,19 +146,18 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             return  # a subclass may yield other values than the tensors it holds: those must not be rebound
         import torch
 
-        entries = {entry.name: (index, entry) for index, entry in enumerate(manifest.entries)}
+        entries = {entry.name: (piece, entry) for piece, entry in zip(pieces, manifest.entries)}
+        cpu = torch.device("cpu")
         moved = rebound = 0
         self._shared_layout = tuple(manifest.entries)  # before any rebinding: this segment is never unmapped now
         self._shared_copies.append((segment.data.data_ptr(), segment.size, weakref.ref(segment._map)))
         with torch.no_grad():
             for name, tensor in self.source.named_tensors():
-                index, entry = entries.get(name, (None, None))
-                if entry is None or getattr(tensor, "placements", None) is not None or tensor.device.type != "cpu" \
-                        or tensor.dtype != entry.torch_dtype() or tuple(tensor.shape) != tuple(entry.shape) \
-                        or not tensor.is_contiguous() or not pieces[index].length:
+                piece, entry = entries.get(name, (None, None))
+                if entry is None or not piece.length or getattr(tensor, "placements", None) is not None \
+                        or tuple(tensor.shape) != tuple(entry.shape) or not readable_as_is(tensor, entry, cpu):
                     continue
-                piece = pieces[index]
-                view = segment.data[piece.offset : piece.offset + piece.length].view(tensor.dtype).view(tensor.shape)
+                view = typed_view(segment.data, piece, entry)
                 if tensor.data_ptr() != view.data_ptr():
                     if not _owns_storage(tensor) and not self._in_shared_copy(tensor):
                         continue  # a view of someone's buffer; one of an earlier shared copy moves on
@@ -175,51 +171,45 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
     def _in_shared_copy(self, tensor: Any) -> bool:
         """Whether ``tensor`` views a staged copy the source's tensors were moved into (and still mapped)."""
         self._shared_copies = [c for c in self._shared_copies if c[2]() is not None]
-        return any(start <= tensor.data_ptr() < start + size for start, size, _ in self._shared_copies)
+        return any(_within(tensor, start, size) for start, size, _ in self._shared_copies)
 
-    def _source_in_place(self, entries: Any) -> bool:
+    def _in_segment(self, tensor: Any) -> bool:
+        """Whether ``tensor`` lives in the current staged segment."""
+        segment = self._segment
+        return segment is not None and _within(tensor, segment.data.data_ptr(), segment.size)
+
+    def _source_in_place(self, entries: list[Any], pieces: list[Piece]) -> bool:
         """Whether every source tensor that lives in the shared segment is at its own place there. One that moved
         (parameters swapped, ``.data`` reassigned) would be written over by another tensor's bytes."""
         assert self._segment is not None
         start = self._segment.data.data_ptr()
-        end = start + self._segment.size
-        offsets, _ = staging_offsets(entries)
-        at = {entry.name: start + offset for entry, offset in zip(entries, offsets)}
-        for name, tensor in self.source.named_tensors():
-            pointer = tensor.data_ptr()
-            if start <= pointer < end and (pointer != at.get(name) or not tensor.is_contiguous()):
-                return False
-        return True
+        at = {entry.name: start + piece.offset for entry, piece in zip(entries, pieces)}
+        return all(tensor.data_ptr() == at.get(name) and tensor.is_contiguous()
+                   for name, tensor in self.source.named_tensors() if self._in_segment(tensor))
 
-    def _unshare(self) -> None:
-        """The source's tensors back in the trainer's own memory, and a fresh segment for the next round: a worker
-        whose commit outlived a failed round may still read the old one while the model trains on."""
+    def round_failed(self) -> None:
+        """``share_source``: the source's tensors go back to the trainer's own memory, and the next round gets a
+        fresh segment: a worker whose commit outlived the failed round may still read this one while the model
+        trains on."""
         if self._shared_layout is None or self._segment is None:
             return
         import torch
 
-        start = self._segment.data.data_ptr()
-        end = start + self._segment.size
         with torch.no_grad():
             for _, tensor in self.source.named_tensors():
-                if start <= tensor.data_ptr() < end:
+                if self._in_segment(tensor):
                     tensor.data = tensor.data.clone()
         self._segment.close(unmap=False)
         self._segment, self._shared_layout, self.shared_tensors = None, None, 0
 
-    def send_weights(self, weight_version: str | None = None, *, version: int | None = None) -> dict[str, Any]:
-        try:
-            return super().send_weights(weight_version, version=version)
-        except BaseException:
-            self._unshare()
-            raise
-
-    def _segment_for(self, size: int, entries: list[Any] | None = None) -> SharedSegment:
+    def _segment_for(self, size: int, entries: list[Any] | None = None,
+                     pieces: list[Piece] | None = None) -> SharedSegment:
         """The staged round's segment, at least ``size`` bytes (reused; replaced when too small). With
-        ``share_source``, a segment holding the module's tensors is reused only for the same layout: another
-        layout would write other tensors over them."""
-        if self._shared_layout is not None and entries is not None and self._segment is not None and (
-                tuple(entries) != self._shared_layout or not self._source_in_place(entries)):
+        ``share_source``, a segment holding the module's tensors is reused only for the same layout (``entries``
+        at ``pieces``): another layout would write other tensors over them."""
+        if self._shared_layout is not None and entries is not None and pieces is not None \
+                and self._segment is not None and (
+                    tuple(entries) != self._shared_layout or not self._source_in_place(entries, pieces)):
             self._segment.close(unmap=False)  # the module's tensors keep its mapping; they are copied from now on
             self._segment, self._shared_layout = None, None
         if self._segment is None or self._segment.size < size:
@@ -397,7 +387,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
     # -- one round ----------------------------------------------------------------------------
     def send_round(self, manifest: Manifest, buckets: list[Bucket], call: ClientCall) -> None:
         try:
-            _Round(self, manifest, call).run(buckets)
+            TrainerRound(self, manifest, call).run(buckets)
         except ManifestRejected:
             raise  # the workers that accepted were already told
         except BaseException as exc:
@@ -457,181 +447,3 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         if getattr(self, "_selector", None) is not None:
             self._selector.close()
             self._selector = None
-
-
-class _Round:
-    """One round on rank 0: the workers' verdicts, the bytes (staged or ring), every worker's ``loaded``."""
-
-    def __init__(self, trainer: SharedMemoryTrainer, manifest: Manifest, call: ClientCall) -> None:
-        self.trainer, self.manifest, self.call = trainer, manifest, call
-        self.answers: dict[int, str | None] = {}  # worker rank -> None (accepted) or the rejection
-        self.loaded: set[int] = set()
-        self.released: list[set[int]] = []  # ring: the workers still reading each buffer
-        self.slot_of: dict[int, int] = {}
-        self.layouts: dict[int, RankLayout] = {}  # sharded: trainer rank -> what it holds of every tensor
-        self.written: set[int] = set()  # sharded: the other ranks that wrote their shards
-        self.progress = 0  # sharded: words from ranks still writing
-
-    def handle(self, rank: int, message: dict[str, Any]) -> None:
-        op, version = message.get("op"), self.manifest.version
-        if rank < 0:  # another trainer rank
-            if message.get("attempt") != self.trainer._attempt:
-                return  # left over from an earlier round that ended before this rank's answer was read
-            if op == "layout" and isinstance(message.get("rows"), list):
-                if len(message["rows"]) != 3 * len(self.manifest.entries):
-                    raise TransferError(f"trainer rank {-rank} sent a layout of {len(message['rows'])} words for "
-                                        f"{len(self.manifest.entries)} tensors")
-                self.layouts[-rank] = RankLayout(self.manifest.entries, [int(word) for word in message["rows"]])
-            elif op == "written":
-                self.written.add(-rank)
-            elif op == "progress":  # the workers wait for the staged round too: they hear it goes on
-                self.progress += 1
-                self.trainer.tell_workers({"op": "progress"}, self.manifest.version)
-            elif op == "fail":
-                raise TransferError(f"trainer rank {-rank} failed writing its shards of round {version}: "
-                                    f"{message.get('error')}")
-            else:
-                raise TransferError(f"unexpected message from trainer rank {-rank}: {message!r}")
-        elif op == "accept":
-            self.answers[rank] = None
-        elif op == "reject":
-            self.answers[rank] = str(message.get("error"))
-        elif op == "release" and message.get("index") in self.slot_of:
-            self.released[self.slot_of[message["index"]]].discard(rank)
-        elif op == "loaded":
-            self.loaded.add(rank)
-        elif op == "fail":
-            raise TransferError(f"shm worker rank {rank} failed round {version}: {message.get('error')}")
-        else:
-            raise TransferError(f"unexpected message from shm worker rank {rank}: {message!r}")
-
-    def pump(self, done: Callable[[], bool], what: str) -> None:
-        """Dispatch the peers' messages until ``done()``; bounded by ``timeout_s`` since the last change of
-        ``progress``, aborted by client failure."""
-        trainer = self.trainer
-        deadline, seen = time.monotonic() + trainer.timeout_s, self.progress
-        for rank, channel in [*trainer._channels.items(), *((-r, c) for r, c in trainer._senders.items())]:
-            for message in channel.pending():  # messages that arrived together with earlier ones
-                self.handle(rank, message)
-        while not done():
-            if self.call.error is not None:
-                # A worker answers before it raises, so its message is here already: it may end the wait cleanly.
-                self._dispatch(0.0, what)
-                if done():
-                    return
-                self.call.raise_if_failed()
-            if self.progress != seen:
-                seen, deadline = self.progress, time.monotonic() + trainer.timeout_s
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TransferTimeoutError(f"shm trainer: {what} took longer than {trainer.timeout_s:g} s")
-            self._dispatch(min(remaining, 0.05), what)
-
-    def _dispatch(self, wait: float, what: str) -> None:
-        """Handle every message that arrives within ``wait`` seconds (0: only those already here)."""
-        for key, _ in self.trainer._selector.select(wait):
-            rank = key.data
-            try:
-                messages = key.fileobj.read_ready()  # type: ignore[union-attr]
-            except PeerClosedError as exc:
-                peer = f"shm worker rank {rank}" if rank > 0 else f"trainer rank {-rank}"
-                raise TransferError(f"{peer} died or disconnected while {what}: {exc}") from exc
-            for message in messages:
-                self.handle(rank, message)
-
-    def run(self, buckets: list[Bucket]) -> None:
-        trainer, manifest = self.trainer, self.manifest
-        senders = trainer._senders
-        if senders:  # they plan the round while the workers check the manifest
-            trainer.tell_senders({"op": "round", "digest": entries_digest(manifest.entries)})
-        with trainer.phases("wait"):
-            self.pump(lambda: len(self.answers) == trainer.num_workers, "waiting for workers to accept the manifest")
-        rejected = {rank: reason for rank, reason in self.answers.items() if reason is not None}
-        if rejected:
-            reasons = "; ".join(f"rank {rank}: {reason}" for rank, reason in sorted(rejected.items()))
-            trainer._abort(f"a worker rejected the manifest ({reasons})",
-                           only=[r for r in self.answers if r not in rejected], clean=True)
-            raise ManifestRejected(f"round {manifest.version} rejected: {reasons}")
-        if manifest.delta is not None or not trainer.stages_dense_rounds:
-            self._through_ring(buckets)
-        else:
-            self._staged()
-        with trainer.phases("wait"):
-            self.pump(lambda: len(self.loaded) == trainer.num_workers, "waiting for workers to load the round")
-
-    def _staged(self) -> None:
-        """Write the whole round into the segment (each trainer rank its own shards), then hand it over."""
-        trainer, manifest = self.trainer, self.manifest
-        segment = trainer._segment_for(staging_offsets(manifest.entries)[1], manifest.entries)
-        pieces = segment_pieces(manifest)
-        with round_digests(len(manifest.entries), manifest.digests) as digests:
-            if trainer._senders:
-                self._write_sharded(segment, pieces)
-                if digests is not None:  # the ranks wrote disjoint parts: the round is hashed once whole
-                    digests.update_pieces(pieces, segment.data)
-            else:
-                packer = Packer(manifest, iter(trainer.source), digests, trainer.source_entries)
-                told = [time.monotonic()]
-
-                def tick() -> None:  # a write longer than timeout_s / 4: the workers hear it goes on
-                    if time.monotonic() - told[0] > trainer.timeout_s / 4:
-                        trainer.tell_workers({"op": "progress"}, manifest.version)
-                        told[0] = time.monotonic()
-
-                with trainer.phases("pack"):
-                    packer.pack_staged(pieces, segment.data, tick=tick)
-                    packer.drain()
-                if trainer.init_options.share_source:
-                    trainer._share_source(manifest, pieces, segment)
-            values = digests.digests() if digests is not None else None
-        trainer.tell_workers({"op": "staged", "size": segment.size, "digests": values}, manifest.version,
-                             fds=lambda rank: trainer._segment_fds(rank, writable=False))
-
-    def _write_sharded(self, segment: SharedSegment, pieces: list[Piece]) -> None:
-        """Every trainer rank writes its parts into the segment, once they are checked to tile the round."""
-        trainer, manifest = self.trainer, self.manifest
-        parts = rank_parts(trainer.source.named_tensors(), 0, manifest.entries)  # type: ignore[attr-defined]
-        self.layouts[0] = RankLayout(manifest.entries, layout_rows(parts))
-        with trainer.phases("wait"):
-            self.pump(lambda: len(self.layouts) == 1 + len(trainer._senders),
-                      "waiting for the other trainer ranks' layouts")
-        try:
-            check_tiling([self.layouts[rank] for rank in sorted(self.layouts)])
-        except TransferError as exc:
-            raise TransferError(f"the trainer ranks' shards do not tile the round: {exc}; every rank must "
-                                f"shard the same model the same way (device mesh, placements)") from exc
-        trainer.tell_senders({"op": "go", "size": segment.size},
-                             fds=lambda rank: trainer._segment_fds(-rank, writable=True))
-        with trainer.phases("pack"):
-            for piece, part in zip(pieces, parts):
-                if part is not None and piece.length:
-                    write_part(segment.data[piece.offset : piece.offset + piece.length], 0, part)
-        with trainer.phases("wait"):
-            self.pump(lambda: len(self.written) == len(trainer._senders), "waiting for the other trainer ranks' shards")
-
-    def _through_ring(self, buckets: list[Bucket]) -> None:
-        """Pack bucket after bucket into the ring's buffers, each once every worker released it."""
-        trainer, manifest = self.trainer, self.manifest
-        ring = trainer._ring
-        assert ring is not None
-        self.released = [set() for _ in ring.slots]
-        with round_digests(len(manifest.entries), manifest.digests) as digests:
-            if not buckets:  # the workers wait for a word either way: a call-off, or this
-                trainer.tell_workers({"op": "empty"}, manifest.version)
-            packer = Packer(manifest, iter(trainer.source), digests, trainer.source_entries)
-            for bucket in buckets:
-                slot = bucket.index % len(ring.slots)
-                if self.released[slot]:
-                    with trainer.phases("wait"):
-                        self.pump(lambda: not self.released[slot], f"waiting for workers to release buffer {slot}")
-                self.slot_of[bucket.index] = slot
-                if digests is not None:
-                    digests.fence(slot)  # the bucket this buffer held last is hashed
-                with trainer.phases("pack"):
-                    packer.pack(bucket, ring.slots[slot], slot)
-                self.released[slot] = set(trainer._channels)
-                trainer.tell_workers({"op": "bucket", "index": bucket.index, "slot": slot}, manifest.version)
-            with trainer.phases("pack"):
-                packer.drain()
-            if digests is not None:  # the workers compare them with their own before the round can commit
-                trainer.tell_workers({"op": "digests", "values": digests.digests()}, manifest.version)

@@ -385,6 +385,10 @@ class TrainerWeightTransferEngine(ABC):
                 self._broken = f"{type(exc).__name__}: {exc}"
             if self.parallel_senders:  # the other ranks wait for this round's next step: there is none
                 self.stop_senders(f"{type(exc).__name__}: {exc}")
+            try:
+                self.round_failed()
+            except Exception:  # the round's own error is what the caller must see
+                logger.exception("Error while the %s trainer cleaned up after a failed round", self.backend)
             self._tell_outcome({"ok": False, "reason": f"{type(exc).__name__}: {exc}"})
             notify("wtransfer_update_failed", error=exc)
             raise
@@ -630,6 +634,10 @@ class TrainerWeightTransferEngine(ABC):
     @abstractmethod
     def release(self) -> None:
         """Free buffers, sockets and groups (idempotent: it may run twice, and before any prepare)."""
+
+    def round_failed(self) -> None:
+        """A round raised (a worker refused it, failed, or timed out), before ``send_weights`` raises too: undo what
+        the transport set up that a later round must not reuse. The default does nothing."""
 
     def connected(self) -> None:
         """Every worker joined and said what it loads (``self.cast`` is final): allocate what depends

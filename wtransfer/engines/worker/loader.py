@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from wtransfer.engines.rounds.manifest import Manifest, dtype_name
-from wtransfer.engines.rounds.packing import PARALLEL_CHUNK, copy_parallel, copy_tensor
+from wtransfer.engines.rounds.packing import PARALLEL_CHUNK, copy_parallel, copy_tensor, delivered_target
 from wtransfer.errors import ManifestMismatchError
 
 if TYPE_CHECKING:
@@ -76,16 +76,9 @@ class ModuleLoader:
         import torch
 
         pairs = []
+        where = f"the {type(self.module).__name__} model"
         for name, tensor in weights:  # every tensor checked before any is written
-            target = self._targets.get(name)
-            if target is None:
-                raise ManifestMismatchError(f"unknown tensor {name!r} for {type(self.module).__name__}")
-            if target.shape != tensor.shape or target.dtype != tensor.dtype:
-                raise ManifestMismatchError(
-                    f"{name!r}: got {tensor.dtype} {list(tensor.shape)}, "
-                    f"model has {target.dtype} {list(target.shape)}"
-                )
-            pairs.append((target, tensor))
+            pairs.append((delivered_target(self._targets, name, tensor, where), tensor))
         with torch.no_grad():
             if sum(t.numel() * t.element_size() for _, t in pairs) >= 2 * PARALLEL_CHUNK:
                 copy_parallel(pairs)  # a whole staged round at commit: nothing else runs beside it
