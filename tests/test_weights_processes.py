@@ -768,7 +768,7 @@ def test_strangers_at_the_gloo_rendezvous_cost_little_and_change_no_round() -> N
 def test_strangers_at_the_shm_rendezvous_are_dropped_and_the_round_goes_on(caplog: Any) -> None:
     """While the workers are asked to join, local processes that are not workers connect to the
     trainer's (visible) socket: an HTTP request, a stray op, ``ready`` from nobody, a frame
-    announcing 64 MiB, a hello with a wrong token, and, run as root, a process of another user.
+    announcing 64 MiB, one of 64 KiB (more than a stranger may send), a hello with a wrong token, and, run as root, a process of another user.
     Each is dropped and logged; the rendezvous completes and the round is bit-exact."""
     import logging
     import socket
@@ -779,7 +779,7 @@ def test_strangers_at_the_shm_rendezvous_are_dropped_and_the_round_goes_on(caplo
         return struct.pack("!I", len(payload)) + payload
 
     junk = [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", frame({"op": "bogus"}), frame({"op": "ready"}),
-            struct.pack("!I", 64 << 20) + b"\0" * 4096,
+            struct.pack("!I", 64 << 20) + b"\0" * 4096, struct.pack("!I", 64 << 10) + b"\0" * (64 << 10),
             frame({"op": "hello", "rank": 1, "token": "0" * 32, "protocol_version": 0})]
     other_user = os.getuid() == 0  # root can switch to another user; others cannot
 
@@ -822,6 +822,7 @@ def test_strangers_at_the_shm_rendezvous_are_dropped_and_the_round_goes_on(caplo
                 assert_workers_hold(pool, model)
     dropped = [r.getMessage() for r in caplog.records if "dropped a connection" in r.getMessage()]
     assert len(dropped) == len(junk), dropped  # each stranger, once; none aborted the rendezvous
+    assert any("sent a 65536-byte control frame" in d for d in dropped), dropped  # refused before it is read
     refused = [r.getMessage() for r in caplog.records if "refused a connection from user id 65534" in r.getMessage()]
     print(f"ran as uid {os.getuid()}: another user's connection {'refused' if refused else 'not tried'}")
     assert bool(refused) == other_user

@@ -12,7 +12,7 @@ from typing import Any
 
 from wtransfer.errors import TransferError
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """Bumped whenever the wire protocol changes; workers and other trainer ranks refuse other versions."""
 
 MIB = 1 << 20

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from wtransfer.engines.channel.control import MAX_FRAME, ControlChannel, Listener, PeerClosedError
+from wtransfer.engines.channel.control import MAX_FRAME, STRANGER_FRAME, ControlChannel, Listener, PeerClosedError
 from wtransfer.engines.channel.protocol import MIB, PROTOCOL_VERSION, ManifestRejected
 from wtransfer.engines.rounds.manifest import Manifest
 from wtransfer.engines.rounds.packing import Bucket, Piece, readable_as_is, typed_view
@@ -29,11 +29,6 @@ from wtransfer.errors import TransferError, TransferTimeoutError
 from wtransfer.options import option
 
 logger = logging.getLogger("wtransfer")
-
-
-HELLO_FRAME = 16 << 20
-"""The largest frame an unidentified peer may send: a hello lists the served dtypes (possibly one name per
-tensor), so it may be large, but never the 64 MiB a known peer may."""
 
 
 def _within(tensor: Any, start: int, size: int) -> bool:
@@ -248,7 +243,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                     if key.fileobj is self._listener:
                         conn = self._listener.accept()  # None: another user's process, refused
                         if conn is not None:
-                            channel = ControlChannel(conn, "an unidentified shm peer", max_frame=HELLO_FRAME)
+                            channel = ControlChannel(conn, "an unidentified shm peer", max_frame=STRANGER_FRAME)
                             pending[channel.fileno()] = channel
                             self._selector.register(channel, selectors.EVENT_READ, None)
                         continue
@@ -311,11 +306,12 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             channel.send({"ok": True, "ring": bool(ring), "wire": self._announced}, fds=ring, timeout=self.timeout_s)
             pending.pop(channel.fileno())
             self._channels[rank] = channel
-            self.served_answers[rank], self.held_answers[rank] = message.get("served_dtypes"), message.get("holds")
         elif op == "refused" and channel in self._channels.values():
             raise TransferError(f"{channel.peer} refused to join: {str(message.get('error'))[:2000]}")
         elif op == "ready" and channel in self._channels.values():
-            ready.add(next(r for r, c in self._channels.items() if c is channel))
+            rank = next(r for r, c in self._channels.items() if c is channel)
+            self.served_answers[rank], self.held_answers[rank] = message.get("served_dtypes"), message.get("holds")
+            ready.add(rank)
         elif channel in self._channels.values():
             raise TransferError(f"unexpected message from {channel.peer} during shm rendezvous: {str(message)[:200]}")
         else:
@@ -350,7 +346,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                 conn = self._listener.accept()  # None: another user's process, refused
                 if conn is None:
                     continue
-                channel = ControlChannel(conn, "an unidentified trainer rank", max_frame=HELLO_FRAME)
+                channel = ControlChannel(conn, "an unidentified trainer rank", max_frame=STRANGER_FRAME)
                 try:
                     hello = channel.recv(min(max(deadline - time.monotonic(), 0.1), 5.0))
                 except TransferError as exc:

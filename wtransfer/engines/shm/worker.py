@@ -84,9 +84,7 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
             self.shutdown()
         check_buffer_budget(self, init_info.bucket_bytes, init_info.num_buffers)
         self.rank = global_rank(self, init_info.rank_offset, init_info.world_size)
-        hello = {"op": "hello", "rank": self.rank, "token": init_info.token, "protocol_version": PROTOCOL_VERSION,
-                 "served_dtypes": None if self.served_dtypes is None else self.served_dtypes.to_dict(),
-                 "holds": self.held_weights()}
+        hello = {"op": "hello", "rank": self.rank, "token": init_info.token, "protocol_version": PROTOCOL_VERSION}
         channel, reply, fds = join_trainer(init_info.address, hello, init_info.timeout_s, f"worker rank {self.rank}")
         try:
             try:
@@ -98,7 +96,11 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
                 if len(fds) != 1:
                     raise TransferError(f"expected the ring's descriptor from the shm trainer, got {len(fds)}")
                 self._ring = SharedRing(fds.pop(), init_info.bucket_bytes, init_info.num_buffers, writable=False)
-            channel.send({"op": "ready"}, timeout=init_info.timeout_s)
+            # What it loads comes once the trainer knows it (a served dtype per tensor can be long; a stranger's
+            # first frame may not be)
+            channel.send({"op": "ready", "holds": self.held_weights(),
+                          "served_dtypes": None if self.served_dtypes is None else self.served_dtypes.to_dict()},
+                         timeout=init_info.timeout_s)
         except BaseException:
             channel.close()
             raise
