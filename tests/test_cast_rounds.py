@@ -111,3 +111,34 @@ def test_integer_tensors_and_tensors_already_in_the_served_dtype_travel_as_they_
     assert [e.dtype for e in CastPlan(served).entries(entries)] == [
         "bfloat16", "int64", "float32", "bfloat16", "float8_e4m3fn"]
     assert [e.dtype for e in CastPlan(None).entries(entries)] == [e.dtype for e in entries]
+
+
+def llama_with_fp32_norms(layers: int) -> torch.nn.Module:
+    """A bf16 Llama whose norms stay fp32, as serving stacks often keep them: its served dtypes name every norm."""
+    model = tiny_llama(seed=1, hidden=64, layers=layers, vocab=256, dtype="bfloat16")
+    for name, module in model.named_modules():
+        if name.endswith("norm"):
+            module.float()
+    return model
+
+
+def test_a_worker_naming_more_dtypes_than_a_stranger_may_send_joins_and_gets_each() -> None:
+    """What a worker loads can be longer than the 4 KiB a peer may send before the trainer knows it (here one
+    name per fp32 norm): it is said once the worker joined. fp32 masters then reach it as bf16, norms as fp32."""
+    import json
+
+    layers = 64
+    served = wtransfer.served_dtypes(llama_with_fp32_norms(layers)).to_dict()
+    assert len(json.dumps(served)) > 4096 and len(served["names"]) == 2 * layers + 1
+    model = tiny_llama(seed=0, hidden=64, layers=layers, vocab=256, dtype="float32")
+    expected = copy.deepcopy(model).to(torch.bfloat16)
+    for name, module in expected.named_modules():
+        if name.endswith("norm"):
+            module.float()
+    with LocalWorkerPool(1, llama_with_fp32_norms, backend="shm", factory_kwargs={"layers": layers},
+                         timeout_s=TIMEOUT, torch_threads=1) as pool:
+        with wtransfer.create_trainer("shm", client=pool, source=model,
+                                      init_info={"world_size": 2, "timeout_s": TIMEOUT}) as trainer:
+            stats = trainer.send_weights()
+        assert pool.digests() == [digests(expected)]
+        assert 0 < stats["cast_tensors"] < len(list(model.parameters()))  # the norms travel as they are

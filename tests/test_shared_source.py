@@ -144,14 +144,15 @@ def test_shared_source_never_writes_over_the_trainers_tensors(monkeypatch):
             assert trainer.shared_tensors == len(SHAPES)  # moved into a fresh copy, each at its place
 
             # A round the worker refuses (a tensor of another shape): the trainer's tensors go back to its own
-            # memory, untouched; the next round shares them again.
-            wrong = model.layer5.bias
+            # memory, untouched, the one taken out of the module for that round too; the next round shares them
+            # again.
+            wrong, start, size = model.layer5.bias, trainer._segment.data.data_ptr(), trainer._segment.size
             model.layer5.bias = torch.nn.Parameter(torch.zeros(7), requires_grad=False)
             with pytest.raises(Exception):
                 trainer.send_weights()
             model.layer5.bias = wrong
             assert digests(model) == held and trainer.shared_tensors == 0
-            assert not any(trainer._segment is not None and _in_segment(p, trainer) for p in model.parameters())
+            assert not any(start <= p.data_ptr() < start + size for p in model.parameters())  # out of the old copy
             trainer.send_weights()
             assert all(d == held for d in pool.digests()) and trainer.shared_tensors == len(SHAPES)
         finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from wtransfer.engines.channel.control import PeerClosedError
 from wtransfer.engines.channel.protocol import ManifestRejected
@@ -17,10 +17,6 @@ from wtransfer.engines.rounds.shards import entries_digest, rank_parts, write_pa
 from wtransfer.engines.rounds.staging import SharedSegment, staging_offsets
 from wtransfer.engines.trainer.client import ClientCall
 from wtransfer.errors import TransferError, TransferTimeoutError
-
-if TYPE_CHECKING:
-    from wtransfer.engines.shm.trainer import SharedMemoryTrainer
-
 
 def segment_pieces(manifest: Manifest) -> tuple[list[Piece], int]:
     """Every tensor of a staged round as one piece at its offset in the segment (``staging_offsets``), and the
@@ -34,7 +30,9 @@ def segment_pieces(manifest: Manifest) -> tuple[list[Piece], int]:
 class TrainerRound:
     """One round on rank 0: the workers' verdicts, the bytes (staged or ring), every worker's ``loaded``."""
 
-    def __init__(self, trainer: SharedMemoryTrainer, manifest: Manifest, call: ClientCall) -> None:
+    def __init__(self, trainer: Any, manifest: Manifest, call: ClientCall) -> None:
+        """``trainer``: the :class:`~wtransfer.engines.shm.trainer.SharedMemoryTrainer` (not imported here: that
+        module imports this one)."""
         self.trainer, self.manifest, self.call = trainer, manifest, call
         self.answers: dict[int, str | None] = {}  # worker rank -> None (accepted) or the rejection
         self.loaded: set[int] = set()

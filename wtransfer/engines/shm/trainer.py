@@ -106,6 +106,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         self.shared_tensors = 0
         """``share_source``: how many of the source's tensors live in the staged copy."""
         self._shared_copies: list[tuple[int, int, Any]] = []  # (address, size, its mapping) the tensors moved into
+        self._shared: list[Any] = []  # weak references to the tensors living in _segment, in the module or not
         self._handed: dict[int, int] = {}  # peer (worker rank; -trainer rank) -> inode of the segment it maps
         self._selector = selectors.DefaultSelector()
         self._senders: dict[int, ControlChannel] = {}  # the other trainer ranks (parallel senders)
@@ -143,7 +144,8 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
 
         entries = {entry.name: (piece, entry) for piece, entry in zip(pieces, manifest.entries)}
         cpu = torch.device("cpu")
-        moved = rebound = 0
+        rebound = 0
+        self._shared = []
         self._shared_layout = tuple(manifest.entries)  # before any rebinding: this segment is never unmapped now
         self._shared_copies.append((segment.data.data_ptr(), segment.size, weakref.ref(segment._map)))
         with torch.no_grad():
@@ -158,8 +160,8 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                         continue  # a view of someone's buffer; one of an earlier shared copy moves on
                     tensor.data = view  # the same values: the round just wrote them there
                     rebound += 1
-                moved += 1
-        self.shared_tensors = moved
+                self._shared.append(weakref.ref(tensor))
+        self.shared_tensors = len(self._shared)
         if rebound:
             _return_freed_memory()  # the module's own copy of those tensors is free now
 
@@ -168,11 +170,6 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         self._shared_copies = [c for c in self._shared_copies if c[2]() is not None]
         return any(_within(tensor, start, size) for start, size, _ in self._shared_copies)
 
-    def _in_segment(self, tensor: Any) -> bool:
-        """Whether ``tensor`` lives in the current staged segment."""
-        segment = self._segment
-        return segment is not None and _within(tensor, segment.data.data_ptr(), segment.size)
-
     def _source_in_place(self, entries: list[Any], pieces: list[Piece]) -> bool:
         """Whether every source tensor that lives in the shared segment is at its own place there. One that moved
         (parameters swapped, ``.data`` reassigned) would be written over by another tensor's bytes."""
@@ -180,22 +177,27 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         start = self._segment.data.data_ptr()
         at = {entry.name: start + piece.offset for entry, piece in zip(entries, pieces)}
         return all(tensor.data_ptr() == at.get(name) and tensor.is_contiguous()
-                   for name, tensor in self.source.named_tensors() if self._in_segment(tensor))
+                   for name, tensor in self.source.named_tensors() if _within(tensor, start, self._segment.size))
 
     def round_failed(self) -> None:
-        """``share_source``: the source's tensors go back to the trainer's own memory, and the next round gets a
-        fresh segment: a worker whose commit outlived the failed round may still read this one while the model
-        trains on."""
-        if self._shared_layout is None or self._segment is None:
+        """``share_source``: the tensors moved into the staged copy go back to the trainer's own memory (those the
+        module holds now, and those it held, wherever they went since), and the next round gets a fresh segment: a
+        worker whose commit outlived the failed round may still read this one while the model trains on."""
+        segment = self._segment
+        if self._shared_layout is None or segment is None:
             return
         import torch
 
-        with torch.no_grad():
-            for _, tensor in self.source.named_tensors():
-                if self._in_segment(tensor):
-                    tensor.data = tensor.data.clone()
-        self._segment.close(unmap=False)
-        self._segment, self._shared_layout, self.shared_tensors = None, None, 0
+        shared = [tensor for ref in self._shared if (tensor := ref()) is not None]
+        shared += [tensor for _, tensor in self.source.named_tensors()]
+        self._segment, self._shared_layout, self.shared_tensors, self._shared = None, None, 0, []  # never reused
+        try:
+            with torch.no_grad():
+                for tensor in shared:
+                    if _within(tensor, segment.data.data_ptr(), segment.size):
+                        tensor.data = tensor.data.clone()
+        finally:
+            segment.close(unmap=False)
 
     def _segment_for(self, size: int, entries: list[Any] | None = None,
                      pieces: list[Piece] | None = None) -> SharedSegment:

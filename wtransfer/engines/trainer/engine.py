@@ -387,8 +387,10 @@ class TrainerWeightTransferEngine(ABC):
                 self.stop_senders(f"{type(exc).__name__}: {exc}")
             try:
                 self.round_failed()
-            except Exception:  # the round's own error is what the caller must see
+            except Exception as cleanup:  # the round's own error is what the caller must see
                 logger.exception("Error while the %s trainer cleaned up after a failed round", self.backend)
+                if self._broken is None:  # what the round set up may still be in use: no round may reuse it
+                    self._broken = f"cleaning up after a failed round failed: {type(cleanup).__name__}: {cleanup}"
             self._tell_outcome({"ok": False, "reason": f"{type(exc).__name__}: {exc}"})
             notify("wtransfer_update_failed", error=exc)
             raise
