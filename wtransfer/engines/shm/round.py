@@ -18,13 +18,13 @@ from wtransfer.engines.rounds.staging import SharedSegment, staging_offsets
 from wtransfer.engines.trainer.client import ClientCall
 from wtransfer.errors import TransferError, TransferTimeoutError
 
+
 def segment_pieces(manifest: Manifest) -> tuple[list[Piece], int]:
     """Every tensor of a staged round as one piece at its offset in the segment (``staging_offsets``), and the
     segment's size."""
     offsets, size = staging_offsets(manifest.entries)
     return [Piece(index, 0, offset, entry.nbytes, True)
             for index, (entry, offset) in enumerate(zip(manifest.entries, offsets))], size
-
 
 
 class TrainerRound:
