@@ -372,8 +372,8 @@ class TrainerWeightTransferEngine(ABC):
         try:
             with gc_paused():
                 gathered = self.sharded and not self.parallel_senders
-                if gathered:
-                    stats = self._run_sharded_round(weight_version)
+                if gathered:  # every other rank mirrors the walk: it runs whole, even when the round fails
+                    stats = self.source.walk_once(lambda: self._run_round(weight_version))  # type: ignore[attr-defined]
                 elif self.delta is not None:
                     stats = self._run_delta_round(weight_version)
                 else:
@@ -410,26 +410,6 @@ class TrainerWeightTransferEngine(ABC):
         except Exception as exc:  # never replaces the round's own result
             logger.warning("%s trainer: could not tell the other trainer ranks how round %d ended: %s",
                            self.backend, self.weight_version + (0 if outcome["ok"] else 1), exc)
-
-    def _run_sharded_round(self, label: str | None) -> dict[str, Any]:
-        """A round whose source walk every other trainer rank mirrors: finish the walk, always."""
-        source = self.source
-        source.begin_round()  # type: ignore[attr-defined]
-        try:
-            stats = self._run_round(label)
-        except BaseException:
-            # The other ranks still wait in their next gather: walk on (sending nothing) so they
-            # finish too. If that fails as well, the round's own error is the one to report.
-            try:
-                drained = source.finish_round()  # type: ignore[attr-defined]
-                logger.info("%s trainer: walked %d more tensor(s) after a failed round so the other "
-                            "trainer ranks finish", self.backend, drained)
-            except Exception as drain_error:
-                logger.warning("%s trainer: finishing the walk after a failed round failed too: %s",
-                               self.backend, drain_error)
-            raise
-        source.finish_round()  # type: ignore[attr-defined]  # a complete round walked everything: no-op
-        return stats
 
     def _run_delta_round(self, label: str | None) -> dict[str, Any]:
         """A round of only what changed; if a worker cannot apply it (no base, another base), a full

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from wtransfer.engines.channel.protocol import RoundCalledOff
 from wtransfer.engines.rounds.cast import CastPlan
@@ -42,14 +42,15 @@ if TYPE_CHECKING:
     from wtransfer.engines.trainer.agreement import RankAgreement
 
 logger = logging.getLogger("wtransfer")
+T = TypeVar("T")
 
 TOLD_FAILURE_WAIT_S = 3.0
 """A rank that could not join rank 0's transport waits this long for rank 0's reason (it may have failed first)."""
 
 
 class LockstepSource(WeightSource):
-    """Rank 0's view of a sharded source: ``begin_round()``, ``__iter__`` (the walk), and ``finish_round()``,
-    which runs what is left of the walk (all, if none was walked) so the other ranks' gathers complete."""
+    """Rank 0's view of a sharded source: each round runs in :meth:`walk_once`, which walks what the round left
+    of the source (all, if it walked none; :meth:`finish_round`) so the other ranks' gathers complete."""
 
     def __init__(self, source: WeightSource) -> None:
         self.inner = source
@@ -76,8 +77,22 @@ class LockstepSource(WeightSource):
             yield item
         self._complete = True
 
-    def begin_round(self) -> None:
+    def walk_once(self, run: Callable[[], T]) -> T:
+        """``run()`` one round, then walk what it left of the source (all of it, if it failed before reading), so
+        the other ranks' gathers complete whether the round succeeded or not. Raises the round's own error."""
         self._walked, self._current = False, None
+        try:
+            result = run()
+        except BaseException:
+            try:  # the other ranks wait in their next gather: walk on, sending nothing
+                drained = self.finish_round()
+                logger.info("trainer rank 0: walked %d more tensor(s) after a failed round so the other trainer "
+                            "ranks finish", drained)
+            except Exception as drain_error:  # the round's own error is the one to report
+                logger.warning("trainer rank 0: finishing the walk after a failed round failed too: %s", drain_error)
+            raise
+        self.finish_round()  # a complete round walked everything: nothing left
+        return result
 
     def finish_round(self) -> int:
         """Walk whatever this round has not walked yet; returns how many tensors that took."""
