@@ -69,6 +69,7 @@ def test_shared_source_rounds_copy_nothing_and_workers_hold_each_round_exactly(m
             second = digests(model)
             assert all(d == second for d in pool.digests())
             assert copies == [], f"round 2 copied {len(copies)} tensors that already lived in the staged copy"
+            assert len(trainer._copies) == 1, "a reused segment is recorded once, not once per round"
         finally:
             trainer.shutdown()
         # The trainer is gone: its model still reads and trains (the mapping lives as long as the tensors).

@@ -127,7 +127,7 @@ class DeltaLoader:
             return
         unlisted = [name for name, _ in weights if name not in self._rows]
         if unlisted:
-            raise ManifestMismatchError(f"engine delivered {unlisted[0]!r}, which delta round {self.plan.id} does not list")
+            raise ManifestMismatchError(f"{unlisted[0]!r} was delivered, but delta round {self.plan.id} does not list it")
         # payloads rebuilt and checked on every core, first failure (in order) raised; dense tensors pass as they came
         from concurrent.futures import wait
 

@@ -11,7 +11,7 @@ import selectors
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from wtransfer.engines.channel.control import MAX_FRAME, STRANGER_FRAME, ControlChannel, Listener, PeerClosedError
@@ -52,6 +52,22 @@ def _owns_storage(tensor: Any) -> bool:
     storage) would cut it off from what else uses that storage. Pinned memory keeps its pinning."""
     return (tensor._base is None and tensor.storage_offset() == 0 and not tensor.is_pinned()
             and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+
+
+@dataclass
+class _SharedCopy:
+    """``share_source``: a staged segment the source's tensors were moved into. The trainer never unmaps it; its
+    mapping goes with its last view."""
+
+    layout: tuple[Any, ...]  # the round's entries, in order: the segment is reused only for the same layout
+    start: int  # the segment's address and size
+    size: int
+    mapping: Any  # a weak reference to the segment's mmap
+    tensors: list[Any] = field(default_factory=list)  # weak references to the tensors moved in, wherever they went
+
+    def holds(self, tensor: Any) -> bool:
+        """Whether ``tensor`` views this copy, while it is still mapped."""
+        return self.mapping() is not None and _within(tensor, self.start, self.size)
 
 
 @dataclass(frozen=True)
@@ -102,11 +118,8 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             self._ring = SharedRing(fd, self.bucket_bytes, self.num_buffers)  # takes fd
             self._ring_fd = read_only_fd(fd)
         self._segment: SharedSegment | None = None
-        self._shared_layout: tuple[Any, ...] | None = None  # share_source: the entries whose tensors live in _segment
-        self.shared_tensors = 0
-        """``share_source``: how many of the source's tensors live in the staged copy."""
-        self._shared_copies: list[tuple[int, int, Any]] = []  # (address, size, its mapping) the tensors moved into
-        self._shared: list[Any] = []  # weak references to the tensors living in _segment, in the module or not
+        self._shared: _SharedCopy | None = None  # share_source: _segment, once the source's tensors live there
+        self._copies: list[_SharedCopy] = []  # every shared copy still mapped, _shared included
         self._handed: dict[int, int] = {}  # peer (worker rank; -trainer rank) -> inode of the segment it maps
         self._selector = selectors.DefaultSelector()
         self._senders: dict[int, ControlChannel] = {}  # the other trainer ranks (parallel senders)
@@ -120,6 +133,12 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             "timeout_s": self.timeout_s,
             "protocol_version": PROTOCOL_VERSION,
         }
+
+    @property
+    def shared_tensors(self) -> int:
+        """``share_source``: how many of the source's tensors were moved into the current staged copy."""
+        shared = getattr(self, "_shared", None)
+        return len(shared.tensors) if shared is not None else 0
 
     @property
     def staged_bytes(self) -> int:
@@ -145,9 +164,11 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         entries = {entry.name: (piece, entry) for piece, entry in zip(pieces, manifest.entries)}
         cpu = torch.device("cpu")
         rebound = 0
-        self._shared = []
-        self._shared_layout = tuple(manifest.entries)  # before any rebinding: this segment is never unmapped now
-        self._shared_copies.append((segment.data.data_ptr(), segment.size, weakref.ref(segment._map)))
+        # before any rebinding: this segment is never unmapped now
+        copy = _SharedCopy(tuple(manifest.entries), segment.data.data_ptr(), segment.size, weakref.ref(segment._map))
+        self._copies = [earlier for earlier in self._copies  # one record per mapping: rounds reuse the segment
+                        if earlier.mapping() is not None and earlier.mapping() is not segment._map] + [copy]
+        self._shared = copy
         with torch.no_grad():
             for name, tensor in self.source.named_tensors():
                 piece, entry = entries.get(name, (None, None))
@@ -156,19 +177,13 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                     continue
                 view = typed_view(segment.data, piece, entry)
                 if tensor.data_ptr() != view.data_ptr():
-                    if not _owns_storage(tensor) and not self._in_shared_copy(tensor):
-                        continue  # a view of someone's buffer; one of an earlier shared copy moves on
+                    if not _owns_storage(tensor) and not any(shared.holds(tensor) for shared in self._copies):
+                        continue  # a view of someone's buffer; one of a shared copy moves on
                     tensor.data = view  # the same values: the round just wrote them there
                     rebound += 1
-                self._shared.append(weakref.ref(tensor))
-        self.shared_tensors = len(self._shared)
+                copy.tensors.append(weakref.ref(tensor))
         if rebound:
             _return_freed_memory()  # the module's own copy of those tensors is free now
-
-    def _in_shared_copy(self, tensor: Any) -> bool:
-        """Whether ``tensor`` views a staged copy the source's tensors were moved into (and still mapped)."""
-        self._shared_copies = [c for c in self._shared_copies if c[2]() is not None]
-        return any(_within(tensor, start, size) for start, size, _ in self._shared_copies)
 
     def _source_in_place(self, entries: list[Any], pieces: list[Piece]) -> bool:
         """Whether every source tensor that lives in the shared segment is at its own place there. One that moved
@@ -183,18 +198,19 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         """``share_source``: the tensors moved into the staged copy go back to the trainer's own memory (those the
         module holds now, and those it held, wherever they went since), and the next round gets a fresh segment: a
         worker whose commit outlived the failed round may still read this one while the model trains on."""
-        segment = self._segment
-        if self._shared_layout is None or segment is None:
+        segment, copy = self._segment, self._shared
+        if copy is None or segment is None:
             return
         import torch
 
-        shared = [tensor for ref in self._shared if (tensor := ref()) is not None]
+        shared = [tensor for ref in copy.tensors if (tensor := ref()) is not None]
         shared += [tensor for _, tensor in self.source.named_tensors()]
-        self._segment, self._shared_layout, self.shared_tensors, self._shared = None, None, 0, []  # never reused
+        self._segment, self._shared = None, None  # never reused
+        self._copies.remove(copy)
         try:
             with torch.no_grad():
                 for tensor in shared:
-                    if _within(tensor, segment.data.data_ptr(), segment.size):
+                    if _within(tensor, copy.start, copy.size):
                         tensor.data = tensor.data.clone()
         finally:
             segment.close(unmap=False)
@@ -204,15 +220,15 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         """The staged round's segment, at least ``size`` bytes (reused; replaced when too small). With
         ``share_source``, a segment holding the module's tensors is reused only for the same layout (``entries``
         at ``pieces``): another layout would write other tensors over them."""
-        if self._shared_layout is not None and entries is not None and pieces is not None \
+        if self._shared is not None and entries is not None and pieces is not None \
                 and self._segment is not None and (
-                    tuple(entries) != self._shared_layout or not self._source_in_place(entries, pieces)):
+                    tuple(entries) != self._shared.layout or not self._source_in_place(entries, pieces)):
             self._segment.close(unmap=False)  # the module's tensors keep its mapping; they are copied from now on
-            self._segment, self._shared_layout = None, None
+            self._segment, self._shared = None, None
         if self._segment is None or self._segment.size < size:
             if self._segment is not None:
-                self._segment.close(unmap=self._shared_layout is None)
-                self._segment, self._shared_layout = None, None
+                self._segment.close(unmap=self._shared is None)
+                self._segment, self._shared = None, None
             self._segment = SharedSegment.create(size)
             logger.debug("shm trainer: %d-byte staged segment", size)
         return self._segment
@@ -439,7 +455,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             self._ring.close()
             self._ring = None
         if getattr(self, "_segment", None) is not None:  # the source's tensors may live there (share_source)
-            self._segment.close(unmap=getattr(self, "_shared_layout", None) is None)
+            self._segment.close(unmap=getattr(self, "_shared", None) is None)
             self._segment = None
         self._handed = {}
         if getattr(self, "_selector", None) is not None:
