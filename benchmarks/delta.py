@@ -116,7 +116,8 @@ def measure(engine: str, args: argparse.Namespace) -> dict[str, Any]:
             for kind in order:
                 stats = trainers[kind].send_weights()
                 row[kind] = {"seconds": stats["seconds"], "wire_bytes": stats["wire_bytes"], "bytes": stats["bytes"],
-                             "sent_as": stats.get("delta", "dense"), "why": stats.get("delta_choice")}
+                             "sent_as": stats.get("delta", "dense"), "why": stats.get("delta_choice"),
+                             "phases": stats["phases"]}
                 if kind == "delta":
                     row["changed"] = stats["changed_fraction"]
             expected = digests(model)
@@ -146,8 +147,9 @@ def _median_of_repeats(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
               "changed": statistics.median(row["changed"] for row in repeats)}
     for kind in KINDS:
         sent = [row[kind]["sent_as"] for row in repeats]  # auto may change its choice between repeats
+        middle = sorted(repeats, key=lambda row: row[kind]["seconds"])[len(repeats) // 2][kind]
         merged[kind] = {**repeats[0][kind], "seconds": statistics.median(row[kind]["seconds"] for row in repeats),
-                        "each": [row[kind]["seconds"] for row in repeats],
+                        "each": [row[kind]["seconds"] for row in repeats], "phases": middle["phases"],
                         "sent_as": sent[0] if len(set(sent)) == 1 else ", ".join(sent)}
     return [row for row in steps if row["step"] != "every element"] + [merged]
 
@@ -263,7 +265,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                          "delta_gb_per_s": delta["bytes"] / delta["seconds"] / 1e9,
                          "wire_bytes": delta["wire_bytes"], "wire_ratio": wire, "speedup": speedup,
                          "auto_gb_per_s": auto["bytes"] / auto["seconds"] / 1e9, "auto_sent_as": auto["sent_as"],
-                         "auto_why": auto["why"], "auto_cost": auto_cost,
+                         "auto_why": auto["why"], "auto_cost": auto_cost, "delta_phases": delta["phases"],
                          "bit_exact": step["bit_exact"], "verdict": verdict or "(no target)", "ok": good})
         rows.append(_summed(run["link"], run["each_round"]))
         ok = ok and rows[-1]["ok"]
@@ -304,6 +306,12 @@ def markdown(figures: dict[str, Any]) -> list[str]:
                 f"{row['speedup']:.2f}×", f"{row['auto_gb_per_s']:.2f}", row["auto_sent_as"],
                 f"{row['auto_cost']:.2f}×", ("bit-exact; " if row["bit_exact"] else "NOT bit-exact; ") + row["verdict"]]
 
+    def phases(row: dict[str, Any]) -> list[str]:
+        took = row["delta_phases"]
+        parts = [took.get("encode", 0.0), took.get("send", 0.0), took.get("commit", 0.0)]
+        return [row["link"], row["step"], f"{row['dense_s']:.3f}", f"{row['dense_s'] / SPEEDUP_TARGET_AT_1GBIT:.3f}",
+                f"{row['delta_s']:.3f}", *(f"{part:.3f}" for part in parts), f"{row['delta_s'] - sum(parts):.3f}"]
+
     return [
         f"A transformers Llama of {figures['model_bytes'] / 1e9:.2f} GB (bf16), one AdamW step per round, "
         f"synced to one worker each by a dense, a delta=True and a delta=\"auto\" trainer (the same updates).",
@@ -312,4 +320,12 @@ def markdown(figures: dict[str, Any]) -> list[str]:
                ["link", "step", "changed", "dense GB/s", "delta GB/s", "delta wire MB", "wire vs dense",
                 "delta speed-up", "auto GB/s", "auto sent", "auto time vs dense", "verdict"],
                [cells(row) for row in figures["rows"]]),
+        "",
+        *table("where a delta=True round's time goes (seconds): the encoding before the round's first byte, the "
+               "send (the changed bytes on the link, the encoding's deferred part, and the wait for the worker to rebuild, "
+               "check and stage them), "
+               "the commit, and the rest (plan, start, the client's calls)",
+               ["link", "step", "dense round", f"dense ÷ {SPEEDUP_TARGET_AT_1GBIT:g}", "delta round", "encode",
+                "send", "commit", "rest"],
+               [phases(row) for row in figures["rows"] if "delta_phases" in row]),
     ]
