@@ -21,37 +21,56 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.write_line(f"wtransfer-vllm tests ran on a host with CPU flags: {cpu_flags()}")
 
 
-VLLM_SHM_PREFIXES = ("psm_", "sem.mp-", "vllm_dist_")
-"""``/dev/shm`` names of vLLM's engine message queues (Python's shared memory), multiprocessing semaphores and
-vLLM-CPU's tensor-parallel buffers."""
+VLLM_SHM_PREFIXES = ("psm_", "vllm_dist_")
+"""``/dev/shm`` names of vLLM's engine message queues (Python's shared memory) and of vLLM-CPU's tensor-parallel
+buffers: up to 240 MiB each. (Semaphores, 32 bytes each, are left alone: glibc maps one under a temporary name.)"""
 
 
-def _held_in_dev_shm() -> set[str]:
-    """Names in ``/dev/shm`` that some live process holds open or mapped (host-wide: another test worker's vLLM)."""
+def _held_in_dev_shm() -> set[int]:
+    """Inodes of ``/dev/shm`` files some live process holds open or mapped (host-wide: another test worker's vLLM).
+    Inodes, not names: a file may be mapped under another name it had (a link) or one with spaces."""
     held = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
+        # descriptors first: a file is opened, then mapped, then maybe closed, so one of the reads sees it held
         try:
-            held |= {line.rsplit("/dev/shm/", 1)[1].split(" ")[0]
-                     for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/dev/shm/" in line}
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("/dev/shm/"):
-                    held.add(target[len("/dev/shm/"):].split(" ")[0])
+            fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:  # the process ended, or is not ours to read
+            fds = []
+        for fd in fds:
+            try:  # one descriptor closing meanwhile must not hide the others
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/shm/"):
+                    held.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+            except OSError:
+                continue
+        try:
+            lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        except OSError:
             continue
+        for line in lines:
+            fields = line.split(None, 5)  # address perms offset device inode path
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                held.add(int(fields[4]))
     return held
 
 
 def _remove_orphaned_vllm_queues(before: set[str]) -> bool:
-    """Remove vLLM's ``/dev/shm`` entries made since ``before`` that no process holds open or mapped; whether
+    """Remove vLLM's ``/dev/shm`` files made since ``before`` that no process holds open or mapped; whether
     none is left (held ones belong to a live engine, or to one still ending)."""
     if not os.path.isdir("/dev/shm"):
         return True
     made = {name for name in os.listdir("/dev/shm") if name.startswith(VLLM_SHM_PREFIXES)} - before
     held = _held_in_dev_shm() if made else set()
-    for name in made - held:
-        Path("/dev/shm", name).unlink(missing_ok=True)
-    return not made & held
+    left = False
+    for name in made:
+        path = Path("/dev/shm", name)
+        try:
+            if path.stat().st_ino in held:
+                left = True
+            else:
+                path.unlink()
+        except OSError:  # gone already, or another user's
+            continue
+    return not left
 
 
 @pytest.fixture(scope="session")
