@@ -54,7 +54,7 @@ def _owns_storage(tensor: Any) -> bool:
             and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
 
 
-@dataclass
+@dataclass(eq=False)  # one copy is itself only: removed from a list by identity
 class _SharedCopy:
     """``share_source``: a staged segment the source's tensors were moved into. The trainer never unmaps it; its
     mapping goes with its last view."""
