@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 DELTA_BELOW = 0.5e9
 """Model bytes/s of a dense round (4 Gbit/s) under which delta rounds are tried. Well below the rate where a
-delta stopped paying on both 2-core hosts the delta bench ran on, an AMD EPYC and an Intel Xeon with AMX (over
-10 Gbit/s it gained nothing on either);
+delta stopped paying on both 2-core hosts the delta bench has run on, an AMD EPYC and the Intel Xeon with AMX of
+BENCHMARKS.md's block (over 10 Gbit/s it gained nothing on either);
 far enough below it that the round that fills the base hides its copy under the wire."""
 
 SHORTEST_FOR_DELTA = 0.25
