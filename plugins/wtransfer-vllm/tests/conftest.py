@@ -53,43 +53,42 @@ def _held_in_dev_shm() -> set[int]:
     return held
 
 
-def _remove_orphaned_vllm_queues(before: set[str]) -> bool:
-    """Remove vLLM's ``/dev/shm`` files made since ``before`` that no process holds open or mapped; whether
-    none is left (held ones belong to a live engine, or to one still ending)."""
+ORPHAN_AGE_S = 60
+"""A file younger than this is never removed: one a process is still setting up or handing over (created, not yet
+mapped, or mapped by the next process soon) stays whatever the scan of ``/proc`` saw."""
+
+
+def _remove_orphaned_vllm_queues(before: set[str]) -> None:
+    """Remove vLLM's ``/dev/shm`` files made since ``before``, at least :data:`ORPHAN_AGE_S` old, that no process
+    holds open or mapped."""
     if not os.path.isdir("/dev/shm"):
-        return True
+        return
     made = {name for name in os.listdir("/dev/shm") if name.startswith(VLLM_SHM_PREFIXES)} - before
     held = _held_in_dev_shm() if made else set()
-    left = False
     for name in made:
         path = Path("/dev/shm", name)
         try:
-            if path.stat().st_ino in held:
-                left = True
-            else:
+            found = path.stat()
+            if found.st_ino not in held and time.time() - found.st_ctime >= ORPHAN_AGE_S:
                 path.unlink()
         except OSError:  # gone already, or another user's
             continue
-    return not left
 
 
 @pytest.fixture(scope="session")
 def dev_shm_at_start() -> Iterator[set[str]]:
-    """``/dev/shm``'s names when this test process began; at its end, vLLM's orphaned entries since then are
-    removed, waiting a few seconds for engines killed by the last module to finish ending."""
+    """``/dev/shm``'s names when this test process began; at its end, vLLM's orphaned files since then go."""
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     yield before
-    deadline = time.monotonic() + 5
-    while not _remove_orphaned_vllm_queues(before) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    _remove_orphaned_vllm_queues(before)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def no_orphaned_vllm_queues(dev_shm_at_start: set[str]) -> Iterator[None]:
     """vLLM unlinks its engine's message queues at a clean exit; an engine these tests kill (a server a README block
     left running, a script's leftovers) leaves them in ``/dev/shm``, up to 240 MiB of the host's memory each, run
-    after run. After each module the orphaned ones are removed (one still held by an engine that is ending goes at
-    a later module's end, or at the session's)."""
+    after run. After each module the orphaned ones are removed (one from the last minute goes at a later module's
+    end, or at the session's: the core tests run after these)."""
     yield
     _remove_orphaned_vllm_queues(dev_shm_at_start)
 
