@@ -58,29 +58,40 @@ ORPHAN_AGE_S = 60
 mapped, or mapped by the next process soon) stays whatever the scan of ``/proc`` saw."""
 
 
-def _remove_orphaned_vllm_queues(before: set[str]) -> None:
+def _remove_orphaned_vllm_queues(before: set[str]) -> float:
     """Remove vLLM's ``/dev/shm`` files made since ``before``, at least :data:`ORPHAN_AGE_S` old, that no process
-    holds open or mapped."""
+    holds open or mapped. Returns how long until the youngest unheld one is old enough (0: none is waiting)."""
     if not os.path.isdir("/dev/shm"):
-        return
+        return 0.0
     made = {name for name in os.listdir("/dev/shm") if name.startswith(VLLM_SHM_PREFIXES)} - before
     held = _held_in_dev_shm() if made else set()
+    wait = 0.0
     for name in made:
         path = Path("/dev/shm", name)
         try:
             found = path.stat()
-            if found.st_ino not in held and time.time() - found.st_ctime >= ORPHAN_AGE_S:
+            if found.st_ino in held:
+                continue
+            age = time.time() - found.st_ctime
+            if age >= ORPHAN_AGE_S:
                 path.unlink()
+            else:
+                wait = max(wait, ORPHAN_AGE_S - age)
         except OSError:  # gone already, or another user's
             continue
+    return wait
 
 
 @pytest.fixture(scope="session")
 def dev_shm_at_start() -> Iterator[set[str]]:
-    """``/dev/shm``'s names when this test process began; at its end, vLLM's orphaned files since then go."""
+    """``/dev/shm``'s names when this test process began; at its end, vLLM's orphaned files since then go (those
+    from the last minute once they are a minute old, if still unheld then)."""
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     yield before
-    _remove_orphaned_vllm_queues(before)
+    wait = _remove_orphaned_vllm_queues(before)
+    if wait:
+        time.sleep(wait)
+        _remove_orphaned_vllm_queues(before)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -88,7 +99,7 @@ def no_orphaned_vllm_queues(dev_shm_at_start: set[str]) -> Iterator[None]:
     """vLLM unlinks its engine's message queues at a clean exit; an engine these tests kill (a server a README block
     left running, a script's leftovers) leaves them in ``/dev/shm``, up to 240 MiB of the host's memory each, run
     after run. After each module the orphaned ones are removed (one from the last minute goes at a later module's
-    end, or at the session's: the core tests run after these)."""
+    end, or at the session's)."""
     yield
     _remove_orphaned_vllm_queues(dev_shm_at_start)
 
