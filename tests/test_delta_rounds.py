@@ -275,6 +275,55 @@ def test_the_whole_round_after_a_refusal_comes_from_the_base_without_walking_the
     assert len(dict(whole)) == len(list(model.parameters()))
 
 
+def test_a_slow_tensor_leaves_no_core_idle_and_the_round_keeps_the_walks_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the walk's first tensor is still being encoded, the next ones start on the other cores (a walk that
+    waited for the oldest would start one per other core, then none); no more run at once than there are cores,
+    and the round lists every tensor in the walk's order, its values exact."""
+    import threading
+    import time
+
+    from wtransfer.engines.rounds.packing import pool_size
+    from wtransfer.engines.trainer import delta_encoder
+
+    width = pool_size()
+    if width < 2:
+        pytest.skip("one core: nothing runs beside the slow tensor")
+    tensors = {f"t{i}": torch.arange(i, i + 64, dtype=torch.float32) for i in range(4 * width)}
+    encoder = DeltaEncoder()
+    encoder.committed(encoder.encode(TensorSource(tensors), 1))
+    with torch.no_grad():
+        for tensor in tensors.values():
+            tensor[0] += 1
+    real, lock, first_done = delta_encoder._encode_one, threading.Lock(), threading.Event()
+    running, most, beside_the_first = [0], [0], []
+
+    def encode_one(name: str, *args: Any) -> Any:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            if name != "t0" and not first_done.is_set():
+                beside_the_first.append(name)
+        try:
+            if name == "t0":
+                time.sleep(1.0)
+            return real(name, *args)
+        finally:
+            with lock:
+                running[0] -= 1
+            if name == "t0":
+                first_done.set()
+
+    monkeypatch.setattr(delta_encoder, "_encode_one", encode_one)
+    round_ = encoder.encode(TensorSource(tensors), 2)
+    sent = {name: tensor.clone() for name, tensor in round_}
+    encoder.committed(round_)
+    assert len(beside_the_first) >= 2 * width, beside_the_first
+    assert most[0] <= width
+    assert [entry.name for entry in round_.entries] == list(tensors)
+    assert all(torch.equal(encoder.base[name], tensor) for name, tensor in tensors.items())
+    assert set(sent) == set(tensors)
+
+
 def digest_of(tensor: torch.Tensor) -> str:
     from wtransfer.engines.rounds.delta import digest
 

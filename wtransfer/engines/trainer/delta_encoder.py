@@ -228,7 +228,7 @@ class DeltaEncoder:
         """Walk ``source`` once; the round against :attr:`base` (a full one if it has none). With ``cast``, floating
         tensors are compared and kept in their wire dtype (the base is what workers hold). Tensors are encoded on every
         core, at most one per core at a time: a source making tensors as it yields holds no more than that many."""
-        from concurrent.futures import Future
+        from concurrent.futures import FIRST_COMPLETED, Future, wait
 
         if self._unsettled is not None:
             self._unsettled.cancel()  # a round abandoned by its caller: nothing of it may still write the base
@@ -236,9 +236,9 @@ class DeltaEncoder:
         self.base_id = None  # from here on the base holds this round's values, which no worker has yet
         keeps = _keeps_its_tensors(source)
         choices = _choices(self.link_bytes_per_s)
-        encoded: list[_Encoded] = []
         pool, width = _pool(), pool_size()
-        in_flight: list[Future[_Encoded]] = []
+        submitted: list[Future[_Encoded]] = []  # in the walk's order
+        running: set[Future[_Encoded]] = set()
         wire = {} if cast is None else {e.name: e for e in cast.entries(source.metadata())}
         try:
             for name, tensor in source:
@@ -253,14 +253,17 @@ class DeltaEncoder:
                 base, fresh = self._base_for(name, new)
                 known = None if fresh else self.digests.get(name)
                 defer = keeps and on_host and new.is_contiguous() and not cast_here
-                in_flight.append(pool.submit(_encode_one, name, new, base, None if fresh else against, known, defer,
+                submitted.append(pool.submit(_encode_one, name, new, base, None if fresh else against, known, defer,
                                              self._room, choices))
+                running.add(submitted[-1])
                 del tensor, new
-                if len(in_flight) >= width:  # one tensor per core at a time
-                    encoded.append(in_flight.pop(0).result())
-            encoded += [future.result() for future in in_flight]
+                if len(running) >= width:  # one tensor per core at a time; the next starts as soon as any ends
+                    done, running = wait(running, return_when=FIRST_COMPLETED)  # (not the oldest: a large tensor
+                    for future in sorted(done, key=submitted.index):  # would leave the other cores idle behind it)
+                        future.result()  # a failure ends the walk now (the first in the walk's order)
+            encoded = [future.result() for future in submitted]
         finally:
-            _stop(in_flight)  # a walk that raised: no encoding may outlive the round
+            _stop(submitted)  # a walk that raised: no encoding may outlive the round
         present = {item.target.name for item in encoded}
         for gone in [name for name in self.base if name not in present]:
             del self.base[gone]  # a tensor the model no longer has
