@@ -3,7 +3,8 @@
 One trainer process trains a bf16 Llama (built from a config, nothing downloaded) with AdamW at
 the learning rates RL uses and, after every optimizer step (and before the first), syncs the same
 weights three times, each to its own worker: with ``delta=True``, with a dense trainer and with
-``delta="auto"``, the dense one in the middle and the two others taking turns to go first. All see exactly the same
+``delta="auto"``, each going first, second and last in turn (the round right after a training step can run slower;
+a single step has one order, the repeated step and the sums see every place). All see exactly the same
 updates; every round is checked bit-exactly on the delta and auto workers against the trainer's model.
 A last step changes every element (each bf16 value moved by one unit in the last place), the
 case where a delta must cost no more than dense; it runs ``--repeats`` times, and each side's median
@@ -32,6 +33,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from typing import Any
 
 from benchmarks.tables import table
@@ -74,6 +76,7 @@ def measure(engine: str, args: argparse.Namespace) -> dict[str, Any]:
     """Train, and after every step sync dense and delta; the rounds' figures."""
     import torch
 
+    from benchmarks.probes import cpu_seconds
     from wtransfer.engines.trainer.create import create_trainer
     from wtransfer.local import LocalWorkerPool
     from wtransfer.testing.models import digests, tiny_llama
@@ -111,13 +114,19 @@ def measure(engine: str, args: argparse.Namespace) -> dict[str, Any]:
                 optimizer.zero_grad()
             row: dict[str, Any] = {"step": "every element" if lr is None else
                                    "first round" if lr is FIRST else f"AdamW lr {lr:g}"}
-            # dense in the middle, back to back with each of the others; delta and auto take turns to go first
-            order = ["delta", "dense", "auto"] if step % 2 == 0 else ["auto", "dense", "delta"]
+            # each trainer takes each place in turn (the round right after a training step may run slower): the
+            # repeated step's medians and the summed rows see every place; a single row has one order
+            order = ["delta", "dense", "auto"][step % 3:] + ["delta", "dense", "auto"][:step % 3]
             for kind in order:
+                # CPU seconds during the round, every thread: the trainer's process (the other trainers' too: they
+                # wait between their rounds) and this trainer's worker
+                cpu, worker_cpu = time.process_time(), sum(cpu_seconds(pid) for pid in pools[kind].pids)
                 stats = trainers[kind].send_weights()
                 row[kind] = {"seconds": stats["seconds"], "wire_bytes": stats["wire_bytes"], "bytes": stats["bytes"],
                              "sent_as": stats.get("delta", "dense"), "why": stats.get("delta_choice"),
-                             "phases": stats["phases"]}
+                             "phases": stats["phases"], "round_s": stats["seconds"],
+                             "cpu_s": {"trainer": time.process_time() - cpu,
+                                       "worker": sum(cpu_seconds(pid) for pid in pools[kind].pids) - worker_cpu}}
                 if kind == "delta":
                     row["changed"] = stats["changed_fraction"]
             expected = digests(model)
@@ -150,7 +159,8 @@ def _median_of_repeats(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
         middle = sorted(repeats, key=lambda row: row[kind]["seconds"])[len(repeats) // 2][kind]
         merged[kind] = {**repeats[0][kind], "seconds": statistics.median(row[kind]["seconds"] for row in repeats),
                         "each": [row[kind]["seconds"] for row in repeats],
-                        "phases": {**middle["phases"], "round": middle["seconds"]},  # one round's, whole
+                        # the middle round's phases, with its own time and CPU beside them
+                        "phases": middle["phases"], "round_s": middle["seconds"], "cpu_s": middle["cpu_s"],
                         "sent_as": sent[0] if len(set(sent)) == 1 else ", ".join(sent)}
     return [row for row in steps if row["step"] != "every element"] + [merged]
 
@@ -267,6 +277,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                          "wire_bytes": delta["wire_bytes"], "wire_ratio": wire, "speedup": speedup,
                          "auto_gb_per_s": auto["bytes"] / auto["seconds"] / 1e9, "auto_sent_as": auto["sent_as"],
                          "auto_why": auto["why"], "auto_cost": auto_cost, "delta_phases": delta["phases"],
+                         "delta_round_s": delta["round_s"], "delta_cpu_s": delta["cpu_s"],
                          "bit_exact": step["bit_exact"], "verdict": verdict or "(no target)", "ok": good})
         rows.append(_summed(run["link"], run["each_round"]))
         ok = ok and rows[-1]["ok"]
@@ -308,11 +319,13 @@ def markdown(figures: dict[str, Any]) -> list[str]:
                 f"{row['auto_cost']:.2f}×", ("bit-exact; " if row["bit_exact"] else "NOT bit-exact; ") + row["verdict"]]
 
     def phases(row: dict[str, Any]) -> list[str]:
-        took = row["delta_phases"]
-        whole = took.get("round", row["delta_s"])  # a repeated step: its middle round's phases and time
+        took, whole, cpu = row["delta_phases"], row["delta_round_s"], row["delta_cpu_s"]
         parts = [took.get("encode", 0.0), took.get("send", 0.0), took.get("commit", 0.0)]
         return [row["link"], row["step"], f"{row['dense_s']:.3f}", f"{row['dense_s'] / SPEEDUP_TARGET_AT_1GBIT:.3f}",
-                f"{whole:.3f}", *(f"{part:.3f}" for part in parts), f"{whole - sum(parts):.3f}"]
+                f"{whole:.3f}", *(f"{part:.3f}" for part in parts), f"{whole - sum(parts):.3f}",
+                f"{cpu['trainer']:.2f}", f"{cpu['worker']:.2f}", f"{(cpu['trainer'] + cpu['worker']) / cores:.3f}"]
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
     return [
         f"A transformers Llama of {figures['model_bytes'] / 1e9:.2f} GB (bf16), one AdamW step per round, "
@@ -326,8 +339,10 @@ def markdown(figures: dict[str, Any]) -> list[str]:
         *table("where a delta=True round's time goes (seconds): the encoding before the round's first byte, the "
                "send (the changed bytes on the link, the encoding's deferred part, and the wait for the worker to rebuild, "
                "check and stage them), "
-               "the commit, and the rest (plan, start, the client's calls)",
+               "the commit, and the rest (plan, start, the client's calls); the CPU seconds the trainer's process and "
+               f"its worker's took during it (every thread), and their sum over the {cores} cores the run may use: "
+               "a lower bound on the round as it ran",
                ["link", "step", "dense round", f"dense ÷ {SPEEDUP_TARGET_AT_1GBIT:g}", "delta round", "encode",
-                "send", "commit", "rest"],
+                "send", "commit", "rest", "trainer CPU", "worker CPU", "CPU ÷ cores"],
                [phases(row) for row in figures["rows"] if "delta_phases" in row]),
     ]
