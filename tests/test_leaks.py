@@ -3,13 +3,16 @@ that cannot see a leak would pass every module)."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
+import select
 import socket
 import subprocess
+import sys
 import threading
 
-from wtransfer.testing.leaks import Resources
+from wtransfer.testing.leaks import Resources, dev_shm_held
 
 
 def test_each_kind_of_leftover_is_named_and_nothing_once_cleaned() -> None:
@@ -62,3 +65,47 @@ def test_each_kind_of_leftover_is_named_and_nothing_once_cleaned() -> None:
         mapping.close()
         os.close(fd)
     assert Resources.left_since(before) == []
+
+
+HOLDER = """
+import ctypes, os, sys
+opened = open(sys.argv[1], "w+b")  # held open only
+fd = os.open(sys.argv[2], os.O_RDWR | os.O_CREAT)  # held mapped only (Python's mmap would keep a descriptor)
+os.ftruncate(fd, 4096)
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+address = libc.mmap(None, 4096, 3, 1, fd, 0)  # PROT_READ | PROT_WRITE, MAP_SHARED
+if address in (None, ctypes.c_void_p(-1).value):
+    raise OSError(ctypes.get_errno(), "mmap failed")
+os.close(fd)
+os.link(sys.argv[2], sys.argv[2] + "-link")  # the mapping's name goes; the file lives on under another
+os.unlink(sys.argv[2])
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_dev_shm_held_sees_another_process_files_open_or_only_mapped_by_inode() -> None:
+    """The vLLM tests' sweep removes a /dev/shm file only when no process holds it: a file held by descriptor only, and
+    one only mapped under a name it no longer has (maps says "(deleted)"; it lives on under a link), must both count as
+    held, and a process that ended holds nothing."""
+    opened, mapped, loose = (f"/dev/shm/leak-probe-{what}-{os.getpid()}" for what in ("open", "mapped", "loose"))
+    open(loose, "w").close()
+    child = subprocess.Popen([sys.executable, "-c", HOLDER, opened, mapped], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        ready, _, _ = select.select([child.stdout], [], [], 60)
+        assert ready and child.stdout.readline().strip() == "ready", "the holder did not start"
+        held = dev_shm_held(child.pid)
+        assert os.stat(opened).st_ino in held and held[os.stat(opened).st_ino] == opened, held
+        assert os.stat(mapped + "-link").st_ino in held, held  # no descriptor, mapped under a name gone since
+        assert os.stat(loose).st_ino not in held, held
+    finally:
+        child.kill()
+        child.wait()
+        for path in (opened, mapped, mapped + "-link", loose):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    assert dev_shm_held(child.pid) == {}

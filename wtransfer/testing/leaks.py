@@ -53,6 +53,33 @@ def _fd_targets() -> dict[str, str]:
     return targets
 
 
+def dev_shm_held(pid: int | str = "self") -> dict[int, str]:
+    """The ``/dev/shm`` files process ``pid`` holds open or mapped: inode -> the path it holds it by (a file may be
+    held under a name it no longer has). Empty for a process that ended or is not ours to read."""
+    held: dict[int, str] = {}
+    # descriptors first: a file is opened, then mapped, then maybe closed, so one of the reads sees it held
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        fds = []
+    for fd in fds:
+        try:  # one descriptor closing meanwhile must not hide the others
+            path = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if path.startswith("/dev/shm/"):
+                held[os.stat(f"/proc/{pid}/fd/{fd}").st_ino] = path
+        except OSError:
+            continue
+    try:
+        lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    except OSError:
+        return held
+    for line in lines:
+        fields = line.split(None, 5)  # address perms offset device inode path
+        if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+            held[int(fields[4])] = fields[5]
+    return held
+
+
 def _descendants() -> dict[int, str]:
     """Live (not zombie) processes below this one: pid -> command line."""
     parents: dict[int, int] = {}
@@ -121,8 +148,7 @@ class Resources:
                                                                if t.startswith("/memfd:")),
             # /dev/shm is the whole host's (another test worker's vLLM holds entries there): the entries this
             # process holds open or mapped, and any named for wtransfer
-            shm=frozenset(line.split(None, 5)[-1] for line in maps if "/dev/shm/" in line)
-            | frozenset(t for t in targets.values() if t.startswith("/dev/shm/"))
+            shm=frozenset(dev_shm_held().values())
             | (frozenset(f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if "wtransfer" in n)
                if os.path.isdir("/dev/shm") else frozenset()),
         )

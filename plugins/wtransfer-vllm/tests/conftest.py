@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from wtransfer.testing.leaks import leaves_nothing_behind  # noqa: F401 - autouse: every module checked
+from wtransfer.testing.leaks import dev_shm_held, leaves_nothing_behind  # noqa: F401 - autouse: every module checked
 from vllm_harness import IN_PROCESS_ENV, ROUNDS, cpu_flags, ensure_vllm_venv, run_script
 
 
@@ -26,33 +26,6 @@ VLLM_SHM_PREFIXES = ("psm_", "vllm_dist_")
 buffers: up to 240 MiB each. (Semaphores, 32 bytes each, are left alone: glibc maps one under a temporary name.)"""
 
 
-def _held_in_dev_shm() -> set[int]:
-    """Inodes of ``/dev/shm`` files some live process holds open or mapped (host-wide: another test worker's vLLM).
-    Inodes, not names: a file may be mapped under another name it had (a link) or one with spaces."""
-    held = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        # descriptors first: a file is opened, then mapped, then maybe closed, so one of the reads sees it held
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:  # the process ended, or is not ours to read
-            fds = []
-        for fd in fds:
-            try:  # one descriptor closing meanwhile must not hide the others
-                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/shm/"):
-                    held.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
-            except OSError:
-                continue
-        try:
-            lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split(None, 5)  # address perms offset device inode path
-            if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
-                held.add(int(fields[4]))
-    return held
-
-
 ORPHAN_AGE_S = 60
 """A file younger than this is never removed: one a process is still setting up or handing over (created, not yet
 mapped, or mapped by the next process soon) stays whatever the scan of ``/proc`` saw."""
@@ -64,7 +37,8 @@ def _remove_orphaned_vllm_queues(before: set[str]) -> float:
     if not os.path.isdir("/dev/shm"):
         return 0.0
     made = {name for name in os.listdir("/dev/shm") if name.startswith(VLLM_SHM_PREFIXES)} - before
-    held = _held_in_dev_shm() if made else set()
+    # by inode, held by any process (another test worker's vLLM too): a file may be mapped under a name it had
+    held = {inode for pid in filter(str.isdigit, os.listdir("/proc")) for inode in dev_shm_held(pid)} if made else set()
     wait = 0.0
     for name in made:
         path = Path("/dev/shm", name)
