@@ -188,11 +188,11 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
     def _source_in_place(self, entries: list[Any], pieces: list[Piece]) -> bool:
         """Whether every source tensor that lives in the shared segment is at its own place there. One that moved
         (parameters swapped, ``.data`` reassigned) would be written over by another tensor's bytes."""
-        assert self._segment is not None
-        start = self._segment.data.data_ptr()
-        at = {entry.name: start + piece.offset for entry, piece in zip(entries, pieces)}
+        shared = self._shared
+        assert shared is not None
+        at = {entry.name: shared.start + piece.offset for entry, piece in zip(entries, pieces)}
         return all(tensor.data_ptr() == at.get(name) and tensor.is_contiguous()
-                   for name, tensor in self.source.named_tensors() if _within(tensor, start, self._segment.size))
+                   for name, tensor in self.source.named_tensors() if _within(tensor, shared.start, shared.size))
 
     def round_failed(self) -> None:
         """``share_source``: the tensors moved into the staged copy go back to the trainer's own memory (those the
