@@ -124,7 +124,7 @@ def measure(engine: str, args: argparse.Namespace) -> dict[str, Any]:
                 stats = trainers[kind].send_weights()
                 row[kind] = {"seconds": stats["seconds"], "wire_bytes": stats["wire_bytes"], "bytes": stats["bytes"],
                              "sent_as": stats.get("delta", "dense"), "why": stats.get("delta_choice"),
-                             "phases": stats["phases"], "round_s": stats["seconds"],
+                             "phases": stats["phases"],
                              "cpu_s": {"trainer": time.process_time() - cpu,
                                        "worker": sum(cpu_seconds(pid) for pid in pools[kind].pids) - worker_cpu}}
                 if kind == "delta":
@@ -159,8 +159,7 @@ def _median_of_repeats(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
         middle = sorted(repeats, key=lambda row: row[kind]["seconds"])[len(repeats) // 2][kind]
         merged[kind] = {**repeats[0][kind], "seconds": statistics.median(row[kind]["seconds"] for row in repeats),
                         "each": [row[kind]["seconds"] for row in repeats],
-                        # the middle round's phases, with its own time and CPU beside them
-                        "phases": middle["phases"], "round_s": middle["seconds"], "cpu_s": middle["cpu_s"],
+                        "middle": middle,  # one whole round: its phases, time and CPU together
                         "sent_as": sent[0] if len(set(sent)) == 1 else ", ".join(sent)}
     return [row for row in steps if row["step"] != "every element"] + [merged]
 
@@ -250,6 +249,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         for step in run["steps"]:
             dense, delta, auto = step["dense"], step["delta"], step["auto"]
+            one = delta.get("middle", delta)  # the round whose phases are shown (a repeated step: its middle one)
             wire = delta["wire_bytes"] / max(dense["wire_bytes"], 1)
             speedup = dense["seconds"] / delta["seconds"]
             auto_cost = auto["seconds"] / dense["seconds"]
@@ -276,8 +276,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                          "delta_gb_per_s": delta["bytes"] / delta["seconds"] / 1e9,
                          "wire_bytes": delta["wire_bytes"], "wire_ratio": wire, "speedup": speedup,
                          "auto_gb_per_s": auto["bytes"] / auto["seconds"] / 1e9, "auto_sent_as": auto["sent_as"],
-                         "auto_why": auto["why"], "auto_cost": auto_cost, "delta_phases": delta["phases"],
-                         "delta_round_s": delta["round_s"], "delta_cpu_s": delta["cpu_s"],
+                         "auto_why": auto["why"], "auto_cost": auto_cost, "delta_phases": one["phases"],
+                         "delta_round_s": one["seconds"], "delta_cpu_s": one["cpu_s"],
                          "bit_exact": step["bit_exact"], "verdict": verdict or "(no target)", "ok": good})
         rows.append(_summed(run["link"], run["each_round"]))
         ok = ok and rows[-1]["ok"]
@@ -318,14 +318,14 @@ def markdown(figures: dict[str, Any]) -> list[str]:
                 f"{row['speedup']:.2f}×", f"{row['auto_gb_per_s']:.2f}", row["auto_sent_as"],
                 f"{row['auto_cost']:.2f}×", ("bit-exact; " if row["bit_exact"] else "NOT bit-exact; ") + row["verdict"]]
 
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
     def phases(row: dict[str, Any]) -> list[str]:
         took, whole, cpu = row["delta_phases"], row["delta_round_s"], row["delta_cpu_s"]
         parts = [took.get("encode", 0.0), took.get("send", 0.0), took.get("commit", 0.0)]
         return [row["link"], row["step"], f"{row['dense_s']:.3f}", f"{row['dense_s'] / SPEEDUP_TARGET_AT_1GBIT:.3f}",
                 f"{whole:.3f}", *(f"{part:.3f}" for part in parts), f"{whole - sum(parts):.3f}",
                 f"{cpu['trainer']:.2f}", f"{cpu['worker']:.2f}", f"{(cpu['trainer'] + cpu['worker']) / cores:.3f}"]
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
     return [
         f"A transformers Llama of {figures['model_bytes'] / 1e9:.2f} GB (bf16), one AdamW step per round, "
