@@ -1,9 +1,11 @@
 """Every Python block of README.md and of the docs pages runs as written (each in its own
 interpreter, from a file, so blocks that spawn processes work as they would for a user).
-Outlines that need vLLM or a GPU are fenced as ```py and are not run."""
+Outlines that need vLLM or a GPU are fenced as ```py and are not run. A block's temporary files (a
+KV store made with ``tempfile.mkdtemp()``) go in its test's own folder, removed with it."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -26,6 +28,9 @@ def test_the_readme_has_python_blocks() -> None:
 def test_python_block_runs_as_written(page: Path, index: int, code: str, tmp_path: Path) -> None:
     script = tmp_path / f"block_{index}.py"
     script.write_text(code)
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TMPDIR": str(temporary)})
     where = page.relative_to(ROOT)
     assert out.returncode == 0, f"{where} python block {index} failed:\n{code[:400]}\n{out.stderr[-3000:]}"

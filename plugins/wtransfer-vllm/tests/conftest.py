@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -76,6 +78,27 @@ def no_orphaned_vllm_queues(dev_shm_at_start: set[str]) -> Iterator[None]:
     end, or at the session's)."""
     yield
     _remove_orphaned_vllm_queues(dev_shm_at_start)
+
+
+RUNTIME_VARIABLES = ("VLLM_RPC_BASE_PATH", "RAY_TMPDIR")
+"""Where vLLM puts its engine's IPC sockets (two per start) and Ray its session folders: the temporary directory
+by default, where both stay after the processes end (hundreds of files per test run)."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def runtime_files_in_one_folder() -> Iterator[Path]:
+    """Every process these tests start puts vLLM's sockets and Ray's sessions in one folder of this test process
+    (a short path: Unix socket paths are limited to 107 bytes), removed at its end."""
+    folder = Path(tempfile.mkdtemp(prefix="wtv-"))
+    saved = {name: os.environ.get(name) for name in RUNTIME_VARIABLES}
+    os.environ.update({name: str(folder) for name in RUNTIME_VARIABLES})
+    yield folder
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
