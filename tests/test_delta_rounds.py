@@ -324,6 +324,58 @@ def test_a_slow_tensor_leaves_no_core_idle_and_the_round_keeps_the_walks_order(m
     assert set(sent) == set(tensors)
 
 
+def test_the_largest_tensors_are_encoded_first_and_the_round_keeps_the_sources_order(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model's largest tensor often comes last (its output projection): encoded last, it would run alone while
+    the other cores idle. The plain tensors of a source that holds them (a dict, a module) are taken largest first
+    (ties in order); the round lists them in the source's order and the base takes their values. A source that
+    makes its tensors as it yields them, or holds other kinds of tensors (a sharded one is gathered as it is
+    yielded), is walked in its own order (taking them out of order would hold them all at once)."""
+    tensors = {f"t{i}": torch.arange(i, i + 64 * (i % 3 + 1), dtype=torch.float32) for i in range(6)}  # 64, 128, 192
+    taken: list[str] = []
+    base_for = DeltaEncoder._base_for
+
+    def recording(self: DeltaEncoder, name: str, new: torch.Tensor) -> Any:
+        taken.append(name)  # on the walking thread, in the order encodings are submitted
+        return base_for(self, name, new)
+
+    monkeypatch.setattr(DeltaEncoder, "_base_for", recording)
+    encoder = DeltaEncoder()
+    encoder.committed(encoder.encode(TensorSource(tensors), 1))
+    assert taken == ["t2", "t5", "t1", "t4", "t0", "t3"]
+    with torch.no_grad():
+        for tensor in tensors.values():
+            tensor[1] += 1
+    taken.clear()
+    round_ = encoder.encode(TensorSource(tensors), 2)
+    assert [row.target.name for row in round_.plan.tensors] == list(tensors)
+    assert [entry.name for entry in round_.entries] == list(tensors)
+    encoder.committed(round_)
+    assert all(torch.equal(encoder.base[name], tensor) for name, tensor in tensors.items())
+
+    class MadeAsItYields(TensorSource):
+        def __iter__(self) -> Any:
+            for name, tensor in self.tensors.items():
+                yield name, tensor.clone()
+
+    taken.clear()
+    encoder.committed(encoder.encode(MadeAsItYields(tensors), 3))
+    assert taken == list(tensors)
+
+    class Marked(torch.Tensor):  # stands for a tensor subclass, such as a sharded DTensor
+        pass
+
+    taken.clear()
+    marked = {name: tensor.as_subclass(Marked) if name == "t0" else tensor for name, tensor in tensors.items()}
+    encoder.committed(encoder.encode(TensorSource(marked), 4))
+    assert taken == list(tensors)
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 64))  # weights 16, 256; biases 4, 64
+    taken.clear()
+    DeltaEncoder().encode(ModuleSource(model), 1).finish()
+    assert taken == ["1.weight", "1.bias", "0.weight", "0.bias"]
+
+
 def digest_of(tensor: torch.Tensor) -> str:
     from wtransfer.engines.rounds.delta import digest
 

@@ -94,7 +94,7 @@ class DeltaRound(WeightSource):
         self._pending = pending
         """Per wire entry: the tensor to finish before it is read, or None."""
         self._items = items
-        """Every tensor of the walk (unchanged ones too), in the walk's order."""
+        """Every tensor of the walk (unchanged ones too), in the source's order."""
         self._finisher = finisher
         self._whole = whole
 
@@ -185,6 +185,21 @@ def _stop(futures: list[Any]) -> None:
             future.exception()
 
 
+def _largest_first(source: Any) -> list[tuple[int, tuple[str, torch.Tensor]]] | None:
+    """A walk of a source holding plain tensors, each with its place in the source's order, largest first: encoded
+    one per core, the largest last would leave the other cores idle while it runs alone (a model's output projection,
+    often its largest tensor, comes last). None for a source holding other kinds (a sharded tensor is gathered as it
+    is yielded: taking those out of order would hold them all at once)."""
+    import torch
+
+    held = source.named_tensors() if hasattr(source, "named_tensors") else source.tensors.items()
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for _, t in held):
+        return None
+    walk = list(enumerate(source))
+    walk.sort(key=lambda item: item[1][1].numel() * item[1][1].element_size(), reverse=True)  # stable: ties in order
+    return walk
+
+
 def _keeps_its_tensors(source: Any) -> bool:
     """Whether ``source``'s tensors outlive the walk (a module's, a dict's): only then may one be left pending."""
     from wtransfer.engines.rounds.source import ModuleSource, TensorSource
@@ -227,7 +242,8 @@ class DeltaEncoder:
     def encode(self, source: WeightSource, version: int, cast: CastPlan | None = None) -> DeltaRound:
         """Walk ``source`` once; the round against :attr:`base` (a full one if it has none). With ``cast``, floating
         tensors are compared and kept in their wire dtype (the base is what workers hold). Tensors are encoded on every
-        core, at most one per core at a time: a source making tensors as it yields holds no more than that many."""
+        core, at most one per core at a time (a source making tensors as it yields holds no more than that many),
+        largest first where the source holds them all (:func:`_largest_first`); the round keeps the source's order."""
         from concurrent.futures import FIRST_COMPLETED, Future, wait
 
         if self._unsettled is not None:
@@ -237,11 +253,12 @@ class DeltaEncoder:
         keeps = _keeps_its_tensors(source)
         choices = _choices(self.link_bytes_per_s)
         pool, width = _pool(), pool_size()
-        submitted: list[Future[_Encoded]] = []  # in the walk's order
+        submitted: dict[Future[_Encoded], int] = {}  # each tensor's encoding: its place in the source's order
         running: set[Future[_Encoded]] = set()
         wire = {} if cast is None else {e.name: e for e in cast.entries(source.metadata())}
+        walk = _largest_first(source) if keeps else None
         try:
-            for name, tensor in source:
+            for place, (name, tensor) in enumerate(source) if walk is None else walk:
                 new = tensor.detach()
                 on_host = new.device.type == "cpu"
                 if not on_host:
@@ -253,17 +270,19 @@ class DeltaEncoder:
                 base, fresh = self._base_for(name, new)
                 known = None if fresh else self.digests.get(name)
                 defer = keeps and on_host and new.is_contiguous() and not cast_here
-                submitted.append(pool.submit(_encode_one, name, new, base, None if fresh else against, known, defer,
-                                             self._room, choices))
-                running.add(submitted[-1])
+                future = pool.submit(_encode_one, name, new, base, None if fresh else against, known, defer,
+                                     self._room, choices)
+                submitted[future] = place
+                running.add(future)
                 del tensor, new
                 if len(running) >= width:  # one tensor per core at a time; the next starts as soon as any ends
                     done, running = wait(running, return_when=FIRST_COMPLETED)  # (not the oldest: a large tensor
-                    for future in sorted(done, key=submitted.index):  # would leave the other cores idle behind it)
-                        future.result()  # a failure ends the walk now (the first in the walk's order)
-            encoded = [future.result() for future in submitted]
+                    for future in sorted(done, key=submitted.__getitem__):  # would leave the other cores idle
+                        future.result()  # behind it); a failure ends the walk now (of those done, the first in the
+                        # source's order)
+            encoded = [future.result() for future in sorted(submitted, key=submitted.__getitem__)]
         finally:
-            _stop(submitted)  # a walk that raised: no encoding may outlive the round
+            _stop(list(submitted))  # a walk that raised: no encoding may outlive the round
         present = {item.target.name for item in encoded}
         for gone in [name for name in self.base if name not in present]:
             del self.base[gone]  # a tensor the model no longer has
