@@ -165,7 +165,11 @@ def test_serve_sync_kill_mismatch_and_resync(
     run_script(vllm_python, "reference.py", str(final), str(fresh), env=IN_PROCESS_ENV)
     assert result["after_first"] == before  # the sync at step 0 sends the checkpoint's own weights
     assert result["after"] != before
-    assert result["after"] == json.loads(fresh.read_text())["outputs"]
+    fresh_load = json.loads(fresh.read_text())
+    grpo_baseline = tmp_path / "grpo-baseline.json"
+    grpo_baseline.write_text(json.dumps(fresh_load["checksums"]))  # the weights first: they are wtransfer's part
+    assert query(vllm_python, server, "compare", str(grpo_baseline)) == {"match": True, "mismatches": []}
+    assert result["after"] == fresh_load["outputs"]
     assert query(vllm_python, server, "outputs", model) == result["after"]
     grpo_versions = [s["version"] for s in result["stats"]]
     assert len(grpo_versions) == 4 and grpo_versions == sorted(set(grpo_versions)), grpo_versions

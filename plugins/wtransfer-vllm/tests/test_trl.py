@@ -21,7 +21,8 @@ def test_a_colocated_grpo_trainer_leaves_vllm_computing_exactly_a_fresh_load_of_
     run_script(vllm_python, "grpo_run.py", "colocate", str(tiny_llama), str(final), str(out), timeout=900,
                env=vllm_env())
     result = json.loads(out.read_text())
-    run_script(vllm_python, "reference.py", str(final), str(fresh), json.dumps(result["llm_kwargs"]), env=vllm_env())
+    run_script(vllm_python, "reference.py", str(final), str(fresh), json.dumps(result["llm_kwargs"]),
+               str(result["threads"]), env=vllm_env())
     reference = json.loads(fresh.read_text())["outputs"]
     print(f"CPU flags: {cpu_flags()}; seconds per sync: {result['seconds']}")
     # wtransfer's rounds ran (TRL's own sync labels nothing): one per sync, numbered global_step + 1

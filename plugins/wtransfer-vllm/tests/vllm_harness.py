@@ -174,30 +174,16 @@ ROUNDS = 3
 """Update rounds every sync test runs (the reference checkpoint takes the same steps)."""
 
 
-def _own_core() -> int:
-    """The core the KV tests' compared vLLM runs compute on: pytest-xdist worker N takes the N-th
-    core this process may use (modulo their number), so with two workers on two cores their KV
-    runs never share one. (The weight-sync runs keep vLLM's own binding, as users run it.)"""
-    cores = sorted(os.sched_getaffinity(0))
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    return cores[int(worker.removeprefix("gw") or 0) % len(cores)]
-
-
-SAME_THREADS_ENV = {"VLLM_CPU_OMP_THREADS_BIND": str(_own_core())}
-"""Environment of one-worker vLLM runs whose outputs are compared bit for bit with each other.
-vLLM-CPU's 'auto' binding sets one core aside without a KV connector and two with one; on a
-2-core host the first leaves 1 OpenMP thread and the second falls back to both cores, and a
-different thread count splits the kernels' sums differently (seen on an AMD EPYC with AVX2, no AMX: one
-logprob of 40 prompts off in its last bits, tokens equal, with a connector that loaded nothing).
-Every such run computes on one core alone (each test worker's own: :func:`_own_core`)."""
-
 IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-"""Environment of the KV tests' one-worker runs and of the fresh-load references: vLLM's engine
-core runs in the script's own process. A start then imports vLLM once instead of twice: 11 s
+"""Environment of the KV tests' one-worker runs and of the one-worker fresh-load references: vLLM's
+engine core runs in the script's own process. A start then imports vLLM once instead of twice: 11 s
 instead of 27 s on a 2-core Intel Xeon, and the KV tests start vLLM two dozen times. What they
 check (blocks stored, found and loaded; tokens and logprobs) happens in the same scheduler and
-worker code either way (a reference computed so equals the synced engines' outputs bit for bit);
-the synced engines keep vLLM's default process layout, where errors cross a process boundary."""
+worker code either way; the synced engines keep vLLM's default process layout (but for TRL's
+colocated one), where errors cross a process boundary. One thing differs: vLLM binds threads only
+when it starts a worker process, so such a run keeps torch's thread count, and the kernels' sums
+follow it; a reference compared with a default-layout engine takes that engine's threads
+(``scripts/reference.py``)."""
 
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 """Environment of a vLLM run with tensor_parallel_size > 1: vLLM-CPU's 'auto' binding refuses TP=2 on one NUMA node."""
@@ -228,10 +214,10 @@ def cpu_flags() -> str:
 
 
 def vllm_env(tensor_parallel_size: int = 1, site: Path | None = None) -> dict[str, str]:
-    """What a compared vLLM run adds to its environment: its thread binding (:data:`SAME_THREADS_ENV`
-    for one worker, :data:`TP_ENV` for more) and ``site`` on ``PYTHONPATH`` (a package installed
-    there for the test)."""
-    env = dict(TP_ENV if tensor_parallel_size > 1 else {**SAME_THREADS_ENV, **IN_PROCESS_ENV})
+    """What a compared vLLM run adds to its environment: :data:`IN_PROCESS_ENV` for one worker (such
+    runs compute with torch's thread count, so alike, unless told otherwise), :data:`TP_ENV` for
+    more, and ``site`` on ``PYTHONPATH`` (a package installed there for the test)."""
+    env = dict(TP_ENV if tensor_parallel_size > 1 else IN_PROCESS_ENV)
     if site is not None:
         env["PYTHONPATH"] = str(site)
     return env

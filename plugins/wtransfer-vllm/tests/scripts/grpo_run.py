@@ -74,6 +74,7 @@ if __name__ == "__main__":
     generation.sync_weights()  # the final weights, as a user evaluating the trained policy syncs them
     result["after"] = outputs()
     if mode == "colocate":
+        result["threads"] = torch.get_num_threads()  # vLLM computed in this process: a reference must match
         result["weight_version"] = generation.llm.get_weight_version()
         config = generation.llm.llm_engine.vllm_config  # a fresh load to compare with must compute the same way
         result["llm_kwargs"] = {"max_model_len": config.model_config.max_model_len,
