@@ -196,7 +196,7 @@ def _largest_first(source: Any) -> list[tuple[int, tuple[str, torch.Tensor]]] | 
     if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for _, t in held):
         return None
     walk = list(enumerate(source))
-    walk.sort(key=lambda item: item[1][1].numel() * item[1][1].element_size(), reverse=True)  # stable: ties in order
+    walk.sort(key=lambda item: item[1][1].nbytes, reverse=True)  # stable: ties in order
     return walk
 
 

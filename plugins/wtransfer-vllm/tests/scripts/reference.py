@@ -16,6 +16,8 @@ import json
 import os
 import sys
 
+import torch
+
 from wtransfer_vllm.testing import checksums, greedy, llm_kwargs, write_json
 
 
@@ -24,7 +26,6 @@ def default_layout_threads() -> int:
     from vLLM's own binding code: what the synced engines compute with."""
     from types import SimpleNamespace
 
-    import torch
     from vllm.utils.ompmultiprocessing import OMPProcessManager
 
     parallel = SimpleNamespace(local_world_size=1, data_parallel_rank_local=0, _api_process_count=1)
@@ -36,7 +37,6 @@ def default_layout_threads() -> int:
 if __name__ == "__main__":
     model_dir, out = sys.argv[1:3]
     kwargs = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
-    import torch
     from vllm import LLM
 
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
