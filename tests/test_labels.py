@@ -103,9 +103,13 @@ def test_a_partial_round_after_a_failed_commit_is_refused_until_a_whole_round_he
         workers.shutdown()
 
 
-def test_a_restarted_worker_refuses_a_partial_round_it_cannot_complete() -> None:
+@pytest.mark.parametrize("restarted", ["one", "every"])
+def test_a_restarted_worker_refuses_a_partial_round_it_cannot_complete(restarted: str) -> None:
     """A restarted worker holds its start-up weights: a partial round would label them with the fleet's newer
-    version (it did). It is refused, naming what the worker holds; a whole round brings both workers to it."""
+    version (it did). It is refused, naming what the worker holds; a whole round brings both workers to it. When
+    every worker restarted they all hold one state, the start-up weights, but the trainer's partial round carries
+    what changed since its own last round, not since start-up: it is refused too (the trainer took the start-up
+    weights as its base, and both workers served the start-up ``a.bias`` labelled 2)."""
     model = build_model(SHAPES, "float32", random=True)
     with LocalWorkerPool(2, "wtransfer.testing.models:worker_model", backend="shm",
                          factory_kwargs={"shapes": SHAPES, "dtype": "float32"}, timeout_s=TIMEOUT) as pool:
@@ -113,7 +117,8 @@ def test_a_restarted_worker_refuses_a_partial_round_it_cannot_complete() -> None
                                            init_info={"world_size": pool.world_size, "timeout_s": TIMEOUT})
         try:
             assert trainer.send_weights()["version"] == 1
-            pool.restart(1)
+            for rank in ([1] if restarted == "one" else [0, 1]):
+                pool.restart(rank)
             trainer.reconnect()
             with torch.no_grad():
                 model.get_parameter("a.weight").add_(1.0)

@@ -70,6 +70,21 @@ def test_shared_source_rounds_copy_nothing_and_workers_hold_each_round_exactly(m
             assert all(d == second for d in pool.digests())
             assert copies == [], f"round 2 copied {len(copies)} tensors that already lived in the staged copy"
             assert len(trainer._copies) == 1, "a reused segment is recorded once, not once per round"
+
+            # reconnect() prepares a new segment: the next round moves the tensors there and shares them again
+            # (they stayed in the old one and every round copied them: two host copies of the model)
+            trainer.reconnect()
+            with torch.no_grad():
+                model.get_parameter("layer0.weight").add_(1.0)
+            copies.clear()
+            trainer.send_weights()
+            assert len(copies) == len(SHAPES)  # into the new segment, once
+            assert trainer.shared_tensors == len(SHAPES)
+            assert all(_in_segment(p, trainer) for p in model.parameters())
+            copies.clear()
+            trainer.send_weights()
+            second = digests(model)
+            assert copies == [] and all(d == second for d in pool.digests())
         finally:
             trainer.shutdown()
         # The trainer is gone: its model still reads and trains (the mapping lives as long as the tensors).

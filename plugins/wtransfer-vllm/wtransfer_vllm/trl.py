@@ -106,9 +106,11 @@ class WTransferWeightTransfer:
                 resumed = f"resuming it failed too: {resume_error}"
                 logger.warning("wtransfer-vllm: could not resume the server after a failed round: %s", resume_error)
             if isinstance(exc, Exception) and not isinstance(exc, wtransfer.WTransferError):
+                # (a client error from the commit call, a read timeout say, may come after vLLM began to commit)
                 raise wtransfer.WTransferError(
-                    f"the weight sync failed and vLLM kept its previous weights ({resumed}): "
-                    f"{type(exc).__name__}: {exc}") from exc
+                    f"the weight sync failed ({resumed}): {type(exc).__name__}: {exc}. vLLM holds its previous "
+                    f"version, or this round's where its commit had begun, or says it is torn; its weight version "
+                    f"(GET /weight_info) says which, and the next sync reaches it either way") from exc
             raise
         finally:
             self._stream.drain()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -91,14 +92,28 @@ class ManifestRejected(TransferError):
     """A worker refused the round's manifest; every side stopped before data moved."""
 
 
+_gc_lock = threading.Lock()
+_gc_pauses = 0
+"""Rounds in :func:`gc_paused` now, on any thread of this process."""
+_gc_was_enabled = False
+"""Whether the GC was enabled when the first of them began."""
+
+
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Keep the cyclic GC out of a round: a full collection mid-round walks the whole heap and stalls the
-    pipeline. Re-enabled afterwards only if it was enabled before."""
-    was_enabled = gc.isenabled()
-    gc.disable()
+    pipeline. Rounds on several threads of one process (a trainer beside in-process workers) pause it together:
+    it comes back when the last one ends, and only if it was enabled when the first began."""
+    global _gc_pauses, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
     try:
         yield
     finally:
-        if was_enabled:
-            gc.enable()
+        with _gc_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()

@@ -119,7 +119,9 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             self._ring_fd = read_only_fd(fd)
         self._segment: SharedSegment | None = None
         self._shared: _SharedCopy | None = None  # share_source: _segment, once the source's tensors live there
-        self._copies: list[_SharedCopy] = []  # every shared copy still mapped, _shared included
+        # every shared copy still mapped, _shared included: kept across reconnect(), where the source's tensors stay
+        # in the last one and the next round moves them into the new segment
+        self._copies: list[_SharedCopy] = getattr(self, "_copies", [])
         self._handed: dict[int, int] = {}  # peer (worker rank; -trainer rank) -> inode of the segment it maps
         self._selector = selectors.DefaultSelector()
         self._senders: dict[int, ControlChannel] = {}  # the other trainer ranks (parallel senders)

@@ -163,7 +163,10 @@ class TrainerWeightTransferEngine(ABC):
         self._asked_version: int | None = None  # send_weights(version=N): this round's number
         self._fleet_identity: str | None = None
         """The content identity every worker should hold (:func:`identity_after`): a partial round's base. Learned
-        from the workers at rendezvous, then the last round's; None where they differ or say nothing."""
+        from the workers at the first rendezvous, then the last round's (a later rendezvous keeps it only where every
+        worker still holds it); None where they differ or say nothing."""
+        self._sent_a_round = False
+        """Whether a round of this trainer reached the commit (its partial rounds are relative to its own rounds)."""
         self._commit_failed = False
         self._broken: str | None = None
         self._clean_rejection = False
@@ -277,7 +280,12 @@ class TrainerWeightTransferEngine(ABC):
                 if isinstance(v, int) and not isinstance(v, bool)]
         self._version_floor = max([self._version_floor, self.weight_version, *used])
         identities = {h.get("identity") for h in held.values()}
-        self._fleet_identity = identities.pop() if len(held) == self.num_workers and len(identities) == 1 else None
+        learned = identities.pop() if len(held) == self.num_workers and len(identities) == 1 else None
+        if self._sent_a_round and learned != self._fleet_identity:
+            # this trainer's partial rounds carry what changed since its own last round: workers that hold anything
+            # else (every one restarted, or another trainer's state) need a round with every tensor first
+            learned = None
+        self._fleet_identity = learned
         if self._first_version is not None and not self.weight_version:
             if self._first_version <= self._version_floor:
                 holders = ", ".join(f"rank {rank}: version {h.get('version')}, began to commit up to {h.get('spent')}"
@@ -354,7 +362,8 @@ class TrainerWeightTransferEngine(ABC):
             refusal = (
                 f"this {self.backend} trainer is unusable after an earlier failure ({self._broken}); "
                 + ("shut every rank down and create the trainer again" if self.sharded else
-                   "restart the workers' engines, then call reconnect() (or shut it down and create a new one)")
+                   "call reconnect(), which meets the workers again (restart first any worker that died), or shut it "
+                   "down and create a new one")
             )
         self._attempt += 1
         if self.agreement is not None:  # no rank enters a gather unless every rank will
@@ -493,11 +502,11 @@ class TrainerWeightTransferEngine(ABC):
             # The version is spent (some worker may hold it), and the next round names this one as its base.
             self._commit_failed = finish is not None and finish.done
             self._version_floor = max(self._version_floor, manifest.version)
-            self._fleet_identity = identity_after(manifest)
+            self._fleet_identity, self._sent_a_round = identity_after(manifest), True
             raise
         seconds = time.perf_counter() - started
         self.weight_version = manifest.version
-        self._fleet_identity = identity_after(manifest)
+        self._fleet_identity, self._sent_a_round = identity_after(manifest), True
         total = manifest.total_bytes
         sharded = {"wrote_shards": self.parallel_senders} if self.sharded else {}
         delta = {} if encoded is None else {"delta": "full" if encoded.plan.base is None else "delta"}

@@ -9,7 +9,9 @@ reads every worker's weights and checks the labels against them:
   every step, and one content identity never names two states;
 * **it is what the trainer sent**: a worker at ``v`` holds every tensor round ``v`` carried; a whole round's
   holder holds nothing else, a partial round's holder kept the rest from what it held before (a torn or
-  restarted worker only takes a partial round that carries every tensor); version 0 is the start-up weights;
+  restarted worker only takes a partial round that carries every tensor), and from what the trainer's own last
+  round left (a trainer's partial round carries what changed since its last round, even after every worker
+  restarted); version 0 is the start-up weights;
 * **labels only go up** on every worker process;
 * **a round that returned is held by every worker**.
 
@@ -31,7 +33,7 @@ from wtransfer.engines.rounds.source import TensorSource
 
 MODEL_FACTORY = "wtransfer.testing.conformance.schedules:schedule_model"
 EVENTS = ("round", "round", "round", "failing_load", "timeout_before", "timeout_after", "restart_worker",
-          "new_trainer", "trainer_dies")
+          "restart_workers", "new_trainer", "trainer_dies")
 KINDS = ("whole", "partial", "delta")
 COMMITS = ("atomic", "streaming")
 
@@ -130,6 +132,7 @@ class ScheduleRun:
             self.by_version[0] = self.by_identity["startup"] = startup
             self.workers = [_Worker(pid, 0, startup) for pid in pool.pids]
             self.trainer: Any = None
+            self.attempted: int | None = None  # the version of the step's round, if it sent one
             try:
                 self._new_trainer()
                 for step in range(self.steps):
@@ -156,6 +159,10 @@ class ScheduleRun:
         init_info = {"world_size": self.pool.world_size, "timeout_s": self.timeout_s, "bucket_bytes": 4096,
                      **self.init_info}
         self.log.append(f"new trainer: {self.kind}, {self.commit}")
+        self.attempted = None  # a round of the trainer before is not this one's
+        self.left: dict[str, int] | None = None
+        """What this trainer's last round left on the workers that hold it (None: no round yet, it takes over what
+        every worker holds)."""
         self.trainer = create_trainer(self.engine, client=self.client, source=RoundSource({}), init_info=init_info,
                                       commit=self.commit, delta=self.kind == "delta", partial=self.kind == "partial")
 
@@ -166,6 +173,12 @@ class ScheduleRun:
             self.log.append(f"step {step}: worker {rank} restarted, trainer reconnects")
             self.pool.restart(rank)
             self.workers[rank] = _Worker(self.pool.pids[rank], 0, self.by_version[0])
+            self._quietly(self.trainer.reconnect)
+        elif event == "restart_workers":
+            self.log.append(f"step {step}: every worker restarted, trainer reconnects")
+            for rank in range(self.num_workers):
+                self.pool.restart(rank)
+                self.workers[rank] = _Worker(self.pool.pids[rank], 0, self.by_version[0])
             self._quietly(self.trainer.reconnect)
         elif event == "new_trainer":
             self._new_trainer()
@@ -181,6 +194,10 @@ class ScheduleRun:
                 self.log.append(f"step {step}: the trainer is unusable; reconnect()")
                 self._quietly(self.trainer.reconnect)
         self._check(step, returned)
+        held = [w.digests for w in self.workers if w.version == self.attempted and w.digests is not None]
+        if held:  # the trainer's round reached some worker: its next partial round is relative to it
+            self.left = held[0]
+        self.attempted = None
 
     def _round(self, step: int, event: str, torch: Any) -> int | None:
         names = [name for name, _ in self.truth.named_parameters()]
@@ -197,6 +214,7 @@ class ScheduleRun:
         self.trainer.source = RoundSource(tensors, die_after)
         version = max(self.trainer.weight_version, self.trainer._version_floor) + 1
         self.sent[version] = (len(carried) < len(names), _digests(tensors))
+        self.attempted = version
         try:
             stats = self.trainer.send_weights()
         except Exception as exc:
@@ -255,6 +273,11 @@ class ScheduleRun:
                 wrong = [n for n, d in carried.items() if digests.get(n) != d]
                 if wrong:
                     self._fail(f"worker {rank} at version {version} lacks what round {version} carried", f"{wrong}")
+                if partial and self.left is not None and version == self.attempted:
+                    drifted = [n for n, d in digests.items() if n not in carried and self.left.get(n) != d]
+                    if drifted:
+                        self._fail(f"partial round {version} landed on worker {rank} on top of other weights than "
+                                   f"the trainer's last round left", f"kept {drifted} differ from that round's")
                 if partial:
                     kept = {n: d for n, d in digests.items() if n not in carried}
                     before = worker.digests
