@@ -103,20 +103,25 @@ def test_a_partial_round_after_a_failed_commit_is_refused_until_a_whole_round_he
         workers.shutdown()
 
 
-@pytest.mark.parametrize("restarted", ["one", "every"])
+@pytest.mark.parametrize("restarted", ["one", "every", "every, under a new trainer"])
 def test_a_restarted_worker_refuses_a_partial_round_it_cannot_complete(restarted: str) -> None:
     """A restarted worker holds its start-up weights: a partial round would label them with the fleet's newer
     version (it did). It is refused, naming what the worker holds; a whole round brings both workers to it. When
     every worker restarted they all hold one state, the start-up weights, but the trainer's partial round carries
-    what changed since its own last round, not since start-up: it is refused too (the trainer took the start-up
-    weights as its base, and both workers served the start-up ``a.bias`` labelled 2)."""
+    what changed since the base it knows (its own last round, or what the workers held when it was created, here
+    another trainer's round): it is refused too (the trainer took the start-up weights as its base, and both
+    workers served the start-up ``a.bias`` labelled 2)."""
     model = build_model(SHAPES, "float32", random=True)
     with LocalWorkerPool(2, "wtransfer.testing.models:worker_model", backend="shm",
                          factory_kwargs={"shapes": SHAPES, "dtype": "float32"}, timeout_s=TIMEOUT) as pool:
-        trainer = wtransfer.create_trainer("shm", client=pool, source=model, partial=True,
-                                           init_info={"world_size": pool.world_size, "timeout_s": TIMEOUT})
+        init_info = {"world_size": pool.world_size, "timeout_s": TIMEOUT}
+        if restarted == "every, under a new trainer":  # another trainer's round 1; this one sends none before
+            with wtransfer.create_trainer("shm", client=pool, source=model, init_info=init_info) as first:
+                assert first.send_weights()["version"] == 1
+        trainer = wtransfer.create_trainer("shm", client=pool, source=model, partial=True, init_info=init_info)
         try:
-            assert trainer.send_weights()["version"] == 1
+            if restarted != "every, under a new trainer":
+                assert trainer.send_weights()["version"] == 1
             for rank in ([1] if restarted == "one" else [0, 1]):
                 pool.restart(rank)
             trainer.reconnect()

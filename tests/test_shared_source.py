@@ -23,6 +23,12 @@ def _in_segment(tensor: torch.Tensor, trainer: Any) -> bool:
     return segment.data_ptr() <= tensor.data_ptr() < segment.data_ptr() + segment.numel()
 
 
+def _staged_copies_mapped() -> set[str]:
+    """The inodes of the staged segments this process maps (a host copy of the model each)."""
+    with open("/proc/self/maps") as maps:
+        return {line.split()[4] for line in maps if "wtransfer-staging" in line}
+
+
 def _copies(monkeypatch: Any) -> list[int]:
     """Counts the trainer's copies into the staged segment (Packer.pack_staged's ParallelCopier)."""
     from wtransfer.engines.rounds import packing
@@ -81,6 +87,8 @@ def test_shared_source_rounds_copy_nothing_and_workers_hold_each_round_exactly(m
             assert len(copies) == len(SHAPES)  # into the new segment, once
             assert trainer.shared_tensors == len(SHAPES)
             assert all(_in_segment(p, trainer) for p in model.parameters())
+            assert all(d == digests(model) for d in pool.digests())
+            assert len(_staged_copies_mapped()) == 1, "the segment before reconnect() is still mapped"
             copies.clear()
             trainer.send_weights()
             second = digests(model)

@@ -453,49 +453,56 @@ def test_a_shutdown_from_another_thread_during_a_receive_releases_the_round() ->
         receiving.join(30)
 
 
+
+GC_ROUNDS = """
+import gc, os, sys, threading, time
+from wtransfer.engines.channel.protocol import gc_paused
+
+assert gc.isenabled()
+first, second = gc_paused(), gc_paused()
+first.__enter__()
+second.__enter__()
+first.__exit__(None, None, None)  # the other round still runs
+assert not gc.isenabled(), "the first round to end turned the GC back on under the other"
+with gc_paused():  # a child forked during a round runs none of it
+    pid = os.fork()
+    if pid == 0:
+        with gc_paused():
+            pass
+        os._exit(0 if gc.isenabled() else 3)
+    assert os.waitpid(pid, 0)[1] == 0, "a child forked during a round kept the GC off"
+second.__exit__(None, None, None)
+assert gc.isenabled()
+
+sys.setswitchinterval(1e-6)  # threads switch inside gc_paused as on a loaded host
+stop = time.monotonic() + 1.0
+errors = []
+
+def rounds():
+    try:
+        while time.monotonic() < stop:
+            with gc_paused():
+                assert not gc.isenabled(), "the GC ran inside a round"
+    except BaseException as exc:
+        errors.append(exc)
+
+threads = [threading.Thread(target=rounds) for _ in range(4)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+assert not errors, errors[0]
+assert gc.isenabled(), "every round ended and the GC stayed off"
+"""
+
+
 def test_rounds_on_two_threads_pause_the_gc_together_and_the_last_brings_it_back() -> None:
     """A trainer beside in-process workers runs overlapping rounds on several threads. Each round used to
     restore what it alone found: the first to end turned the GC back on under the other's round, and a round
-    that began while another held it paused could end with the GC off for good (four threads looping did so)."""
-    import gc
+    that began while another held it paused could end with the GC off for good (four threads looping did so).
+    Run in a fresh interpreter: no other test's thread is inside a round there."""
+    import subprocess
     import sys
-    import threading
-    import time
 
-    from wtransfer.engines.channel.protocol import gc_paused
-
-    assert gc.isenabled()
-    first, second = gc_paused(), gc_paused()
-    first.__enter__()
-    second.__enter__()
-    first.__exit__(None, None, None)  # the other round still runs
-    assert not gc.isenabled()
-    second.__exit__(None, None, None)
-    assert gc.isenabled()
-
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # threads switch inside gc_paused as on a loaded host
-    stop = time.monotonic() + 1.0
-    errors: list[BaseException] = []
-
-    def rounds() -> None:
-        try:
-            while time.monotonic() < stop:
-                with gc_paused():
-                    if gc.isenabled():
-                        raise AssertionError("the GC ran inside a round")
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=rounds) for _ in range(4)]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        back = gc.isenabled()
-    finally:
-        sys.setswitchinterval(switch)
-        gc.enable()  # whatever happened, the next tests run with it
-    assert not errors, errors[0]
-    assert back, "every round ended and the GC stayed off"
+    run = subprocess.run([sys.executable, "-c", GC_ROUNDS], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]

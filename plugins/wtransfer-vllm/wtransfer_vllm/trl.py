@@ -110,7 +110,7 @@ class WTransferWeightTransfer:
                 raise wtransfer.WTransferError(
                     f"the weight sync failed ({resumed}): {type(exc).__name__}: {exc}. vLLM holds its previous "
                     f"version, or this round's where its commit had begun, or says it is torn; its weight version "
-                    f"(GET /weight_info) says which, and the next sync reaches it either way") from exc
+                    f"(GET /weight_info) says which") from exc
             raise
         finally:
             self._stream.drain()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -97,6 +98,18 @@ _gc_pauses = 0
 """Rounds in :func:`gc_paused` now, on any thread of this process."""
 _gc_was_enabled = False
 """Whether the GC was enabled when the first of them began."""
+
+
+def _gc_after_fork() -> None:
+    """A child forked during a round runs none of it: it starts with no pause, a free lock and the GC as it was."""
+    global _gc_lock, _gc_pauses
+    _gc_lock = threading.Lock()
+    if _gc_pauses and _gc_was_enabled:
+        gc.enable()
+    _gc_pauses = 0
+
+
+os.register_at_fork(after_in_child=_gc_after_fork)
 
 
 @contextlib.contextmanager

@@ -165,8 +165,9 @@ class TrainerWeightTransferEngine(ABC):
         """The content identity every worker should hold (:func:`identity_after`): a partial round's base. Learned
         from the workers at the first rendezvous, then the last round's (a later rendezvous keeps it only where every
         worker still holds it); None where they differ or say nothing."""
-        self._sent_a_round = False
-        """Whether a round of this trainer reached the commit (its partial rounds are relative to its own rounds)."""
+        self._base_learned = False
+        """Whether a rendezvous set :attr:`_fleet_identity` (later ones keep it, or None: the trainer's partial
+        rounds carry what changed since the base it took first, then since its own rounds)."""
         self._commit_failed = False
         self._broken: str | None = None
         self._clean_rejection = False
@@ -273,19 +274,20 @@ class TrainerWeightTransferEngine(ABC):
             raise
 
     def _learn_holdings(self) -> None:
-        """Number past every label a worker holds or began to commit, and take what every worker holds as the next
-        partial round's base (none where they differ): the workers' word, not this trainer's memory."""
+        """Number past every label a worker holds or began to commit. The first time, take what every worker holds
+        as the next partial round's base (none where they differ); later, keep the base only where every worker
+        still holds it: the workers' word and this trainer's memory must agree."""
         held = {rank: h for rank, h in self.held_answers.items() if isinstance(h, dict)}
         used = [v for h in held.values() for v in (h.get("version"), h.get("spent"))
                 if isinstance(v, int) and not isinstance(v, bool)]
         self._version_floor = max([self._version_floor, self.weight_version, *used])
         identities = {h.get("identity") for h in held.values()}
         learned = identities.pop() if len(held) == self.num_workers and len(identities) == 1 else None
-        if self._sent_a_round and learned != self._fleet_identity:
-            # this trainer's partial rounds carry what changed since its own last round: workers that hold anything
-            # else (every one restarted, or another trainer's state) need a round with every tensor first
+        if self._base_learned and learned != self._fleet_identity:
+            # this trainer's partial rounds carry what changed since the base it knows: workers that hold anything
+            # else now (every one restarted, say) need a round with every tensor first
             learned = None
-        self._fleet_identity = learned
+        self._fleet_identity, self._base_learned = learned, True
         if self._first_version is not None and not self.weight_version:
             if self._first_version <= self._version_floor:
                 holders = ", ".join(f"rank {rank}: version {h.get('version')}, began to commit up to {h.get('spent')}"
@@ -502,11 +504,11 @@ class TrainerWeightTransferEngine(ABC):
             # The version is spent (some worker may hold it), and the next round names this one as its base.
             self._commit_failed = finish is not None and finish.done
             self._version_floor = max(self._version_floor, manifest.version)
-            self._fleet_identity, self._sent_a_round = identity_after(manifest), True
+            self._fleet_identity = identity_after(manifest)
             raise
         seconds = time.perf_counter() - started
         self.weight_version = manifest.version
-        self._fleet_identity, self._sent_a_round = identity_after(manifest), True
+        self._fleet_identity = identity_after(manifest)
         total = manifest.total_bytes
         sharded = {"wrote_shards": self.parallel_senders} if self.sharded else {}
         delta = {} if encoded is None else {"delta": "full" if encoded.plan.base is None else "delta"}

@@ -9,9 +9,9 @@ reads every worker's weights and checks the labels against them:
   every step, and one content identity never names two states;
 * **it is what the trainer sent**: a worker at ``v`` holds every tensor round ``v`` carried; a whole round's
   holder holds nothing else, a partial round's holder kept the rest from what it held before (a torn or
-  restarted worker only takes a partial round that carries every tensor), and from what the trainer's own last
-  round left (a trainer's partial round carries what changed since its last round, even after every worker
-  restarted); version 0 is the start-up weights;
+  restarted worker only takes a partial round that carries every tensor), and from the base the trainer knows
+  (a trainer's partial round carries what changed since what every worker held when it was created, then
+  since its own last round, even after every worker restarted); version 0 is the start-up weights;
 * **labels only go up** on every worker process;
 * **a round that returned is held by every worker**.
 
@@ -160,9 +160,12 @@ class ScheduleRun:
                      **self.init_info}
         self.log.append(f"new trainer: {self.kind}, {self.commit}")
         self.attempted = None  # a round of the trainer before is not this one's
-        self.left: dict[str, int] | None = None
-        """What this trainer's last round left on the workers that hold it (None: no round yet, it takes over what
-        every worker holds)."""
+        states = list(zip(self.pool.stats(), self.pool.digests()))
+        held = [digests for stats, digests in states if not stats["weights_torn"]]
+        self.left: dict[str, int] | None = (
+            held[0] if len(held) == len(states) and all(d == held[0] for d in held) else None)
+        """The base this trainer knows: what every worker holds as it is created, then what its last round left on
+        the workers that hold it (None: none it may take)."""
         self.trainer = create_trainer(self.engine, client=self.client, source=RoundSource({}), init_info=init_info,
                                       commit=self.commit, delta=self.kind == "delta", partial=self.kind == "partial")
 
