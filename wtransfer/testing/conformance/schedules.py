@@ -280,7 +280,7 @@ class ScheduleRun:
                     drifted = [n for n, d in digests.items() if n not in carried and self.left.get(n) != d]
                     if drifted:
                         self._fail(f"partial round {version} landed on worker {rank} on top of other weights than "
-                                   f"the trainer's last round left", f"kept {drifted} differ from that round's")
+                                   f"the base its trainer knows", f"kept {drifted} differ from that base")
                 if partial:
                     kept = {n: d for n, d in digests.items() if n not in carried}
                     before = worker.digests
