@@ -132,7 +132,6 @@ class ScheduleRun:
             self.by_version[0] = self.by_identity["startup"] = startup
             self.workers = [_Worker(pid, 0, startup) for pid in pool.pids]
             self.trainer: Any = None
-            self.attempted: int | None = None  # the version of the step's round, if it sent one
             try:
                 self._new_trainer()
                 for step in range(self.steps):
@@ -159,7 +158,8 @@ class ScheduleRun:
         init_info = {"world_size": self.pool.world_size, "timeout_s": self.timeout_s, "bucket_bytes": 4096,
                      **self.init_info}
         self.log.append(f"new trainer: {self.kind}, {self.commit}")
-        self.attempted = None  # a round of the trainer before is not this one's
+        self.attempted: int | None = None
+        """The version of the step's round, if this trainer sent one."""
         states = list(zip(self.pool.stats(), self.pool.digests()))
         held = [digests for stats, digests in states if not stats["weights_torn"]]
         self.left: dict[str, int] | None = (
@@ -171,15 +171,11 @@ class ScheduleRun:
 
     def _step(self, step: int, event: str, torch: Any) -> None:
         returned = None
-        if event == "restart_worker":
-            rank = self.rng.randrange(self.num_workers)
-            self.log.append(f"step {step}: worker {rank} restarted, trainer reconnects")
-            self.pool.restart(rank)
-            self.workers[rank] = _Worker(self.pool.pids[rank], 0, self.by_version[0])
-            self._quietly(self.trainer.reconnect)
-        elif event == "restart_workers":
-            self.log.append(f"step {step}: every worker restarted, trainer reconnects")
-            for rank in range(self.num_workers):
+        if event in ("restart_worker", "restart_workers"):
+            ranks = [self.rng.randrange(self.num_workers)] if event == "restart_worker" else range(self.num_workers)
+            who = f"worker {ranks[0]}" if event == "restart_worker" else "every worker"
+            self.log.append(f"step {step}: {who} restarted, trainer reconnects")
+            for rank in ranks:
                 self.pool.restart(rank)
                 self.workers[rank] = _Worker(self.pool.pids[rank], 0, self.by_version[0])
             self._quietly(self.trainer.reconnect)
