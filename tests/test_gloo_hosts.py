@@ -181,12 +181,13 @@ def test_a_link_cut_mid_round_fails_both_sides_within_the_timeout(hosts: Hosts) 
 
 
 def test_an_unreachable_master_address_fails_within_the_timeout_naming_address_and_port(hosts: Hosts) -> None:
-    # Not an address of the trainer's host: refused at once, before any client call.
+    # Not an address of the trainer's host: refused at once, before any client call, not after timeout_s (the
+    # bound leaves room for a loaded 2-core host: 4.2 s there once, against 1 s asked before)
     worker = hosts.worker()
-    trainer = hosts.trainer(1, {"timeout_s": 5}, master_address="10.213.7.99")
-    error = trainer.until("error", 30)
+    trainer = hosts.trainer(1, {"timeout_s": 30}, master_address="10.213.7.99")
+    error = trainer.until("error", 60)
     assert error["op"] == "create_trainer" and "10.213.7.99" in error["message"]
-    assert "cannot listen" in error["message"] and error["seconds"] < 1
+    assert "cannot listen" in error["message"] and error["seconds"] < 10
     assert worker.until("done", 30)["weight_version"] == 0
     # The trainer listens on its own address but tells the worker one nobody answers at.
     worker = hosts.worker()
