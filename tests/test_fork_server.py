@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from multiprocessing import Pipe
 from pathlib import Path
@@ -134,6 +135,46 @@ def test_a_dead_fork_server_leaves_no_child_out_of_reach() -> None:
         assert pool.digests() == [digests(model)] * 2
         workers = list(pool.pids)
     assert all(_gone(pid) for pid in workers)
+
+
+def test_a_fork_server_stuck_at_its_start_is_stopped_and_the_pool_start_times_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, a start waited for the fork server's answer with no bound: a server stuck at its start (importing
+    torch from a hung disk, say) held LocalWorkerPool past its start_timeout_s, for good. Now the start gives up
+    after start_timeout_s, and the server is killed so that it cannot fork the pending request later."""
+    (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(600)\n")
+    outcome: dict[str, Any] = {}
+
+    def start_pool() -> None:
+        began = time.monotonic()
+        try:
+            LocalWorkerPool(1, "wtransfer.testing.models:worker_model", backend="gloo",
+                            factory_kwargs={"shapes": SHAPES, "dtype": "float32"}, start_timeout_s=3).shutdown()
+        except BaseException as exc:  # noqa: BLE001 - what the pool raised is the finding
+            outcome["error"] = exc
+        outcome["seconds"] = time.monotonic() - began
+
+    with monkeypatch.context() as patch:
+        patch.setenv("PYTHONPATH", str(tmp_path))  # the next server's interpreter sleeps at its start
+        caller = threading.Thread(target=start_pool, daemon=True)
+        caller.start()
+        caller.join(60)
+        if caller.is_alive():  # the old behaviour: kill the stuck server this test started, then fail
+            from wtransfer import _fork_server
+
+            assert _fork_server._current is not None
+            _fork_server._current[1].process.kill()
+            pytest.fail("LocalWorkerPool still waits for a fork server stuck at its start after 60 s")
+    error = outcome.get("error")
+    assert isinstance(error, TimeoutError), error
+    assert 3 <= outcome["seconds"] < 30
+    assert "did not answer within 3 s" in str(error) and "start_timeout_s" in str(error)
+    server = int(str(error).split("(pid ", 1)[1].split(")", 1)[0])
+    assert _gone(server), "the stuck server lives on: it could still fork the request it holds"
+    child = worker_process(_exit_with, (5, 0.0))  # the caller's own environment again: a new server
+    child.start()
+    child.join(60)
+    assert child.exitcode == 5
 
 
 def test_starting_workers_changes_no_multiprocessing_setting() -> None:

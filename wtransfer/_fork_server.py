@@ -61,14 +61,26 @@ class _Server:
         self.lock = threading.Lock()
         self.retired = False
 
-    def fork(self, request: dict[str, Any], fds: list[int]) -> tuple[int, int] | None:
-        """Start one child; its pid and a pidfd for it (None: this server was retired meanwhile, ask the next)."""
+    def fork(self, request: dict[str, Any], fds: list[int], timeout_s: float) -> tuple[int, int] | None:
+        """Start one child; its pid and a pidfd for it (None: this server was retired meanwhile, ask the next).
+
+        A server that does not answer within ``timeout_s`` (stuck importing torch at its start) is killed, not
+        retired: retired, it would still fork this request once it got unstuck, a child no one holds."""
         with self.lock:
             if self.retired:
                 return None
             try:
                 socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
+                if not _readable(self.sock.fileno(), timeout_s):
+                    self._stop()
+                    raise TimeoutError(
+                        f"wtransfer's fork server (pid {self.process.pid}) did not answer within {timeout_s:g} s, "
+                        f"so it was stopped and the process was not started. A server imports "
+                        f"{', '.join(PRELOAD)} when it starts: check that `{sys.executable} -c 'import torch'` "
+                        f"finishes in this environment, or allow more time (start_timeout_s)")
                 data, received, _flags, _addr = socket.recv_fds(self.sock, _MESSAGE, 1)
+            except TimeoutError:
+                raise
             except OSError as exc:
                 data, received = b"", []
                 cause: BaseException | None = exc
@@ -81,6 +93,15 @@ class _Server:
             raise RuntimeError(f"wtransfer's fork server (pid {self.process.pid}) is gone "
                                f"(exit code {self.process.poll()}); the process was not started") from cause
         return int(reply["pid"]), received[0]
+
+    def _stop(self) -> None:
+        """Kill this server now (the lock held); the children it started are still reached through their pidfds,
+        and read ``UNKNOWN_EXIT`` once they end."""
+        self.retired = True
+        self.process.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(10)
+        self.sock.close()
 
     def retire(self) -> None:
         """No more children from this server: it exits once its last child ended and was reported."""
@@ -173,8 +194,10 @@ def _main_script() -> dict[str, str] | None:
 class ForkedProcess:
     """A child of a fork server, with the part of ``multiprocessing.Process``'s interface wtransfer uses."""
 
-    def __init__(self, target: Callable[..., Any], args: tuple[Any, ...], name: str | None, daemon: bool) -> None:
+    def __init__(self, target: Callable[..., Any], args: tuple[Any, ...], name: str | None, daemon: bool,
+                 start_timeout_s: float) -> None:
         self._reference = reference(target)
+        self._start_timeout_s = start_timeout_s
         self._args = args
         self.name = name or self._reference
         self.daemon = daemon
@@ -204,7 +227,7 @@ class ForkedProcess:
         try:
             started = None
             while started is None:  # None: the server was retired while this start waited for it
-                started = _server().fork(request, [1, 2, status_w, *fds])
+                started = _server().fork(request, [1, 2, status_w, *fds], self._start_timeout_s)
             self.pid, self.sentinel = started
         except BaseException:
             os.close(status_r)
@@ -268,14 +291,15 @@ class ForkedProcess:
 
 
 def worker_process(target: Callable[..., Any], args: tuple[Any, ...] = (), *, name: str | None = None,
-                   daemon: bool = True) -> Any:
+                   daemon: bool = True, start_timeout_s: float = 120.0) -> Any:
     """An unstarted process running ``target(*args)``: ``target`` a module-level function, ``args`` JSON values or
-    ``multiprocessing`` pipe ends. A daemonic one is ended when this process exits."""
+    ``multiprocessing`` pipe ends. A daemonic one is ended when this process exits. ``start()`` raises
+    ``TimeoutError`` when the fork server does not answer within ``start_timeout_s`` (it imports torch first)."""
     if not _pidfds_work():  # pragma: no cover - not Linux, or a kernel before 5.3
         import multiprocessing
 
         return multiprocessing.get_context("spawn").Process(target=target, args=args, name=name, daemon=daemon)
-    return ForkedProcess(target, args, name, daemon)
+    return ForkedProcess(target, args, name, daemon, start_timeout_s)
 
 
 # -- the server's side -----------------------------------------------------------------------------------------

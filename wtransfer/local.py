@@ -250,7 +250,8 @@ class LocalWorkerPool:
 
     def _spawn(self, rank: int) -> tuple[Connection, Any]:
         parent, child = multiprocessing.Pipe()
-        process = worker_process(_worker_main, (child, *self._arguments[rank]), name=f"wtransfer-worker-{rank}")
+        process = worker_process(_worker_main, (child, *self._arguments[rank]), name=f"wtransfer-worker-{rank}",
+                                 start_timeout_s=self._start_timeout_s)
         process.start()
         child.close()
         return parent, process
