@@ -360,6 +360,82 @@ def test_hook_plugins_observe_and_contribute(site: Path):
     assert statuses["acme-broken-hooks"][0] == "broken" and "missing dependency" in statuses["acme-broken-hooks"][1]
 
 
+RAISING_HOOKS = """
+import wtransfer
+
+CALLS = []
+
+@wtransfer.hookimpl
+def wtransfer_components(kind):
+    raise FileNotFoundError("/etc/acme/registry.yaml")  # a config file this host lacks
+"""
+
+FAILING_OBSERVER = """
+import wtransfer
+
+CALLS = []
+
+@wtransfer.hookimpl
+def wtransfer_engine_created(engine):
+    CALLS.append(type(engine).__name__)
+    raise RuntimeError("metrics endpoint down")
+"""
+
+RECORDING_OBSERVER = """
+import wtransfer
+
+SEEN = []
+
+@wtransfer.hookimpl
+def wtransfer_engine_created(engine):
+    SEEN.append(type(engine).__name__)
+"""
+
+
+def test_a_hook_that_raises_when_called_stops_neither_the_other_plugins_nor_the_builtins(
+        site: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]):
+    """Before, pluggy's one call of ``wtransfer_components`` raised the first plugin's error to every lookup: one
+    plugin missing a config file made ``shm`` itself, every other plugin's components and ``wtransfer list`` fail
+    (inside vLLM, every wtransfer component went missing). And one observer that raised kept the others from
+    hearing the event. Now each plugin is called on its own: a contributor that raises is blocked and reported
+    broken, naming its distribution; an observer that raises is logged and called again next time."""
+    write_distribution(site, "acme-raising", "1.0", {"wtransfer.plugins": {"raising": "acme_raising_hooks"}},
+                       {"acme_raising_hooks": RAISING_HOOKS})
+    write_distribution(site, "acme-noisy", "1.0", {"wtransfer.plugins": {"noisy": "acme_noisy_hooks"}},
+                       {"acme_noisy_hooks": FAILING_OBSERVER})
+    write_distribution(site, "acme-quiet", "1.0", {"wtransfer.plugins": {"quiet": "acme_quiet_hooks"}},
+                       {"acme_quiet_hooks": RECORDING_OBSERVER})
+    add_dist(site, "acme-hooks", "wtransfer.plugins", {"acme": "acme_hooks.hooks"},
+             {"acme_hooks.hooks": HOOKS_SOURCE, "acme_hooks.engine": engine_module()})
+    with caplog.at_level("WARNING", logger="wtransfer"):
+        names = {i.name for i in wtransfer.list_components("engines")}
+    assert {"shm", "gloo", "from-hook"} <= names  # the built-ins and the other plugin's contribution
+    assert "acme-raising" in caplog.text and "/etc/acme/registry.yaml" in caplog.text
+    assert "WTRANSFER_DISABLE_PLUGINS=acme-raising" in caplog.text
+    from wtransfer._registry.manager import hook_plugins, plugin_manager
+
+    statuses = {p.record.distribution: (p.status, p.error) for p in hook_plugins()}
+    assert statuses["acme-raising"] == (
+        "broken", "its wtransfer_components(kind='engines') raised FileNotFoundError: /etc/acme/registry.yaml")
+    assert plugin_manager().is_blocked("raising")
+    assert {"storage", "multi"} <= {i.name for i in wtransfer.list_components("connectors")}  # other kinds too
+    for _ in range(2):
+        WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="from-hook"))
+    noisy, quiet = sys.modules["acme_noisy_hooks"], sys.modules["acme_quiet_hooks"]
+    assert noisy.CALLS == quiet.SEEN == ["DemoEngine", "DemoEngine"]  # heard twice, each
+    assert sys.modules["acme_hooks.hooks"].SEEN == ["DemoEngine", "DemoEngine"]
+    assert statuses["acme-noisy"] == ("loaded", None)
+
+    wtransfer.refresh()  # a fresh process's view: `wtransfer list plugins` alone calls the contributors too
+    from wtransfer.cli import main
+
+    capsys.readouterr()
+    assert main(["list", "plugins", "--json"]) == 0
+    rows = {row["distribution"]: row for row in json.loads(capsys.readouterr().out)}
+    assert rows["acme-raising"]["status"] == "broken" and "registry.yaml" in rows["acme-raising"]["problem"]
+    assert rows["acme-hooks"]["status"] == "loaded"
+
+
 def test_a_misspelled_hook_is_an_error_naming_plugin_and_hook(site: Path):
     # Without the check, pluggy registers the typo as a hook nobody calls: silence.
     write_distribution(site, "acme-typo-hooks", "1.0", {"wtransfer.plugins": {"typo": "acme_typo_hooks"}},

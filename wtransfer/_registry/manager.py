@@ -7,8 +7,9 @@ a broken plugin), checked with ``check_pending``. **Components** (engines, conne
 installed engine to list them would be slow and fail without CUDA. The built-in implementation reads the entry-point
 groups.
 
-A hook plugin that fails (import, registration, unknown hook) is logged, blocked and remembered for
-``wtransfer list`` and ``check``; it never stops the others.
+A hook plugin that fails (import, registration, unknown hook, a ``wtransfer_components`` that raises) is logged,
+blocked and remembered for ``wtransfer list`` and ``check``; it never stops the others. So each plugin's hook is
+called on its own (:func:`call_each`): pluggy's own call stops at the first implementation that raises.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ _manager: pluggy.PluginManager | None = None
 _building: pluggy.PluginManager | None = None
 _builder: int | None = None  # the thread importing the hook plugins, while it does
 _hook_plugins: list[HookPluginStatus] = []
+_failed_calls: dict[str, str] = {}  # plugin name -> why its hook failed when called (it is blocked since)
 _lock = threading.RLock()
 
 
@@ -92,7 +94,9 @@ def building() -> bool:
 def hook_plugins() -> list[HookPluginStatus]:
     """Every module of the ``wtransfer.plugins`` group and what became of it (imports them on first use)."""
     plugin_manager()
-    return list(_hook_plugins)
+    with _lock:
+        return [HookPluginStatus(p.record, "broken", _failed_calls[p.record.name])
+                if p.status == "loaded" and p.record.name in _failed_calls else p for p in _hook_plugins]
 
 
 def reset() -> None:
@@ -101,6 +105,48 @@ def reset() -> None:
     with _lock:
         _manager = None
         _hook_plugins.clear()
+        _failed_calls.clear()
+
+
+def call_each(hook_name: str, *, block: bool, **kwargs: Any) -> list[Any]:
+    """Call hook ``hook_name`` as pluggy would (its order, tracing, ``None`` results dropped), but each plugin on its
+    own: one that raises is logged with its distribution and the others still run. With ``block`` it is also blocked
+    (none of its hooks runs again in this process) and reported broken. wtransfer's built-in contributor is not
+    guarded: its error is a bug here."""
+    pm = plugin_manager()
+    impls = getattr(pm.hook, hook_name).get_hookimpls()
+    results = []
+    for impl in reversed(impls):  # pluggy calls the last registered first
+        others = {other.plugin for other in impls if other.plugin is not impl.plugin}
+        try:
+            returned = pm.subset_hook_caller(hook_name, remove_plugins=others)(**kwargs)
+            if hook_name == "wtransfer_components":  # an iterator failing part-way fails here, as this plugin's
+                returned = [list(contributed) for contributed in returned]
+        except Exception as exc:
+            if impl.plugin_name == BUILTIN_PLUGIN_NAME:
+                raise
+            _failed_call(pm, impl.plugin_name, hook_name, kwargs, exc, block)
+            continue
+        results.extend(returned)
+    return results
+
+
+def _failed_call(pm: pluggy.PluginManager, name: str, hook_name: str, kwargs: dict[str, Any], exc: Exception,
+                 block: bool) -> None:
+    arguments = ", ".join(f"{key}={value!r}" for key, value in kwargs.items() if isinstance(value, str))
+    error = f"its {hook_name}({arguments}) raised {type(exc).__name__}: {exc}"
+    with _lock:
+        record = next((p.record for p in _hook_plugins if p.record.name == name), None)
+        if block:
+            pm.set_blocked(name)
+            _failed_calls.setdefault(name, error)
+    where = (f"hook plugin {record.describe()} from distribution '{record.distribution}' {record.version}"
+             if record is not None else f"hook plugin {name!r}")
+    if block:
+        logger.warning("Blocking %s for this process: %s (WTRANSFER_DISABLE_PLUGINS=%s turns it off without this "
+                       "warning)", where, error, record.distribution if record is not None else name)
+    else:
+        logger.error("Ignoring %s: %s", where, error, exc_info=exc)
 
 
 def _new_manager() -> pluggy.PluginManager:
@@ -177,10 +223,6 @@ def _check_hooks_exist(pm: pluggy.PluginManager, name: str) -> None:
 
 
 def notify(hook_name: str, **kwargs: Any) -> None:
-    """Call an observer hook (created / update finished / failed); one that raises is logged, never allowed to break
-    the transfer that triggered it."""
-    caller = getattr(plugin_manager().hook, hook_name)
-    try:
-        caller(**kwargs)
-    except Exception:
-        logger.exception("A wtransfer plugin's %s hook raised; ignoring it", hook_name)
+    """Call an observer hook (created / update finished / failed) in every plugin; one that raises is logged
+    (:func:`call_each`), never allowed to break the transfer that triggered it or to silence the others."""
+    call_each(hook_name, block=False, **kwargs)

@@ -70,11 +70,11 @@ class ComponentRegistry:
             return self._discovered
 
     def _discover(self) -> tuple[dict[str, list[ComponentRef]], discovery.DisabledSet]:
-        from wtransfer._registry.manager import plugin_manager
+        from wtransfer._registry.manager import call_each
 
         by_name: dict[str, list[ComponentRef]] = {}
-        for contributed in plugin_manager().hook.wtransfer_components(kind=self.kind.name):
-            for ref in contributed or ():
+        for contributed in call_each("wtransfer_components", block=True, kind=self.kind.name):  # a plugin that raises is left out
+            for ref in contributed:
                 if not isinstance(ref, ComponentRef) or ref.kind != self.kind.name:
                     logger.warning("Ignoring %r contributed as a %s", ref, self.kind.singular)
                     continue
