@@ -384,6 +384,49 @@ def test_a_load_its_step_gave_up_on_is_a_failed_load_and_never_writes_into_the_c
     assert stats["loads_abandoned"] == 2 and "loaded_blocks" not in stats
 
 
+class _GatedSaves:
+    """Storage whose writes wait for the test (a network mount that hangs)."""
+
+    GATE: Any = None
+
+    def _write_block(self, *args: Any) -> None:
+        assert self.GATE.wait(timeout=30), "test never opened the gate"
+        super()._write_block(*args)  # type: ignore[misc]
+
+
+def test_shutdown_gives_up_on_a_hung_save_after_io_timeout_s(tmp_path: Path, caplog: Any) -> None:
+    """Before, shutdown() logged that it abandoned the saves still running after io_timeout_s, then waited for
+    them all the same: a save hung on a network mount held vLLM's shutdown for good."""
+    import threading
+    import time
+
+    from wtransfer.connectors.storage import BlockTransfer, StorageConnector, StorageConnectorMetadata
+
+    class GatedStorage(_GatedSaves, StorageConnector):
+        GATE = threading.Event()
+
+    worker = GatedStorage(_config(tmp_path, io_timeout_s=0.3), KVConnectorRole.WORKER, SPEC)
+    worker.register_kv_caches({name: torch.ones(SPEC.cache_shape(8), dtype=torch.bfloat16)
+                               for name in SPEC.layer_names})
+    worker.bind_connector_metadata(StorageConnectorMetadata(
+        loads=[], saves=[BlockTransfer("r", 0, 1, request_block_hashes(SPEC, PROMPT)[0])]))
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    closing = threading.Thread(target=worker.shutdown, daemon=True)
+    began = time.monotonic()
+    closing.start()
+    closing.join(15)
+    took = time.monotonic() - began
+    GatedStorage.GATE.set()  # the hung save goes on now (the process's exit would wait for it)
+    deadline = time.monotonic() + 15
+    while any(t.name.startswith("wtransfer-storage") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not closing.is_alive(), "shutdown() still waits for the hung save"
+    assert took < 5, took
+    assert "1 block saves still running after 0.3s (io_timeout_s); abandoning them" in caplog.text
+    assert not _block_files(tmp_path, ".tmp")  # the late save landed whole or not at all
+
+
 def _store_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 

@@ -452,8 +452,10 @@ class StorageConnector(KVConnectorBase):
             _, not_done = wait_futures(pending, timeout=self.io_timeout_s)
             if not_done:
                 logger.error("storage connector: %d block saves still running after %gs (io_timeout_s); abandoning "
-                             "them", len(not_done), self.io_timeout_s)
-            self._executor.shutdown(wait=True, cancel_futures=True)  # abandoned saves do not run on
+                             "them (each lands whole or not at all; the process's exit still waits for them)",
+                             len(not_done), self.io_timeout_s)
+            # queued saves are cancelled; running ones are waited for only if they all ended within io_timeout_s
+            self._executor.shutdown(wait=not not_done, cancel_futures=True)
             self._executor = None
         self.store.release()  # unless another instance uses it, the namespace is evicted first now
         if self.budget is not None and self.budget.over_capacity():
