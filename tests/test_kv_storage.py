@@ -459,6 +459,39 @@ def test_a_hundred_rl_cycles_keep_the_store_under_its_capacity(tmp_path: Path) -
     assert evicted > 0  # counted in the stats (those of evictions at a cycle's shutdown come after them)
 
 
+def test_writes_abandoned_by_a_killed_writer_count_against_the_capacity_and_go_first(tmp_path: Path) -> None:
+    """A writer killed between writing a block and renaming it into place leaves its temporary file. Before, every
+    scan skipped temporaries: never counted against ``capacity_bytes``, never evicted, on a shared store crash after
+    crash. Now one not written to for ``ABANDONED_WRITE_S`` counts and goes first; a younger one (a write in
+    progress, perhaps another process's) is left alone."""
+    import time as clock
+
+    from wtransfer.connectors._budget import ABANDONED_WRITE_S
+
+    capacity = 28 * 1024  # 22 block files of 1288 bytes
+    killed = run_python(f"""
+        import dataclasses, os, signal, sys
+        from pathlib import Path
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_kv_storage import PROMPT, SPEC, _config, _engine
+        os.replace = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # killed before its rename
+        spec = dataclasses.replace(SPEC, model_fingerprint="killed-writer")
+        with _engine(_config(Path({str(tmp_path)!r}), io_threads=1), spec) as engine:
+            engine.generate({{"p": PROMPT}})
+    """, check=False)
+    assert killed.returncode == -9, killed.stderr
+    (left,) = _block_files(tmp_path, ".tmp")  # its first save, whole but never renamed
+    old = clock.time() - 2 * ABANDONED_WRITE_S
+    os.utime(left, (old, old))
+    in_progress = left.with_name(left.name.replace(".tmp", ".1.tmp"))
+    in_progress.write_bytes(left.read_bytes())  # a write going on now
+    with _engine(_config(tmp_path, capacity_bytes=capacity)) as engine:  # fills the store past its capacity
+        engine.generate({f"f{k}": [(k * 31 + 3 * i) % 500 for i in range(17)] for k in range(6)})
+    assert not left.exists(), "an abandoned write outlived an eviction"
+    assert in_progress.exists(), "a write in progress was evicted"
+    assert _store_bytes(tmp_path) <= capacity
+
+
 def test_eviction_goes_by_last_use_across_processes_sharing_the_store(tmp_path: Path) -> None:
     """"kept" is saved first, "old" after it, then "kept" is read: by last use "old" is now the
     oldest. Another process then fills the store past its capacity: "old" goes, "kept" stays

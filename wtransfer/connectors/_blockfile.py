@@ -62,6 +62,8 @@ BLOCK_SUFFIX = ".safetensors"
 """Every block file's name ends so (one part of a block: ``.<part>of<parts>.safetensors``)."""
 CORRUPT_SUFFIX = ".corrupt"
 """Appended to a block file found corrupt: moved aside, never read again, evicted first."""
+TMP_SUFFIX = ".tmp"
+"""A write in progress: ``<block file>.<pid>.<thread>.<n>.tmp``, renamed to the block file once whole."""
 
 
 class BlockFileError(Exception):
@@ -180,7 +182,7 @@ def write_block_file(
     header = layout.header_bytes(block_hash, block_checksum(payload))
     with _TMP_LOCK:
         serial = next(_TMP_COUNTER)
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.{serial}.tmp"
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.{serial}{TMP_SUFFIX}"
     try:
         with open(tmp, "wb", buffering=0) as handle:
             handle.write(_HEADER_LEN.pack(len(header)))

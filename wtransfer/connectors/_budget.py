@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from wtransfer.connectors._blockfile import BLOCK_SUFFIX, CORRUPT_SUFFIX
+from wtransfer.connectors._blockfile import BLOCK_SUFFIX, CORRUPT_SUFFIX, TMP_SUFFIX
 
 logger = logging.getLogger("wtransfer")
 
@@ -35,6 +35,9 @@ IN_USE_REFRESH_S = 60.0
 IN_USE_TTL_S = 600.0
 """A namespace whose markers are all older than this (seconds), or that has none, is used by no instance (or by one
 idle that long): its files are evicted before any other namespace's."""
+ABANDONED_WRITE_S = 600.0
+"""A write's temporary file (:data:`TMP_SUFFIX`) not written to for this long (seconds) was left by a writer that
+died before its rename: it counts against the capacity and is evicted first, with the corrupt leftovers."""
 
 
 def filesystem_share(root: str, share: float, most: int) -> int:
@@ -123,9 +126,9 @@ class StoreBudget:
         target = int(self.capacity_bytes * LOW_WATER)
         freed = removed = removed_bytes = 0
         if total > self.capacity_bytes:
-            # corrupt leftovers first, then namespaces no instance uses, then by last use
+            # leftovers first (corrupt, abandoned writes), then namespaces no instance uses, then by last use
             live = self._live_namespaces()
-            files.sort(key=lambda entry: (not entry[0].endswith(CORRUPT_SUFFIX),
+            files.sort(key=lambda entry: (not entry[0].endswith((CORRUPT_SUFFIX, TMP_SUFFIX)),
                                           os.path.dirname(entry[0]) in live, entry[1]))
             for path, _, size in files:
                 if total - freed <= target:
@@ -160,20 +163,24 @@ class StoreBudget:
             return []
 
     def _scan(self) -> list[tuple[str, float, int]]:
-        """(path, last use, size) of every block file (and corrupt leftover) under the root."""
+        """(path, last use, size) of every block file (and leftover: corrupt, or an abandoned write) under the root."""
         found: list[tuple[str, float, int]] = []
+        abandoned = time.time() - ABANDONED_WRITE_S
         for namespace in self._namespaces():
             try:
                 entries = list(os.scandir(namespace.path))
             except FileNotFoundError:
                 continue
             for entry in entries:
-                if not (entry.name.endswith(BLOCK_SUFFIX) or entry.name.endswith(CORRUPT_SUFFIX)):
-                    continue  # temporaries of writes in progress are not the store's yet
+                temporary = entry.name.endswith(TMP_SUFFIX)
+                if not (temporary or entry.name.endswith(BLOCK_SUFFIX) or entry.name.endswith(CORRUPT_SUFFIX)):
+                    continue
                 try:
                     stat = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
+                if temporary and stat.st_mtime >= abandoned:
+                    continue  # a write in progress: not the store's yet
                 found.append((entry.path, stat.st_mtime, stat.st_size))
         return found
 
