@@ -283,6 +283,8 @@ def test_bad_options_say_what_to_do(tmp_path: Path) -> None:
         KVConnectorFactory.create_connector(_config(tmp_path, pth="x"), KVConnectorRole.WORKER, SPEC)
     with pytest.raises(ValueError, match="KVCacheSpec"):
         KVConnectorFactory.create_connector(_config(tmp_path), KVConnectorRole.WORKER, None)
+    with pytest.raises(ValueError, match=r"capacity_bytes=200 is less than one block \(768 bytes here"):
+        KVConnectorFactory.create_connector(_config(tmp_path, capacity_bytes=200), KVConnectorRole.WORKER, SPEC)
     worker = KVConnectorFactory.create_connector(_config(tmp_path), KVConnectorRole.WORKER, SPEC)
     with pytest.raises(ValueError, match="float32"):
         worker.register_kv_caches({n: torch.zeros(2, 4, 4, 2, 8) for n in SPEC.layer_names})

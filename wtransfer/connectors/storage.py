@@ -265,6 +265,12 @@ class StorageConnector(KVConnectorBase):
                 f"({self.store.layout.data_bytes} bytes here): no block could ever be saved; raise it"
             )
         capacity = self.options.capacity_bytes
+        if capacity is not None and capacity is not DEFAULT_CAPACITY and capacity < self.store.layout.data_bytes:
+            raise ValueError(
+                f"capacity_bytes={capacity} is less than one block ({self.store.layout.data_bytes} bytes here, "
+                f"before its header): every save would be evicted at once and no lookup would ever hit; raise it "
+                f"(or null for an unbounded store)"
+            )
         if capacity is DEFAULT_CAPACITY:
             capacity = filesystem_share(self.store.root, 0.25, DEFAULT_CAPACITY)
         self.budget = StoreBudget(self.store.root, capacity, self.counters.add) if capacity is not None else None
