@@ -499,6 +499,21 @@ def test_hook_plugins_are_loaded_and_blocked_the_pluggy_way(site: Path, tmp_path
     assert "acme_one_hooks" not in sys.modules and "acme_two_hooks" not in sys.modules
 
 
+def test_a_mistyped_disable_entry_is_a_warning_not_silence(site: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture):
+    """Before, an unknown kind made the entry a distribution name, and an unknown component or distribution name
+    was kept as given: each blocked nothing, and nothing said so."""
+    monkeypatch.setenv("WTRANSFER_DISABLE_PLUGINS", "engins:shm, engines:shmm, acme-nope, engines:gloo")
+    wtransfer.refresh()
+    with caplog.at_level("WARNING", logger="wtransfer"):
+        statuses = {i.name: i.status for i in wtransfer.list_components("engines")}
+    assert statuses["shm"] in ("available", "loaded") and statuses["gloo"] == "disabled"
+    assert "WTRANSFER_DISABLE_PLUGINS: 'engins:shm' blocks nothing: Unknown component kind 'engins'" in caplog.text
+    assert "'engines:shmm' blocks nothing" in caplog.text and "did you mean engines:shm?" in caplog.text
+    assert "'acme-nope' blocks nothing" in caplog.text
+    assert "'engines:gloo' blocks nothing" not in caplog.text  # what it does block is not warned about
+
+
 def test_trace_logs_hook_calls(tmp_path: Path):
     out = run_python(
         """

@@ -7,6 +7,7 @@ distribution of a given name on ``sys.path`` wins.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from wtransfer._registry.names import normalize_distribution
 GROUP_PREFIX = "wtransfer."
 GROUPS = frozenset({kind.group for kind in KINDS.values()} | {HOOK_PLUGIN_GROUP})
 DISABLE_ENV = "WTRANSFER_DISABLE_PLUGINS"
+logger = logging.getLogger("wtransfer")
+_warned: set[str] = set()  # what this process already warned about (each discovery parses the variable again)
 
 
 @dataclass(frozen=True)
@@ -120,14 +123,21 @@ def parse_disabled(value: str | None) -> DisabledSet:
         if not item:
             continue
         head, sep, tail = item.partition(":")
-        if sep:
+        if sep:  # a distribution name has no ':'
             try:
                 comps.add((resolve_kind(head).name, tail.strip()))
-                continue
-            except ValueError:
-                pass
+            except ValueError as exc:
+                warn_once(f"{DISABLE_ENV}: {item!r} blocks nothing: {exc}")
+            continue
         dists.add(normalize_distribution(item))
     return DisabledSet(frozenset(dists), frozenset(comps))
+
+
+def warn_once(message: str) -> None:
+    """Log ``message`` as a warning the first time this process sees it."""
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning("%s", message)
 
 
 def disabled_from_env() -> DisabledSet:

@@ -26,6 +26,7 @@ from wtransfer._registry import discovery
 from wtransfer._registry.component import ComponentRef
 from wtransfer._registry.hooks import PROJECT, WTransferHookSpecs, hookimpl
 from wtransfer._registry.kinds import HOOK_PLUGIN_GROUP, resolve_kind
+from wtransfer._registry.names import normalize_distribution
 
 logger = logging.getLogger("wtransfer")
 TRACE_ENV = "WTRANSFER_TRACE"
@@ -164,6 +165,10 @@ def _load_hook_plugins(pm: pluggy.PluginManager, statuses: list[HookPluginStatus
     load whichever comes first on ``sys.path``, even a disabled one. Neither is loaded, and both are reported.
     """
     disabled = discovery.disabled_from_env()
+    declared = {normalize_distribution(r.distribution) for r in discovery.cached_scan()}
+    for distribution in sorted(disabled.distributions - declared):  # a typo blocks nothing
+        discovery.warn_once(f"{discovery.DISABLE_ENV}: {distribution!r} blocks nothing: no installed distribution of "
+                            f"that name declares wtransfer components or hook plugins ('wtransfer list' shows them)")
     records = [r for r in discovery.cached_scan() if r.group == HOOK_PLUGIN_GROUP]
     for record in records:
         if disabled.blocks_distribution(record.distribution):

@@ -67,7 +67,17 @@ class ComponentRegistry:
                     # answer without keeping the answer.
                     return discovered
                 self._discovered = discovered
+                self._check_disabled_names(discovered)
             return self._discovered
+
+    def _check_disabled_names(self, discovered: dict[str, list[ComponentRef]]) -> None:
+        """Warn about a component ``WTRANSFER_DISABLE_PLUGINS`` names that nothing provides (a typo blocks nothing)."""
+        for kind, name in sorted(self._disabled.components):
+            if kind == self.kind.name and name not in discovered:
+                close = suggest(name, list(discovered))
+                hint = f"; did you mean {' or '.join(f'{kind}:{c}' for c in close)}?" if close else ""
+                discovery.warn_once(f"{discovery.DISABLE_ENV}: '{kind}:{name}' blocks nothing: no installed "
+                                    f"distribution or hook plugin provides {self.kind.singular} {name!r}{hint}")
 
     def _discover(self) -> tuple[dict[str, list[ComponentRef]], discovery.DisabledSet]:
         from wtransfer._registry.manager import call_each
