@@ -429,6 +429,29 @@ def test_shutdown_gives_up_on_a_hung_save_after_io_timeout_s(tmp_path: Path, cap
     assert not _block_files(tmp_path, ".tmp")  # the late save landed whole or not at all
 
 
+def test_a_save_that_cannot_start_never_holds_its_request(tmp_path: Path, caplog: Any) -> None:
+    """Before, a save counted as in flight before its blocks were copied out: a copy that failed (out of memory)
+    left it counted for good, so ``get_finished`` never reported the request and vLLM never freed its blocks."""
+    from wtransfer.connectors.storage import BlockTransfer, StorageConnector, StorageConnectorMetadata
+
+    class OutOfMemory(StorageConnector):
+        def _copy_out(self, block_ids: list[int]) -> Any:
+            raise MemoryError("cannot allocate the copies")
+
+    worker = OutOfMemory(_config(tmp_path), KVConnectorRole.WORKER, SPEC)
+    worker.register_kv_caches({name: torch.ones(SPEC.cache_shape(8), dtype=torch.bfloat16)
+                               for name in SPEC.layer_names})
+    hashes = request_block_hashes(SPEC, PROMPT)
+    worker.bind_connector_metadata(StorageConnectorMetadata(
+        loads=[], saves=[BlockTransfer("r", index, 1 + index, hashes[index]) for index in range(2)]))
+    worker.wait_for_save()  # the step goes on
+    worker.clear_connector_metadata()
+    assert worker.get_finished({"r"}) == ({"r"}, None)
+    assert worker.get_kv_connector_stats()["save_errors"] == 2 and "2 block saves not started" in caplog.text
+    worker.shutdown()
+    assert not _block_files(tmp_path)
+
+
 def _store_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 

@@ -426,12 +426,21 @@ class StorageConnector(KVConnectorBase):
         self._failed_from.clear()
         if not accepted:
             return
-        copies = self._copy_out([transfer.block_id for transfer, _ in accepted])  # before returning
-        for (transfer, path), copy in zip(accepted, copies):
-            future = self._pool().submit(self._write_block, transfer, path, memoryview(copy).cast("B"))
-            with self._inflight_lock:
-                self._inflight_futures.add(future)
-            future.add_done_callback(lambda f, rid=transfer.request_id: self._save_done(rid, f))
+        submitted = 0
+        try:
+            copies = self._copy_out([transfer.block_id for transfer, _ in accepted])  # before returning
+            for (transfer, path), copy in zip(accepted, copies):
+                future = self._pool().submit(self._write_block, transfer, path, memoryview(copy).cast("B"))
+                submitted += 1
+                with self._inflight_lock:
+                    self._inflight_futures.add(future)
+                future.add_done_callback(lambda f, rid=transfer.request_id: self._save_done(rid, f))
+        except Exception as exc:  # out of memory copying, or shut down meanwhile: a save is never worth a step
+            logger.error("storage connector: %d block saves not started: %r", len(accepted) - submitted, exc)
+        finally:  # those hold no request's blocks: the request is reported done without them
+            for transfer, _ in accepted[submitted:]:
+                self.counters.add("save_errors")
+                self._settle_save(transfer.request_id)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._finished_waiting |= {r for r in finished_req_ids if r in self._saw_saves}
@@ -586,8 +595,13 @@ class StorageConnector(KVConnectorBase):
             self.counters.add("save_errors")
             logger.error("storage connector: a save for request %s failed: %r", request_id, error)
         with self._inflight_lock:
+            self._inflight_futures.discard(future)
+        self._settle_save(request_id)
+
+    def _settle_save(self, request_id: str) -> None:
+        """One of ``request_id``'s saves is over (written, failed or never started): its bytes and count go."""
+        with self._inflight_lock:
             self._pending_save_bytes -= self.store.layout.data_bytes
             self._inflight[request_id] -= 1
             if self._inflight[request_id] <= 0:
                 del self._inflight[request_id]
-            self._inflight_futures.discard(future)
