@@ -363,8 +363,6 @@ def test_hook_plugins_observe_and_contribute(site: Path):
 RAISING_HOOKS = """
 import wtransfer
 
-CALLS = []
-
 @wtransfer.hookimpl
 def wtransfer_components(kind):
     raise FileNotFoundError("/etc/acme/registry.yaml")  # a config file this host lacks
@@ -391,6 +389,15 @@ def wtransfer_engine_created(engine):
     SEEN.append(type(engine).__name__)
 """
 
+WRAPPING_HOOKS = """
+import wtransfer
+
+@wtransfer.hookimpl(wrapper=True)
+def wtransfer_components(kind):
+    found = yield
+    return [[ref for ref in contributed if ref.name != "shm"] for contributed in found]
+"""
+
 
 def test_a_hook_that_raises_when_called_stops_neither_the_other_plugins_nor_the_builtins(
         site: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]):
@@ -399,41 +406,52 @@ def test_a_hook_that_raises_when_called_stops_neither_the_other_plugins_nor_the_
     (inside vLLM, every wtransfer component went missing). And one observer that raised kept the others from
     hearing the event. Now each plugin is called on its own: a contributor that raises is blocked and reported
     broken, naming its distribution; an observer that raises is logged and called again next time."""
+    # the failing plugins sit later on sys.path than the others: registered after them, pluggy calls them first
     write_distribution(site, "acme-raising", "1.0", {"wtransfer.plugins": {"raising": "acme_raising_hooks"}},
                        {"acme_raising_hooks": RAISING_HOOKS})
     write_distribution(site, "acme-noisy", "1.0", {"wtransfer.plugins": {"noisy": "acme_noisy_hooks"}},
                        {"acme_noisy_hooks": FAILING_OBSERVER})
-    write_distribution(site, "acme-quiet", "1.0", {"wtransfer.plugins": {"quiet": "acme_quiet_hooks"}},
+    write_distribution(site, "acme-wrapping", "1.0", {"wtransfer.plugins": {"wrapping": "acme_wrapping_hooks"}},
+                       {"acme_wrapping_hooks": WRAPPING_HOOKS})
+    first = site.parent / "site-first"
+    first.mkdir()
+    write_distribution(first, "acme-quiet", "1.0", {"wtransfer.plugins": {"quiet": "acme_quiet_hooks"}},
                        {"acme_quiet_hooks": RECORDING_OBSERVER})
-    add_dist(site, "acme-hooks", "wtransfer.plugins", {"acme": "acme_hooks.hooks"},
-             {"acme_hooks.hooks": HOOKS_SOURCE, "acme_hooks.engine": engine_module()})
-    with caplog.at_level("WARNING", logger="wtransfer"):
-        names = {i.name for i in wtransfer.list_components("engines")}
-    assert {"shm", "gloo", "from-hook"} <= names  # the built-ins and the other plugin's contribution
-    assert "acme-raising" in caplog.text and "/etc/acme/registry.yaml" in caplog.text
-    assert "WTRANSFER_DISABLE_PLUGINS=acme-raising" in caplog.text
-    from wtransfer._registry.manager import hook_plugins, plugin_manager
+    write_distribution(first, "acme-hooks", "1.0", {"wtransfer.plugins": {"acme": "acme_hooks.hooks"}},
+                       {"acme_hooks.hooks": HOOKS_SOURCE, "acme_hooks.engine": engine_module()})
+    with site_on_path(first):
+        from wtransfer._registry.manager import hook_plugins, plugin_manager
 
-    statuses = {p.record.distribution: (p.status, p.error) for p in hook_plugins()}
-    assert statuses["acme-raising"] == (
-        "broken", "its wtransfer_components(kind='engines') raised FileNotFoundError: /etc/acme/registry.yaml")
-    assert plugin_manager().is_blocked("raising")
-    assert {"storage", "multi"} <= {i.name for i in wtransfer.list_components("connectors")}  # other kinds too
-    for _ in range(2):
-        WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="from-hook"))
-    noisy, quiet = sys.modules["acme_noisy_hooks"], sys.modules["acme_quiet_hooks"]
-    assert noisy.CALLS == quiet.SEEN == ["DemoEngine", "DemoEngine"]  # heard twice, each
-    assert sys.modules["acme_hooks.hooks"].SEEN == ["DemoEngine", "DemoEngine"]
-    assert statuses["acme-noisy"] == ("loaded", None)
+        called = [impl.plugin_name for impl in reversed(
+            plugin_manager().hook.wtransfer_engine_created.get_hookimpls())]
+        assert called.index("noisy") < min(called.index("quiet"), called.index("acme")), called  # noisy first
+        with caplog.at_level("WARNING", logger="wtransfer"):
+            names = {i.name for i in wtransfer.list_components("engines")}
+        assert {"shm", "gloo", "from-hook"} <= names  # the built-ins and the other plugin's contribution
+        assert "acme-raising" in caplog.text and "/etc/acme/registry.yaml" in caplog.text
+        assert "WTRANSFER_DISABLE_PLUGINS=acme-raising" in caplog.text
+        statuses = {p.record.distribution: (p.status, p.error) for p in hook_plugins()}
+        assert statuses["acme-raising"] == (
+            "broken", "its wtransfer_components(kind='engines') raised FileNotFoundError: /etc/acme/registry.yaml")
+        assert plugin_manager().is_blocked("raising")
+        # a wrapper, called on its own, would wrap nothing (its filter silently off): refused when loaded
+        assert statuses["acme-wrapping"][0] == "broken" and "as a hook wrapper" in statuses["acme-wrapping"][1]
+        assert {"storage", "multi"} <= {i.name for i in wtransfer.list_components("connectors")}  # other kinds too
+        for _ in range(2):
+            WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="from-hook"))
+        noisy, quiet = sys.modules["acme_noisy_hooks"], sys.modules["acme_quiet_hooks"]
+        assert noisy.CALLS == quiet.SEEN == ["DemoEngine", "DemoEngine"]  # heard twice, each
+        assert sys.modules["acme_hooks.hooks"].SEEN == ["DemoEngine", "DemoEngine"]
+        assert dict((p.record.distribution, p.status) for p in hook_plugins())["acme-noisy"] == "loaded"
 
-    wtransfer.refresh()  # a fresh process's view: `wtransfer list plugins` alone calls the contributors too
-    from wtransfer.cli import main
+        wtransfer.refresh()  # a fresh process's view: `wtransfer list plugins` alone calls the contributors too
+        from wtransfer.cli import main
 
-    capsys.readouterr()
-    assert main(["list", "plugins", "--json"]) == 0
-    rows = {row["distribution"]: row for row in json.loads(capsys.readouterr().out)}
-    assert rows["acme-raising"]["status"] == "broken" and "registry.yaml" in rows["acme-raising"]["problem"]
-    assert rows["acme-hooks"]["status"] == "loaded"
+        capsys.readouterr()
+        assert main(["list", "plugins", "--json"]) == 0
+        rows = {row["distribution"]: row for row in json.loads(capsys.readouterr().out)}
+        assert rows["acme-raising"]["status"] == "broken" and "registry.yaml" in rows["acme-raising"]["problem"]
+        assert rows["acme-hooks"]["status"] == "loaded"
 
 
 def test_a_misspelled_hook_is_an_error_naming_plugin_and_hook(site: Path):

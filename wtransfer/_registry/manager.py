@@ -137,6 +137,8 @@ def _failed_call(pm: pluggy.PluginManager, name: str, hook_name: str, kwargs: di
     arguments = ", ".join(f"{key}={value!r}" for key, value in kwargs.items() if isinstance(value, str))
     error = f"its {hook_name}({arguments}) raised {type(exc).__name__}: {exc}"
     with _lock:
+        if pm is not _manager and pm is not _building:
+            return  # a manager dropped by refresh() meanwhile: the new one has its own view of this plugin
         record = next((p.record for p in _hook_plugins if p.record.name == name), None)
         if block:
             pm.set_blocked(name)
@@ -144,8 +146,9 @@ def _failed_call(pm: pluggy.PluginManager, name: str, hook_name: str, kwargs: di
     where = (f"hook plugin {record.describe()} from distribution '{record.distribution}' {record.version}"
              if record is not None else f"hook plugin {name!r}")
     if block:
-        logger.warning("Blocking %s for this process: %s (WTRANSFER_DISABLE_PLUGINS=%s turns it off without this "
-                       "warning)", where, error, record.distribution if record is not None else name)
+        hint = (f" (WTRANSFER_DISABLE_PLUGINS={record.distribution} turns it off without this warning)"
+                if record is not None else "")
+        logger.warning("Blocking %s for this process: %s%s", where, error, hint)
     else:
         logger.error("Ignoring %s: %s", where, error, exc_info=exc)
 
@@ -192,6 +195,7 @@ def _load_hook_plugins(pm: pluggy.PluginManager, statuses: list[HookPluginStatus
                     f"pluggy's loader registered no plugin named {record.name!r} (taken, or no longer "
                     f"installed: wtransfer.refresh() rescans)")
             _check_hooks_exist(pm, record.name)
+            _check_no_wrappers(pm, record.name)
         except Exception as exc:
             pm.set_blocked(record.name)  # unregisters it too, if it got that far
             _broken(statuses, record, f"{type(exc).__name__}: {exc}")
@@ -225,6 +229,18 @@ def _check_hooks_exist(pm: pluggy.PluginManager, name: str) -> None:
         raise pluggy.PluginValidationError(
             exc.plugin, f"implements unknown hook {typo!r}.{hint} Known hooks: {', '.join(known)}"
         ) from None
+
+
+def _check_no_wrappers(pm: pluggy.PluginManager, name: str) -> None:
+    """Refuse hook wrappers: wtransfer calls each plugin's hooks on its own (:func:`call_each`), where a wrapper
+    would wrap nothing but its own plugin's implementation."""
+    plugin = pm.get_plugin(name)
+    wrappers = sorted({caller.name for caller in pm.get_hookcallers(plugin) or [] for impl in caller.get_hookimpls()
+                       if impl.plugin is plugin and (impl.wrapper or impl.hookwrapper)})
+    if wrappers:
+        raise pluggy.PluginValidationError(
+            plugin, f"implements {', '.join(wrappers)} as a hook wrapper; wtransfer calls each plugin's hooks on "
+                    f"their own, so a wrapper would wrap nothing: implement it as a plain hook")
 
 
 def notify(hook_name: str, **kwargs: Any) -> None:
