@@ -101,6 +101,12 @@ class _Server:
         self.process.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(10)
+        with contextlib.suppress(OSError):  # it forked the request just before it was killed: that child goes too
+            _data, late, _flags, _addr = socket.recv_fds(self.sock, _MESSAGE, 1, socket.MSG_DONTWAIT)
+            for pidfd in late:
+                with contextlib.suppress(OSError):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                os.close(pidfd)
         self.sock.close()
 
     def retire(self) -> None:
@@ -126,7 +132,8 @@ def _server() -> _Server:
     global _current
     with _servers_lock:
         _retired[:] = [server for server in _retired if server.process.poll() is None]  # reaps those that ended
-        if _current is None or _current[0] != key or _current[1].process.poll() is not None:
+        if (_current is None or _current[0] != key or _current[1].retired
+                or _current[1].process.poll() is not None):
             if _current is not None:
                 _current[1].retire()
             _current = (key, _Server(environment))
