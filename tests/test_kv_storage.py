@@ -283,8 +283,9 @@ def test_bad_options_say_what_to_do(tmp_path: Path) -> None:
         KVConnectorFactory.create_connector(_config(tmp_path, pth="x"), KVConnectorRole.WORKER, SPEC)
     with pytest.raises(ValueError, match="KVCacheSpec"):
         KVConnectorFactory.create_connector(_config(tmp_path), KVConnectorRole.WORKER, None)
-    with pytest.raises(ValueError, match=r"capacity_bytes=200 is less than one block \(768 bytes here"):
-        KVConnectorFactory.create_connector(_config(tmp_path, capacity_bytes=200), KVConnectorRole.WORKER, SPEC)
+    # 768 bytes of data, 1288 with the header: a store of 1000 bytes would keep no block either
+    with pytest.raises(ValueError, match=r"capacity_bytes=1000 is less than one block file \(1288 bytes here"):
+        KVConnectorFactory.create_connector(_config(tmp_path, capacity_bytes=1000), KVConnectorRole.WORKER, SPEC)
     worker = KVConnectorFactory.create_connector(_config(tmp_path), KVConnectorRole.WORKER, SPEC)
     with pytest.raises(ValueError, match="float32"):
         worker.register_kv_caches({n: torch.zeros(2, 4, 4, 2, 8) for n in SPEC.layer_names})
@@ -515,6 +516,29 @@ def test_writes_abandoned_by_a_killed_writer_count_against_the_capacity_and_go_f
     assert not left.exists(), "an abandoned write outlived an eviction"
     assert in_progress.exists(), "a write in progress was evicted"
     assert _store_bytes(tmp_path) <= capacity
+
+
+def test_an_abandoned_write_is_evicted_before_older_blocks(tmp_path: Path) -> None:
+    """Leftovers go first: an abandoned write younger than every block file is still the first file evicted."""
+    import time as clock
+
+    from wtransfer.connectors._budget import ABANDONED_WRITE_S, StoreBudget
+
+    namespace = tmp_path / "ns"
+    namespace.mkdir()
+    now = clock.time()
+    for index in range(4):  # blocks last used long ago, oldest first
+        block = namespace / f"{index:064x}.safetensors"
+        block.write_bytes(b"b" * 1000)
+        os.utime(block, (now - 10 * ABANDONED_WRITE_S + index, now - 10 * ABANDONED_WRITE_S + index))
+    abandoned = namespace / f"{9:064x}.safetensors.4242.1.0.tmp"
+    abandoned.write_bytes(b"t" * 1000)
+    os.utime(abandoned, (now - 2 * ABANDONED_WRITE_S, now - 2 * ABANDONED_WRITE_S))
+    budget = StoreBudget(str(tmp_path), 4600, lambda name, amount: None)  # 5000 bytes: one file must go
+    assert budget.added(0)
+    budget.evict()
+    assert not abandoned.exists()
+    assert len(list(namespace.glob("*.safetensors"))) == 4  # every block stays
 
 
 def test_eviction_goes_by_last_use_across_processes_sharing_the_store(tmp_path: Path) -> None:

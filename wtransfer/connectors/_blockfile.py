@@ -110,6 +110,12 @@ class BlockLayout:
     def data_bytes(self) -> int:
         return math.prod(self.shape) * self._dtype_code()[1]
 
+    @cached_property
+    def file_bytes(self) -> int:
+        """Size of one block file of this layout (header included; hashes are hex sha256)."""
+        checksum = block_checksum(memoryview(bytes(self.data_bytes)))
+        return _HEADER_LEN.size + len(self.header_bytes("0" * 64, checksum)) + self.data_bytes
+
     def _dtype_code(self) -> tuple[str, int]:
         try:
             return SAFETENSORS_DTYPES[self.dtype]

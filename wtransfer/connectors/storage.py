@@ -265,11 +265,11 @@ class StorageConnector(KVConnectorBase):
                 f"({self.store.layout.data_bytes} bytes here): no block could ever be saved; raise it"
             )
         capacity = self.options.capacity_bytes
-        if capacity is not None and capacity is not DEFAULT_CAPACITY and capacity < self.store.layout.data_bytes:
+        if capacity is not None and capacity is not DEFAULT_CAPACITY and capacity < self.store.layout.file_bytes:
             raise ValueError(
-                f"capacity_bytes={capacity} is less than one block ({self.store.layout.data_bytes} bytes here, "
-                f"before its header): every save would be evicted at once and no lookup would ever hit; raise it "
-                f"(or null for an unbounded store)"
+                f"capacity_bytes={capacity} is less than one block file ({self.store.layout.file_bytes} bytes "
+                f"here): every save would be evicted at once and no lookup would ever hit; raise it (or null for an "
+                f"unbounded store)"
             )
         if capacity is DEFAULT_CAPACITY:
             capacity = filesystem_share(self.store.root, 0.25, DEFAULT_CAPACITY)
