@@ -71,21 +71,21 @@ class _Server:
                 return None
             try:
                 socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
-                if not _readable(self.sock.fileno(), timeout_s):
-                    self._stop()
-                    raise TimeoutError(
-                        f"wtransfer's fork server (pid {self.process.pid}) did not answer within {timeout_s:g} s, "
-                        f"so it was stopped and the process was not started. A server imports "
-                        f"{', '.join(PRELOAD)} when it starts: check that `{sys.executable} -c 'import torch'` "
-                        f"finishes in this environment, or allow more time (start_timeout_s)")
-                data, received, _flags, _addr = socket.recv_fds(self.sock, _MESSAGE, 1)
-            except TimeoutError:
-                raise
+                answered = _readable(self.sock.fileno(), timeout_s)
+                if answered:
+                    data, received, _flags, _addr = socket.recv_fds(self.sock, _MESSAGE, 1)
             except OSError as exc:
-                data, received = b"", []
+                answered, data, received = True, b"", []
                 cause: BaseException | None = exc
             else:
                 cause = None
+            if not answered:
+                self._stop()
+                raise TimeoutError(
+                    f"wtransfer's fork server (pid {self.process.pid}) did not answer within {timeout_s:g} s, "
+                    f"so it was stopped and the process was not started. A server imports "
+                    f"{', '.join(PRELOAD)} when it starts: check that `{sys.executable} -c 'import torch'` "
+                    f"finishes in this environment, or allow more time (start_timeout_s)")
         reply = json.loads(data) if data else {}
         if "error" in reply:
             raise RuntimeError(f"wtransfer's fork server could not start the process: {reply['error']}")

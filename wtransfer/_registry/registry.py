@@ -83,7 +83,8 @@ class ComponentRegistry:
         from wtransfer._registry.manager import call_each
 
         by_name: dict[str, list[ComponentRef]] = {}
-        for contributed in call_each("wtransfer_components", block=True, kind=self.kind.name):  # a plugin that raises is left out
+        # each plugin on its own: one that raises is blocked and left out, the others still contribute
+        for contributed in call_each("wtransfer_components", block=True, kind=self.kind.name):
             for ref in contributed:
                 if not isinstance(ref, ComponentRef) or ref.kind != self.kind.name:
                     logger.warning("Ignoring %r contributed as a %s", ref, self.kind.singular)

@@ -55,9 +55,9 @@ def run(args: argparse.Namespace) -> int:
     from wtransfer._registry.registry import list_components
 
     only_hooks = args.kind in HOOK_PLUGIN_CHOICES
-    infos = list_components(None if only_hooks else args.kind)  # calls every plugin's wtransfer_components,
-    if only_hooks:  # which is where a hook plugin may still turn out broken
-        infos = []
+    # every kind is discovered even for the hook plugins alone: calling a plugin's contributor may show it broken
+    discovered = list_components(None if only_hooks else args.kind)
+    infos = [] if only_hooks else discovered
     hooks = hook_plugin_rows() if args.kind is None or only_hooks else []
     if args.json:
         print_json([info.to_dict() for info in infos] + hooks)
