@@ -250,6 +250,58 @@ def test_dtensor_style_parameters_are_materialised_at_send_time() -> None:
     assert Sharded.calls == 1 and torch.equal(tensor, torch.full((2, 2), 2.0))
 
 
+def test_a_parameter_written_in_pieces_is_refused_by_a_graph_that_saved_its_old_values() -> None:
+    """A tensor split over buckets is written into the parameter through numpy, piece by piece: autograd must
+    hear of it as after ``copy_``, or a backward pass would silently mix the old weights' graph with the new."""
+    weight = torch.nn.Parameter(torch.ones(64, 1024))  # 256 KiB: four 64 KiB pieces, each a numpy copy
+    model = torch.nn.Module()
+    model.weight = weight
+    loss = (weight**2).sum()  # saves the weight for its gradient
+    _transfer({"weight": torch.full((64, 1024), 2.0)}, module_loader(model), bucket_bytes=64 << 10)
+    assert torch.equal(weight.detach(), torch.full((64, 1024), 2.0))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_control_words_and_json_frames_arrive_whole_and_in_order_however_the_bytes_are_cut() -> None:
+    """Per-bucket messages travel as binary words, the rest as JSON: a receiver reading the stream in any cut
+    (here one byte at a time) gets every message, as sent, in order."""
+    import socket
+    import struct
+
+    from wtransfer.engines.channel.control import ControlChannel
+
+    messages = [
+        {"op": "bucket", "index": 0, "slot": 3},
+        {"op": "progress"},
+        {"op": "release", "index": 2**40, "slot": 0},
+        {"op": "bucket", "index": 1, "slot": "1"},  # not all integers: JSON, received as sent
+        {"op": "bucket", "index": 5, "slot": 1, "extra": True},
+        {"op": "release", "index": -1, "slot": 7},
+        {"op": "release", "index": 2**64, "slot": 7},  # beyond 64 bits: JSON
+        {"op": "release", "index": True, "slot": 0},  # a bool is no integer here: JSON, received as sent
+    ]
+    left, right = socket.socketpair()
+    sender, wire = ControlChannel(left, "sender"), socket.socketpair()
+    receiver = ControlChannel(wire[1], "receiver")
+    with left, right, wire[0], wire[1]:
+        for message in messages:
+            sender.send(message, timeout=5)
+        left.shutdown(socket.SHUT_WR)
+        stream = b"".join(iter(lambda: right.recv(1 << 16), b""))
+        assert len(stream) < sum(len(json.dumps(m, separators=(",", ":"))) + 4 for m in messages)  # words: fewer bytes
+        got = []
+        for byte in stream:
+            wire[0].sendall(bytes([byte]))
+            got += receiver.read_ready()
+        assert got == messages and type(got[-1]["index"]) is bool
+        for code in (0, 3):  # a word of no known kind is a protocol violation, not a message
+            wire[0].sendall(struct.pack("!Iqq", 1 << 31 | code, 1, 2))
+            with pytest.raises(TransferError, match="protocol violation"):
+                receiver.read_ready()
+            receiver._buffer.clear()
+
+
 def test_digests_computed_while_packing_and_unpacking_agree_and_catch_one_flipped_bit() -> None:
     from wtransfer.engines.rounds.digests import RoundDigests, check
 

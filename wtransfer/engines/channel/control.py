@@ -22,6 +22,14 @@ from wtransfer.errors import TransferError, TransferTimeoutError
 logger = logging.getLogger("wtransfer")
 
 _HEADER = struct.Struct("!I")
+_WORD = struct.Struct("!Iqq")
+_WORD_FLAG = 1 << 31
+"""Set in a header: a binary word follows (see ``_WORDS``), not a JSON frame of that length."""
+_WORDS = ("bucket", "release")
+"""The messages sent once per bucket of a ring round: ``{"op", "index", "slot"}`` with integer fields travels as
+a 20-byte binary word (code: position + 1), and the receiver gets the same dict. Encoding and decoding it as
+JSON took about 12 µs on a 2-core AMD EPYC, per message and twice per bucket."""
+_WORD_CODES = {op: code for code, op in enumerate(_WORDS, 1)}
 MAX_FRAME = 64 << 20
 """The largest frame a known peer may send."""
 STRANGER_FRAME = 4 << 10
@@ -35,6 +43,17 @@ def stranger_uid(sock: socket.socket) -> int | None:
         return None
     _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     return uid if uid != os.getuid() else None
+
+
+def _word(message: dict[str, Any]) -> bytes | None:
+    """``message`` as a binary word if it is one of ``_WORDS`` with 64-bit integer fields, else None (JSON)."""
+    code = _WORD_CODES.get(message.get("op"))  # type: ignore[arg-type]
+    if code is None or len(message) != 3 or type(message.get("index")) is not int or type(message.get("slot")) is not int:
+        return None
+    try:
+        return _WORD.pack(_WORD_FLAG | code, message["index"], message["slot"])
+    except struct.error:  # beyond 64 bits
+        return None
 
 
 class PeerClosedError(TransferError):
@@ -56,8 +75,10 @@ class ControlChannel:
         return self.sock.fileno()
 
     def send(self, message: dict[str, Any], *, fds: list[int] | None = None, timeout: float = 30.0) -> None:
-        payload = json.dumps(message, separators=(",", ":")).encode()
-        frame = _HEADER.pack(len(payload)) + payload
+        frame = _word(message)
+        if frame is None:
+            payload = json.dumps(message, separators=(",", ":")).encode()
+            frame = _HEADER.pack(len(payload)) + payload
         try:
             self.sock.settimeout(timeout)
             if fds:
@@ -75,6 +96,12 @@ class ControlChannel:
         if len(self._buffer) < _HEADER.size:
             return None
         (size,) = _HEADER.unpack_from(self._buffer)
+        if size & _WORD_FLAG and 0 < size ^ _WORD_FLAG <= len(_WORDS):
+            if len(self._buffer) < _WORD.size:
+                return None
+            _, index, slot = _WORD.unpack_from(self._buffer)
+            del self._buffer[: _WORD.size]
+            return {"op": _WORDS[(size ^ _WORD_FLAG) - 1], "index": index, "slot": slot}
         if size > self.max_frame:
             raise TransferError(f"{self.peer} sent a {size}-byte control frame; protocol violation")
         end = _HEADER.size + size

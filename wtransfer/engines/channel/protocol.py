@@ -14,7 +14,7 @@ from typing import Any
 
 from wtransfer.errors import TransferError
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """Bumped whenever the wire protocol changes; workers and other trainer ranks refuse other versions."""
 
 MIB = 1 << 20

@@ -27,7 +27,7 @@ import math
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any
 
 from wtransfer._dtypes import dtype_from_name, dtype_name, supported_dtype_names
@@ -127,12 +127,12 @@ class TensorEntry:
     dtype: str
     shape: tuple[int, ...]
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
-    def nbytes(self) -> int:
+    @cached_property
+    def nbytes(self) -> int:  # cached: a ring round asks once per piece
         return self.numel * dtype_itemsize(self.dtype)
 
     def torch_dtype(self) -> torch.dtype:

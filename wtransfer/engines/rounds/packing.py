@@ -125,6 +125,16 @@ def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
         note_written(dst)
 
 
+def host_bytes(tensor: torch.Tensor) -> Any:
+    """A contiguous CPU tensor's bytes as a flat numpy ``uint8`` array sharing its memory, else None.
+
+    Made once per tensor (or buffer) and round, then sliced per piece: a numpy slice costs a fraction of a
+    microsecond, a torch view and its conversion several, and a streamed round pays them per bucket."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
+        return None  # a conjugate or negative view's memory does not hold its values as they read
+    return tensor_bytes(tensor).numpy()
+
+
 def _byte_copyable(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Contiguous CPU tensors of one dtype and shape: a plain memcpy copies one into the other."""
     return (dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype and dst.shape == src.shape
@@ -271,6 +281,8 @@ class Packer:
         self._flat: torch.Tensor | None = None
         self._held: dict[int, torch.Tensor] = {}  # passed, for a bucket not packed yet
         self._target = -1  # the last tensor asked for (others passed on the way are held)
+        self._bytes_of = -1  # the tensor whose wire bytes ``_bytes`` holds (None: it must be cast or gathered)
+        self._bytes: Any = None
 
     def _whole_tensor(self, index: int) -> torch.Tensor:
         """Tensor ``index``: from the source, or held since it was passed."""
@@ -301,23 +313,34 @@ class Packer:
                     f"do not change the model between metadata() and iteration"
                 )
             self._tensor, self._flat = tensor, None
+            self._bytes_of, self._bytes = -1, None  # held no longer than its tensor
         assert self._tensor is not None
         self._target = index
         return self._tensor
 
-    def pack(self, bucket: Bucket, data: torch.Tensor, buffer: int = -1) -> list[torch.Tensor]:
+    def pack(self, bucket: Bucket, data: torch.Tensor, buffer: int = -1, out: Any = None) -> list[torch.Tensor]:
         """Fill ``data`` (a uint8 buffer of at least ``bucket.nbytes``) with the bucket's bytes.
 
         Returns the source tensors read, to keep alive while async copies (a GPU stream) are in flight.
-        With digests, ``data`` is hashed later: fence ``buffer`` before writing into it again.
+        With digests, ``data`` is hashed later: fence ``buffer`` before writing into it again. ``out``:
+        ``host_bytes(data)``, from a caller that keeps one per buffer (else it is made here, per bucket).
         """
+        import numpy
+
         read: list[torch.Tensor] = []
+        if out is None and data.device.type == "cpu":
+            out = host_bytes(data)
         for piece in bucket.pieces:
             tensor = self._whole_tensor(piece.index) if piece.whole else self._advance_to(piece.index)
             if piece.length == 0:
                 continue
             entry = self._entries[piece.index]
-            if piece.whole:
+            source = self._wire_bytes(piece.index, tensor, entry) if out is not None else None
+            if source is not None:  # a plain memcpy, its views made once per tensor
+                numpy.copyto(out[piece.offset : piece.offset + piece.length],
+                             source[piece.start : piece.start + piece.length])
+                read.append(tensor)
+            elif piece.whole:
                 # copy_ reads any strides/storage offset directly (no temporary for views), and casts.
                 copy_tensor(typed_view(data, piece, entry), tensor)
                 read.append(tensor)
@@ -336,6 +359,13 @@ class Packer:
         if self.digests is not None:
             self.digests.update_pieces(bucket.pieces, data, buffer)
         return read
+
+    def _wire_bytes(self, index: int, tensor: torch.Tensor, entry: TensorEntry) -> Any:
+        """Tensor ``index``'s bytes as a numpy array if its memory holds the wire bytes as they are (else None)."""
+        if index != self._bytes_of:
+            self._bytes_of = index
+            self._bytes = host_bytes(tensor) if tensor.dtype == entry.torch_dtype() else None
+        return self._bytes
 
     def pack_staged(self, pieces: list[Piece], data: torch.Tensor, limit_bytes: int = 256 << 20,
                     tick: Callable[[], None] | None = None) -> None:
@@ -401,6 +431,7 @@ class Unpacker:
         )
         self._partial: dict[int, torch.Tensor] = {}  # index -> uint8 bytes being assembled
         self._direct: dict[int, torch.Tensor] = {}  # index -> destination written in place
+        self._bytes: dict[int, Any] = {}  # index -> numpy bytes of its destination or temporary, if on the host
         self._discard = getattr(load_weights, "discards", False) is True
         self.delivered = 0
 
@@ -448,14 +479,17 @@ class Unpacker:
         entries = self._manifest.entries
         self.delivered += sum(1 for p in bucket.pieces if p.whole or p.start + p.length == entries[p.index].nbytes)
 
-    def unpack(self, bucket: Bucket, data: torch.Tensor, buffer: int = -1) -> None:
-        """Hand the bucket's tensors on. With digests, fence ``buffer`` before it is written again."""
+    def unpack(self, bucket: Bucket, data: torch.Tensor, buffer: int = -1, raw: Any = None) -> None:
+        """Hand the bucket's tensors on. With digests, fence ``buffer`` before it is written again. ``raw``:
+        ``host_bytes(data)`` (or of the buffer ``data`` begins), from a caller that keeps one per buffer."""
         if self.digests is not None:  # a discarding follower hashes too: every worker verifies
             self.digests.update_pieces(bucket.pieces, data, buffer)
         if self._discard:
             self.placed(bucket)  # nothing kept: arrivals only counted
             return
         batch: list[tuple[str, torch.Tensor]] = []
+        if raw is None and data.device.type == "cpu":
+            raw = host_bytes(data)
         for piece in bucket.pieces:
             entry = self._manifest.entries[piece.index]
             if piece.whole:
@@ -467,40 +501,47 @@ class Unpacker:
                     tensor = typed_view(data, piece, entry)
                 batch.append((entry.name, tensor))
                 continue
-            finished = self._unpack_split(piece, entry, data)
+            finished = self._unpack_split(piece, entry, data, raw)
             if finished is not None:
                 batch.append((entry.name, finished))
         if batch:
             self._load(batch)
         self.delivered += len(batch)
 
-    def _unpack_split(self, piece: Piece, entry: TensorEntry, data: torch.Tensor) -> torch.Tensor | None:
-        """Copy one chunk; return the assembled tensor when it still needs ``load_weights``."""
-        chunk = data[piece.offset : piece.offset + piece.length]
+    def _unpack_split(self, piece: Piece, entry: TensorEntry, data: torch.Tensor, raw: Any) -> torch.Tensor | None:
+        """Copy one chunk (``raw``: ``data`` as numpy, if on the host); return the assembled tensor when it still
+        needs ``load_weights``."""
+        index = piece.index
         if piece.start == 0:
             target = self._in_place(entry)
             if target is not None:
-                self._direct[piece.index] = target
+                self._direct[index] = target
+                if target.requires_grad:  # written through numpy from now on: autograd hears it as after copy_
+                    note_written(target)
             else:
                 import torch
 
-                self._partial[piece.index] = torch.empty(entry.nbytes, dtype=torch.uint8, device=data.device)
-        last = piece.start + piece.length == entry.nbytes
-        if piece.index in self._direct:
-            target = self._direct[piece.index]
-            copy_tensor(tensor_bytes(target)[piece.start : piece.start + piece.length], chunk)
-            if last:
-                del self._direct[piece.index]
-                self.delivered += 1
-            return None
-        buffer = self._partial.get(piece.index)
-        if buffer is None:
+                target = self._partial[index] = torch.empty(entry.nbytes, dtype=torch.uint8, device=data.device)
+            self._bytes[index] = host_bytes(target) if raw is not None else None
+        elif index not in self._direct and index not in self._partial:
             raise TransferError(f"received a middle chunk of {entry.name!r} without its start")
-        copy_tensor(buffer[piece.start : piece.start + piece.length], chunk)
+        last = piece.start + piece.length == entry.nbytes
+        into = self._bytes[index]
+        if into is not None:  # a plain memcpy, its views made once per tensor
+            import numpy
+
+            numpy.copyto(into[piece.start : piece.start + piece.length], raw[piece.offset : piece.offset + piece.length])
+        else:
+            into = tensor_bytes(self._direct[index]) if index in self._direct else self._partial[index]
+            copy_tensor(into[piece.start : piece.start + piece.length], data[piece.offset : piece.offset + piece.length])
         if not last:
             return None
-        del self._partial[piece.index]
-        return buffer.view(entry.torch_dtype()).view(entry.shape)
+        del self._bytes[index]
+        if index in self._direct:
+            del self._direct[index]
+            self.delivered += 1
+            return None
+        return self._partial.pop(index).view(entry.torch_dtype()).view(entry.shape)
 
     def finish(self) -> None:
         """After the last bucket: every tensor of the manifest must have been delivered."""

