@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from wtransfer._bench.machine import LoadWatch
+from wtransfer._bench.ring_peer import RING_PIPELINE, RingPipeline
 from wtransfer._bench.report import MarkdownLines, MarkdownTable, add_report_arguments, figures_report
 from wtransfer.engines.channel.protocol import MIB
 from wtransfer._fork_server import worker_process
@@ -215,6 +216,17 @@ def two_copies_reference(tensors: list[torch.Tensor]) -> Callable[[], float]:
         return total / (time.perf_counter() - start) / 1e9
 
     return measure
+
+
+def _shm_ring_geometry(args: argparse.Namespace) -> tuple[int, int]:
+    """The ``shm`` trainer's bucket bytes and buffer count in this run: the flags', else its defaults."""
+    import dataclasses
+
+    from wtransfer.engines.shm.trainer import SharedMemoryInitOptions
+
+    defaults = {f.name: f.default for f in dataclasses.fields(SharedMemoryInitOptions)}
+    bucket_bytes = int(args.bucket_mb * MIB) // 64 * 64 if args.bucket_mb else defaults["bucket_bytes"]
+    return bucket_bytes, args.num_buffers or defaults["num_buffers"]
 
 
 def safetensors_reference(tensors: list[torch.Tensor]) -> Callable[[], float]:
@@ -422,6 +434,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--small-model", default="8192*2048",
                         help="with --compare and gloo: the many-small-tensors model for the per-tensor comparison "
                              "(8192*2048: 2048 tensors of 8192 elements)")
+    parser.add_argument("--ring-peer", action="store_true",
+                        help="also measure shm streaming's pipeline without wtransfer: the engine's buckets through a "
+                             "ring of the same geometry into one helper process, after every shm round (--workers 1)")
     parser.add_argument("--timeout", type=float, default=120.0, help="timeout_s of every wait")
     parser.add_argument("--share-source", action="store_true",
                         help="also run shm atomic with share_source=True (the trainer's tensors live in the staged "
@@ -462,6 +477,9 @@ def run(args: argparse.Namespace) -> int:
     if args.workers < 1 or args.rounds < 1:
         console.print("[red]--workers and --rounds must be >= 1[/red]")
         return 2
+    if args.ring_peer and args.workers != 1:
+        console.print("[red]--ring-peer measures the pipeline into one process: use it with --workers 1[/red]")
+        return 2
     commits = [c.strip() for c in args.commit.split(",") if c.strip()]
     if not commits or any(c not in ("streaming", "atomic") for c in commits):
         console.print(f"[red]--commit takes streaming and/or atomic, got {args.commit!r}[/red]")
@@ -493,6 +511,10 @@ def run(args: argparse.Namespace) -> int:
         references[RAW_CHUNKED] = gloo_peer.chunked
         references["gloo per-tensor broadcast"] = gloo_peer.per_tensor
         references["gloo per-tensor, new tensor + load (vLLM loop)"] = gloo_peer.per_tensor_loop
+    ring_peer = None
+    if args.ring_peer and "shm" in engines:  # the engine's streamed pipeline, without the engine
+        ring_peer = RingPipeline(tensors, *_shm_ring_geometry(args), timeout_s=args.timeout)
+        references[RING_PIPELINE] = ring_peer.measure
     with Progress(  # a bar on a terminal; in a log or a pipe only the lines below
         TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(), console=console, transient=False, disable=not console.is_terminal,
@@ -528,6 +550,8 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if gloo_peer is not None:
                 gloo_peer.close()
+            if ring_peer is not None:
+                ring_peer.close()
         if small_gloo:
             small_shapes = [[name, shape] for name, shape in parse_model(args.small_model)]
             small = build_model(small_shapes, dtype, random=True, seed=1)
@@ -587,12 +611,13 @@ _BEST_OF = {RAW_BEST: ("gloo one-tensor broadcast", RAW_CHUNKED)}
 """A target against the better of several peers: the lowest of the engine's ratios to them."""
 
 _PAIRED = {  # the references measured right after each round of an engine (those its targets use)
-    "shm": ("memcpy", "safetensors save+load (/dev/shm)", TWO_COPIES),
+    "shm": ("memcpy", "safetensors save+load (/dev/shm)", TWO_COPIES, RING_PIPELINE),
     "gloo": ("memcpy", "gloo one-tensor broadcast", RAW_CHUNKED, "gloo per-tensor broadcast"),
 }
 
 _RATIO_TARGETS = {  # row -> (peer, minimum ratio, does the target apply to this model?)
-    "shm streaming": [("memcpy", 0.6, True), (TWO_COPIES, 0.9, True), ("safetensors save+load (/dev/shm)", 4.0, True)],
+    "shm streaming": [("memcpy", 0.6, True), (TWO_COPIES, 0.9, True), (RING_PIPELINE, 0.9, True),
+                      ("safetensors save+load (/dev/shm)", 4.0, True)],
     "shm atomic": [(STAGED_FLOOR, 0.9, True), ("safetensors save+load (/dev/shm)", 4.0, True)],
     # share_source: the trainer copies nothing, so a round is the workers' one copy into their models
     "shm atomic + shared source": [("memcpy", 0.9, True)],
