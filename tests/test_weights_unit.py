@@ -261,6 +261,17 @@ def test_a_parameter_written_in_pieces_is_refused_by_a_graph_that_saved_its_old_
     assert torch.equal(weight.detach(), torch.full((64, 1024), 2.0))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+    # a round that stops after its first piece left the weight half new: autograd must know already
+    tensors = {"weight": torch.full((64, 1024), 3.0)}
+    manifest = build_manifest(TensorSource(tensors).metadata(), 2)
+    first = plan_buckets(manifest.entries, 64 << 10)[0]
+    buffer = torch.empty(64 << 10, dtype=torch.uint8)
+    Packer(manifest, iter(TensorSource(tensors))).pack(first, buffer)
+    loss, version = (weight**2).sum(), weight._version
+    Unpacker(manifest, module_loader(model)).unpack(first, buffer)
+    assert weight._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
 
 
 def test_control_words_and_json_frames_arrive_whole_and_in_order_however_the_bytes_are_cut() -> None:
