@@ -5,7 +5,8 @@ What they check: every round lands bit-exact and the parameters stay CUDA tensor
 swapped them for host copies matches every digest and fails here: planted once, caught on one H200);
 a round failing at its last tensor, after earlier buckets moved, leaves an atomic worker's GPU model
 as it was and a streamed one torn and saying so; a delta round is refused and sent whole; a trainer's
-one-pass stream of CUDA tensors (what verl's and TRL's generators hand over) lands in a host model.
+one-pass stream of CUDA tensors (what verl's and TRL's generators hand over) lands in a host model; and
+the fault-schedule checker's invariants hold with the trainer's tensors and every worker's model on the GPU.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from wtransfer.engines import ModuleSource, StreamSource
 from wtransfer.engines.wire import tensor_checksum
 from wtransfer.errors import TransferError
 from wtransfer.local import LocalWorkerPool
+from wtransfer.testing.conformance.schedules import run_schedules
 from wtransfer.testing.models import digests, matrix_model
 
 pytestmark = [
@@ -145,3 +147,13 @@ def test_a_stream_of_cuda_tensors_lands_bit_exact_in_a_host_model(backend: str) 
                 assert pool.stats()[0]["devices"] == ["cpu"]
         finally:
             trainer.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_labels_hold_under_random_schedules_with_models_on_the_gpu(backend: str) -> None:
+    """Seeded sequences of rounds (whole, partial, delta), failing loads, client timeouts, restarted workers and
+    replaced or dying trainers, as ``test_conformance_builtins.py`` runs them on host models, here with the
+    trainer's tensors and both workers' models on the GPU: after every step each label names exactly what the
+    workers' GPU tensors hold, and the models stay on the GPU."""
+    init_info = {"master_address": "127.0.0.1"} if backend == "gloo" else {}
+    assert run_schedules(backend, range(4), init_info=init_info, device="cuda") == 4

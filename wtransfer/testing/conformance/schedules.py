@@ -13,7 +13,9 @@ reads every worker's weights and checks the labels against them:
   (a trainer's partial round carries what changed since what every worker held when it was created, then
   since its own last round, even after every worker restarted); version 0 is the start-up weights;
 * **labels only go up** on every worker process;
-* **a round that returned is held by every worker**.
+* **a round that returned is held by every worker**;
+* **a model stays where it lives**: a worker's parameters stay on the device its model was built on (``device=
+  "cuda"`` builds the trainer's tensors and every worker's model on the GPU).
 
 A failure names the seed and the schedule so far; ``python -m wtransfer.testing.conformance.schedules ENGINE
 --schedules N`` runs many (``--seed S`` replays one).
@@ -38,12 +40,13 @@ KINDS = ("whole", "partial", "delta")
 COMMITS = ("atomic", "streaming")
 
 
-def schedule_model(seed: int = 0) -> Any:
+def schedule_model(seed: int = 0, device: str = "cpu") -> Any:
     """The model every schedule syncs: six small tensors, so a round takes milliseconds."""
     import torch
 
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Linear(24, 24), torch.nn.Linear(24, 8))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Linear(24, 24), torch.nn.Linear(24, 8))
+    return model.to(device)
 
 
 class ScheduleFailure(AssertionError):
@@ -113,6 +116,7 @@ class ScheduleRun:
     num_workers: int = 2
     init_info: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = 20.0
+    device: str = "cpu"
     log: list[str] = field(default_factory=list)
 
     def run(self) -> list[str]:
@@ -121,14 +125,15 @@ class ScheduleRun:
         from wtransfer.local import LocalWorkerPool
 
         self.rng = random.Random(self.seed)
-        self.truth = schedule_model(0)
+        self.truth = schedule_model(0, self.device)
         self.sent: dict[int, tuple[bool, dict[str, int]]] = {}  # version -> (partial, digests of what it carried)
         self.by_version: dict[int, dict[str, int]] = {}
         self.by_identity: dict[str, dict[str, int]] = {}
         with LocalWorkerPool(self.num_workers, MODEL_FACTORY, backend=self.engine, timeout_s=self.timeout_s,
-                             torch_threads=1) as pool:
+                             factory_kwargs={"device": self.device}, torch_threads=1) as pool:
             self.pool, self.client = pool, FlakyClient(pool)
             startup = pool.digests()[0]
+            self.devices = pool.stats()[0]["devices"]
             self.by_version[0] = self.by_identity["startup"] = startup
             self.workers = [_Worker(pid, 0, startup) for pid in pool.pids]
             self.trainer: Any = None
@@ -234,7 +239,7 @@ class ScheduleRun:
         schedule = "\n  ".join(self.log)
         raise ScheduleFailure(f"{self.engine}, seed {self.seed}: {what}\n  {details}\nschedule:\n  {schedule}\n"
                               f"replay: python -m wtransfer.testing.conformance.schedules {self.engine} "
-                              f"--seed {self.seed} --steps {self.steps}")
+                              f"--seed {self.seed} --steps {self.steps} --device {self.device}")
 
     def _check(self, step: int, returned: int | None) -> None:
         states = list(zip(self.pool.stats(), self.pool.digests()))
@@ -245,6 +250,8 @@ class ScheduleRun:
             worker, version = self.workers[rank], stats["weight_version"]
             if stats["pid"] != worker.pid:
                 self._fail("a worker process changed without a restart", f"worker {rank}")
+            if stats["devices"] != self.devices:
+                self._fail("a worker's model moved", f"worker {rank}: {self.devices} -> {stats['devices']}")
             if version is None:  # torn, and it says so: nothing to check but that it holds no label
                 if returned is not None:
                     self._fail("a round that returned is not held by every worker",
@@ -298,10 +305,10 @@ def _diff(a: dict[str, int], b: dict[str, int]) -> list[str]:
 
 
 def run_schedules(engine: str, seeds: range | list[int], *, steps: int = 12,
-                  init_info: dict[str, Any] | None = None) -> int:
+                  init_info: dict[str, Any] | None = None, device: str = "cpu") -> int:
     """Run one schedule per seed; raise :class:`ScheduleFailure` at the first broken invariant. Returns the count."""
     for seed in seeds:
-        ScheduleRun(engine, seed, steps, init_info=dict(init_info or {})).run()
+        ScheduleRun(engine, seed, steps, init_info=dict(init_info or {}), device=device).run()
     return len(seeds)
 
 
@@ -314,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None, help="replay this one seed, printing its schedule")
     parser.add_argument("--steps", type=int, default=12, help="events per schedule")
     parser.add_argument("--init-info", default=None, help="extra trainer init_info keys, as JSON")
+    parser.add_argument("--device", default="cpu", help="where the trainer's tensors and the workers' models live")
     args = parser.parse_args(argv)
     import json
 
@@ -323,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     for count, seed in enumerate(seeds, 1):
         try:
-            log = ScheduleRun(args.engine, seed, args.steps, init_info=init_info).run()
+            log = ScheduleRun(args.engine, seed, args.steps, init_info=init_info, device=args.device).run()
         except ScheduleFailure as exc:
             print(exc, file=sys.stderr)
             return 1
