@@ -99,11 +99,12 @@ def _rank_main(rank: int, ranks: int, port: int, options: str, conn: Any) -> Non
     largest = max(p.numel() * p.element_size() for p in model.parameters())
     if ranks > 1:
         import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks,
                                 timeout=datetime.timedelta(seconds=args["timeout"]))
-        fully_shard(model)
+        fully_shard(model, mesh=init_device_mesh("cpu", (ranks,)))  # CPU ranks even where CUDA is there
     pool = None
     report: dict[str, Any] = {"rank": rank, "largest_parameter": largest, "rounds": []}
     try:

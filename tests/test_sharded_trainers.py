@@ -94,6 +94,7 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
 
     import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import wtransfer
@@ -108,9 +109,10 @@ def _trainer_rank(rank: int, world: int, port: int, backend: str, rounds: int, v
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     model = tied_lm(seed=0)
+    mesh = init_device_mesh("cpu", (world,))  # CPU ranks even where CUDA is there (fully_shard's default)
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     pool = None
     try:
@@ -536,6 +538,7 @@ def _gather_check(rank: int, world: int, port: int, conn: Any) -> None:
 
     import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from wtransfer.engines.rounds.source import gather_rows_in_slices
@@ -547,7 +550,7 @@ def _gather_check(rank: int, world: int, port: int, conn: Any) -> None:
     shapes = {"even": (12, 5), "uneven": (101, 7), "fewer_rows_than_ranks": (2, 3), "vector": (13,), "empty": (0, 4)}
     for name, shape in shapes.items():
         module.register_parameter(name, torch.nn.Parameter(torch.randn(shape, generator=generator)))
-    fully_shard(module)
+    fully_shard(module, mesh=init_device_mesh("cpu", (world,)))
     results = {}
     for name in shapes:
         parameter = getattr(module, name)
