@@ -637,3 +637,54 @@ def test_a_worker_waits_for_a_stager_caught_between_bind_and_listen() -> None:
         if node is not None:
             node.close()
         stager.close()
+
+
+class _KeepsWhatItIsGiven:
+    """A loader that keeps every tensor it is given (the contract says: valid during the call only) and fails its
+    second round, so the worker's error holds frames whose locals view the engine's shared memory."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.inner, self.kept, self.calls = wtransfer.module_loader(model), [], 0
+
+    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        self.kept += [tensor for _, tensor in weights]
+        if self.calls == 1:
+            raise RuntimeError("the loader failed (injected)")
+        self.inner(weights)
+
+    def finish(self) -> None:
+        self.calls += 1
+
+
+@pytest.mark.parametrize("commit", ["atomic", "streaming"])
+def test_tensors_a_worker_was_given_stay_readable_after_the_engine_closed(commit: str, caplog: Any) -> None:
+    """Views of the ring or the staged copy that outlive their round (kept by a loader against the contract, or by
+    the frames of a worker's error, which error reporters format with their locals) read zeros once the engine
+    shut down: the shared memory was given back, and reading them must not crash the process (``mmap.close()``
+    unmapped them under the live tensors: a segfault). Their address range goes with the last of them."""
+    import logging
+    import traceback
+
+    caplog.set_level(logging.CRITICAL, logger="wtransfer")  # no log record keeps the workers' errors alive
+    shapes = [["a.weight", [16, 16]], ["a.bias", [16]], ["b.weight", [30, 20]]]  # each whole in a 4 KiB bucket
+    model = build_model(shapes, "float32")
+    tensors = {name: torch.randn(shape) for name, shape in shapes}
+    workers = ThreadedWorkers("shm", [model])
+    loader = workers.loaders[0] = _KeepsWhatItIsGiven(model)
+    trainer = wtransfer.create_trainer("shm", client=workers, source=TensorSource(tensors), commit=commit,
+                                       init_info={"world_size": workers.world_size, "bucket_bytes": 4096,
+                                                  "timeout_s": TIMEOUT})
+    try:
+        trainer.send_weights()
+        loader.finish()
+        with pytest.raises(TransferError):
+            trainer.send_weights()
+    finally:
+        trainer.shutdown()
+        workers.shutdown()
+    error = workers.errors[0][-1]
+    report = "".join(traceback.TracebackException.from_exception(error, capture_locals=True).format())
+    assert "the loader failed (injected)" in report and "tensor(" in report  # formatted whole, locals and all
+    assert len(loader.kept) > len(shapes)  # round 1's, and round 2's up to the failed call
+    assert not any(t.any() for t in loader.kept)  # every byte read: zeros, the pages were given back
+    # and the range goes with the last view: this module's leak check finds no mapping left at its end

@@ -135,7 +135,8 @@ class RingPipeline:
         return self._total / (time.perf_counter() - start) / 1e9
 
     def close(self) -> None:
-        """End the helper and unmap the ring (once a failed ``measure()``'s traceback lets go of its views)."""
+        """End the helper and let go of the ring (unmapped with its last view: a failed ``measure()``'s traceback may
+        still hold some)."""
         if hasattr(self, "_sock"):
             self._sock.close()  # the helper reads the end and returns
         if self._process.is_alive():
@@ -143,10 +144,4 @@ class RingPipeline:
         if self._process.is_alive():
             self._process.kill()
             self._process.join(5)
-        self._slots = []
-        if self._ring is not None:
-            try:
-                self._ring.close()
-            except BufferError:  # a traceback still holds a view: unmapped when it goes
-                pass
-            self._ring = None
+        self._slots, self._ring = [], None

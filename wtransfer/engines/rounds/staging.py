@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -80,18 +81,60 @@ def read_only_fd(fd: int) -> int:
 
 MADV_POPULATE_WRITE = 23
 """Linux >= 5.14: fault every page in writable, its content unchanged (Python 3.11 has no name for it)."""
+MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)
 
 
-def map_shared(fd: int, size: int, writable: bool) -> mmap.mmap:
-    """Map ``size`` bytes of ``fd`` shared, every page faulted in now so no round pays for it (writable
-    ones with ``MADV_POPULATE_WRITE``: a page populated for reading still faults at its first write)."""
-    populate = getattr(mmap, "MAP_POPULATE", 0)
+@functools.cache
+def _libc() -> Any:
+    """libc's ``mmap``, ``munmap`` and ``madvise``, typed for 64-bit addresses and sizes."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+def map_shared(fd: int, size: int, writable: bool) -> Any:
+    """``size`` bytes of ``fd`` mapped shared, as a ctypes byte array for ``torch.frombuffer`` or ``numpy.frombuffer``,
+    every page faulted in now so no round pays for it (writable ones with ``MADV_POPULATE_WRITE``: a page populated
+    for reading still faults at its first write).
+
+    The range is unmapped when the array and every view of it are gone, never before. Python's ``mmap`` is not used:
+    its ``close()`` unmaps under live ``torch.frombuffer`` views (they hold no buffer export), and a view read after
+    that crashed its process; and it keeps a duplicate descriptor, which would hold the memory as long as any view.
+    :func:`release_shared` lets go of the memory while views live on."""
+    import ctypes
+    import weakref
+
+    libc = _libc()
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-    mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (0 if writable else populate), prot=prot)
+    flags = mmap.MAP_SHARED | (0 if writable else getattr(mmap, "MAP_POPULATE", 0))
+    address = libc.mmap(None, size, prot, flags, fd, 0)
+    if address is None or address == ctypes.c_void_p(-1).value:
+        code = ctypes.get_errno()
+        raise OSError(code, f"mapping {size} bytes of shared memory failed: {os.strerror(code)}")
     if writable:
-        with contextlib.suppress(OSError, ValueError, AttributeError):  # an older kernel: the first writes fault
-            mapped.madvise(MADV_POPULATE_WRITE)
+        libc.madvise(address, size, MADV_POPULATE_WRITE)  # an older kernel refuses: the first writes fault
+    mapped = (ctypes.c_uint8 * size).from_address(address)
+    finalizer = weakref.finalize(mapped, libc.munmap, address, size)
+    finalizer.atexit = False  # at exit the process's memory goes anyway, and a thread may still read it
     return mapped
+
+
+def release_shared(mapped: Any) -> None:
+    """Give ``mapped``'s shared pages back now, though views of it may live on: the range becomes private zero pages
+    in place, so a view kept past this (by a loader, or by the frames of an error that a reporter formats with its
+    locals) reads zeros and writes to itself instead of crashing its process. The memory itself goes once the
+    file's last descriptor is closed; the range goes with the last view."""
+    import ctypes
+
+    address = _libc().mmap(ctypes.addressof(mapped), len(mapped), mmap.PROT_READ | mmap.PROT_WRITE,
+                           mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED, -1, 0)
+    if address != ctypes.addressof(mapped):  # the kernel refused (no memory for the page tables): keep the pages
+        logger.warning("could not release a shared-memory mapping in place; it is freed with its last view")
 
 
 class SharedSegment:
@@ -99,8 +142,6 @@ class SharedSegment:
     Read-only where handed over so: a stray write faults instead of altering what another worker commits."""
 
     def __init__(self, fd: int, size: int, writable: bool = True) -> None:
-        import warnings
-
         import torch
 
         self.fd = fd
@@ -108,13 +149,11 @@ class SharedSegment:
         self.writable = writable
         try:
             self.inode = os.fstat(fd).st_ino
-            self._map: mmap.mmap | None = map_shared(fd, max(size, 1), writable)
+            self._map: Any = map_shared(fd, max(size, 1), writable)
         except BaseException:
             os.close(fd)
             raise
-        with warnings.catch_warnings():  # torch warns that it cannot mark the tensor read-only: the mapping is
-            warnings.simplefilter("ignore", UserWarning)
-            self.data = torch.frombuffer(self._map, dtype=torch.uint8)[:size]
+        self.data = torch.frombuffer(self._map, dtype=torch.uint8)[:size]
 
     @classmethod
     def create(cls, size: int) -> SharedSegment:
@@ -144,16 +183,13 @@ class SharedSegment:
             for entry, offset in zip(manifest.entries, offsets)
         }
 
-    def close(self, unmap: bool = True) -> None:
-        """Close the descriptor and unmap the memory. ``unmap=False`` leaves the mapping to the tensors still
-        viewing it (each holds it; it goes with the last): ``shm``'s ``share_source`` keeps the trainer's own
-        tensors there, which must outlive the trainer."""
+    def close(self, release: bool = True) -> None:
+        """Close the descriptor and let go of the memory: :func:`release_shared` gives the pages back now, and a view
+        that outlives this reads zeros. ``release=False`` leaves the pages to the tensors still viewing them:
+        ``shm``'s ``share_source`` keeps the trainer's own tensors here, which must outlive the trainer."""
+        if self._map is not None and release:
+            release_shared(self._map)
         self.data = None  # type: ignore[assignment]
-        if self._map is not None and unmap:
-            try:
-                self._map.close()
-            except BufferError:  # a buffer export is still open: unmapped when it goes
-                logger.debug("staging segment still referenced at close; unmapped when released")
         self._map = None
         if self.fd >= 0:
             os.close(self.fd)

@@ -215,7 +215,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
                     if _within(tensor, copy.start, copy.size):
                         tensor.data = tensor.data.clone()
         finally:
-            segment.close(unmap=False)
+            segment.close(release=False)
 
     def _segment_for(self, size: int, entries: list[Any] | None = None,
                      pieces: list[Piece] | None = None) -> SharedSegment:
@@ -225,11 +225,11 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         if self._shared is not None and entries is not None and pieces is not None \
                 and self._segment is not None and (
                     tuple(entries) != self._shared.layout or not self._source_in_place(entries, pieces)):
-            self._segment.close(unmap=False)  # the module's tensors keep its mapping; they are copied from now on
+            self._segment.close(release=False)  # the module's tensors keep its pages; they are copied from now on
             self._segment, self._shared = None, None
         if self._segment is None or self._segment.size < size:
             if self._segment is not None:
-                self._segment.close(unmap=self._shared is None)
+                self._segment.close(release=self._shared is None)
                 self._segment, self._shared = None, None
             self._segment = SharedSegment.create(size)
             logger.debug("shm trainer: %d-byte staged segment", size)
@@ -457,7 +457,7 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
             self._ring.close()
             self._ring = None
         if getattr(self, "_segment", None) is not None:  # the source's tensors may live there (share_source)
-            self._segment.close(unmap=getattr(self, "_shared", None) is None)
+            self._segment.close(release=getattr(self, "_shared", None) is None)
             self._segment = None
         self._handed = {}
         if getattr(self, "_selector", None) is not None:
