@@ -40,8 +40,11 @@ def _ring_views(fd: int, bucket_bytes: int, num_buffers: int, writable: bool) ->
 
     ring = map_shared(fd, bucket_bytes * num_buffers, writable)
     os.close(fd)
-    return ring, [numpy.frombuffer(ring, dtype=numpy.uint8, count=bucket_bytes, offset=i * bucket_bytes)
-                  for i in range(num_buffers)]
+    views = [numpy.frombuffer(ring, dtype=numpy.uint8, count=bucket_bytes, offset=i * bucket_bytes)
+             for i in range(num_buffers)]
+    for view in views:
+        view.flags.writeable = writable
+    return ring, views
 
 
 def _helper(connection: Any, sizes: list[int], bucket_bytes: int, num_buffers: int, timeout_s: float) -> None:

@@ -223,7 +223,7 @@ class RoundState:
         self._staging: NodeStaging | None = None
         self._warned_no_manifest = False
         self._identity_after: str | None = None  # the round being received: what this worker holds once it commits
-        self._committing = threading.Lock()  # a round begins only once a commit on another thread has ended
+        self._committing = threading.Lock()  # a round begins, or the engine shuts down, once a commit has ended
         self.rejection: ManifestMismatchError | None = None  # this round cannot be taken here
         self.phases = Phases()
         """The last round's phases (see ``WeightTransferEngine.round_seconds``)."""
@@ -496,7 +496,10 @@ def _finish(state: RoundState, method: Callable[..., None], self: Any) -> None:
 
 
 def _shutdown(state: RoundState, method: Callable[..., None], self: Any) -> None:
-    try:
-        method(self)
-    finally:
-        state.close()
+    # A commit still loading on another thread (a client that timed out, then shut down or rejoined) ends first:
+    # closing the staged copy under it would load zeros under the round's label.
+    with state._committing:
+        try:
+            method(self)
+        finally:
+            state.close()

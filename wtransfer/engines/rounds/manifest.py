@@ -360,10 +360,13 @@ def identity_after(manifest: Manifest) -> str | None:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat ``uint8`` view of a tensor's bytes (copying only if it is not contiguous)."""
+    """A flat ``uint8`` view of a tensor's bytes as its values read (copying only if it is not contiguous, or is a
+    lazy conjugate or negative view, whose memory holds other values)."""
     import torch
 
     flat = tensor.detach().reshape(-1)
+    if flat.is_conj() or flat.is_neg():
+        flat = flat.resolve_conj().resolve_neg()
     if not flat.is_contiguous():
         flat = flat.contiguous()
     return flat.view(torch.uint8)

@@ -113,14 +113,15 @@ def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)``, as one single-threaded memcpy when both are contiguous CPU tensors.
 
     Copies are memory-bound: torch's intra-op threads only add synchronisation and compete with the other
-    side of the pipeline. Anything else (strides, devices, casts) goes to ``copy_``.
+    side of the pipeline. Anything else (strides, devices, casts, lazy views) goes to ``copy_``.
     """
-    if src.numel() < _SERIAL_NUMEL or not _byte_copyable(dst, src):  # small: torch copies on one thread anyway
+    views = _byte_views(dst, src)
+    if views is None:
         dst.copy_(src)
         return
     import numpy
 
-    numpy.copyto(tensor_bytes(dst).numpy(), tensor_bytes(src).numpy())
+    numpy.copyto(*views)
     if dst.requires_grad:
         note_written(dst)
 
@@ -135,10 +136,13 @@ def host_bytes(tensor: torch.Tensor) -> Any:
     return tensor_bytes(tensor).numpy()
 
 
-def _byte_copyable(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Contiguous CPU tensors of one dtype and shape: a plain memcpy copies one into the other."""
-    return (dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype and dst.shape == src.shape
-            and dst.is_contiguous() and src.is_contiguous())
+def _byte_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[Any, Any] | None:
+    """``dst``'s and ``src``'s bytes (:func:`host_bytes`) when a plain memcpy copies one into the other and is worth
+    it (one dtype and shape, at least ``_SERIAL_NUMEL`` elements: torch copies smaller ones on one thread anyway)."""
+    if src.numel() < _SERIAL_NUMEL or dst.dtype != src.dtype or dst.shape != src.shape:
+        return None
+    target, source = host_bytes(dst), host_bytes(src)
+    return None if target is None or source is None else (target, source)
 
 
 _pools: dict[str, Any] = {}
@@ -185,10 +189,11 @@ class ParallelCopier:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         import numpy
 
-        if src.numel() < _SERIAL_NUMEL or not _byte_copyable(dst, src):
+        views = _byte_views(dst, src)
+        if views is None:
             dst.copy_(src)  # what copy_tensor does for these, without checking them again
             return
-        target, source, pool = tensor_bytes(dst).numpy(), tensor_bytes(src).numpy(), thread_pool("wtransfer-copy")
+        (target, source), pool = views, thread_pool("wtransfer-copy")
         for at in range(0, len(target), PARALLEL_CHUNK):
             job = pool.submit(numpy.copyto, target[at : at + PARALLEL_CHUNK], source[at : at + PARALLEL_CHUNK])
             size = min(PARALLEL_CHUNK, len(target) - at)

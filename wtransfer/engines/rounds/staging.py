@@ -109,6 +109,9 @@ def map_shared(fd: int, size: int, writable: bool) -> Any:
     import ctypes
     import weakref
 
+    held = os.fstat(fd).st_size
+    if held < size:  # libc maps past the end, and the first read there is a SIGBUS
+        raise ValueError(f"cannot map {size} bytes of shared memory that holds {held}")
     libc = _libc()
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
     flags = mmap.MAP_SHARED | (0 if writable else getattr(mmap, "MAP_POPULATE", 0))
@@ -119,22 +122,26 @@ def map_shared(fd: int, size: int, writable: bool) -> Any:
     if writable:
         libc.madvise(address, size, MADV_POPULATE_WRITE)  # an older kernel refuses: the first writes fault
     mapped = (ctypes.c_uint8 * size).from_address(address)
-    finalizer = weakref.finalize(mapped, libc.munmap, address, size)
-    finalizer.atexit = False  # at exit the process's memory goes anyway, and a thread may still read it
+    mapped.unmap = weakref.finalize(mapped, libc.munmap, address, size)
+    mapped.unmap.atexit = False  # at exit the process's memory goes anyway, and a thread may still read it
     return mapped
 
 
 def release_shared(mapped: Any) -> None:
-    """Give ``mapped``'s shared pages back now, though views of it may live on: the range becomes private zero pages
-    in place, so a view kept past this (by a loader, or by the frames of an error that a reporter formats with its
-    locals) reads zeros and writes to itself instead of crashing its process. The memory itself goes once the
-    file's last descriptor is closed; the range goes with the last view."""
+    """Drop this process's hold on ``mapped``'s shared pages now, though views of it may live on: the range becomes
+    read-only zero pages in place, so a view kept past this (by a loader, or by the frames of an error that a report
+    formats with its locals) reads zeros instead of crashing its process; a write to it faults, as it did before.
+    The memory goes once no process maps it and its last descriptor is closed; the range goes with the last view."""
     import ctypes
 
-    address = _libc().mmap(ctypes.addressof(mapped), len(mapped), mmap.PROT_READ | mmap.PROT_WRITE,
-                           mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED, -1, 0)
-    if address != ctypes.addressof(mapped):  # the kernel refused (no memory for the page tables): keep the pages
-        logger.warning("could not release a shared-memory mapping in place; it is freed with its last view")
+    start = ctypes.addressof(mapped)
+    address = _libc().mmap(start, len(mapped), mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED,
+                           -1, 0)
+    if address != start:  # an older kernel may have unmapped the range already: never unmap what comes there next
+        mapped.unmap.detach()
+        code = ctypes.get_errno()
+        logger.warning("could not release a shared-memory mapping in place (%s); a view of it kept past its round "
+                       "is unsafe to read", os.strerror(code))
 
 
 class SharedSegment:

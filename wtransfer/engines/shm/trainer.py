@@ -62,7 +62,7 @@ class _SharedCopy:
     layout: tuple[Any, ...]  # the round's entries, in order: the segment is reused only for the same layout
     start: int  # the segment's address and size
     size: int
-    mapping: Any  # a weak reference to the segment's mmap
+    mapping: Any  # a weak reference to the segment's mapping (gone with the last tensor viewing it)
     tensors: list[Any] = field(default_factory=list)  # weak references to the tensors moved in, wherever they went
 
     def holds(self, tensor: Any) -> bool:
