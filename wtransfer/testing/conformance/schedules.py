@@ -133,7 +133,10 @@ class ScheduleRun:
                              factory_kwargs={"device": self.device}, torch_threads=1) as pool:
             self.pool, self.client = pool, FlakyClient(pool)
             startup = pool.digests()[0]
-            self.devices = pool.stats()[0]["devices"]
+            self.devices = sorted({str(p.device) for p in self.truth.parameters()})  # "cuda" as "cuda:0"
+            if pool.stats()[0]["devices"] != self.devices:
+                self._fail("the workers' models are not where they were asked to be",
+                           f"{pool.stats()[0]['devices']}, not {self.devices}")
             self.by_version[0] = self.by_identity["startup"] = startup
             self.workers = [_Worker(pid, 0, startup) for pid in pool.pids]
             self.trainer: Any = None

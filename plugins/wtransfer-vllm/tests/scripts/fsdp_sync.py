@@ -30,6 +30,7 @@ def crc(tensor: torch.Tensor) -> int:
 
 def rank_main(rank: int, world: int, backend: str, model_dir: str, port: int, out: str) -> None:
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import wtransfer
@@ -41,9 +42,10 @@ def rank_main(rank: int, world: int, backend: str, model_dir: str, port: int, ou
                             timeout=datetime.timedelta(seconds=180))
     model = load_trainer_model(model_dir)
     assert model.lm_head.weight is model.model.embed_tokens.weight, "the checkpoint should tie its embeddings"
+    mesh = init_device_mesh("cpu", (world,))  # CPU ranks even where CUDA is there (fully_shard's default)
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     pool = None
     if rank == 0:

@@ -51,6 +51,7 @@ def _a_quarter_place_below(bf16: "torch.Tensor") -> "torch.Tensor":
 
 def rank_main(rank: int, backend: str, model_dir: str, out: str, rounds: int, port: int, modes: list[str]) -> None:
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import distribute_tensor
     from vllm.distributed.weight_transfer.base import ModuleSource as VLLMModuleSource
@@ -71,14 +72,15 @@ def rank_main(rank: int, backend: str, model_dir: str, out: str, rounds: int, po
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=300))
+    mesh = init_device_mesh("cpu", (2,))  # CPU ranks even where CUDA is there (fully_shard's default)
     results = {}
     for mode in modes:
         unsharded = load_trainer_model(model_dir)  # the steps are taken here, then scattered into the shards
         model = load_trainer_model(model_dir).float()  # fp32 masters, bf16 compute
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
         for layer in model.model.layers:
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         trainer = WeightTransferTrainerFactory.trainer_init(
             trainer_init_info(backend, rank=rank, sharded=True, world_size=2), client=client,
             source=VLLMModuleSource(model) if mode == "writes" else _Wrapped(VLLMModuleSource(model)),
