@@ -140,10 +140,10 @@ def wire_bytes(tensor: torch.Tensor, dtype: torch.dtype, start: int, stop: int) 
     element boundaries: tensors start 64-byte aligned, buckets are multiples of 64)."""
     import torch
 
-    from wtransfer.engines.rounds.manifest import tensor_bytes
+    from wtransfer.engines.rounds.manifest import resolved, tensor_bytes
 
     if tensor.dtype == dtype:
-        return tensor_bytes(tensor)[start:stop]
+        return tensor_bytes(resolved(tensor))[start:stop]
     size = dtype.itemsize
     if start % size or stop % size:
         raise TransferError(f"internal error: bytes {start}:{stop} of a {dtype} tensor cut an element")

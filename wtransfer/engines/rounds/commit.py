@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("wtransfer")
 
 DEFAULT_COMMIT = "atomic"
+SHUTDOWN_WAIT_S = 60.0
+"""How long a shutdown waits for a commit loading on another thread before it closes the staged copy under it."""
 
 
 class _Loader:
@@ -224,6 +226,7 @@ class RoundState:
         self._warned_no_manifest = False
         self._identity_after: str | None = None  # the round being received: what this worker holds once it commits
         self._committing = threading.Lock()  # a round begins, or the engine shuts down, once a commit has ended
+        self.closes = 0  # shutdowns so far: a commit that saw one while it loaded reports the model torn
         self.rejection: ManifestMismatchError | None = None  # this round cannot be taken here
         self.phases = Phases()
         """The last round's phases (see ``WeightTransferEngine.round_seconds``)."""
@@ -397,8 +400,11 @@ class RoundState:
         if received.manifest is not None:  # from here on some worker may hold it: its number is never reused
             self.spent = max(self.spent, received.manifest.version)
         if received.staged is not None:
+            closes = self.closes
             try:
                 received.real(list(received.staged.items()))
+                if self.closes != closes:  # shut down under it (on this thread, or after the wait ran out)
+                    raise TransferError("the engine was shut down while the round loaded from its staged copy")
             except Exception as exc:
                 self.torn = True
                 error = WeightsTornError(
@@ -415,6 +421,7 @@ class RoundState:
         self.identity = received.identity
 
     def close(self) -> None:
+        self.closes += 1
         self._received = None
         self._committer = None
         if self._staging is not None:
@@ -462,6 +469,8 @@ def _outermost(body: Callable[..., None], method: Callable[..., None]) -> Callab
     def wrapper(self: Any, *args: Any) -> None:
         calls = round_state(self).calls  # per thread: another thread's shutdown() during a receive is outermost too
         if getattr(calls, "depth", 0):
+            if body is _shutdown:  # on the committing thread itself (a loader, a signal handler): the commit sees it
+                round_state(self).closes += 1
             return method(self, *args)
         calls.depth = 1
         try:
@@ -496,10 +505,12 @@ def _finish(state: RoundState, method: Callable[..., None], self: Any) -> None:
 
 
 def _shutdown(state: RoundState, method: Callable[..., None], self: Any) -> None:
-    # A commit still loading on another thread (a client that timed out, then shut down or rejoined) ends first:
-    # closing the staged copy under it would load zeros under the round's label.
-    with state._committing:
-        try:
-            method(self)
-        finally:
-            state.close()
+    # A commit still loading on another thread (a client that timed out, then shut down or rejoined) ends first, so
+    # the model holds the whole round. One stuck longer than SHUTDOWN_WAIT_S is shut down under: it reports torn.
+    waited = state._committing.acquire(timeout=SHUTDOWN_WAIT_S)
+    try:
+        method(self)
+    finally:
+        state.close()
+        if waited:
+            state._committing.release()

@@ -360,21 +360,26 @@ def identity_after(manifest: Manifest) -> str | None:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat ``uint8`` view of a tensor's bytes as its values read (copying only if it is not contiguous, or is a
-    lazy conjugate or negative view, whose memory holds other values)."""
+    """A flat ``uint8`` view of a tensor's bytes (copying only if it is not contiguous). A lazy conjugate or negative
+    view raises (torch refuses its byte view), so a write through this is never lost in a copy: readers pass
+    :func:`resolved` tensors."""
     import torch
 
     flat = tensor.detach().reshape(-1)
-    if flat.is_conj() or flat.is_neg():
-        flat = flat.resolve_conj().resolve_neg()
     if not flat.is_contiguous():
         flat = flat.contiguous()
     return flat.view(torch.uint8)
 
 
+def resolved(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with its values in its memory: a lazy conjugate or negative view (``z.conj()``) as a copy, any
+    other tensor itself."""
+    return tensor.resolve_conj().resolve_neg()
+
+
 def tensor_checksum(tensor: torch.Tensor) -> int:
     """CRC32 of a tensor's raw bytes: detects any corruption, bit for bit."""
-    data = tensor_bytes(tensor.cpu() if tensor.device.type != "cpu" else tensor)
+    data = tensor_bytes(resolved(tensor.cpu() if tensor.device.type != "cpu" else tensor))
     if data.numel() == 0:
         return 0
     return zlib.crc32(data.numpy())

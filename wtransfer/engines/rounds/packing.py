@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from wtransfer.engines.channel.protocol import ALIGN, check_bucket_bytes
 from wtransfer.engines.rounds.cast import wire_bytes
-from wtransfer.engines.rounds.manifest import Manifest, TensorEntry, entry_for, tensor_bytes
+from wtransfer.engines.rounds.manifest import Manifest, TensorEntry, entry_for, resolved, tensor_bytes
 from wtransfer.errors import ManifestMismatchError, TransferError
 
 if TYPE_CHECKING:
@@ -263,7 +263,8 @@ def readable_as_is(tensor: torch.Tensor, entry: TensorEntry, device: torch.devic
     """Whether ``tensor``'s memory holds ``entry``'s wire bytes as they are (contiguous, of its dtype, on
     ``device``): such a tensor is read in place instead of packed, or lives in a staged copy (shm's
     ``share_source``)."""
-    return tensor.is_contiguous() and tensor.device == device and tensor.dtype == entry.torch_dtype()
+    return (tensor.is_contiguous() and tensor.device == device and tensor.dtype == entry.torch_dtype()
+            and not tensor.is_conj() and not tensor.is_neg())
 
 
 class Packer:
@@ -355,7 +356,7 @@ class Packer:
                 read.append(cast)
             else:
                 if self._flat is None:
-                    self._flat = tensor_bytes(tensor)  # a contiguous copy if the tensor is not
+                    self._flat = tensor_bytes(resolved(tensor))  # a copy if not contiguous, or a lazy view
                 copy_tensor(
                     data[piece.offset : piece.offset + piece.length],
                     self._flat[piece.start : piece.start + piece.length],
@@ -443,8 +444,9 @@ class Unpacker:
     def _in_place(self, entry: TensorEntry) -> torch.Tensor | None:
         """The loader's destination for ``entry`` if its bytes can be written there as they arrive."""
         target = self._destination(entry.name) if self._destination is not None else None
-        if target is None or not target.is_contiguous() or entry_for(entry.name, target) != entry:
-            return None
+        if target is None or not target.is_contiguous() or target.is_conj() or target.is_neg() \
+                or entry_for(entry.name, target) != entry:
+            return None  # a lazy view's memory holds other values than it reads: it takes a copy_ instead
         return target
 
     def direct_target(self, bucket: Bucket) -> torch.Tensor | None:

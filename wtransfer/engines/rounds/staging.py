@@ -140,8 +140,8 @@ def release_shared(mapped: Any) -> None:
     if address != start:  # an older kernel may have unmapped the range already: never unmap what comes there next
         mapped.unmap.detach()
         code = ctypes.get_errno()
-        logger.warning("could not release a shared-memory mapping in place (%s); a view of it kept past its round "
-                       "is unsafe to read", os.strerror(code))
+        logger.warning("could not turn a shared-memory mapping into zero pages in place (%s): it is never unmapped "
+                       "now, and a view of it kept past its round may be unsafe to read", os.strerror(code))
 
 
 class SharedSegment:
