@@ -207,6 +207,7 @@ class _Received:
     staged: dict[str, torch.Tensor] | None  # None: already in the model (streamed)
     real: Any
     identity: str | None = None  # what this worker holds once it commits
+    closes: int = 0  # the engine's shutdowns when the round began: one since, and what it read may be gone
 
 
 class RoundState:
@@ -226,7 +227,8 @@ class RoundState:
         self._warned_no_manifest = False
         self._identity_after: str | None = None  # the round being received: what this worker holds once it commits
         self._committing = threading.Lock()  # a round begins, or the engine shuts down, once a commit has ended
-        self.closes = 0  # shutdowns so far: a commit that saw one while it loaded reports the model torn
+        self.closes = 0  # shutdowns so far: a round that saw one before its commit ended reports the model torn
+        self._closes_at_begin = 0
         self.rejection: ManifestMismatchError | None = None  # this round cannot be taken here
         self.phases = Phases()
         """The last round's phases (see ``WeightTransferEngine.round_seconds``)."""
@@ -253,6 +255,7 @@ class RoundState:
         """A round starts: the loader the engine writes through."""
         with self._committing:  # a commit still running on another thread (a client that timed out) ends first
             self._received = None  # an earlier round received but never committed is dropped
+            self._closes_at_begin = self.closes
         self._committer = self.loader = self.rejection = None
         manifest = getattr(update_info, "parsed", None)
         wire = self._manifest = manifest if isinstance(manifest, Manifest) else None
@@ -346,10 +349,10 @@ class RoundState:
         if isinstance(loader, StreamingLoader):
             if loader.touched:  # the new bytes are in, but the round counts only at finish: until then
                 self.torn = True  # neither the old version nor (yet) a counted new one
-            self._received = _Received(manifest, None, real, self._identity_after)
+            self._received = _Received(manifest, None, real, self._identity_after, self._closes_at_begin)
         else:
             assert isinstance(loader, AtomicLoader) and manifest is not None
-            self._received = _Received(manifest, loader.staged(), real, self._identity_after)
+            self._received = _Received(manifest, loader.staged(), real, self._identity_after, self._closes_at_begin)
 
     def failed(self, exc: BaseException) -> BaseException:
         """The round failed on this worker: tell the node's followers, say what the model holds."""
@@ -399,29 +402,28 @@ class RoundState:
         self._committer = None
         if received.manifest is not None:  # from here on some worker may hold it: its number is never reused
             self.spent = max(self.spent, received.manifest.version)
-        if received.staged is not None:
-            closes = self.closes
-            try:
+        try:
+            if received.staged is not None:
                 received.real(list(received.staged.items()))
-                if self.closes != closes:  # shut down under it (on this thread, or after the wait ran out)
-                    raise TransferError("the engine was shut down while the round loaded from its staged copy")
-            except Exception as exc:
-                self.torn = True
-                error = WeightsTornError(
-                    f"{self.owner}: loading round {received.manifest.version if received.manifest else '?'} "
-                    f"from staging failed part-way, so the model is torn; weight_version is None until a "
-                    f"complete round lands. Cause: {type(exc).__name__}: {exc}"
-                )
-                logger.error("%s", error)
-                _notify_failed(error)
-                raise error from exc
+            if self.closes != received.closes:  # shut down under it (on this thread, or after the wait ran out)
+                raise TransferError("the engine was shut down while the round was received or loaded")
+        except Exception as exc:
+            self.torn = True
+            where = "from staging failed part-way" if received.staged is not None else "failed at commit"
+            error = WeightsTornError(
+                f"{self.owner}: loading round {received.manifest.version if received.manifest else '?'} "
+                f"{where}, so the model is torn; weight_version is None until a complete round lands. "
+                f"Cause: {type(exc).__name__}: {exc}"
+            )
+            logger.error("%s", error)
+            _notify_failed(error)
+            raise error from exc
         manifest = received.manifest
         self.committed = manifest.version if manifest is not None else self.committed + 1
         self.torn = False
         self.identity = received.identity
 
     def close(self) -> None:
-        self.closes += 1
         self._received = None
         self._committer = None
         if self._staging is not None:
@@ -508,6 +510,7 @@ def _shutdown(state: RoundState, method: Callable[..., None], self: Any) -> None
     # A commit still loading on another thread (a client that timed out, then shut down or rejoined) ends first, so
     # the model holds the whole round. One stuck longer than SHUTDOWN_WAIT_S is shut down under: it reports torn.
     waited = state._committing.acquire(timeout=SHUTDOWN_WAIT_S)
+    state.closes += 1  # before the engine lets go of anything a round may still read
     try:
         method(self)
     finally:

@@ -21,6 +21,7 @@ from wtransfer.engines.rounds.delta import (
     _words,
 )
 from wtransfer.engines.rounds.manifest import (
+    resolved,
     DENSE,
     POSITION_BLOCK,
     POSITIONS,
@@ -259,7 +260,7 @@ class DeltaEncoder:
         walk = _largest_first(source) if keeps else None
         try:
             for place, (name, tensor) in enumerate(source) if walk is None else walk:
-                new = tensor.detach()
+                new = resolved(tensor.detach())  # a lazy conjugate view's values, not its memory
                 on_host = new.device.type == "cpu"
                 if not on_host:
                     new = new.cpu()
