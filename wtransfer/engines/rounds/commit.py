@@ -228,7 +228,6 @@ class RoundState:
         self._identity_after: str | None = None  # the round being received: what this worker holds once it commits
         self._committing = threading.Lock()  # a round begins, or the engine shuts down, once a commit has ended
         self.closes = 0  # shutdowns so far: a round that saw one before its commit ended reports the model torn
-        self._closes_at_begin = 0
         self.rejection: ManifestMismatchError | None = None  # this round cannot be taken here
         self.phases = Phases()
         """The last round's phases (see ``WeightTransferEngine.round_seconds``)."""
@@ -251,11 +250,12 @@ class RoundState:
                 "spent": max(self.spent, self.committed)}
 
     # -- receive ------------------------------------------------------------------------------
-    def begin(self, update_info: Any, real: Any) -> Any:
-        """A round starts: the loader the engine writes through."""
+    def begin(self, update_info: Any, real: Any) -> tuple[Any, int]:
+        """A round starts: the loader the engine writes through, and the engine's shutdowns so far (the round's
+        commit reports torn if one came since)."""
         with self._committing:  # a commit still running on another thread (a client that timed out) ends first
             self._received = None  # an earlier round received but never committed is dropped
-            self._closes_at_begin = self.closes
+            closes = self.closes
         self._committer = self.loader = self.rejection = None
         manifest = getattr(update_info, "parsed", None)
         wire = self._manifest = manifest if isinstance(manifest, Manifest) else None
@@ -276,7 +276,7 @@ class RoundState:
                 self._check_holds(wire, real)
             except ManifestMismatchError as exc:
                 self.rejection = exc
-        return self.loader
+        return self.loader, closes
 
     def _check_holds(self, wire: Manifest, real: Any) -> None:
         """Refuse a round this worker's own state cannot take: a label that does not go up, or a round that leaves
@@ -342,17 +342,18 @@ class RoundState:
         self._staging.rejoin_if_orphaned()
         return self._staging
 
-    def received(self, real: Any) -> None:
-        """The engine's receive returned: the round is whole here (and, staged, on this node)."""
+    def received(self, real: Any, closes: int) -> None:
+        """The engine's receive returned: the round is whole here (and, staged, on this node). ``closes``: the
+        engine's shutdowns when it began."""
         loader, manifest = self._committer, self._manifest
         self.validate_round()  # an engine that ignored the verdict (and so wrote nothing) still fails the round
         if isinstance(loader, StreamingLoader):
             if loader.touched:  # the new bytes are in, but the round counts only at finish: until then
                 self.torn = True  # neither the old version nor (yet) a counted new one
-            self._received = _Received(manifest, None, real, self._identity_after, self._closes_at_begin)
+            self._received = _Received(manifest, None, real, self._identity_after, closes)
         else:
             assert isinstance(loader, AtomicLoader) and manifest is not None
-            self._received = _Received(manifest, loader.staged(), real, self._identity_after, self._closes_at_begin)
+            self._received = _Received(manifest, loader.staged(), real, self._identity_after, closes)
 
     def failed(self, exc: BaseException) -> BaseException:
         """The round failed on this worker: tell the node's followers, say what the model holds."""
@@ -486,11 +487,11 @@ def _outermost(body: Callable[..., None], method: Callable[..., None]) -> Callab
 def _receive(state: RoundState, method: Callable[..., None], self: Any, update_info: Any, load_weights: Any) -> None:
     phases = state.phases = Phases()
     try:
-        loader = state.begin(update_info, load_weights)
+        loader, closes = state.begin(update_info, load_weights)
         with phases("receive"):
             method(self, update_info, loader)
         with phases("stage"):
-            state.received(load_weights)
+            state.received(load_weights, closes)
     except BaseException as exc:
         error = state.failed(exc)
         if error is exc:

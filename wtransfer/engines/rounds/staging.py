@@ -82,6 +82,7 @@ def read_only_fd(fd: int) -> int:
 MADV_POPULATE_WRITE = 23
 """Linux >= 5.14: fault every page in writable, its content unchanged (Python 3.11 has no name for it)."""
 MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
 
 @functools.cache
@@ -129,14 +130,15 @@ def map_shared(fd: int, size: int, writable: bool) -> Any:
 
 def release_shared(mapped: Any) -> None:
     """Drop this process's hold on ``mapped``'s shared pages now, though views of it may live on: the range becomes
-    read-only zero pages in place, so a view kept past this (by a loader, or by the frames of an error that a report
-    formats with its locals) reads zeros instead of crashing its process; a write to it faults, as it did before.
-    The memory goes once no process maps it and its last descriptor is closed; the range goes with the last view."""
+    private zero pages in place, so a view kept past this (by a loader, or by the frames of an error that a report
+    formats with its locals) reads zeros, and a late write (a receive shut down under it) stays its own, instead
+    of crashing the process. No swap is reserved for them: a page costs memory only once written. The shared
+    memory goes once no process maps it and its last descriptor is closed; the range goes with the last view."""
     import ctypes
 
     start = ctypes.addressof(mapped)
-    address = _libc().mmap(start, len(mapped), mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED,
-                           -1, 0)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE
+    address = _libc().mmap(start, len(mapped), mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
     if address != start:  # an older kernel may have unmapped the range already: never unmap what comes there next
         mapped.unmap.detach()
         code = ctypes.get_errno()
