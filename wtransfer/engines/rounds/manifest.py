@@ -371,6 +371,11 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
+def is_lazy(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a lazy conjugate or negative view: its memory holds other values than it reads."""
+    return tensor.is_conj() or tensor.is_neg()
+
+
 def resolved(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` with its values in its memory: a lazy conjugate or negative view (``z.conj()``) as a copy, any
     other tensor itself."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from wtransfer.engines.channel.protocol import ALIGN, check_bucket_bytes
 from wtransfer.engines.rounds.cast import wire_bytes
-from wtransfer.engines.rounds.manifest import Manifest, TensorEntry, entry_for, resolved, tensor_bytes
+from wtransfer.engines.rounds.manifest import Manifest, TensorEntry, entry_for, is_lazy, resolved, tensor_bytes
 from wtransfer.errors import ManifestMismatchError, TransferError
 
 if TYPE_CHECKING:
@@ -131,8 +131,8 @@ def host_bytes(tensor: torch.Tensor) -> Any:
 
     Made once per tensor (or buffer) and round, then sliced per piece: a numpy slice costs a fraction of a
     microsecond, a torch view and its conversion several, and a streamed round pays them per bucket."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
-        return None  # a conjugate or negative view's memory does not hold its values as they read
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or is_lazy(tensor):
+        return None
     return tensor_bytes(tensor).numpy()
 
 
@@ -264,7 +264,7 @@ def readable_as_is(tensor: torch.Tensor, entry: TensorEntry, device: torch.devic
     ``device``): such a tensor is read in place instead of packed, or lives in a staged copy (shm's
     ``share_source``)."""
     return (tensor.is_contiguous() and tensor.device == device and tensor.dtype == entry.torch_dtype()
-            and not tensor.is_conj() and not tensor.is_neg())
+            and not is_lazy(tensor))
 
 
 class Packer:
@@ -444,9 +444,8 @@ class Unpacker:
     def _in_place(self, entry: TensorEntry) -> torch.Tensor | None:
         """The loader's destination for ``entry`` if its bytes can be written there as they arrive."""
         target = self._destination(entry.name) if self._destination is not None else None
-        if target is None or not target.is_contiguous() or target.is_conj() or target.is_neg() \
-                or entry_for(entry.name, target) != entry:
-            return None  # a lazy view's memory holds other values than it reads: it takes a copy_ instead
+        if target is None or not target.is_contiguous() or is_lazy(target) or entry_for(entry.name, target) != entry:
+            return None  # a lazy view takes a copy_ instead
         return target
 
     def direct_target(self, bucket: Bucket) -> torch.Tensor | None:
