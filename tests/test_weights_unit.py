@@ -275,37 +275,42 @@ def test_a_parameter_written_in_pieces_is_refused_by_a_graph_that_saved_its_old_
 
 
 def test_control_words_and_json_frames_arrive_whole_and_in_order_however_the_bytes_are_cut() -> None:
-    """Per-bucket messages travel as binary words, the rest as JSON: a receiver reading the stream in any cut
-    (here one byte at a time) gets every message, as sent, in order."""
+    """Per-bucket messages travel as binary words (``send_word``), the rest as JSON: a receiver reading the stream
+    in any cut (here one byte at a time) gets every message, as sent, in order."""
     import socket
     import struct
 
     from wtransfer.engines.channel.control import ControlChannel
 
-    messages = [
-        {"op": "bucket", "index": 0, "slot": 3},
-        {"op": "progress"},
-        {"op": "release", "index": 2**40, "slot": 0},
-        {"op": "bucket", "index": 1, "slot": "1"},  # not all integers: JSON, received as sent
-        {"op": "bucket", "index": 5, "slot": 1, "extra": True},
-        {"op": "release", "index": -1, "slot": 7},
-        {"op": "release", "index": 2**64, "slot": 7},  # beyond 64 bits: JSON
-        {"op": "release", "index": True, "slot": 0},  # a bool is no integer here: JSON, received as sent
+    messages = [  # (word?, message)
+        (True, {"op": "bucket", "index": 0, "slot": 3}),
+        (False, {"op": "progress"}),
+        (True, {"op": "release", "index": 2**40, "slot": 0}),
+        (False, {"op": "bucket", "index": 1, "slot": "1"}),  # a JSON frame of the same op: received as sent
+        (True, {"op": "release", "index": -1, "slot": 7}),
+        (False, {"op": "release", "index": 2**64, "slot": 7}),
+        (False, {"op": "release", "index": True, "slot": 0}),
     ]
     left, right = socket.socketpair()
     sender, wire = ControlChannel(left, "sender"), socket.socketpair()
     receiver = ControlChannel(wire[1], "receiver")
     with left, right, wire[0], wire[1]:
-        for message in messages:
-            sender.send(message, timeout=5)
+        for word, message in messages:
+            if word:
+                sender.send_word(message["op"], message["index"], message["slot"], timeout=5)
+            else:
+                sender.send(message, timeout=5)
+        with pytest.raises(struct.error):  # a word holds signed 64-bit fields only
+            sender.send_word("release", 2**64, 0)
         left.shutdown(socket.SHUT_WR)
         stream = b"".join(iter(lambda: right.recv(1 << 16), b""))
-        assert len(stream) < sum(len(json.dumps(m, separators=(",", ":"))) + 4 for m in messages)  # words: fewer bytes
+        assert len(stream) == sum(20 if word else len(json.dumps(m, separators=(",", ":"))) + 4
+                                  for word, m in messages)  # a word: 20 bytes
         got = []
         for byte in stream:
             wire[0].sendall(bytes([byte]))
             got += receiver.read_ready()
-        assert got == messages and type(got[-1]["index"]) is bool
+        assert got == [message for _, message in messages] and type(got[-1]["index"]) is bool
         for code in (0, 3):  # a word of no known kind is a protocol violation, not a message
             wire[0].sendall(struct.pack("!Iqq", 1 << 31 | code, 1, 2))
             with pytest.raises(TransferError, match="protocol violation"):

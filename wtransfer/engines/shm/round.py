@@ -201,7 +201,7 @@ class TrainerRound:
                 with trainer.phases("pack"):
                     packer.pack(bucket, ring.slots[slot], slot, outs[slot])
                 self.released[slot] = set(trainer._channels)
-                trainer.tell_workers({"op": "bucket", "index": bucket.index, "slot": slot}, manifest.version)
+                trainer.tell_bucket(bucket.index, slot, manifest.version)
             with trainer.phases("pack"):
                 packer.drain()
             if digests is not None:  # the workers compare them with their own before the round can commit

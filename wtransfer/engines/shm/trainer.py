@@ -414,6 +414,15 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
         """Send ``message`` to every worker (with ``fds(rank)``, if given); one that died fails the round."""
         self._tell(self._channels, message, fds, "shm worker rank", f"round {version}")
 
+    def tell_bucket(self, index: int, slot: int, version: int) -> None:
+        """Tell every worker that bucket ``index`` of round ``version`` is in ring buffer ``slot`` (a binary word:
+        it goes once per bucket)."""
+        for rank, channel in self._channels.items():
+            try:
+                channel.send_word("bucket", index, slot, timeout=self.timeout_s)
+            except PeerClosedError as exc:
+                raise TransferError(f"shm worker rank {rank} died during round {version}: {exc}") from exc
+
     def tell_senders(self, message: dict[str, Any], fds: Callable[[int], list[int]] | None = None) -> None:
         """Send ``message`` to the other trainer ranks (it names this attempt: a sender skips stale ones)."""
         message["attempt"] = self._attempt

@@ -198,7 +198,7 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
                 unpacker.unpack(bucket, self._ring.slots[slot][: bucket.nbytes], slot, raws[slot])
                 if digests is not None:
                     digests.fence(slot)  # hashed before the trainer may write there again
-                self._channel.send({"op": "release", "index": bucket.index, "slot": slot}, timeout=self._info.timeout_s)
+                self._channel.send_word("release", bucket.index, slot, timeout=self._info.timeout_s)
             verified = None
             if digests is not None:
                 message = self._next(manifest, self._info.timeout_s)
