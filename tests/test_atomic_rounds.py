@@ -782,26 +782,31 @@ class _SlowLoader:
         self.inner(weights)
 
 
-@pytest.mark.parametrize("who", ["another thread", "another thread, past the wait", "the committing thread"])
-def test_a_shutdown_during_a_commit_leaves_the_whole_round_or_says_torn(who: str, monkeypatch: Any) -> None:
+@pytest.mark.parametrize("backend, who", [("shm", "another thread"), ("shm", "another thread, past the wait"),
+                                          ("shm", "the committing thread"), ("gloo", "the committing thread")])
+def test_a_shutdown_during_a_commit_leaves_the_whole_round_or_says_torn(backend: str, who: str,
+                                                                        monkeypatch: Any) -> None:
     """A client that timed out shuts the worker down (or rejoins a new trainer) while its commit still loads from
     the staged copy. From another thread the shutdown waits for the commit: the model holds the whole round under
     its label (releasing the copy under the commit loaded zeros under version 1). A commit stuck past
     ``SHUTDOWN_WAIT_S``, or a shutdown on the committing thread itself, has the copy released under it: the worker
-    says torn instead of labelling what it loaded."""
+    says torn instead of labelling what it loaded. Either way, once the round ends the worker holds no staged copy
+    (gloo's is the node's own, in this process)."""
     import wtransfer.engines.rounds.commit as commit
 
     monkeypatch.setattr(commit, "SHUTDOWN_WAIT_S", 0.2 if who == "another thread, past the wait" else 30.0)
     shapes = [["a.weight", [64, 64]], ["a.bias", [64]], ["b.weight", [300, 70]]]
     model = build_model(shapes, "float32")
     tensors = {name: torch.randn(shape) for name, shape in shapes}
-    workers = ThreadedWorkers("shm", [model])
+    before = _open_memfds()
+    workers = ThreadedWorkers(backend, [model])
     engine = workers.engines[0]
     loader = workers.loaders[0] = _SlowLoader(model, 1.0 if "wait" in who else 0.5,
                                               engine.shutdown if who == "the committing thread" else None)
-    trainer = wtransfer.create_trainer("shm", client=workers, source=TensorSource(tensors), commit="atomic",
+    trainer = wtransfer.create_trainer(backend, client=workers, source=TensorSource(tensors), commit="atomic",
                                        init_info={"world_size": workers.world_size, "bucket_bytes": 4096,
-                                                  "timeout_s": TIMEOUT})
+                                                  "timeout_s": TIMEOUT,
+                                                  **({"master_address": "127.0.0.1"} if backend == "gloo" else {})})
     outcome: list[Any] = []
 
     def send() -> None:
@@ -824,6 +829,9 @@ def test_a_shutdown_during_a_commit_leaves_the_whole_round_or_says_torn(who: str
         else:
             assert engine.weight_version is None and engine.weights_torn, _holds_other_values(model, tensors)
             assert isinstance(outcome[0], TransferError)
+        staged = {fd for fd in _open_memfds() - before if "wtransfer-staging" in fd}
+        if backend == "gloo":  # the trainer (in this process too) stages nothing: only the worker's node did
+            assert not staged, f"the shut-down worker still holds its staged copy: {staged}"
     finally:
         sending.join(TIMEOUT)
         trainer.shutdown()

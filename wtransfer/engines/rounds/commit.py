@@ -470,18 +470,33 @@ def _outermost(body: Callable[..., None], method: Callable[..., None]) -> Callab
     """``body(state, method, self, *args)`` for the outermost call; nested (``super()``) calls run ``method``."""
 
     def wrapper(self: Any, *args: Any) -> None:
-        calls = round_state(self).calls  # per thread: another thread's shutdown() during a receive is outermost too
+        state = round_state(self)
+        calls = state.calls  # per thread: another thread's shutdown() during a receive is outermost too
         if getattr(calls, "depth", 0):
-            if body is _shutdown:  # on the committing thread itself (a loader, a signal handler): the commit sees it
-                round_state(self).closes += 1
+            if body is _shutdown:  # on the round's own thread (a loader, a signal handler): the commit sees it, and
+                state.closes += 1  # what the round may still read is let go of once the outermost call ends
+                calls.close_after = True
             return method(self, *args)
-        calls.depth = 1
+        calls.depth, calls.close_after = 1, False
         try:
-            return body(round_state(self), method, self, *args)
+            return body(state, method, self, *args)
         finally:
             calls.depth = 0
+            if calls.close_after:
+                calls.close_after = False
+                _close(state)
 
     return wrapper
+
+
+def _close(state: RoundState) -> None:
+    """Let go of the round's staging once no commit runs (waiting at most ``SHUTDOWN_WAIT_S`` for one)."""
+    waited = state._committing.acquire(timeout=SHUTDOWN_WAIT_S)
+    try:
+        state.close()
+    finally:
+        if waited:
+            state._committing.release()
 
 
 def _receive(state: RoundState, method: Callable[..., None], self: Any, update_info: Any, load_weights: Any) -> None:
