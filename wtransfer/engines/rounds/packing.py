@@ -419,6 +419,18 @@ class Packer:
             raise TransferError(f"internal error: tensors passed but never packed: {names[:5]}")
 
 
+@dataclass
+class _Split:
+    """A tensor split over buckets, being assembled on a worker."""
+
+    into: torch.Tensor
+    """Its bytes (uint8): the loader's destination, written in place, or a temporary handed to the loader whole."""
+    raw: Any
+    """``into`` as numpy when on the host (one plain memcpy per chunk), else None."""
+    in_place: bool
+    """``into`` is the loader's destination: nothing is left to hand over."""
+
+
 class Unpacker:
     """Worker side: turns received buckets back into tensors and hands them to ``load_weights``.
 
@@ -435,9 +447,7 @@ class Unpacker:
         self._destination: Callable[[str], torch.Tensor | None] | None = getattr(
             load_weights, "destination", None
         )
-        self._partial: dict[int, torch.Tensor] = {}  # index -> uint8 bytes being assembled
-        self._direct: dict[int, torch.Tensor] = {}  # index -> destination written in place
-        self._bytes: dict[int, Any] = {}  # index -> numpy bytes of its destination or temporary, if on the host
+        self._splits: dict[int, _Split] = {}  # index -> a split tensor being assembled
         self._discard = getattr(load_weights, "discards", False) is True
         self.delivered = 0
 
@@ -521,38 +531,37 @@ class Unpacker:
         if piece.start == 0:
             target = self._in_place(entry)
             if target is not None:
-                self._direct[index] = target
                 if target.requires_grad:  # written through numpy from now on: autograd hears it as after copy_
                     note_written(target)
+                into = tensor_bytes(target)
             else:
                 import torch
 
-                target = self._partial[index] = torch.empty(entry.nbytes, dtype=torch.uint8, device=data.device)
-            self._bytes[index] = host_bytes(target) if raw is not None else None
-        elif index not in self._direct and index not in self._partial:
+                into = torch.empty(entry.nbytes, dtype=torch.uint8, device=data.device)
+            self._splits[index] = _Split(into, host_bytes(into) if raw is not None else None, target is not None)
+        split = self._splits.get(index)
+        if split is None:
             raise TransferError(f"received a middle chunk of {entry.name!r} without its start")
-        last = piece.start + piece.length == entry.nbytes
-        into = self._bytes[index]
-        if into is not None:  # a plain memcpy, its views made once per tensor
+        if split.raw is not None:  # a plain memcpy, its views made once per tensor
             import numpy
 
-            numpy.copyto(into[piece.start : piece.start + piece.length], raw[piece.offset : piece.offset + piece.length])
+            numpy.copyto(split.raw[piece.start : piece.start + piece.length],
+                         raw[piece.offset : piece.offset + piece.length])
         else:
-            into = tensor_bytes(self._direct[index]) if index in self._direct else self._partial[index]
-            copy_tensor(into[piece.start : piece.start + piece.length], data[piece.offset : piece.offset + piece.length])
-        if not last:
+            copy_tensor(split.into[piece.start : piece.start + piece.length],
+                        data[piece.offset : piece.offset + piece.length])
+        if piece.start + piece.length != entry.nbytes:
             return None
-        del self._bytes[index]
-        if index in self._direct:
-            del self._direct[index]
+        del self._splits[index]
+        if split.in_place:
             self.delivered += 1
             return None
-        return self._partial.pop(index).view(entry.torch_dtype()).view(entry.shape)
+        return split.into.view(entry.torch_dtype()).view(entry.shape)
 
     def finish(self) -> None:
         """After the last bucket: every tensor of the manifest must have been delivered."""
         expected = len(self._manifest.entries)
-        if self.delivered != expected or self._partial or self._direct:
+        if self.delivered != expected or self._splits:
             raise TransferError(
                 f"round incomplete: {self.delivered} of {expected} tensors delivered"
             )
