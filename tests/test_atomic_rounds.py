@@ -720,6 +720,46 @@ def test_conjugate_views_land_as_their_values_read(backend: str, commit: str) ->
         workers.shutdown()
 
 
+class _ConjugateDestinations:
+    """A loader whose ``destination(name)`` is a lazy conjugate view of its parameter: a tensor written there reads
+    back as written (its parameter holds the conjugate), and a call copies through the same view."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def destination(self, name: str) -> torch.Tensor:
+        return self.model.get_parameter(name).data.conj()
+
+    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in weights:
+            self.destination(name).copy_(tensor)
+
+
+@pytest.mark.parametrize("commit", ["atomic", "streaming"])
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_a_loader_whose_destinations_are_conjugate_views_gets_the_values_sent(backend: str, commit: str) -> None:
+    """Bytes written in place land in a destination's memory as they are, and a lazy view's memory holds other
+    values than it reads: such a destination takes its tensors through the loader, whole or split over buckets,
+    so each reads as sent (raw bytes into it would have failed the round, or left it the conjugate)."""
+    shapes = [["whole", [40000], "complex64"], ["split", [200000], "complex64"]]
+    model = build_model(shapes, "float32")
+    tensors = {name: torch.randn(shape, dtype=torch.complex64) for name, shape, _ in shapes}
+    workers = ThreadedWorkers(backend, [model])
+    loader = workers.loaders[0] = _ConjugateDestinations(model)
+    trainer = wtransfer.create_trainer(
+        backend, client=workers, source=TensorSource(tensors), commit=commit,
+        init_info={"world_size": workers.world_size, "bucket_bytes": 1 << 20, "timeout_s": TIMEOUT,
+                   **({"master_address": "127.0.0.1"} if backend == "gloo" else {})})
+    try:
+        trainer.send_weights()
+        for name, tensor in tensors.items():
+            assert torch.equal(loader.destination(name), tensor), name
+            assert torch.equal(model.get_parameter(name), tensor.conj()), name
+    finally:
+        trainer.shutdown()
+        workers.shutdown()
+
+
 def _mapping_at(address: int) -> str | None:
     """The line of ``/proc/self/maps`` whose range holds ``address`` (None: nothing is mapped there)."""
     for line in open("/proc/self/maps"):
