@@ -113,11 +113,7 @@ def run_engine(
         torch_threads=args.worker_threads,
     ) as pool:
         advance(f"{label}: {args.workers} worker(s) started")
-        init_info: dict[str, Any] = {"world_size": pool.world_size, "timeout_s": args.timeout}
-        if args.bucket_mb:
-            init_info["bucket_bytes"] = int(args.bucket_mb * MIB) // 64 * 64
-        if args.num_buffers:
-            init_info["num_buffers"] = args.num_buffers
+        init_info: dict[str, Any] = {"world_size": pool.world_size, "timeout_s": args.timeout, **_geometry(args)}
         if share_source:
             init_info["share_source"] = True
         rss = PeakRss()
@@ -218,15 +214,21 @@ def two_copies_reference(tensors: list[torch.Tensor]) -> Callable[[], float]:
     return measure
 
 
+def _geometry(args: argparse.Namespace) -> dict[str, int]:
+    """The trainer ``init_info`` entries ``--bucket-mb`` and ``--num-buffers`` set (none: the engine's defaults)."""
+    given = {"bucket_bytes": int(args.bucket_mb * MIB) // 64 * 64 if args.bucket_mb else 0,
+             "num_buffers": args.num_buffers or 0}
+    return {key: value for key, value in given.items() if value}
+
+
 def _shm_ring_geometry(args: argparse.Namespace) -> tuple[int, int]:
     """The ``shm`` trainer's bucket bytes and buffer count in this run: the flags', else its defaults."""
     import dataclasses
 
     from wtransfer.engines.shm.trainer import SharedMemoryInitOptions
 
-    defaults = {f.name: f.default for f in dataclasses.fields(SharedMemoryInitOptions)}
-    bucket_bytes = int(args.bucket_mb * MIB) // 64 * 64 if args.bucket_mb else defaults["bucket_bytes"]
-    return bucket_bytes, args.num_buffers or defaults["num_buffers"]
+    geometry = {f.name: f.default for f in dataclasses.fields(SharedMemoryInitOptions)} | _geometry(args)
+    return geometry["bucket_bytes"], geometry["num_buffers"]
 
 
 def safetensors_reference(tensors: list[torch.Tensor]) -> Callable[[], float]:
