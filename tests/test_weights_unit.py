@@ -300,7 +300,7 @@ def test_control_words_and_json_frames_arrive_whole_and_in_order_however_the_byt
                 sender.send_word(message["op"], message["index"], message["slot"], timeout=5)
             else:
                 sender.send(message, timeout=5)
-        with pytest.raises(struct.error):  # a word holds signed 64-bit fields only
+        with pytest.raises(ValueError, match="signed 64-bit"):  # a word holds signed 64-bit fields only
             sender.send_word("release", 2**64, 0)
         left.shutdown(socket.SHUT_WR)
         stream = b"".join(iter(lambda: right.recv(1 << 16), b""))
@@ -316,6 +316,57 @@ def test_control_words_and_json_frames_arrive_whole_and_in_order_however_the_byt
             with pytest.raises(TransferError, match="protocol violation"):
                 receiver.read_ready()
             receiver._buffer.clear()
+
+
+def test_a_control_channel_waits_for_room_and_for_messages_only_within_its_timeouts() -> None:
+    """Calls that would block: a frame many times the socket's buffers arrives whole, its descriptor with it, while
+    the reader drains it; a send nobody reads and a read nobody answers end with TransferTimeoutError near their
+    timeouts; a peer that closes ends a waiting read at once with PeerClosedError."""
+    import os
+    import socket
+    import threading
+    import time
+
+    from wtransfer.engines.channel.control import ControlChannel, PeerClosedError
+    from wtransfer.errors import TransferTimeoutError
+
+    left, right = socket.socketpair()
+    for end in (left, right):
+        end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sender, receiver = ControlChannel(left, "sender"), ControlChannel(right, "receiver")
+    big = {"op": "many bytes", "data": "x" * (1 << 20)}
+    readable, writable = os.pipe()
+    got: list[Any] = []
+    reading = threading.Thread(target=lambda: got.append(receiver.recv(30)))
+    try:
+        reading.start()
+        sender.send(big, fds=[readable], timeout=30)
+        reading.join(30)
+        assert got == [big]
+        (passed,) = receiver.take_fds()
+        os.write(writable, b"!")
+        assert os.read(passed, 1) == b"!"  # the descriptor arrived with the frame
+        os.close(passed)
+        for call in (lambda: sender.send(big, timeout=0.3), lambda: receiver.recv(0.3)):
+            start = time.monotonic()
+            with pytest.raises(TransferTimeoutError):
+                call()  # nobody reads the frame; nobody sends another
+            assert 0.25 < time.monotonic() - start < 5
+        other, peer = socket.socketpair()
+        waiting = ControlChannel(other, "waiting")
+        threading.Timer(0.2, peer.close).start()
+        start = time.monotonic()
+        with pytest.raises(PeerClosedError):
+            waiting.recv(30)
+        assert time.monotonic() - start < 5
+        waiting.close()
+    finally:
+        reading.join(30)
+        for fd in (readable, writable):
+            os.close(fd)
+        sender.close()
+        receiver.close()
 
 
 def test_digests_computed_while_packing_and_unpacking_agree_and_catch_one_flipped_bit() -> None:

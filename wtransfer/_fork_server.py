@@ -102,7 +102,8 @@ class _Server:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(10)
         with contextlib.suppress(OSError):  # it forked the request just before it was killed: that child goes too
-            _data, late, _flags, _addr = socket.recv_fds(self.sock, _MESSAGE, 1, socket.MSG_DONTWAIT)
+            self.sock.setblocking(False)  # (socket.recv_fds drops its flags, MSG_DONTWAIT too, before Python 3.12)
+            _data, late, _flags, _addr = socket.recv_fds(self.sock, _MESSAGE, 1)
             for pidfd in late:
                 with contextlib.suppress(OSError):
                     signal.pidfd_send_signal(pidfd, signal.SIGKILL)

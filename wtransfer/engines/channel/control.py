@@ -6,6 +6,7 @@ memory is handed over without a name on disk.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import json
 import logging
@@ -48,6 +49,22 @@ def stranger_uid(sock: socket.socket) -> int | None:
     return uid if uid != os.getuid() else None
 
 
+def _recv_with_fds(sock: socket.socket, flags: int) -> tuple[bytes, list[int]]:
+    """What has arrived (up to 64 KiB) and up to 4 descriptors that came with it; ``socket.recv_fds`` drops its
+    ``flags`` before Python 3.12 (so MSG_DONTWAIT there would block)."""
+    fds = array.array("i")
+    data, ancillary, _flags, _addr = sock.recvmsg(1 << 16, socket.CMSG_SPACE(4 * fds.itemsize), flags)
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    return data, list(fds)
+
+
+def _deadline(timeout: float | None) -> float:
+    """When a wait of ``timeout`` seconds from now ends (None: never)."""
+    return math.inf if timeout is None else time.monotonic() + timeout
+
+
 class PeerClosedError(TransferError):
     """The other side closed the connection (it exited or was killed)."""
 
@@ -62,36 +79,42 @@ class ControlChannel:
         """The largest frame accepted (a larger one is a protocol violation, before it is buffered)."""
         self._buffer = bytearray()
         self._fds: list[int] = []
-        self._poller: Any = None  # a select.poll on the socket, made at the first wait
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def send(self, message: dict[str, Any], *, fds: list[int] | None = None, timeout: float = 30.0) -> None:
-        """Send ``message`` as a JSON frame (with ``fds``, if given), waiting at most ``timeout`` seconds for room."""
+    def send(self, message: dict[str, Any], *, fds: list[int] | None = None, timeout: float | None = 30.0) -> None:
+        """Send ``message`` as a JSON frame (with ``fds``, if given), waiting at most ``timeout`` seconds for room
+        (None: for as long as it takes)."""
         payload = json.dumps(message, separators=(",", ":")).encode()
         self._send(_HEADER.pack(len(payload)) + payload, fds, timeout)
 
-    def send_word(self, op: str, index: int, slot: int, *, timeout: float = 30.0) -> None:
+    def send_word(self, op: str, index: int, slot: int, *, timeout: float | None = 30.0) -> None:
         """Send a per-bucket message (``op`` one of ``_WORDS``, signed 64-bit ``index`` and ``slot``) as a binary
         word; the receiver reads ``{"op": op, "index": index, "slot": slot}``."""
-        self._send(_WORD.pack(_WORD_FLAG | _WORD_CODES[op], index, slot), None, timeout)
+        try:
+            word = _WORD.pack(_WORD_FLAG | _WORD_CODES[op], index, slot)
+        except (KeyError, struct.error) as exc:
+            raise ValueError(f"no control word {op!r} with index {index!r} and slot {slot!r}: the words are "
+                             f"{', '.join(_WORDS)}, with signed 64-bit integers") from exc
+        self._send(word, None, timeout)
 
-    def _send(self, frame: bytes, fds: list[int] | None, timeout: float) -> None:
+    def _send(self, frame: bytes, fds: list[int] | None, timeout: float | None) -> None:
         """One system call when the socket has room (the usual case); a poll only when it has none."""
         view, deadline = memoryview(frame), None
         try:
             self._untimed()
             while view:
                 try:
-                    if fds:
-                        sent = socket.send_fds(self.sock, [view], fds, socket.MSG_DONTWAIT)
+                    if fds:  # (socket.send_fds drops its flags before Python 3.12)
+                        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+                        sent = self.sock.sendmsg([view], rights, socket.MSG_DONTWAIT)
                         fds = None  # they went with the first byte
                     else:
                         sent = self.sock.send(view, socket.MSG_DONTWAIT)
                     view = view[sent:]
                 except BlockingIOError:
-                    deadline = time.monotonic() + timeout if deadline is None else deadline
+                    deadline = _deadline(timeout) if deadline is None else deadline
                     if not self._wait(select.POLLOUT, deadline):
                         raise TransferTimeoutError(f"sending to {self.peer} timed out after {timeout:g} s") from None
         except TransferTimeoutError:
@@ -106,16 +129,15 @@ class ControlChannel:
             self.sock.settimeout(None)
 
     def _wait(self, event: int, deadline: float) -> bool:
-        """Whether the socket became ready for ``event`` (or closed) before ``deadline``."""
-        if self._poller is None:
-            self._poller = select.poll()
-            self._poller.register(self.sock.fileno(), select.POLLIN | select.POLLOUT)
-        self._poller.modify(self.sock.fileno(), event)
+        """Whether the socket became ready for ``event`` (or closed) before ``deadline``. A poll object per wait:
+        one thread may wait to send while another waits to read, and one object cannot poll twice at once."""
+        poller = select.poll()
+        poller.register(self.sock.fileno(), event)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            if self._poller.poll(min(_POLL_MAX_MS, max(1, math.ceil(left * 1000)))):
+            if poller.poll(_POLL_MAX_MS if left * 1000 >= _POLL_MAX_MS else max(1, math.ceil(left * 1000))):
                 return True
 
     def _pop_frame(self) -> dict[str, Any] | None:
@@ -143,7 +165,7 @@ class ControlChannel:
             raise TransferError(f"{self.peer} sent a control message that is not an object")
         return message
 
-    def _fill(self, timeout: float) -> None:
+    def _fill(self, timeout: float | None) -> None:
         """Read what has arrived, waiting at most ``timeout`` seconds for something (one system call when it is
         there already, a poll first only when it is not)."""
         deadline = None
@@ -151,10 +173,10 @@ class ControlChannel:
             self._untimed()
             while True:
                 try:
-                    data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 16, 4, socket.MSG_DONTWAIT)
+                    data, fds = _recv_with_fds(self.sock, socket.MSG_DONTWAIT)
                     break
                 except BlockingIOError:
-                    deadline = time.monotonic() + timeout if deadline is None else deadline
+                    deadline = _deadline(timeout) if deadline is None else deadline
                     if not self._wait(select.POLLIN, deadline):
                         raise TransferTimeoutError(
                             f"no message from {self.peer} within {timeout:g} s; it may be stuck or dead") from None

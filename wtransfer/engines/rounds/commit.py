@@ -390,7 +390,32 @@ class RoundState:
     def commit(self) -> None:
         """``finish_weight_update``: load a staged round into the model, count the round."""
         with self._committing:
-            self._commit()
+            try:
+                self._commit()
+            finally:
+                if getattr(self.calls, "close_after", False):  # shut down from inside the commit: let go now
+                    self._close_deferred()
+
+    def close_deferred(self) -> None:
+        """A shutdown came on a round's own thread (from a loader or a signal handler) and the round's call has
+        returned: let go of the staging, once no commit runs on another thread (waiting at most
+        ``SHUTDOWN_WAIT_S``)."""
+        if not getattr(self.calls, "close_after", False):
+            return
+        waited = self._committing.acquire(timeout=SHUTDOWN_WAIT_S)
+        try:
+            self._close_deferred()
+        finally:
+            if waited:
+                self._committing.release()
+
+    def _close_deferred(self) -> None:
+        self.calls.close_after = False
+        self.closes += 1  # a round that began meanwhile (on another thread) must not commit what this frees
+        try:
+            self.close()
+        except Exception:  # the round's own outcome (often a WeightsTornError) is what the caller must see
+            logger.exception("%s: letting go of the staged copy after a shutdown failed", self.owner)
 
     def _commit(self) -> None:
         received, self._received = self._received, None
@@ -473,30 +498,18 @@ def _outermost(body: Callable[..., None], method: Callable[..., None]) -> Callab
         state = round_state(self)
         calls = state.calls  # per thread: another thread's shutdown() during a receive is outermost too
         if getattr(calls, "depth", 0):
-            if body is _shutdown:  # on the round's own thread (a loader, a signal handler): the commit sees it, and
-                state.closes += 1  # what the round may still read is let go of once the outermost call ends
-                calls.close_after = True
+            if body is _shutdown and calls.outer is not _shutdown:  # on the round's own thread (a loader, a signal
+                state.closes += 1  # handler): the commit sees it; what the round may still read is let go of once
+                calls.close_after = True  # the round's call returns (see RoundState.close_deferred)
             return method(self, *args)
-        calls.depth, calls.close_after = 1, False
+        calls.depth, calls.outer, calls.close_after = 1, body, False
         try:
             return body(state, method, self, *args)
         finally:
+            state.close_deferred()  # still "inside": a signal handler's shutdown now is nested, not a second lock
             calls.depth = 0
-            if calls.close_after:
-                calls.close_after = False
-                _close(state)
 
     return wrapper
-
-
-def _close(state: RoundState) -> None:
-    """Let go of the round's staging once no commit runs (waiting at most ``SHUTDOWN_WAIT_S`` for one)."""
-    waited = state._committing.acquire(timeout=SHUTDOWN_WAIT_S)
-    try:
-        state.close()
-    finally:
-        if waited:
-            state._committing.release()
 
 
 def _receive(state: RoundState, method: Callable[..., None], self: Any, update_info: Any, load_weights: Any) -> None:

@@ -417,23 +417,23 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
     def tell_bucket(self, index: int, slot: int, version: int) -> None:
         """Tell every worker that bucket ``index`` of round ``version`` is in ring buffer ``slot`` (a binary word:
         it goes once per bucket)."""
-        for rank, channel in self._channels.items():
-            try:
-                channel.send_word("bucket", index, slot, timeout=self.timeout_s)
-            except PeerClosedError as exc:
-                raise TransferError(f"shm worker rank {rank} died during round {version}: {exc}") from exc
+        self._tell(self._channels, ("bucket", index, slot), None, "shm worker rank", f"round {version}")
 
     def tell_senders(self, message: dict[str, Any], fds: Callable[[int], list[int]] | None = None) -> None:
         """Send ``message`` to the other trainer ranks (it names this attempt: a sender skips stale ones)."""
         message["attempt"] = self._attempt
         self._tell(self._senders, message, fds, "trainer rank", "the round")
 
-    def _tell(self, peers: dict[int, ControlChannel], message: dict[str, Any], fds: Callable[[int], list[int]] | None,
-              who: str, during: str) -> None:
+    def _tell(self, peers: dict[int, ControlChannel], message: dict[str, Any] | tuple[str, int, int],
+              fds: Callable[[int], list[int]] | None, who: str, during: str) -> None:
+        """``message`` to every peer: a JSON frame, or ``(op, index, slot)`` as a control word."""
         for rank, channel in peers.items():
             handed = fds(rank) if fds is not None else []
             try:
-                channel.send(message, fds=handed, timeout=self.timeout_s)
+                if isinstance(message, tuple):
+                    channel.send_word(*message, timeout=self.timeout_s)
+                else:
+                    channel.send(message, fds=handed, timeout=self.timeout_s)
             except PeerClosedError as exc:
                 raise TransferError(f"{who} {rank} died during {during}: {exc}") from exc
             finally:
