@@ -335,6 +335,8 @@ def test_a_control_channel_waits_for_room_and_for_messages_only_within_its_timeo
         end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sender, receiver = ControlChannel(left, "sender"), ControlChannel(right, "receiver")
+    other, peer = socket.socketpair()
+    waiting = ControlChannel(other, "waiting")
     big = {"op": "many bytes", "data": "x" * (1 << 20)}
     readable, writable = os.pipe()
     got: list[Any] = []
@@ -348,25 +350,27 @@ def test_a_control_channel_waits_for_room_and_for_messages_only_within_its_timeo
         os.write(writable, b"!")
         assert os.read(passed, 1) == b"!"  # the descriptor arrived with the frame
         os.close(passed)
-        for call in (lambda: sender.send(big, timeout=0.3), lambda: receiver.recv(0.3)):
-            start = time.monotonic()
-            with pytest.raises(TransferTimeoutError):
-                call()  # nobody reads the frame; nobody sends another
-            assert 0.25 < time.monotonic() - start < 5
-        other, peer = socket.socketpair()
-        waiting = ControlChannel(other, "waiting")
         threading.Timer(0.2, peer.close).start()
-        start = time.monotonic()
-        with pytest.raises(PeerClosedError):
-            waiting.recv(30)
-        assert time.monotonic() - start < 5
-        waiting.close()
+        calls = [  # nobody reads the frame (its descriptor with it); nobody sends another; the peer goes
+            (lambda: sender.send(big, fds=[readable], timeout=0.3), TransferTimeoutError, 0.25),
+            (lambda: receiver.recv(0.3), TransferTimeoutError, 0.25),
+            (lambda: waiting.recv(30), PeerClosedError, 0.0),
+        ]
+        for call, error, least in calls:
+            raised: list[BaseException] = []
+            start = time.monotonic()
+            ended = threading.Thread(target=lambda: raised.append(pytest.raises(error, call).value), daemon=True)
+            ended.start()
+            ended.join(10)  # a call that blocks for good fails here instead of hanging the run
+            assert not ended.is_alive() and raised, f"{error.__name__} did not come within 10 s"
+            assert least < time.monotonic() - start < 5
     finally:
         reading.join(30)
         for fd in (readable, writable):
             os.close(fd)
-        sender.close()
-        receiver.close()
+        for channel in (sender, receiver, waiting):
+            channel.close()
+        peer.close()
 
 
 def test_digests_computed_while_packing_and_unpacking_agree_and_catch_one_flipped_bit() -> None:

@@ -53,10 +53,15 @@ def _recv_with_fds(sock: socket.socket, flags: int) -> tuple[bytes, list[int]]:
     """What has arrived (up to 64 KiB) and up to 4 descriptors that came with it; ``socket.recv_fds`` drops its
     ``flags`` before Python 3.12 (so MSG_DONTWAIT there would block)."""
     fds = array.array("i")
-    data, ancillary, _flags, _addr = sock.recvmsg(1 << 16, socket.CMSG_SPACE(4 * fds.itemsize), flags)
+    data, ancillary, got, _addr = sock.recvmsg(1 << 16, socket.CMSG_SPACE(4 * fds.itemsize),
+                                               flags | getattr(socket, "MSG_CMSG_CLOEXEC", 0))
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    if got & socket.MSG_CTRUNC:  # more descriptors than a frame may carry: the kernel closed the rest
+        for fd in fds:
+            os.close(fd)
+        raise TransferError("a peer sent more than 4 descriptors with one message; protocol violation")
     return data, list(fds)
 
 
@@ -189,14 +194,14 @@ class ControlChannel:
             raise PeerClosedError(f"{self.peer} closed the connection (it exited or was killed)")
         self._buffer += data
 
-    def recv(self, timeout: float) -> dict[str, Any]:
-        """The next message, waiting at most ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
+    def recv(self, timeout: float | None) -> dict[str, Any]:
+        """The next message, waiting at most ``timeout`` seconds (None: for as long as it takes)."""
+        deadline = _deadline(timeout)
         while True:
             message = self._pop_frame()
             if message is not None:
                 return message
-            self._fill(max(deadline - time.monotonic(), 0.001))
+            self._fill(None if timeout is None else max(deadline - time.monotonic(), 0.001))
 
     def read_ready(self) -> list[dict[str, Any]]:
         """Every complete message after the socket was reported readable (does not block)."""

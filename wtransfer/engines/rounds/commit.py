@@ -507,7 +507,7 @@ def _outermost(body: Callable[..., None], method: Callable[..., None]) -> Callab
             return body(state, method, self, *args)
         finally:
             state.close_deferred()  # still "inside": a signal handler's shutdown now is nested, not a second lock
-            calls.depth = 0
+            calls.depth, calls.close_after = 0, False
 
     return wrapper
 
