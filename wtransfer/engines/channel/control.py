@@ -18,6 +18,7 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from wtransfer.errors import TransferError, TransferTimeoutError
@@ -106,26 +107,43 @@ class ControlChannel:
 
     def _send(self, frame: bytes, fds: list[int] | None, timeout: float | None) -> None:
         """One system call when the socket has room (the usual case); a poll only when it has none."""
-        view, deadline = memoryview(frame), None
+        view = memoryview(frame)
+
+        def step() -> bool:
+            nonlocal view, fds
+            if fds:  # (socket.send_fds drops its flags before Python 3.12)
+                rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+                sent = self.sock.sendmsg([view], rights, socket.MSG_DONTWAIT)
+                fds = None  # they went with the first byte
+            else:
+                sent = self.sock.send(view, socket.MSG_DONTWAIT)
+            view = view[sent:]
+            return not view
+
+        self._until_done(step, select.POLLOUT, timeout, "sending to {peer} timed out after {timeout:g} s",
+                         "{peer} is gone")
+
+    def _until_done(self, step: Callable[[], bool], event: int, timeout: float | None, timed_out: str,
+                    gone: str) -> None:
+        """Repeat ``step`` (system calls made with MSG_DONTWAIT) until it returns True. When it would block, wait for
+        ``event``: at most ``timeout`` seconds in all from the first wait (None: for as long as it takes), then
+        :class:`TransferTimeoutError` saying ``timed_out``. Any other socket error: :class:`PeerClosedError` saying
+        ``gone``. Both are formatted (``{peer}``, ``{timeout}``) only when raised: the usual call pays for neither."""
+        deadline = None
         try:
             self._untimed()
-            while view:
+            while True:
                 try:
-                    if fds:  # (socket.send_fds drops its flags before Python 3.12)
-                        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-                        sent = self.sock.sendmsg([view], rights, socket.MSG_DONTWAIT)
-                        fds = None  # they went with the first byte
-                    else:
-                        sent = self.sock.send(view, socket.MSG_DONTWAIT)
-                    view = view[sent:]
+                    if step():
+                        return
                 except BlockingIOError:
                     deadline = _deadline(timeout) if deadline is None else deadline
-                    if not self._wait(select.POLLOUT, deadline):
-                        raise TransferTimeoutError(f"sending to {self.peer} timed out after {timeout:g} s") from None
+                    if not self._wait(event, deadline):
+                        raise TransferTimeoutError(timed_out.format(peer=self.peer, timeout=timeout)) from None
         except TransferTimeoutError:
             raise
         except OSError as exc:
-            raise PeerClosedError(f"{self.peer} is gone ({type(exc).__name__}: {exc})") from exc
+            raise PeerClosedError(f"{gone.format(peer=self.peer)} ({type(exc).__name__}: {exc})") from exc
 
     def _untimed(self) -> None:
         """Keep the socket blocking and without a timeout: Python polls before every call on a socket with one
@@ -173,22 +191,16 @@ class ControlChannel:
     def _fill(self, timeout: float | None) -> None:
         """Read what has arrived, waiting at most ``timeout`` seconds for something (one system call when it is
         there already, a poll first only when it is not)."""
-        deadline = None
-        try:
-            self._untimed()
-            while True:
-                try:
-                    data, fds = _recv_with_fds(self.sock, socket.MSG_DONTWAIT)
-                    break
-                except BlockingIOError:
-                    deadline = _deadline(timeout) if deadline is None else deadline
-                    if not self._wait(select.POLLIN, deadline):
-                        raise TransferTimeoutError(
-                            f"no message from {self.peer} within {timeout:g} s; it may be stuck or dead") from None
-        except TransferTimeoutError:
-            raise
-        except OSError as exc:
-            raise PeerClosedError(f"lost the connection to {self.peer} ({type(exc).__name__}: {exc})") from exc
+        received: list[tuple[bytes, list[int]]] = []
+
+        def step() -> bool:
+            received.append(_recv_with_fds(self.sock, socket.MSG_DONTWAIT))
+            return True
+
+        self._until_done(step, select.POLLIN, timeout,
+                         "no message from {peer} within {timeout:g} s; it may be stuck or dead",
+                         "lost the connection to {peer}")
+        data, fds = received[0]
         self._fds.extend(fds)
         if not data:
             raise PeerClosedError(f"{self.peer} closed the connection (it exited or was killed)")

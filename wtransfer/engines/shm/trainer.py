@@ -412,28 +412,35 @@ class SharedMemoryTrainer(TrainerWeightTransferEngine):
 
     def tell_workers(self, message: dict[str, Any], version: int, fds: Callable[[int], list[int]] | None = None) -> None:
         """Send ``message`` to every worker (with ``fds(rank)``, if given); one that died fails the round."""
-        self._tell(self._channels, message, fds, "shm worker rank", f"round {version}")
+        self._tell(self._channels, self._json(message), fds, "shm worker rank", f"round {version}")
 
     def tell_bucket(self, index: int, slot: int, version: int) -> None:
         """Tell every worker that bucket ``index`` of round ``version`` is in ring buffer ``slot`` (a binary word:
         it goes once per bucket)."""
-        self._tell(self._channels, ("bucket", index, slot), None, "shm worker rank", f"round {version}")
+        def word(channel: ControlChannel, _fds: list[int]) -> None:
+            channel.send_word("bucket", index, slot, timeout=self.timeout_s)
+
+        self._tell(self._channels, word, None, "shm worker rank", f"round {version}")
 
     def tell_senders(self, message: dict[str, Any], fds: Callable[[int], list[int]] | None = None) -> None:
         """Send ``message`` to the other trainer ranks (it names this attempt: a sender skips stale ones)."""
         message["attempt"] = self._attempt
-        self._tell(self._senders, message, fds, "trainer rank", "the round")
+        self._tell(self._senders, self._json(message), fds, "trainer rank", "the round")
 
-    def _tell(self, peers: dict[int, ControlChannel], message: dict[str, Any] | tuple[str, int, int],
+    def _json(self, message: dict[str, Any]) -> Callable[[ControlChannel, list[int]], None]:
+        """A send of ``message`` as a JSON frame, with the descriptors handed to it."""
+        def send(channel: ControlChannel, handed: list[int]) -> None:
+            channel.send(message, fds=handed, timeout=self.timeout_s)
+
+        return send
+
+    def _tell(self, peers: dict[int, ControlChannel], send: Callable[[ControlChannel, list[int]], None],
               fds: Callable[[int], list[int]] | None, who: str, during: str) -> None:
-        """``message`` to every peer: a JSON frame, or ``(op, index, slot)`` as a control word."""
+        """``send(channel, descriptors)`` to every peer, with ``fds(rank)`` (closed here once sent)."""
         for rank, channel in peers.items():
             handed = fds(rank) if fds is not None else []
             try:
-                if isinstance(message, tuple):
-                    channel.send_word(*message, timeout=self.timeout_s)
-                else:
-                    channel.send(message, fds=handed, timeout=self.timeout_s)
+                send(channel, handed)
             except PeerClosedError as exc:
                 raise TransferError(f"{who} {rank} died during {during}: {exc}") from exc
             finally:
