@@ -175,6 +175,9 @@ class ThreadedWorkers:
             for rank in range(len(models))
         ]
         self.errors: list[list[BaseException]] = [[] for _ in models]
+        self.idle = threading.Event()
+        """Set while no call runs on the workers (a trainer may return before a failed round's call does)."""
+        self.idle.set()
 
     @property
     def world_size(self) -> int:
@@ -191,10 +194,12 @@ class ThreadedWorkers:
                 self.errors[rank].append(exc)
 
         threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(self.engines))]
+        self.idle.clear()
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
+        self.idle.set()
         raised = [f for f in failures if f is not None]
         if raised:  # the rejection, if any: it names the worker's reason
             raise next((f for f in raised if isinstance(f, ManifestMismatchError)), raised[0])
@@ -823,7 +828,9 @@ class _SlowLoader:
 
 
 @pytest.mark.parametrize("backend, who", [("shm", "another thread"), ("shm", "another thread, past the wait"),
-                                          ("shm", "the committing thread"), ("gloo", "the committing thread")])
+                                          ("shm", "the committing thread"), ("gloo", "the committing thread"),
+                                          ("shm", "the receiving thread"), ("gloo", "the receiving thread"),
+                                          ("shm", "another thread, mid-stream"), ("gloo", "another thread, mid-stream")])
 def test_a_shutdown_during_a_commit_leaves_the_whole_round_or_says_torn(backend: str, who: str,
                                                                         monkeypatch: Any) -> None:
     """A client that timed out shuts the worker down (or rejoins a new trainer) while its commit still loads from
@@ -831,7 +838,10 @@ def test_a_shutdown_during_a_commit_leaves_the_whole_round_or_says_torn(backend:
     its label (releasing the copy under the commit loaded zeros under version 1). A commit stuck past
     ``SHUTDOWN_WAIT_S``, or a shutdown on the committing thread itself, has the copy released under it: the worker
     says torn instead of labelling what it loaded. Either way, once the round ends the worker holds no staged copy
-    (gloo's is the node's own, in this process)."""
+    (gloo's is the node's own, in this process). A streamed round writes as it is received: from its first write
+    the worker says torn, and stays so when its engine is shut down mid-round, by its loader or from another thread
+    (whose shutdown then frees what the round reads, and the round fails saying so). Then a new trainer's round heals
+    the worker: the model holds its values, bit for bit, under its label."""
     import wtransfer.engines.rounds.commit as commit
 
     monkeypatch.setattr(commit, "SHUTDOWN_WAIT_S", 0.2 if who == "another thread, past the wait" else 30.0)
@@ -841,12 +851,13 @@ def test_a_shutdown_during_a_commit_leaves_the_whole_round_or_says_torn(backend:
     before = _open_memfds()
     workers = ThreadedWorkers(backend, [model])
     engine = workers.engines[0]
+    streamed = who in ("the receiving thread", "another thread, mid-stream")
     loader = workers.loaders[0] = _SlowLoader(model, 1.0 if "wait" in who else 0.5,
-                                              engine.shutdown if who == "the committing thread" else None)
-    trainer = wtransfer.create_trainer(backend, client=workers, source=TensorSource(tensors), commit="atomic",
-                                       init_info={"world_size": workers.world_size, "bucket_bytes": 4096,
-                                                  "timeout_s": TIMEOUT,
-                                                  **({"master_address": "127.0.0.1"} if backend == "gloo" else {})})
+                                              None if who.startswith("another thread") else engine.shutdown)
+    init_info = {"world_size": workers.world_size, "bucket_bytes": 4096, "timeout_s": TIMEOUT,
+                 **({"master_address": "127.0.0.1"} if backend == "gloo" else {})}
+    trainer = wtransfer.create_trainer(backend, client=workers, source=TensorSource(tensors), init_info=init_info,
+                                       commit="streaming" if streamed else "atomic")
     outcome: list[Any] = []
 
     def send() -> None:
@@ -859,19 +870,30 @@ def test_a_shutdown_during_a_commit_leaves_the_whole_round_or_says_torn(backend:
     try:
         sending.start()
         assert loader.loading.wait(TIMEOUT)
-        if who != "the committing thread":
-            engine.shutdown()  # mid-commit, from another thread
+        if streamed:  # written into mid-round: no one version's, whatever happens next
+            assert (engine.weight_version, engine.weights_torn) == (None, True)
+        if who.startswith("another thread"):
+            engine.shutdown()  # mid-commit (or mid-stream), from another thread
         sending.join(TIMEOUT)
-        assert not sending.is_alive()
+        assert not sending.is_alive() and workers.idle.wait(TIMEOUT)
         if who == "another thread":
             assert engine.weight_version == 1 and not engine.weights_torn
             assert not _holds_other_values(model, tensors) and isinstance(outcome[0], dict)
         else:
             assert engine.weight_version is None and engine.weights_torn, _holds_other_values(model, tensors)
             assert isinstance(outcome[0], TransferError)
+        if streamed:  # the worker's own error says what happened
+            assert "was shut down during round 1" in str(workers.errors[0][-1]), repr(workers.errors[0][-1])
         staged = {fd for fd in _open_memfds() - before if "wtransfer-staging" in fd}
         if backend == "gloo":  # the trainer (in this process too) stages nothing: only the worker's node did
             assert not staged, f"the shut-down worker still holds its staged copy: {staged}"
+        trainer.shutdown()
+        loader.shutdown, loader.seconds = None, 0.0
+        healed = {name: tensor + 1 for name, tensor in tensors.items()}  # other values than any round's so far
+        trainer = wtransfer.create_trainer(backend, client=workers, source=TensorSource(healed), init_info=init_info)
+        stats = trainer.send_weights()
+        assert not _holds_other_values(model, healed)
+        assert (engine.weight_version, engine.weights_torn) == (stats["version"], False)
     finally:
         sending.join(TIMEOUT)
         trainer.shutdown()

@@ -82,26 +82,34 @@ class _Loader:
 
 
 class StreamingLoader(_Loader):
-    """Writes straight into the model, remembering whether anything may have been written."""
+    """Writes straight into the model, remembering whether anything may have been written. From the first write
+    the model holds no one version (``on_touch`` says so, before the write): a label read during the round, or
+    left by a round that never ends cleanly, must not name the old one."""
 
-    def __init__(self, real: Any) -> None:
+    def __init__(self, real: Any, on_touch: Callable[[], None]) -> None:
         super().__init__(real)
         self.touched = False
+        self._on_touch = on_touch
         real_destination = getattr(real, "destination", None)
         if callable(real_destination):
             self.destination = self._destination  # only offered where the real loader offers it
         self._real_destination = real_destination
 
+    def _touch(self) -> None:
+        if not self.touched:
+            self.touched = True
+            self._on_touch()
+
     def _destination(self, name: str) -> torch.Tensor | None:
         self.refuse_if_rejected()
         target = self._real_destination(name)  # type: ignore[misc]
         if target is not None:
-            self.touched = True  # the engine may write into it from now on
+            self._touch()  # the engine may write into it from now on
         return target
 
     def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         self.refuse_if_rejected()
-        self.touched = True
+        self._touch()
         self.real(weights)
 
 
@@ -226,6 +234,7 @@ class RoundState:
         self._staging: NodeStaging | None = None
         self._warned_no_manifest = False
         self._identity_after: str | None = None  # the round being received: what this worker holds once it commits
+        self._round_wrote = False  # the round being received wrote into the model (streamed)
         self._committing = threading.Lock()  # a round begins, or the engine shuts down, once a commit has ended
         self.closes = 0  # shutdowns so far: a round that saw one before its commit ended reports the model torn
         self.rejection: ManifestMismatchError | None = None  # this round cannot be taken here
@@ -257,6 +266,7 @@ class RoundState:
             self._received = None  # an earlier round received but never committed is dropped
             closes = self.closes
         self._committer = self.loader = self.rejection = None
+        self._round_wrote = False
         manifest = getattr(update_info, "parsed", None)
         wire = self._manifest = manifest if isinstance(manifest, Manifest) else None
         delta = self._manifest.delta if self._manifest is not None else None
@@ -324,11 +334,15 @@ class RoundState:
                 self._warned_no_manifest = True
                 logger.warning("%s: its update info carries no wtransfer manifest, so rounds are streamed "
                                "into the model (a failed one leaves it torn)", self.owner)
-            self._committer = StreamingLoader(real)
+            self._committer = StreamingLoader(real, self._written)
             return self._committer
         assert plan is not None and self._manifest is not None
         self._committer = AtomicLoader(real, self, self._manifest)
         return self._committer
+
+    def _written(self) -> None:
+        """A streamed round writes into the model: torn until it commits (see :class:`StreamingLoader`)."""
+        self.torn = self._round_wrote = True
 
     def node_staging(self, key: str) -> NodeStaging:
         """This node's staging for trainer ``key`` (elected once per trainer, again if the stager left)."""
@@ -347,22 +361,26 @@ class RoundState:
         engine's shutdowns when it began."""
         loader, manifest = self._committer, self._manifest
         self.validate_round()  # an engine that ignored the verdict (and so wrote nothing) still fails the round
-        if isinstance(loader, StreamingLoader):
-            if loader.touched:  # the new bytes are in, but the round counts only at finish: until then
-                self.torn = True  # neither the old version nor (yet) a counted new one
+        if isinstance(loader, StreamingLoader):  # torn if it wrote: the round counts only at finish
             self._received = _Received(manifest, None, real, self._identity_after, closes)
         else:
             assert isinstance(loader, AtomicLoader) and manifest is not None
             self._received = _Received(manifest, loader.staged(), real, self._identity_after, closes)
 
-    def failed(self, exc: BaseException) -> BaseException:
-        """The round failed on this worker: tell the node's followers, say what the model holds."""
+    def failed(self, exc: BaseException, closes: int) -> BaseException:
+        """The round failed on this worker: tell the node's followers, say what the model holds. ``closes``: the
+        engine's shutdowns when the round began (one since took what the round was using: say so)."""
         loader, manifest = self._committer, self._manifest
         version = manifest.version if manifest is not None else "?"
+        if closes != self.closes and isinstance(exc, Exception) and not isinstance(exc, (ManifestMismatchError,
+                                                                                        RoundCalledOff)):
+            cause, exc = exc, TransferError(
+                f"{self.owner}: the engine was shut down during round {version} (by its loader or a signal handler, "
+                f"or from another thread); call init_transfer_engine() again to take the next round. The engine "
+                f"then raised {type(exc).__name__}: {exc}")
+            exc.__cause__ = cause
         if isinstance(loader, AtomicLoader):
             loader.failed(exc)
-        if isinstance(loader, StreamingLoader) and loader.touched:
-            self.torn = True
         if not isinstance(exc, (ManifestMismatchError, RoundCalledOff)) and self._staging is not None:
             # Any failure but a rejection ends the trainer (a new one stages under a new key): free it now.
             self._staging.close()
@@ -370,7 +388,7 @@ class RoundState:
         error: BaseException = exc
         rejected = isinstance(exc, (ManifestMismatchError, RoundCalledOff))
         if self.torn and not rejected and isinstance(exc, Exception) and not isinstance(exc, WeightsTornError):
-            how = "this streamed round" if isinstance(loader, StreamingLoader) and loader.touched else "an earlier round"
+            how = "this streamed round" if self._round_wrote else "an earlier round"
             error = WeightsTornError(
                 f"{self.owner}: round {version} failed and the model is torn (part of it was written by "
                 f"{how}); weight_version is None until a complete round lands. Cause: {type(exc).__name__}: {exc}"
@@ -514,6 +532,7 @@ def _outermost(body: Callable[..., None], method: Callable[..., None]) -> Callab
 
 def _receive(state: RoundState, method: Callable[..., None], self: Any, update_info: Any, load_weights: Any) -> None:
     phases = state.phases = Phases()
+    closes = state.closes
     try:
         loader, closes = state.begin(update_info, load_weights)
         with phases("receive"):
@@ -521,7 +540,7 @@ def _receive(state: RoundState, method: Callable[..., None], self: Any, update_i
         with phases("stage"):
             state.received(load_weights, closes)
     except BaseException as exc:
-        error = state.failed(exc)
+        error = state.failed(exc, closes)
         if error is exc:
             raise
         raise error from exc
