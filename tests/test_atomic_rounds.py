@@ -902,3 +902,37 @@ def test_a_shutdown_during_a_commit_leaves_the_whole_round_or_says_torn(backend:
 
 def _holds_other_values(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> list[str]:
     return [name for name, tensor in tensors.items() if not torch.equal(model.get_parameter(name), tensor)]
+
+
+def test_a_worker_whose_trainer_aborts_a_streamed_round_says_so_and_takes_the_next_one() -> None:
+    """shm: worker 1's loader fails mid-round and the trainer aborts the round. Worker 0 lets go of that trainer
+    itself (not through shutdown(), which would blame a shutdown of its engine): its error names the abort, and both
+    workers, torn, take a new trainer's round bit for bit."""
+    shapes = [["a.weight", [64, 64]], ["b.weight", [300, 70]]]
+    models = [build_model(shapes, "float32") for _ in range(2)]
+    workers = ThreadedWorkers("shm", models)
+    real = workers.loaders[1]
+
+    def failing(weights: list[tuple[str, torch.Tensor]]) -> None:
+        raise RuntimeError("out of memory (simulated)")
+
+    workers.loaders[1] = failing
+    tensors = {name: torch.randn(shape) for name, shape in shapes}
+    init_info = {"world_size": workers.world_size, "bucket_bytes": 4096, "timeout_s": TIMEOUT}
+    trainer = wtransfer.create_trainer("shm", client=workers, source=TensorSource(tensors), commit="streaming",
+                                       init_info=init_info)
+    try:
+        with pytest.raises(TransferError):
+            trainer.send_weights()
+        assert workers.idle.wait(TIMEOUT)
+        told = str(workers.errors[0][-1])
+        assert "aborted" in told and "shut down during" not in told, told
+        trainer.shutdown()
+        workers.loaders[1] = real
+        trainer = wtransfer.create_trainer("shm", client=workers, source=TensorSource(tensors), init_info=init_info)
+        stats = trainer.send_weights()
+        assert not any(_holds_other_values(model, tensors) for model in models)
+        assert [(e.weight_version, e.weights_torn) for e in workers.engines] == [(stats["version"], False)] * 2
+    finally:
+        trainer.shutdown()
+        workers.shutdown()

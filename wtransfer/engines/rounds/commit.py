@@ -375,9 +375,9 @@ class RoundState:
         if closes != self.closes and isinstance(exc, Exception) and not isinstance(exc, (ManifestMismatchError,
                                                                                         RoundCalledOff)):
             cause, exc = exc, TransferError(
-                f"{self.owner}: the engine was shut down during round {version} (by its loader or a signal handler, "
-                f"or from another thread); call init_transfer_engine() again to take the next round. The engine "
-                f"then raised {type(exc).__name__}: {exc}")
+                f"{self.owner}: the engine was shut down during round {version} (its shutdown() was called by its "
+                f"loader, a signal handler or another thread); call init_transfer_engine() again to take the next "
+                f"round. The engine then raised {type(exc).__name__}: {exc}")
             exc.__cause__ = cause
         if isinstance(loader, AtomicLoader):
             loader.failed(exc)
@@ -543,7 +543,7 @@ def _receive(state: RoundState, method: Callable[..., None], self: Any, update_i
         error = state.failed(exc, closes)
         if error is exc:
             raise
-        raise error from exc
+        raise error from (error.__cause__ or exc)  # (failed() may name a clearer cause than the engine's error)
 
 
 def _finish(state: RoundState, method: Callable[..., None], self: Any) -> None:

@@ -139,8 +139,9 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         except RoundCalledOff:
             raise  # the trainer knows; this worker stays connected for the next round
         except (PeerClosedError, TrainerAborted) as exc:
-            # That trainer will never send again: drop its socket and memory now (a mapping keeps it alive).
-            self.shutdown()
+            # That trainer will never send again: drop its socket and memory now (a mapping keeps it alive). Not
+            # shutdown(): the engine is not shut down (the framework would report the round as cut short by one).
+            self._leave()
             raise TransferError(f"round {manifest.version} failed on worker rank {self.rank}: {exc}") from exc
         except BaseException as exc:
             # tell the trainer at once instead of letting it wait for the timeout
@@ -210,6 +211,10 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
             return verified
 
     def shutdown(self) -> None:
+        self._leave()
+
+    def _leave(self) -> None:
+        """Let go of the trainer: its socket, ring and staged round."""
         if self._channel is not None:
             self._channel.close()
             self._channel = None
