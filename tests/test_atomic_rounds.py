@@ -432,13 +432,16 @@ class HandEngine(wtransfer.WeightTransferEngine):
     init_info_cls = dict  # type: ignore[assignment]
     update_info_cls = wtransfer.engines.ManifestUpdateInfo
     fail_after: int | None = None
+    asks: bool = True
+    """Whether it asks the framework's verdict before it writes (an engine may not)."""
     tensors: dict[str, torch.Tensor] = {}
 
     def init_transfer_engine(self, init_info: Any) -> None:
         pass
 
     def receive_weights(self, update_info: Any, load_weights: Any) -> None:
-        self.validate_round()  # the framework's verdict on the round, checked before this ran
+        if self.asks:
+            self.validate_round()  # the framework's verdict on the round, checked before this ran
         for index, entry in enumerate(update_info.parsed.entries):
             if self.fail_after is not None and index == self.fail_after:
                 raise TransferError("link lost")
@@ -503,9 +506,17 @@ def test_a_third_party_engine_gets_commit_modes_and_honest_state_unasked(commit:
         engine.finish_weight_update()
         assert all(float(p.sum()) == 64 for p in model.parameters())
         assert engine.weight_version == 3 and not engine.weights_torn  # the round's version, not a count
+
+        # A round the framework refuses (its label does not go up), received by an engine that never asks the
+        # verdict: its first write is refused, so the model keeps version 3 whole.
+        HandEngine.asks, HandEngine.tensors = False, {f"w{i}": torch.full((32,), 3.0) for i in range(6)}
+        with pytest.raises(ManifestMismatchError, match="Labels only go up"):
+            engine.receive_weights(engine.parse_update_info(_update_dict(HandEngine.tensors, 3, commit)), load)
+        assert all(float(p.sum()) == 64 for p in model.parameters())
+        assert engine.weight_version == 3 and not engine.weights_torn
     finally:
         plugin_manager().unregister(recorder)
-        HandEngine.fail_after = None
+        HandEngine.fail_after, HandEngine.asks = None, True
         engine.shutdown()
 
 

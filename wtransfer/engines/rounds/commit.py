@@ -286,6 +286,8 @@ class RoundState:
                 self._check_holds(wire, real)
             except ManifestMismatchError as exc:
                 self.rejection = exc
+                if self._committer is not None:  # its every write is refused too: an engine that never asks
+                    self._committer.rejection = exc  # validate_round() still writes nothing
         return self.loader, closes
 
     def _check_holds(self, wire: Manifest, real: Any) -> None:
