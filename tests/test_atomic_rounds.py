@@ -435,11 +435,14 @@ class HandEngine(wtransfer.WeightTransferEngine):
     asks: bool = True
     """Whether it asks the framework's verdict before it writes (an engine may not)."""
     tensors: dict[str, torch.Tensor] = {}
+    kept: list[Any] = []
+    """Every loader it was handed (an engine may keep one past its round)."""
 
     def init_transfer_engine(self, init_info: Any) -> None:
         pass
 
     def receive_weights(self, update_info: Any, load_weights: Any) -> None:
+        self.kept.append(load_weights)
         if self.asks:
             self.validate_round()  # the framework's verdict on the round, checked before this ran
         for index, entry in enumerate(update_info.parsed.entries):
@@ -507,6 +510,16 @@ def test_a_third_party_engine_gets_commit_modes_and_honest_state_unasked(commit:
         assert all(float(p.sum()) == 64 for p in model.parameters())
         assert engine.weight_version == 3 and not engine.weights_torn  # the round's version, not a count
 
+        # The engine kept round 3's loader and writes through it after the round (a thread it left running):
+        # refused, whichever way it writes, so the model keeps version 3 whole under that label.
+        stale = HandEngine.kept[-1]
+        with pytest.raises(TransferError, match="after its round's receive_weights"):
+            stale([("w0", torch.full((32,), 9.0))])
+        with pytest.raises(TransferError, match="after its round's receive_weights"):
+            stale.destination("w1").fill_(9.0)
+        assert all(float(p.sum()) == 64 for p in model.parameters())
+        assert engine.weight_version == 3 and not engine.weights_torn
+
         # A round the framework refuses (its label does not go up), received by an engine that never asks the
         # verdict: its first write is refused, so the model keeps version 3 whole.
         HandEngine.asks, HandEngine.tensors = False, {f"w{i}": torch.full((32,), 3.0) for i in range(6)}
@@ -516,7 +529,7 @@ def test_a_third_party_engine_gets_commit_modes_and_honest_state_unasked(commit:
         assert engine.weight_version == 3 and not engine.weights_torn
     finally:
         plugin_manager().unregister(recorder)
-        HandEngine.fail_after, HandEngine.asks = None, True
+        HandEngine.fail_after, HandEngine.asks, HandEngine.kept = None, True, []
         engine.shutdown()
 
 

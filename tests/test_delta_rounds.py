@@ -773,3 +773,67 @@ def test_the_link_speed_sets_which_payloads_pay() -> None:
     encoder.sent(10**9, 100.0)  # 10 MB/s
     assert send(4, 16) == XOR_ZSTD
     assert send(5, 8) == XOR_ZSTD
+
+
+class _ChecksTheManifestOnly(wtransfer.WeightTransferEngine):
+    """A third-party engine that checks its loader's ``validate_manifest`` before its transport, as the seed API
+    asks, but never the framework's ``validate_round()``; ``moved`` counts the tensors its transport carried."""
+
+    init_info_cls = dict  # type: ignore[assignment]
+    update_info_cls = wtransfer.engines.ManifestUpdateInfo
+    values: dict[str, torch.Tensor] = {}
+    moved = 0
+
+    def init_transfer_engine(self, init_info: Any) -> None:
+        pass
+
+    def receive_weights(self, update_info: Any, load_weights: Any) -> None:
+        load_weights.validate_manifest(update_info.parsed)
+        for entry in update_info.parsed.entries:
+            type(self).moved += 1
+            load_weights([(entry.name, self.values[entry.name])])
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_a_delta_round_at_a_used_label_is_refused_by_validate_manifest_before_the_transport() -> None:
+    """The framework refuses a round whose label does not go up before the engine runs. An engine that asks only
+    its loader's ``validate_manifest`` must hear it there, before its transport moves a byte (a collective engine
+    that learns it at its first write leaves its peers waiting), and the worker keeps its delta round whole."""
+    from wtransfer.engines.rounds.manifest import CommitPlan
+    from wtransfer.engines.worker.loader import module_loader
+
+    model, worker = tiny_llama(seed=0), tiny_llama(seed=1)
+    load = module_loader(worker)
+    engine = _ChecksTheManifestOnly(wtransfer.WeightTransferConfig(backend="hand"))
+    encoder = DeltaEncoder()
+
+    def send(version: int, label: int) -> None:
+        encoded = encoder.encode(ModuleSource(model), version)
+        manifest = build_manifest(encoded.metadata(), label, commit=CommitPlan("streaming", "k", 10.0),
+                                  delta=encoded.plan)
+        _ChecksTheManifestOnly.values = dict(encoded)
+        try:
+            engine.receive_weights(engine.parse_update_info({"manifest": manifest.to_dict()}), load)
+            engine.finish_weight_update()
+            encoder.committed(encoded)
+        finally:
+            encoded.settle()
+
+    try:
+        send(1, 1)
+        with torch.no_grad():
+            model.lm_head.weight.view(-1)[::89].add_(1.0)
+        send(2, 2)
+        assert encoder.base_id is not None and digests(worker) == digests(model)
+        held = digests(worker)
+        with torch.no_grad():
+            model.lm_head.weight.view(-1)[::97].add_(1.0)
+        moved = _ChecksTheManifestOnly.moved
+        with pytest.raises(ManifestMismatchError, match="Labels only go up"):
+            send(3, 2)
+        assert _ChecksTheManifestOnly.moved == moved, "the transport ran for a round the framework had refused"
+        assert digests(worker) == held and engine.weight_version == 2 and not engine.weights_torn
+    finally:
+        engine.shutdown()

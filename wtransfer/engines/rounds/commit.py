@@ -63,6 +63,8 @@ class _Loader:
     def __init__(self, real: Any) -> None:
         self.real = real
         self.rejection: ManifestMismatchError | None = None
+        self.ended = False
+        """The round's receive returned or failed: a call from an engine that kept this loader is refused."""
         self._checked = False
 
     def validate_manifest(self, manifest: Manifest) -> None:
@@ -79,6 +81,10 @@ class _Loader:
     def refuse_if_rejected(self) -> None:
         if self.rejection is not None:
             raise ManifestMismatchError(str(self.rejection))
+        if self.ended:  # written now, it would change a model (or staged copy) whose label no longer watches it
+            raise TransferError("a loader was called after its round's receive_weights() had returned or failed; "
+                                "an engine writes only during receive_weights(), through that round's loader "
+                                "(nothing was written)")
 
 
 class StreamingLoader(_Loader):
@@ -229,12 +235,12 @@ class RoundState:
         self.calls = threading.local()  # .depth > 0 while a wrapped method runs on this thread (super() calls pass)
         self.loader: Any = None  # what the engine got this round (a DeltaLoader in front, for a delta round)
         self._committer: _Loader | None = None  # the staged or streaming loader that commits the round, behind it
+        self._round_loader: _Loader | None = None  # the same, kept after a shutdown let go of the round
         self._manifest: Manifest | None = None
         self._received: _Received | None = None
         self._staging: NodeStaging | None = None
         self._warned_no_manifest = False
         self._identity_after: str | None = None  # the round being received: what this worker holds once it commits
-        self._round_wrote = False  # the round being received wrote into the model (streamed)
         self._committing = threading.Lock()  # a round begins, or the engine shuts down, once a commit has ended
         self.closes = 0  # shutdowns so far: a round that saw one before its commit ended reports the model torn
         self.rejection: ManifestMismatchError | None = None  # this round cannot be taken here
@@ -265,8 +271,7 @@ class RoundState:
         with self._committing:  # a commit still running on another thread (a client that timed out) ends first
             self._received = None  # an earlier round received but never committed is dropped
             closes = self.closes
-        self._committer = self.loader = self.rejection = None
-        self._round_wrote = False
+        self._committer = self._round_loader = self.loader = self.rejection = None
         manifest = getattr(update_info, "parsed", None)
         wire = self._manifest = manifest if isinstance(manifest, Manifest) else None
         delta = self._manifest.delta if self._manifest is not None else None
@@ -336,15 +341,15 @@ class RoundState:
                 self._warned_no_manifest = True
                 logger.warning("%s: its update info carries no wtransfer manifest, so rounds are streamed "
                                "into the model (a failed one leaves it torn)", self.owner)
-            self._committer = StreamingLoader(real, self._written)
+            self._committer = self._round_loader = StreamingLoader(real, self._written)
             return self._committer
         assert plan is not None and self._manifest is not None
-        self._committer = AtomicLoader(real, self, self._manifest)
+        self._committer = self._round_loader = AtomicLoader(real, self, self._manifest)
         return self._committer
 
     def _written(self) -> None:
         """A streamed round writes into the model: torn until it commits (see :class:`StreamingLoader`)."""
-        self.torn = self._round_wrote = True
+        self.torn = True
 
     def node_staging(self, key: str) -> NodeStaging:
         """This node's staging for trainer ``key`` (elected once per trainer, again if the stager left)."""
@@ -390,7 +395,8 @@ class RoundState:
         error: BaseException = exc
         rejected = isinstance(exc, (ManifestMismatchError, RoundCalledOff))
         if self.torn and not rejected and isinstance(exc, Exception) and not isinstance(exc, WeightsTornError):
-            how = "this streamed round" if self._round_wrote else "an earlier round"
+            wrote = isinstance(self._round_loader, StreamingLoader) and self._round_loader.touched
+            how = "this streamed round" if wrote else "an earlier round"
             error = WeightsTornError(
                 f"{self.owner}: round {version} failed and the model is torn (part of it was written by "
                 f"{how}); weight_version is None until a complete round lands. Cause: {type(exc).__name__}: {exc}"
@@ -534,9 +540,10 @@ def _outermost(body: Callable[..., None], method: Callable[..., None]) -> Callab
 
 def _receive(state: RoundState, method: Callable[..., None], self: Any, update_info: Any, load_weights: Any) -> None:
     phases = state.phases = Phases()
-    closes = state.closes
+    closes, committer = state.closes, None
     try:
         loader, closes = state.begin(update_info, load_weights)
+        committer = state._round_loader
         with phases("receive"):
             method(self, update_info, loader)
         with phases("stage"):
@@ -546,6 +553,9 @@ def _receive(state: RoundState, method: Callable[..., None], self: Any, update_i
         if error is exc:
             raise
         raise error from (error.__cause__ or exc)  # (failed() may name a clearer cause than the engine's error)
+    finally:
+        if committer is not None:  # the round's loader takes no more writes (an engine that kept it)
+            committer.ended = True
 
 
 def _finish(state: RoundState, method: Callable[..., None], self: Any) -> None:

@@ -109,6 +109,9 @@ class DeltaLoader:
     def _require_validated(self) -> None:
         if self._rejection is not None:
             raise ManifestMismatchError(str(self._rejection))
+        refuse = getattr(self.inner, "refuse_if_rejected", None)
+        if callable(refuse):  # the framework's own verdict (a label that does not go up), or a round that ended
+            refuse()
         if self.plan.base is not None and not self._validated:  # an engine that skipped validate_manifest
             raise ManifestMismatchError(f"delta round {self.plan.id} arrived without its base checked (the engine "
                                         f"did not call validate_manifest): nothing was written")
