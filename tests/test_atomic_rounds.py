@@ -837,24 +837,39 @@ def test_a_closed_segment_gives_its_memory_back_at_once_and_its_range_with_the_l
 
 class _SlowLoader:
     """A worker's real loader that says when the commit begins loading, then takes ``seconds``; ``shutdown``: it
-    shuts its own engine down first, on the committing thread (as a signal handler or a hook might)."""
+    shuts its own engine down first, on the committing thread (as a signal handler or a hook might). ``in_place``:
+    it also offers ``destination()`` (slow in the same way from its second call), so the engine writes into the
+    model's tensors."""
 
-    def __init__(self, model: torch.nn.Module, seconds: float, shutdown: Any = None) -> None:
+    def __init__(self, model: torch.nn.Module, seconds: float, shutdown: Any = None, in_place: bool = False) -> None:
         self.inner, self.loading = wtransfer.module_loader(model), threading.Event()
         self.seconds, self.shutdown = seconds, shutdown
+        self.asked = 0
+        if in_place:
+            self.destination = self._destination
 
-    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+    def _slow(self) -> None:
         self.loading.set()
         if self.shutdown is not None:
             self.shutdown()
         time.sleep(self.seconds)
+
+    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        self._slow()
         self.inner(weights)
+
+    def _destination(self, name: str) -> torch.Tensor | None:
+        self.asked += 1
+        if self.asked > 1:  # the first tensor it returned may be written into by now
+            self._slow()
+        return self.inner.destination(name)
 
 
 @pytest.mark.parametrize("backend, who", [("shm", "another thread"), ("shm", "another thread, past the wait"),
                                           ("shm", "the committing thread"), ("gloo", "the committing thread"),
                                           ("shm", "the receiving thread"), ("gloo", "the receiving thread"),
-                                          ("shm", "another thread, mid-stream"), ("gloo", "another thread, mid-stream")])
+                                          ("shm", "another thread, mid-stream"), ("gloo", "another thread, mid-stream"),
+                                          ("shm", "another thread, mid-stream, in place")])
 def test_a_shutdown_during_a_commit_leaves_the_whole_round_or_says_torn(backend: str, who: str,
                                                                         monkeypatch: Any) -> None:
     """A client that timed out shuts the worker down (or rejoins a new trainer) while its commit still loads from
@@ -863,21 +878,24 @@ def test_a_shutdown_during_a_commit_leaves_the_whole_round_or_says_torn(backend:
     ``SHUTDOWN_WAIT_S``, or a shutdown on the committing thread itself, has the copy released under it: the worker
     says torn instead of labelling what it loaded. Either way, once the round ends the worker holds no staged copy
     (gloo's is the node's own, in this process). A streamed round writes as it is received: from its first write
-    the worker says torn, and stays so when its engine is shut down mid-round, by its loader or from another thread
+    the worker says torn (whether the engine hands tensors to its loader or writes into the ones ``destination()``
+    returned), and stays so when its engine is shut down mid-round, by its loader or from another thread
     (whose shutdown then frees what the round reads, and the round fails saying so). Then a new trainer's round heals
     the worker: the model holds its values, bit for bit, under its label."""
     import wtransfer.engines.rounds.commit as commit
 
     monkeypatch.setattr(commit, "SHUTDOWN_WAIT_S", 0.2 if who == "another thread, past the wait" else 30.0)
-    shapes = [["a.weight", [64, 64]], ["a.bias", [64]], ["b.weight", [300, 70]]]
+    # (in place: every tensor larger than a bucket, so each is written where destination() says, none handed over)
+    shapes = [["a.weight", [64, 64]], ["a.bias", [2048 if who.endswith("in place") else 64]], ["b.weight", [300, 70]]]
     model = build_model(shapes, "float32")
     tensors = {name: torch.randn(shape) for name, shape in shapes}
     before = _open_memfds()
     workers = ThreadedWorkers(backend, [model])
     engine = workers.engines[0]
-    streamed = who in ("the receiving thread", "another thread, mid-stream")
+    streamed = who == "the receiving thread" or "mid-stream" in who
     loader = workers.loaders[0] = _SlowLoader(model, 1.0 if "wait" in who else 0.5,
-                                              None if who.startswith("another thread") else engine.shutdown)
+                                              None if who.startswith("another thread") else engine.shutdown,
+                                              in_place=who.endswith("in place"))
     init_info = {"world_size": workers.world_size, "bucket_bytes": 4096, "timeout_s": TIMEOUT,
                  **({"master_address": "127.0.0.1"} if backend == "gloo" else {})}
     trainer = wtransfer.create_trainer(backend, client=workers, source=TensorSource(tensors), init_info=init_info,
@@ -909,7 +927,7 @@ def test_a_shutdown_during_a_commit_leaves_the_whole_round_or_says_torn(backend:
         if streamed:  # the worker's own error says what happened
             assert "was shut down during round 1" in str(workers.errors[0][-1]), repr(workers.errors[0][-1])
         staged = {fd for fd in _open_memfds() - before if "wtransfer-staging" in fd}
-        if backend == "gloo":  # the trainer (in this process too) stages nothing: only the worker's node did
+        if backend == "gloo" and not streamed:  # the trainer (in this process) stages nothing: only the worker's node
             assert not staged, f"the shut-down worker still holds its staged copy: {staged}"
         trainer.shutdown()
         loader.shutdown, loader.seconds = None, 0.0
