@@ -512,11 +512,11 @@ def test_a_third_party_engine_gets_commit_modes_and_honest_state_unasked(commit:
 
         # The engine kept round 3's loader and writes through it after the round (a thread it left running):
         # refused, whichever way it writes, so the model keeps version 3 whole under that label.
-        stale = HandEngine.kept[-1]
-        with pytest.raises(TransferError, match="after its round's receive_weights"):
-            stale([("w0", torch.full((32,), 9.0))])
-        with pytest.raises(TransferError, match="after its round's receive_weights"):
-            stale.destination("w1").fill_(9.0)
+        for stale in (HandEngine.kept[-1], HandEngine.kept[-2]):  # (round 2's too, which failed)
+            with pytest.raises(TransferError, match="after its round's receive_weights"):
+                stale([("w0", torch.full((32,), 9.0))])
+            with pytest.raises(TransferError, match="after its round's receive_weights"):
+                stale.destination("w1").fill_(9.0)
         assert all(float(p.sum()) == 64 for p in model.parameters())
         assert engine.weight_version == 3 and not engine.weights_torn
 
@@ -530,6 +530,64 @@ def test_a_third_party_engine_gets_commit_modes_and_honest_state_unasked(commit:
     finally:
         plugin_manager().unregister(recorder)
         HandEngine.fail_after, HandEngine.asks, HandEngine.kept = None, True, []
+        engine.shutdown()
+
+
+class _StallingEngine(HandEngine):
+    """A hand engine whose round 1 stalls after its first tensor until ``resume`` is set (a thread left running
+    after its client timed out), then delivers round 1's values."""
+
+    stalled, resume = threading.Event(), threading.Event()
+
+    def receive_weights(self, update_info: Any, load_weights: Any) -> None:
+        round_one = update_info.parsed.version == 1
+        for index, entry in enumerate(update_info.parsed.entries):
+            if round_one and index == 1:
+                self.stalled.set()
+                assert self.resume.wait(TIMEOUT)
+            load_weights([(entry.name, torch.full((32,), float(update_info.parsed.version)))])
+
+
+@pytest.mark.parametrize("commit", ["atomic", "streaming"])
+def test_a_round_left_running_on_another_thread_writes_nothing_once_a_later_round_began(commit: str) -> None:
+    """Round 1 is streamed on a thread that stalls after its first tensor (its client timed out). The engine is
+    shut down and initialised again, and round 2 (``commit``) lands. When round 1's thread resumes, its writes are
+    refused and its call fails saying a later round superseded it: the model keeps round 2 whole, under label 2.
+    Broken by: ending a round's loader only when its own call returns (round 1's second tensor then lands under
+    label 2)."""
+    shapes = [[f"w{i}", [32]] for i in range(3)]
+    model = build_model(shapes, "float32")
+    load = wtransfer.module_loader(model)
+    engine = _StallingEngine(wtransfer.WeightTransferConfig(backend="hand"))
+    _StallingEngine.stalled.clear()
+    _StallingEngine.resume.clear()
+    errors: list[BaseException] = []
+    tensors = {f"w{i}": torch.zeros(32) for i in range(3)}
+
+    def round_one() -> None:
+        try:
+            engine.receive_weights(engine.parse_update_info(_update_dict(tensors, 1, "streaming")), load)
+        except BaseException as exc:
+            errors.append(exc)
+
+    stalled = threading.Thread(target=round_one)
+    try:
+        stalled.start()
+        assert _StallingEngine.stalled.wait(TIMEOUT)
+        engine.shutdown()  # the client timed out: the worker is shut down and joins again
+        engine.init_transfer_engine({})
+        engine.receive_weights(engine.parse_update_info(_update_dict(tensors, 2, commit)), load)
+        engine.finish_weight_update()
+        assert all(float(p.sum()) == 64 for p in model.parameters())
+        _StallingEngine.resume.set()
+        stalled.join(TIMEOUT)
+        assert not stalled.is_alive()
+        assert [float(p.sum()) for p in model.parameters()] == [64.0] * 3, "round 1 wrote after round 2 landed"
+        assert (engine.weight_version, engine.weights_torn) == (2, False)
+        assert len(errors) == 1 and "a later round began while this one was still being received" in str(errors[0])
+    finally:
+        _StallingEngine.resume.set()
+        stalled.join(TIMEOUT)
         engine.shutdown()
 
 
@@ -927,7 +985,7 @@ def test_a_shutdown_during_a_commit_leaves_the_whole_round_or_says_torn(backend:
         if streamed:  # the worker's own error says what happened
             assert "was shut down during round 1" in str(workers.errors[0][-1]), repr(workers.errors[0][-1])
         staged = {fd for fd in _open_memfds() - before if "wtransfer-staging" in fd}
-        if backend == "gloo" and not streamed:  # the trainer (in this process) stages nothing: only the worker's node
+        if backend == "gloo":  # the trainer (in this process too) stages nothing: only the worker's node did
             assert not staged, f"the shut-down worker still holds its staged copy: {staged}"
         trainer.shutdown()
         loader.shutdown, loader.seconds = None, 0.0

@@ -82,9 +82,9 @@ class _Loader:
         if self.rejection is not None:
             raise ManifestMismatchError(str(self.rejection))
         if self.ended:  # written now, it would change a model (or staged copy) whose label no longer watches it
-            raise TransferError("a loader was called after its round's receive_weights() had returned or failed; "
-                                "an engine writes only during receive_weights(), through that round's loader "
-                                "(nothing was written)")
+            raise TransferError("a loader was called after its round's receive_weights() had returned or failed, or "
+                                "after a later round began; an engine writes only during receive_weights(), through "
+                                "that round's loader (nothing was written)")
 
 
 class StreamingLoader(_Loader):
@@ -215,6 +215,10 @@ def adopt_staged(engine: Any, load_weights: Any, views: dict[str, torch.Tensor])
     return True
 
 
+class _Superseded(TransferError):
+    """A round still received when a later one began (see :meth:`RoundState.begin`)."""
+
+
 @dataclass
 class _Received:
     manifest: Manifest | None
@@ -265,12 +269,15 @@ class RoundState:
                 "spent": max(self.spent, self.committed)}
 
     # -- receive ------------------------------------------------------------------------------
-    def begin(self, update_info: Any, real: Any) -> tuple[Any, int]:
-        """A round starts: the loader the engine writes through, and the engine's shutdowns so far (the round's
-        commit reports torn if one came since)."""
+    def begin(self, update_info: Any, real: Any) -> tuple[Any, int, _Loader | None]:
+        """A round starts: the loader the engine writes through, the engine's shutdowns so far (the round's
+        commit reports torn if one came since), and the loader that commits the round (the round's token: see
+        :meth:`received`)."""
         with self._committing:  # a commit still running on another thread (a client that timed out) ends first
             self._received = None  # an earlier round received but never committed is dropped
             closes = self.closes
+            if self._round_loader is not None:  # a round still received on another thread (its client timed out
+                self._round_loader.ended = True  # and reconnected) writes nothing more: this one supersedes it
         self._committer = self._round_loader = self.loader = self.rejection = None
         manifest = getattr(update_info, "parsed", None)
         wire = self._manifest = manifest if isinstance(manifest, Manifest) else None
@@ -293,7 +300,7 @@ class RoundState:
                 self.rejection = exc
                 if self._committer is not None:  # its every write is refused too: an engine that never asks
                     self._committer.rejection = exc  # validate_round() still writes nothing
-        return self.loader, closes
+        return self.loader, closes, self._round_loader
 
     def _check_holds(self, wire: Manifest, real: Any) -> None:
         """Refuse a round this worker's own state cannot take: a label that does not go up, or a round that leaves
@@ -363,20 +370,40 @@ class RoundState:
         self._staging.rejoin_if_orphaned()
         return self._staging
 
-    def received(self, real: Any, closes: int) -> None:
+    def received(self, real: Any, closes: int, committer: _Loader | None) -> None:
         """The engine's receive returned: the round is whole here (and, staged, on this node). ``closes``: the
-        engine's shutdowns when it began."""
-        loader, manifest = self._committer, self._manifest
+        engine's shutdowns when it began; ``committer``: the round's own loader (from :meth:`begin`)."""
+        self._refuse_if_superseded(committer)
+        loader, manifest, identity = self._committer, self._manifest, self._identity_after
         self.validate_round()  # an engine that ignored the verdict (and so wrote nothing) still fails the round
         if isinstance(loader, StreamingLoader):  # torn if it wrote: the round counts only at finish
-            self._received = _Received(manifest, None, real, self._identity_after, closes)
+            staged = None
         else:
             assert isinstance(loader, AtomicLoader) and manifest is not None
-            self._received = _Received(manifest, loader.staged(), real, self._identity_after, closes)
+            staged = loader.staged()
+        self._refuse_if_superseded(committer)  # (a later round that began meanwhile ended this one's loader)
+        self._received = _Received(manifest, staged, real, identity, closes)
 
-    def failed(self, exc: BaseException, closes: int) -> BaseException:
+    def _refuse_if_superseded(self, committer: _Loader | None) -> None:
+        if committer is not self._round_loader:
+            raise _Superseded(f"{self.owner}: a later round began while this one was still being received (on "
+                              f"another thread: a client that timed out, then sent the next round?); this round "
+                              f"counts for nothing, and its loader refused writes from then on")
+
+    def failed(self, exc: BaseException, closes: int, committer: _Loader | None) -> BaseException:
         """The round failed on this worker: tell the node's followers, say what the model holds. ``closes``: the
-        engine's shutdowns when the round began (one since took what the round was using: say so)."""
+        engine's shutdowns when the round began (one since took what the round was using: say so). A round that a
+        later one superseded (``committer``, its own loader, no longer the current round's) touches nothing: what
+        this state holds is the later round's."""
+        if committer is not None and committer is not self._round_loader:
+            if isinstance(exc, _Superseded):
+                return exc
+            error = _Superseded(f"{self.owner}: a later round began while this one was still being received (on "
+                                f"another thread); this round counts for nothing. The engine then raised "
+                                f"{type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            logger.warning("%s", error)
+            return error
         loader, manifest = self._committer, self._manifest
         version = manifest.version if manifest is not None else "?"
         if closes != self.closes and isinstance(exc, Exception) and not isinstance(exc, (ManifestMismatchError,
@@ -542,14 +569,13 @@ def _receive(state: RoundState, method: Callable[..., None], self: Any, update_i
     phases = state.phases = Phases()
     closes, committer = state.closes, None
     try:
-        loader, closes = state.begin(update_info, load_weights)
-        committer = state._round_loader
+        loader, closes, committer = state.begin(update_info, load_weights)
         with phases("receive"):
             method(self, update_info, loader)
         with phases("stage"):
-            state.received(load_weights, closes)
+            state.received(load_weights, closes, committer)
     except BaseException as exc:
-        error = state.failed(exc, closes)
+        error = state.failed(exc, closes, committer)
         if error is exc:
             raise
         raise error from (error.__cause__ or exc)  # (failed() may name a clearer cause than the engine's error)
