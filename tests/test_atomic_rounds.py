@@ -534,33 +534,59 @@ def test_a_third_party_engine_gets_commit_modes_and_honest_state_unasked(commit:
 
 
 class _StallingEngine(HandEngine):
-    """A hand engine whose round 1 stalls after its first tensor until ``resume`` is set (a thread left running
-    after its client timed out), then delivers round 1's values."""
+    """A hand engine whose round 1 stalls ``where`` (after its first tensor, or in the framework's check of the
+    round before the engine runs) until ``resume`` is set: a thread left running after its client timed out."""
 
     stalled, resume = threading.Event(), threading.Event()
+    where = "mid-stream"
 
     def receive_weights(self, update_info: Any, load_weights: Any) -> None:
         round_one = update_info.parsed.version == 1
         for index, entry in enumerate(update_info.parsed.entries):
-            if round_one and index == 1:
-                self.stalled.set()
-                assert self.resume.wait(TIMEOUT)
+            if round_one and index == 1 and self.where == "mid-stream":
+                self._stall()
             load_weights([(entry.name, torch.full((32,), float(update_info.parsed.version)))])
 
+    @classmethod
+    def _stall(cls) -> None:
+        cls.stalled.set()
+        assert cls.resume.wait(TIMEOUT)
 
+
+class _CheckingLoader:
+    """``module_loader``, with a ``validate_manifest`` that stalls round 1 where :class:`_StallingEngine` says."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.inner = wtransfer.module_loader(model)
+
+    def validate_manifest(self, manifest: Manifest) -> None:
+        if manifest.version == 1 and _StallingEngine.where == "in its check":
+            _StallingEngine._stall()
+        self.inner.validate_manifest(manifest)
+
+    def destination(self, name: str) -> torch.Tensor | None:
+        return self.inner.destination(name)
+
+    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        self.inner(weights)
+
+
+@pytest.mark.parametrize("where", ["mid-stream", "in its check"])
 @pytest.mark.parametrize("commit", ["atomic", "streaming"])
-def test_a_round_left_running_on_another_thread_writes_nothing_once_a_later_round_began(commit: str) -> None:
-    """Round 1 is streamed on a thread that stalls after its first tensor (its client timed out). The engine is
-    shut down and initialised again, and round 2 (``commit``) lands. When round 1's thread resumes, its writes are
-    refused and its call fails saying a later round superseded it: the model keeps round 2 whole, under label 2.
-    Broken by: ending a round's loader only when its own call returns (round 1's second tensor then lands under
-    label 2)."""
+def test_a_round_left_running_on_another_thread_writes_nothing_once_a_later_round_began(commit: str,
+                                                                                         where: str) -> None:
+    """Round 1 is streamed on a thread that stalls ``where`` (its client timed out). The engine is shut down and
+    initialised again, and round 2 (``commit``) lands. When round 1's thread resumes, its writes are refused and
+    its call fails saying a later round superseded it: the model keeps round 2 whole, under label 2. Broken by:
+    ending a round's loader only when its own call returns (round 1's second tensor then lands under label 2), or
+    taking a round's token after its check ran (round 1 then holds round 2's loader)."""
     shapes = [[f"w{i}", [32]] for i in range(3)]
     model = build_model(shapes, "float32")
-    load = wtransfer.module_loader(model)
+    load = _CheckingLoader(model)
     engine = _StallingEngine(wtransfer.WeightTransferConfig(backend="hand"))
     _StallingEngine.stalled.clear()
     _StallingEngine.resume.clear()
+    _StallingEngine.where = where
     errors: list[BaseException] = []
     tensors = {f"w{i}": torch.zeros(32) for i in range(3)}
 
@@ -585,9 +611,13 @@ def test_a_round_left_running_on_another_thread_writes_nothing_once_a_later_roun
         assert [float(p.sum()) for p in model.parameters()] == [64.0] * 3, "round 1 wrote after round 2 landed"
         assert (engine.weight_version, engine.weights_torn) == (2, False)
         assert len(errors) == 1 and "a later round began while this one was still being received" in str(errors[0])
+        with pytest.raises(TransferError, match="without a completed receive_weights"):
+            engine.finish_weight_update()  # round 1's client, back: nothing of round 1 commits
+        assert [float(p.sum()) for p in model.parameters()] == [64.0] * 3 and engine.weight_version == 2
     finally:
         _StallingEngine.resume.set()
         stalled.join(TIMEOUT)
+        _StallingEngine.where = "mid-stream"
         engine.shutdown()
 
 

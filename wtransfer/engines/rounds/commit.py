@@ -135,6 +135,7 @@ class AtomicLoader(_Loader):
 
     def node(self) -> NodeStaging:
         """This node's staging, elected at the first write (an engine that adopts never elects)."""
+        self.refuse_if_rejected()  # (a round that ended or was refused reaches no staging)
         if self._node is None:
             assert self._manifest.commit is not None
             self._node = self._state.node_staging(self._manifest.commit.key)
@@ -269,38 +270,48 @@ class RoundState:
                 "spent": max(self.spent, self.committed)}
 
     # -- receive ------------------------------------------------------------------------------
-    def begin(self, update_info: Any, real: Any) -> tuple[Any, int, _Loader | None]:
+    def begin(self, update_info: Any, real: Any) -> tuple[Any, int, _Loader]:
         """A round starts: the loader the engine writes through, the engine's shutdowns so far (the round's
-        commit reports torn if one came since), and the loader that commits the round (the round's token: see
-        :meth:`received`)."""
+        commit reports torn if one came since), and the loader that commits the round: the round's token, made
+        and published before anything slow runs. A round still received on another thread (its client timed out,
+        then sent the next one) is superseded here: its loader writes nothing more, and it touches no state."""
         with self._committing:  # a commit still running on another thread (a client that timed out) ends first
+            if self._round_loader is not None:
+                self._round_loader.ended = True  # (before what it received is dropped: see received())
             self._received = None  # an earlier round received but never committed is dropped
             closes = self.closes
-            if self._round_loader is not None:  # a round still received on another thread (its client timed out
-                self._round_loader.ended = True  # and reconnected) writes nothing more: this one supersedes it
-        self._committer = self._round_loader = self.loader = self.rejection = None
-        manifest = getattr(update_info, "parsed", None)
-        wire = self._manifest = manifest if isinstance(manifest, Manifest) else None
-        delta = self._manifest.delta if self._manifest is not None else None
-        self._identity_after = identity_after(wire) if wire is not None else None
-        if delta is not None:  # the loaders below see the tensors it rebuilds, whole
-            from wtransfer.engines.rounds.delta_loader import DeltaLoader
+            self._committer = self._round_loader = self.loader = self.rejection = None
+            manifest = getattr(update_info, "parsed", None)
+            wire = self._manifest = manifest if isinstance(manifest, Manifest) else None
+            delta = wire.delta if wire is not None else None
+            self._identity_after = identity_after(wire) if wire is not None else None
+            if delta is not None:  # the loaders below see the tensors it rebuilds, whole
+                self._manifest = delta.target_manifest(wire)
+            committer = self._begin(real)
+        try:
+            loader, rejection = committer, None
+            if delta is not None:
+                from wtransfer.engines.rounds.delta_loader import DeltaLoader
 
-            self._manifest = delta.target_manifest(wire)
-            self.loader = DeltaLoader(self._begin(real), real, wire, self.held_identity)
-        else:
-            self.loader = self._begin(real)
-        if wire is not None:
-            # Checked before the engine runs, so a round this model cannot take is refused before any
-            # byte moves; the engine hears the verdict from validate_round().
-            try:
-                self.loader.validate_manifest(wire)  # first: a loader's covers() may read what it checked
-                self._check_holds(wire, real)
-            except ManifestMismatchError as exc:
-                self.rejection = exc
-                if self._committer is not None:  # its every write is refused too: an engine that never asks
-                    self._committer.rejection = exc  # validate_round() still writes nothing
-        return self.loader, closes, self._round_loader
+                loader = DeltaLoader(committer, real, wire, self.held_identity)
+            if wire is not None:
+                # Checked before the engine runs, so a round this model cannot take is refused before any
+                # byte moves; the engine hears the verdict from validate_round().
+                try:
+                    loader.validate_manifest(wire)  # first: a loader's covers() may read what it checked
+                    self._check_holds(wire, real)
+                except ManifestMismatchError as exc:
+                    rejection = committer.rejection = exc  # its every write is refused too: an engine that never
+                    # asks validate_round() still writes nothing
+        except BaseException as exc:
+            if committer.ended:
+                raise self._superseded() from exc
+            raise
+        with self._committing:
+            if committer.ended:
+                raise self._superseded()
+            self.loader, self.rejection = loader, rejection
+        return loader, closes, committer
 
     def _check_holds(self, wire: Manifest, real: Any) -> None:
         """Refuse a round this worker's own state cannot take: a label that does not go up, or a round that leaves
@@ -348,11 +359,12 @@ class RoundState:
                 self._warned_no_manifest = True
                 logger.warning("%s: its update info carries no wtransfer manifest, so rounds are streamed "
                                "into the model (a failed one leaves it torn)", self.owner)
-            self._committer = self._round_loader = StreamingLoader(real, self._written)
-            return self._committer
-        assert plan is not None and self._manifest is not None
-        self._committer = self._round_loader = AtomicLoader(real, self, self._manifest)
-        return self._committer
+            committer: _Loader = StreamingLoader(real, self._written)
+        else:
+            assert plan is not None and self._manifest is not None
+            committer = AtomicLoader(real, self, self._manifest)
+        self._committer = self._round_loader = committer
+        return committer
 
     def _written(self) -> None:
         """A streamed round writes into the model: torn until it commits (see :class:`StreamingLoader`)."""
@@ -370,10 +382,11 @@ class RoundState:
         self._staging.rejoin_if_orphaned()
         return self._staging
 
-    def received(self, real: Any, closes: int, committer: _Loader | None) -> None:
+    def received(self, real: Any, closes: int, committer: _Loader) -> None:
         """The engine's receive returned: the round is whole here (and, staged, on this node). ``closes``: the
-        engine's shutdowns when it began; ``committer``: the round's own loader (from :meth:`begin`)."""
-        self._refuse_if_superseded(committer)
+        engine's shutdowns when it began; ``committer``: the round's token (from :meth:`begin`)."""
+        if committer.ended:  # (only a later round's begin() ends it before this round's call returns)
+            raise self._superseded()
         loader, manifest, identity = self._committer, self._manifest, self._identity_after
         self.validate_round()  # an engine that ignored the verdict (and so wrote nothing) still fails the round
         if isinstance(loader, StreamingLoader):  # torn if it wrote: the round counts only at finish
@@ -381,29 +394,37 @@ class RoundState:
         else:
             assert isinstance(loader, AtomicLoader) and manifest is not None
             staged = loader.staged()
-        self._refuse_if_superseded(committer)  # (a later round that began meanwhile ended this one's loader)
-        self._received = _Received(manifest, staged, real, identity, closes)
+        self._received = received = _Received(manifest, staged, real, identity, closes)
+        if committer.ended:  # a later round began meanwhile: its begin() ended this round before it dropped what
+            if self._received is received:  # was received, so whichever came first, this is dropped
+                self._received = None
+            raise self._superseded()
 
-    def _refuse_if_superseded(self, committer: _Loader | None) -> None:
-        if committer is not self._round_loader:
-            raise _Superseded(f"{self.owner}: a later round began while this one was still being received (on "
-                              f"another thread: a client that timed out, then sent the next round?); this round "
-                              f"counts for nothing, and its loader refused writes from then on")
+    def _superseded(self) -> _Superseded:
+        return _Superseded(f"{self.owner}: a later round began while this one was still being received (on another "
+                           f"thread: a client that timed out, then sent the next round?); this round counts for "
+                           f"nothing, and its loader refused writes from then on")
 
     def failed(self, exc: BaseException, closes: int, committer: _Loader | None) -> BaseException:
         """The round failed on this worker: tell the node's followers, say what the model holds. ``closes``: the
         engine's shutdowns when the round began (one since took what the round was using: say so). A round that a
         later one superseded (``committer``, its own loader, no longer the current round's) touches nothing: what
         this state holds is the later round's."""
-        if committer is not None and committer is not self._round_loader:
-            if isinstance(exc, _Superseded):
-                return exc
-            error = _Superseded(f"{self.owner}: a later round began while this one was still being received (on "
-                                f"another thread); this round counts for nothing. The engine then raised "
-                                f"{type(exc).__name__}: {exc}")
-            error.__cause__ = exc
-            logger.warning("%s", error)
-            return error
+        if isinstance(exc, _Superseded):
+            return exc
+        waited = self._committing.acquire(timeout=SHUTDOWN_WAIT_S)  # no later round begins while this one's
+        try:  # failure is recorded (one that began already ended this round's loader)
+            if committer is not None and committer.ended:
+                error = self._superseded()
+                error.__cause__ = exc
+                logger.warning("%s The engine then raised %s: %s", error, type(exc).__name__, exc)
+                return error
+            return self._failed(exc, closes)
+        finally:
+            if waited:
+                self._committing.release()
+
+    def _failed(self, exc: BaseException, closes: int) -> BaseException:
         loader, manifest = self._committer, self._manifest
         version = manifest.version if manifest is not None else "?"
         if closes != self.closes and isinstance(exc, Exception) and not isinstance(exc, (ManifestMismatchError,
