@@ -220,6 +220,22 @@ class _Superseded(TransferError):
     """A round still received when a later one began (see :meth:`RoundState.begin`)."""
 
 
+class _Round:
+    """One receive's token, made before it begins: a later round's :meth:`RoundState.begin` ends it (and its loader,
+    which then refuses every call), and an ended round touches no state (it belongs to the later round)."""
+
+    def __init__(self) -> None:
+        self.ended = False
+        self.committer: _Loader | None = None
+        self.manifest: Manifest | None = None  # the manifest its commit checks against (a delta round's target)
+        self.identity: str | None = None  # what the worker holds once it commits
+
+    def end(self) -> None:
+        self.ended = True
+        if self.committer is not None:
+            self.committer.ended = True
+
+
 @dataclass
 class _Received:
     manifest: Manifest | None
@@ -240,7 +256,7 @@ class RoundState:
         self.calls = threading.local()  # .depth > 0 while a wrapped method runs on this thread (super() calls pass)
         self.loader: Any = None  # what the engine got this round (a DeltaLoader in front, for a delta round)
         self._committer: _Loader | None = None  # the staged or streaming loader that commits the round, behind it
-        self._round_loader: _Loader | None = None  # the same, kept after a shutdown let go of the round
+        self._round: _Round | None = None  # the round begun last (ended once its receive returned or failed)
         self._manifest: Manifest | None = None
         self._received: _Received | None = None
         self._staging: NodeStaging | None = None
@@ -270,24 +286,26 @@ class RoundState:
                 "spent": max(self.spent, self.committed)}
 
     # -- receive ------------------------------------------------------------------------------
-    def begin(self, update_info: Any, real: Any) -> tuple[Any, int, _Loader]:
-        """A round starts: the loader the engine writes through, the engine's shutdowns so far (the round's
-        commit reports torn if one came since), and the loader that commits the round: the round's token, made
-        and published before anything slow runs. A round still received on another thread (its client timed out,
-        then sent the next one) is superseded here: its loader writes nothing more, and it touches no state."""
+    def begin(self, update_info: Any, real: Any, round: _Round) -> tuple[Any, int]:
+        """Round ``round`` starts: the loader the engine writes through, and the engine's shutdowns so far (the
+        round's commit reports torn if one came since). The round is registered before anything slow runs. A round
+        still received on another thread (its client timed out, then sent the next one) is ended here: its loader
+        writes nothing more, and it touches no state."""
         with self._committing:  # a commit still running on another thread (a client that timed out) ends first
-            if self._round_loader is not None:
-                self._round_loader.ended = True  # (before what it received is dropped: see received())
+            if self._round is not None:
+                self._round.end()
+            self._round = round
             self._received = None  # an earlier round received but never committed is dropped
             closes = self.closes
-            self._committer = self._round_loader = self.loader = self.rejection = None
+            self._committer = self.loader = self.rejection = None
             manifest = getattr(update_info, "parsed", None)
             wire = self._manifest = manifest if isinstance(manifest, Manifest) else None
             delta = wire.delta if wire is not None else None
-            self._identity_after = identity_after(wire) if wire is not None else None
+            self._identity_after = round.identity = identity_after(wire) if wire is not None else None
             if delta is not None:  # the loaders below see the tensors it rebuilds, whole
                 self._manifest = delta.target_manifest(wire)
-            committer = self._begin(real)
+            round.manifest = self._manifest
+            committer = round.committer = self._begin(real)
         try:
             loader, rejection = committer, None
             if delta is not None:
@@ -303,15 +321,15 @@ class RoundState:
                 except ManifestMismatchError as exc:
                     rejection = committer.rejection = exc  # its every write is refused too: an engine that never
                     # asks validate_round() still writes nothing
-        except BaseException as exc:
-            if committer.ended:
+        except Exception as exc:
+            if round.ended:
                 raise self._superseded() from exc
             raise
         with self._committing:
-            if committer.ended:
+            if round.ended:
                 raise self._superseded()
             self.loader, self.rejection = loader, rejection
-        return loader, closes, committer
+        return loader, closes
 
     def _check_holds(self, wire: Manifest, real: Any) -> None:
         """Refuse a round this worker's own state cannot take: a label that does not go up, or a round that leaves
@@ -363,7 +381,7 @@ class RoundState:
         else:
             assert plan is not None and self._manifest is not None
             committer = AtomicLoader(real, self, self._manifest)
-        self._committer = self._round_loader = committer
+        self._committer = committer
         return committer
 
     def _written(self) -> None:
@@ -382,39 +400,41 @@ class RoundState:
         self._staging.rejoin_if_orphaned()
         return self._staging
 
-    def received(self, real: Any, closes: int, committer: _Loader) -> None:
+    def received(self, real: Any, closes: int, round: _Round) -> None:
         """The engine's receive returned: the round is whole here (and, staged, on this node). ``closes``: the
-        engine's shutdowns when it began; ``committer``: the round's token (from :meth:`begin`)."""
-        if committer.ended:  # (only a later round's begin() ends it before this round's call returns)
+        engine's shutdowns when it began."""
+        loader = self._committer
+        if round.ended:  # (only a later round's begin() ends it before this round's call returns)
             raise self._superseded()
-        loader, manifest, identity = self._committer, self._manifest, self._identity_after
+        if loader is not round.committer:  # (a shutdown let go of it: close())
+            raise TransferError("the round's loader was let go of before the round was staged")
         self.validate_round()  # an engine that ignored the verdict (and so wrote nothing) still fails the round
         if isinstance(loader, StreamingLoader):  # torn if it wrote: the round counts only at finish
             staged = None
         else:
-            assert isinstance(loader, AtomicLoader) and manifest is not None
+            assert isinstance(loader, AtomicLoader) and round.manifest is not None
             staged = loader.staged()
-        self._received = received = _Received(manifest, staged, real, identity, closes)
-        if committer.ended:  # a later round began meanwhile: its begin() ended this round before it dropped what
-            if self._received is received:  # was received, so whichever came first, this is dropped
-                self._received = None
-            raise self._superseded()
+        with self._committing:  # (no later round begins between the check and the record)
+            if round.ended:
+                raise self._superseded()
+            self._received = _Received(round.manifest, staged, real, round.identity, closes)
 
     def _superseded(self) -> _Superseded:
         return _Superseded(f"{self.owner}: a later round began while this one was still being received (on another "
                            f"thread: a client that timed out, then sent the next round?); this round counts for "
                            f"nothing, and its loader refused writes from then on")
 
-    def failed(self, exc: BaseException, closes: int, committer: _Loader | None) -> BaseException:
+    def failed(self, exc: BaseException, closes: int, round: _Round) -> BaseException:
         """The round failed on this worker: tell the node's followers, say what the model holds. ``closes``: the
         engine's shutdowns when the round began (one since took what the round was using: say so). A round that a
-        later one superseded (``committer``, its own loader, no longer the current round's) touches nothing: what
-        this state holds is the later round's."""
+        later one superseded touches nothing: what this state holds is the later round's."""
         if isinstance(exc, _Superseded):
             return exc
         waited = self._committing.acquire(timeout=SHUTDOWN_WAIT_S)  # no later round begins while this one's
-        try:  # failure is recorded (one that began already ended this round's loader)
-            if committer is not None and committer.ended:
+        try:  # failure is recorded (one that began already ended this round)
+            if round.ended:
+                if not isinstance(exc, Exception):  # (an interrupt stays one)
+                    return exc
                 error = self._superseded()
                 error.__cause__ = exc
                 logger.warning("%s The engine then raised %s: %s", error, type(exc).__name__, exc)
@@ -443,7 +463,8 @@ class RoundState:
         error: BaseException = exc
         rejected = isinstance(exc, (ManifestMismatchError, RoundCalledOff))
         if self.torn and not rejected and isinstance(exc, Exception) and not isinstance(exc, WeightsTornError):
-            wrote = isinstance(self._round_loader, StreamingLoader) and self._round_loader.touched
+            committer = self._round.committer if self._round is not None else None
+            wrote = isinstance(committer, StreamingLoader) and committer.touched
             how = "this streamed round" if wrote else "an earlier round"
             error = WeightsTornError(
                 f"{self.owner}: round {version} failed and the model is torn (part of it was written by "
@@ -588,21 +609,20 @@ def _outermost(body: Callable[..., None], method: Callable[..., None]) -> Callab
 
 def _receive(state: RoundState, method: Callable[..., None], self: Any, update_info: Any, load_weights: Any) -> None:
     phases = state.phases = Phases()
-    closes, committer = state.closes, None
+    closes, round = state.closes, _Round()
     try:
-        loader, closes, committer = state.begin(update_info, load_weights)
+        loader, closes = state.begin(update_info, load_weights, round)
         with phases("receive"):
             method(self, update_info, loader)
         with phases("stage"):
-            state.received(load_weights, closes, committer)
+            state.received(load_weights, closes, round)
     except BaseException as exc:
-        error = state.failed(exc, closes, committer)
+        error = state.failed(exc, closes, round)
         if error is exc:
             raise
         raise error from (error.__cause__ or exc)  # (failed() may name a clearer cause than the engine's error)
     finally:
-        if committer is not None:  # the round's loader takes no more writes (an engine that kept it)
-            committer.ended = True
+        round.end()  # its loader takes no more writes (an engine that kept it)
 
 
 def _finish(state: RoundState, method: Callable[..., None], self: Any) -> None:
