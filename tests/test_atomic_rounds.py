@@ -621,6 +621,58 @@ def test_a_round_left_running_on_another_thread_writes_nothing_once_a_later_roun
         engine.shutdown()
 
 
+class _SlowShutdownEngine(HandEngine):
+    """A hand engine whose ``shutdown()`` takes a second, and whose round pauses after its first tensor."""
+
+    paused = threading.Event()
+
+    def receive_weights(self, update_info: Any, load_weights: Any) -> None:
+        for index, entry in enumerate(update_info.parsed.entries):
+            if index == 1:
+                self.paused.set()
+                time.sleep(0.3)
+            load_weights([(entry.name, torch.full((32,), 1.0))])
+
+    def shutdown(self) -> None:
+        time.sleep(1.0)
+
+
+def test_a_round_received_while_another_thread_shuts_the_engine_down_is_not_committed() -> None:
+    """An atomic round whose receive ends while another thread's ``shutdown()`` is still running (its client
+    timed out): the shutdown lets go of the staged copy, so the round must not be recorded as received. A later
+    ``finish_weight_update()`` commits nothing, and the worker keeps version 0 whole. Broken by: recording the round
+    once the shutdown ended without checking what it let go of (the commit then loads the released copy and the
+    worker is torn)."""
+    shapes = [[f"w{i}", [32]] for i in range(3)]
+    model = build_model(shapes, "float32")
+    engine = _SlowShutdownEngine(wtransfer.WeightTransferConfig(backend="hand"))
+    _SlowShutdownEngine.paused.clear()
+    errors: list[BaseException] = []
+    tensors = {f"w{i}": torch.zeros(32) for i in range(3)}
+
+    def receive() -> None:
+        try:
+            engine.receive_weights(engine.parse_update_info(_update_dict(tensors, 1, "atomic")),
+                                   wtransfer.module_loader(model))
+        except BaseException as exc:
+            errors.append(exc)
+
+    receiving = threading.Thread(target=receive)
+    receiving.start()
+    try:
+        assert _SlowShutdownEngine.paused.wait(TIMEOUT)
+        engine.shutdown()  # from this thread, while the round's receive ends
+        receiving.join(TIMEOUT)
+        assert not receiving.is_alive()
+        assert errors and "was shut down during round 1" in str(errors[0]), errors
+        with pytest.raises(TransferError, match="without a completed receive_weights"):
+            engine.finish_weight_update()
+        assert all(float(p.sum()) == 0 for p in model.parameters())
+        assert (engine.weight_version, engine.weights_torn) == (0, False)
+    finally:
+        receiving.join(TIMEOUT)
+
+
 def test_a_commit_that_fails_part_way_marks_the_worker_torn() -> None:
     shapes = [[f"w{i}", [16]] for i in range(4)]
     model = build_model(shapes, "float32")

@@ -403,10 +403,10 @@ class RoundState:
     def received(self, real: Any, closes: int, round: _Round) -> None:
         """The engine's receive returned: the round is whole here (and, staged, on this node). ``closes``: the
         engine's shutdowns when it began."""
-        loader = self._committer
         if round.ended:  # (only a later round's begin() ends it before this round's call returns)
             raise self._superseded()
-        if loader is not round.committer:  # (a shutdown let go of it: close())
+        loader = round.committer
+        if self._committer is not loader:  # (a shutdown let go of it: close())
             raise TransferError("the round's loader was let go of before the round was staged")
         self.validate_round()  # an engine that ignored the verdict (and so wrote nothing) still fails the round
         if isinstance(loader, StreamingLoader):  # torn if it wrote: the round counts only at finish
@@ -414,10 +414,20 @@ class RoundState:
         else:
             assert isinstance(loader, AtomicLoader) and round.manifest is not None
             staged = loader.staged()
-        with self._committing:  # (no later round begins between the check and the record)
+        # Recorded under the round lock, so no later round begins and no shutdown lets go of the round between the
+        # checks and the record; a shutdown holds the lock while the engine shuts down: wait for it, at most
+        # SHUTDOWN_WAIT_S (what it let go of shows as a loader no longer the round's).
+        if not self._committing.acquire(timeout=SHUTDOWN_WAIT_S):
+            raise TransferError(f"the round could not be recorded: its lock was held for {SHUTDOWN_WAIT_S:g} s (by a "
+                                f"shutdown or a commit on another thread)")
+        try:
             if round.ended:
                 raise self._superseded()
+            if self._committer is not loader:  # (a shutdown let go of it: close())
+                raise TransferError("the round's loader was let go of before the round was staged")
             self._received = _Received(round.manifest, staged, real, round.identity, closes)
+        finally:
+            self._committing.release()
 
     def _superseded(self) -> _Superseded:
         return _Superseded(f"{self.owner}: a later round began while this one was still being received (on another "
