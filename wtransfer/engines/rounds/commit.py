@@ -261,7 +261,6 @@ class RoundState:
         self._received: _Received | None = None
         self._staging: NodeStaging | None = None
         self._warned_no_manifest = False
-        self._identity_after: str | None = None  # the round being received: what this worker holds once it commits
         self._committing = threading.Lock()  # a round begins, or the engine shuts down, once a commit has ended
         self.closes = 0  # shutdowns so far: a round that saw one before its commit ended reports the model torn
         self.rejection: ManifestMismatchError | None = None  # this round cannot be taken here
@@ -299,12 +298,11 @@ class RoundState:
             closes = self.closes
             self._committer = self.loader = self.rejection = None
             manifest = getattr(update_info, "parsed", None)
-            wire = self._manifest = manifest if isinstance(manifest, Manifest) else None
+            wire = self._manifest = round.manifest = manifest if isinstance(manifest, Manifest) else None
             delta = wire.delta if wire is not None else None
-            self._identity_after = round.identity = identity_after(wire) if wire is not None else None
+            round.identity = identity_after(wire) if wire is not None else None
             if delta is not None:  # the loaders below see the tensors it rebuilds, whole
-                self._manifest = delta.target_manifest(wire)
-            round.manifest = self._manifest
+                self._manifest = round.manifest = delta.target_manifest(wire)
             committer = round.committer = self._begin(real)
         try:
             loader, rejection = committer, None
@@ -449,13 +447,13 @@ class RoundState:
                 error.__cause__ = exc
                 logger.warning("%s The engine then raised %s: %s", error, type(exc).__name__, exc)
                 return error
-            return self._failed(exc, closes)
+            return self._failed(exc, closes, round)
         finally:
             if waited:
                 self._committing.release()
 
-    def _failed(self, exc: BaseException, closes: int) -> BaseException:
-        loader, manifest = self._committer, self._manifest
+    def _failed(self, exc: BaseException, closes: int, round: _Round) -> BaseException:
+        loader, manifest = round.committer, round.manifest  # (not this state's: its lock may have timed out)
         version = manifest.version if manifest is not None else "?"
         if closes != self.closes and isinstance(exc, Exception) and not isinstance(exc, (ManifestMismatchError,
                                                                                         RoundCalledOff)):
@@ -473,8 +471,7 @@ class RoundState:
         error: BaseException = exc
         rejected = isinstance(exc, (ManifestMismatchError, RoundCalledOff))
         if self.torn and not rejected and isinstance(exc, Exception) and not isinstance(exc, WeightsTornError):
-            committer = self._round.committer if self._round is not None else None
-            wrote = isinstance(committer, StreamingLoader) and committer.touched
+            wrote = isinstance(loader, StreamingLoader) and loader.touched
             how = "this streamed round" if wrote else "an earlier round"
             error = WeightsTornError(
                 f"{self.owner}: round {version} failed and the model is torn (part of it was written by "
@@ -487,7 +484,8 @@ class RoundState:
         elif isinstance(loader, AtomicLoader):
             logger.warning("%s: round %s failed before commit; the model still holds version %d: %s",
                            self.owner, version, self.committed, exc)
-        self._committer = None
+        if self._committer is loader:
+            self._committer = None
         _notify_failed(error)
         return error
 
