@@ -489,10 +489,11 @@ def _raw(tensor: torch.Tensor) -> bytes:
     return tensor_bytes(tensor).numpy().tobytes()
 
 
-@pytest.mark.parametrize("kept", [True, False], ids=["mapping", "one-shot"])
+@pytest.mark.parametrize(("kept", "find"), [(True, "by element"), (True, "8 bytes first"), (False, "by element")],
+                         ids=["mapping", "mapping-8-bytes-first", "one-shot"])
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "staged"])
 def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
-        in_place: bool, kept: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        in_place: bool, kept: bool, find: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """1-, 2-, 4-, 8- and 16-byte elements, an empty tensor and a non-contiguous trainer tensor, in
     short chunks (CHUNK_BYTES 4100: 4100 bytes for elements of up to 4 bytes, 4096 for 8 and 16, a
     size the scratch buffer must take for any dtype): every round bit-exact, rebuilt in place or
@@ -501,12 +502,16 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
     positions payload or a XOR wrong only in its last element fails the round (staged: with the
     worker's model untouched) and is followed by a full round. From a mapping (its tensors
     kept: the work of tensors sent whole or as positions is left pending and done as the round
-    is read) and from a one-shot iterator (every tensor encoded before the round)."""
+    is read) and from a one-shot iterator (every tensor encoded before the round). A pending positions tensor's
+    changes are found element by element, or 8 bytes at a time first (as for few changes), chunks ending in
+    a part word."""
     import zstandard
 
     import wtransfer.engines.rounds.delta as delta_module
+    from wtransfer.engines.trainer import delta_encoder
 
     monkeypatch.setattr(delta_module, "CHUNK_BYTES", 4100)
+    monkeypatch.setattr(delta_encoder, "FEW_CHANGED", 1.0 if find == "8 bytes first" else 0.0)
     g = torch.Generator().manual_seed(0)
     trainer = {
         "bf16": torch.randn(3000, generator=g).to(torch.bfloat16),
@@ -564,8 +569,10 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
                 tensor[::97] += 1 + 1j  # both halves: still one changed element each
             elif name != "empty":
                 tensor[::97] += 1
+            if name in ("bf16", "f32", "u8", "i32"):  # the first chunk's last element, in a part 8-byte word
+                tensor[4100 // tensor.element_size() - 1] += 1
     expected = sum(len(range(0, t.numel(), 97)) for n, t in trainer.items() if n not in ("strided", "empty"))
-    expected += len(range(0, 200, 7)) * len(range(0, 60, 5))
+    expected += len(range(0, 200, 7)) * len(range(0, 60, 5)) + 4
     encoded = send(2)
     assert encoded.stats.changed_elements == expected
     assert {row.target.name for row in encoded.plan.tensors if row.encoding == POSITIONS} >= {"f64", "c128", "u8"}
@@ -679,6 +686,49 @@ def test_a_round_abandoned_while_its_whole_tensors_are_pending_is_followed_by_an
     assert fourth.plan.base == holds and fourth.stats.sparse_tensors == 1
     apply(fourth, 4, holds)
     assert digests(worker) == digests(model)
+
+
+@pytest.mark.parametrize("change", ["other elements", "the same elements"])
+def test_a_tensor_changed_while_its_round_is_sent_fails_the_round_and_the_next_one_is_exact(
+        change: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor with few changes is counted and hashed before the round's first byte, and its changes gathered
+    as the round is sent. A training step that writes the model in between (here: just before the gathering)
+    must fail the round, never send a payload that rebuilds other values under the first walk's digest: with
+    other elements changed the trainer's count disagrees; with the same ones, every worker's digest check refuses
+    the rebuilt tensor. Each worker keeps the weights it held, and the next round leaves it with exactly the
+    trainer's. Catches a gathering that trusts the first walk."""
+    from wtransfer.engines.trainer import delta_encoder
+
+    model = tiny_llama(seed=0, frozen_embedding=True)
+    with _pool("shm") as pool:
+        trainer = _trainer("shm", pool, model)
+        try:
+            trainer.send_weights()
+            before = pool.digests()
+            with torch.no_grad():
+                model.lm_head.weight.view(-1)[::97].add_(1.0)
+            gather, stepped = delta_encoder._gather_rest, []
+
+            def training_step_meanwhile(name: str, *args: Any) -> Any:
+                if name == "lm_head.weight" and not stepped:
+                    stepped.append(name)
+                    with torch.no_grad():
+                        model.lm_head.weight.view(-1)[:: 89 if change == "other elements" else 97].add_(1.0)
+                return gather(name, *args)
+
+            monkeypatch.setattr(delta_encoder, "_gather_rest", training_step_meanwhile)
+            why = ("'lm_head.weight' changed while the round was being sent" if change == "other elements" else
+                   "'lm_head.weight' rebuilt here differs from the trainer's new value")
+            with pytest.raises(TransferError, match=why):
+                trainer.send_weights()
+            assert stepped, "the round gathered no positions tensor as it was sent: the test tests nothing"
+            assert pool.digests() == before, "a round that failed changed a worker's weights"
+            trainer.reconnect()  # (a round that failed part-way through its transport needs it)
+            stats = trainer.send_weights()
+            assert stats["delta"] == "full", stats
+            _assert_workers_hold(pool, model, "the round after the failed one")
+        finally:
+            trainer.shutdown()
 
 
 def test_a_positions_payload_that_does_not_fit_its_tensor_is_refused() -> None:
