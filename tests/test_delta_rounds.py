@@ -575,7 +575,8 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
     expected += len(range(0, 200, 7)) * len(range(0, 60, 5)) + 4
     encoded = send(2)
     assert encoded.stats.changed_elements == expected
-    assert {row.target.name for row in encoded.plan.tensors if row.encoding == POSITIONS} >= {"f64", "c128", "u8"}
+    assert {row.target.name for row in encoded.plan.tensors if row.encoding == POSITIONS} >= {
+        "bf16", "f32", "i32", "u8", "f64", "c128"}
     assert_worker_holds("a sparse round")
     with torch.no_grad():
         for name, tensor in trainer.items():
@@ -727,6 +728,46 @@ def test_a_tensor_changed_while_its_round_is_sent_fails_the_round_and_the_next_o
             stats = trainer.send_weights()
             assert stats["delta"] == "full", stats
             _assert_workers_hold(pool, model, "the round after the failed one")
+        finally:
+            trainer.shutdown()
+
+
+def test_a_refused_delta_sent_whole_records_what_it_gathered_and_the_next_round_is_a_delta(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every worker refuses a delta round, which is sent whole from the trainer's base at once; a step rewrote the
+    same elements of a tensor between its count and its gathering, so the base (and the workers) took values the
+    first walk never hashed. The trainer must record the digest of what it sent: the next round is a delta
+    against it, with no tensor sent whole. Catches digests kept from the first walk (the next round then finds
+    its base "changed behind its back" and sends that tensor whole)."""
+    from wtransfer.engines.trainer import delta_encoder
+
+    model = tiny_llama(seed=0, frozen_embedding=True)
+    with _pool("shm") as pool:
+        trainer = _trainer("shm", pool, model)
+        try:
+            trainer.send_weights()
+            with torch.no_grad():
+                model.lm_head.weight.view(-1)[::97].add_(1.0)
+            gather, stepped = delta_encoder._gather_rest, []
+
+            def training_step_meanwhile(name: str, *args: Any) -> Any:
+                if name == "lm_head.weight" and not stepped:
+                    stepped.append(name)
+                    with torch.no_grad():
+                        model.lm_head.weight.view(-1)[::97].add_(1.0)  # the same elements: the count holds
+                return gather(name, *args)
+
+            monkeypatch.setattr(delta_encoder, "_gather_rest", training_step_meanwhile)
+            trainer.delta.base_id += "-not-committed"  # every worker refuses the delta before any byte moves
+            stats = trainer.send_weights()
+            assert stats["delta"] == "full" and stats["delta_refused"] and stepped, stats
+            _assert_workers_hold(pool, model, "the refused delta sent whole")
+            monkeypatch.setattr(delta_encoder, "_gather_rest", gather)
+            with torch.no_grad():
+                model.lm_head.weight.view(-1)[::101].add_(1.0)
+            stats = trainer.send_weights()
+            assert (stats["delta"], stats["sparse_tensors"], stats["dense_tensors"]) == ("delta", 1, 0), stats
+            _assert_workers_hold(pool, model, "the delta after it")
         finally:
             trainer.shutdown()
 

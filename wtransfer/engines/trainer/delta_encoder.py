@@ -54,7 +54,7 @@ POSITIONS_AT_MOST_ON_FAST_LINKS = 0.25
 """:data:`POSITIONS_AT_MOST` on links of at least :data:`FAST_FOR_POSITIONS` (bf16: ~12 % changed)."""
 
 FAST_FOR_POSITIONS = 75e6
-"""Link bytes/s (0.6 Gbit/s) from which ``positions``, larger than a compressed XOR but gathered while counting,
+"""Link bytes/s (0.6 Gbit/s) from which ``positions``, larger than a compressed XOR but gathered without compressing,
 costs less time than compressing (zstd's speed sets it; estimated from measurements, likely conservative)."""
 
 XOR_PAYS_BELOW = 300e6
@@ -89,9 +89,9 @@ class DeltaStats:
 
 
 class DeltaRound(WeightSource):
-    """One encoded round, as the engine reads it: the wire tensors, in order. A tensor sent whole may still be
-    *pending* (counting, updating the base, hashing): that runs on the encoding threads a few tensors ahead of the
-    engine, which gets it once done, so the first byte waits for no pass over the model."""
+    """One encoded round, as the engine reads it: the wire tensors, in order. A tensor sent whole or as ``positions``
+    may still be *pending* (counting, gathering, updating the base, hashing): that runs on the encoding threads a few
+    tensors ahead of the engine, which gets it once done, so the first byte waits for no more than the count."""
 
     def __init__(self, entries: list[TensorEntry], payloads: list[torch.Tensor], pending: list[_Encoded | None],
                  plan: DeltaPlan, items: list[_Encoded], finisher: _Finisher, whole: bool = False) -> None:
@@ -101,7 +101,8 @@ class DeltaRound(WeightSource):
         self._items = items
         """Every tensor of the walk (unchanged ones too), in the source's order."""
         self._finisher = finisher
-        self._whole = whole
+        self.whole = whole
+        """Every tensor sent whole from the base (a refused delta round sent again)."""
 
     @property
     def stats(self) -> DeltaStats:
@@ -110,7 +111,7 @@ class DeltaRound(WeightSource):
         for item in self._items:
             stats.elements += item.target.numel
             stats.changed_elements += item.changed
-            if self._whole or (item.row is not None and item.row.encoding == DENSE):
+            if self.whole or (item.row is not None and item.row.encoding == DENSE):
                 stats.dense_tensors += 1
             elif item.row is None:
                 stats.unchanged_tensors += 1
@@ -228,7 +229,8 @@ class DeltaEncoder:
         self._token = secrets.token_hex(8)
         self.base: dict[str, torch.Tensor] = {}
         self.digests: dict[str, str] = {}
-        """XXH3-64 of each base tensor, kept up to date as the base changes (never recomputed)."""
+        """XXH3-64 of each base tensor, recorded as the base takes a round's values (recomputed only after a refused
+        delta round was sent whole: see :meth:`committed`)."""
         self.base_id: str | None = None
         """The id of the last round every worker committed, which :attr:`base` holds; None: full next."""
         self._unsettled: _Finisher | None = None
@@ -359,8 +361,16 @@ class DeltaEncoder:
         self.base, self.digests, self._payloads, self.base_id = {}, {}, {}, None
 
     def committed(self, encoded: DeltaRound) -> None:
-        """Every worker committed the round: the base is what they hold (pending tensors finished first)."""
+        """Every worker committed the round: the base is what they hold (pending tensors finished first). A round
+        sent whole from the base (:meth:`whole`) carried what its ``positions`` tensors gathered, which no check
+        compared with their first walk's digest: those are hashed again, so the next round diffs against what the
+        workers hold."""
         encoded.finish()
+        if encoded.whole:
+            gathered = [item.target.name for item in encoded._items if item.row is not None
+                        and item.row.encoding == POSITIONS]
+            for name, value in zip(gathered, _pool().map(lambda name: _delta.digest(self.base[name]), gathered)):
+                self.digests[name] = value
         self.base_id = encoded.plan.id
 
 
@@ -390,7 +400,7 @@ class _Encoded:
     row: DeltaTensor | None
     changed: int
     digest: str | None
-    """The base's digest once this round's value is in it (None while a tensor sent whole is pending)."""
+    """The base's digest once this round's value is in it (None while the tensor is pending)."""
     rest: Any = None
     """A pending tensor's remaining work (:func:`_walk_rest`, :func:`_gather_rest`) -> (more changed elements, base
     digest); None once done."""
@@ -577,10 +587,10 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
         payload = room(name, size)
         wire = TensorEntry(name, "uint8", (payload.numel(),))
         row = DeltaTensor(target, POSITIONS, value, known)
-        if found is None:  # deferred: gathered as the round is sent
+        if found is None:  # deferred: gathered as the round is sent (its digest recorded once the base holds it)
             rest = functools.partial(_gather_rest, name, payload, target, changed, value, new_bits, base_bits, words,
                                      step)
-            return _Encoded(wire, payload, row, changed, value, rest)
+            return _Encoded(wire, payload, row, changed, None, rest)
         _write_positions(payload, target, changed, counts, found, base_bits, words, step)
         return _Encoded(wire, payload, row, changed, value)
     if not choices.try_xor:  # compressing would cost more than sending it whole
