@@ -215,10 +215,15 @@ class ScheduleRun:
         with torch.no_grad():
             for name in carried if self.kind != "delta" else self.rng.sample(names, 2):
                 tensor = self.truth.get_parameter(name)
-                tensor.add_(torch.randn_like(tensor) * 0.01)
+                # a delta round's tensor changes all over (sent whole) or in a few elements (as positions)
+                few = self.kind == "delta" and self.rng.random() < 0.5
+                where = torch.rand(tensor.shape, generator=torch.Generator().manual_seed(self.rng.randrange(2**31)))
+                tensor.add_(torch.randn_like(tensor) * 0.01 * ((where < 0.015) if few else 1))
         tensors = {name: self.truth.get_parameter(name).detach() for name in carried}
         die_after = self.rng.randrange(len(carried)) if event == "trainer_dies" else None
-        self.trainer.source = RoundSource(tensors, die_after)
+        # a source that keeps its tensors, unless it is to fail part-way: a delta round then gathers its
+        # positions tensors as it is sent, as it does for a trainer's module
+        self.trainer.source = RoundSource(tensors, die_after) if die_after is not None else TensorSource(tensors)
         version = max(self.trainer.weight_version, self.trainer._version_floor) + 1
         self.sent[version] = (len(carried) < len(names), _digests(tensors))
         self.attempted = version
