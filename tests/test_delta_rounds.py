@@ -689,6 +689,24 @@ def test_a_round_abandoned_while_its_whole_tensors_are_pending_is_followed_by_an
     assert digests(worker) == digests(model)
 
 
+def _step_before_gathering(monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module, every: int) -> list[str]:
+    """A training step (``lm_head.weight``'s every ``every``-th element moves) just before the trainer gathers that
+    tensor's changes, once; the returned list names the tensor once it ran."""
+    from wtransfer.engines.trainer import delta_encoder
+
+    gather, stepped = delta_encoder._gather_rest, []
+
+    def training_step_meanwhile(name: str, *args: Any) -> Any:
+        if name == "lm_head.weight" and not stepped:
+            stepped.append(name)
+            with torch.no_grad():
+                model.lm_head.weight.view(-1)[::every].add_(1.0)
+        return gather(name, *args)
+
+    monkeypatch.setattr(delta_encoder, "_gather_rest", training_step_meanwhile)
+    return stepped
+
+
 @pytest.mark.parametrize("change", ["other elements", "the same elements"])
 def test_a_tensor_changed_while_its_round_is_sent_fails_the_round_and_the_next_one_is_exact(
         change: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -698,8 +716,6 @@ def test_a_tensor_changed_while_its_round_is_sent_fails_the_round_and_the_next_o
     other elements changed the trainer's count disagrees; with the same ones, every worker's digest check refuses
     the rebuilt tensor. Each worker keeps the weights it held, and the next round leaves it with exactly the
     trainer's. Catches a gathering that trusts the first walk."""
-    from wtransfer.engines.trainer import delta_encoder
-
     model = tiny_llama(seed=0, frozen_embedding=True)
     with _pool("shm") as pool:
         trainer = _trainer("shm", pool, model)
@@ -708,16 +724,7 @@ def test_a_tensor_changed_while_its_round_is_sent_fails_the_round_and_the_next_o
             before = pool.digests()
             with torch.no_grad():
                 model.lm_head.weight.view(-1)[::97].add_(1.0)
-            gather, stepped = delta_encoder._gather_rest, []
-
-            def training_step_meanwhile(name: str, *args: Any) -> Any:
-                if name == "lm_head.weight" and not stepped:
-                    stepped.append(name)
-                    with torch.no_grad():
-                        model.lm_head.weight.view(-1)[:: 89 if change == "other elements" else 97].add_(1.0)
-                return gather(name, *args)
-
-            monkeypatch.setattr(delta_encoder, "_gather_rest", training_step_meanwhile)
+            stepped = _step_before_gathering(monkeypatch, model, 89 if change == "other elements" else 97)
             why = ("'lm_head.weight' changed while the round was being sent" if change == "other elements" else
                    "'lm_head.weight' rebuilt here differs from the trainer's new value")
             with pytest.raises(TransferError, match=why):
@@ -748,16 +755,8 @@ def test_a_refused_delta_sent_whole_records_what_it_gathered_and_the_next_round_
             trainer.send_weights()
             with torch.no_grad():
                 model.lm_head.weight.view(-1)[::97].add_(1.0)
-            gather, stepped = delta_encoder._gather_rest, []
-
-            def training_step_meanwhile(name: str, *args: Any) -> Any:
-                if name == "lm_head.weight" and not stepped:
-                    stepped.append(name)
-                    with torch.no_grad():
-                        model.lm_head.weight.view(-1)[::97].add_(1.0)  # the same elements: the count holds
-                return gather(name, *args)
-
-            monkeypatch.setattr(delta_encoder, "_gather_rest", training_step_meanwhile)
+            gather = delta_encoder._gather_rest
+            stepped = _step_before_gathering(monkeypatch, model, 97)  # the same elements: the count holds
             trainer.delta.base_id += "-not-committed"  # every worker refuses the delta before any byte moves
             stats = trainer.send_weights()
             assert stats["delta"] == "full" and stats["delta_refused"] and stepped, stats
