@@ -71,9 +71,10 @@ CHANGED_TO_TRY = 0.3
 """A chunk with more than this fraction of elements changed ends the first walk: the tensor goes dense (its XOR
 would not shrink below :data:`SPARSE_AT_MOST`, and compressing it costs more than sending it whole)."""
 
-FEW_CHANGED = 0.01
+FEW_CHANGED = 0.005
 """Under this fraction of elements changed, a deferred ``positions`` tensor's changes are found 8 bytes at a time
-first (about twice as fast at 0.1 % changed, slower from about 2 %; numpy 2.3 on a 2-core AMD EPYC)."""
+first. On a 1 MiB chunk of bf16 bits (numpy 2.3, a 2-core AMD EPYC) that took half the time at 0.08 % changed in each
+of three runs, from 0.6 to 1.1 times it at 0.66 %, and more at 5 %."""
 
 GLANCE_BYTES = 64 * 1024
 """Bytes at a deferrable tensor's start compared first: over :data:`CHANGED_TO_TRY` changed, it goes whole at once."""
