@@ -73,8 +73,8 @@ would not shrink below :data:`SPARSE_AT_MOST`, and compressing it costs more tha
 
 FEW_CHANGED = 0.005
 """Under this fraction of elements changed, a deferred ``positions`` tensor's changes are found 8 bytes at a time
-first. On a 1 MiB chunk of bf16 bits (numpy 2.3, a 2-core AMD EPYC) that took half the time at 0.08 % changed in each
-of three runs, from 0.6 to 1.1 times it at 0.66 %, and more at 5 %."""
+first. On a 1 MiB chunk of bf16 bits (numpy 2.3, a 2-core AMD EPYC, a noisy VM) that took about half the time of
+the element-by-element search at 0.08 % changed in every run, 0.8 to 1.6 times it at 0.66 %, and more at 5 %."""
 
 GLANCE_BYTES = 64 * 1024
 """Bytes at a deferrable tensor's start compared first: over :data:`CHANGED_TO_TRY` changed, it goes whole at once."""
