@@ -102,7 +102,7 @@ class DeltaRound(WeightSource):
         self._items = items
         """Every tensor of the walk (unchanged ones too), in the source's order."""
         self._finisher = finisher
-        self.whole = whole
+        self._whole = whole
         """Every tensor sent whole from the base (a refused delta round sent again)."""
 
     @property
@@ -112,7 +112,7 @@ class DeltaRound(WeightSource):
         for item in self._items:
             stats.elements += item.target.numel
             stats.changed_elements += item.changed
-            if self.whole or (item.row is not None and item.row.encoding == DENSE):
+            if self._whole or (item.row is not None and item.row.encoding == DENSE):
                 stats.dense_tensors += 1
             elif item.row is None:
                 stats.unchanged_tensors += 1
@@ -367,7 +367,7 @@ class DeltaEncoder:
         compared with their first walk's digest: those are hashed again, so the next round diffs against what the
         workers hold."""
         encoded.finish()
-        if encoded.whole:
+        if encoded._whole:
             gathered = [item.target.name for item in encoded._items if item.row is not None
                         and item.row.encoding == POSITIONS]
             for name, value in zip(gathered, _pool().map(lambda name: _delta.digest(self.base[name]), gathered)):
@@ -560,9 +560,10 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
     changed = 0
     was, now = xxhash.xxh3_64(), xxhash.xxh3_64()
     most = choices.positions_at_most * target.nbytes  # the largest positions payload this tensor may take
-    counts = numpy.zeros(position_blocks(target), dtype=numpy.int64)
-    # (values, positions) per chunk, while the changes still fit a positions payload (deferred: gathered later)
+    # (values, positions) per chunk and changes per block, while the changes still fit a positions payload
+    # (deferred: gathered later, by _gather_rest)
     found: list[tuple[Any, Any]] | None = [] if not defer and positions_payload_bytes(target, 1) <= most else None
+    counts = numpy.zeros(position_blocks(target), dtype=numpy.int64) if found is not None else None
     too_many = CHANGED_TO_TRY * (min(step, new_bits.size) // words)  # of a whole chunk, even for a short last one
     for start in range(0, new_bits.size, step):  # the first walk reads only
         fresh, old = new_bits[start : start + step], base_bits[start : start + step]
