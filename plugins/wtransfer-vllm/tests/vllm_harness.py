@@ -185,8 +185,21 @@ when it starts a worker process, so such a run keeps torch's thread count, and t
 follow it; a reference compared with a default-layout engine takes that engine's threads
 (``scripts/reference.py``)."""
 
-TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-"""Environment of a vLLM run with tensor_parallel_size > 1: vLLM-CPU's 'auto' binding refuses TP=2 on one NUMA node."""
+def _tp_binding(ranks: int = 2) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` workers: this process's cores split between them, each rank's
+    threads on its own share ('nobind' where there are fewer cores than ranks)."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // ranks
+    if share == 0:
+        return "nobind"
+    return "|".join(",".join(str(core) for core in cores[rank * share:(rank + 1) * share]) for rank in range(ranks))
+
+
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": _tp_binding()}
+"""Environment of a vLLM run with tensor_parallel_size=2: vLLM-CPU's 'auto' binding refuses TP=2 on one NUMA node,
+so each rank is bound to half the cores. Unbound ('nobind'), each rank ran as many threads as there are cores, and
+they competed for them: a tiny Llama at TP=2 generated 3 × 40 prompts in 17.2 s unbound and 7.1 s bound to cores 0
+and 1 (2-core AMD EPYC, nothing else running)."""
 
 
 BLOCK = 32
