@@ -28,7 +28,7 @@ def pytest_configure(config: pytest.Config) -> None:
     vLLM workers to its own share of the cores (on a 2-core host under ``-n 2`` one core each: one thread, as 'auto'
     gives; with more workers than cores, one core each, shared; a reference's thread count follows the same
     setting: ``scripts/reference.py``). A binding the caller set, and the tensor-parallel runs' own
-    (``vllm_harness.TP_ENV``, within this share where it holds a core per rank), are left as they are."""
+    (``vllm_harness.tp_env()``, within this share where it holds a core per rank), are left as they are."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if not worker.startswith("gw") or count < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 
 from test_offline_sync import check_delta_scenario, check_partial_scenario
-from vllm_harness import ROUNDS, TP_ENV, EngineRun, cpu_flags, engine_run, run_script
+from vllm_harness import ROUNDS, EngineRun, cpu_flags, engine_run, run_script, tp_env
 
 
 @pytest.fixture(scope="module")
 def reference_tp2(vllm_python: Path, final_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("reference-tp2") / "reference.json"
     run_script(vllm_python, "reference.py", str(final_checkpoint), str(out), json.dumps({"tensor_parallel_size": 2}),
-               env=TP_ENV)
+               env=tp_env())
     return json.loads(out.read_text())
 
 
@@ -34,7 +34,7 @@ def tp2_engine(vllm_python: Path, tiny_llama: Path, config_only_llama: Path,
     weights: the first round fills it, each worker checking it against its shard of vLLM's model."""
     out_dir = tmp_path_factory.mktemp("tp2-engine")
     return out_dir, engine_run(vllm_python, "tp_sync.py", out_dir / "tp.json", str(tiny_llama), str(out_dir / "tp.json"),
-                               str(ROUNDS), str(out_dir / "delta-final"), str(config_only_llama), env=TP_ENV)
+                               str(ROUNDS), str(out_dir / "delta-final"), str(config_only_llama), env=tp_env())
 
 
 def test_tp2_sync_equals_a_fresh_tp2_load_and_a_trainer_killed_before_commit_changes_nothing(

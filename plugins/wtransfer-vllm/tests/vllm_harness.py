@@ -185,24 +185,22 @@ when it starts a worker process, so such a run keeps torch's thread count, and t
 follow it; a reference compared with a default-layout engine takes that engine's threads
 (``scripts/reference.py``)."""
 
-def _tp_binding(ranks: int = 2) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` workers: this test process's cores (its share under xdist, where
-    the root conftest bound it to a comma list of at least ``ranks`` cores; else every core it may use) split
-    between them, each rank's threads on its own part ('nobind' where there are fewer cores than ranks)."""
+def tp_env(ranks: int = 2) -> dict[str, str]:
+    """Environment of a vLLM run with ``ranks`` tensor-parallel workers: vLLM-CPU's 'auto' binding refuses TP=2 on
+    one NUMA node, so each rank is bound to its part of this test process's cores (its share under xdist, which the
+    root conftest's ``pytest_configure`` sets, so read here at call time, where it holds a core per rank; else every
+    core it may use), or 'nobind' where there are fewer cores than ranks. Unbound ('nobind'), each rank ran as many
+    threads as there are cores, and they competed for them: a tiny Llama at TP=2 generated 3 × 40 prompts (96 tokens
+    each, 64 generated) in 17.2-17.9 s unbound and 6.9-7.1 s bound to cores 0 and 1 (2-core AMD EPYC, nothing else
+    running; two runs each)."""
     own = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
     share = [int(core) for core in own.split(",")] if own.replace(",", "").isdigit() else []
     cores = share if len(share) >= ranks else sorted(os.sched_getaffinity(0))
     part = len(cores) // ranks
     if part == 0:
-        return "nobind"
-    return "|".join(",".join(str(core) for core in cores[rank * part:(rank + 1) * part]) for rank in range(ranks))
-
-
-TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": _tp_binding()}
-"""Environment of a vLLM run with tensor_parallel_size=2: vLLM-CPU's 'auto' binding refuses TP=2 on one NUMA node,
-so each rank is bound to its part of the cores. Unbound ('nobind'), each rank ran as many threads as there are
-cores, and they competed for them: a tiny Llama at TP=2 generated 3 × 40 prompts in 17.2-17.9 s unbound and 6.9-7.1 s
-bound to cores 0 and 1 (2-core AMD EPYC, nothing else running; two runs each)."""
+        return {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(str(core) for core in cores[rank * part:(rank + 1) * part])
+                                                 for rank in range(ranks))}
 
 
 BLOCK = 32
@@ -231,9 +229,9 @@ def cpu_flags() -> str:
 
 def vllm_env(tensor_parallel_size: int = 1, site: Path | None = None) -> dict[str, str]:
     """What a compared vLLM run adds to its environment: :data:`IN_PROCESS_ENV` for one worker (such
-    runs compute with torch's thread count, so alike, unless told otherwise), :data:`TP_ENV` for
+    runs compute with torch's thread count, so alike, unless told otherwise), :func:`tp_env` for
     more, and ``site`` on ``PYTHONPATH`` (a package installed there for the test)."""
-    env = dict(TP_ENV if tensor_parallel_size > 1 else IN_PROCESS_ENV)
+    env = tp_env(tensor_parallel_size) if tensor_parallel_size > 1 else dict(IN_PROCESS_ENV)
     if site is not None:
         env["PYTHONPATH"] = str(site)
     return env
