@@ -489,8 +489,9 @@ def _raw(tensor: torch.Tensor) -> bytes:
     return tensor_bytes(tensor).numpy().tobytes()
 
 
-@pytest.mark.parametrize(("kept", "find"), [(True, "by element"), (True, "8 bytes first"), (False, "by element")],
-                         ids=["mapping", "mapping-8-bytes-first", "one-shot"])
+@pytest.mark.parametrize(("kept", "find"), [(True, "by element"), (True, "8 bytes first"),
+                                            (True, "8 bytes first, 4 chunks a step"), (False, "by element")],
+                         ids=["mapping", "mapping-8-bytes-first", "mapping-8-bytes-first-4-chunks", "one-shot"])
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "staged"])
 def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
         in_place: bool, kept: bool, find: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -503,15 +504,18 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
     worker's model untouched) and is followed by a full round. From a mapping (its tensors
     kept: the work of tensors sent whole or as positions is left pending and done as the round
     is read) and from a one-shot iterator (every tensor encoded before the round). A pending positions tensor's
-    changes are found element by element, or 8 bytes at a time first (as for few changes), chunks ending in
-    a part word."""
+    changes are found element by element, or 8 bytes at a time first (as for few changes): a chunk per step, steps
+    ending in a part word, or (as for few changes) 4 chunks a step, chunks of 1030 bytes so that tensors take
+    several steps."""
     import zstandard
 
     import wtransfer.engines.rounds.delta as delta_module
     from wtransfer.engines.trainer import delta_encoder
 
-    monkeypatch.setattr(delta_module, "CHUNK_BYTES", 4100)
-    monkeypatch.setattr(delta_encoder, "FEW_CHANGED", 1.0 if find == "8 bytes first" else 0.0)
+    four_chunks = find == "8 bytes first, 4 chunks a step"
+    monkeypatch.setattr(delta_module, "CHUNK_BYTES", 1030 if four_chunks else 4100)
+    monkeypatch.setattr(delta_encoder, "FEW_CHANGED", 1.0 if find.startswith("8 bytes first") else 0.0)
+    monkeypatch.setattr(delta_encoder, "FEW_CHANGED_STEP", 4 if four_chunks else 1)
     g = torch.Generator().manual_seed(0)
     trainer = {
         "bf16": torch.randn(3000, generator=g).to(torch.bfloat16),

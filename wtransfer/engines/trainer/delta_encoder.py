@@ -76,6 +76,13 @@ FEW_CHANGED = 0.005
 first. On a 1 MiB chunk of bf16 bits (numpy 2.3, a 2-core AMD EPYC, a noisy VM) that took about half the time of
 the element-by-element search at 0.08 % changed in every run, 0.8 to 1.6 times it at 0.66 %, and more at 5 %."""
 
+FEW_CHANGED_STEP = 4
+"""Chunks at a time that search of :data:`FEW_CHANGED` takes: it compares each byte once and looks only at the few
+words that moved, so nothing need stay cached between passes and longer steps cost less. On a 1.02 GB bf16 Llama
+with 0.1 % of elements changed, synced over ``shm`` to one worker, the trainer's ``pack`` phase (where the search
+runs) fell from 0.38 to 0.28 s and the round from 0.97 to 0.89 s (medians of 15 rounds each, interleaved; a 2-core
+AMD EPYC). Over :data:`FEW_CHANGED` the element-by-element search gained nothing from longer steps."""
+
 GLANCE_BYTES = 64 * 1024
 """Bytes at a deferrable tensor's start compared first: over :data:`CHANGED_TO_TRY` changed, it goes whole at once."""
 
@@ -510,8 +517,9 @@ def _gather_rest(name: str, payload: torch.Tensor, target: TensorEntry, changed:
     found: list[tuple[Any, Any]] = []
     counts = numpy.zeros(position_blocks(target), dtype=numpy.int64)
     gathered, sparse = 0, changed < FEW_CHANGED * target.numel
-    for start in range(0, new_bits.size, step):
-        gathered += _gather_chunk(new_bits[start : start + step], base_bits[start : start + step], start, words,
+    walk = step * FEW_CHANGED_STEP if sparse else step
+    for start in range(0, new_bits.size, walk):
+        gathered += _gather_chunk(new_bits[start : start + walk], base_bits[start : start + walk], start, words,
                                   found, counts, sparse)
     if gathered != changed:
         raise TransferError(f"delta round: {name!r} changed while the round was being sent ({changed} elements "
