@@ -389,9 +389,11 @@ def test_tensors_spanning_many_chunks_round_trip_bit_exactly(chunk_bytes: int, m
     a change of a few elements travels as positions, one of some per cent as a XOR, a change
     dense in a later chunk only goes whole."""
     import wtransfer.engines.rounds.delta as delta_module
+    from wtransfer.engines.trainer import delta_encoder
     from wtransfer.engines.worker.loader import module_loader
 
     monkeypatch.setattr(delta_module, "CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(delta_encoder, "FEW_CHANGED_STEP", 1)  # a chunk a step: 8196-byte steps end in a part word
     model = tiny_llama(seed=0)
     worker_model = tiny_llama(seed=0)
     real = module_loader(worker_model)
@@ -565,6 +567,7 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
 
     send(1)
     assert_worker_holds("the full round")
+    edges: dict[str, set[int]] = {}
     with torch.no_grad():
         for name, tensor in trainer.items():
             if name == "strided":
@@ -573,10 +576,15 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
                 tensor[::97] += 1 + 1j  # both halves: still one changed element each
             elif name != "empty":
                 tensor[::97] += 1
-            if name in ("bf16", "f32", "u8", "i32"):  # the first chunk's last element, in a part 8-byte word
-                tensor[4100 // tensor.element_size() - 1] += 1
-    expected = sum(len(range(0, t.numel(), 97)) for n, t in trainer.items() if n not in ("strided", "empty"))
-    expected += len(range(0, 200, 7)) * len(range(0, 60, 5)) + 4
+            if name in ("bf16", "f32", "u8", "i32"):  # the first step's last element (in a part 8-byte word where
+                # a step is one chunk) and the second step's first
+                step = (1030 * 4 if four_chunks else 4100) // tensor.element_size()
+                edges[name] = {step - 1, step}
+                for at in edges[name]:
+                    tensor[at] += 1
+    expected = sum(len(set(range(0, t.numel(), 97)) | edges.get(n, set()))
+                   for n, t in trainer.items() if n not in ("strided", "empty"))
+    expected += len(range(0, 200, 7)) * len(range(0, 60, 5))
     encoded = send(2)
     assert encoded.stats.changed_elements == expected
     assert {row.target.name for row in encoded.plan.tensors if row.encoding == POSITIONS} >= {

@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 
 CHUNK_BYTES = 1024 * 1024
 """Walks take each tensor in chunks of at most this size, through one scratch buffer per thread, small
-enough that the later steps on a chunk (count, hash, compress, copy) read it from the last-level cache."""
+enough that the later steps on a chunk (count, hash, compress, copy) read it from the last-level cache.
+One walk reads each byte once and takes several chunks a step (``delta_encoder.FEW_CHANGED_STEP``)."""
 
 def digest(data: torch.Tensor) -> str:
     """XXH3-64 of a tensor's bytes, as 16 hex digits (a device tensor is copied to the host first)."""
@@ -122,7 +123,7 @@ class _Scratch(threading.local):
     mask_buffer: Any = None
 
     def mask(self, count: int) -> Any:
-        """``count`` booleans (at most a chunk's elements), as a numpy array."""
+        """``count`` booleans (at most :data:`CHUNK_BYTES`), as a numpy array."""
         import numpy
 
         if self.mask_buffer is None or self.mask_buffer.size < count:
