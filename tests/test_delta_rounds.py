@@ -507,8 +507,8 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
     kept: the work of tensors sent whole or as positions is left pending and done as the round
     is read) and from a one-shot iterator (every tensor encoded before the round). A pending positions tensor's
     changes are found element by element, or 8 bytes at a time first (as for few changes): a chunk per step, steps
-    ending in a part word, or (as for few changes) 4 chunks a step, chunks of 1030 bytes so that tensors take
-    several steps."""
+    ending in a part word, or (as for few changes) 4 chunks a step, chunks of 1030 bytes so that most tensors take
+    two or more steps."""
     import zstandard
 
     import wtransfer.engines.rounds.delta as delta_module
@@ -578,7 +578,7 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
                 tensor[::97] += 1
             if name in ("bf16", "f32", "u8", "i32"):  # the first step's last element (in a part 8-byte word where
                 # a step is one chunk) and the second step's first
-                step = (1030 * 4 if four_chunks else 4100) // tensor.element_size()
+                step = delta_module.CHUNK_BYTES // tensor.element_size() * delta_encoder.FEW_CHANGED_STEP
                 edges[name] = {step - 1, step}
                 for at in edges[name]:
                     tensor[at] += 1

@@ -185,6 +185,7 @@ when it starts a worker process, so such a run keeps torch's thread count, and t
 follow it; a reference compared with a default-layout engine takes that engine's threads
 (``scripts/reference.py``)."""
 
+
 def tp_env(ranks: int = 2) -> dict[str, str]:
     """Environment of a vLLM run with ``ranks`` tensor-parallel workers: vLLM-CPU's 'auto' binding refuses TP=2 on
     one NUMA node, so each rank is bound to its part of this test process's cores (its share under xdist, which the
