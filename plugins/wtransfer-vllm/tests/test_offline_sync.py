@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from vllm_harness import IN_PROCESS_ENV, ROUNDS, EngineRun, cpu_flags, engine_run, run_script, tp_env
+from vllm_harness import ROUNDS, EngineRun, cpu_flags, engine_run, run_script, vllm_env
 
 
 def offline_run(python: Path, model: Path, out_dir: Path, backend: str, via: str, delta: bool = False,
@@ -131,7 +131,7 @@ def check_delta_scenario(python: Path, result: dict, final: Path, tp: int) -> No
     assert "error" not in result, f"the delta scenario raised:\n{result['error']}"
     fresh = final.parent / "delta-fresh.json"
     run_script(python, "reference.py", str(final), str(fresh), json.dumps({"tensor_parallel_size": tp}),
-               env=tp_env() if tp > 1 else IN_PROCESS_ENV)
+               env=vllm_env(tp))
     reference = json.loads(fresh.read_text())
 
     stats = result["stats"]

@@ -41,8 +41,7 @@ if TYPE_CHECKING:
 
 CHUNK_BYTES = 1024 * 1024
 """Walks take each tensor in chunks of at most this size, through one scratch buffer per thread, small
-enough that the later steps on a chunk (count, hash, compress, copy) read it from the last-level cache.
-One walk reads each byte once and takes several chunks a step (``delta_encoder.FEW_CHANGED_STEP``)."""
+enough that the later steps on a chunk (count, hash, compress, copy) read it from the last-level cache."""
 
 def digest(data: torch.Tensor) -> str:
     """XXH3-64 of a tensor's bytes, as 16 hex digits (a device tensor is copied to the host first)."""

@@ -77,14 +77,12 @@ first. On a 1 MiB chunk of bf16 bits (numpy 2.3, a 2-core AMD EPYC, a noisy VM) 
 the element-by-element search at 0.08 % changed in every run, 0.8 to 1.6 times it at 0.66 %, and more at 5 %."""
 
 FEW_CHANGED_STEP = 4
-"""Chunks at a time that a deferred ``positions`` tensor's search takes under :data:`FEW_CHANGED`: it compares each
-byte once and looks only at the few elements that moved, so nothing need stay cached between passes, and longer
-steps cost less. Measured with the search in 4-chunk steps at every fraction (the same walk as this one where, as
-here, every changed tensor had under :data:`FEW_CHANGED`): a 0.99 GB bf16 Llama with 0.1 % of elements changed,
-synced over ``shm`` to one worker, the trainer's ``pack`` phase (where the search runs) 0.38 s against 0.28 s, the
-round 0.97 s against 0.89 s (medians of 15 rounds each, interleaved; a 2-core AMD EPYC). At 1.75 % changed the rounds
-showed no clear difference (1.115 s against 1.137 s, medians of 12, noisy), so the search of more changes keeps one
-chunk a step."""
+"""Chunks a step of a deferred ``positions`` tensor's search under :data:`FEW_CHANGED`. It compares each byte once
+and looks only at the few elements that moved, so nothing need stay cached between passes, and longer steps cost
+less: on a 0.99 GB bf16 Llama with 0.1 % of elements changed, synced over ``shm`` to one worker, the trainer's
+``pack`` phase (where the search runs) took 0.25 s with this step against 0.36 s with one chunk (medians of 10
+rounds, interleaved; a 2-core AMD EPYC). At 1.75 % changed, 4-chunk steps of the element-by-element search showed no
+clear difference in a round (1.137 s against 1.115 s, medians of 12, noisy), so that search keeps one chunk a step."""
 
 GLANCE_BYTES = 64 * 1024
 """Bytes at a deferrable tensor's start compared first: over :data:`CHANGED_TO_TRY` changed, it goes whole at once."""
