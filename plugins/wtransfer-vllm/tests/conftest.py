@@ -28,9 +28,11 @@ VLLM_SHM_PREFIXES = ("psm_", "vllm_dist_")
 buffers: up to 240 MiB each. (Semaphores, 32 bytes each, are left alone: glibc maps one under a temporary name.)"""
 
 
-ORPHAN_AGE_S = 60
-"""A file younger than this is never removed: one a process is still setting up or handing over (created, not yet
-mapped, or mapped by the next process soon) stays whatever the scan of ``/proc`` saw."""
+ORPHAN_AGE_S = 10
+"""A file younger than this is never removed, whatever the scan of ``/proc`` saw. Both kinds are held from birth
+(Python's shared memory keeps the descriptor of its ``shm_open`` open, then maps it), so a file listed before the
+scan is held by its maker during it; the margin covers a maker this reasoning misses. It is also the longest the
+session's end waits (at 60 s, each test worker waited about 52 s after its last test)."""
 
 
 def _remove_orphaned_vllm_queues(before: set[str]) -> float:
@@ -60,8 +62,8 @@ def _remove_orphaned_vllm_queues(before: set[str]) -> float:
 
 @pytest.fixture(scope="session")
 def dev_shm_at_start() -> Iterator[set[str]]:
-    """``/dev/shm``'s names when this test process began; at its end, vLLM's orphaned files since then go (those
-    from the last minute once they are a minute old, if still unheld then)."""
+    """``/dev/shm``'s names when this test process began; at its end, vLLM's orphaned files since then go (younger
+    ones once they are :data:`ORPHAN_AGE_S` old, if still unheld then)."""
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     yield before
     wait = _remove_orphaned_vllm_queues(before)
@@ -74,8 +76,8 @@ def dev_shm_at_start() -> Iterator[set[str]]:
 def no_orphaned_vllm_queues(dev_shm_at_start: set[str]) -> Iterator[None]:
     """vLLM unlinks its engine's message queues at a clean exit; an engine these tests kill (a server a README block
     left running, a script's leftovers) leaves them in ``/dev/shm``, up to 240 MiB of the host's memory each, run
-    after run. After each module the orphaned ones are removed (one from the last minute goes at a later module's
-    end, or at the session's)."""
+    after run. After each module the orphaned ones are removed (a younger one goes at a later module's end, or
+    at the session's)."""
     yield
     _remove_orphaned_vllm_queues(dev_shm_at_start)
 
