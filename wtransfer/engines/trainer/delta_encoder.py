@@ -82,7 +82,9 @@ and looks only at the few elements that moved, so nothing need stay cached betwe
 less: on a 0.99 GB bf16 Llama with 0.1 % of elements changed, synced over ``shm`` to one worker, the trainer's
 ``pack`` phase (where the search runs) took 0.25 s with this step against 0.36 s with one chunk (medians of 10
 rounds, interleaved; a 2-core AMD EPYC). At 1.75 % changed, 4-chunk steps of the element-by-element search showed no
-clear difference in a round (1.137 s against 1.115 s, medians of 12, noisy), so that search keeps one chunk a step."""
+clear difference in a round (1.137 s against 1.115 s, medians of 12, noisy), so that search keeps one chunk a step.
+A step's temporaries grow with the elements that moved in it: at most 52 MiB per thread, where every element of a
+4-chunk bf16 step moved (13 MiB in one chunk), which under :data:`FEW_CHANGED` needs a tensor of over 400 M elements."""
 
 GLANCE_BYTES = 64 * 1024
 """Bytes at a deferrable tensor's start compared first: over :data:`CHANGED_TO_TRY` changed, it goes whole at once."""
