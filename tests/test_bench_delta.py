@@ -35,4 +35,3 @@ def test_a_worker_that_fails_to_start_takes_the_started_ones_down() -> None:
     assert len(started) == len(KINDS) - 1  # the others did start: each had its worker running
     pids = [pid for pool in started for pid in pool.pids]
     assert pids and not [pid for pid in pids if _alive(pid)], f"workers left running: {pids}"
-

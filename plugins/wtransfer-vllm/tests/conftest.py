@@ -28,16 +28,22 @@ VLLM_SHM_PREFIXES = ("psm_", "vllm_dist_")
 buffers: up to 240 MiB each. (Semaphores, 32 bytes each, are left alone: glibc maps one under a temporary name.)"""
 
 
+SWEPT_FROM_BYTES = 1 << 20
+"""Smaller files are never removed: a stray one costs nothing worth a risk, and vLLM's smallest ``psm_`` file (128
+bytes, from ``in_the_same_node_as``) is closed by its maker before the other ranks open it."""
+
 ORPHAN_AGE_S = 10
-"""A file younger than this is never removed, whatever the scan of ``/proc`` saw. Both kinds are held from birth
-(Python's shared memory keeps the descriptor of its ``shm_open`` open, then maps it), so a file listed before the
-scan is held by its maker during it; the margin covers a maker this reasoning misses. It is also the longest the
-session's end waits (at 60 s, each test worker waited about 52 s after its last test)."""
+"""A file younger than this is never removed, whatever the scan of ``/proc`` saw. Python's shared memory (vLLM's
+queues) keeps the descriptor of its ``shm_open`` open, then maps it, so a queue listed before the scan is held by
+its maker during it; the margin covers makers this reasoning misses (vLLM-CPU's tensor-parallel buffers are made in
+C++, not read here). It is also the longest the session's end waits (at 60 s, each test worker waited about 52 s
+after its last test)."""
 
 
 def _remove_orphaned_vllm_queues(before: set[str]) -> float:
-    """Remove vLLM's ``/dev/shm`` files made since ``before``, at least :data:`ORPHAN_AGE_S` old, that no process
-    holds open or mapped. Returns how long until the youngest unheld one is old enough (0: none is waiting)."""
+    """Remove vLLM's ``/dev/shm`` files made since ``before``, at least :data:`ORPHAN_AGE_S` old and
+    :data:`SWEPT_FROM_BYTES` large, that no process holds open or mapped. Returns how long until the youngest
+    unheld one is old enough (0: none is waiting)."""
     if not os.path.isdir("/dev/shm"):
         return 0.0
     made = {name for name in os.listdir("/dev/shm") if name.startswith(VLLM_SHM_PREFIXES)} - before
@@ -48,7 +54,7 @@ def _remove_orphaned_vllm_queues(before: set[str]) -> float:
         path = Path("/dev/shm", name)
         try:
             found = path.stat()
-            if found.st_ino in held:
+            if found.st_ino in held or found.st_size < SWEPT_FROM_BYTES:
                 continue
             age = time.time() - found.st_ctime
             if age >= ORPHAN_AGE_S:

@@ -83,8 +83,9 @@ less: on a 0.99 GB bf16 Llama with 0.1 % of elements changed, synced over ``shm`
 ``pack`` phase (where the search runs) took 0.25 s with this step against 0.36 s with one chunk (medians of 10
 rounds, interleaved; a 2-core AMD EPYC). At 1.75 % changed, 4-chunk steps of the element-by-element search showed no
 clear difference in a round (1.137 s against 1.115 s, medians of 12, noisy), so that search keeps one chunk a step.
-A step's temporaries grow with the elements that moved in it: at most 52 MiB per thread, where every element of a
-4-chunk bf16 step moved (13 MiB in one chunk), which under :data:`FEW_CHANGED` needs a tensor of over 400 M elements."""
+What a step's search holds grows with the elements that moved in it. Where all of a 4-chunk step moved, it held 100,
+52 and 28 MiB per thread for 1-, 2- and 4-byte elements (a quarter of that in one chunk), which under
+:data:`FEW_CHANGED` takes a tensor of over 839 M, 419 M and 210 M elements."""
 
 GLANCE_BYTES = 64 * 1024
 """Bytes at a deferrable tensor's start compared first: over :data:`CHANGED_TO_TRY` changed, it goes whole at once."""
