@@ -30,7 +30,8 @@ buffers: up to 240 MiB each. (Semaphores, 32 bytes each, are left alone: glibc m
 
 SWEPT_FROM_BYTES = 1 << 20
 """Smaller files are never removed: a stray one costs nothing worth a risk, and vLLM's smallest ``psm_`` file (128
-bytes, from ``in_the_same_node_as``) is closed by its maker before the other ranks open it."""
+bytes, from ``in_the_same_node_as``) may be closed by its maker before the other ranks open it (it closes it once
+its broadcast of the name returns)."""
 
 ORPHAN_AGE_S = 10
 """A file younger than this is never removed, whatever the scan of ``/proc`` saw. Python's shared memory (vLLM's
