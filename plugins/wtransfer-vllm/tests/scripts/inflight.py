@@ -152,6 +152,17 @@ def step_until_started(base_url, progress):
         time.sleep(0.05)  # the stream's reader catches up with what the pause let out
 
 
+def held_running(base_url, progress, started):
+    """Whether the paused server holds a request mid-generation, by its own count once the streams
+    settled. A reader thread still alive is not enough: on a loaded host it can still be reading the
+    last tokens of requests that all ended (in one CI run the round then found none running)."""
+    settled, deadline = None, time.monotonic() + 10
+    while started.is_alive() and list(progress) != settled and time.monotonic() < deadline:
+        settled = list(progress)
+        time.sleep(0.5)  # nothing new comes from a paused server once the readers caught up
+    return started.is_alive() and metric(base_url, "num_requests_running") >= 1
+
+
 def resume(base_url):
     requests.post(f"{base_url}/resume", timeout=30).raise_for_status()
 
@@ -193,14 +204,14 @@ def one_choice(base_url, model_dir, in_flight):
             if in_flight == "drain":
                 break
             step_until_started(base_url, progress)
-            started.join(0.5)
-            if started.is_alive():  # some are mid-generation, held by the pause: the round may come
+            if held_running(base_url, progress, started):  # some are mid-generation, held by the pause
                 break
             # on a loaded host one resume/pause round trip let every request run to its end: the
             # round would find none running, so the requests are sent again (at A: no round yet)
             print(f"in-flight attempt {attempt + 1}: every request ended within one step; sending them again",
                   flush=True)
             resume(base_url)
+            started.join()
         late_thread = None
         if in_flight == "drain":
             def send_late():
