@@ -149,16 +149,19 @@ def _start_pools(start: Callable[[], Any]) -> dict[str, Any]:
     """A pool per kind of trainer (``start()`` makes one), started together: each worker imports and builds its model
     while the others do. A small run (``--hidden 64 --layers 1 --vocab 256 --repeats 2``, every link) took 50-59 s so,
     against 66-73 s starting them one after another (3 runs each, interleaved; a 2-core AMD EPYC). If any start
-    fails, those that started are shut down before its error is raised."""
+    fails, those that started are shut down before its error is raised (the other failures as its notes)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(len(KINDS)) as starting:
         futures = {kind: starting.submit(start) for kind in KINDS}
-    pools = {kind: future.result() for kind, future in futures.items() if future.exception() is None}
-    failed = [future.exception() for future in futures.values() if future.exception() is not None]
+    errors = {kind: future.exception() for kind, future in futures.items()}
+    pools = {kind: futures[kind].result() for kind, error in errors.items() if error is None}
+    failed = [error for error in errors.values() if error is not None]
     if failed:
         for pool in pools.values():
             pool.shutdown()
+        for other in failed[1:]:
+            failed[0].add_note(f"another start failed too: {other!r}")
         raise failed[0]
     return pools
 

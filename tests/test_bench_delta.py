@@ -9,16 +9,9 @@ import pytest
 
 from benchmarks.delta import KINDS, _start_pools
 from wtransfer.local import LocalWorkerPool
+from wtransfer.testing.leaks import running
 
 TINY = {"seed": 1, "hidden": 64, "layers": 1, "vocab": 256}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_worker_that_fails_to_start_takes_the_started_ones_down() -> None:
@@ -34,4 +27,4 @@ def test_a_worker_that_fails_to_start_takes_the_started_ones_down() -> None:
         _start_pools(start)
     assert len(started) == len(KINDS) - 1  # the others did start: each had its worker running
     pids = [pid for pool in started for pid in pool.pids]
-    assert pids and not [pid for pid in pids if _alive(pid)], f"workers left running: {pids}"
+    assert pids and not [pid for pid in pids if running(pid)], f"workers left running: {pids}"

@@ -22,6 +22,7 @@ import pytest
 import wtransfer
 from wtransfer._fork_server import worker_process
 from wtransfer.local import LocalWorkerPool
+from wtransfer.testing.leaks import process_state, running
 from wtransfer.testing.models import build_model, digests
 
 SHAPES = [["a.weight", [16, 16]]]
@@ -47,18 +48,6 @@ def report(conn):
 
 def _sleep(seconds: float) -> None:
     time.sleep(seconds)
-
-
-def _parent_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def _gone(pid: int) -> bool:
-    """The process ended (absent, or a zombie nobody reaped yet)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def test_a_child_writes_where_the_callers_output_goes_when_it_starts(tmp_path: Path) -> None:
@@ -116,25 +105,25 @@ def test_a_dead_fork_server_leaves_no_child_out_of_reach() -> None:
     model = build_model(SHAPES, "float32", random=True)
     with LocalWorkerPool(2, "wtransfer.testing.models:worker_model", backend="gloo",
                          factory_kwargs={"shapes": SHAPES, "dtype": "float32"}, timeout_s=30) as pool:
-        server = _parent_of(sleeper.pid)
-        assert _parent_of(pool.pids[1]) == server != os.getpid()
+        server = process_state(sleeper.pid)[1]
+        assert process_state(pool.pids[1])[1] == server != os.getpid()
         os.kill(server, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while not _gone(server) and time.monotonic() < deadline:
+        while running(server) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _gone(server)
+        assert not running(server)
         assert sleeper.is_alive() and sleeper.exitcode is None  # it runs on: its handle says so
         sleeper.kill()
         sleeper.join(10)
-        assert sleeper.exitcode is not None and _gone(sleeper.pid)
+        assert sleeper.exitcode is not None and not running(sleeper.pid)
         old = pool.pids[1]
         pool.restart(1)  # kills the old worker and starts a new one from a new server
-        assert _gone(old)
+        assert not running(old)
         with wtransfer.create_trainer("gloo", client=pool, source=model, init_info={"world_size": 3}) as trainer:
             trainer.send_weights()
         assert pool.digests() == [digests(model)] * 2
         workers = list(pool.pids)
-    assert all(_gone(pid) for pid in workers)
+    assert all(not running(pid) for pid in workers)
 
 
 def test_a_fork_server_stuck_at_its_start_is_stopped_and_the_pool_start_times_out(
@@ -170,7 +159,7 @@ def test_a_fork_server_stuck_at_its_start_is_stopped_and_the_pool_start_times_ou
     assert 3 <= outcome["seconds"] < 30
     assert "did not answer within 3 s" in str(error) and "start_timeout_s" in str(error)
     server = int(str(error).split("(pid ", 1)[1].split(")", 1)[0])
-    assert _gone(server), "the stuck server lives on: it could still fork the request it holds"
+    assert not running(server), "the stuck server lives on: it could still fork the request it holds"
     child = worker_process(_exit_with, (5, 0.0))  # the caller's own environment again: a new server
     child.start()
     child.join(60)
@@ -216,18 +205,18 @@ def test_a_changed_environment_gets_a_new_server_and_the_old_one_reports_its_chi
     """The old server stops taking children but reports those it has (their exit codes stay true), then ends."""
     first = worker_process(_exit_with, (3, 2.0))
     first.start()
-    old_server = _parent_of(first.pid)
+    old_server = process_state(first.pid)[1]
     monkeypatch.setenv("WTRANSFER_TEST_PROBE", "another environment")
     second = worker_process(_exit_with, (4, 0.0))
     second.start()
-    assert _parent_of(second.pid) != old_server
+    assert process_state(second.pid)[1] != old_server
     first.join(30)
     second.join(30)
     assert (first.exitcode, second.exitcode) == (3, 4)
     deadline = time.monotonic() + 10
-    while not _gone(old_server) and time.monotonic() < deadline:
+    while running(old_server) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _gone(old_server), "the retired server outlived its last child"
+    assert not running(old_server), "the retired server outlived its last child"
 
 
 def test_a_daemonic_child_ends_with_its_caller_even_when_its_handle_was_dropped() -> None:
@@ -245,9 +234,9 @@ def test_a_daemonic_child_ends_with_its_caller_even_when_its_handle_was_dropped(
     assert result.returncode == 0, result.stderr[-2000:]
     pid = int(result.stdout.split()[-1])
     deadline = time.monotonic() + 10
-    while not _gone(pid) and time.monotonic() < deadline:
+    while running(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _gone(pid), "a daemonic child outlived the process that started it"
+    assert not running(pid), "a daemonic child outlived the process that started it"
 
 
 def _start_a_daemonic_child(conn: Any) -> None:
@@ -267,6 +256,6 @@ def test_a_childs_daemonic_children_end_with_it() -> None:
     child.join(60)
     assert child.exitcode == 0
     deadline = time.monotonic() + 10
-    while not _gone(grandchild) and time.monotonic() < deadline:
+    while running(grandchild) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _gone(grandchild), "a daemonic grandchild outlived the child that started it"
+    assert not running(grandchild), "a daemonic grandchild outlived the child that started it"

@@ -80,6 +80,25 @@ def dev_shm_held(pid: int | str = "self") -> dict[int, str]:
     return held
 
 
+def process_state(pid: int) -> tuple[str, int] | None:
+    """A process's state letter and parent from ``/proc/<pid>/stat``; None once it is gone.
+
+    The state is ``"Z"`` for a zombie: it ended, but its parent did not reap it yet, so its pid
+    still answers ``os.kill(pid, 0)``. The command name may hold spaces and ``)``: fields are read
+    after its last ``)``."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1])
+
+
+def running(pid: int) -> bool:
+    """The process exists and has not ended (a zombie has)."""
+    state = process_state(pid)
+    return state is not None and state[0] != "Z"
+
+
 def _descendants() -> dict[int, str]:
     """Live (not zombie) processes below this one: pid -> command line."""
     parents: dict[int, int] = {}
@@ -87,12 +106,9 @@ def _descendants() -> dict[int, str]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        states[int(entry)], parents[int(entry)] = fields[0], int(fields[1])
+        state = process_state(int(entry))
+        if state is not None:
+            states[int(entry)], parents[int(entry)] = state
     mine: set[int] = set()
     frontier = {os.getpid()}
     while frontier:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from vllm_harness import PLUGIN_ROOT, REPO_ROOT
 
+from wtransfer.testing.leaks import running
+
 STARTER = f"""
 import sys, time
 sys.path.insert(0, {str(Path(__file__).parent)!r})
@@ -24,25 +26,18 @@ time.sleep(600)
 """
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 def test_a_server_dies_with_the_test_process_that_started_it_however_it_ends() -> None:
     """Also one started behind ``&`` by a shell the test started (docs/vllm.md's serve block does that)."""
     assert PLUGIN_ROOT.is_dir()
     test_process = subprocess.Popen([sys.executable, "-c", STARTER], stdout=subprocess.PIPE, text=True)
     server = int(test_process.stdout.readline())
-    assert not _gone(server)
+    assert running(server)
     test_process.kill()  # as a killed pytest worker: no teardown runs
     test_process.wait()
     deadline = time.monotonic() + 10
-    while not _gone(server) and time.monotonic() < deadline:
+    while running(server) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _gone(server), f"the server (pid {server}) outlived the process that started it"
+    assert not running(server), f"the server (pid {server}) outlived the process that started it"
 
 
 def test_two_checkouts_tested_at_once_each_run_their_own_code(vllm_python: Path, tmp_path: Path) -> None:
