@@ -149,7 +149,7 @@ def _start_pools(start: Callable[[], Any]) -> dict[str, Any]:
     """A pool per kind of trainer (``start()`` makes one), started together: each worker imports and builds its model
     while the others do. A small run (``--hidden 64 --layers 1 --vocab 256 --repeats 2``, every link) took 50-59 s so,
     against 66-73 s starting them one after another (3 runs each, interleaved; a 2-core AMD EPYC). If any start
-    fails, those that started are shut down before its error is raised (the other failures as its notes)."""
+    fails, those that started are shut down before its error is raised."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(len(KINDS)) as starting:
@@ -160,8 +160,6 @@ def _start_pools(start: Callable[[], Any]) -> dict[str, Any]:
     if failed:
         for pool in pools.values():
             pool.shutdown()
-        for other in failed[1:]:
-            failed[0].add_note(f"another start failed too: {other!r}")
         raise failed[0]
     return pools
 

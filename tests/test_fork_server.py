@@ -207,7 +207,7 @@ def test_a_changed_environment_gets_a_new_server_and_the_old_one_reports_its_chi
     first.start()
     old_server = process_state(first.pid)[1]
     monkeypatch.setenv("WTRANSFER_TEST_PROBE", "another environment")
-    second = worker_process(_exit_with, (4, 0.0))
+    second = worker_process(_exit_with, (4, 1.0))  # alive while its parent is read
     second.start()
     assert process_state(second.pid)[1] != old_server
     first.join(30)

@@ -81,7 +81,7 @@ def dev_shm_held(pid: int | str = "self") -> dict[int, str]:
 
 
 def process_state(pid: int) -> tuple[str, int] | None:
-    """A process's state letter and parent from ``/proc/<pid>/stat``; None once it is gone.
+    """A process's state letter and parent from ``/proc/<pid>/stat``; None when that cannot be read (it is gone).
 
     The state is ``"Z"`` for a zombie: it ended, but its parent did not reap it yet, so its pid
     still answers ``os.kill(pid, 0)``. The command name may hold spaces and ``)``: fields are read
