@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import os
 
+from wtransfer._probes import stat_fields
+
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds process ``pid`` (this one or a child) has used so far."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            stat = handle.read()
-    except FileNotFoundError:
+    fields = stat_fields(pid)
+    if fields is None:
         if os.path.isdir("/proc/self"):
-            raise ProcessLookupError(f"no process {pid}") from None
-        raise OSError("cpu_seconds reads /proc, which this system lacks") from None
-    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the
-    # last ')'. utime and stime are fields 14 and 15 of proc(5), in clock ticks.
-    fields = stat[stat.rindex(b")") + 2:].split()
+            raise ProcessLookupError(f"no process {pid}")
+        raise OSError("cpu_seconds reads /proc, which this system lacks")
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

@@ -131,7 +131,7 @@ def open_fd_count() -> int:
         return int(_psutil().Process().num_fds())
 
 
-__all__ = ["PeakRss", "open_fd_count", "staging_segments"]
+__all__ = ["PeakRss", "descendants", "open_fd_count", "process_table", "staging_segments", "stat_fields"]
 
 
 def staging_segments(pids: list[int]) -> dict[int, int]:
@@ -151,4 +151,42 @@ def staging_segments(pids: list[int]) -> dict[int, int]:
             if len(parts) >= 6 and parts[5] == "/memfd:wtransfer-staging":
                 start, end = (int(x, 16) for x in parts[0].split("-"))
                 found[int(parts[4])] = max(found.get(int(parts[4]), 0), end - start)
+    return found
+
+
+def stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` that follow ``pid (comm)``: ``[0]`` is the state letter (``"Z"``: a zombie,
+    ended but not reaped yet), ``[1]`` the parent, ``[11:15]`` utime, stime, cutime and cstime in clock ticks
+    (proc(5)'s fields 3 on). None when they cannot be read: the process is gone, or there is no ``/proc``.
+
+    The command name may hold spaces and ``)``, so the fields start after its last ``)``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(b")") + 2:].decode().split()
+
+
+def process_table() -> dict[int, list[str]]:
+    """:func:`stat_fields` of every process that could be read (none without ``/proc``)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return {}
+    table = {}
+    for entry in entries:
+        if entry.isdigit() and (fields := stat_fields(entry)) is not None:
+            table[int(entry)] = fields
+    return table
+
+
+def descendants(table: dict[int, list[str]], root: int) -> set[int]:
+    """The processes below ``root`` in ``table`` (:func:`process_table`), zombies included."""
+    parents = {pid: int(fields[1]) for pid, fields in table.items()}
+    found: set[int] = set()
+    frontier = {root}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
+        found |= frontier
     return found

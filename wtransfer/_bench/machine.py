@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from wtransfer._probes import descendants, process_table
 from wtransfer.testing.bench_blocks import usable_cpus
 
 BUSY_SHARE = 0.10
@@ -121,21 +122,6 @@ def _own_seconds() -> float:
     """CPU seconds of this process, its reaped children, and its live descendants (with theirs)."""
     times = os.times()
     own = times.user + times.system + times.children_user + times.children_system
-    tick = os.sysconf("SC_CLK_TCK")
-    parents: dict[int, int] = {}
-    ticks: dict[int, int] = {}
-    for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else ():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue  # it ended meanwhile
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-        parents[int(entry.name)] = int(fields[1])
-        ticks[int(entry.name)] = sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
-    descendants, frontier = set(), {os.getpid()}
-    while frontier:
-        frontier = {pid for pid, parent in parents.items() if parent in frontier} - descendants
-        descendants |= frontier
-    return own + sum(ticks[pid] for pid in descendants) / tick
+    table = process_table()
+    ticks = sum(sum(int(x) for x in table[pid][11:15]) for pid in descendants(table, os.getpid()))  # utime .. cstime
+    return own + ticks / os.sysconf("SC_CLK_TCK")

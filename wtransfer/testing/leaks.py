@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from wtransfer._probes import descendants, process_table, stat_fields
+
 
 def _listening_inodes() -> set[str]:
     """Socket inodes in the LISTEN state, host-wide (TCP over IPv4 and IPv6, and Unix sockets)."""
@@ -84,13 +86,9 @@ def process_state(pid: int) -> tuple[str, int] | None:
     """A process's state letter and parent from ``/proc/<pid>/stat``; None when that cannot be read (it is gone).
 
     The state is ``"Z"`` for a zombie: it ended, but its parent did not reap it yet, so its pid
-    still answers ``os.kill(pid, 0)``. The command name may hold spaces and ``)``: fields are read
-    after its last ``)``."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return fields[0], int(fields[1])
+    still answers ``os.kill(pid, 0)``."""
+    fields = stat_fields(pid)
+    return None if fields is None else (fields[0], int(fields[1]))
 
 
 def running(pid: int) -> bool:
@@ -101,22 +99,10 @@ def running(pid: int) -> bool:
 
 def _descendants() -> dict[int, str]:
     """Live (not zombie) processes below this one: pid -> command line."""
-    parents: dict[int, int] = {}
-    states: dict[int, str] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        state = process_state(int(entry))
-        if state is not None:
-            states[int(entry)], parents[int(entry)] = state
-    mine: set[int] = set()
-    frontier = {os.getpid()}
-    while frontier:
-        frontier = {pid for pid, parent in parents.items() if parent in frontier} - mine
-        mine |= frontier
+    table = process_table()
     found = {}
-    for pid in mine:
-        if states.get(pid) == "Z":
+    for pid in descendants(table, os.getpid()):
+        if table[pid][0] == "Z":
             continue
         try:
             found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
