@@ -13,7 +13,7 @@ def cpu_seconds(pid: int) -> float:
     fields = stat_fields(pid)
     if fields is None:
         if os.path.isdir("/proc/self"):
-            raise ProcessLookupError(f"no process {pid}")
+            raise ProcessLookupError(f"no process {pid}, or its /proc/{pid}/stat cannot be read")
         raise OSError("cpu_seconds reads /proc, which this system lacks")
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 

@@ -11,7 +11,6 @@ import time
 import pytest
 
 from benchmarks.probes import cpu_seconds, run_queue_seconds
-from wtransfer.testing.leaks import running
 
 SPIN = "import time\nend = time.process_time() + {seconds}\nwhile time.process_time() < end: pass\nprint(time.monotonic())\n"
 
@@ -42,7 +41,8 @@ def test_spinners_sharing_a_core_wait_for_it_and_cpu_plus_wait_is_their_lifetime
             for spinner in spinners:
                 if spinner.pid in lifetimes:
                     continue
-                exited = not running(spinner.pid)  # a zombie until reaped: its counts are final
+                # exited (a zombie until reaped: its counts are final), without reaping it
+                exited = os.waitid(os.P_PID, spinner.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
                 try:
                     cpu, waited = cpu_seconds(spinner.pid), run_queue_seconds(spinner.pid)
                 except (ProcessLookupError, FileNotFoundError):

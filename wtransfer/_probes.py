@@ -1,9 +1,13 @@
 """Resource probes for the bench and conformance tests: how much memory and how many file
 descriptors this process holds, and which staged copies of a round processes map.
 
+Also the process table (:func:`stat_fields`, :func:`process_table`, :func:`descendants`): state, parent and CPU
+ticks of processes, for the leak checks and the bench's measure of how busy the machine was (Linux only: without
+``/proc`` they find nothing).
+
 On Linux everything is read from ``/proc`` and nothing needs installing. Only where ``/proc``
-is unavailable (macOS, Windows) is ``psutil`` imported, lazily, on first use; without it
-the probe raises an ``ImportError`` that says to ``pip install psutil``.
+is unavailable (macOS, Windows) do the memory and descriptor probes import ``psutil``, lazily,
+on first use; without it they raise an ``ImportError`` that says to ``pip install psutil``.
 """
 
 from __future__ import annotations
@@ -157,7 +161,8 @@ def staging_segments(pids: list[int]) -> dict[int, int]:
 def stat_fields(pid: int | str) -> list[str] | None:
     """The fields of ``/proc/<pid>/stat`` that follow ``pid (comm)``: ``[0]`` is the state letter (``"Z"``: a zombie,
     ended but not reaped yet), ``[1]`` the parent, ``[11:15]`` utime, stime, cutime and cstime in clock ticks
-    (proc(5)'s fields 3 on). None when they cannot be read: the process is gone, or there is no ``/proc``.
+    (proc(5)'s fields 3 on). None when they cannot be read: the process is gone, there is no ``/proc``, or it
+    may not be read (``hidepid``).
 
     The command name may hold spaces and ``)``, so the fields start after its last ``)``."""
     try:

@@ -97,7 +97,7 @@ def running(pid: int) -> bool:
     return state is not None and state[0] != "Z"
 
 
-def _descendants() -> dict[int, str]:
+def _live_descendants() -> dict[int, str]:
     """Live (not zombie) processes below this one: pid -> command line."""
     table = process_table()
     found = {}
@@ -166,7 +166,7 @@ class Resources:
             gc.collect()  # garbage is not a leak: a socket held only by a cycle (a traceback's frames) closes here
             now = cls.now()
             servers, pools = _fork_servers(), _pool_threads()
-            children = {pid: cmd for pid, cmd in _descendants().items() if pid not in servers}
+            children = {pid: cmd for pid, cmd in _live_descendants().items() if pid not in servers}
             left = [f"thread {name!r}" for _ident, name in sorted(now.threads - before.threads)
                     if not (pools and name.startswith(pools))]
             left += [f"listening socket ({item})" for item in sorted(now.listening - before.listening)]
