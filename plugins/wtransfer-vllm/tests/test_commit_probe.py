@@ -1,9 +1,12 @@
 """The commit probe: a layer that computes with anything but the round's weights fails the round, by name.
+And the direct load: a layer whose kernel reads a copy of its weight sends rounds through the layerwise reload.
 
 A test hook (``scripts/stale_layer.py``) makes one layer stale on purpose, on every host: the
 weight it is processed from after loading is scaled, as a packed GEMM weight or a tied head that a
 reload did not rebuild would be. With the probe on, the round fails and names the layer; with it
-off, the same round "succeeds" while vLLM computes with the wrong weight.
+off, the same round "succeeds" while vLLM computes with the wrong weight. Before those, the same script
+makes one layer compute from a copy of its weight made whenever it is processed (as packed GEMM weights
+are): a direct ``load_weights`` would leave it computing with the old copy.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 from pathlib import Path
 
 from vllm_harness import cpu_flags, run_script
+from wtransfer_vllm.probe import TOLERANCE
 
 LINEAR = "model.layers.0.mlp.down_proj"
 TIED_HEAD = "model.embed_tokens"  # the tiny Llama ties its LM head to the embedding: the logits path
@@ -22,8 +26,17 @@ def test_a_stale_layer_fails_the_round_naming_it_and_goes_unnoticed_without_the_
 ) -> None:
     print(f"host CPU flags: {cpu_flags()}")
     out = tmp_path / "stale.json"
-    run_script(vllm_python, "stale_layer.py", str(tiny_llama), str(out), LINEAR, TIED_HEAD, timeout=900)
+    run = run_script(vllm_python, "stale_layer.py", str(tiny_llama), str(out), LINEAR, TIED_HEAD, timeout=900)
     result = json.loads(out.read_text())
+
+    packed = result["packed"]  # the direct load allowed, LINEAR computing from a copy of its weight
+    assert packed["method"] == "UnquantizedLinearMethod" and packed["error"] is None, packed
+    assert packed["relative_error"] <= TOLERANCE, f"{LINEAR} still computes with its old copy: {packed}"
+    refusal = (run.stdout + run.stderr).partition("rounds go through vLLM's layerwise reload: ")[2].partition("\n")[0]
+    print(f"the direct load's verdict: {refusal or 'accepted'}")
+    assert refusal, "the direct load was not refused"
+    if "keeps no weight of its own" not in refusal:  # where vLLM packs every linear layer, the first one is named
+        assert refusal.startswith(f"{LINEAR}: its kernel does not read the live weight"), refusal
     linear, head, unprobed = result["rounds"]
 
     assert linear["method"] == "UnquantizedLinearMethod" and head["method"] == "UnquantizedEmbeddingMethod"

@@ -33,6 +33,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine as VLLMWe
 
 from wtransfer_vllm.adapters import adapter_classes
 from wtransfer_vllm.checkpoint import check_round, checkpoint_tensors
+from wtransfer_vllm.direct_load import DirectLoad
 from wtransfer_vllm.model_check import dry_run_round
 from wtransfer_vllm.probe import TOLERANCE as PROBE_TOLERANCE
 from wtransfer_vllm.probe import CommitProbe
@@ -193,6 +194,7 @@ class VllmModelLoader:
         """Whether the last round validated carries every tensor the model loads (no kept copy used)."""
         self._keep_base = False  # keep a host copy of the committed checkpoint (see keep())
         self._committed: dict[str, Any] = {}
+        self.direct = DirectLoad(model)
 
     def keep(self, delta: bool) -> None:
         """Keep the committed copy while a delta=True trainer sends (from its first round on), and
@@ -236,7 +238,7 @@ class VllmModelLoader:
         started = time.perf_counter()
         arrived = {name for name, _ in weights}
         kept = [(name, tensor) for name, tensor in self._committed.items() if name not in arrived]
-        load_into_model(self.model, self.model_config, weights + kept)
+        how = load_into_model(self.model, self.model_config, weights + kept, self.direct)
         if self._keep_base:  # only once vLLM holds the round: a failed load leaves the copy as it was
             for name, tensor in weights:
                 held = self._committed.get(name)
@@ -244,13 +246,16 @@ class VllmModelLoader:
                     held.copy_(tensor)
                 else:
                     self._committed[name] = tensor.detach().to("cpu", copy=True)
-        logger.info("wtransfer-vllm round: %.1f MB loaded into the model in %.3f s",
-                    sum(t.numel() * t.element_size() for _, t in weights) / 1e6, time.perf_counter() - started)
+        logger.info("wtransfer-vllm round: %.1f MB loaded into the model in %.3f s (%s)",
+                    sum(t.numel() * t.element_size() for _, t in weights) / 1e6, time.perf_counter() - started, how)
 
 
-def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]]) -> None:
-    """Checkpoint-format weights into a vLLM model, the way vLLM's own reload does it.
+def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]],
+                    direct: DirectLoad) -> str:
+    """Checkpoint-format weights into a vLLM model, the way vLLM's own reload does it; returns how.
 
+    Where ``direct`` finds that vLLM's kernels read the very weights ``model.load_weights`` writes
+    (:mod:`wtransfer_vllm.direct_load`), that call is the whole load. Otherwise
     ``initialize_layerwise_reload`` puts each layer back in checkpoint form and defers its
     processing; ``model.load_weights`` maps the names (fusing q/k/v, gate/up); each layer is
     processed (on CPU: re-packed for the GEMM kernels) once complete and copied into the
@@ -263,6 +268,16 @@ def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]
         initialize_layerwise_reload,
     )
 
+    refusal = direct.refusal()
+    if refusal is None:
+        if direct.check_seconds:
+            logger.info("wtransfer-vllm: every layer's kernel reads the weight load_weights writes (tested in "
+                        "%.3f s): rounds load directly, without vLLM's layerwise reload", direct.check_seconds)
+        with disable_mtp_completeness_check():
+            model.load_weights(iter(weights))
+        return "direct load"
+    if direct.check_seconds:
+        logger.info("wtransfer-vllm: rounds go through vLLM's layerwise reload: %s", refusal)
     probe = CommitProbe(model) if probe_enabled() else None
     with probe or contextlib.nullcontext(), layers_left_as_they_were(model) as left:
         initialize_layerwise_reload(model)
@@ -282,6 +297,7 @@ def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]
                     report["capture_s"], report["check_s"], report["worst_passing_error"], PROBE_TOLERANCE,
                     f"; not checked (no weight to compare): {', '.join(report['unchecked'])}"
                     if report["unchecked"] else "")
+    return "layerwise reload"
 
 
 def refresh_tied_layers(model: Any) -> list[str]:

@@ -144,6 +144,10 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(_EMBEDDING_METHOD, "process_weights_after_loading", "wrapped per instance during a commit: the probe "
              "sees each layer's weight as loaded, before processing (the probe matches this class by name); "
              "re-run on a tied LM head after a commit", "method", ("layer",)),
+    # -- whether a plain load_weights is the whole commit (wtransfer_vllm.direct_load) ----------
+    Internal("vllm.model_executor.layers.attention.attention.Attention", "process_weights_after_loading",
+             "an attention layer's own post-load step: a layer with one that holds parameters may derive state "
+             "from them, and then every round goes through the layerwise reload", "method", ("act_dtype",)),
     # -- the commit's load (wtransfer_vllm.engine) ----------------------------------------------
     Internal(_MTP_VALIDATION, "disable_mtp_completeness_check", "around model.load_weights at a commit and in a "
              "round's dry run, as vLLM's own weight-transfer engines do: a round's load must not be refused as an "
@@ -445,6 +449,32 @@ def reprocess_layer_weights(method: Any, layer: Any) -> bool:
         return False
     process(layer)
     return True
+
+
+def processing_beyond_plain_kernels(model: Any, plain_methods: Iterable[str]) -> list[str]:
+    """What vLLM's post-load processing would derive for ``model`` beyond the kernels of its layers whose
+    quantization method is one of ``plain_methods`` (class names): each layer with another method, each layer
+    with a post-load step of its own that holds parameters (an MLA attention layer's absorbed matrices),
+    and the model's own post-load hook. An empty list: nothing but those layers' kernels can hold state
+    derived from a weight (an attention layer without parameters, as vLLM's ``Attention`` over an
+    unquantized KV cache, derives none).
+
+    Touches ``quant_method`` and ``process_weights_after_loading`` on the model and its layers: what vLLM's
+    ``model_loader.utils.process_weights_after_loading`` runs after every load; vLLM has no public way to
+    ask what that processing derives.
+    """
+    plain = set(plain_methods)
+    found = []
+    if callable(getattr(model, "process_weights_after_loading", None)):
+        found.append(f"the model's own process_weights_after_loading ({type(model).__name__})")
+    for name, module in model.named_modules():
+        method = layer_quant_method(module)
+        if method is not None and type(method).__name__ not in plain:
+            found.append(f"{name} ({type(method).__name__})")
+        elif (method is None and callable(getattr(module, "process_weights_after_loading", None))
+              and any(True for _ in module.parameters())):
+            found.append(f"{name} ({type(module).__name__}'s own post-load step)")
+    return found
 
 
 def patch_process_weights_after_loading(method: Any, replacement_for: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:

@@ -1,8 +1,14 @@
-"""A layer made stale on purpose: the commit probe must fail the round and name it.
+"""A layer made stale on purpose: the commit probe must fail the round and name it; and a layer whose
+kernel reads a copy of its weight: the direct load must refuse it, and the round still land.
 
 usage: stale_layer.py MODEL_DIR OUT_JSON LAYER [LAYER ...]
 
-A test-only hook is put on one layer of vLLM's model (through vLLM's collective_rpc): when the
+First, with the direct load allowed, the first LAYER is made to compute from a copy of its weight made
+whenever it is processed (as vLLM's packed GEMM kernels do on hosts with AVX-512 or AMX), and a round is
+sent: a plain ``load_weights`` would leave that layer computing with the old copy, so the direct load must
+refuse and the layerwise reload (which processes the layer again) must bring the round's weights in.
+
+Then a test-only hook is put on one layer of vLLM's model (through vLLM's collective_rpc): when the
 layer's weights are processed after loading, the weight it is processed from is scaled first, so
 vLLM computes with something other than the round's weights, on every host (the way a packed
 GEMM weight or a tied head that was not rebuilt would), and a round is sent: once per LAYER with
@@ -27,13 +33,18 @@ STALE_LAYER = "model.layers.0.mlp.down_proj"
 def stale(worker, layer_name, on=True, rank=None):
     """The hook, run on vLLM's workers (``rank``'s only, if given): once on, ``layer_name``'s weight
     is scaled before vLLM processes it, so the kernel computes with something other than what was
-    loaded; ``on=False`` removes it. Returns the layer's method class name where it acted."""
+    loaded; ``on=False`` removes it. Returns the layer's method class name where it acted.
+
+    Only vLLM's layerwise reload processes weights, so while the hook is on that worker's direct load
+    is off (``WTRANSFER_VLLM_DIRECT_LOAD=0``): a direct load would never meet the fault."""
     if rank is not None and worker.rank != rank:
         return None
     method = dict(worker.model_runner.model.named_modules())[layer_name].quant_method
     if not on:
         del method.process_weights_after_loading
+        os.environ.pop("WTRANSFER_VLLM_DIRECT_LOAD", None)
         return None
+    os.environ["WTRANSFER_VLLM_DIRECT_LOAD"] = "0"
     process = type(method).process_weights_after_loading
 
     def stale_process(layer, *args, **kwargs):
@@ -42,6 +53,45 @@ def stale(worker, layer_name, on=True, rank=None):
 
     method.process_weights_after_loading = stale_process
     return type(method).__name__
+
+
+def packs(worker, layer_name, on=True):
+    """The hook, run on vLLM's workers: once on, ``layer_name`` computes from a copy of its weight, made
+    now and again each time vLLM processes the layer's weights; ``on=False`` removes it."""
+    import torch
+
+    method = dict(worker.model_runner.model.named_modules())[layer_name].quant_method
+    if not on:
+        del method.apply, method.process_weights_after_loading
+        return None
+    process = type(method).process_weights_after_loading
+
+    def pack(layer):
+        copy = layer.weight.detach().clone()
+        method.apply = lambda layer, x, bias=None: torch.nn.functional.linear(x, copy, bias)
+
+    def packing_process(layer, *args, **kwargs):
+        result = process(method, layer, *args, **kwargs)
+        pack(layer)
+        return result
+
+    pack(dict(worker.model_runner.model.named_modules())[layer_name])
+    method.process_weights_after_loading = packing_process
+    return type(method).__name__
+
+
+def computes_with(worker, layer_name, rows):
+    """The relative error between what ``layer_name`` computes (its kernel, as vLLM serves with it) on a
+    random row and that row times the trainer's weight (``rows``: its values, as lists)."""
+    import torch
+
+    layer = dict(worker.model_runner.model.named_modules())[layer_name]
+    weight = torch.tensor(rows, dtype=layer.weight.dtype)
+    row = torch.randn((1, weight.shape[1]), generator=torch.Generator().manual_seed(7)).to(weight.dtype)
+    with torch.no_grad():
+        served = layer.quant_method.apply(layer, row).float()
+    expected = row.float() @ weight.float().T
+    return float((served - expected).norm() / expected.norm())
 
 
 def set_probe(worker, on):
@@ -69,6 +119,12 @@ if __name__ == "__main__":
     llm = LLM(**llm_kwargs(model_dir, weight_transfer_config={"backend": "shm"}))
     model = load_trainer_model(model_dir)
     result = {"before": greedy(llm), "rounds": []}
+    method = llm.collective_rpc(packs, args=(layers[0],))[0]
+    error = one_round(llm, model, 20)
+    served = dict(model.named_parameters())[f"{layers[0]}.weight"].detach().float().tolist()
+    result["packed"] = {"layer": layers[0], "method": method, "error": error,
+                        "relative_error": llm.collective_rpc(computes_with, args=(layers[0], served))[0]}
+    llm.collective_rpc(packs, args=(layers[0], False))
     for step, (layer, probe) in enumerate([(name, True) for name in layers] + [(layers[0], False)]):
         llm.collective_rpc(set_probe, args=(probe,))
         method = llm.collective_rpc(stale, args=(layer,))[0]
