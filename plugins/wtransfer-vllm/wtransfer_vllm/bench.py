@@ -67,6 +67,8 @@ WORKER_SECONDS = {  # what a worker's log says of a round: its receive, its load
     "load (probe included)": re.compile(r"loaded into the model in ([\d.]+) s"),
     "probe": re.compile(r"probe: ([\d.]+) s to capture, ([\d.]+) s to check"),
 }
+LOAD_PATH = re.compile(r"loaded into the model in [\d.]+ s \(([^)]+)\)")
+"""How a worker's log says it loaded a round: ``direct load`` or ``layerwise reload``."""
 
 
 class RSSWatcher:
@@ -498,7 +500,8 @@ def markdown(document: dict[str, Any], engines: list[str], args: argparse.Namesp
         ratio = f"{row['vs_floor']:.2f}× (paired)" if "vs_floor" in row else f"{row['seconds'] / floor:.2f}×"
         table.append([row["method"], f"{row['seconds']:.3f}", f"{row['gb_per_s']:.2f}", ratio, *against_fresh_load(row)])
     phases = [[f"wtransfer {engine}",
-               *(f"{seconds:.3f}" if (seconds := by["phases"].get(name)) is not None else "-" for name in PHASE_COLUMNS)]
+               *(f"{seconds:.3f}" if (seconds := by["phases"].get(name)) is not None else "-" for name in PHASE_COLUMNS),
+               ", ".join(load_paths(by)) or "-"]
               for engine in engines for by in (by_method[f"wtransfer {engine}"],)]
     verdicts = [f"- wtransfer {engine}: {by['vs_floor']:.2f}× vLLM's reload from memory timed in the same worker just before "
                 f"each round (median of per-round ratios; that floor's median {by['paired_floor_seconds']:.3f} s; "
@@ -526,10 +529,15 @@ def markdown(document: dict[str, Any], engines: list[str], args: argparse.Namesp
         "before it; other rows: their median over the floor row's.",
         "",
         *markdown_table("where a sync goes (median seconds; the vLLM worker's load and probe run inside the commit)",
-                        ["engine", *PHASE_COLUMNS.values()], phases),
+                        ["engine", *PHASE_COLUMNS.values(), "how vLLM loaded"], phases),
         "",
         *verdicts,
     ]
+
+
+def load_paths(result: dict[str, Any]) -> list[str]:
+    """How the vLLM worker loaded the rounds, as its log says (``direct load``, ``layerwise reload``), once each."""
+    return sorted({match.group(1) for line in result.get("worker_log", []) if (match := LOAD_PATH.search(line))})
 
 
 def _phases(result: dict[str, Any]) -> dict[str, float]:
