@@ -32,7 +32,8 @@ RESULTS = {
     "wtransfer shm": {
         "rounds": _rounds([1.1, 1.0, 1.2], {"plan": 0.01, "start": 0.02, "send": 0.3, "commit": 0.6}),
         "outputs": OUTPUTS, "fingerprints": FINGERPRINTS,
-        "worker_log": [f"{mb} MB loaded into the model in {s} s" for mb, s in ((988.0, 0.5), (988.0, 0.45), (988.0, 0.55))]
+        "worker_log": [f"{mb} MB loaded into the model in {s} s (layerwise reload)"
+                       for mb, s in ((988.0, 0.5), (988.0, 0.45), (988.0, 0.55))]
         + ["24 layer(s) compute with the round's weights (probe: 0.010 s to capture, 0.020 s to check; ...)"] * 3,
     },
     FLOOR: {"rounds": _rounds([0.95, 0.95, 1.0]), "outputs": OUTPUTS, "fingerprints": FINGERPRINTS},
@@ -96,6 +97,7 @@ def test_the_benchmarks_page_block_has_the_format_the_bench_writes_today(capsys)
     assert block_shape(page[start:end]) == block_shape(fresh), f"run the command the page's block names\n{fresh}"
     assert "| wtransfer shm | 1.100 | 0.91 | 1.16× (paired) | identical | identical |" in fresh  # the figures are the run's
     assert "a wtransfer shm round takes 1.50× the time of TRL's own colocate sync" in fresh
+    assert fresh.count(" | layerwise reload |") == 2  # how each engine's worker loaded, from its log
 
 
 def test_a_failed_trl_sync_keeps_its_row_saying_why(capsys) -> None:

@@ -30,13 +30,18 @@ def test_a_stale_layer_fails_the_round_naming_it_and_goes_unnoticed_without_the_
     result = json.loads(out.read_text())
 
     packed = result["packed"]  # the direct load allowed, LINEAR computing from a copy of its weight
-    assert packed["method"] == "UnquantizedLinearMethod" and packed["error"] is None, packed
+    print(f"the packed round: {packed}")
+    assert packed["error"] is None, packed
     assert packed["relative_error"] <= TOLERANCE, f"{LINEAR} still computes with its old copy: {packed}"
     refusal = (run.stdout + run.stderr).partition("rounds go through vLLM's layerwise reload: ")[2].partition("\n")[0]
     print(f"the direct load's verdict: {refusal or 'accepted'}")
     assert refusal, "the direct load was not refused"
-    if "keeps no weight of its own" not in refusal:  # where vLLM packs every linear layer, the first one is named
-        assert refusal.startswith(f"{LINEAR}: its kernel does not read the live weight"), refusal
+    if packed["method"] is None:  # vLLM packs LINEAR itself on this host (its weight emptied): no hook was put
+        assert " keeps no 2-D weight of its own" in refusal, refusal
+    else:  # the hook's copy, or (where vLLM packs some other layers) an emptied weight
+        assert packed["method"] == "UnquantizedLinearMethod", packed
+        assert (refusal.startswith(f"{LINEAR}: its kernel does not read the live weight")
+                or " keeps no 2-D weight of its own" in refusal), refusal
     linear, head, unprobed = result["rounds"]
 
     assert linear["method"] == "UnquantizedLinearMethod" and head["method"] == "UnquantizedEmbeddingMethod"

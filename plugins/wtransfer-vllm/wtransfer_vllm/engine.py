@@ -11,8 +11,10 @@ A round, as vLLM's worker drives it::
     update_weights(dict)    -> the wtransfer engine receives the whole round into the node's
                                host staging copy (one per node, shared by its TP workers)
     finish_weight_update()  -> called on every worker once all of them have the round whole:
-                               the staged checkpoint is loaded through model.load_weights
-                               inside vLLM's layerwise reload, and the round counts
+                               the staged checkpoint is loaded through model.load_weights,
+                               directly where vLLM's kernels read the weights it writes
+                               (wtransfer_vllm.direct_load), else inside vLLM's layerwise
+                               reload, and the round counts
 
 vLLM's own checkpoint-format engines open the layerwise reload in ``start`` and close it
 in ``finish``. Here it is opened and closed around the load, at commit: a trainer that dies
@@ -252,7 +254,7 @@ class VllmModelLoader:
 
 def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]],
                     direct: DirectLoad) -> str:
-    """Checkpoint-format weights into a vLLM model, the way vLLM's own reload does it; returns how.
+    """Checkpoint-format weights into a vLLM model; returns how (``direct load`` or ``layerwise reload``).
 
     Where ``direct`` finds that vLLM's kernels read the very weights ``model.load_weights`` writes
     (:mod:`wtransfer_vllm.direct_load`), that call is the whole load. Otherwise
@@ -278,6 +280,7 @@ def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]
         return "direct load"
     if direct.check_seconds:
         logger.info("wtransfer-vllm: rounds go through vLLM's layerwise reload: %s", refusal)
+    direct.forget()  # the reload's processing may rebind what layers compute with
     probe = CommitProbe(model) if probe_enabled() else None
     with probe or contextlib.nullcontext(), layers_left_as_they_were(model) as left:
         initialize_layerwise_reload(model)

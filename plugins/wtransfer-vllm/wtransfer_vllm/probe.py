@@ -46,8 +46,13 @@ SAMPLED_ROWS = 128
 """Output rows per layer whose product is checked (all of them in smaller layers)."""
 
 
+def switched_on(variable: str) -> bool:
+    """Whether the environment leaves ``variable`` on (unset, or anything but 0/false/no/off)."""
+    return os.environ.get(variable, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def enabled() -> bool:
-    return os.environ.get("WTRANSFER_VLLM_PROBE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return switched_on("WTRANSFER_VLLM_PROBE")
 
 
 class ProbeMismatchError(RuntimeError):

@@ -57,25 +57,32 @@ def stale(worker, layer_name, on=True, rank=None):
 
 def packs(worker, layer_name, on=True):
     """The hook, run on vLLM's workers: once on, ``layer_name`` computes from a copy of its weight, made
-    now and again each time vLLM processes the layer's weights; ``on=False`` removes it."""
+    now and again each time vLLM processes the layer's weights (from the weight as loaded); ``on=False``
+    removes it. Returns the layer's method class name, or None where vLLM already packs that layer's
+    weight itself (its ``layer.weight`` is empty: nothing to copy, and the direct load is refused for it)."""
     import torch
 
-    method = dict(worker.model_runner.model.named_modules())[layer_name].quant_method
+    layer = dict(worker.model_runner.model.named_modules())[layer_name]
+    method = layer.quant_method
     if not on:
-        del method.apply, method.process_weights_after_loading
+        if "apply" in vars(method):
+            del method.apply, method.process_weights_after_loading
+        return None
+    if layer.weight.numel() == 0:
         return None
     process = type(method).process_weights_after_loading
 
-    def pack(layer):
-        copy = layer.weight.detach().clone()
+    def pack(weight):
+        copy = weight.detach().clone()
         method.apply = lambda layer, x, bias=None: torch.nn.functional.linear(x, copy, bias)
 
     def packing_process(layer, *args, **kwargs):
+        loaded = layer.weight.detach().clone()  # as loaded: vLLM's own processing may empty layer.weight
         result = process(method, layer, *args, **kwargs)
-        pack(layer)
+        pack(loaded)
         return result
 
-    pack(dict(worker.model_runner.model.named_modules())[layer_name])
+    pack(layer.weight)
     method.process_weights_after_loading = packing_process
     return type(method).__name__
 

@@ -1,0 +1,113 @@
+"""The direct load's verdict, branch by branch, on small torch layers shaped as vLLM's (no vLLM needed).
+
+A real vLLM reaches one branch per host (test_commit_probe.py: on hosts where vLLM computes from the live
+weight, a layer made to read a copy; where it packs every weight, the empty weights). These layers reach
+every branch on every host. Each layer has a ``quant_method`` whose class name is vLLM's, and whose
+``apply`` is the kernel under test: one that reads ``layer.weight``, one that reads a copy taken earlier
+(as a packed GEMM weight is), one that raises.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from wtransfer_vllm.direct_load import DirectLoad
+
+
+class UnquantizedLinearMethod:
+    """Named as vLLM's: the direct load recognises layers by their method's class name."""
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return layer.cpu_linear(x, layer.weight, bias)
+
+
+class Fp8LinearMethod(UnquantizedLinearMethod):
+    """Any other method: its processing may derive state from the weight."""
+
+
+def _model(layers: int = 2, method: type = UnquantizedLinearMethod) -> torch.nn.Module:
+    model = torch.nn.Module()
+    for index in range(layers):
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(torch.randn(48, 32, generator=torch.Generator().manual_seed(index))
+                                          .to(torch.bfloat16), requires_grad=False)
+        layer.quant_method = method()
+        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+        model.add_module(f"proj{index}", layer)
+    return model
+
+
+def _packed(layer: torch.nn.Module) -> None:
+    copy = layer.weight.detach().clone()
+    layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, copy, bias)
+
+
+def test_kernels_reading_the_live_weight_are_accepted_and_left_bit_for_bit_as_they_were() -> None:
+    model = _model()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    direct = DirectLoad(model)
+    assert direct.refusal() is None
+    assert direct.check_seconds > 0
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    assert direct.refusal() is None and direct.check_seconds == 0  # the verdict is reused
+
+
+def test_a_kernel_reading_a_copy_of_its_weight_is_refused_by_name() -> None:
+    """The copy equals the weight when tested: only the negated rows tell them apart."""
+    model = _model()
+    _packed(model.proj1)
+    refusal = DirectLoad(model).refusal()
+    assert refusal is not None and refusal.startswith("proj1: its kernel does not read the live weight"), refusal
+
+
+def test_an_acceptance_is_tested_again_once_a_kernel_or_weight_is_rebound() -> None:
+    model = _model()
+    direct = DirectLoad(model)
+    assert direct.refusal() is None
+    _packed(model.proj0)  # the kernel rebound, as a layerwise reload's processing rebinds it
+    assert (direct.refusal() or "").startswith("proj0: its kernel does not read the live weight")
+
+    model = _model()
+    direct = DirectLoad(model)
+    assert direct.refusal() is None
+    model.proj1.weight = torch.nn.Parameter(model.proj1.weight.detach().clone(), requires_grad=False)
+    assert direct.refusal() is None and direct.check_seconds > 0  # tested again: still reads its (new) weight
+
+    direct.forget()
+    assert direct.refusal() is None and direct.check_seconds > 0
+
+
+def test_a_layer_without_a_weight_of_its_own_is_refused() -> None:
+    model = _model()
+    model.proj0.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+    refusal = DirectLoad(model).refusal()
+    assert refusal is not None and refusal.startswith("proj0 keeps no 2-D weight of its own"), refusal
+
+
+def test_another_quantization_method_is_refused() -> None:
+    refusal = DirectLoad(_model(method=Fp8LinearMethod)).refusal()
+    assert refusal is not None and "proj0 (Fp8LinearMethod)" in refusal, refusal
+
+
+def test_a_kernel_that_raises_is_refused_and_its_weight_put_back() -> None:
+    model = _model()
+    before = model.proj0.weight.detach().clone()
+    calls = []
+
+    def failing(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        calls.append(weight.detach().clone())
+        if len(calls) == 2:  # after the rows were negated
+            raise RuntimeError("kernel failed")
+        return torch.nn.functional.linear(x, weight, bias)
+
+    model.proj0.cpu_linear = failing
+    refusal = DirectLoad(model).refusal()
+    assert refusal == "testing the kernels raised RuntimeError: kernel failed", refusal
+    assert not torch.equal(calls[1], before)  # it did fail with rows negated
+    assert torch.equal(model.proj0.weight, before)
+
+
+def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WTRANSFER_VLLM_DIRECT_LOAD", "0")
+    assert DirectLoad(_model()).refusal() == "turned off by WTRANSFER_VLLM_DIRECT_LOAD=0"
