@@ -2,7 +2,7 @@
 
 A real vLLM reaches one branch per host (test_commit_probe.py: on hosts where vLLM computes from the live
 weight, a layer made to read a copy; where it packs every weight, the empty weights). These layers reach
-every branch on every host. Each layer has a ``quant_method`` whose class name is vLLM's, and whose
+every refusal on every host but one: weights off the CPU (no other device here). Each layer has a ``quant_method`` whose class name is vLLM's, and whose
 ``apply`` is the kernel under test: one that reads ``layer.weight``, one that reads a copy taken earlier
 (as a packed GEMM weight is), one that raises.
 """
@@ -111,3 +111,30 @@ def test_a_kernel_that_raises_is_refused_and_its_weight_put_back() -> None:
 def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WTRANSFER_VLLM_DIRECT_LOAD", "0")
     assert DirectLoad(_model()).refusal() == "turned off by WTRANSFER_VLLM_DIRECT_LOAD=0"
+
+
+def test_nothing_to_load_into_and_rows_that_cannot_tell_are_refused() -> None:
+    assert DirectLoad(torch.nn.Module()).refusal() == "no unquantized linear layer or embedding to load into"
+    model = _model()
+    with torch.no_grad():
+        model.proj0.weight.zero_()
+    refusal = DirectLoad(model).refusal()
+    assert refusal is not None and refusal.startswith("proj0: its sampled weight rows are all zero"), refusal
+
+
+def test_other_post_load_steps_are_refused() -> None:
+    """A layer with a post-load step of its own that holds parameters (as MLA's does), or a model-level hook."""
+    model = _model()
+    attention = torch.nn.Module()
+    attention.kv_b_proj = torch.nn.Linear(4, 4)
+    attention.process_weights_after_loading = lambda act_dtype: None
+    model.add_module("attn", attention)
+    refusal = DirectLoad(model).refusal()
+    assert refusal is not None and "attn (Module's own post-load step)" in refusal, refusal
+
+    attention.kv_b_proj = torch.nn.Identity()  # no parameters: it can derive nothing from a weight
+    assert DirectLoad(model).refusal() is None
+
+    model.process_weights_after_loading = lambda: None
+    refusal = DirectLoad(model).refusal()
+    assert refusal is not None and "the model's own process_weights_after_loading" in refusal, refusal
