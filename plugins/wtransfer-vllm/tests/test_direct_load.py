@@ -78,6 +78,27 @@ def test_an_acceptance_is_tested_again_once_a_kernel_or_weight_is_rebound() -> N
     assert direct.refusal() is None and direct.check_seconds > 0
 
 
+def _reading(layer: torch.nn.Module):  # noqa: ANN202
+    return lambda x, weight, bias: torch.nn.functional.linear(x, layer.weight, bias)
+
+
+def test_a_kernel_rebound_to_the_same_code_over_the_same_objects_is_not_tested_again() -> None:
+    """vLLM's processing binds a new fallback lambda on every load (its own reload included): same code,
+    nothing captured, so it computes as the last did. Same code over another captured object does not."""
+    model = _model()
+    direct = DirectLoad(model)
+    assert direct.refusal() is None
+    model.proj0.cpu_linear = _model(1).proj0.cpu_linear  # a new function object from the same line
+    assert direct.refusal() is None and direct.check_seconds == 0
+
+    model.proj0.cpu_linear = _reading(model.proj0)
+    assert direct.refusal() is None and direct.check_seconds > 0  # other code: tested, and it reads the weight
+    model.proj0.cpu_linear = _reading(model.proj0)
+    assert direct.refusal() is None and direct.check_seconds == 0  # the same code over the same layer
+    model.proj0.cpu_linear = _reading(model.proj1)  # the same code over another layer's weight
+    assert (direct.refusal() or "").startswith("proj0: its kernel does not read the live weight")
+
+
 def test_a_layer_without_a_weight_of_its_own_is_refused() -> None:
     model = _model()
     model.proj0.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)

@@ -23,8 +23,9 @@ plain ``load_weights`` (what TRL's colocate sync calls) reaches the same state.
 
 A refusal holds for the model's life. An acceptance is tested again (about the cost of two forward
 passes of one token) whenever what a layer computes with may have been rebound: its weight tensor
-replaced, any attribute of the layer or of its quantization method rebound (vLLM's processing sets
-the kernel there), or a layerwise reload run by the bridge. A kernel object changed in place, without
+replaced, any attribute of the layer or of its quantization method rebound to something else (vLLM's
+processing sets the kernel there; a new function that runs the same code over the same captured objects
+is the same kernel), or a layerwise reload run by the bridge. A kernel object changed in place, without
 rebinding, is not seen. Set ``WTRANSFER_VLLM_DIRECT_LOAD=0`` in vLLM's environment to always use the
 layerwise reload.
 """
@@ -32,12 +33,13 @@ layerwise reload.
 from __future__ import annotations
 
 import time
+import types
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from wtransfer_vllm.probe import (PROBED_METHODS, TOLERANCE, probe_row, product_of, relative_error, sampled_rows,
-                                  switched_on)
+from wtransfer_vllm.probe import (PROBED_METHODS, TOLERANCE, kernel_output, probe_row, probed_layers, product_of,
+                                  relative_error, sampled_rows, switched_on)
 from wtransfer_vllm.vllm_internals import layer_quant_method, processing_beyond_plain_kernels
 
 _PLAIN_VALUES = (bool, int, float, str, bytes, type(None))
@@ -77,9 +79,9 @@ class DirectLoad:
         self._accepted = None
 
     def _layers(self) -> Iterator[tuple[str, Any]]:
-        for name, layer in self.model.named_modules(remove_duplicate=False):
-            if type(layer_quant_method(layer)).__name__ in PROBED_METHODS:
-                yield name, layer
+        """Every probed layer, with or without a weight of its own (one without is refused)."""
+        for name, layer, _method in probed_layers(self.model):
+            yield name, layer
 
     def _bindings(self) -> list[list[tuple[Any, ...]]]:
         """What each layer computes with, as identities: its weight (and address), and every attribute of
@@ -114,22 +116,54 @@ class DirectLoad:
 
 class _Identity:
     """Compares equal to another only while both name the same live object (a weak reference where the
-    object allows one, so an identity never outlives its object and is never mistaken for a newer one)."""
+    object allows one, so an identity never outlives its object and is never mistaken for a newer one).
 
-    def __init__(self, value: Any) -> None:
-        try:
-            self._ref: Any = weakref.ref(value)
-        except TypeError:
-            self._ref = value  # held: objects without weak references (bound methods, tuples) are small
+    Two exceptions, so that a rebinding which changes nothing is not tested again. A plain value compares
+    by value. A function compares by what it runs: its code, its globals, and the identities of what it
+    closes over and its defaults. vLLM's processing binds a new ``cpu_linear`` lambda on every load; the
+    fallback one closes over nothing and computes from the weight it is called with, so it equals the last,
+    while a packed kernel closes over a new packed copy or handle and does not."""
 
-    def _get(self) -> Any:
-        return self._ref() if isinstance(self._ref, weakref.ref) else self._ref
+    def __init__(self, value: Any, depth: int = 0) -> None:
+        self._ref: Any
+        if isinstance(value, _PLAIN_VALUES):
+            self._ref = ("value", type(value), value)
+        elif isinstance(value, types.FunctionType) and depth < 3:  # deeper (a closure over itself): by identity
+            self._ref = ("function", value.__code__, _Identity(value.__globals__),
+                         *(_Identity(captured, depth + 1) for captured in _captured_by(value)))
+        elif isinstance(value, types.MethodType) and depth < 3:
+            self._ref = ("method", _Identity(value.__func__, depth + 1), _Identity(value.__self__))
+        else:
+            try:
+                self._ref = weakref.ref(value)
+            except TypeError:
+                self._ref = ("held", value)  # objects without weak references (dicts, tuples) are small
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, _Identity):
             return NotImplemented
-        mine = self._get()
-        return mine is not None and mine is other._get()
+        mine, theirs = self._ref, other._ref
+        if isinstance(mine, weakref.ref) or isinstance(theirs, weakref.ref):
+            return isinstance(mine, weakref.ref) and isinstance(theirs, weakref.ref) and mine() is not None \
+                and mine() is theirs()
+        if mine[0] == "held" or theirs[0] == "held":
+            return mine[0] == theirs[0] and mine[1] is theirs[1]
+        return mine == theirs  # plain values by value; functions and methods part by part
+
+
+def _captured_by(function: types.FunctionType) -> list[Any]:
+    """What ``function`` closes over and its default arguments (an empty closure cell as ``_EMPTY``)."""
+    captured: list[Any] = []
+    for cell in function.__closure__ or ():
+        try:
+            captured.append(cell.cell_contents)
+        except ValueError:
+            captured.append(_EMPTY)
+    keywords = function.__kwdefaults__ or {}
+    return [*captured, *(function.__defaults__ or ()), *(part for name in sorted(keywords) for part in (name, keywords[name]))]
+
+
+_EMPTY = object()
 
 
 def _attribute_identities(owner: Any) -> list[tuple[Any, ...]]:
@@ -151,18 +185,17 @@ def kernel_reads_weight(layer: Any) -> str | None:
     import torch
 
     weight = layer.weight
-    method = layer_quant_method(layer)
     probe = probe_row(weight.shape[1], weight.dtype, weight.device)
     rows = sampled_rows(weight.shape[0], weight.device)
     expected = product_of(probe, weight, rows)
     if float(expected.norm()) == 0.0:
         return "its sampled weight rows are all zero, so the test cannot tell what its kernel reads"
     with torch.no_grad():
-        before = method.apply(layer, probe).float()[:, rows]
+        before = kernel_output(layer, probe, rows)
         original = weight.index_select(0, rows)
         try:
             weight.index_copy_(0, rows, original.neg())
-            after = method.apply(layer, probe).float()[:, rows]
+            after = kernel_output(layer, probe, rows)
         finally:
             weight.index_copy_(0, rows, original)
     error_before = relative_error(before, expected)

@@ -78,9 +78,9 @@ class CommitProbe:
     _installed: list[Callable[[], None]] = field(default_factory=list)  # what puts each hook back
 
     def _probed_layers(self) -> Iterator[tuple[str, Any, Any]]:
-        for name, module in self.model.named_modules(remove_duplicate=False):
-            method = layer_quant_method(module)
-            if type(method).__name__ in PROBED_METHODS and getattr(module, "_parameters", {}).get("weight") is not None:
+        """The probed layers that hold a weight parameter of their own (what a load writes into)."""
+        for name, module, method in probed_layers(self.model):
+            if getattr(module, "_parameters", {}).get("weight") is not None:
                 yield name, module, method
 
     def _expect(self, name: str, module: Any) -> bool:
@@ -138,7 +138,7 @@ class CommitProbe:
         worst = 0.0
         with torch.no_grad():
             for name, item in self.expected.items():
-                actual = layer_quant_method(item.module).apply(item.module, item.probe).float()[:, item.rows]
+                actual = kernel_output(item.module, item.probe, item.rows)
                 error = relative_error(actual, item.product)
                 if not error <= TOLERANCE:  # NaN fails too
                     failed.append((name, error))
@@ -157,6 +157,21 @@ class CommitProbe:
                 f"please report the model and the CPU (its flags) to wtransfer-vllm"
             )
         return report
+
+
+def probed_layers(model: Any) -> Iterator[tuple[str, Any, Any]]:
+    """Each layer of ``model`` whose quantization method is one of ``PROBED_METHODS``, under every name it
+    has (a tied head too), with that method."""
+    for name, module in model.named_modules(remove_duplicate=False):
+        method = layer_quant_method(module)
+        if type(method).__name__ in PROBED_METHODS:
+            yield name, module, method
+
+
+def kernel_output(layer: Any, probe: Any, rows: Any) -> Any:
+    """``layer``'s real forward (``quant_method.apply``, the kernel vLLM serves with) on ``probe``, at output
+    ``rows``, in float32."""
+    return layer_quant_method(layer).apply(layer, probe).float()[:, rows]
 
 
 def probe_row(features: int, dtype: Any, device: Any) -> Any:
