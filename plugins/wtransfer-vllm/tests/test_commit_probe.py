@@ -6,7 +6,9 @@ weight it is processed from after loading is scaled, as a packed GEMM weight or 
 reload did not rebuild would be. With the probe on, the round fails and names the layer; with it
 off, the same round "succeeds" while vLLM computes with the wrong weight. Before those, the same script
 makes one layer compute from a copy of its weight made whenever it is processed (as packed GEMM weights
-are): a direct ``load_weights`` would leave it computing with the old copy.
+are): a direct ``load_weights`` would leave it computing with the old copy. First of all, a round whose
+``load_weights`` raises part-way (a direct load where vLLM's kernels allow it) must leave vLLM torn, serving
+nothing, and the next round must heal it.
 """
 
 from __future__ import annotations
@@ -28,12 +30,25 @@ def test_a_stale_layer_fails_the_round_naming_it_and_goes_unnoticed_without_the_
     out = tmp_path / "stale.json"
     run = run_script(vllm_python, "stale_layer.py", str(tiny_llama), str(out), LINEAR, TIED_HEAD, timeout=900)
     result = json.loads(out.read_text())
+    log = run.stdout + run.stderr
+
+    part_way = result["part_way"]  # a load that raised after writing half the round
+    print(f"the round that failed part-way: {part_way['error']}; layers against its weights: {part_way['errors']}; "
+          f"after the next round, against that round's: {part_way['healed_errors']}")
+    assert part_way["error"] and "torn" in part_way["error"], part_way["error"]
+    assert part_way["version"] is None
+    assert all(answer["finish_reason"] == "error" and "weights are torn" in str(answer["stop_reason"])
+               for answer in part_way["answers"]), part_way["answers"]
+    errors = sorted(part_way["errors"].values())
+    assert errors[0] <= TOLERANCE < errors[-1], part_way["errors"]  # torn indeed: one layer new, one old
+    assert part_way["healed_error"] is None and part_way["healed_version"] is not None, part_way
+    assert all(error <= TOLERANCE for error in part_way["healed_errors"].values()), part_way["healed_errors"]
 
     packed = result["packed"]  # the direct load allowed, LINEAR computing from a copy of its weight
     print(f"the packed round: {packed}")
     assert packed["error"] is None, packed
     assert packed["relative_error"] <= TOLERANCE, f"{LINEAR} still computes with its old copy: {packed}"
-    refusal = (run.stdout + run.stderr).partition("rounds go through vLLM's layerwise reload: ")[2].partition("\n")[0]
+    refusal = log.partition("rounds go through vLLM's layerwise reload: ")[2].partition("\n")[0]
     print(f"the direct load's verdict: {refusal or 'accepted'}")
     assert refusal, "the direct load was not refused"
     if packed["method"] is None:  # vLLM packs LINEAR itself on this host (its weight emptied): no hook was put
@@ -42,6 +57,8 @@ def test_a_stale_layer_fails_the_round_naming_it_and_goes_unnoticed_without_the_
         assert packed["method"] == "UnquantizedLinearMethod", packed
         assert (refusal.startswith(f"{LINEAR}: its kernel does not read the live weight")
                 or " keeps no 2-D weight of its own" in refusal), refusal
+    if refusal.startswith(f"{LINEAR}: its kernel does not read the live weight"):  # accepted until the hook
+        assert "rounds load directly" in log.partition(refusal)[0], "the part-way rounds were not direct loads"
     linear, head, unprobed = result["rounds"]
 
     assert linear["method"] == "UnquantizedLinearMethod" and head["method"] == "UnquantizedEmbeddingMethod"

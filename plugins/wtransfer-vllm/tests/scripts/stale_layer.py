@@ -3,7 +3,12 @@ kernel reads a copy of its weight: the direct load must refuse it, and the round
 
 usage: stale_layer.py MODEL_DIR OUT_JSON LAYER [LAYER ...]
 
-First, with the direct load allowed, the first LAYER is made to compute from a copy of its weight made
+First, a round whose load fails part-way: the model's ``load_weights`` writes the first half of the
+round's tensors, then raises (as a load that runs out of memory would). vLLM must then hold no version
+and refuse requests, naming the torn weights, while one layer computes with the failed round's weights
+and another with the round before; the next round must land and bring every layer to its weights.
+
+Then, with the direct load allowed, the first LAYER is made to compute from a copy of its weight made
 whenever it is processed (as vLLM's packed GEMM kernels do on hosts with AVX-512 or AMX), and a round is
 sent: a plain ``load_weights`` would leave that layer computing with the old copy, so the direct load must
 refuse and the layerwise reload (which processes the layer again) must bring the round's weights in.
@@ -23,7 +28,7 @@ os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the test's hook travels
 
 import wtransfer
 from wtransfer_vllm import LLMClient
-from wtransfer_vllm.testing import greedy, llm_kwargs, load_trainer_model, perturb, write_json
+from wtransfer_vllm.testing import PROMPTS, answers, greedy, llm_kwargs, load_trainer_model, perturb, write_json
 
 
 STALE_LAYER = "model.layers.0.mlp.down_proj"
@@ -87,6 +92,23 @@ def packs(worker, layer_name, on=True):
     return type(method).__name__
 
 
+def fails_part_way(worker, on=True):
+    """The hook, run on vLLM's workers: once on, the model's ``load_weights`` loads the first half of the
+    tensors it is given, then raises; ``on=False`` removes it."""
+    model = worker.model_runner.model
+    if not on:
+        del model.load_weights
+        return
+    load = type(model).load_weights
+
+    def failing(weights):
+        weights = list(weights)
+        load(model, weights[: len(weights) // 2])
+        raise RuntimeError("test hook: load_weights failed part-way")
+
+    model.load_weights = failing
+
+
 def computes_with(worker, layer_name, rows):
     """The relative error between what ``layer_name`` computes (its kernel, as vLLM serves with it) on a
     random row and that row times the trainer's weight (``rows``: its values, as lists)."""
@@ -126,6 +148,20 @@ if __name__ == "__main__":
     llm = LLM(**llm_kwargs(model_dir, weight_transfer_config={"backend": "shm"}))
     model = load_trainer_model(model_dir)
     result = {"before": greedy(llm), "rounds": []}
+    parameters = dict(model.named_parameters())
+
+    def errors(names):  # what each layer computes with, against the trainer's weights as they are now
+        return {name: llm.collective_rpc(computes_with, args=(name, parameters[f"{name}.weight"].detach().float()
+                                                               .tolist()))[0] for name in names}
+
+    halves = [f"model.layers.{index}.mlp.down_proj" for index in (0, 1)]  # the round's first and last tensors' side
+    llm.collective_rpc(fails_part_way)
+    torn = {"error": one_round(llm, model, 30), "version": llm.get_weight_version(),
+            "answers": answers(llm, PROMPTS[:2], max_tokens=4), "errors": errors(halves)}
+    llm.collective_rpc(fails_part_way, args=(False,))
+    torn.update(healed_error=one_round(llm, model, 31), healed_version=llm.get_weight_version(),
+                healed_errors=errors(halves))
+    result["part_way"] = torn
     method = llm.collective_rpc(packs, args=(layers[0],))[0]
     error = one_round(llm, model, 20)
     served = dict(model.named_parameters())[f"{layers[0]}.weight"].detach().float().tolist()
