@@ -9,6 +9,8 @@ every refusal on every host but one: weights off the CPU (no other device here).
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -97,6 +99,60 @@ def test_a_kernel_rebound_to_the_same_code_over_the_same_objects_is_not_tested_a
     assert direct.refusal() is None and direct.check_seconds == 0  # the same code over the same layer
     model.proj0.cpu_linear = _reading(model.proj1)  # the same code over another layer's weight
     assert (direct.refusal() or "").startswith("proj0: its kernel does not read the live weight")
+
+
+def _scaled(scale: float = 1.0, *, sign: int = 1):  # noqa: ANN202
+    return lambda x, weight, bias, _scale=scale, *, _sign=sign: torch.nn.functional.linear(x, weight * _scale * _sign, bias)
+
+
+class _Kernel:
+    def __init__(self, source: torch.nn.Module | None = None) -> None:
+        self.source = source
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.nn.functional.linear(x, weight if self.source is None else self.source.weight, bias)
+
+
+def test_a_new_kernel_with_other_defaults_values_or_object_is_tested_again() -> None:
+    """Defaults (positional and keyword), their types, and a bound method's object are part of what a
+    kernel runs: each binding below differs from the one before in one of them alone."""
+    model = _model()
+    direct = DirectLoad(model)
+    model.proj0.cpu_linear = _scaled(1.0, sign=1)
+    assert direct.refusal() is None and direct.check_seconds > 0
+    model.proj0.cpu_linear = _scaled(1.0, sign=1)
+    assert direct.refusal() is None and direct.check_seconds == 0
+    for other in (_scaled(True, sign=1), _scaled(1, sign=1), _scaled(1.0, sign=1), _scaled(1.0, sign=True)):
+        model.proj0.cpu_linear = other
+        assert direct.refusal() is None and direct.check_seconds > 0, (other.__defaults__, other.__kwdefaults__)
+
+    kernel = _Kernel()
+    model.proj1.cpu_linear = kernel.linear
+    assert direct.refusal() is None and direct.check_seconds > 0
+    model.proj1.cpu_linear = kernel.linear  # a new bound method of the same object
+    assert direct.refusal() is None and direct.check_seconds == 0
+    model.proj1.cpu_linear = _Kernel(model.proj0).linear  # another object: reads proj0's weight
+    assert (direct.refusal() or "").startswith("proj1: its kernel does not read the live weight")
+
+
+def _bound_to_itself():  # noqa: ANN202
+    """A method bound to its own function, which captures the method: comparing it must end."""
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        assert bound is not None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    bound = types.MethodType(linear, linear)
+    return bound
+
+
+def test_a_kernel_that_refers_to_itself_is_compared_without_end() -> None:
+    model = _model()
+    direct = DirectLoad(model)
+    model.proj0.cpu_linear = _bound_to_itself()
+    assert direct.refusal() is None and direct.check_seconds > 0
+    assert direct.refusal() is None and direct.check_seconds == 0  # compared with itself, and reused
+    model.proj0.cpu_linear = _bound_to_itself()  # the same code, captured objects of its own: tested again
+    assert direct.refusal() is None and direct.check_seconds > 0
 
 
 def test_a_layer_without_a_weight_of_its_own_is_refused() -> None:

@@ -25,9 +25,9 @@ A refusal holds for the model's life. An acceptance is tested again (about the c
 passes of one token) whenever what a layer computes with may have been rebound: its weight tensor
 replaced, any attribute of the layer or of its quantization method rebound to something else (vLLM's
 processing sets the kernel there; a new function that runs the same code over the same captured objects
-is the same kernel), or a layerwise reload run by the bridge. A kernel object changed in place, without
-rebinding, is not seen. Set ``WTRANSFER_VLLM_DIRECT_LOAD=0`` in vLLM's environment to always use the
-layerwise reload.
+is the same kernel), or a layerwise reload run by the bridge while the direct load was off. An object
+changed in place (a kernel, what a kernel captured, a module global) is not seen. Set
+``WTRANSFER_VLLM_DIRECT_LOAD=0`` in vLLM's environment to always use the layerwise reload.
 """
 
 from __future__ import annotations
@@ -35,12 +35,11 @@ from __future__ import annotations
 import time
 import types
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 from wtransfer_vllm.probe import (PROBED_METHODS, TOLERANCE, kernel_output, probe_row, probed_layers, product_of,
                                   relative_error, sampled_rows, switched_on)
-from wtransfer_vllm.vllm_internals import layer_quant_method, processing_beyond_plain_kernels
+from wtransfer_vllm.vllm_internals import processing_beyond_plain_kernels
 
 _PLAIN_VALUES = (bool, int, float, str, bytes, type(None))
 
@@ -64,33 +63,32 @@ class DirectLoad:
         self.check_seconds = 0.0
         if not enabled():
             return "turned off by WTRANSFER_VLLM_DIRECT_LOAD=0"
-        if self.refused is None and not (self._accepted is not None and self._accepted == self._bindings()):
-            started = time.perf_counter()
-            try:
-                self.refused = self._test()
-            except Exception as exc:  # a kernel that cannot be tested is not trusted
-                self.refused = f"testing the kernels raised {type(exc).__name__}: {exc}"
-            self.check_seconds = time.perf_counter() - started
+        if self.refused is not None:
+            return self.refused
+        started = time.perf_counter()
+        try:
+            if self._accepted is not None and self._accepted == self._bindings():
+                return None
+            self.refused = self._test()
             self._accepted = None if self.refused else self._bindings()
+        except Exception as exc:  # a kernel that cannot be tested (or told apart) is not trusted
+            self.refused, self._accepted = f"testing the kernels raised {type(exc).__name__}: {exc}", None
+        self.check_seconds = time.perf_counter() - started
         return self.refused
 
     def forget(self) -> None:
-        """Test the kernels again before the next direct load (a layerwise reload may have rebound them)."""
+        """Test the kernels again before the next direct load (a layerwise reload, run while the direct load
+        was turned off, may have rebound them)."""
         self._accepted = None
-
-    def _layers(self) -> Iterator[tuple[str, Any]]:
-        """Every probed layer, with or without a weight of its own (one without is refused)."""
-        for name, layer, _method in probed_layers(self.model):
-            yield name, layer
 
     def _bindings(self) -> list[list[tuple[Any, ...]]]:
         """What each layer computes with, as identities: its weight (and address), and every attribute of
         the layer and of its quantization method that holds an object (a kernel, a packed tensor)."""
         bindings = []
-        for _, layer in self._layers():
+        for _, layer, method in probed_layers(self.model):
             weight = getattr(layer, "weight", None)
             bindings.append([("weight", _Identity(weight), None if weight is None else weight.data_ptr()),
-                             *_attribute_identities(layer), *_attribute_identities(layer_quant_method(layer))])
+                             *_attribute_identities(layer), *_attribute_identities(method)])
         return bindings
 
     def _test(self) -> str | None:
@@ -98,7 +96,7 @@ class DirectLoad:
         if beyond:
             return f"vLLM derives state after loading for {', '.join(beyond[:4])}" + (
                 f" and {len(beyond) - 4} more" if len(beyond) > 4 else "")
-        layers = list(self._layers())
+        layers = [(name, layer) for name, layer, _method in probed_layers(self.model)]
         if not layers:
             return "no unquantized linear layer or embedding to load into"
         for name, layer in layers:
@@ -118,21 +116,28 @@ class _Identity:
     """Compares equal to another only while both name the same live object (a weak reference where the
     object allows one, so an identity never outlives its object and is never mistaken for a newer one).
 
-    Two exceptions, so that a rebinding which changes nothing is not tested again. A plain value compares
-    by value. A function compares by what it runs: its code, its globals, and the identities of what it
-    closes over and its defaults. vLLM's processing binds a new ``cpu_linear`` lambda on every load; the
-    fallback one closes over nothing and computes from the weight it is called with, so it equals the last,
-    while a packed kernel closes over a new packed copy or handle and does not."""
+    Three kinds compare otherwise, so that a rebinding which changes nothing is not tested again:
+
+    - a plain value (``bool``, ``int``, ``float``, ``str``, ``bytes``, None), by its type and ``repr``
+      (1, True and 1.0 differ, and so do 0.0 and -0.0);
+    - a function, by what it runs: its code, its globals, and the identities of what it closes over, of
+      its positional defaults and of its keyword defaults, each group apart. vLLM's processing binds a new
+      ``cpu_linear`` lambda on every load; the fallback one closes over nothing and computes from the
+      weight it is called with, so it equals the last, while a packed kernel closes over a new packed copy
+      or handle and does not;
+    - a bound method, by its function and its object.
+
+    Not seen: an object changed in place (a kernel object, a captured object, a module global), and a
+    captured ``int`` that names memory (an address) once other memory lands at the same address."""
 
     def __init__(self, value: Any, depth: int = 0) -> None:
         self._ref: Any
         if isinstance(value, _PLAIN_VALUES):
-            self._ref = ("value", type(value), value)
-        elif isinstance(value, types.FunctionType) and depth < 3:  # deeper (a closure over itself): by identity
-            self._ref = ("function", value.__code__, _Identity(value.__globals__),
-                         *(_Identity(captured, depth + 1) for captured in _captured_by(value)))
-        elif isinstance(value, types.MethodType) and depth < 3:
-            self._ref = ("method", _Identity(value.__func__, depth + 1), _Identity(value.__self__))
+            self._ref = ("value", type(value), repr(value))
+        elif depth < 3 and isinstance(value, types.FunctionType):  # deeper (a closure over itself): by identity
+            self._ref = ("function", value.__code__, _Identity(value.__globals__), _captured_by(value, depth + 1))
+        elif depth < 3 and isinstance(value, types.MethodType):
+            self._ref = ("method", _Identity(value.__func__, depth + 1), _Identity(value.__self__, depth + 1))
         else:
             try:
                 self._ref = weakref.ref(value)
@@ -148,19 +153,22 @@ class _Identity:
                 and mine() is theirs()
         if mine[0] == "held" or theirs[0] == "held":
             return mine[0] == theirs[0] and mine[1] is theirs[1]
-        return mine == theirs  # plain values by value; functions and methods part by part
+        return mine == theirs  # plain values by type and repr; functions and methods part by part
 
 
-def _captured_by(function: types.FunctionType) -> list[Any]:
-    """What ``function`` closes over and its default arguments (an empty closure cell as ``_EMPTY``)."""
-    captured: list[Any] = []
+def _captured_by(function: types.FunctionType, depth: int) -> tuple[tuple[Any, ...], ...]:
+    """The identities of what ``function`` closes over (an empty cell as ``_EMPTY``), of its positional
+    defaults, and of its keyword defaults by name: three groups, so that none can stand in for another."""
+    cells = []
     for cell in function.__closure__ or ():
         try:
-            captured.append(cell.cell_contents)
+            cells.append(cell.cell_contents)
         except ValueError:
-            captured.append(_EMPTY)
+            cells.append(_EMPTY)
     keywords = function.__kwdefaults__ or {}
-    return [*captured, *(function.__defaults__ or ()), *(part for name in sorted(keywords) for part in (name, keywords[name]))]
+    return (tuple(_Identity(value, depth) for value in cells),
+            tuple(_Identity(value, depth) for value in function.__defaults__ or ()),
+            tuple((name, _Identity(keywords[name], depth)) for name in sorted(keywords)))
 
 
 _EMPTY = object()

@@ -5,8 +5,9 @@ usage: stale_layer.py MODEL_DIR OUT_JSON LAYER [LAYER ...]
 
 First, a round whose load fails part-way: the model's ``load_weights`` writes the first half of the
 round's tensors, then raises (as a load that runs out of memory would). vLLM must then hold no version
-and refuse requests, naming the torn weights, while one layer computes with the failed round's weights
-and another with the round before; the next round must land and bring every layer to its weights.
+and refuse requests, naming the torn weights, while the layers whose tensors were written compute with
+the failed round's weights and the others with the round before; the next round must land, bring every
+layer checked to its weights (those whose vLLM weight is a trainer tensor as is: not fused), and serve.
 
 Then, with the direct load allowed, the first LAYER is made to compute from a copy of its weight made
 whenever it is processed (as vLLM's packed GEMM kernels do on hosts with AVX-512 or AMX), and a round is
@@ -94,15 +95,16 @@ def packs(worker, layer_name, on=True):
 
 def fails_part_way(worker, on=True):
     """The hook, run on vLLM's workers: once on, the model's ``load_weights`` loads the first half of the
-    tensors it is given, then raises; ``on=False`` removes it."""
+    tensors it is given, then raises; ``on=False`` removes it and returns the names it loaded."""
     model = worker.model_runner.model
     if not on:
         del model.load_weights
-        return
+        return model.__dict__.pop("loaded_part_way", None)
     load = type(model).load_weights
 
     def failing(weights):
         weights = list(weights)
+        model.loaded_part_way = [name for name, _ in weights[: len(weights) // 2]]
         load(model, weights[: len(weights) // 2])
         raise RuntimeError("test hook: load_weights failed part-way")
 
@@ -154,13 +156,14 @@ if __name__ == "__main__":
         return {name: llm.collective_rpc(computes_with, args=(name, parameters[f"{name}.weight"].detach().float()
                                                                .tolist()))[0] for name in names}
 
-    halves = [f"model.layers.{index}.mlp.down_proj" for index in (0, 1)]  # the round's first and last tensors' side
+    unfused = ["model.embed_tokens", *(f"model.layers.{index}.{part}" for index in (0, 1)
+                                       for part in ("self_attn.o_proj", "mlp.down_proj"))]
     llm.collective_rpc(fails_part_way)
     torn = {"error": one_round(llm, model, 30), "version": llm.get_weight_version(),
-            "answers": answers(llm, PROMPTS[:2], max_tokens=4), "errors": errors(halves)}
-    llm.collective_rpc(fails_part_way, args=(False,))
+            "answers": answers(llm, PROMPTS[:2], max_tokens=4), "errors": errors(unfused)}
+    torn["loaded"] = llm.collective_rpc(fails_part_way, args=(False,))[0]
     torn.update(healed_error=one_round(llm, model, 31), healed_version=llm.get_weight_version(),
-                healed_errors=errors(halves))
+                healed_errors=errors(unfused), healed_answers=answers(llm, PROMPTS[:2], max_tokens=4))
     result["part_way"] = torn
     method = llm.collective_rpc(packs, args=(layers[0],))[0]
     error = one_round(llm, model, 20)
