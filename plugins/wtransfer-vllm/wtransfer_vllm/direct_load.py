@@ -37,8 +37,8 @@ import types
 import weakref
 from typing import Any
 
-from wtransfer_vllm.probe import (PROBED_METHODS, TOLERANCE, kernel_output, probe_row, probed_layers, product_of,
-                                  relative_error, sampled_rows, switched_on)
+from wtransfer_vllm.probe import (PROBED_METHODS, TOLERANCE, holds_2d_weight, kernel_output, probe_row, probed_layers,
+                                  product_of, relative_error, sampled_rows, switched_on)
 from wtransfer_vllm.vllm_internals import processing_beyond_plain_kernels
 
 _PLAIN_VALUES = (bool, int, float, str, bytes, type(None))
@@ -100,11 +100,10 @@ class DirectLoad:
         if not layers:
             return "no unquantized linear layer or embedding to load into"
         for name, layer in layers:
-            weight = getattr(layer, "weight", None)
-            if weight is None or weight.dim() != 2 or weight.is_meta or weight.numel() == 0:
+            if not holds_2d_weight(layer):
                 return f"{name} keeps no 2-D weight of its own after processing (as where its kernel holds a packed copy)"
-            if weight.device.type != "cpu":
-                return f"{name}'s weight is on {weight.device.type}: the direct load is tested on CPU only"
+            if layer.weight.device.type != "cpu":
+                return f"{name}'s weight is on {layer.weight.device.type}: the direct load is tested on CPU only"
         for name, layer in layers:
             why = kernel_reads_weight(layer)
             if why:

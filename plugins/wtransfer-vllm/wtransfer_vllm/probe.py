@@ -85,9 +85,9 @@ class CommitProbe:
 
     def _expect(self, name: str, module: Any) -> bool:
         """Keep what ``module`` must compute from its weight as it is now; False if it has none."""
-        weight = getattr(module, "weight", None)
-        if weight is None or weight.dim() != 2 or weight.is_meta or weight.numel() == 0:
+        if not holds_2d_weight(module):
             return False
+        weight = module.weight
         probe = probe_row(weight.shape[1], weight.dtype, weight.device)
         rows = sampled_rows(weight.shape[0], weight.device)
         self.expected[name] = _Expected(module, probe, rows, product_of(probe, weight, rows))
@@ -166,6 +166,12 @@ def probed_layers(model: Any) -> Iterator[tuple[str, Any, Any]]:
         method = layer_quant_method(module)
         if type(method).__name__ in PROBED_METHODS:
             yield name, module, method
+
+
+def holds_2d_weight(layer: Any) -> bool:
+    """Whether ``layer`` keeps a 2-D weight with values (not one emptied by packing, nor on the meta device)."""
+    weight = getattr(layer, "weight", None)
+    return weight is not None and weight.dim() == 2 and not weight.is_meta and weight.numel() > 0
 
 
 def kernel_output(layer: Any, probe: Any, rows: Any) -> Any:

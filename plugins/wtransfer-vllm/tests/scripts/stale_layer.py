@@ -116,13 +116,13 @@ def computes_with(worker, layer_name, rows):
     random row and that row times the trainer's weight (``rows``: its values, as lists)."""
     import torch
 
+    from wtransfer_vllm.probe import kernel_output, relative_error
+
     layer = dict(worker.model_runner.model.named_modules())[layer_name]
     weight = torch.tensor(rows, dtype=layer.weight.dtype)
     row = torch.randn((1, weight.shape[1]), generator=torch.Generator().manual_seed(7)).to(weight.dtype)
     with torch.no_grad():
-        served = layer.quant_method.apply(layer, row).float()
-    expected = row.float() @ weight.float().T
-    return float((served - expected).norm() / expected.norm())
+        return relative_error(kernel_output(layer, row, slice(None)), row.float() @ weight.float().T)
 
 
 def set_probe(worker, on):
@@ -167,9 +167,8 @@ if __name__ == "__main__":
     result["part_way"] = torn
     method = llm.collective_rpc(packs, args=(layers[0],))[0]
     error = one_round(llm, model, 20)
-    served = dict(model.named_parameters())[f"{layers[0]}.weight"].detach().float().tolist()
     result["packed"] = {"layer": layers[0], "method": method, "error": error,
-                        "relative_error": llm.collective_rpc(computes_with, args=(layers[0], served))[0]}
+                        "relative_error": errors([layers[0]])[layers[0]]}
     llm.collective_rpc(packs, args=(layers[0], False))
     for step, (layer, probe) in enumerate([(name, True) for name in layers] + [(layers[0], False)]):
         llm.collective_rpc(set_probe, args=(probe,))
