@@ -90,7 +90,9 @@ def test_partial_rounds_keep_what_they_leave_out_and_equal_a_fresh_load(
     shm_engine: tuple[Path, EngineRun], reference: dict
 ) -> None:
     """``partial=True`` inside vLLM: rounds of only the MLP weights, then of everything but the
-    embedding, merged with what vLLM committed before, equal a fresh load of the merged weights."""
+    embedding, then of only the q_proj weights (one part of each fused qkv_proj), merged with what vLLM
+    committed before, equal a fresh load of the merged weights. Where the host allows the direct load,
+    each round loads only its tensors (the TP=2 test runs the same rounds through the layerwise reload)."""
     _, run = shm_engine
     check_partial_scenario(run.part("partial"), reference)
     run.assert_clean_exit()
@@ -100,11 +102,15 @@ def check_partial_scenario(result: dict, reference: dict) -> None:
     """What ``scripts/partial_sync.py``'s scenario must show, at any TP (``reference``: a fresh load
     of the reference checkpoint at that TP)."""
     assert "error" not in result, f"the partial scenario raised:\n{result['error']}"
+    print(f"host CPU flags: {cpu_flags()}; direct load "
+          f"{'allowed (where the host allows it, a round loads only its tensors)' if result['direct_load'] else 'off'}")
     outputs, stats = result["outputs"], result["stats"]
     assert outputs["whole"] != reference["outputs"]  # its MLP weights were elsewhere
     assert outputs["mlp"] == reference["outputs"]  # only the MLP travelled: the rest was kept
     assert outputs["rest elsewhere"] != reference["outputs"]
     assert outputs["rest"] == reference["outputs"]  # the embedding kept since the first round
+    assert outputs["q elsewhere"] != reference["outputs"]
+    assert outputs["q"] == reference["outputs"]  # k and v of each fused qkv_proj kept
     assert result["checksums"] == reference["checksums"]
     assert stats[1]["bytes"] == result["mlp_bytes"] < stats[0]["bytes"]  # the wire carried the subset only
     assert stats[3]["tensors"] < stats[0]["tensors"]

@@ -81,7 +81,9 @@ def test_tp2_delta_rounds_after_adamw_steps_make_vllm_compute_exactly_a_fresh_tp
 def test_tp2_partial_rounds_keep_what_they_leave_out_and_equal_a_fresh_tp2_load(
     tp2_engine: tuple[Path, EngineRun], reference_tp2: dict
 ) -> None:
-    """``partial=True`` at TP=2: each worker completes the touched layers from its own committed copy."""
+    """``partial=True`` at TP=2, through vLLM's layerwise reload (the direct load turned off on its workers): each
+    worker completes the touched layers from its own committed copy. (The offline test at TP=1 loads directly
+    where the host allows it: then only the round's tensors are loaded.)"""
     print(f"host CPU flags: {cpu_flags()}")
     _, run = tp2_engine
     check_partial_scenario(run.part("partial"), reference_tp2)

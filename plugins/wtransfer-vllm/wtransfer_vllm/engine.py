@@ -180,9 +180,12 @@ class VllmModelLoader:
     whole_round = True
     delta_ready = True
     """Delta rounds (``create_trainer(..., delta=True)``) and partial rounds (``partial=True``): handed the
-    tensors a round carries, this loader loads them with every other checkpoint tensor from its committed
-    copy, so vLLM always reloads the whole checkpoint and each layer's processing (fused q/k/v, re-packing)
-    stays correct (a layer given only some of its tensors would be processed from unset memory)."""
+    tensors a round carries, this loader keeps a committed copy of every checkpoint tensor. Through vLLM's
+    layerwise reload it loads the round with every other tensor from that copy, so each layer's processing
+    (fused q/k/v, re-packing) sees the whole layer (a layer given only some of its tensors would be processed
+    from unset memory). Through the direct load (nothing derived from the weights) it loads only the round's
+    tensors: the others are, in the weights vLLM computes with, what that copy holds, since a partial or delta
+    round is taken only by a worker that holds the round's base."""
 
     def __init__(self, model: Any, model_config: Any, tp_size: int = 1, names_span_workers: bool = False) -> None:
         self.model = model
@@ -240,7 +243,7 @@ class VllmModelLoader:
         started = time.perf_counter()
         arrived = {name for name, _ in weights}
         kept = [(name, tensor) for name, tensor in self._committed.items() if name not in arrived]
-        how = load_into_model(self.model, self.model_config, weights + kept, self.direct)
+        how = load_into_model(self.model, self.model_config, weights, self.direct, kept)
         if self._keep_base:  # only once vLLM holds the round: a failed load leaves the copy as it was
             for name, tensor in weights:
                 held = self._committed.get(name)
@@ -253,11 +256,13 @@ class VllmModelLoader:
 
 
 def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]],
-                    direct: DirectLoad) -> str:
+                    direct: DirectLoad, kept: list[tuple[str, Any]] | None = None) -> str:
     """Checkpoint-format weights into a vLLM model; returns how (``direct load`` or ``layerwise reload``).
+    ``kept``: the committed copy of every tensor a partial or delta round leaves out.
 
     Where ``direct`` finds that vLLM's kernels read the very weights ``model.load_weights`` writes
-    (:mod:`wtransfer_vllm.direct_load`), that call is the whole load. Otherwise
+    (:mod:`wtransfer_vllm.direct_load`), that call, with the round's tensors only, is the whole load:
+    the kept tensors are already where vLLM reads them. Otherwise
     ``initialize_layerwise_reload`` puts each layer back in checkpoint form and defers its
     processing; ``model.load_weights`` maps the names (fusing q/k/v, gate/up); each layer is
     processed (on CPU: re-packed for the GEMM kernels) once complete and copied into the
@@ -277,7 +282,7 @@ def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]
                         "%.3f s): rounds load directly, without vLLM's layerwise reload", direct.check_seconds)
         with disable_mtp_completeness_check():
             model.load_weights(iter(weights))
-        return "direct load"
+        return f"direct load, {len(kept)} kept tensors left in place" if kept else "direct load"
     if direct.check_seconds:
         logger.info("wtransfer-vllm: rounds go through vLLM's layerwise reload: %s", refusal)
     direct.forget()  # the reload's processing may rebind what layers compute with
@@ -286,7 +291,7 @@ def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]
         initialize_layerwise_reload(model)
         try:
             with disable_mtp_completeness_check():
-                model.load_weights(iter(weights))
+                model.load_weights(iter(weights + (kept or [])))
         finally:
             finalize_layerwise_reload(model, model_config)
         refresh_tied_layers(model)

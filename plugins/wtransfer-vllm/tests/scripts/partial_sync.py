@@ -7,12 +7,21 @@ the reference checkpoint (``final_checkpoint``: ROUNDS ``perturb`` steps), which
 1. a whole round of the reference's weights but for the MLP weights, which are elsewhere;
 2. only the MLP weights, the reference's: merged, vLLM holds the reference;
 3. everything but the embedding, elsewhere; 4. everything but the embedding, the reference's:
-   merged with the embedding kept since round 1, vLLM holds the reference again;
+   merged with the embedding kept since round 1, vLLM holds the reference again; then the same with
+   only the q_proj weights, one part of each fused qkv_proj (k and v kept);
 5. rounds vLLM's model cannot load, each refused before a byte moves, nothing written: one naming
    a tensor the model lacks, one with a transposed shape, (from a trainer that sends whole
    rounds) one without layer 0's v_proj, which would leave the fused qkv_proj filled in part,
    and one cast to float16 (``dtype="float16"``) where vLLM serves bfloat16.
+
+Two ways of loading a partial round: where the direct load is allowed and vLLM's kernels read the
+weights it writes (the host decides), only the round's tensors are loaded; otherwise vLLM's layerwise
+reload loads them with every kept tensor. ``direct_load=False`` turns the direct load off on vLLM's
+workers for the scenario (through ``collective_rpc``: the caller sets VLLM_ALLOW_INSECURE_SERIALIZATION
+and registers this module by value), so a host that allows it runs both ways, one per vLLM instance.
 """
+
+import os
 
 import wtransfer
 from wtransfer_vllm import LLMClient
@@ -28,7 +37,15 @@ def refusal(trainer) -> str | None:
     return None
 
 
-def partial_scenario(llm, backend: str, model_dir: str, rounds: int, tp: int) -> dict:
+def allow_direct_load(worker, allowed: bool) -> None:
+    """Run on vLLM's workers: allow the direct load (the default), or send rounds through the layerwise reload."""
+    if allowed:
+        os.environ.pop("WTRANSFER_VLLM_DIRECT_LOAD", None)
+    else:
+        os.environ["WTRANSFER_VLLM_DIRECT_LOAD"] = "0"
+
+
+def partial_scenario(llm, backend: str, model_dir: str, rounds: int, tp: int, direct_load: bool = True) -> dict:
     final, other = load_trainer_model(model_dir), load_trainer_model(model_dir)
     for step in range(rounds):
         perturb(final, step)
@@ -40,6 +57,9 @@ def partial_scenario(llm, backend: str, model_dir: str, rounds: int, tp: int) ->
 
     def embedding(name: str) -> bool:
         return "embed_tokens" in name
+
+    def q_proj(name: str) -> bool:
+        return ".q_proj." in name
 
     tensors = {name: (elsewhere if mlp(name) else theirs)[name].detach() for name in theirs}
     trainer = wtransfer.create_trainer(backend, client=LLMClient(llm), source=wtransfer.TensorSource(tensors),
@@ -53,11 +73,15 @@ def partial_scenario(llm, backend: str, model_dir: str, rounds: int, tp: int) ->
         outputs[label] = greedy(llm)
 
     try:  # the engine is left free for the next scenario, whatever happens here
+        if not direct_load:
+            llm.collective_rpc(allow_direct_load, args=(False,))
         stats.append(trainer.send_weights())
         outputs["whole"] = greedy(llm)
         send("mlp", mlp, theirs)
         send("rest elsewhere", lambda name: not embedding(name), elsewhere)
         send("rest", lambda name: not embedding(name), theirs)
+        send("q elsewhere", q_proj, elsewhere)  # one part of each fused qkv_proj
+        send("q", q_proj, theirs)
         refused = {}
         down = "model.layers.0.mlp.down_proj.weight"
         for label, bad in (("unknown", {down.replace("weight", "wieght"): theirs[down]}),
@@ -81,5 +105,8 @@ def partial_scenario(llm, backend: str, model_dir: str, rounds: int, tp: int) ->
     finally:
         trainer.shutdown()
         llm.shutdown_weight_transfer_engine()
+        if not direct_load:
+            llm.collective_rpc(allow_direct_load, args=(True,))
     return {"outputs": outputs, "stats": stats, "refused": refused, "checksums": checksums(llm), "tensors": len(theirs),
+            "direct_load": direct_load,
             "mlp_bytes": sum(t.numel() * t.element_size() for n, t in theirs.items() if mlp(n))}

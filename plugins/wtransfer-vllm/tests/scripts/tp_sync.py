@@ -12,8 +12,9 @@ and the first round fills it.
    for the round's last tensor, one the moment vLLM says every TP worker received the round
    whole, before it can call finish_weight_update. No worker may commit, so vLLM must compute
    exactly what it computed before.
-With DELTA_FINAL_DIR, ``delta_sync.delta_scenario`` and ``partial_sync.partial_scenario`` run on
-the same engine between 1. and 2. (their results under "delta" and "partial"): one TP=2 start.
+With DELTA_FINAL_DIR, ``delta_sync.delta_scenario`` and ``partial_sync.partial_scenario`` (the direct
+load turned off: through vLLM's layerwise reload) run on the same engine between 1. and 2. (their results
+under "delta" and "partial"): one TP=2 start.
 Then ``torn_scenario`` (under "torn"): worker 1's commit fails while worker 0's lands, and the
 trainer's next round heals it. The killed trainers must leave vLLM as it was just before them
 ("before_kills").
@@ -180,10 +181,11 @@ if __name__ == "__main__":
         except Exception:
             result["delta"] = {"error": traceback.format_exc()}
         write_json(out, result)
-        from partial_sync import partial_scenario
+        import partial_sync
 
-        try:
-            result["partial"] = partial_scenario(llm, "shm", model_dir, rounds, tp=TP)
+        cloudpickle.register_pickle_by_value(partial_sync)  # its switch travels whole to vLLM's workers
+        try:  # through the layerwise reload: the offline (TP=1) test loads directly where the host allows it
+            result["partial"] = partial_sync.partial_scenario(llm, "shm", model_dir, rounds, tp=TP, direct_load=False)
         except Exception:
             result["partial"] = {"error": traceback.format_exc()}
         write_json(out, result)
