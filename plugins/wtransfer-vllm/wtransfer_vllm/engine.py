@@ -115,7 +115,7 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
         delta = isinstance(manifest, Manifest) and manifest.delta is not None
         partial = isinstance(manifest, Manifest) and manifest.partial
         # a delta=True or partial=True trainer's round: keep what its next round applies to or leaves out
-        self._loader().keep(delta or partial)
+        self._loader().keep(delta, partial)
         self.inner.receive_weights(update_info, self._loader())  # validated, then staged whole on the node
         manifest = getattr(update_info, "parsed", None)  # again: receiving adds the verified checksums
         if isinstance(manifest, Manifest):
@@ -180,12 +180,13 @@ class VllmModelLoader:
     whole_round = True
     delta_ready = True
     """Delta rounds (``create_trainer(..., delta=True)``) and partial rounds (``partial=True``): handed the
-    tensors a round carries, this loader keeps a committed copy of every checkpoint tensor. Through vLLM's
-    layerwise reload it loads the round with every other tensor from that copy, so each layer's processing
-    (fused q/k/v, re-packing) sees the whole layer (a layer given only some of its tensors would be processed
-    from unset memory). Through the direct load (nothing derived from the weights) it loads only the round's
-    tensors: the others are, in the weights vLLM computes with, what that copy holds, since a partial or delta
-    round is taken only by a worker that holds the round's base."""
+    tensors a round carries, this loader keeps a committed copy of every checkpoint tensor and loads the round
+    with every other tensor from that copy: through vLLM's layerwise reload, each layer's processing (fused
+    q/k/v, re-packing) then sees the whole layer (a layer given only some of its tensors would be processed from
+    unset memory). A partial round that loads directly (nothing derived from the weights) loads only its own
+    tensors: the framework gives it only to a worker whose label is the round's base, so the others are, where
+    vLLM reads them, what that copy holds. A delta round's base is checked against the copy, not against what
+    vLLM reads (a load that failed part-way may have left other values there), so it always loads whole."""
 
     def __init__(self, model: Any, model_config: Any, tp_size: int = 1, names_span_workers: bool = False) -> None:
         self.model = model
@@ -198,14 +199,16 @@ class VllmModelLoader:
         self.round_whole = False
         """Whether the last round validated carries every tensor the model loads (no kept copy used)."""
         self._keep_base = False  # keep a host copy of the committed checkpoint (see keep())
+        self._kept_in_place = False  # a partial round: the kept tensors are where vLLM reads them
         self._committed: dict[str, Any] = {}
         self.direct = DirectLoad(model)
 
-    def keep(self, delta: bool) -> None:
-        """Keep the committed copy while a delta=True trainer sends (from its first round on), and
-        free it when any other round arrives."""
-        self._keep_base = delta
-        if not delta:
+    def keep(self, delta: bool, partial: bool) -> None:
+        """Keep the committed copy while a delta=True or partial=True trainer sends (from its first round on),
+        and free it when any other round arrives."""
+        self._keep_base = delta or partial
+        self._kept_in_place = partial and not delta
+        if not self._keep_base:
             self._committed.clear()
 
     def covers(self, manifest: Any) -> bool:
@@ -243,7 +246,7 @@ class VllmModelLoader:
         started = time.perf_counter()
         arrived = {name for name, _ in weights}
         kept = [(name, tensor) for name, tensor in self._committed.items() if name not in arrived]
-        how = load_into_model(self.model, self.model_config, weights, self.direct, kept)
+        how = load_into_model(self.model, self.model_config, weights, self.direct, kept, self._kept_in_place)
         if self._keep_base:  # only once vLLM holds the round: a failed load leaves the copy as it was
             for name, tensor in weights:
                 held = self._committed.get(name)
@@ -255,14 +258,14 @@ class VllmModelLoader:
                     sum(t.numel() * t.element_size() for _, t in weights) / 1e6, time.perf_counter() - started, how)
 
 
-def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]],
-                    direct: DirectLoad, kept: list[tuple[str, Any]] | None = None) -> str:
+def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]], direct: DirectLoad,
+                    kept: list[tuple[str, Any]] | None = None, kept_in_place: bool = False) -> str:
     """Checkpoint-format weights into a vLLM model; returns how (``direct load`` or ``layerwise reload``).
-    ``kept``: the committed copy of every tensor a partial or delta round leaves out.
+    ``kept``: the committed copy of every tensor a partial or delta round leaves out, loaded with the round
+    unless ``kept_in_place`` (they are already where vLLM reads them) and the load is direct.
 
     Where ``direct`` finds that vLLM's kernels read the very weights ``model.load_weights`` writes
-    (:mod:`wtransfer_vllm.direct_load`), that call, with the round's tensors only, is the whole load:
-    the kept tensors are already where vLLM reads them. Otherwise
+    (:mod:`wtransfer_vllm.direct_load`), that call is the whole load. Otherwise
     ``initialize_layerwise_reload`` puts each layer back in checkpoint form and defers its
     processing; ``model.load_weights`` maps the names (fusing q/k/v, gate/up); each layer is
     processed (on CPU: re-packed for the GEMM kernels) once complete and copied into the
@@ -281,8 +284,8 @@ def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]
             logger.info("wtransfer-vllm: every layer's kernel reads the weight load_weights writes (tested in "
                         "%.3f s): rounds load directly, without vLLM's layerwise reload", direct.check_seconds)
         with disable_mtp_completeness_check():
-            model.load_weights(iter(weights))
-        return f"direct load, {len(kept)} kept tensors left in place" if kept else "direct load"
+            model.load_weights(iter(weights if kept_in_place else weights + (kept or [])))
+        return f"direct load, {len(kept)} kept tensors left in place" if kept and kept_in_place else "direct load"
     if direct.check_seconds:
         logger.info("wtransfer-vllm: rounds go through vLLM's layerwise reload: %s", refusal)
     direct.forget()  # the reload's processing may rebind what layers compute with

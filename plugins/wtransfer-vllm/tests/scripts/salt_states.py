@@ -41,7 +41,7 @@ class KeepingLoader:
     round_whole = False
     held = {}
 
-    def keep(self, delta):
+    def keep(self, delta, partial):
         pass
 
     def validate_manifest(self, manifest):
