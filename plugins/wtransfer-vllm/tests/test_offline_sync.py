@@ -102,8 +102,16 @@ def check_partial_scenario(result: dict, reference: dict) -> None:
     """What ``scripts/partial_sync.py``'s scenario must show, at any TP (``reference``: a fresh load
     of the reference checkpoint at that TP)."""
     assert "error" not in result, f"the partial scenario raised:\n{result['error']}"
-    print(f"host CPU flags: {cpu_flags()}; direct load "
-          f"{'allowed (where the host allows it, a round loads only its tensors)' if result['direct_load'] else 'off'}")
+    loads = result["loads"]  # per round, how each of vLLM's workers loaded it
+    print(f"host CPU flags: {cpu_flags()}; direct load {'allowed' if result['direct_load'] else 'off'}; "
+          f"how the workers loaded each round: {loads}")
+    if not result["direct_load"]:
+        assert all(how == "layerwise reload" for hows in loads.values() for how in hows), loads
+    elif all(how == "direct load" for how in loads["whole"]):  # this host's kernels read the live weights
+        for label in ("mlp", "rest elsewhere", "rest", "q elsewhere", "q"):  # the kept copy filled by "whole"
+            assert all(re.fullmatch(r"direct load, \d+ kept tensors left in place", how) for how in loads[label]), loads
+    else:  # where the host refuses the direct load, both runs load through the layerwise reload
+        assert all(how == "layerwise reload" for hows in loads.values() for how in hows), loads
     outputs, stats = result["outputs"], result["stats"]
     assert outputs["whole"] != reference["outputs"]  # its MLP weights were elsewhere
     assert outputs["mlp"] == reference["outputs"]  # only the MLP travelled: the rest was kept

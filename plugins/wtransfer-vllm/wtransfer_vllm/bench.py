@@ -67,7 +67,7 @@ WORKER_SECONDS = {  # what a worker's log says of a round: its receive, its load
     "load (probe included)": re.compile(r"loaded into the model in ([\d.]+) s"),
     "probe": re.compile(r"probe: ([\d.]+) s to capture, ([\d.]+) s to check"),
 }
-LOAD_PATH = re.compile(r"loaded into the model in [\d.]+ s \(([^)]+)\)")
+LOAD_PATH = re.compile(r"loaded into the model in [\d.]+ s \((direct load|layerwise reload)")
 """How a worker's log says it loaded a round: ``direct load`` or ``layerwise reload``."""
 
 

@@ -115,7 +115,7 @@ class WTransferEngineAdapter(VLLMWeightTransferEngine):
         delta = isinstance(manifest, Manifest) and manifest.delta is not None
         partial = isinstance(manifest, Manifest) and manifest.partial
         # a delta=True or partial=True trainer's round: keep what its next round applies to or leaves out
-        self._loader().keep(delta, partial)
+        self._loader().keep(delta or partial)
         self.inner.receive_weights(update_info, self._loader())  # validated, then staged whole on the node
         manifest = getattr(update_info, "parsed", None)  # again: receiving adds the verified checksums
         if isinstance(manifest, Manifest):
@@ -183,10 +183,10 @@ class VllmModelLoader:
     tensors a round carries, this loader keeps a committed copy of every checkpoint tensor and loads the round
     with every other tensor from that copy: through vLLM's layerwise reload, each layer's processing (fused
     q/k/v, re-packing) then sees the whole layer (a layer given only some of its tensors would be processed from
-    unset memory). A partial round that loads directly (nothing derived from the weights) loads only its own
-    tensors: the framework gives it only to a worker whose label is the round's base, so the others are, where
-    vLLM reads them, what that copy holds. A delta round's base is checked against the copy, not against what
-    vLLM reads (a load that failed part-way may have left other values there), so it always loads whole."""
+    unset memory). A round that loads directly (nothing derived from the weights) loads only its own tensors
+    while every load into this model since the copy was filled succeeded: the others are then, where vLLM reads
+    them, what the copy holds. After a failed load (or one into a model whose round state another model's round
+    cleared, as a speculative draft model's) the next round loads whole."""
 
     def __init__(self, model: Any, model_config: Any, tp_size: int = 1, names_span_workers: bool = False) -> None:
         self.model = model
@@ -199,17 +199,21 @@ class VllmModelLoader:
         self.round_whole = False
         """Whether the last round validated carries every tensor the model loads (no kept copy used)."""
         self._keep_base = False  # keep a host copy of the committed checkpoint (see keep())
-        self._kept_in_place = False  # a partial round: the kept tensors are where vLLM reads them
+        self._kept_in_place = False
+        """Whether vLLM reads, for every tensor of the committed copy, the copy's values: every load since the copy
+        was filled succeeded (set by this loader alone, so no other model's round can set it)."""
+        self.last_load = ""
+        """How the last round was loaded, as the log says it (for whoever checks which path ran)."""
         self._committed: dict[str, Any] = {}
         self.direct = DirectLoad(model)
 
-    def keep(self, delta: bool, partial: bool) -> None:
+    def keep(self, delta: bool) -> None:
         """Keep the committed copy while a delta=True or partial=True trainer sends (from its first round on),
         and free it when any other round arrives."""
-        self._keep_base = delta or partial
-        self._kept_in_place = partial and not delta
-        if not self._keep_base:
+        self._keep_base = delta
+        if not delta:
             self._committed.clear()
+            self._kept_in_place = False
 
     def covers(self, manifest: Any) -> bool:
         """Whether the round carries every checkpoint tensor (without a local checkpoint: whether the model's own
@@ -246,7 +250,8 @@ class VllmModelLoader:
         started = time.perf_counter()
         arrived = {name for name, _ in weights}
         kept = [(name, tensor) for name, tensor in self._committed.items() if name not in arrived]
-        how = load_into_model(self.model, self.model_config, weights, self.direct, kept, self._kept_in_place)
+        in_place, self._kept_in_place = self._kept_in_place, False  # until this load succeeds
+        how = load_into_model(self.model, self.model_config, weights, self.direct, kept, in_place)
         if self._keep_base:  # only once vLLM holds the round: a failed load leaves the copy as it was
             for name, tensor in weights:
                 held = self._committed.get(name)
@@ -254,6 +259,10 @@ class VllmModelLoader:
                     held.copy_(tensor)
                 else:
                     self._committed[name] = tensor.detach().to("cpu", copy=True)
+            self._kept_in_place = True
+        if how == "direct load" and in_place and kept:
+            how += f", {len(kept)} kept tensors left in place"
+        self.last_load = how
         logger.info("wtransfer-vllm round: %.1f MB loaded into the model in %.3f s (%s)",
                     sum(t.numel() * t.element_size() for _, t in weights) / 1e6, time.perf_counter() - started, how)
 
@@ -285,7 +294,7 @@ def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]
                         "%.3f s): rounds load directly, without vLLM's layerwise reload", direct.check_seconds)
         with disable_mtp_completeness_check():
             model.load_weights(iter(weights if kept_in_place else weights + (kept or [])))
-        return f"direct load, {len(kept)} kept tensors left in place" if kept and kept_in_place else "direct load"
+        return "direct load"
     if direct.check_seconds:
         logger.info("wtransfer-vllm: rounds go through vLLM's layerwise reload: %s", refusal)
     direct.forget()  # the reload's processing may rebind what layers compute with

@@ -14,8 +14,11 @@ DELTA_FINAL_DIR, the same LLM then runs ``delta_sync.delta_scenario`` (its resul
 and ``partial_sync.partial_scenario`` (under "partial"): one vLLM start for all three.
 """
 
+import os
 import sys
 import traceback
+
+os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the partial scenario asks vLLM's worker how it loaded
 
 import wtransfer
 from wtransfer_vllm import LLMClient
@@ -83,10 +86,12 @@ if __name__ == "__main__":
         except Exception:
             result["delta"] = {"error": traceback.format_exc()}
         write_json(out, result)
-        from partial_sync import partial_scenario
+        import cloudpickle
+        import partial_sync
 
+        cloudpickle.register_pickle_by_value(partial_sync)  # its functions travel whole to vLLM's worker
         try:
-            result["partial"] = partial_scenario(llm, backend, model_dir, rounds, tp=1)
+            result["partial"] = partial_sync.partial_scenario(llm, backend, model_dir, rounds, tp=1)
         except Exception:
             result["partial"] = {"error": traceback.format_exc()}
         write_json(out, result)

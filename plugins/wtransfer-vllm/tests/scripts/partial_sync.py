@@ -17,8 +17,9 @@ the reference checkpoint (``final_checkpoint``: ROUNDS ``perturb`` steps), which
 Two ways of loading a partial round: where the direct load is allowed and vLLM's kernels read the
 weights it writes (the host decides), only the round's tensors are loaded; otherwise vLLM's layerwise
 reload loads them with every kept tensor. ``direct_load=False`` turns the direct load off on vLLM's
-workers for the scenario (through ``collective_rpc``: the caller sets VLLM_ALLOW_INSECURE_SERIALIZATION
-and registers this module by value), so a host that allows it runs both ways, one per vLLM instance.
+workers for the scenario, so a host that allows it runs both ways, one per vLLM instance. How each
+worker loaded each round is read from it ("loads"). Both go through ``collective_rpc``: the caller sets
+VLLM_ALLOW_INSECURE_SERIALIZATION and registers this module by value.
 """
 
 import os
@@ -37,12 +38,19 @@ def refusal(trainer) -> str | None:
     return None
 
 
-def allow_direct_load(worker, allowed: bool) -> None:
-    """Run on vLLM's workers: allow the direct load (the default), or send rounds through the layerwise reload."""
-    if allowed:
+def set_direct_load(worker, value: str | None) -> str | None:
+    """Run on vLLM's workers: set WTRANSFER_VLLM_DIRECT_LOAD (None: unset); returns its value before."""
+    before = os.environ.get("WTRANSFER_VLLM_DIRECT_LOAD")
+    if value is None:
         os.environ.pop("WTRANSFER_VLLM_DIRECT_LOAD", None)
     else:
-        os.environ["WTRANSFER_VLLM_DIRECT_LOAD"] = "0"
+        os.environ["WTRANSFER_VLLM_DIRECT_LOAD"] = value
+    return before
+
+
+def last_load(worker) -> str:
+    """Run on vLLM's workers: how the bridge loaded the last round into the model, as its log line says."""
+    return worker.weight_transfer_engine._loader().last_load
 
 
 def partial_scenario(llm, backend: str, model_dir: str, rounds: int, tp: int, direct_load: bool = True) -> dict:
@@ -64,18 +72,19 @@ def partial_scenario(llm, backend: str, model_dir: str, rounds: int, tp: int, di
     tensors = {name: (elsewhere if mlp(name) else theirs)[name].detach() for name in theirs}
     trainer = wtransfer.create_trainer(backend, client=LLMClient(llm), source=wtransfer.TensorSource(tensors),
                                        init_info={"world_size": tp + 1}, partial=True)
-    outputs, stats = {}, []
+    outputs, stats, loads = {}, [], {}
 
     def send(label: str, pick, source: dict) -> None:
         tensors.clear()
         tensors.update({name: source[name].detach() for name in theirs if pick(name)})
         stats.append(trainer.send_weights())
+        loads[label] = llm.collective_rpc(last_load)
         outputs[label] = greedy(llm)
 
+    previous = None if direct_load else llm.collective_rpc(set_direct_load, args=("0",))[0]
     try:  # the engine is left free for the next scenario, whatever happens here
-        if not direct_load:
-            llm.collective_rpc(allow_direct_load, args=(False,))
         stats.append(trainer.send_weights())
+        loads["whole"] = llm.collective_rpc(last_load)
         outputs["whole"] = greedy(llm)
         send("mlp", mlp, theirs)
         send("rest elsewhere", lambda name: not embedding(name), elsewhere)
@@ -103,10 +112,12 @@ def partial_scenario(llm, backend: str, model_dir: str, rounds: int, tp: int, di
         refused["dtype"] = refusal(trainer)  # every tensor cast to a dtype the model does not hold
         outputs["after refused"] = greedy(llm)
     finally:
-        trainer.shutdown()
-        llm.shutdown_weight_transfer_engine()
-        if not direct_load:
-            llm.collective_rpc(allow_direct_load, args=(True,))
+        try:
+            trainer.shutdown()
+            llm.shutdown_weight_transfer_engine()
+        finally:
+            if not direct_load:
+                llm.collective_rpc(set_direct_load, args=(previous,))
     return {"outputs": outputs, "stats": stats, "refused": refused, "checksums": checksums(llm), "tensors": len(theirs),
-            "direct_load": direct_load,
+            "direct_load": direct_load, "loads": loads,
             "mlp_bytes": sum(t.numel() * t.element_size() for n, t in theirs.items() if mlp(n))}

@@ -41,7 +41,7 @@ class KeepingLoader:
     round_whole = False
     held = {}
 
-    def keep(self, delta, partial):
+    def keep(self, delta):
         pass
 
     def validate_manifest(self, manifest):

@@ -183,7 +183,7 @@ if __name__ == "__main__":
         write_json(out, result)
         import partial_sync
 
-        cloudpickle.register_pickle_by_value(partial_sync)  # its switch travels whole to vLLM's workers
+        cloudpickle.register_pickle_by_value(partial_sync)  # its functions travel whole to vLLM's workers
         try:  # through the layerwise reload: the offline (TP=1) test loads directly where the host allows it
             result["partial"] = partial_sync.partial_scenario(llm, "shm", model_dir, rounds, tp=TP, direct_load=False)
         except Exception:
