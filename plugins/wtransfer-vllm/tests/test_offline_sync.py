@@ -78,8 +78,9 @@ def test_delta_rounds_after_adamw_steps_make_vllm_compute_exactly_a_fresh_load(
     vllm_python: Path, shm_engine: tuple[Path, EngineRun]
 ) -> None:
     """``delta=True`` inside vLLM: the rounds after the first carry only what AdamW changed (the
-    frozen embedding nothing), the bridge reloads the whole checkpoint from its committed copy,
-    and vLLM then computes exactly what a fresh vLLM loaded from the trainer's weights computes."""
+    frozen embedding nothing), the bridge loads them (directly, leaving the rest in place, where the host
+    allows it; else with the rest from its committed copy), and vLLM then computes exactly what a fresh vLLM
+    loaded from the trainer's weights computes."""
     print(f"host CPU flags: {cpu_flags()}")
     out_dir, run = shm_engine
     check_delta_scenario(vllm_python, run.part("delta"), out_dir / "delta-final", tp=1)
@@ -98,20 +99,27 @@ def test_partial_rounds_keep_what_they_leave_out_and_equal_a_fresh_load(
     run.assert_clean_exit()
 
 
+def check_loads(first: list[str], later: list[list[str]], direct_load: bool) -> None:
+    """How each of vLLM's workers loaded a partial or delta trainer's rounds (its first, whole, then ``later``):
+    directly where the direct load is allowed and this host's kernels read the live weights, each later round
+    then loading only its own tensors (the kept copy filled by the first); else through the layerwise reload."""
+    print(f"how the workers loaded each round: {[first, *later]}")
+    if direct_load and all(how.startswith("direct load") for how in first):
+        assert first == ["direct load"] * len(first), first  # nothing kept yet: the round was whole
+        for hows in later:
+            assert all(re.fullmatch(r"direct load, \d+ kept tensors left in place", how) for how in hows), later
+    else:  # turned off, or refused by this host (where vLLM packs its GEMM weights)
+        assert all(how == "layerwise reload" for hows in [first, *later] for how in hows), [first, *later]
+
+
 def check_partial_scenario(result: dict, reference: dict) -> None:
     """What ``scripts/partial_sync.py``'s scenario must show, at any TP (``reference``: a fresh load
     of the reference checkpoint at that TP)."""
     assert "error" not in result, f"the partial scenario raised:\n{result['error']}"
-    loads = result["loads"]  # per round, how each of vLLM's workers loaded it
-    print(f"host CPU flags: {cpu_flags()}; direct load {'allowed' if result['direct_load'] else 'off'}; "
-          f"how the workers loaded each round: {loads}")
-    if not result["direct_load"]:
-        assert all(how == "layerwise reload" for hows in loads.values() for how in hows), loads
-    elif all(how == "direct load" for how in loads["whole"]):  # this host's kernels read the live weights
-        for label in ("mlp", "rest elsewhere", "rest", "q elsewhere", "q"):  # the kept copy filled by "whole"
-            assert all(re.fullmatch(r"direct load, \d+ kept tensors left in place", how) for how in loads[label]), loads
-    else:  # where the host refuses the direct load, both runs load through the layerwise reload
-        assert all(how == "layerwise reload" for hows in loads.values() for how in hows), loads
+    loads = result["loads"]
+    print(f"host CPU flags: {cpu_flags()}; direct load {'allowed' if result['direct_load'] else 'off'}")
+    check_loads(loads["whole"], [loads[label] for label in ("mlp", "rest elsewhere", "rest", "q elsewhere", "q")],
+                result["direct_load"])
     outputs, stats = result["outputs"], result["stats"]
     assert outputs["whole"] != reference["outputs"]  # its MLP weights were elsewhere
     assert outputs["mlp"] == reference["outputs"]  # only the MLP travelled: the rest was kept
@@ -150,6 +158,7 @@ def check_delta_scenario(python: Path, result: dict, final: Path, tp: int) -> No
 
     stats = result["stats"]
     assert [s["delta"] for s in stats] == ["full", "delta", "delta", "delta"], [s.get("delta_refused") for s in stats]
+    check_loads(result["loads"][0], result["loads"][1:], direct_load=True)
     for s in stats[1:3]:
         assert s["sparse_tensors"] > 0 and s["unchanged_tensors"] >= 4 and s["wire_bytes"] < 0.5 * s["bytes"], s
     assert stats[3]["wire_bytes"] == 0

@@ -185,8 +185,8 @@ class VllmModelLoader:
     q/k/v, re-packing) then sees the whole layer (a layer given only some of its tensors would be processed from
     unset memory). A round that loads directly (nothing derived from the weights) loads only its own tensors
     while every load into this model since the copy was filled succeeded: the others are then, where vLLM reads
-    them, what the copy holds. After a failed load (or one into a model whose round state another model's round
-    cleared, as a speculative draft model's) the next round loads whole."""
+    them, what the copy holds. After a failed load the next round loads whole. The loader tracks this itself, per
+    model: a round into another model (a speculative draft model) cannot vouch for this one."""
 
     def __init__(self, model: Any, model_config: Any, tp_size: int = 1, names_span_workers: bool = False) -> None:
         self.model = model
@@ -208,12 +208,9 @@ class VllmModelLoader:
         self.direct = DirectLoad(model)
 
     def keep(self, delta: bool) -> None:
-        """Keep the committed copy while a delta=True or partial=True trainer sends (from its first round on),
-        and free it when any other round arrives."""
+        """Keep the committed copy while a delta=True or partial=True trainer sends (from its first round on);
+        any other round frees it once it has loaded (a round refused or never loaded leaves it as it was)."""
         self._keep_base = delta
-        if not delta:
-            self._committed.clear()
-            self._kept_in_place = False
 
     def covers(self, manifest: Any) -> bool:
         """Whether the round carries every checkpoint tensor (without a local checkpoint: whether the model's own
@@ -249,10 +246,12 @@ class VllmModelLoader:
     def __call__(self, weights: list[tuple[str, Any]]) -> None:
         started = time.perf_counter()
         arrived = {name for name, _ in weights}
-        kept = [(name, tensor) for name, tensor in self._committed.items() if name not in arrived]
-        in_place, self._kept_in_place = self._kept_in_place, False  # until this load succeeds
+        kept = [(name, tensor) for name, tensor in self._committed.items() if name not in arrived and self._keep_base]
+        in_place, self._kept_in_place, self.last_load = self._kept_in_place, False, ""  # until this load succeeds
         how = load_into_model(self.model, self.model_config, weights, self.direct, kept, in_place)
-        if self._keep_base:  # only once vLLM holds the round: a failed load leaves the copy as it was
+        if not self._keep_base:  # a round of another trainer: nothing of the copy is needed any more
+            self._committed.clear()
+        else:  # only once vLLM holds the round: a failed load leaves the copy as it was
             for name, tensor in weights:
                 held = self._committed.get(name)
                 if held is not None and held.shape == tensor.shape and held.dtype == tensor.dtype:

@@ -176,6 +176,26 @@ def served_greedy(base_url: str, model: str, prompts: list[list[int]] = PROMPTS,
     return results
 
 
+def set_direct_load(worker: Any, value: str | None) -> str | None:
+    """Run on vLLM's workers (``llm.collective_rpc(set_direct_load, args=("0",))``): set
+    ``WTRANSFER_VLLM_DIRECT_LOAD`` (None: unset it); returns its value before."""
+    import os
+
+    before = os.environ.get("WTRANSFER_VLLM_DIRECT_LOAD")
+    if value is None:
+        os.environ.pop("WTRANSFER_VLLM_DIRECT_LOAD", None)
+    else:
+        os.environ["WTRANSFER_VLLM_DIRECT_LOAD"] = value
+    return before
+
+
+def how_loaded(worker: Any) -> str:
+    """Run on vLLM's workers (``llm.collective_rpc(how_loaded)``): how the bridge loaded the last round into the
+    model, as its log line says (``direct load``, with how many kept tensors it left in place, or ``layerwise
+    reload``; empty if that load failed)."""
+    return worker.weight_transfer_engine._loader().last_load
+
+
 def checksums(llm: Any) -> dict[str, str]:
     """vLLM's own per-parameter digests of the weights it holds (``compute_weight_checksums``).
 

@@ -8,12 +8,13 @@ by a delta round (the embedding and parts of two fused modules are frozen, so th
 neither), generate again, and a round with nothing trained. Returns the outputs, the rounds' stats,
 vLLM's digests and label; saves the trainer's final weights (with a tokenizer) to ``final_dir``,
 which the test loads into a fresh vLLM for the reference. With TP > 1 each of vLLM's worker
-processes rebuilds its deltas on its own committed copy.
+processes rebuilds its deltas on its own committed copy. How each worker loaded each round is read from it
+("loads", through ``collective_rpc``: the caller sets VLLM_ALLOW_INSECURE_SERIALIZATION).
 """
 
 import wtransfer
 from wtransfer_vllm import LLMClient
-from wtransfer_vllm.testing import checksums, greedy, load_trainer_model, perturb, write_tokenizer
+from wtransfer_vllm.testing import checksums, greedy, how_loaded, load_trainer_model, perturb, write_tokenizer
 
 
 def delta_scenario(llm, backend: str, model_dir: str, final_dir: str, tp: int) -> dict:
@@ -32,6 +33,7 @@ def delta_scenario(llm, backend: str, model_dir: str, final_dir: str, tp: int) -
                                        init_info={"world_size": tp + 1}, delta=True)
     try:  # the engine is left free for the next scenario, whatever happens here
         stats = [trainer.send_weights()]
+        loads = [llm.collective_rpc(how_loaded)]  # per round, how each of vLLM's workers loaded it
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
         for step in range(2):
             ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(step))
@@ -39,13 +41,15 @@ def delta_scenario(llm, backend: str, model_dir: str, final_dir: str, tp: int) -
             optimizer.step()
             optimizer.zero_grad()
             stats.append(trainer.send_weights())
+            loads.append(llm.collective_rpc(how_loaded))
         after = greedy(llm)
         stats.append(trainer.send_weights())  # nothing trained: nothing moves
+        loads.append(llm.collective_rpc(how_loaded))
         again = greedy(llm)
     finally:
         trainer.shutdown()
         llm.shutdown_weight_transfer_engine()
     model.save_pretrained(final_dir)
     write_tokenizer(final_dir, model.config.vocab_size)
-    return {"before": before, "after": after, "again": again, "stats": stats, "checksums": checksums(llm),
+    return {"before": before, "after": after, "again": again, "stats": stats, "loads": loads, "checksums": checksums(llm),
             "weight_version": llm.get_weight_version()}

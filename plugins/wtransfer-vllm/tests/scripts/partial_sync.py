@@ -19,14 +19,12 @@ weights it writes (the host decides), only the round's tensors are loaded; other
 reload loads them with every kept tensor. ``direct_load=False`` turns the direct load off on vLLM's
 workers for the scenario, so a host that allows it runs both ways, one per vLLM instance. How each
 worker loaded each round is read from it ("loads"). Both go through ``collective_rpc``: the caller sets
-VLLM_ALLOW_INSECURE_SERIALIZATION and registers this module by value.
+VLLM_ALLOW_INSECURE_SERIALIZATION.
 """
-
-import os
 
 import wtransfer
 from wtransfer_vllm import LLMClient
-from wtransfer_vllm.testing import checksums, greedy, load_trainer_model, perturb
+from wtransfer_vllm.testing import checksums, greedy, how_loaded, load_trainer_model, perturb, set_direct_load
 
 
 def refusal(trainer) -> str | None:
@@ -36,21 +34,6 @@ def refusal(trainer) -> str | None:
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
-
-
-def set_direct_load(worker, value: str | None) -> str | None:
-    """Run on vLLM's workers: set WTRANSFER_VLLM_DIRECT_LOAD (None: unset); returns its value before."""
-    before = os.environ.get("WTRANSFER_VLLM_DIRECT_LOAD")
-    if value is None:
-        os.environ.pop("WTRANSFER_VLLM_DIRECT_LOAD", None)
-    else:
-        os.environ["WTRANSFER_VLLM_DIRECT_LOAD"] = value
-    return before
-
-
-def last_load(worker) -> str:
-    """Run on vLLM's workers: how the bridge loaded the last round into the model, as its log line says."""
-    return worker.weight_transfer_engine._loader().last_load
 
 
 def partial_scenario(llm, backend: str, model_dir: str, rounds: int, tp: int, direct_load: bool = True) -> dict:
@@ -78,13 +61,15 @@ def partial_scenario(llm, backend: str, model_dir: str, rounds: int, tp: int, di
         tensors.clear()
         tensors.update({name: source[name].detach() for name in theirs if pick(name)})
         stats.append(trainer.send_weights())
-        loads[label] = llm.collective_rpc(last_load)
+        loads[label] = llm.collective_rpc(how_loaded)
         outputs[label] = greedy(llm)
 
-    previous = None if direct_load else llm.collective_rpc(set_direct_load, args=("0",))[0]
+    previous, switched = None, False
     try:  # the engine is left free for the next scenario, whatever happens here
+        if not direct_load:
+            previous, switched = llm.collective_rpc(set_direct_load, args=("0",))[0], True
         stats.append(trainer.send_weights())
-        loads["whole"] = llm.collective_rpc(last_load)
+        loads["whole"] = llm.collective_rpc(how_loaded)
         outputs["whole"] = greedy(llm)
         send("mlp", mlp, theirs)
         send("rest elsewhere", lambda name: not embedding(name), elsewhere)
@@ -116,7 +101,7 @@ def partial_scenario(llm, backend: str, model_dir: str, rounds: int, tp: int, di
             trainer.shutdown()
             llm.shutdown_weight_transfer_engine()
         finally:
-            if not direct_load:
+            if switched:
                 llm.collective_rpc(set_direct_load, args=(previous,))
     return {"outputs": outputs, "stats": stats, "refused": refused, "checksums": checksums(llm), "tensors": len(theirs),
             "direct_load": direct_load, "loads": loads,

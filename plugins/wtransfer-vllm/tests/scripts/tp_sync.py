@@ -181,11 +181,10 @@ if __name__ == "__main__":
         except Exception:
             result["delta"] = {"error": traceback.format_exc()}
         write_json(out, result)
-        import partial_sync
+        from partial_sync import partial_scenario
 
-        cloudpickle.register_pickle_by_value(partial_sync)  # its functions travel whole to vLLM's workers
         try:  # through the layerwise reload: the offline (TP=1) test loads directly where the host allows it
-            result["partial"] = partial_sync.partial_scenario(llm, "shm", model_dir, rounds, tp=TP, direct_load=False)
+            result["partial"] = partial_scenario(llm, "shm", model_dir, rounds, tp=TP, direct_load=False)
         except Exception:
             result["partial"] = {"error": traceback.format_exc()}
         write_json(out, result)
