@@ -192,8 +192,11 @@ def set_direct_load(worker: Any, value: str | None) -> str | None:
 def how_loaded(worker: Any) -> str:
     """Run on vLLM's workers (``llm.collective_rpc(how_loaded)``): how the bridge loaded the last round into the
     model, as its log line says (``direct load``, with how many kept tensors it left in place, or ``layerwise
-    reload``; empty if that load failed)."""
-    return worker.weight_transfer_engine._loader().last_load
+    reload``; empty if that load failed or the worker has no weight-transfer engine)."""
+    from wtransfer_vllm.vllm_internals import worker_weight_transfer_engine
+
+    engine = worker_weight_transfer_engine(worker)
+    return "" if engine is None else engine._loader().last_load
 
 
 def checksums(llm: Any) -> dict[str, str]:
