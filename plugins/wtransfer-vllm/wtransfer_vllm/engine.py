@@ -246,7 +246,7 @@ class VllmModelLoader:
     def __call__(self, weights: list[tuple[str, Any]]) -> None:
         started = time.perf_counter()
         arrived = {name for name, _ in weights}
-        kept = [(name, tensor) for name, tensor in self._committed.items() if name not in arrived and self._keep_base]
+        kept = [(name, tensor) for name, tensor in self._committed.items() if name not in arrived] if self._keep_base else []
         in_place, self._kept_in_place, self.last_load = self._kept_in_place, False, ""  # until this load succeeds
         how = load_into_model(self.model, self.model_config, weights, self.direct, kept, in_place)
         if not self._keep_base:  # a round of another trainer: nothing of the copy is needed any more
@@ -259,16 +259,15 @@ class VllmModelLoader:
                 else:
                     self._committed[name] = tensor.detach().to("cpu", copy=True)
             self._kept_in_place = True
-        if how == "direct load" and in_place and kept:
-            how += f", {len(kept)} kept tensors left in place"
         self.last_load = how
         logger.info("wtransfer-vllm round: %.1f MB loaded into the model in %.3f s (%s)",
                     sum(t.numel() * t.element_size() for _, t in weights) / 1e6, time.perf_counter() - started, how)
 
 
 def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]], direct: DirectLoad,
-                    kept: list[tuple[str, Any]] | None = None, kept_in_place: bool = False) -> str:
-    """Checkpoint-format weights into a vLLM model; returns how (``direct load`` or ``layerwise reload``).
+                    kept: list[tuple[str, Any]], kept_in_place: bool) -> str:
+    """Checkpoint-format weights into a vLLM model; returns how (``direct load``, with how many kept tensors it
+    left in place, or ``layerwise reload``).
     ``kept``: the committed copy of every tensor a partial or delta round leaves out, loaded with the round
     unless ``kept_in_place`` (they are already where vLLM reads them) and the load is direct.
 
@@ -292,8 +291,8 @@ def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]
             logger.info("wtransfer-vllm: every layer's kernel reads the weight load_weights writes (tested in "
                         "%.3f s): rounds load directly, without vLLM's layerwise reload", direct.check_seconds)
         with disable_mtp_completeness_check():
-            model.load_weights(iter(weights if kept_in_place else weights + (kept or [])))
-        return "direct load"
+            model.load_weights(iter(weights if kept_in_place else weights + kept))
+        return f"direct load, {len(kept)} kept tensors left in place" if kept_in_place and kept else "direct load"
     if direct.check_seconds:
         logger.info("wtransfer-vllm: rounds go through vLLM's layerwise reload: %s", refusal)
     direct.forget()  # the reload's processing may rebind what layers compute with
@@ -302,7 +301,7 @@ def load_into_model(model: Any, model_config: Any, weights: list[tuple[str, Any]
         initialize_layerwise_reload(model)
         try:
             with disable_mtp_completeness_check():
-                model.load_weights(iter(weights + (kept or [])))
+                model.load_weights(iter(weights + kept))
         finally:
             finalize_layerwise_reload(model, model_config)
         refresh_tied_layers(model)
