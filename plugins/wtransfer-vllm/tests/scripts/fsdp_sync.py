@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime
 import json
-import socket
+import os
 import sys
 import zlib
 
@@ -28,7 +28,7 @@ def crc(tensor: torch.Tensor) -> int:
     return zlib.crc32(raw.numpy()) if raw.numel() else 0
 
 
-def rank_main(rank: int, world: int, backend: str, model_dir: str, port: int, out: str) -> None:
+def rank_main(rank: int, world: int, backend: str, model_dir: str, store: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -38,7 +38,7 @@ def rank_main(rank: int, world: int, backend: str, model_dir: str, port: int, ou
     from wtransfer_vllm.testing import load_trainer_model
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=180))
     model = load_trainer_model(model_dir)
     assert model.lm_head.weight is model.model.embed_tokens.weight, "the checkpoint should tie its embeddings"
@@ -77,7 +77,7 @@ def rank_main(rank: int, world: int, backend: str, model_dir: str, port: int, ou
 
 if __name__ == "__main__":
     world, backend, model_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    torch.multiprocessing.spawn(rank_main, args=(world, backend, model_dir, port, out), nprocs=world)
+    store = os.path.abspath(f"{out}.rendezvous")  # the ranks meet through a file, not a probed port another process may take
+    if os.path.exists(store):
+        os.remove(store)
+    torch.multiprocessing.spawn(rank_main, args=(world, backend, model_dir, store, out), nprocs=world)

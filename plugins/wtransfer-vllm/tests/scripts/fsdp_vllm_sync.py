@@ -23,7 +23,7 @@ truncated it would be one place lower, so vLLM equals the fresh load only if the
 """
 
 import datetime
-import socket
+import os
 import sys
 
 import torch
@@ -49,28 +49,42 @@ def _a_quarter_place_below(bf16: "torch.Tensor") -> "torch.Tensor":
     return torch.where(exact == 0, exact, below)
 
 
-def rank_main(rank: int, backend: str, model_dir: str, out: str, rounds: int, port: int, modes: list[str]) -> None:
+def rank_main(rank: int, backend: str, model_dir: str, out: str, rounds: int, store: str, modes: list[str]) -> None:
+    from wtransfer_vllm import LLMClient
+    from wtransfer_vllm.testing import llm_kwargs
+
+    llm = None
+    if rank == 0:  # before the process group: vLLM's engine process must not inherit it
+        from vllm import LLM
+
+        llm = LLM(**llm_kwargs(model_dir, weight_transfer_config={"backend": backend}))
+    try:
+        _ranks_sync(rank, backend, model_dir, out, rounds, store, modes, llm, LLMClient(llm) if llm is not None else None)
+    finally:  # a spawned process joins its children at exit: stop vLLM's engine first, error or not
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception as exc:  # never in place of the rank's own error
+                print(f"rank 0: stopping vLLM's engine failed: {exc!r}", file=sys.stderr)
+
+
+def _ranks_sync(rank: int, backend: str, model_dir: str, out: str, rounds: int, store: str, modes: list[str],
+                llm, client) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import distribute_tensor
     from vllm.distributed.weight_transfer.base import ModuleSource as VLLMModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-    from wtransfer_vllm import LLMClient, trainer_init_info
-    from wtransfer_vllm.testing import checksums, greedy, llm_kwargs, load_trainer_model, perturb, write_json
-
-    llm = client = None
-    if rank == 0:  # before the process group: vLLM's engine process must not inherit it
-        from vllm import LLM
-
-        llm = LLM(**llm_kwargs(model_dir, weight_transfer_config={"backend": backend}))
-        client = LLMClient(llm)
     import vllm.plugins
+
+    from wtransfer_vllm import trainer_init_info
+    from wtransfer_vllm.testing import checksums, greedy, load_trainer_model, perturb, write_json
 
     vllm.plugins.load_general_plugins()  # a trainer rank without an LLM loads vLLM's plugins itself
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+    # a file, not a probed port: vLLM's start binds ports of its own in between
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=300))
     mesh = init_device_mesh("cpu", (2,))  # CPU ranks even where CUDA is there (fully_shard's default)
     results = {}
@@ -105,8 +119,6 @@ def rank_main(rank: int, backend: str, model_dir: str, out: str, rounds: int, po
             llm.shutdown_weight_transfer_engine()
         write_json(out if rank == 0 else f"{out}.rank{rank}", results)  # each mode's as soon as it is done
         dist.barrier()  # the next mode's trainers start together
-    if llm is not None:  # a spawned process joins its children at exit: stop vLLM's engine first
-        llm.llm_engine.engine_core.shutdown()
     dist.destroy_process_group()
 
 
@@ -115,7 +127,7 @@ if __name__ == "__main__":
     modes = sys.argv[5].split(",")
     if not modes or set(modes) - {"writes", "gathers"}:
         sys.exit(f"modes must be 'writes' and/or 'gathers', got {sys.argv[5]!r}")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    torch.multiprocessing.spawn(rank_main, args=(backend, model_dir, out, rounds, port, modes), nprocs=2)
+    store = os.path.abspath(f"{out}.rendezvous")  # the ranks meet through a file that must not exist yet
+    if os.path.exists(store):
+        os.remove(store)
+    torch.multiprocessing.spawn(rank_main, args=(backend, model_dir, out, rounds, store, modes), nprocs=2)
