@@ -24,7 +24,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import time
 from typing import Any
@@ -56,12 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "GB/s is reported, with every run's GB/s beside it")
     parser.add_argument("--timeout", type=float, default=300.0, help="timeout_s of every wait")
     add_report_arguments(parser)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class _Wrapped(WeightSource):
@@ -102,8 +95,9 @@ def _rank_main(rank: int, ranks: int, port: int, options: str, conn: Any) -> Non
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks,
-                                timeout=datetime.timedelta(seconds=args["timeout"]))
+        timeout = datetime.timedelta(seconds=args["timeout"])
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)  # the bench's (run_trainer)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks, timeout=timeout)
         fully_shard(model, mesh=init_device_mesh("cpu", (ranks,)))  # CPU ranks even where CUDA is there
     pool = None
     report: dict[str, Any] = {"rank": rank, "largest_parameter": largest, "rounds": []}
@@ -221,8 +215,21 @@ def unsharded_digests(model: Any) -> dict[str, int]:
 
 
 def run_trainer(ranks: int, args: argparse.Namespace, mode: str = "writes", checksums: bool = False) -> list[dict[str, Any]]:
-    """Run one configuration (1 = unsharded) in fresh processes; every rank's report."""
-    port = _free_port()
+    """Run one configuration (1 = unsharded) in fresh processes; every rank's report.
+
+    The ranks meet at a TCP store this process holds on a port the system picks as it binds: a port probed and
+    handed to rank 0 could be taken by another process while the ranks build their models, and a file store
+    polls its file (every 10 ms in torch's source) inside the timed rounds, where the ranks agree on each one."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,  # held until every rank reported
+                     timeout=datetime.timedelta(seconds=args.timeout)) if ranks > 1 else None
+    return _run_ranks(ranks, args, mode, checksums, store.port if store is not None else 0)
+
+
+def _run_ranks(ranks: int, args: argparse.Namespace, mode: str, checksums: bool, port: int) -> list[dict[str, Any]]:
     options = json.dumps({"model": args.model, "dtype": args.dtype, "workers": args.workers, "mode": mode,
                           "checksums": checksums,
                           "rounds": args.rounds, "engine": args.engine, "timeout": args.timeout})

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import socket
 import traceback
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,13 +24,7 @@ from wtransfer._fork_server import worker_process
 WORLD = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _layouts_rank(rank: int, port: int, conn: Any) -> None:
+def _layouts_rank(rank: int, store: str, conn: Any) -> None:
     try:
         import datetime
 
@@ -45,7 +39,7 @@ def _layouts_rank(rank: int, port: int, conn: Any) -> None:
         from wtransfer.engines.rounds.staging import staging_offsets
         from wtransfer.engines.shm.round import segment_pieces
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                                 timeout=datetime.timedelta(seconds=60))
         flat = init_device_mesh("cpu", (WORLD,))
         hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -106,12 +100,12 @@ def _layouts_rank(rank: int, port: int, conn: Any) -> None:
         conn.send_bytes(json.dumps(["error", traceback.format_exc()]).encode())
 
 
-def test_every_rank_writing_its_shards_gives_the_unsharded_round_byte_for_byte() -> None:
-    port = _free_port()
+def test_every_rank_writing_its_shards_gives_the_unsharded_round_byte_for_byte(tmp_path: Path) -> None:
+    store = str(tmp_path / "rendezvous")  # a file, not a probed port another process may take first
     pipes, processes = [], []
     for rank in range(WORLD):
         mine, theirs = multiprocessing.Pipe(duplex=False)
-        process = worker_process(_layouts_rank, (rank, port, theirs), daemon=False)
+        process = worker_process(_layouts_rank, (rank, store, theirs), daemon=False)
         process.start()
         pipes.append(mine)
         processes.append(process)
