@@ -45,6 +45,7 @@ PUBLIC_MODULES = {
     "wtransfer.testing.leaks",
     "wtransfer.testing.models",
     "wtransfer.testing.paged_engine",
+    "wtransfer.testing.processes",
 }
 TOOLKITS = ("wtransfer", "wtransfer.engines", "wtransfer.engines.wire", "wtransfer.connectors", "wtransfer.specs")
 

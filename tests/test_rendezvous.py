@@ -12,20 +12,15 @@ import wtransfer
 from wtransfer.errors import TransferError
 from wtransfer.local import LocalWorkerPool
 from wtransfer.testing.models import build_model, digests
+from wtransfer.testing.processes import loopback_port
 
 SHAPES = [["a.weight", [64, 64]], ["a.bias", [64]]]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_a_fixed_port_trainer_reconnects_and_a_replacement_takes_the_same_port() -> None:
     """reconnect() of a gloo trainer with a fixed master_port failed with "Address already in use": close() left
     the accept thread blocked in accept(), holding the listening socket. Now the port is free once it returns."""
-    port = _free_port()
+    port = loopback_port()
     model = build_model(SHAPES, "float32", random=True)
     init_info = {"world_size": 3, "timeout_s": 30, "master_address": "127.0.0.1", "master_port": port}
     with LocalWorkerPool(2, "wtransfer.testing.models:worker_model", backend="gloo",
@@ -58,7 +53,7 @@ def test_every_worker_joins_while_silent_connections_flood_the_rendezvous() -> N
     import threading
     import time
 
-    port = _free_port()
+    port = loopback_port()
     stop = threading.Event()
 
     def scanner() -> None:
@@ -135,3 +130,13 @@ def test_a_worker_refuses_init_info_its_trainer_did_not_make(backend: str, commi
                                       init_info={"world_size": 3}) as trainer:
             trainer.send_weights()
         assert pool.digests() == [digests(model)] * 2
+
+
+def test_a_loopback_port_for_a_later_server_is_one_no_bind_of_port_zero_can_take() -> None:
+    """``vllm serve`` died with "Address already in use" on a port probed with bind(0): a neighbour's connection drew
+    the same number from the ephemeral range before the server bound it. loopback_port() draws below that range."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    port = loopback_port()
+    assert 10000 <= port < low
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))

@@ -17,7 +17,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ import pytest
 
 from wtransfer.engines.rounds.source import WeightSource
 from wtransfer._fork_server import worker_process
+from wtransfer.testing.processes import loopback_port
 
 TIMEOUT = 30.0
 INIT_INFO = {"world_size": 3, "timeout_s": TIMEOUT, "bucket_bytes": 16384, "num_buffers": 2}
@@ -52,12 +52,6 @@ def _linger(port: int) -> None:
     deadline = time.monotonic() + LINGER_MAX_S
     while not os.path.exists(_release_path(port)) and time.monotonic() < deadline:
         time.sleep(0.05)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class _DiesMidRound(WeightSource):
@@ -400,7 +394,7 @@ class _MetadataFails(WeightSource):
 def run_ranks(world: int, backend: str, rounds: int, victim: int = -1, limit: float = 300,
               fault: str = "") -> list[dict[str, Any]]:
     """Start ``world`` trainer ranks; return every event they reported (each stamped on arrival)."""
-    port = _free_port()
+    port = loopback_port()
     pipes, processes = [], []
     for rank in range(world):
         mine, theirs = multiprocessing.Pipe(duplex=False)
@@ -564,7 +558,7 @@ def _gather_check(rank: int, world: int, port: int, conn: Any) -> None:
 def test_row_sharded_parameters_are_gathered_slice_by_slice_exactly() -> None:
     # the slice-by-slice gather must equal full_tensor() for torch.chunk's layouts: uneven rows,
     # ranks with no rows, 1-D tensors, empty tensors, and slices that do not divide a shard
-    port, pipes, processes = _free_port(), [], []
+    port, pipes, processes = loopback_port(), [], []
     for rank in range(3):
         mine, theirs = multiprocessing.Pipe(duplex=False)
         process = worker_process(_gather_check, (rank, 3, port, theirs), daemon=False)

@@ -1,8 +1,11 @@
-"""Run Python code in a fresh interpreter, the way a separate process sees installed plugins."""
+"""Run Python code in a fresh interpreter, the way a separate process sees installed plugins, and give the servers
+such processes start a loopback port nothing else takes."""
 
 from __future__ import annotations
 
 import os
+import random
+import socket
 import subprocess
 import sys
 import textwrap
@@ -35,3 +38,27 @@ def run_python(
             f"subprocess exited {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
         )
     return proc
+
+
+def loopback_port() -> int:
+    """A free port on 127.0.0.1 for a server another process binds later (``vllm serve``, a rank's store).
+
+    A port from ``bind(("127.0.0.1", 0))`` lies in the kernel's ephemeral range, which every outgoing connection and
+    every other ``bind(0)`` on the machine draws from: between the probe and the server's own bind (seconds, while
+    vLLM imports) a neighbour can take it, and the server dies with "Address already in use". This one is drawn
+    below that range (Linux's ``ip_local_port_range``), where only an explicit bind of the same number can take it.
+    Elsewhere it falls back to the probe."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    draw = random.Random()  # its own seed: a test that seeds the global generator must not make every run collide
+    for _ in range(100):
+        port = draw.randrange(10000, low) if low > 10000 else 0
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(probe.getsockname()[1])
+    raise RuntimeError(f"no free loopback port below {low} after 100 draws")

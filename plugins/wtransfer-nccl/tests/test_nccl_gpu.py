@@ -17,6 +17,7 @@ import torch
 
 from wtransfer import WeightTransferConfig
 from wtransfer.testing.distributions import is_installed
+from wtransfer.testing.processes import loopback_port
 
 pytestmark = [
     pytest.mark.gpu,
@@ -244,13 +245,10 @@ def test_fsdp2_ranks_each_send_their_own_shards_over_nccl() -> None:
     and after each optimizer step the worker holds exactly the unsharded state."""
     import json
     import multiprocessing
-    import socket
 
     if not is_installed("wtransfer-nccl"):
         pytest.skip("pip install ./plugins/wtransfer-nccl first (workers find the engine by its entry point)")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = loopback_port()
     context = multiprocessing.get_context("spawn")
     pipes, processes = [], []
     try:

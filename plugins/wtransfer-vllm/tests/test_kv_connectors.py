@@ -134,11 +134,9 @@ def test_multi_loads_from_the_store_that_has_the_blocks_and_saves_to_both(
 
 
 def test_vllm_serve_takes_the_connector_by_name(vllm_python: Path, tiny_llama: Path, tmp_path: Path) -> None:
-    import socket
+    from wtransfer.testing.processes import loopback_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = loopback_port()
     out, store = tmp_path / "served.json", tmp_path / "store"
     run_script(vllm_python, "kv_serve.py", str(tiny_llama), str(store), str(port), str(out), json.dumps(PROMPT),
                timeout=900)

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from wtransfer.testing.processes import loopback_port
 
 from vllm_harness import IN_PROCESS_ENV, ROUNDS, run_script, tied_popen
 
@@ -25,15 +26,9 @@ LOGS: dict[str, Path] = {}
 """Each server's log, by its base URL."""
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
+    port = loopback_port()
     command = run_script(vllm_python, "-c", "import sys, json; from wtransfer_vllm.testing import serve_command; "
                          "print(json.dumps(serve_command(*sys.argv[1:3], int(sys.argv[3]), sys.argv[4])))",
                          str(vllm_python), str(tiny_llama), str(port), BACKEND).stdout.strip().splitlines()[-1]
@@ -60,9 +55,11 @@ def server(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPat
             time.sleep(2)
         yield base_url
     finally:
-        os.killpg(process.pid, 15)
-        try:
+        try:  # the group is gone if the server exited: its own error above is the one to see
+            os.killpg(process.pid, 15)
             process.wait(60)
+        except ProcessLookupError:
+            pass
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, 9)
         log.close()
