@@ -97,13 +97,20 @@ def test_bench_checks_engine_names_before_any_work() -> None:
 
 
 @pytest.mark.parametrize("strict", [False, True])
-def test_the_main_command_checks_shm_against_memcpy_and_its_exit_code_says_so(strict: bool) -> None:
+def test_the_main_command_checks_shm_against_memcpy_and_its_exit_code_says_so(strict: bool, tmp_path: Path) -> None:
     """Every round verified: exit 0, a missed ratio reported in words (a newcomer's first command
-    must not fail on machine noise); with --strict-targets a miss exits 1."""
+    must not fail on machine noise); with --strict-targets a miss exits 1. Read back with --from-json, the
+    saved run is judged as it was."""
     command = [sys.executable, "-m", "wtransfer", "bench", "--model", "3M", "--rounds", "2"]
     result = subprocess.run([*command, "--json", *(["--strict-targets"] if strict else [])],
                             capture_output=True, text=True, timeout=240)
     document = json.loads(result.stdout)
+    saved = tmp_path / "run.json"
+    saved.write_text(result.stdout)
+    again = subprocess.run([*command, "--from-json", str(saved), "--json", *(["--strict-targets"] if strict else [])],
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == result.returncode, again.stderr[-2000:]
+    assert json.loads(again.stdout)["targets"] == document["targets"]
     assert "memcpy" in document["peers_gb_per_s"]  # measured without --compare
     checks = {t["what"]: t for t in document["targets"]}
     assert checks["shm streaming / memcpy"]["applies"]
@@ -131,6 +138,49 @@ def test_the_main_command_checks_shm_against_memcpy_and_its_exit_code_says_so(st
         assert re.search(r"^│ shm atomic +│", words.stdout, re.M), words.stdout  # not "shm ato…"
         assert "…" not in words.stdout, words.stdout  # nothing cut
         assert not re.search(r" \d+/\d+( +\d+:\d\d:\d\d)? *$", words.stdout, re.M), words.stdout  # no bar's "7/7 0:00:05"
+
+
+def _round(gb_per_s: float, **peers: float) -> dict:
+    return {"gb_per_s": gb_per_s, "bytes": 10**9, "seconds": 1 / gb_per_s, "peers_gb_per_s": peers}
+
+
+def _row(engine: str, *rounds: dict) -> dict:
+    return {"engine": engine, "rounds": list(rounds), "trainer_peak_extra_rss": 0, "worker_peak_extra_rss": [0],
+            "rss_budget": 2**20}
+
+
+def test_a_saved_run_is_judged_by_the_targets_rules(tmp_path: Path) -> None:
+    """Rounds no measurement can be made to give, judged through --from-json: a ratio exactly at its target meets
+    it; one round gives no range; against the better of two peers, the lower ratio counts, with that peer's
+    rounds. A miss exits 1 only with --strict-targets; a file that is not a run, or --markdown, exits 2."""
+    one, raw = "gloo one-tensor broadcast", "gloo raw, engine's groups/buckets/in-flight"
+    run = {"engines": [_row("shm streaming", _round(6.0, memcpy=10.0)),  # 0.6 exactly, its target
+                       _row("gloo streaming", _round(4.0, **{one: 5.0, raw: 4.0}),
+                            _round(4.0, **{one: 4.0, raw: 2.0}), _round(4.5, **{one: 5.0, raw: 4.5}))],
+           "peers_gb_per_s": {"memcpy": 10.0, one: 5.0, raw: 4.0}}
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(run))
+    bench = [sys.executable, "-m", "wtransfer", "bench", "--from-json", str(saved)]
+    words = subprocess.run(bench, capture_output=True, text=True, timeout=60)
+    assert words.returncode == 0, words.stderr[-2000:]
+    assert "shm streaming runs at 0.60x memcpy (target >= 0.6x met)\n" in words.stdout, words.stdout[-3000:]
+    # one-tensor broadcast: 0.8, 1.0, 0.9 (median 0.9); the engine's own groups: 1.0, 2.0, 1.0 (median 1.0)
+    assert ("gloo streaming runs at 0.90x gloo raw at its best (target >= 0.85x met; rounds 0.80x to 1.00x, "
+            "2 of 3 at the target)") in words.stdout, words.stdout[-3000:]
+    assert words.stdout.splitlines()[-1].startswith("every round verified bit-exact; all targets that apply are met")
+    run["engines"][0]["rounds"] = [_round(5.9, memcpy=10.0)]
+    saved.write_text(json.dumps(run))
+    for strict, code in ((False, 0), (True, 1)):
+        missed = subprocess.run([*bench, "--json", *(["--strict-targets"] if strict else [])], capture_output=True,
+                                text=True, timeout=60)
+        assert missed.returncode == code, missed.stderr[-2000:]
+        checks = {t["what"]: t for t in json.loads(missed.stdout)["targets"]}
+        assert not checks["shm streaming / memcpy"]["ok"] and checks["gloo streaming / gloo raw at its best"]["ok"]
+    saved.write_text(json.dumps({"engines": [{"engine": "shm streaming"}]}))
+    for extra in ([], ["--markdown"]):
+        refused = subprocess.run([*bench, *extra], capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2 and "error: " in refused.stderr and "Traceback" not in refused.stderr, (
+            refused.stderr[-2000:])
 
 
 def bench_suites() -> list[str]:

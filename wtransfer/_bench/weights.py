@@ -19,7 +19,6 @@ from wtransfer._bench.ring_peer import RING_PIPELINE, RingPipeline
 from wtransfer._bench.report import MarkdownLines, MarkdownTable, add_report_arguments, figures_report
 from wtransfer.engines.channel.protocol import MIB
 from wtransfer._fork_server import worker_process
-from wtransfer.testing.models import build_model, digests, mutate, parse_model, worker_model
 
 if TYPE_CHECKING:
     import torch
@@ -106,6 +105,7 @@ def run_engine(
     from wtransfer.engines.rounds.source import ModuleSource
     from wtransfer.engines.trainer.create import create_trainer
     from wtransfer.local import LocalWorkerPool
+    from wtransfer.testing.models import digests, mutate, worker_model
 
     label = label or f"{engine} {commit}" + (" + checksums" if checksums else "") + (
         " + shared source" if share_source else "")
@@ -454,23 +454,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "is reported in words and the exit status says only whether every round was verified")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in the trainer process, for the engine and every peer alike (0 = torch's)")
     parser.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker (0 = torch's)")
+    parser.add_argument("--from-json", default=None, metavar="FILE",
+                        help="measure nothing: read what an earlier run printed with --json (here or on another "
+                             "host), work its targets out again from its rounds, and print its tables and verdicts")
     add_report_arguments(parser)
 
 
+def _console(quiet: bool) -> Any:
+    """Where tables go: stdout for people, stderr under --json or --markdown; whole tables in a log or a pipe."""
+    from rich.console import Console
+
+    console = Console(stderr=quiet)
+    return console if console.is_terminal else Console(stderr=quiet, width=200)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.from_json is not None:
+        return _from_json(args)
     watch = LoadWatch()  # before anything of the run's own loads the machine
     import torch
-    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
     from wtransfer.errors import WTransferError
     from wtransfer._registry.registry import get_class
+    from wtransfer.testing.models import build_model, parse_model
 
     quiet = args.json or args.markdown is not None  # tables go to stdout only for people
-    console = Console(stderr=quiet)
-    if not console.is_terminal:  # a log or a pipe: tables whole, at any width
-        console = Console(stderr=quiet, width=200)
+    console = _console(quiet)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     engines = [e.strip() for e in args.engine.split(",") if e.strip()]
@@ -572,27 +582,59 @@ def run(args: argparse.Namespace) -> int:
             peers[name] = small_result.paired_peers()[name]
             advance(f"gloo per-tensor broadcast, small tensors: {peers[name]:.2f} GB/s")
 
+    run_facts = {
+        "model": {"spec": args.model, "tensors": len(tensors), "bytes": total, "dtype": dtype,
+                  "parameters": sum(t.numel() for t in tensors)},
+        "workers": args.workers,
+        "rounds": args.rounds,
+        "machine": watch.finish().to_dict(),  # how much of the machine the run had, for the verdicts
+    }
+    return _report(args, console, run_facts, results, peers)
+
+
+def _report(args: argparse.Namespace, console: Any, run_facts: dict[str, Any], results: list[EngineResult],
+            peers: dict[str, float]) -> int:
+    """The run's targets worked out from its rounds, reported as ``args`` asks; the exit status."""
+    from rich.table import Table
+
     targets = _targets(results, peers)
     with figures_report(args, "weights", markdown) as document:
-        document.update({
-            "model": {"spec": args.model, "tensors": len(tensors), "bytes": total, "dtype": dtype,
-                      "parameters": sum(t.numel() for t in tensors)},
-            "workers": args.workers,
-            "rounds": args.rounds,
-            "engines": [r.to_dict() for r in results],
-            "peers_gb_per_s": peers,
-            "targets": targets,
-            "strict_targets": args.strict_targets,
-            "machine": watch.finish().to_dict(),  # how much of the machine the run had, for the verdicts
-        })
-        if not quiet:
+        document.update({**run_facts, "engines": [r.to_dict() for r in results], "peers_gb_per_s": peers,
+                         "targets": targets, "strict_targets": args.strict_targets})
+        if not args.json and args.markdown is None:
             _print_tables(console, results, peers, targets, Table)
-            for line in _verdicts(targets, args.strict_targets, document["machine"]):
+            for line in _verdicts(targets, args.strict_targets, document.get("machine")):
                 console.print(line, soft_wrap=True)  # one line each, whatever the width: grep and logs read them
     # Every round was verified bit-exact (run_engine raises otherwise): that is the exit status by default.
     # Targets are ratios on a shared, noisy machine: fatal only when asked.
     missed = [t for t in targets if t["applies"] and not t["ok"]]
     return 1 if missed and args.strict_targets else 0
+
+
+def _from_json(args: argparse.Namespace) -> int:
+    """``--from-json``: a saved run's tables and verdicts, its targets worked out again from its rounds (so a run
+    from before a target changed, or from another host, reads as today's code judges it); nothing is measured."""
+    import sys
+    from pathlib import Path
+
+    if args.markdown is not None:  # its provenance line would name this machine, not the one that measured
+        print("error: --from-json writes no --markdown block: a block names the machine that measured it; run "
+              "the block's command there", file=sys.stderr)
+        return 2
+    try:
+        saved = json.loads(Path(args.from_json).read_text())
+        results = [EngineResult.from_dict(engine) for engine in saved["engines"]]
+        peers = {str(name): float(rate) for name, rate in saved["peers_gb_per_s"].items()}
+        for result in results:  # what the tables and targets read of every round
+            if not result.rounds or not all(isinstance(r.get(key), (int, float)) and isinstance(
+                    r.get("peers_gb_per_s", {}), dict) for r in result.rounds for key in ("gb_per_s", "bytes", "seconds")):
+                raise ValueError(f"row {result.engine!r} has no rounds, or a round without its gb_per_s, bytes and seconds")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        print(f"error: {args.from_json} is not what `wtransfer bench weights --json` prints "
+              f"({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 2
+    run_facts = {key: saved[key] for key in ("model", "workers", "rounds", "machine") if key in saved}
+    return _report(args, _console(args.json), run_facts, results, peers)
 
 
 def markdown(document: dict[str, Any]) -> list[str]:
