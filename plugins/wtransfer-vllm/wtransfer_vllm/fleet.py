@@ -81,6 +81,8 @@ class FleetClient:
                 state = "no version (torn: it refuses requests until a round commits on it)"
             elif weight_version is not None and version == weight_version:
                 state = f"version {version} (committed)"
+            elif index in failures:  # a call that timed out may still be loading the round there
+                state = f"version {version} when asked (this round had not committed there yet)"
             else:
                 state = f"version {version} (this round not committed)"
             states.append(f"instance {index}: {state}")
