@@ -622,19 +622,53 @@ def _from_json(args: argparse.Namespace) -> int:
               "the block's command there", file=sys.stderr)
         return 2
     try:
-        saved = json.loads(Path(args.from_json).read_text())
-        results = [EngineResult.from_dict(engine) for engine in saved["engines"]]
-        peers = {str(name): float(rate) for name, rate in saved["peers_gb_per_s"].items()}
-        for result in results:  # what the tables and targets read of every round
-            if not result.rounds or not all(isinstance(r.get(key), (int, float)) and isinstance(
-                    r.get("peers_gb_per_s", {}), dict) for r in result.rounds for key in ("gb_per_s", "bytes", "seconds")):
-                raise ValueError(f"row {result.engine!r} has no rounds, or a round without its gb_per_s, bytes and seconds")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        print(f"error: {args.from_json} is not what `wtransfer bench weights --json` prints "
-              f"({type(exc).__name__}: {exc})", file=sys.stderr)
+        text = Path(args.from_json).read_text()
+    except OSError as exc:
+        print(f"error: cannot read {args.from_json}: {exc}", file=sys.stderr)
         return 2
+    try:
+        saved = json.loads(text)
+        _check_saved_run(saved)
+    except ValueError as exc:
+        print(f"error: {args.from_json} is not what `wtransfer bench weights --json` prints: {exc}", file=sys.stderr)
+        return 2
+    results = [EngineResult.from_dict(engine) for engine in saved["engines"]]
     run_facts = {key: saved[key] for key in ("model", "workers", "rounds", "machine") if key in saved}
-    return _report(args, _console(args.json), run_facts, results, peers)
+    return _report(args, _console(args.json), run_facts, results, saved["peers_gb_per_s"])
+
+
+def _check_saved_run(saved: Any) -> None:
+    """Raise ``ValueError`` naming the first field a saved run lacks, of those its tables and targets read."""
+
+    def rates(value: Any, where: str) -> None:
+        if not isinstance(value, dict) or not all(_positive(rate) for rate in value.values()):
+            raise ValueError(f"{where} must map names to positive GB/s")
+
+    if not isinstance(saved, dict) or not isinstance(saved.get("engines"), list) or not saved["engines"]:
+        raise ValueError("no 'engines' rows")
+    rates(saved.get("peers_gb_per_s"), "'peers_gb_per_s'")
+    for row in saved["engines"]:
+        name = row.get("engine") if isinstance(row, dict) else None
+        if not isinstance(name, str):
+            raise ValueError("an 'engines' row without its 'engine' name")
+        if not isinstance(row.get("rounds"), list) or not row["rounds"]:
+            raise ValueError(f"row {name!r} has no rounds")
+        for index, measured in enumerate(row["rounds"]):
+            if not isinstance(measured, dict) or not all(_positive(measured.get(k)) for k in ("gb_per_s", "bytes",
+                                                                                            "seconds")):
+                raise ValueError(f"row {name!r}, round {index + 1}: needs positive 'gb_per_s', 'bytes', 'seconds'")
+            rates(measured.get("peers_gb_per_s", {}), f"row {name!r}, round {index + 1}: 'peers_gb_per_s'")
+        workers = row.get("worker_peak_extra_rss")
+        if not (isinstance(row.get("trainer_peak_extra_rss"), int) and isinstance(row.get("rss_budget"), int)
+                and isinstance(workers, list) and all(isinstance(w, int) for w in workers)):
+            raise ValueError(f"row {name!r}: 'trainer_peak_extra_rss', 'rss_budget' (bytes) and "
+                             f"'worker_peak_extra_rss' (a list of bytes) are needed")
+    if "machine" in saved and not (isinstance(saved["machine"], dict) and isinstance(saved["machine"].get("words"), str)):
+        raise ValueError("'machine' without its 'words'")
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def markdown(document: dict[str, Any]) -> list[str]:

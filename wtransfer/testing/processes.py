@@ -46,19 +46,19 @@ def loopback_port() -> int:
     A port from ``bind(("127.0.0.1", 0))`` lies in the kernel's ephemeral range, which every outgoing connection and
     every other ``bind(0)`` on the machine draws from: between the probe and the server's own bind (seconds, while
     vLLM imports) a neighbour can take it, and the server dies with "Address already in use". This one is drawn
-    below that range (Linux's ``ip_local_port_range``), where only an explicit bind of the same number can take it.
-    Elsewhere it falls back to the probe."""
+    from 1024 up to that range (Linux's ``ip_local_port_range``), where only an explicit bind of the same number can
+    take it; it is free on every address when returned. Without such a range to read, or with one that starts at
+    1024 or below, it falls back to the probe and its race."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 0
     draw = random.Random()  # its own seed: a test that seeds the global generator must not make every run collide
     for _ in range(100):
-        port = draw.randrange(10000, low) if low > 10000 else 0
         with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
+            try:  # the wildcard address: taken on none, so a server may bind it on any
+                probe.bind(("", draw.randrange(1024, low) if low > 1024 else 0))
             except OSError:
                 continue
             return int(probe.getsockname()[1])
-    raise RuntimeError(f"no free loopback port below {low} after 100 draws")
+    raise RuntimeError(f"no free port from 1024 to {low} after 100 draws")

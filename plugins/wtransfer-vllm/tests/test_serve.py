@@ -7,6 +7,7 @@ a trainer killed mid-round, a mismatched manifest, and a new trainer afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -61,7 +62,8 @@ def server(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPat
         except ProcessLookupError:
             pass
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, 9)
         log.close()
 
 
