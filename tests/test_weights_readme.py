@@ -183,10 +183,14 @@ def test_a_saved_run_is_judged_by_the_targets_rules(tmp_path: Path) -> None:
         checks = {t["what"]: t for t in json.loads(missed.stdout)["targets"]}
         assert not checks["shm streaming / memcpy"]["ok"] and checks["gloo streaming / gloo raw at its best"]["ok"]
         assert checks["shm streaming / memcpy"]["rounds"] == pytest.approx([0.59, 0.6])
-    for broken in ({"engines": [{"engine": "shm streaming"}]}, {**run, "peers_gb_per_s": {"memcpy": 0}}):
+    staged = {**run["engines"][0], "staging_segments": 1, "staging_bytes": "x"}
+    rowless = {"engines": [{"engine": "shm streaming"}], "peers_gb_per_s": {}}
+    for broken, named in ((rowless, "'shm streaming' has no rounds"),
+                          ({**run, "peers_gb_per_s": {"memcpy": 0}}, "'peers_gb_per_s' must map"),
+                          ({**run, "engines": [staged]}, "'staging_bytes'")):
         saved.write_text(json.dumps(broken))
         refused = subprocess.run(bench, capture_output=True, text=True, timeout=60)
-        assert refused.returncode == 2 and "is not what" in refused.stderr and "Traceback" not in refused.stderr, (
+        assert refused.returncode == 2 and named in refused.stderr and "Traceback" not in refused.stderr, (
             refused.stderr[-2000:])
 
 

@@ -658,17 +658,28 @@ def _check_saved_run(saved: Any) -> None:
                                                                                             "seconds")):
                 raise ValueError(f"row {name!r}, round {index + 1}: needs positive 'gb_per_s', 'bytes', 'seconds'")
             rates(measured.get("peers_gb_per_s", {}), f"row {name!r}, round {index + 1}: 'peers_gb_per_s'")
+            for side in ("phases", "worker_phases"):
+                phases = measured.get(side, {})
+                if not isinstance(phases, dict) or not all(_number(v) for v in phases.values()):
+                    raise ValueError(f"row {name!r}, round {index + 1}: {side!r} must map phases to seconds")
         workers = row.get("worker_peak_extra_rss")
         if not (isinstance(row.get("trainer_peak_extra_rss"), int) and isinstance(row.get("rss_budget"), int)
                 and isinstance(workers, list) and all(isinstance(w, int) for w in workers)):
             raise ValueError(f"row {name!r}: 'trainer_peak_extra_rss', 'rss_budget' (bytes) and "
                              f"'worker_peak_extra_rss' (a list of bytes) are needed")
+        if not all(isinstance(row.get(key, 0), int) and row.get(key, 0) >= 0 for key in ("staging_segments",
+                                                                                          "staging_bytes")):
+            raise ValueError(f"row {name!r}: 'staging_segments' and 'staging_bytes' must be counts")
     if "machine" in saved and not (isinstance(saved["machine"], dict) and isinstance(saved["machine"].get("words"), str)):
         raise ValueError("'machine' without its 'words'")
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _positive(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    return _number(value) and value > 0
 
 
 def markdown(document: dict[str, Any]) -> list[str]:
