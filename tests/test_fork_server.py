@@ -219,6 +219,39 @@ def test_a_changed_environment_gets_a_new_server_and_the_old_one_reports_its_chi
     assert not running(old_server), "the retired server outlived its last child"
 
 
+def test_the_environment_is_read_whole_while_another_thread_sets_and_unsets_a_variable() -> None:
+    """A start copies ``os.environ`` (for the server's key and the child's environment). ``dict(os.environ)`` lists
+    the names, then reads each: another thread unsetting one in between made it raise ``KeyError``, and the start
+    with it. The copy a start takes never raises, and holds every variable that stayed set."""
+    from wtransfer._fork_server import _environment
+
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            os.environ["WTRANSFER_TEST_CHURN"] = "1"
+            del os.environ["WTRANSFER_TEST_CHURN"]
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    plain_failures, reads = 0, 0
+    try:
+        deadline = time.monotonic() + 5.0
+        while plain_failures < 5 and time.monotonic() < deadline:  # until the race happened a few times
+            try:
+                dict(os.environ)
+            except KeyError:
+                plain_failures += 1
+            copy = _environment()
+            assert copy.get("PATH") == os.environ.get("PATH")
+            reads += 1
+    finally:
+        stop.set()
+        thread.join()
+    print(f"dict(os.environ) raised KeyError {plain_failures} times in {reads} reads")
+    assert plain_failures > 0, "the race did not happen here: the copy was not put to the test"
+
+
 def test_a_daemonic_child_ends_with_its_caller_even_when_its_handle_was_dropped() -> None:
     script = textwrap.dedent("""
         import gc, sys

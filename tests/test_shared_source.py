@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from wtransfer.engines import ModuleSource, create_trainer
+from wtransfer.errors import ManifestMismatchError
 from wtransfer.local import LocalWorkerPool
 from wtransfer.testing.models import build_model, digests
 
@@ -172,7 +173,7 @@ def test_shared_source_never_writes_over_the_trainers_tensors(monkeypatch):
             # again.
             wrong, start, size = model.layer5.bias, trainer._segment.data.data_ptr(), trainer._segment.size
             model.layer5.bias = torch.nn.Parameter(torch.zeros(7), requires_grad=False)
-            with pytest.raises(Exception):
+            with pytest.raises(ManifestMismatchError, match=r"shape \[7\] != model .*'layer5.bias'"):
                 trainer.send_weights()
             model.layer5.bias = wrong
             assert digests(model) == held and trainer.shared_tensors == 0

@@ -127,8 +127,18 @@ _children: set[ForkedProcess] = set()  # started and not closed: a daemonic one 
 _retired: list[_Server] = []
 
 
+def _environment() -> dict[str, str]:
+    """A copy of ``os.environ``. ``dict(os.environ)`` lists the names, then reads each: a variable another thread
+    unsets in between raises ``KeyError``, so such a copy is taken again."""
+    while True:
+        try:
+            return dict(os.environ)
+        except KeyError:
+            continue
+
+
 def _server() -> _Server:
-    environment = dict(os.environ)
+    environment = _environment()
     key = json.dumps({k: v for k, v in environment.items() if k not in VOLATILE}, sort_keys=True)
     global _current
     with _servers_lock:
@@ -226,7 +236,7 @@ class ForkedProcess:
                 arguments.append({"value": arg})
         status_r, status_w = os.pipe()
         request = {"target": self._reference, "args": arguments, "cwd": os.getcwd(), "path": sys.path,
-                   "environment": dict(os.environ), "name": self.name, "main": None}
+                   "environment": _environment(), "name": self.name, "main": None}
         if any(isinstance(item, str) and item.startswith("__main__:") for item in (self._reference, *self._args)):
             request["main"] = _main_script()  # the target, or a factory it imports, lives in the caller's script
         for stream in (sys.stdout, sys.stderr):
