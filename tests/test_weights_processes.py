@@ -254,9 +254,9 @@ class RestartingClient:
 def _fds_with_process_helpers_running() -> int:
     """Open descriptors, once the fork server runs: it keeps a socket for good, and started by a pool inside a
     test (when it runs first) it would count as that test's leak."""
-    from wtransfer._fork_server import _server
+    from wtransfer._fork_server import _environment, _server
 
-    _server()
+    _server(_environment())
     return open_fd_count()
 
 
@@ -689,8 +689,9 @@ def test_the_gloo_rendezvous_answers_only_holders_of_the_round_token() -> None:
             assert len(token) >= 32
             with pytest.raises(TransferError, match="does not hold this round's token"):
                 RendezvousClient.connect(address, port, "0" * 32, timeout_s=5)
-            with pytest.raises(DistNetworkError, match="Connection was likely closed"):  # torch's own client
-                TCPStore(address, port, None, False, datetime.timedelta(seconds=3)).list_keys()  # is hung up on
+            # torch's own client is hung up on (a reset if its next message was already on the way)
+            with pytest.raises(DistNetworkError, match="Connection was likely closed|Connection reset by peer"):
+                TCPStore(address, port, None, False, datetime.timedelta(seconds=3)).list_keys()
             holder = RendezvousClient.connect(address, port, token, timeout_s=5)
             assert holder.check(["wtransfer/gloo//joined/1"])  # the holder of the token does see the group
             holder.close()

@@ -137,8 +137,8 @@ def _environment() -> dict[str, str]:
             continue
 
 
-def _server() -> _Server:
-    environment = _environment()
+def _server(environment: dict[str, str]) -> _Server:
+    """The server for ``environment`` (the caller's, as a start copied it): the current one, or a new one."""
     key = json.dumps({k: v for k, v in environment.items() if k not in VOLATILE}, sort_keys=True)
     global _current
     with _servers_lock:
@@ -234,9 +234,10 @@ class ForkedProcess:
                 fds.append(arg.fileno())
             else:
                 arguments.append({"value": arg})
+        environment = _environment()  # one copy: the server is chosen by the environment the child gets
         status_r, status_w = os.pipe()
         request = {"target": self._reference, "args": arguments, "cwd": os.getcwd(), "path": sys.path,
-                   "environment": _environment(), "name": self.name, "main": None}
+                   "environment": environment, "name": self.name, "main": None}
         if any(isinstance(item, str) and item.startswith("__main__:") for item in (self._reference, *self._args)):
             request["main"] = _main_script()  # the target, or a factory it imports, lives in the caller's script
         for stream in (sys.stdout, sys.stderr):
@@ -245,7 +246,7 @@ class ForkedProcess:
         try:
             started = None
             while started is None:  # None: the server was retired while this start waited for it
-                started = _server().fork(request, [1, 2, status_w, *fds], self._start_timeout_s)
+                started = _server(environment).fork(request, [1, 2, status_w, *fds], self._start_timeout_s)
             self.pid, self.sentinel = started
         except BaseException:
             os.close(status_r)
