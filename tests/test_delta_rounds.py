@@ -382,8 +382,34 @@ def digest_of(tensor: torch.Tensor) -> str:
     return digest(tensor)
 
 
+def _compiled_or_numpy(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """Delta rounds on the compiled helpers (``_gather.c``), which must then be built, or on the numpy path; the
+    names of the compiled helpers called, filled in as the test runs (empty on the numpy path)."""
+    import wtransfer.engines.rounds.delta as delta_module
+
+    calls: set[str] = set()
+    if not compiled:
+        monkeypatch.setattr(delta_module, "_COMPILED", None)
+        return calls
+    kernel = delta_module.compiled()
+    assert kernel is not None, "wtransfer/engines/rounds/_gather.c was not built (no C compiler at install?)"
+
+    class Spy:
+        def __getattr__(self, name: str) -> Any:
+            function = getattr(kernel, name)
+
+            def called(*args: Any) -> Any:
+                calls.add(name)
+                return function(*args)
+            return called
+    monkeypatch.setattr(delta_module, "_COMPILED", Spy())
+    return calls
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
 @pytest.mark.parametrize("chunk_bytes", [4096, 4098 * 2])
-def test_tensors_spanning_many_chunks_round_trip_bit_exactly(chunk_bytes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tensors_spanning_many_chunks_round_trip_bit_exactly(chunk_bytes: int, compiled: bool,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The chunked paths (positions gathered chunk by chunk, XOR, compression, old-bytes digest,
     chunked decompression with a short tail) on tensors of many chunks: every round is bit-exact,
     a change of a few elements travels as positions, one of some per cent as a XOR, a change
@@ -394,6 +420,7 @@ def test_tensors_spanning_many_chunks_round_trip_bit_exactly(chunk_bytes: int, m
 
     monkeypatch.setattr(delta_module, "CHUNK_BYTES", chunk_bytes)
     monkeypatch.setattr(delta_encoder, "FEW_CHANGED_STEP", 1)  # a chunk a step: 8196-byte steps end in a part word
+    calls = _compiled_or_numpy(compiled, monkeypatch)
     model = tiny_llama(seed=0)
     worker_model = tiny_llama(seed=0)
     real = module_loader(worker_model)
@@ -420,6 +447,7 @@ def test_tensors_spanning_many_chunks_round_trip_bit_exactly(chunk_bytes: int, m
         encoder.committed(encoded)
         holds = encoded.plan.id
         assert digests(worker_model) == digests(model), f"round {version} ({change})"
+    assert calls == ({"gather", "place"} if compiled else set()), calls
 
 
 @pytest.mark.parametrize("chunk_bytes", [1024 * 1024, 4096], ids=["chunks-of-blocks", "blocks-of-chunks"])
@@ -492,8 +520,10 @@ def _raw(tensor: torch.Tensor) -> bytes:
 
 
 @pytest.mark.parametrize(("kept", "find"), [(True, "by element"), (True, "8 bytes first"),
-                                            (True, "8 bytes first, 4 chunks a step"), (False, "by element")],
-                         ids=["mapping", "mapping-8-bytes-first", "mapping-8-bytes-first-4-chunks", "one-shot"])
+                                            (True, "8 bytes first, 4 chunks a step"), (False, "by element"),
+                                            (True, "compiled"), (False, "compiled")],
+                         ids=["mapping", "mapping-8-bytes-first", "mapping-8-bytes-first-4-chunks", "one-shot",
+                              "mapping-compiled", "one-shot-compiled"])
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "staged"])
 def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
         in_place: bool, kept: bool, find: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -508,12 +538,14 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
     is read) and from a one-shot iterator (every tensor encoded before the round). A pending positions tensor's
     changes are found element by element, or 8 bytes at a time first (as for few changes): a chunk per step, steps
     ending in a part word, or (as for few changes) 4 chunks a step, chunks of 1030 bytes so that most tensors take
-    two or more steps."""
+    two or more steps. Or by the compiled one-pass gathering and patching (``_gather.c``), on both sides; the
+    others take the numpy path, where that was not built."""
     import zstandard
 
     import wtransfer.engines.rounds.delta as delta_module
     from wtransfer.engines.trainer import delta_encoder
 
+    calls = _compiled_or_numpy(find == "compiled", monkeypatch)
     four_chunks = find == "8 bytes first, 4 chunks a step"
     monkeypatch.setattr(delta_module, "CHUNK_BYTES", 1030 if four_chunks else 4100)
     monkeypatch.setattr(delta_encoder, "FEW_CHANGED", 1.0 if find.startswith("8 bytes first") else 0.0)
@@ -615,6 +647,7 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
             assert {name: _raw(t) for name, t in model.tensors.items()} == before
         assert send(7 + 2 * step).plan.base is None  # the base is ahead of the worker: a full round
         assert_worker_holds("the full round after a failed one")
+    assert calls == ({"gather", "place"} if find == "compiled" else set()), calls
 
 
 def _every_element_moved(model: torch.nn.Module) -> None:

@@ -89,20 +89,49 @@ def _rows(bits: Any, words: int) -> Any:
     return bits if words == 1 else bits.reshape(-1, words)
 
 
-def _position_spans(numel: int, counts: Any, lows: Any, values: Any,
-                    elements: int) -> Iterator[tuple[int, int, Any, Any]]:
-    """A ``positions`` payload's changes as ``(begin, end, positions relative to begin, new values)`` per
-    span of whole blocks (about ``elements`` each), so only one span's positions are ever int64."""
+def _patched_spans(value_bits: Any, base_bits: Any, words: int, numel: int, counts: Any, lows: Any, values: Any,
+                   elements: int) -> Iterator[Any]:
+    """Write a ``positions`` payload's changes into ``value_bits``, a span of whole blocks (about ``elements``) at a
+    time, after that span's bytes of ``base_bits`` (None: ``value_bits`` already holds the base); yields each span
+    once written, so it can be hashed while cached. The payload's counts must add up to its values and its last
+    block's positions lie within the tensor (checked by the caller)."""
     import numpy
 
+    kernel = compiled() if words == 1 else None
+    value_rows, base_rows = _rows(value_bits, words), None if base_bits is None else _rows(base_bits, words)
     ends = numpy.cumsum(counts, dtype=numpy.int64)
     span = max(POSITION_BLOCK, elements // POSITION_BLOCK * POSITION_BLOCK)
     for begin in range(0, numel, span):
         end = min(numel, begin + span)
         first, last = begin // POSITION_BLOCK, -(-end // POSITION_BLOCK)
         lo, hi = int(ends[first - 1]) if first else 0, int(ends[last - 1])
-        starts = numpy.arange(first * POSITION_BLOCK - begin, last * POSITION_BLOCK - begin, POSITION_BLOCK)
-        yield begin, end, numpy.repeat(starts, counts[first:last]) + lows[lo:hi], values[lo:hi]
+        out = value_rows[begin:end]
+        if kernel is not None:  # copy and patch in one pass, block by block, in C
+            kernel.place(out, None if base_rows is None else base_rows[begin:end], values[lo:hi], lows[lo:hi],
+                         counts[first:last], value_bits.itemsize)
+        else:
+            if base_rows is not None:
+                numpy.copyto(out, base_rows[begin:end])
+            if hi > lo:
+                starts = numpy.arange(first * POSITION_BLOCK - begin, last * POSITION_BLOCK - begin, POSITION_BLOCK)
+                out[numpy.repeat(starts, counts[first:last]) + lows[lo:hi]] = values[lo:hi]
+        yield out
+
+
+def compiled() -> Any:
+    """The compiled helpers of delta rounds (``_gather.c``: one-pass gathering and patching), or None where the C
+    extension was not built (installed without a C compiler): both sides then take the numpy path."""
+    global _COMPILED
+    if _COMPILED is False:
+        try:
+            from wtransfer.engines.rounds import _gather as kernel
+        except ImportError:
+            kernel = None
+        _COMPILED = kernel
+    return _COMPILED
+
+
+_COMPILED: Any = False
 
 
 class _Scratch(threading.local):
@@ -118,6 +147,21 @@ class _Scratch(threading.local):
         if self.buffer is None or self.buffer.size < size:
             self.buffer = numpy.empty(size, dtype=numpy.uint8)
         return self.buffer[: count * numpy.dtype(dtype).itemsize].view(dtype)
+
+    values_buffer: Any = None
+    lows_buffer: Any = None
+
+    def outputs(self, dtype: Any, count: int) -> tuple[Any, Any]:
+        """Room for ``count`` changed elements of numpy ``dtype`` and their uint16 positions (a gathered chunk)."""
+        import numpy
+
+        size = count * numpy.dtype(dtype).itemsize
+        if self.values_buffer is None or self.values_buffer.size < size:
+            self.values_buffer = numpy.empty(max(size, CHUNK_BYTES), dtype=numpy.uint8)
+            self.lows_buffer = numpy.empty(max(count, CHUNK_BYTES // 2), dtype=numpy.uint16)
+        if self.lows_buffer.size < count:
+            self.lows_buffer = numpy.empty(count, dtype=numpy.uint16)
+        return self.values_buffer[:size].view(dtype), self.lows_buffer[:count]
 
     mask_buffer: Any = None
 

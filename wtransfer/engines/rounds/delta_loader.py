@@ -8,8 +8,8 @@ from wtransfer.engines.rounds import delta as _delta
 from wtransfer.engines.rounds.delta import (
     _bits,
     _hex,
+    _patched_spans,
     _pool,
-    _position_spans,
     _positions_parts,
     _rows,
     _scratch,
@@ -202,16 +202,11 @@ class DeltaLoader:
                 lows[changed - int(counts[-1]):].max()) >= tail):
             raise TransferError(f"delta round: {name!r}'s positions payload does not fit its {target.numel} "
                                 f"elements (block counts that do not add up to its values, or positions past its end)")
-        value_rows, base_rows = _rows(value_bits, words), _rows(base_bits, words)
         copy = value.data_ptr() != base.data_ptr()
         hasher = xxhash.xxh3_64()
         step = max(1, _delta.CHUNK_BYTES // value.element_size())
-        for begin, end, positions, news in _position_spans(target.numel, counts, lows, values, step):
-            span = value_rows[begin:end]
-            if copy:
-                numpy.copyto(span, base_rows[begin:end])
-            if positions.size:
-                span[positions] = news
+        for span in _patched_spans(value_bits, base_bits if copy else None, words, target.numel, counts, lows, values,
+                                   step):
             hasher.update(span)
         return _hex(hasher.intdigest(), target.nbytes)
 

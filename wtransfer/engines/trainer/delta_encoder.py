@@ -13,12 +13,13 @@ from wtransfer.engines.rounds import delta as _delta
 from wtransfer.engines.rounds.delta import (
     _bits,
     _hex,
+    _patched_spans,
     _pool,
-    _position_spans,
     _positions_parts,
     _rows,
     _scratch,
     _words,
+    compiled,
 )
 from wtransfer.engines.rounds.manifest import (
     resolved,
@@ -484,13 +485,20 @@ def _gather_chunk(fresh: Any, old: Any, start: int, words: int, found: list[tupl
     per-block ``counts``; ``start`` is the chunk's first integer. Returns how many elements changed."""
     import numpy
 
+    kernel = compiled()
+    if kernel is not None and words == 1:  # one pass in C (the numpy path below takes three)
+        values, lows = _scratch.outputs(fresh.dtype, fresh.size)
+        here = kernel.gather(fresh, old, values, lows, counts, fresh.itemsize, start)
+        if here:
+            found.append((values[:here].copy(), lows[:here].copy()))
+        return here
     where = _changed_where(fresh, old, words, sparse)
     if where.size:
         at = where + start // words
         found.append((_rows(fresh, words)[where], at.astype(numpy.uint16)))
         first, last = start // words // POSITION_BLOCK, int(at[-1]) // POSITION_BLOCK + 1
         edges = numpy.searchsorted(at, numpy.arange(first + 1, last) * POSITION_BLOCK)  # at is sorted
-        counts[first:last] += numpy.diff(edges, prepend=0, append=at.size)
+        counts[first:last] += numpy.diff(edges, prepend=0, append=at.size).astype(numpy.uint32)
     return int(where.size)
 
 
@@ -506,9 +514,8 @@ def _write_positions(payload: torch.Tensor, target: TensorEntry, changed: int, c
     numpy.concatenate([part[0] for part in found], out=values)
     numpy.concatenate([part[1] for part in found], out=lows)
     found.clear()
-    base_rows = _rows(base_bits, words)
-    for begin, end, positions, news in _position_spans(target.numel, counts, lows, values, step // words):
-        base_rows[begin:end][positions] = news
+    for _ in _patched_spans(base_bits, None, words, target.numel, counts, lows, values, step // words):
+        pass
 
 
 def _gather_rest(name: str, payload: torch.Tensor, target: TensorEntry, changed: int, value: str, new_bits: Any,
@@ -519,7 +526,7 @@ def _gather_rest(name: str, payload: torch.Tensor, target: TensorEntry, changed:
     import numpy
 
     found: list[tuple[Any, Any]] = []
-    counts = numpy.zeros(position_blocks(target), dtype=numpy.int64)
+    counts = numpy.zeros(position_blocks(target), dtype=numpy.uint32)
     gathered, sparse = 0, changed < FEW_CHANGED * target.numel
     walk = step * FEW_CHANGED_STEP if sparse else step
     for start in range(0, new_bits.size, walk):
@@ -575,7 +582,7 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
     # (values, positions) per chunk and changes per block, while the changes still fit a positions payload
     # (deferred: gathered later, by _gather_rest)
     found: list[tuple[Any, Any]] | None = [] if not defer and positions_payload_bytes(target, 1) <= most else None
-    counts = numpy.zeros(position_blocks(target), dtype=numpy.int64) if found is not None else None
+    counts = numpy.zeros(position_blocks(target), dtype=numpy.uint32) if found is not None else None
     too_many = CHANGED_TO_TRY * (min(step, new_bits.size) // words)  # of a whole chunk, even for a short last one
     for start in range(0, new_bits.size, step):  # the first walk reads only
         fresh, old = new_bits[start : start + step], base_bits[start : start + step]
