@@ -415,11 +415,9 @@ def test_tensors_spanning_many_chunks_round_trip_bit_exactly(chunk_bytes: int, c
     a change of a few elements travels as positions, one of some per cent as a XOR, a change
     dense in a later chunk only goes whole."""
     import wtransfer.engines.rounds.delta as delta_module
-    from wtransfer.engines.trainer import delta_encoder
     from wtransfer.engines.worker.loader import module_loader
 
     monkeypatch.setattr(delta_module, "CHUNK_BYTES", chunk_bytes)
-    monkeypatch.setattr(delta_encoder, "FEW_CHANGED_STEP", 1)  # a chunk a step: 8196-byte steps end in a part word
     calls = _compiled_or_numpy(compiled, monkeypatch)
     model = tiny_llama(seed=0)
     worker_model = tiny_llama(seed=0)
@@ -520,14 +518,11 @@ def _raw(tensor: torch.Tensor) -> bytes:
     return tensor_bytes(tensor).numpy().tobytes()
 
 
-@pytest.mark.parametrize(("kept", "find"), [(True, "by element"), (True, "8 bytes first"),
-                                            (True, "8 bytes first, 4 chunks a step"), (False, "by element"),
-                                            (True, "compiled"), (False, "compiled")],
-                         ids=["mapping", "mapping-8-bytes-first", "mapping-8-bytes-first-4-chunks", "one-shot",
-                              "mapping-compiled", "one-shot-compiled"])
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
+@pytest.mark.parametrize("kept", [True, False], ids=["mapping", "one-shot"])
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "staged"])
 def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
-        in_place: bool, kept: bool, find: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        in_place: bool, kept: bool, compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """1-, 2-, 4-, 8- and 16-byte elements, an empty tensor and a non-contiguous trainer tensor, in
     short chunks (CHUNK_BYTES 4100: 4100 bytes for elements of up to 4 bytes, 4096 for 8 and 16, a
     size the scratch buffer must take for any dtype): every round bit-exact, rebuilt in place or
@@ -535,22 +530,16 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
     halves moved is one), sent as positions (about 1 % changed) and as XORs (11 %), and a
     positions payload or a XOR wrong only in its last element fails the round (staged: with the
     worker's model untouched) and is followed by a full round. From a mapping (its tensors
-    kept: the work of tensors sent whole or as positions is left pending and done as the round
-    is read) and from a one-shot iterator (every tensor encoded before the round). A pending positions tensor's
-    changes are found element by element, or 8 bytes at a time first (as for few changes): a chunk per step, steps
-    ending in a part word, or (as for few changes) 4 chunks a step, chunks of 1030 bytes so that most tensors take
-    two or more steps. Or by the compiled one-pass gathering and patching (``_gather.c``), on both sides; the
-    others take the numpy path, where that was not built."""
+    kept: the work of tensors sent whole is left pending and done as the round is read) and from a
+    one-shot iterator (every tensor encoded before the round). Changes are gathered and placed by
+    the compiled one-pass code (``_gather.c``) on both sides, or by the numpy path taken where that
+    was not built; chunk edges fall inside 8-byte words."""
     import zstandard
 
     import wtransfer.engines.rounds.delta as delta_module
-    from wtransfer.engines.trainer import delta_encoder
 
-    calls = _compiled_or_numpy(find == "compiled", monkeypatch)
-    four_chunks = find == "8 bytes first, 4 chunks a step"
-    monkeypatch.setattr(delta_module, "CHUNK_BYTES", 1030 if four_chunks else 4100)
-    monkeypatch.setattr(delta_encoder, "FEW_CHANGED", 1.0 if find.startswith("8 bytes first") else 0.0)
-    monkeypatch.setattr(delta_encoder, "FEW_CHANGED_STEP", 4 if four_chunks else 1)
+    calls = _compiled_or_numpy(compiled, monkeypatch)
+    monkeypatch.setattr(delta_module, "CHUNK_BYTES", 4100)
     g = torch.Generator().manual_seed(0)
     trainer = {
         "bf16": torch.randn(3000, generator=g).to(torch.bfloat16),
@@ -609,9 +598,9 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
                 tensor[::97] += 1 + 1j  # both halves: still one changed element each
             elif name != "empty":
                 tensor[::97] += 1
-            if name in ("bf16", "f32", "u8", "i32"):  # the first step's last element (in a part 8-byte word where
-                # a step is one chunk) and the second step's first
-                step = delta_module.CHUNK_BYTES // tensor.element_size() * delta_encoder.FEW_CHANGED_STEP
+            if name in ("bf16", "f32", "u8", "i32"):  # the first chunk's last element (in a part 8-byte word)
+                # and the second chunk's first
+                step = delta_module.CHUNK_BYTES // tensor.element_size()
                 edges[name] = {step - 1, step}
                 for at in edges[name]:
                     tensor[at] += 1
@@ -648,7 +637,7 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
             assert {name: _raw(t) for name, t in model.tensors.items()} == before
         assert send(7 + 2 * step).plan.base is None  # the base is ahead of the worker: a full round
         assert_worker_holds("the full round after a failed one")
-    if find == "compiled":  # (the numpy variants have no compiled helpers to call)
+    if compiled:  # (the numpy variant has no compiled helpers to call)
         assert calls == {"gather", "place"}, calls
 
 
@@ -736,86 +725,33 @@ def test_a_round_abandoned_while_its_whole_tensors_are_pending_is_followed_by_an
     assert digests(worker) == digests(model)
 
 
-def _step_before_gathering(monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module, every: int) -> list[str]:
-    """A training step (``lm_head.weight``'s every ``every``-th element moves) just before the trainer gathers that
-    tensor's changes, once; the returned list names the tensor once it ran."""
-    from wtransfer.engines.trainer import delta_encoder
-
-    gather, stepped = delta_encoder._gather_rest, []
-
-    def training_step_meanwhile(name: str, *args: Any) -> Any:
-        if name == "lm_head.weight" and not stepped:
-            stepped.append(name)
-            with torch.no_grad():
-                model.lm_head.weight.view(-1)[::every].add_(1.0)
-        return gather(name, *args)
-
-    monkeypatch.setattr(delta_encoder, "_gather_rest", training_step_meanwhile)
-    return stepped
-
-
-@pytest.mark.parametrize("change", ["other elements", "the same elements"])
-def test_a_tensor_changed_while_its_round_is_sent_fails_the_round_and_the_next_one_is_exact(
-        change: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tensor with few changes is counted and hashed before the round's first byte, and its changes gathered
-    as the round is sent. A training step that writes the model in between (here: just before the gathering)
-    must fail the round, never send a payload that rebuilds other values under the first walk's digest: with
-    other elements changed the trainer's count disagrees; with the same ones, every worker's digest check refuses
-    the rebuilt tensor. Each worker keeps the weights it held, and the next round leaves it with exactly the
-    trainer's. Catches a gathering that trusts the first walk."""
-    model = tiny_llama(seed=0, frozen_embedding=True)
-    with _pool("shm") as pool:
-        trainer = _trainer("shm", pool, model)
-        try:
-            trainer.send_weights()
-            before = pool.digests()
-            with torch.no_grad():
-                model.lm_head.weight.view(-1)[::97].add_(1.0)
-            stepped = _step_before_gathering(monkeypatch, model, 89 if change == "other elements" else 97)
-            why = ("'lm_head.weight' changed while the round was being sent" if change == "other elements" else
-                   "'lm_head.weight' rebuilt here differs from the trainer's new value")
-            with pytest.raises(TransferError, match=why):
-                trainer.send_weights()
-            assert stepped, "the round gathered no positions tensor as it was sent: the test tests nothing"
-            assert pool.digests() == before, "a round that failed changed a worker's weights"
-            trainer.reconnect()  # (a round that failed part-way through its transport needs it)
-            stats = trainer.send_weights()
-            assert stats["delta"] == "full", stats
-            _assert_workers_hold(pool, model, "the round after the failed one")
-        finally:
-            trainer.shutdown()
-
-
-def test_a_refused_delta_sent_whole_records_what_it_gathered_and_the_next_round_is_a_delta(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every worker refuses a delta round, which is sent whole from the trainer's base at once; a step rewrote the
-    same elements of a tensor between its count and its gathering, so the base (and the workers) took values the
-    first walk never hashed. The trainer must record the digest of what it sent: the next round is a delta
-    against it, with no tensor sent whole. Catches digests kept from the first walk (the next round then finds
-    its base "changed behind its back" and sends that tensor whole)."""
-    from wtransfer.engines.trainer import delta_encoder
-
-    model = tiny_llama(seed=0, frozen_embedding=True)
-    with _pool("shm") as pool:
-        trainer = _trainer("shm", pool, model)
-        try:
-            trainer.send_weights()
-            with torch.no_grad():
-                model.lm_head.weight.view(-1)[::97].add_(1.0)
-            gather = delta_encoder._gather_rest
-            stepped = _step_before_gathering(monkeypatch, model, 97)  # the same elements: the count holds
-            trainer.delta.base_id += "-not-committed"  # every worker refuses the delta before any byte moves
-            stats = trainer.send_weights()
-            assert stats["delta"] == "full" and stats["delta_refused"] and stepped, stats
-            _assert_workers_hold(pool, model, "the refused delta sent whole")
-            monkeypatch.setattr(delta_encoder, "_gather_rest", gather)
-            with torch.no_grad():
-                model.lm_head.weight.view(-1)[::101].add_(1.0)
-            stats = trainer.send_weights()
-            assert (stats["delta"], stats["sparse_tensors"], stats["dense_tensors"]) == ("delta", 1, 0), stats
-            _assert_workers_hold(pool, model, "the delta after it")
-        finally:
-            trainer.shutdown()
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
+def test_a_delta_round_sent_whole_records_what_it_sent_and_the_next_round_is_a_delta(
+        compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delta round the workers refuse is sent whole from the trainer's base (``whole()``), after its
+    ``positions`` tensor was gathered and put into that base. What was sent must be the model, and the
+    digests the trainer records those of its base: the next round is then a delta against the whole
+    round, with nothing sent whole. Catches a base not brought up to the gathered values (the workers
+    get the old tensor) and digests that disagree with the base (the next round finds its base "changed
+    behind its back" and sends that tensor whole)."""
+    _compiled_or_numpy(compiled, monkeypatch)
+    model = tiny_llama(seed=0)
+    encoder = DeltaEncoder()
+    encoder.committed(encoder.encode(ModuleSource(model), 1))
+    with torch.no_grad():
+        model.lm_head.weight.view(-1)[::97].add_(1.0)
+    encoded = encoder.encode(ModuleSource(model), 2)
+    assert encoded.stats.sparse_tensors == 1, encoded.stats
+    whole = encoder.whole(encoded)
+    sent = {name: tensor.clone() for name, tensor in whole}
+    encoder.committed(whole)
+    wrong = [name for name, tensor in model.state_dict().items() if not torch.equal(sent[name], tensor)]
+    assert not wrong, f"the round sent whole differs from the model in {wrong}"
+    with torch.no_grad():
+        model.lm_head.weight.view(-1)[::101].add_(1.0)
+    after = encoder.encode(ModuleSource(model), 3)
+    assert after.plan.base == whole.plan.id, "the round after the whole one is not a delta against it"
+    assert (after.stats.sparse_tensors, after.stats.dense_tensors) == (1, 0), after.stats
 
 
 def test_a_positions_payload_that_does_not_fit_its_tensor_is_refused() -> None:

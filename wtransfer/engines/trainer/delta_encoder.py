@@ -72,22 +72,6 @@ CHANGED_TO_TRY = 0.3
 """A chunk with more than this fraction of elements changed ends the first walk: the tensor goes dense (its XOR
 would not shrink below :data:`SPARSE_AT_MOST`, and compressing it costs more than sending it whole)."""
 
-FEW_CHANGED = 0.005
-"""Under this fraction of elements changed, a deferred ``positions`` tensor's changes are found 8 bytes at a time
-first. On a 1 MiB chunk of bf16 bits (numpy 2.3, a 2-core AMD EPYC, a noisy VM) that took about half the time of
-the element-by-element search at 0.08 % changed in every run, 0.8 to 1.6 times it at 0.66 %, and more at 5 %."""
-
-FEW_CHANGED_STEP = 4
-"""Chunks a step of a deferred ``positions`` tensor's search under :data:`FEW_CHANGED`. It compares each byte once
-and looks only at the few elements that moved, so nothing need stay cached between passes, and longer steps cost
-less: on a 0.99 GB bf16 Llama with 0.1 % of elements changed, synced over ``shm`` to one worker, the trainer's
-``pack`` phase (where the search runs) took 0.25 s with this step against 0.36 s with one chunk (medians of 10
-rounds, interleaved; a 2-core AMD EPYC). At 1.75 % changed, 4-chunk steps of the element-by-element search showed no
-clear difference in a round (1.137 s against 1.115 s, medians of 12, noisy), so that search keeps one chunk a step.
-What a step's search holds grows with the elements that moved in it. Where all of a 4-chunk step moved, it held 100,
-52 and 28 MiB per thread for 1-, 2- and 4-byte elements (a quarter of that in one chunk), which under
-:data:`FEW_CHANGED` takes a tensor of over 839 M, 419 M and 210 M elements."""
-
 GLANCE_BYTES = 64 * 1024
 """Bytes at a deferrable tensor's start compared first: over :data:`CHANGED_TO_TRY` changed, it goes whole at once."""
 
@@ -102,9 +86,11 @@ class DeltaStats:
 
 
 class DeltaRound(WeightSource):
-    """One encoded round, as the engine reads it: the wire tensors, in order. A tensor sent whole or as ``positions``
-    may still be *pending* (counting, gathering, updating the base, hashing): that runs on the encoding threads a few
-    tensors ahead of the engine, which gets it once done, so the first byte waits for no more than the count."""
+    """One encoded round, as the engine reads it: the wire tensors, in order. A tensor sent whole may still be
+    *pending* (its copy into the base, hashed, and its count if it went whole part-way): that runs on the encoding
+    threads a few tensors ahead of the engine, which gets it once done. ``positions`` payloads are gathered in the
+    first walk, before the first byte: gathering them as the round is sent read the model and its base from memory
+    a second time, and made rounds slower (docs/delta.md)."""
 
     def __init__(self, entries: list[TensorEntry], payloads: list[torch.Tensor], pending: list[_Encoded | None],
                  plan: DeltaPlan, items: list[_Encoded], finisher: _Finisher, whole: bool = False) -> None:
@@ -242,8 +228,7 @@ class DeltaEncoder:
         self._token = secrets.token_hex(8)
         self.base: dict[str, torch.Tensor] = {}
         self.digests: dict[str, str] = {}
-        """XXH3-64 of each base tensor, recorded as the base takes a round's values (recomputed only after a refused
-        delta round was sent whole: see :meth:`committed`)."""
+        """XXH3-64 of each base tensor, recorded as the base takes a round's values."""
         self.base_id: str | None = None
         """The id of the last round every worker committed, which :attr:`base` holds; None: full next."""
         self._unsettled: _Finisher | None = None
@@ -374,16 +359,8 @@ class DeltaEncoder:
         self.base, self.digests, self._payloads, self.base_id = {}, {}, {}, None
 
     def committed(self, encoded: DeltaRound) -> None:
-        """Every worker committed the round: the base is what they hold (pending tensors finished first). A round
-        sent whole from the base (:meth:`whole`) carried what its ``positions`` tensors gathered, which no check
-        compared with their first walk's digest: those are hashed again, so the next round diffs against what the
-        workers hold."""
+        """Every worker committed the round: the base is what they hold (pending tensors finished first)."""
         encoded.finish()
-        if encoded._whole:
-            gathered = [item.target.name for item in encoded._items if item.row is not None
-                        and item.row.encoding == POSITIONS]
-            for name, value in zip(gathered, _pool().map(lambda name: _delta.digest(self.base[name]), gathered)):
-                self.digests[name] = value
         self.base_id = encoded.plan.id
 
 
@@ -415,7 +392,7 @@ class _Encoded:
     digest: str | None
     """The base's digest once this round's value is in it (None while the tensor is pending)."""
     rest: Any = None
-    """A pending tensor's remaining work (:func:`_walk_rest`, :func:`_gather_rest`) -> (more changed elements, base
+    """A pending tensor's remaining work (:func:`_walk_rest`) -> (more changed elements, base
     digest); None once done."""
 
     @property
@@ -438,24 +415,10 @@ def _changed_elements(fresh: Any, old: Any, words: int) -> int:
     return int(numpy.count_nonzero(xor if words == 1 else xor.reshape(-1, words).any(axis=1)))
 
 
-def _changed_where(fresh: Any, old: Any, words: int, sparse: bool = False) -> Any:
-    """The indices (within the chunk) of the elements in which ``fresh`` and ``old`` differ. ``sparse``: few
-    differ (under :data:`FEW_CHANGED`), so compare 8 bytes at a time first and look inside the words that moved."""
+def _changed_where(fresh: Any, old: Any, words: int) -> Any:
+    """The indices (within the chunk) of the elements in which ``fresh`` and ``old`` differ."""
     import numpy
 
-    lanes = 8 // fresh.itemsize if words == 1 else 0  # elements per 8-byte word
-    whole = fresh.size // lanes * lanes if sparse and lanes > 1 else 0
-    if whole:
-        fresh_rows, old_rows = fresh[:whole].reshape(-1, lanes), old[:whole].reshape(-1, lanes)
-        moved = numpy.not_equal(fresh[:whole].view(numpy.int64), old[:whole].view(numpy.int64),
-                                out=_scratch.mask(whole // lanes))
-        at = numpy.flatnonzero(moved)
-        inside = numpy.flatnonzero(fresh_rows[at] != old_rows[at])
-        shift = lanes.bit_length() - 1  # lanes is 2, 4 or 8
-        where = (at[inside >> shift] << shift) | (inside & (lanes - 1))
-        if whole == fresh.size:
-            return where
-        return numpy.concatenate([where, numpy.flatnonzero(fresh[whole:] != old[whole:]) + whole])
     moved = numpy.not_equal(fresh, old, out=_scratch.mask(fresh.size))  # the bits compared as integers
     # nonzero() of booleans: ten times faster than of the integers (a XOR) themselves
     return numpy.flatnonzero(moved if words == 1 else moved.reshape(-1, words).any(axis=1))
@@ -479,8 +442,7 @@ def _walk_rest(new_bits: Any, base_bits: Any, start: int, step: int, words: int,
     return changed, _hex(hasher.intdigest(), base_bits.nbytes)
 
 
-def _gather_chunk(fresh: Any, old: Any, start: int, words: int, found: list[tuple[Any, Any]], counts: Any,
-                  sparse: bool = False) -> int:
+def _gather_chunk(fresh: Any, old: Any, start: int, words: int, found: list[tuple[Any, Any]], counts: Any) -> int:
     """Append a chunk's changes (new values, uint16 positions within their blocks) to ``found`` and add them to the
     per-block ``counts``; ``start`` is the chunk's first integer. Returns how many elements changed."""
     import numpy
@@ -492,7 +454,7 @@ def _gather_chunk(fresh: Any, old: Any, start: int, words: int, found: list[tupl
         if here:
             found.append((values[:here].copy(), lows[:here].copy()))
         return here
-    where = _changed_where(fresh, old, words, sparse)
+    where = _changed_where(fresh, old, words)
     if where.size:
         at = where + start // words
         found.append((_rows(fresh, words)[where], at.astype(numpy.uint16)))
@@ -518,38 +480,15 @@ def _write_positions(payload: torch.Tensor, target: TensorEntry, changed: int, c
         pass
 
 
-def _gather_rest(name: str, payload: torch.Tensor, target: TensorEntry, changed: int, value: str, new_bits: Any,
-                 base_bits: Any, words: int, step: int) -> tuple[int, str]:
-    """A deferred ``positions`` tensor's second walk, run as the round is sent: gather its changes into ``payload``
-    and the base. Its changes were counted (``changed``) and its new value hashed (``value``) before the round;
-    a tensor changed since fails the round (the worker's digest check would, if the count held)."""
-    import numpy
-
-    found: list[tuple[Any, Any]] = []
-    counts = numpy.zeros(position_blocks(target), dtype=numpy.uint32)
-    gathered, sparse = 0, changed < FEW_CHANGED * target.numel
-    walk = step * FEW_CHANGED_STEP if sparse else step
-    for start in range(0, new_bits.size, walk):
-        gathered += _gather_chunk(new_bits[start : start + walk], base_bits[start : start + walk], start, words,
-                                  found, counts, sparse)
-    if gathered != changed:
-        raise TransferError(f"delta round: {name!r} changed while the round was being sent ({changed} elements "
-                            f"differed from the base when encoded, {gathered} now); send rounds between training "
-                            f"steps, not during them")
-    _write_positions(payload, target, changed, counts, found, base_bits, words, step)
-    return 0, value
-
-
 def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str | None, known: str | None,
                 defer: bool, room: Any, choices: _Choices = _Choices()) -> _Encoded:
-    """Encode one tensor against its base (on a helper thread); the base takes the new value now or, with
-    ``defer``, as the round is sent. A first walk only reads: it counts changed elements per chunk and hashes old
-    bytes (which must match ``known``) and new; not deferred, it also gathers positions and values while they may fit
-    ``positions``. Unchanged, the tensor stays out; few changes: ``positions``, gathered (deferred: by a second walk as
-    the round is sent, so the first byte waits only for the count) and decoded into the base; more, where XOR pays
-    (``choices``): a second walk compresses the XOR while updating the base; otherwise (no base, a glance or chunk
-    over :data:`CHANGED_TO_TRY`, a XOR over :data:`SPARSE_AT_MOST`): whole. ``room(name, size)`` lends a
-    ``positions`` payload buffer."""
+    """Encode one tensor against its base (on a helper thread); the base takes the new value now or, for a tensor
+    sent whole with ``defer``, as the round is sent. A first walk only reads: it counts changed elements per chunk,
+    hashes old bytes (which must match ``known``) and new, and gathers positions and values while they may fit
+    ``positions``. Unchanged, the tensor stays out; few changes: ``positions``, decoded into the base at once; more,
+    where XOR pays (``choices``): a second walk compresses the XOR while updating the base; otherwise (no base, a
+    glance or chunk over :data:`CHANGED_TO_TRY`, a XOR over :data:`SPARSE_AT_MOST`): whole. ``room(name, size)``
+    lends a ``positions`` payload buffer."""
     import functools
 
     import numpy
@@ -580,15 +519,14 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
     was, now = xxhash.xxh3_64(), xxhash.xxh3_64()
     most = choices.positions_at_most * target.nbytes  # the largest positions payload this tensor may take
     # (values, positions) per chunk and changes per block, while the changes still fit a positions payload
-    # (deferred: gathered later, by _gather_rest)
-    found: list[tuple[Any, Any]] | None = [] if not defer and positions_payload_bytes(target, 1) <= most else None
+    found: list[tuple[Any, Any]] | None = [] if positions_payload_bytes(target, 1) <= most else None
     counts = numpy.zeros(position_blocks(target), dtype=numpy.uint32) if found is not None else None
     too_many = CHANGED_TO_TRY * (min(step, new_bits.size) // words)  # of a whole chunk, even for a short last one
     for start in range(0, new_bits.size, step):  # the first walk reads only
         fresh, old = new_bits[start : start + step], base_bits[start : start + step]
         if found is None:
             here = _changed_elements(fresh, old, words)
-        else:  # also gather the positions and values: positions needs no second walk
+        else:  # also gather the positions and values: positions needs no second walk of the model
             here = _gather_chunk(fresh, old, start, words, found, counts)
             if positions_payload_bytes(target, changed + here) > most:
                 found = None  # too many for positions: only count from here on
@@ -603,17 +541,11 @@ def _encode_one(name: str, new: torch.Tensor, base: torch.Tensor, against: str |
     if _hex(was.intdigest(), target.nbytes) != known:  # changed behind the encoder's back:
         logger.warning("delta: the trainer's base of %r is not what the workers were sent; it goes whole", name)
         return whole(changed)  # a payload against it would rebuild something else
-    size = positions_payload_bytes(target, changed)
-    if size <= most and (found is not None or defer):
-        payload = room(name, size)
-        wire = TensorEntry(name, "uint8", (payload.numel(),))
-        row = DeltaTensor(target, POSITIONS, value, known)
-        if found is None:  # deferred: gathered as the round is sent (its digest recorded once the base holds it)
-            rest = functools.partial(_gather_rest, name, payload, target, changed, value, new_bits, base_bits, words,
-                                     step)
-            return _Encoded(wire, payload, row, changed, None, rest)
+    if found is not None:  # every change gathered, and they fit positions
+        payload = room(name, positions_payload_bytes(target, changed))
         _write_positions(payload, target, changed, counts, found, base_bits, words, step)
-        return _Encoded(wire, payload, row, changed, value)
+        wire = TensorEntry(name, "uint8", (payload.numel(),))
+        return _Encoded(wire, payload, DeltaTensor(target, POSITIONS, value, known), changed, value)
     if not choices.try_xor:  # compressing would cost more than sending it whole
         return whole(changed)
     limit = SPARSE_AT_MOST * target.nbytes

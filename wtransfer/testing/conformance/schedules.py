@@ -221,8 +221,8 @@ class ScheduleRun:
                 tensor.add_(torch.randn_like(tensor) * 0.01 * ((where < 0.015) if few else 1))
         tensors = {name: self.truth.get_parameter(name).detach() for name in carried}
         die_after = self.rng.randrange(len(carried)) if event == "trainer_dies" else None
-        # a source that keeps its tensors, unless it is to fail part-way: a delta round then gathers its
-        # positions tensors as it is sent, as it does for a trainer's module
+        # a source that keeps its tensors, unless it is to fail part-way: a delta round then leaves the
+        # tensors it sends whole pending (copied into its base as it is sent), as it does for a trainer's module
         self.trainer.source = RoundSource(tensors, die_after) if die_after is not None else TensorSource(tensors)
         version = max(self.trainer.weight_version, self.trainer._version_floor) + 1
         self.sent[version] = (len(carried) < len(names), _digests(tensors))
