@@ -11,7 +11,6 @@ from wtransfer.engines.rounds.delta import (
     _patched_spans,
     _pool,
     _positions_parts,
-    _rows,
     _scratch,
     _words,
     digest,
