@@ -86,13 +86,17 @@ from wtransfer.engines.shm import SharedMemoryWeightTransferEngine
 
 
 class DropsNorm:
-    """Forwards a loader (its manifest check and in-place destinations too) but never loads 'norm'."""
+    """Forwards a loader (its manifest check and in-place destinations too) but never loads 'norm', whether it
+    comes to the call or to its destination."""
 
     def __init__(self, inner):
         self._inner = inner
 
     def __call__(self, weights):
         self._inner([(name, tensor) for name, tensor in weights if name != "norm"])
+
+    def destination(self, name):
+        return None if name == "norm" else self._inner.destination(name)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)

@@ -383,16 +383,16 @@ def digest_of(tensor: torch.Tensor) -> str:
 
 
 def _compiled_or_numpy(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> set[str]:
-    """Delta rounds on the compiled helpers (``_gather.c``), which must then be built, or on the numpy path (none
+    """Delta rounds on the compiled helpers (``_kernels.c``), which must then be built, or on the numpy path (none
     to call); the names of the compiled helpers called, filled in as the test runs."""
-    import wtransfer.engines.rounds.delta as delta_module
+    import wtransfer.engines.rounds.kernels as kernels
 
     calls: set[str] = set()
     if not compiled:
-        monkeypatch.setattr(delta_module, "_COMPILED", None)
+        monkeypatch.setattr(kernels, "_COMPILED", None)
         return calls
-    kernel = delta_module.compiled()
-    assert kernel is not None, "wtransfer/engines/rounds/_gather.c was not built (no C compiler at install?)"
+    kernel = kernels.compiled()
+    assert kernel is not None, "wtransfer/engines/rounds/_kernels.c was not built (no C compiler at install?)"
 
     class Spy:
         def __getattr__(self, name: str) -> Any:
@@ -402,7 +402,7 @@ def _compiled_or_numpy(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> set[s
                 calls.add(name)
                 return function(*args)
             return called
-    monkeypatch.setattr(delta_module, "_COMPILED", Spy())
+    monkeypatch.setattr(kernels, "_COMPILED", Spy())
     return calls
 
 
@@ -532,7 +532,7 @@ def test_every_dtype_round_trips_bit_exactly_through_short_unaligned_chunks(
     worker's model untouched) and is followed by a full round. From a mapping (its tensors
     kept: the work of tensors sent whole is left pending and done as the round is read) and from a
     one-shot iterator (every tensor encoded before the round). Changes are gathered and placed by
-    the compiled one-pass code (``_gather.c``) on both sides, or by the numpy path taken where that
+    the compiled one-pass code (``_kernels.c``) on both sides, or by the numpy path taken where that
     was not built; chunk edges fall inside 8-byte words."""
     import zstandard
 

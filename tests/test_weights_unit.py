@@ -274,6 +274,40 @@ def test_a_parameter_written_in_pieces_is_refused_by_a_graph_that_saved_its_old_
         loss.backward()
 
 
+def test_every_tensor_a_loader_names_a_destination_for_is_copied_there_whole_or_in_pieces() -> None:
+    """A loader with ``destination(name)`` gets each tensor it names written straight into that tensor, whole ones
+    as well as split ones (copied past the caches from 64 KiB on, by the compiled helper where it was built); only
+    the others reach its call. Catches a whole tensor written to the wrong place or not counted (``finish`` checks
+    that every tensor arrived), one handed to the call as well, and one written without autograd hearing of it."""
+    tensors = {
+        "tiny": _random((100,), "float32", 1),  # whole, under 64 KiB: a plain copy
+        "mid": _random((256, 256), "float32", 2),  # 256 KiB, whole in a 1 MiB bucket: copied past the caches
+        "mid_bf16": _random((300, 333), "bfloat16", 3),  # whole, at an offset no multiple of 16
+        "big": _random((700, 1000), "float32", 4),  # 2.8 MB: split over three buckets
+        "other": _random((128, 200), "float16", 5),  # no destination: through the call
+    }
+    targets = {name: torch.nn.Parameter(torch.zeros_like(t)) for name, t in tensors.items()}
+    called: list[str] = []
+
+    class Loader:
+        def destination(self, name: str) -> torch.Tensor | None:
+            return None if name == "other" else targets[name]
+
+        def __call__(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+            with torch.no_grad():
+                for name, tensor in batch:
+                    called.append(name)
+                    targets[name].copy_(tensor)
+
+    loss = (targets["mid"] ** 2).sum()  # saves the old weight for its gradient
+    _transfer(tensors, Loader(), bucket_bytes=1 << 20)
+    wrong = [name for name, t in tensors.items() if not _same_bits(targets[name].detach(), t)]
+    assert not wrong, f"differ from what was sent: {wrong}"
+    assert called == ["other"]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_control_words_and_json_frames_arrive_whole_and_in_order_however_the_bytes_are_cut() -> None:
     """Per-bucket messages travel as binary words (``send_word``), the rest as JSON: a receiver reading the stream
     in any cut (here one byte at a time) gets every message, as sent, in order."""

@@ -2,7 +2,8 @@
 
 Two processes share a ring of ``num_buffers`` buffers of ``bucket_bytes`` (a memfd, mapped and faulted in as the
 engine maps its own). The bench's process copies the model's bytes into it bucket by bucket, in the engine's own
-bucket plan; a helper process copies each bucket out into its own copy of the model. An 8-byte word over a socket
+bucket plan; a helper process copies each bucket out into its own copy of the model, past the caches as the engine's
+worker does (:func:`~wtransfer.engines.rounds.kernels.copy_out`). An 8-byte word over a socket
 says "bucket k is in its buffer", another "that buffer is free". Nothing else runs: no manifest, no labels, no
 checks. The engine's ratio to this peer is what wtransfer's own work costs a streamed round; this peer's ratio to
 memcpy is what the machine allows a design that copies twice through a ring.
@@ -51,6 +52,8 @@ def _helper(connection: Any, sizes: list[int], bucket_bytes: int, num_buffers: i
     """The helper process: copy every bucket out of the ring, free its buffer; until the bench closes the socket."""
     import numpy
 
+    from wtransfer.engines.rounds.kernels import copy_out
+
     channel = socket.socket(fileno=os.dup(connection.fileno()))
     connection.close()
     channel.settimeout(timeout_s)  # set-up only: between rounds it waits for as long as the bench runs other rows
@@ -64,7 +67,7 @@ def _helper(connection: Any, sizes: list[int], bucket_bytes: int, num_buffers: i
         (index,) = _WORD.unpack(word)
         slot = slots[index % num_buffers]
         for tensor, start, offset, length in plan[index]:
-            numpy.copyto(models[tensor][start : start + length], slot[offset : offset + length])
+            copy_out(models[tensor][start : start + length], slot[offset : offset + length])
         channel.sendall(word)
 
 

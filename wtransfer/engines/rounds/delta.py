@@ -34,6 +34,7 @@ from wtransfer.engines.rounds.manifest import (
     positions_header_bytes,
     tensor_bytes,
 )
+from wtransfer.engines.rounds.kernels import compiled
 from wtransfer.engines.rounds.packing import thread_pool
 
 if TYPE_CHECKING:
@@ -116,22 +117,6 @@ def _patched_spans(value_bits: Any, base_bits: Any, words: int, numel: int, coun
                 starts = numpy.arange(first * POSITION_BLOCK - begin, last * POSITION_BLOCK - begin, POSITION_BLOCK)
                 out[numpy.repeat(starts, counts[first:last]) + lows[lo:hi]] = values[lo:hi]
         yield out
-
-
-def compiled() -> Any:
-    """The compiled helpers of delta rounds (``_gather.c``: one-pass gathering and patching), or None where the C
-    extension was not built (installed without a C compiler): both sides then take the numpy path."""
-    global _COMPILED
-    if _COMPILED is False:
-        try:
-            from wtransfer.engines.rounds import _gather as kernel
-        except ImportError:
-            kernel = None
-        _COMPILED = kernel
-    return _COMPILED
-
-
-_COMPILED: Any = False
 
 
 class _Scratch(threading.local):

@@ -19,8 +19,8 @@ from wtransfer.engines.rounds.delta import (
     _rows,
     _scratch,
     _words,
-    compiled,
 )
+from wtransfer.engines.rounds.kernels import compiled
 from wtransfer.engines.rounds.manifest import (
     resolved,
     DENSE,

@@ -1,5 +1,5 @@
-"""The compiled helpers of delta rounds (``wtransfer/engines/rounds/_gather.c``) against what numpy computes,
-element for element: the trainer's one-pass gathering and the worker's one-pass patching."""
+"""The compiled helpers (``wtransfer/engines/rounds/_kernels.c``) against what numpy computes, element for element:
+a delta round's one-pass gathering (trainer) and patching (worker), and the copies past the caches."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 numpy = pytest.importorskip("numpy")
 
-from wtransfer.engines.rounds.delta import compiled  # noqa: E402
+from wtransfer.engines.rounds.kernels import compiled  # noqa: E402
 from wtransfer.engines.rounds.manifest import POSITION_BLOCK  # noqa: E402
 
 DTYPES = ["uint8", "int16", "int32", "int64"]  # the integer views of 1-, 2-, 4- and 8-byte elements
@@ -19,8 +19,8 @@ N = 3 * POSITION_BLOCK + 13  # a short last block, and a tail shorter than 8 byt
 @pytest.fixture
 def kernel() -> Any:
     built = compiled()
-    assert built is not None, ("wtransfer/engines/rounds/_gather.c was not built (no C compiler at install?): "
-                               "delta rounds fall back to numpy; reinstall with `pip install -e .` where gcc runs")
+    assert built is not None, ("wtransfer/engines/rounds/_kernels.c was not built (no C compiler at install?): "
+                               "its callers fall back to numpy; reinstall with `pip install -e .` where gcc runs")
     return built
 
 
@@ -105,3 +105,22 @@ def test_place_refuses_a_position_past_its_block_and_sizes_that_do_not_fit(kerne
         kernel.gather(base, value, numpy.empty(4, numpy.int16), numpy.empty(4, numpy.uint16), counts, 2, 0)
     with pytest.raises(ValueError, match="against"):
         kernel.gather(base, value[:-1], numpy.empty_like(base), numpy.empty(base.size, numpy.uint16), counts, 2, 0)
+
+
+@pytest.mark.parametrize("size", [0, 1, 15, 16, 63, 64, 65, 4095, 1 << 20, (1 << 20) + 37])
+def test_stream_copy_copies_every_byte_and_nothing_beside(kernel: Any, size: int) -> None:
+    """Every alignment of the destination against the 16-byte stores (an unaligned head, whole 64-byte strides, a
+    tail), and sources at odd offsets: exactly the bytes asked for change."""
+    rng = numpy.random.default_rng(size)
+    source = rng.integers(0, 256, size + 64, dtype=numpy.uint8)
+    for at in (0, 1, 7, 15, 16, 33):
+        into = numpy.full(size + 64, 0xA5, dtype=numpy.uint8)
+        kernel.stream_copy(into[at : at + size], source[3 : 3 + size])
+        numpy.testing.assert_array_equal(into[at : at + size], source[3 : 3 + size])
+        assert (into[:at] == 0xA5).all() and (into[at + size :] == 0xA5).all(), f"bytes outside the copy changed at {at}"
+    with pytest.raises(ValueError, match="bytes into"):
+        kernel.stream_copy(numpy.empty(8, numpy.uint8), source[:9])
+    read_only = numpy.zeros(8, dtype=numpy.uint8)
+    read_only.flags.writeable = False
+    with pytest.raises(TypeError, match="read-write"):
+        kernel.stream_copy(read_only, source[:8])
