@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -274,24 +275,48 @@ def test_a_parameter_written_in_pieces_is_refused_by_a_graph_that_saved_its_old_
         loss.backward()
 
 
-def test_every_tensor_a_loader_names_a_destination_for_is_copied_there_whole_or_in_pieces() -> None:
+def test_every_tensor_a_loader_names_a_destination_for_is_copied_there_whole_or_in_pieces(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A loader with ``destination(name)`` gets each tensor it names written straight into that tensor, whole ones
     as well as split ones (copied past the caches from 64 KiB on, by the compiled helper where it was built); only
-    the others reach its call. Catches a whole tensor written to the wrong place or not counted (``finish`` checks
-    that every tensor arrived), one handed to the call as well, and one written without autograd hearing of it."""
+    the others reach its call, a destination of another dtype among them. Catches a whole tensor written to the
+    wrong place or not counted (``finish`` checks that every tensor arrived), one handed to the call as well, the
+    streamed copy not taken, and a write autograd does not hear of, for a frozen parameter too."""
+    import wtransfer.engines.rounds.kernels as kernels
+
+    kernel = kernels.compiled()
+    assert kernel is not None, "wtransfer/engines/rounds/_kernels.c was not built (no C compiler at install?)"
+    streamed: list[int] = []
+
+    class Spy:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(kernel, name)
+
+        def stream_copy(self, dst: Any, src: Any) -> None:
+            streamed.append(dst.nbytes)
+            kernel.stream_copy(dst, src)
+
+    monkeypatch.setattr(kernels, "_COMPILED", Spy())
     tensors = {
         "tiny": _random((100,), "float32", 1),  # whole, under 64 KiB: a plain copy
         "mid": _random((256, 256), "float32", 2),  # 256 KiB, whole in a 1 MiB bucket: copied past the caches
-        "mid_bf16": _random((300, 333), "bfloat16", 3),  # whole, at an offset no multiple of 16
+        "mid_bf16": _random((300, 333), "bfloat16", 3),  # whole, into a destination 2 bytes past a 16-byte line
         "big": _random((700, 1000), "float32", 4),  # 2.8 MB: split over three buckets
-        "other": _random((128, 200), "float16", 5),  # no destination: through the call
+        "frozen": _random((128, 200), "float32", 5),  # a parameter that does not require grad
+        "cast": _random((64, 64), "float32", 6),  # its destination is float64: through the call
+        "other": _random((128, 200), "float16", 7),  # no destination: through the call
     }
-    targets = {name: torch.nn.Parameter(torch.zeros_like(t)) for name, t in tensors.items()}
+    targets = {name: torch.nn.Parameter(torch.zeros_like(t), requires_grad=name != "frozen")
+               for name, t in tensors.items()}
+    shifted = torch.zeros(300 * 333 + 1, dtype=torch.bfloat16)[1:].view(300, 333)
+    assert shifted.data_ptr() % 16 == 2
+    targets["mid_bf16"] = torch.nn.Parameter(shifted)
+    wide = torch.zeros(64, 64, dtype=torch.float64)
     called: list[str] = []
 
     class Loader:
         def destination(self, name: str) -> torch.Tensor | None:
-            return None if name == "other" else targets[name]
+            return None if name == "other" else wide if name == "cast" else targets[name]
 
         def __call__(self, batch: list[tuple[str, torch.Tensor]]) -> None:
             with torch.no_grad():
@@ -300,12 +325,16 @@ def test_every_tensor_a_loader_names_a_destination_for_is_copied_there_whole_or_
                     targets[name].copy_(tensor)
 
     loss = (targets["mid"] ** 2).sum()  # saves the old weight for its gradient
+    x = torch.ones(128, 200, requires_grad=True)
+    frozen_loss = (x * targets["frozen"]).sum()  # saves the frozen weight for x's gradient
     _transfer(tensors, Loader(), bucket_bytes=1 << 20)
     wrong = [name for name, t in tensors.items() if not _same_bits(targets[name].detach(), t)]
     assert not wrong, f"differ from what was sent: {wrong}"
-    assert called == ["other"]
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        loss.backward()
+    assert sorted(called) == ["cast", "other"]
+    assert len(streamed) >= 4 and min(streamed) >= kernels.STREAM_AT_LEAST, streamed  # mid, mid_bf16, big's pieces
+    for saved in (loss, frozen_loss):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            saved.backward()
 
 
 def test_control_words_and_json_frames_arrive_whole_and_in_order_however_the_bytes_are_cut() -> None:

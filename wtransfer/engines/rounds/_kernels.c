@@ -236,4 +236,16 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__kernels(void) {
+    PyObject *m = PyModule_Create(&module);
+#if defined(__SSE2__)
+    int streams = 1;
+#else
+    int streams = 0;
+#endif
+    if (m != NULL && PyModule_AddIntConstant(m, "streams", streams) < 0) { /* whether stream_copy streams */
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -58,7 +58,7 @@ def align(value: int) -> int:
 
 _last_plans: dict[tuple[int, int | None], tuple[tuple[TensorEntry, ...], tuple[Bucket, ...]]] = {}
 """Per geometry, the last entries planned and their plan: every round of a trainer (and of its workers) plans the
-same tensors again, and comparing them costs a twentieth of planning them (3.7 ms for a 290-tensor model)."""
+same tensors again, and comparing them took 0.3 ms where planning them took 3.7 ms (290 tensors, 2-core AMD EPYC)."""
 
 
 def plan_buckets(
@@ -139,8 +139,7 @@ def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
     import numpy
 
     numpy.copyto(*views)
-    if dst.requires_grad:
-        note_written(dst)
+    note_written(dst)
 
 
 def host_bytes(tensor: torch.Tensor) -> Any:
@@ -217,13 +216,12 @@ class ParallelCopier:
             self._held += size
             while self._limit is not None and self._held > self._limit:
                 self._wait_oldest()
-        if dst.requires_grad:
-            note_written(dst)
+        note_written(dst)
 
     def _wait_oldest(self) -> None:
         job, size = self._jobs.popleft()
         self._held -= size
-        job.result()  # numpy releases the GIL while it copies
+        job.result()  # a copy releases the GIL while it runs (numpy's, and stream_copy)
 
     def finish(self) -> None:
         """Wait for every copy (none still writes once this returns or raises); the first error raises."""
@@ -249,7 +247,7 @@ def copy_parallel(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 def note_written(tensor: torch.Tensor) -> None:
     """Bump autograd's version counter after a write through numpy, as ``copy_`` would, so a graph that
-    saved the old values refuses them (inference tensors have none)."""
+    saved the old values refuses them: parameters, frozen ones and buffers alike (inference tensors have none)."""
     import torch
 
     bump = getattr(torch.autograd.graph, "increment_version", None)
@@ -442,7 +440,7 @@ class _Split:
     into: torch.Tensor
     """Its bytes (uint8): the loader's destination, written in place, or a temporary handed to the loader whole."""
     raw: Any
-    """``into`` as numpy when on the host (one plain memcpy per chunk), else None."""
+    """``into`` as numpy when on the host (one copy per chunk, past the caches: :func:`copy_out`), else None."""
     in_place: bool
     """``into`` is the loader's destination: nothing is left to hand over."""
 
@@ -450,11 +448,12 @@ class _Split:
 class Unpacker:
     """Worker side: turns received buckets back into tensors and hands them to ``load_weights``.
 
-    A tensor the loader names a host destination for (``load_weights.destination(name)``, contiguous) is copied
-    straight into it, whole or piece by piece, past the caches (:func:`copy_out`): nothing is read back soon. The
-    others go to ``load_weights``: whole ones as views of the bucket (valid during the call only), split ones
-    assembled in a temporary. For a loader that ``discards`` (an atomic round's follower) nothing is assembled;
-    arrivals are only counted.
+    A tensor the loader names a destination for (``load_weights.destination(name)``: contiguous, of the tensor's dtype
+    and shape) is written straight into it and never reaches ``load_weights``: a split one piece by piece (on any
+    device), a whole one when the destination is on the host. Host copies go past the caches (:func:`copy_out`):
+    nothing reads them back soon. The others go to ``load_weights``: whole ones as views of the bucket (valid during
+    the call only), split ones assembled in a temporary. For a loader that ``discards`` (an atomic round's follower)
+    nothing is assembled; arrivals are only counted.
     """
 
     def __init__(self, manifest: Manifest, load_weights: LoadWeights, digests: RoundDigests | None = None) -> None:
@@ -551,8 +550,7 @@ class Unpacker:
         into = host_bytes(target) if target is not None else None
         if into is None:
             return False
-        if target.requires_grad:  # written through numpy: autograd hears it as after copy_
-            note_written(target)
+        note_written(target)  # written through numpy: autograd hears it as after copy_
         copy_out(into, raw[piece.offset : piece.offset + piece.length])
         self.delivered += 1
         return True
@@ -564,8 +562,7 @@ class Unpacker:
         if piece.start == 0:
             target = self._in_place(entry)
             if target is not None:
-                if target.requires_grad:  # written through numpy from now on: autograd hears it as after copy_
-                    note_written(target)
+                note_written(target)  # written through numpy from now on: autograd hears it as after copy_
                 into = tensor_bytes(target)
             else:
                 import torch

@@ -69,7 +69,8 @@ class ModuleLoader:
         return all(id(t) in written for t in needed)
 
     def destination(self, name: str) -> torch.Tensor | None:
-        """The tensor ``name`` is written into, so engines can fill split tensors in place."""
+        """The tensor ``name`` is written into: engines copy every tensor they can straight there (whole ones from a
+        host buffer, split ones piece by piece), and call the loader with the rest."""
         return self._targets.get(name)
 
     def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
