@@ -12,7 +12,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__SSE2__)
+#if defined(__SSE2__) || defined(_M_X64)
 #include <emmintrin.h>
 #endif
 
@@ -179,7 +179,7 @@ static PyObject *place(PyObject *self, PyObject *args) {
    to memory not in cache first reads the line it lands in; a non-temporal store does not, so a copy into memory that
    is not read again soon (a model, a staged copy) moves two thirds of the bytes a plain memcpy moves. */
 static void copy_streaming(char *dst, const char *src, Py_ssize_t n) {
-#if defined(__SSE2__)
+#if defined(__SSE2__) || defined(_M_X64)
     Py_ssize_t head = (Py_ssize_t)((16 - ((uintptr_t)dst & 15)) & 15), i = 0;
     if (head > n) head = n;
     memcpy(dst, src, (size_t)head);
@@ -238,7 +238,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1,
 
 PyMODINIT_FUNC PyInit__kernels(void) {
     PyObject *m = PyModule_Create(&module);
-#if defined(__SSE2__)
+#if defined(__SSE2__) || defined(_M_X64)
     int streams = 1;
 #else
     int streams = 0;
