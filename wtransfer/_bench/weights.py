@@ -171,10 +171,11 @@ def _slowest_phases(workers: list[dict[str, float]]) -> dict[str, float]:
     return {name: max(w.get(name, 0.0) for w in workers) for name in {n for w in workers for n in w}}
 
 
-def _best_copies(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], None]]:
-    """Resident destinations for ``tensors`` (allocated and touched here, before any engine runs, so they never count
-    in an engine's peak RSS), and a copy of every tensor into them done as well as this machine can: into memory
-    nothing reads back soon, past the caches (``copy_out``), as wtransfer's own copies into a model are made."""
+def _best_copies(tensors: list[torch.Tensor], sets: int) -> tuple[list[list[Any]], Callable[[list[Any]], None]]:
+    """``sets`` sets of resident destinations for ``tensors`` as byte views (allocated and touched here, before any
+    engine runs, so they never count in an engine's peak RSS), and a copy of every tensor into one set done as well
+    as this machine can: into memory nothing reads back soon, past the caches (``copy_out``), as wtransfer's own
+    copies into a model are made. The views are made once, outside the timed copies."""
     from wtransfer.engines.rounds.kernels import copy_out
     from wtransfer.engines.rounds.packing import host_bytes
 
@@ -182,16 +183,16 @@ def _best_copies(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Calla
     if any(source is None for source in sources):
         raise ValueError("the copy peers copy contiguous CPU tensors only")
 
-    def copy_all(into: list[torch.Tensor]) -> None:
+    def copy_all(into: list[Any]) -> None:
         for dst, src in zip(into, sources):
-            copy_out(host_bytes(dst), src)
+            copy_out(dst, src)
 
-    return [t.clone() for t in tensors], copy_all
+    return [[host_bytes(t.clone()) for t in tensors] for _ in range(sets)], copy_all
 
 
 def memcpy_reference(tensors: list[torch.Tensor]) -> Callable[[], float]:
     """A callable measuring GB/s of one copy of every tensor into resident memory, at its best (:func:`_best_copies`)."""
-    destinations, copy_all = _best_copies(tensors)
+    (destinations,), copy_all = _best_copies(tensors, 1)
     total = sum(t.numel() * t.element_size() for t in tensors)
 
     def measure() -> float:
@@ -212,8 +213,7 @@ def two_copies_reference(tensors: list[torch.Tensor]) -> Callable[[], float]:
     destinations, at its best (:func:`_best_copies`), timed until both are done."""
     import threading
 
-    first, copy_all = _best_copies(tensors)
-    destinations = (first, [t.clone() for t in tensors])
+    destinations, copy_all = _best_copies(tensors, 2)
     total = sum(t.numel() * t.element_size() for t in tensors)
 
     def measure() -> float:
